@@ -1,0 +1,3 @@
+from dpsgd_cli.cli import main
+
+main()

@@ -1,0 +1,66 @@
+"""The algorithm interface: a resolved setting in, trained parameters for every replica out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Optional
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+from dpsgd_cli.algorithms.streams import ReplicaStreams
+from dpsgd_cli.models import Model
+
+
+class NoParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """The resolved values of one grid cell (None where the algorithm does not use an axis)."""
+
+    n: int
+    d: int
+    delta: float
+    l2: float
+    epsilon: Optional[float] = None
+    batch_size: Optional[int] = None
+    lr: Optional[float] = None
+    epochs: Optional[float] = None
+    clip_norm: Optional[float] = None
+
+    @property
+    def sample_rate(self) -> float:
+        return self.batch_size / self.n
+
+    @property
+    def steps(self) -> int:
+        """T = epochs · n / B, at least one step."""
+        return max(1, round(self.epochs * self.n / self.batch_size))
+
+
+@dataclass
+class Outcome:
+    """Trained parameters (R, P), the values the algorithm derived (σ, achieved ε, ...) and its guarantee."""
+
+    theta: np.ndarray
+    derived: dict[str, Any] = field(default_factory=dict)
+    guarantee: str = "proved"
+
+
+class Algorithm:
+    """Base class. `uses` names the grid axes the algorithm reads; the others are left out of its cells."""
+
+    name: ClassVar[str]
+    private: ClassVar[bool]
+    uses: ClassVar[frozenset[str]]
+    Params: ClassVar[type[BaseModel]] = NoParams
+    source: ClassVar[str] = ""
+
+    def __init__(self, params: Optional[dict[str, Any]] = None):
+        self.params = self.Params(**(params or {}))
+
+    def fit(self, setting: Setting, model: Model, X: np.ndarray, y: np.ndarray,
+            streams: ReplicaStreams) -> Outcome:
+        raise NotImplementedError

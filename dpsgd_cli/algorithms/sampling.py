@@ -1,0 +1,53 @@
+"""Mini-batch samplers yielding one padded `Batch` per step for all replicas."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator
+
+import numpy as np
+
+from dpsgd_cli.algorithms.streams import BLOCK_STEPS, ReplicaStreams
+from dpsgd_cli.models import Batch
+
+
+def poisson_indices(g: np.random.Generator, n: int, q: float, steps: int, width: int) -> np.ndarray:
+    """Poisson subsampling (each example kept with probability q) for `steps` steps: (steps, M) indices, −1 = none.
+
+    The gaps between kept indices of a Bernoulli(q) sequence are Geometric(q), so drawing `width` gaps and
+    keeping the indices below n samples exactly; a row that has not passed n yet is extended with more gaps.
+    """
+    idx = np.cumsum(g.geometric(q, size=(steps, width)), axis=1) - 1
+    short = np.flatnonzero(idx[:, -1] < n)
+    if short.size:  # rare: more than `width` examples drawn; continue those gap sequences exactly
+        rows = [list(idx[k]) for k in range(steps)]
+        for k in short:
+            while rows[k][-1] < n:
+                rows[k].append(rows[k][-1] + int(g.geometric(q)))
+        width = max(len(r) for r in rows)
+        idx = np.array([r + [n] * (width - len(r)) for r in rows])
+    return np.where(idx < n, idx, -1)
+
+
+def poisson_batches(X: np.ndarray, y: np.ndarray, q: float, streams: ReplicaStreams,
+                    width: int | None = None) -> Iterator[Batch]:
+    """Poisson-sampled batches (Abadi et al. 2016) of expected size qn, forever (the chain stops after T steps)."""
+    n = X.shape[0]
+    if width is None:  # a width the Binomial(n, q) batch size exceeds with probability < 1e-20
+        mean = n * q
+        width = min(n, math.ceil(mean + 10 * math.sqrt(mean * (1 - q)) + 10))
+    x_norm = np.linalg.norm(X, axis=1)
+    gens = streams.generators("sampling")
+    while True:
+        draws = [poisson_indices(g, n, q, BLOCK_STEPS, width) for g in gens]
+        m = max(a.shape[1] for a in draws)
+        block = np.stack([np.pad(a, ((0, 0), (0, m - a.shape[1])), constant_values=-1) for a in draws], axis=1)
+        for idx in block:  # (R, M); kept indices come first in each row, so trim the common padding
+            yield gather(X, y, x_norm, idx[:, : max(1, int((idx >= 0).sum(axis=1).max()))])
+
+
+def gather(X: np.ndarray, y: np.ndarray, x_norm: np.ndarray, idx: np.ndarray) -> Batch:
+    """Batch of rows `idx` (R, M) with −1 marking padding."""
+    valid = idx >= 0
+    safe = np.where(valid, idx, 0)
+    return Batch(X=X[safe], y=y[safe], weight=valid.astype(X.dtype), x_norm=x_norm[safe] * valid)

@@ -1,0 +1,60 @@
+"""What a grid says about a dataset (`DatasetSpec`) and what loading it yields (`Dataset`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+DatasetName = Literal["adult", "bank", "kddcup99", "mnist", "synthetic"]
+
+
+class DatasetSpec(BaseModel):
+    """A dataset and its preprocessing, as written in a grid (`{name: kddcup99, subsample: 70000}`).
+
+    Fields left at None take the dataset's own default (see `dpsgd datasets info NAME`).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: DatasetName
+    subsample: Optional[int] = Field(None, gt=0, description="keep this many records (seeded) before splitting")
+    positive_digit: Optional[int] = Field(None, ge=0, le=9, description="MNIST one-vs-all: the positive class")
+    one_hot: bool = Field(True, description="one-hot encode categorical columns")
+    standardize: bool = Field(True, description="standardise numeric columns (train statistics)")
+    projection: Optional[int] = Field(None, gt=0, description="Gaussian random projection to k dimensions")
+    unit_ball: Literal["row", "max", "none"] = Field(
+        "row", description="row: x/max(1,|x|) per row; max: divide by the largest train row norm; none"
+    )
+    split: Optional[Literal["official", "random"]] = Field(
+        None, description="official train/test files where they exist, else a seeded random split"
+    )
+    test_fraction: float = Field(0.2, gt=0, lt=1, description="test share of a random split")
+    seed: int = Field(0, ge=0, description="seed of subsampling, random split, projection and synthetic data")
+    n: Optional[int] = Field(None, gt=0, description="synthetic: number of points (default 10,000)")
+    dim: Optional[int] = Field(None, gt=0, description="synthetic: dimension (default 5)")
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """Preprocessed arrays: features float64 (n, d), labels in {-1, +1} float64 (n,)."""
+
+    spec: DatasetSpec
+    X_train: np.ndarray
+    y_train: np.ndarray
+    X_test: np.ndarray
+    y_test: np.ndarray
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def n(self) -> int:
+        return self.X_train.shape[0]
+
+    @property
+    def d(self) -> int:
+        return self.X_train.shape[1]

@@ -1,0 +1,201 @@
+"""Run a grid: cells → tasks (a cell's missing seeds, trained together as replicas) → rows in runs.csv."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import numpy as np
+
+from dpsgd_cli import __version__
+from dpsgd_cli.algorithms import ALGORITHMS, Setting
+from dpsgd_cli.algorithms.erm import minimize_objective
+from dpsgd_cli.algorithms.streams import ReplicaStreams
+from dpsgd_cli.config import DELTA_RULE, Cell, Grid, expand
+from dpsgd_cli.data import Dataset, DatasetSpec, load_dataset
+from dpsgd_cli.engine.results import ResultStore, now
+from dpsgd_cli.errors import UserError
+from dpsgd_cli.models import make_model
+
+
+@functools.lru_cache(maxsize=8)
+def dataset(spec: DatasetSpec) -> Dataset:
+    """Loaded once per process (workers included); the data layer caches processed arrays on disk too."""
+    return load_dataset(spec)
+
+
+def resolve_delta(delta: Any, n: int) -> float:
+    """δ of the grid; the rule of thumb 1/n² with n the number of training records."""
+    return 1.0 / n**2 if delta == DELTA_RULE else float(delta)
+
+
+def setting_of(cell: Cell, data: Dataset) -> Setting:
+    return Setting(n=data.n, d=data.d, delta=resolve_delta(cell.delta, data.n), l2=cell.l2, epsilon=cell.epsilon,
+                   batch_size=cell.batch_size, lr=cell.lr, epochs=cell.epochs, clip_norm=cell.clip_norm)
+
+
+@functools.lru_cache(maxsize=64)
+def optimal_objective(spec: DatasetSpec, model_name: str, model_options: str, l2: float) -> float:
+    """L* = min F on the training set (exact minimiser of the convex objective, L-BFGS)."""
+    data = dataset(spec)
+    model = make_model(model_name, data.d, l2, json.loads(model_options))
+    theta0 = model.init(ReplicaStreams([0]).generators("init"))[0]
+    theta, _ = minimize_objective(model, data.X_train, data.y_train, theta0)
+    return float(model.objective(theta[None], data.X_train, data.y_train)[0])
+
+
+@dataclass(frozen=True)
+class Task:
+    cell: Cell
+    seeds: tuple[int, ...]
+    optimal_objective: float
+
+
+def run_task(task: Task, single_thread: bool = False) -> list[dict[str, Any]]:
+    """Train the task's seeds as replicas and return one row per seed (never raises)."""
+    if single_thread:
+        from threadpoolctl import threadpool_limits
+
+        with threadpool_limits(1):
+            return run_task(task)
+    cell = task.cell
+    data = dataset(cell.dataset)
+    setting = setting_of(cell, data)
+    base = _base_row(cell, data, setting, task.optimal_objective)
+    start = time.perf_counter()
+    try:
+        model = make_model(cell.model.name, data.d, cell.l2, cell.model.options)
+        algorithm = ALGORITHMS[cell.algorithm.name](cell.algorithm.params)
+        outcome = algorithm.fit(setting, model, data.X_train, data.y_train, ReplicaStreams(task.seeds))
+    except Exception as exc:  # recorded, and the grid goes on
+        message = f"{type(exc).__name__}: {exc}" if isinstance(exc, UserError) else _short_traceback(exc)
+        elapsed = (time.perf_counter() - start) / len(task.seeds)
+        return [{**base, "run_id": cell.run_id(s), "seed": s, "status": "failed", "message": message,
+                 "wall_time": elapsed} for s in task.seeds]
+    elapsed = (time.perf_counter() - start) / len(task.seeds)
+    metrics = _metrics(model, outcome.theta, data, task.optimal_objective)
+    derived = dict(outcome.derived)
+    known = {k: derived.pop(k) for k in list(derived) if k in base}
+    rows = []
+    for r, seed in enumerate(task.seeds):
+        row = {**base, **known, **{k: v[r] for k, v in metrics.items()}, "run_id": cell.run_id(seed), "seed": seed,
+               "guarantee": outcome.guarantee, "derived": json.dumps(derived, default=float) if derived else "",
+               "wall_time": elapsed}
+        finite = np.isfinite(outcome.theta[r]).all() and np.isfinite(row["train_objective"])
+        row["status"], row["message"] = ("ok", "") if finite else ("diverged", "non-finite parameters or objective")
+        rows.append(row)
+    return rows
+
+
+def _base_row(cell: Cell, data: Dataset, setting: Setting, optimal: float) -> dict[str, Any]:
+    return {
+        "cell_id": cell.cell_id, "grid": cell.grid, "dataset": data.name,
+        "dataset_options": cell.dataset.model_dump_json(exclude={"name"}),
+        "n_train": data.n, "n_test": data.X_test.shape[0], "d": data.d,
+        "model": cell.model.name, "model_options": json.dumps(cell.model.options, sort_keys=True),
+        "algorithm": cell.algorithm.name, "algorithm_params": json.dumps(cell.algorithm.params, sort_keys=True),
+        "epsilon": cell.epsilon, "epsilon_achieved": None, "delta": setting.delta, "accountant": None,
+        "accountant_library": None, "sigma": None, "batch_size": cell.batch_size, "lr": cell.lr,
+        "epochs": cell.epochs, "steps": None, "sample_rate": None, "l2": cell.l2, "clip_norm": cell.clip_norm,
+        "optimal_objective": optimal, "version": __version__,
+    }
+
+
+def _metrics(model, theta: np.ndarray, data: Dataset, optimal: float) -> dict[str, np.ndarray]:
+    with np.errstate(all="ignore"):
+        train_objective = model.objective(theta, data.X_train, data.y_train)
+        return {
+            "test_accuracy": model.accuracy(theta, data.X_test, data.y_test),
+            "test_loss": model.data_loss(theta, data.X_test, data.y_test),
+            "train_accuracy": model.accuracy(theta, data.X_train, data.y_train),
+            "train_objective": train_objective,
+            "optimality_gap": train_objective - optimal,
+        }
+
+
+def _short_traceback(exc: Exception) -> str:
+    frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+    where = f" at {Path(frame.filename).name}:{frame.lineno}" if frame else ""
+    return f"{type(exc).__name__}: {exc}{where}".replace("\n", " ")
+
+
+@dataclass
+class GridRun:
+    """A grid ready to run: validated against the data, with the tasks still to do."""
+
+    grid: Grid
+    folder: Path
+    cells: list[Cell]
+    tasks: list[Task] = field(default_factory=list)
+    done_before: int = 0
+
+    @property
+    def total_runs(self) -> int:
+        return len(self.cells) * self.grid.seeds
+
+    @property
+    def pending_runs(self) -> int:
+        return sum(len(t.seeds) for t in self.tasks)
+
+
+def plan_grid(grid: Grid, out_root: Path, resume: bool = True, dry_run: bool = False) -> GridRun:
+    """Expand the grid, check it against the data (batch size ≤ n), and list what is still to run."""
+    cells = expand(grid)
+    for spec in {c.dataset for c in cells}:
+        n = dataset(spec).n
+        for cell in cells:
+            if cell.dataset == spec and cell.batch_size is not None and cell.batch_size > n:
+                raise UserError(
+                    f"grid {grid.name!r}: batch_size = {cell.batch_size} for {cell.algorithm.name} on {spec.name} "
+                    f"exceeds the n = {n} training records; use 1 ≤ batch_size ≤ {n}")
+    store = ResultStore(Path(out_root) / grid.name)
+    if dry_run:
+        done = set(store.read().query("status in ['ok', 'diverged']")["run_id"].astype(str)) if resume else set()
+    else:
+        done = store.start(resume)
+    run = GridRun(grid, store.folder, cells)
+    for cell in cells:
+        seeds = tuple(s for s in cell.seeds if cell.run_id(s) not in done)
+        run.done_before += len(cell.seeds) - len(seeds)
+        if seeds:
+            optimal = optimal_objective(cell.dataset, cell.model.name,
+                                        json.dumps(cell.model.options, sort_keys=True), cell.l2)
+            run.tasks.append(Task(cell, seeds, optimal))
+    return run
+
+
+def grid_hash(grid: Grid) -> str:
+    return hashlib.sha256(grid.model_dump_json().encode()).hexdigest()[:16]
+
+
+def execute(run: GridRun, jobs: int = 1, on_rows: Optional[Callable[[list[dict]], None]] = None) -> int:
+    """Run the pending tasks, appending each task's rows to runs.csv as it finishes; returns runs done."""
+    store = ResultStore(run.folder)
+    started = now()
+    store.write_manifest(run.grid.model_dump(mode="json"), grid_hash(run.grid), started, None,
+                         cells=len(run.cells), runs=run.total_runs)
+    done = 0
+    for rows in _results(run.tasks, jobs):
+        store.append(rows)
+        done += len(rows)
+        if on_rows:
+            on_rows(rows)
+    store.write_manifest(run.grid.model_dump(mode="json"), grid_hash(run.grid), started, now(),
+                         cells=len(run.cells), runs=run.total_runs)
+    return done
+
+
+def _results(tasks: list[Task], jobs: int) -> Iterator[list[dict[str, Any]]]:
+    if jobs <= 1 or len(tasks) <= 1:
+        yield from map(run_task, tasks)
+        return
+    from joblib import Parallel, delayed
+
+    parallel = Parallel(n_jobs=jobs, return_as="generator_unordered")
+    yield from parallel(delayed(run_task)(task, single_thread=True) for task in tasks)

@@ -1,0 +1,144 @@
+"""The CLI end to end on synthetic data: run → CSV → plot, resume, and one-line errors with exit code 2."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from dpsgd_cli.cli import app
+from dpsgd_cli.engine import execute, plan_grid
+from dpsgd_cli.config import load_grid_file
+
+GRID = """
+grids:
+  - name: tiny
+    datasets: [{name: synthetic, n: 600}]
+    algorithms: [erm, sgd, dp_sgd]
+    epsilon: [0.5, 2]
+    batch_size: [32]
+    lr: [0.5]
+    seeds: 2
+    epochs: 2
+"""
+
+
+@pytest.fixture
+def grid_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("DPSGD_DATA_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "grid.yaml"
+    path.write_text(textwrap.dedent(GRID))
+    return path
+
+
+def invoke(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def test_run_then_plot(grid_file, tmp_path):
+    out = tmp_path / "results"
+    result = invoke("run", grid_file, "--out", out)
+    assert result.exit_code == 0, result.output
+    runs = pd.read_csv(out / "tiny" / "runs.csv")
+    assert len(runs) == (1 + 1 + 2) * 2 and set(runs["status"]) == {"ok"}
+    assert runs["run_id"].is_unique
+    dp = runs[runs["algorithm"] == "dp_sgd"]
+    assert (dp["epsilon_achieved"] <= dp["epsilon"]).all() and (dp["epsilon_achieved"] >= 0.999 * dp["epsilon"]).all()
+    assert (dp["sigma"] > 0).all() and set(dp["accountant"]) == {"rdp"}
+    assert (runs["delta"] == 1 / runs["n_train"] ** 2).all()
+    erm = runs[runs["algorithm"] == "erm"]
+    assert erm["optimality_gap"].abs().max() < 1e-9 and (runs["optimality_gap"] > -1e-9).all()
+    manifest = json.loads((out / "tiny" / "manifest.json").read_text())
+    assert manifest["finished"] and manifest["libraries"]["dp-accounting"] != "not installed"
+    assert "mean ± std" in result.output
+    for metric in ("accuracy", "optimality_gap"):
+        plotted = invoke("plot", out / "tiny", "--metric", metric)
+        assert plotted.exit_code == 0, plotted.output
+        figure = out / "tiny" / "figures" / f"{metric}.png"
+        assert figure.exists() and figure.stat().st_size > 10_000
+
+
+def test_dry_run_writes_nothing(grid_file, tmp_path):
+    result = invoke("run", grid_file, "--out", tmp_path / "r", "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "8 runs" in result.output and not (tmp_path / "r" / "tiny" / "runs.csv").exists()
+
+
+def test_resume_runs_only_what_is_missing(grid_file, tmp_path):
+    out = tmp_path / "results"
+    grid = load_grid_file(grid_file).grids[0]
+    plan = plan_grid(grid, out)
+    plan.tasks = plan.tasks[:2]  # an interrupted run: only the first two tasks finished
+    execute(plan)
+    first = pd.read_csv(out / "tiny" / "runs.csv")
+    resumed = plan_grid(grid, out)
+    assert resumed.done_before == len(first) and resumed.pending_runs == 8 - len(first)
+    execute(resumed)
+    final = pd.read_csv(out / "tiny" / "runs.csv")
+    assert len(final) == 8 and final["run_id"].is_unique
+    pd.testing.assert_frame_equal(final.iloc[: len(first)].drop(columns="wall_time"),
+                                  first.drop(columns="wall_time"), check_dtype=False)
+    # nothing left: a third run does nothing
+    assert plan_grid(grid, out).pending_runs == 0
+
+
+def test_resumed_results_equal_an_uninterrupted_run(grid_file, tmp_path):
+    grid = load_grid_file(grid_file).grids[0]
+    execute(plan_grid(grid, tmp_path / "a"))
+    plan = plan_grid(grid, tmp_path / "b")
+    plan.tasks = plan.tasks[1:3]
+    execute(plan)
+    execute(plan_grid(grid, tmp_path / "b"))
+    cols = ["run_id", "test_accuracy", "train_objective", "sigma"]
+    a = pd.read_csv(tmp_path / "a" / "tiny" / "runs.csv")[cols].sort_values("run_id").reset_index(drop=True)
+    b = pd.read_csv(tmp_path / "b" / "tiny" / "runs.csv")[cols].sort_values("run_id").reset_index(drop=True)
+    pd.testing.assert_frame_equal(a, b)
+
+
+def test_parallel_jobs_give_the_same_results(grid_file, tmp_path):
+    assert invoke("run", grid_file, "--out", tmp_path / "one").exit_code == 0
+    result = invoke("run", grid_file, "--out", tmp_path / "two", "--jobs", "2")
+    assert result.exit_code == 0, result.output
+    cols = ["run_id", "test_accuracy", "train_objective"]
+    one = pd.read_csv(tmp_path / "one" / "tiny" / "runs.csv")[cols].sort_values("run_id").reset_index(drop=True)
+    two = pd.read_csv(tmp_path / "two" / "tiny" / "runs.csv")[cols].sort_values("run_id").reset_index(drop=True)
+    pd.testing.assert_frame_equal(one, two)
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["run", "missing.yaml"], "no such file"),
+    (["run", "GRID", "--only", "nope"], "--only nope: no such grid"),
+    (["plot", "EMPTY"], "no runs.csv"),
+    (["plot", "EMPTY", "--metric", "acuracy"], "did you mean 'accuracy'"),
+    (["sigma", "--epsilon", "-1", "--sample-rate", "0.01", "--steps", "100", "--delta", "1e-5"], "epsilon"),
+    (["epsilon", "--sigma", "1", "--sample-rate", "2", "--steps", "100", "--delta", "1e-5"], "sample"),
+    (["datasets", "info", "adlt"], "adult"),
+])
+def test_bad_input_is_one_line_with_exit_code_2(grid_file, tmp_path, args, expected):
+    (tmp_path / "EMPTY").mkdir()
+    args = [str(grid_file) if a == "GRID" else str(tmp_path / a) if a in ("missing.yaml", "EMPTY") else a
+            for a in args]
+    proc = subprocess.run([sys.executable, "-m", "dpsgd_cli", *args], capture_output=True, text=True,
+                          cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert expected in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_batch_size_larger_than_n_is_an_error(grid_file, tmp_path):
+    grid_file.write_text(grid_file.read_text().replace("batch_size: [32]", "batch_size: [100000]"))
+    proc = subprocess.run([sys.executable, "-m", "dpsgd_cli", "run", str(grid_file), "--out", str(tmp_path)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "exceeds the n = 480 training records" in proc.stderr, proc.stderr
+
+
+def test_privacy_calculators_agree():
+    sig = invoke("sigma", "--epsilon", "1", "--sample-rate", "0.01", "--steps", "1000", "--delta", "1e-5")
+    assert sig.exit_code == 0, sig.output
+    sigma = float(sig.output.split("σ = ")[1].split()[0])
+    eps = invoke("epsilon", "--sigma", sigma, "--sample-rate", "0.01", "--steps", "1000", "--delta", "1e-5")
+    value = float(eps.output.split("ε = ")[1].split()[0])
+    assert 0.999 <= value <= 1.0

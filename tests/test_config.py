@@ -1,0 +1,131 @@
+"""Grid files: expansion and every validation error (one line naming the path and the fix)."""
+
+import textwrap
+
+import pytest
+
+from dpsgd_cli.config import expand, load_grid_file, select
+from dpsgd_cli.errors import UserError
+
+BASE = """
+grids:
+  - name: g
+    datasets: [synthetic]
+    models: [logreg]
+    algorithms: [erm, sgd, dp_sgd]
+    epsilon: [0.1, 1, 3]
+    batch_size: [64, 128]
+    lr: [0.5]
+    seeds: 3
+    epochs: 5
+    delta: 1/n^2
+"""
+
+
+def write(tmp_path, text):
+    path = tmp_path / "grid.yaml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def grid_of(tmp_path, text=BASE):
+    return load_grid_file(write(tmp_path, text)).grids[0]
+
+
+def error_of(tmp_path, text):
+    with pytest.raises(UserError) as info:
+        load_grid_file(write(tmp_path, text))
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_expansion_counts_and_unused_axes(tmp_path):
+    cells = expand(grid_of(tmp_path))
+    by_algo = {}
+    for c in cells:
+        by_algo.setdefault(c.algorithm.name, []).append(c)
+    assert len(by_algo["erm"]) == 1  # uses no swept axis
+    assert len(by_algo["sgd"]) == 2  # batch sizes only
+    assert len(by_algo["dp_sgd"]) == 3 * 2
+    assert all(c.epsilon is None and c.batch_size is None for c in by_algo["erm"])
+    assert all(c.seeds == (0, 1, 2) for c in cells)
+    assert len({c.cell_id for c in cells}) == len(cells)
+
+
+def test_run_ids_are_stable_and_distinct(tmp_path):
+    a, b = expand(grid_of(tmp_path)), expand(grid_of(tmp_path))
+    assert [c.run_id(0) for c in a] == [c.run_id(0) for c in b]
+    ids = {c.run_id(s) for c in a for s in c.seeds}
+    assert len(ids) == sum(len(c.seeds) for c in a)
+
+
+def test_algorithm_overrides_and_params(tmp_path):
+    text = BASE.replace("algorithms: [erm, sgd, dp_sgd]",
+                        "algorithms: [{name: dp_sgd, accountant: pld, lr: [0.1, 0.2], batch_size: 32}]")
+    cells = expand(grid_of(tmp_path, text))
+    assert {c.lr for c in cells} == {0.1, 0.2} and {c.batch_size for c in cells} == {32}
+    assert all(c.algorithm.params == {"accountant": "pld"} for c in cells)
+
+
+def test_dataset_options_and_scalars(tmp_path):
+    text = BASE.replace("datasets: [synthetic]", "datasets: [{name: kddcup99, subsample: 70000}]").replace(
+        "lr: [0.5]", "lr: 0.5")
+    grid = grid_of(tmp_path, text)
+    assert grid.datasets[0].subsample == 70000 and grid.lr == [0.5]
+
+
+def test_delta_number(tmp_path):
+    assert grid_of(tmp_path, BASE.replace("delta: 1/n^2", "delta: 1e-5")).delta == 1e-5
+
+
+@pytest.mark.parametrize("old,new,expected", [
+    ("epochs: 5", "epoch: 5", "grids[0]: unknown key 'epoch' (did you mean 'epochs'?)"),
+    ("algorithms: [erm, sgd, dp_sgd]", "algorithms: [{name: dp_sgd, acountant: pld}]",
+     "unknown key 'acountant' for algorithm dp_sgd (did you mean 'accountant'?)"),
+    ("algorithms: [erm, sgd, dp_sgd]", "algorithms: [dp_sdg]", "unknown algorithm 'dp_sdg' (did you mean 'dp_sgd'?)"),
+    ("datasets: [synthetic]", "datasets: [{name: kddcup99, subsampel: 5}]",
+     "grids[0].datasets[0]: unknown key 'subsampel' (did you mean 'subsample'?)"),
+    ("datasets: [synthetic]", "datasets: [adlut]", "grids[0].datasets[0].name"),
+    ("models: [logreg]", "models: [logreg2]", "unknown model 'logreg2' (did you mean 'logreg'?)"),
+    ("epsilon: [0.1, 1, 3]", "epsilon: [0, 1]", "epsilon = 0 must be > 0"),
+    ("epsilon: [0.1, 1, 3]", "epsilon: [-1]", "epsilon = -1 must be > 0"),
+    ("lr: [0.5]", "lr: [0]", "lr = 0 must be > 0"),
+    ("batch_size: [64, 128]", "batch_size: [0]", "batch_size = 0 must be an integer ≥ 1"),
+    ("delta: 1/n^2", "delta: 1.5", "delta = 1.5 must be in (0, 1)"),
+    ("delta: 1/n^2", "delta: 0", "delta = 0 must be in (0, 1)"),
+    ("delta: 1/n^2", "delta: 1/n", "delta = '1/n' must be a number in (0, 1) or '1/n^2'"),
+    ("seeds: 3", "seeds: 0", "grids[0].seeds"),
+    ("algorithms: [erm, sgd, dp_sgd]", "algorithms: [{name: dp_sgd, lr: -1}]", "lr = -1 must be > 0"),
+    ("algorithms: [erm, sgd, dp_sgd]", "algorithms: [{name: dp_sgd, accountant: xyz}]", "accountant"),
+])
+def test_validation_errors(tmp_path, old, new, expected):
+    assert old in BASE
+    message = error_of(tmp_path, BASE.replace(old, new))
+    assert expected in message, message
+    assert message.startswith(str(tmp_path / "grid.yaml"))
+
+
+def test_missing_required_key(tmp_path):
+    assert "required key 'datasets' is missing" in error_of(tmp_path, BASE.replace("datasets: [synthetic]", ""))
+
+
+def test_yaml_syntax_error_names_line(tmp_path):
+    assert "invalid YAML at line" in error_of(tmp_path, "grids:\n  - name: [unclosed\n")
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(UserError, match="no such file"):
+        load_grid_file(tmp_path / "absent.yaml")
+
+
+def test_duplicate_grid_names(tmp_path):
+    text = BASE + BASE.replace("grids:\n", "")
+    assert "repeated: g" in error_of(tmp_path, text)
+
+
+def test_select_unknown_grid(tmp_path):
+    grid_file = load_grid_file(write(tmp_path, BASE))
+    with pytest.raises(UserError, match=r"--only h: no such grid"):
+        select(grid_file, ["h"])
+    assert [g.name for g in select(grid_file, ["g"])] == ["g"]
