@@ -23,7 +23,9 @@ class DatasetSpec(BaseModel):
     subsample: Optional[int] = Field(None, gt=0, description="keep this many records (seeded) before splitting")
     positive_digit: Optional[int] = Field(None, ge=0, le=9, description="MNIST one-vs-all: the positive class")
     one_hot: bool = Field(True, description="one-hot encode categorical columns")
-    standardize: bool = Field(True, description="standardise numeric columns (train statistics)")
+    standardize: Optional[bool] = Field(
+        None, description="standardise numeric columns with train statistics (default: yes, but not MNIST pixels)"
+    )
     projection: Optional[int] = Field(None, gt=0, description="Gaussian random projection to k dimensions")
     unit_ball: Literal["row", "max", "none"] = Field(
         "row", description="row: x/max(1,|x|) per row; max: divide by the largest train row norm; none"

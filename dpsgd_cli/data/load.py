@@ -1,0 +1,222 @@
+"""`load_dataset(spec)`: raw files -> preprocessed `Dataset`, with an on-disk cache of the arrays.
+
+Choices (all datasets): labels are -1/+1 float64, features float64; order is
+(subsample) -> split -> one-hot -> standardise with train statistics -> projection -> unit ball.
+
+- Split: None means the dataset's default: official for adult and mnist, random for bank,
+  kddcup99 and synthetic. kddcup99 `split: official` tests on corrected.gz. With an official
+  split, `subsample` draws from the train file only; with a random split, from all records.
+- One-hot categories are the values occurring anywhere in the files read (a schema, not a
+  statistic), so train and test share columns and the width does not depend on the seed.
+  `one_hot: false` keeps categorical columns as integer codes (sorted category order),
+  standardised like numeric columns.
+- Standardisation leaves columns that are constant in train unchanged (mnist: blank pixels).
+- Adult keeps all 14 attributes, fnlwgt included; bank keeps `duration` (a known label leak).
+- Synthetic ignores `standardize` (points are already on the unit sphere).
+- Rows keep file order (a random split does not shuffle): shuffle in the optimiser.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from dpsgd_cli.data import preprocess as pp
+from dpsgd_cli.data import readers
+from dpsgd_cli.data.download import cache_dir, fetch_file, make_readable
+from dpsgd_cli.data.registry import files_for_split, get_entry
+from dpsgd_cli.data.spec import Dataset, DatasetSpec
+from dpsgd_cli.data.synthetic import make_synthetic
+from dpsgd_cli.errors import DataError
+
+# Bump whenever a change of this package changes the arrays a spec yields:
+# it is part of the processed-cache key, so old cache files are no longer used.
+PREPROCESSING_VERSION = "2"
+
+ARRAYS = ("X_train", "y_train", "X_test", "y_test")
+
+
+def _where(spec: DatasetSpec) -> str:
+    """How errors name the spec: 'dataset <name>'."""
+    return f"dataset {spec.name}"
+
+
+def resolve_spec(spec: DatasetSpec) -> DatasetSpec:
+    """`spec` with None fields replaced by the dataset's defaults, after checking the combination.
+
+    DataError for: split 'official' where none exists (bank, synthetic); positive_digit on a
+    dataset other than mnist; n or dim on a dataset other than synthetic.
+    """
+    entry = get_entry(spec.name)
+    where = _where(spec)
+    if spec.split == "official" and not entry.official_split:
+        raise DataError(
+            f"{where}: there is no official train/test split for {spec.name}; "
+            "use split: random (with test_fraction) or leave split unset"
+        )
+    if spec.positive_digit is not None and spec.name != "mnist":
+        raise DataError(f"{where}: positive_digit applies only to mnist; remove it from this dataset")
+    for key in ("n", "dim"):
+        if getattr(spec, key) is not None and spec.name != "synthetic":
+            raise DataError(f"{where}: {key} applies only to synthetic; for fewer records use subsample")
+    update = {k: v for k, v in entry.defaults.items() if getattr(spec, k) is None and v is not None}
+    return spec.model_copy(update=update)
+
+
+# ---------------------------------------------------------------- raw tables per dataset
+
+
+def _paths(spec: DatasetSpec) -> dict[str, Path]:
+    """Verified local paths of the files this (resolved) spec reads, downloading if needed."""
+    entry = get_entry(spec.name)
+    return {f.name: fetch_file(spec.name, f.name) for f in files_for_split(entry, spec.split)}
+
+
+def _adult_tables(spec: DatasetSpec) -> list[pp.Table]:
+    """[train, test] from adult.data / adult.test, label +1 for '>50K'."""
+    paths = _paths(spec)
+    frames = readers.read_adult(paths["adult.data"], paths["adult.test"])
+    labels = [np.where(f["income"] == ">50K", 1.0, -1.0) for f in frames]
+    return pp.frames_to_tables(frames, readers.ADULT_NUMERIC, readers.ADULT_CATEGORICAL, labels)
+
+
+def _bank_tables(spec: DatasetSpec) -> list[pp.Table]:
+    """[all records] of bank-additional-full.csv, label +1 for y == 'yes'."""
+    frame = readers.read_bank(_paths(spec)["bank-additional.zip"])
+    labels = [np.where(frame["y"] == "yes", 1.0, -1.0)]
+    return pp.frames_to_tables([frame], readers.BANK_NUMERIC, readers.BANK_CATEGORICAL, labels)
+
+
+def _kddcup99_tables(spec: DatasetSpec) -> list[pp.Table]:
+    """[10% file] or, for split official, [10% file, corrected]; label +1 for any attack."""
+    paths = _paths(spec)
+    names = ["kddcup.data_10_percent.gz"] + (["corrected.gz"] if spec.split == "official" else [])
+    frames = [readers.read_kddcup99(paths[name]) for name in names]
+    labels = [np.where(f["label"] == "normal.", -1.0, 1.0) for f in frames]
+    return pp.frames_to_tables(frames, readers.KDD_NUMERIC, readers.KDD_CATEGORICAL, labels)
+
+
+def _mnist_tables(spec: DatasetSpec) -> list[pp.Table]:
+    """[train, test]: pixels / 255, label +1 for `positive_digit`, -1 for the other digits."""
+    paths = _paths(spec)
+    tables = []
+    for part in ("train", "t10k"):
+        images, digits = readers.read_mnist(
+            paths[f"{part}-images-idx3-ubyte.gz"], paths[f"{part}-labels-idx1-ubyte.gz"]
+        )
+        X = images.astype(np.float64)
+        X /= 255.0
+        tables.append(pp.array_table(X, np.where(digits == spec.positive_digit, 1.0, -1.0)))
+    return tables
+
+
+def _synthetic_tables(spec: DatasetSpec) -> list[pp.Table]:
+    """[all points] of the Song-Chaudhuri-Sarwate synthetic set."""
+    X, y, _ = make_synthetic(n=spec.n, dim=spec.dim, seed=spec.seed)
+    return [pp.array_table(X, y)]
+
+
+_TABLES = {
+    "adult": _adult_tables,
+    "bank": _bank_tables,
+    "kddcup99": _kddcup99_tables,
+    "mnist": _mnist_tables,
+    "synthetic": _synthetic_tables,
+}
+
+
+# ---------------------------------------------------------------- pipeline
+
+
+def build_dataset(spec: DatasetSpec) -> Dataset:
+    """Preprocess from the raw files, without the processed cache. `spec` must be resolved.
+
+    With an official split, `subsample` draws from the train part only (the test part stays whole);
+    with a random split it draws from all records before splitting.
+    """
+    where = _where(spec)
+    tables = _TABLES[spec.name](spec)
+    if spec.split == "official":
+        train = pp.subsample(tables[0], spec.subsample, spec.seed, where)
+        test = tables[1]
+    else:
+        pool = tables[0] if len(tables) == 1 else pp.concat_tables(*tables)
+        pool = pp.subsample(pool, spec.subsample, spec.seed, where)
+        train, test = pp.random_split(pool, spec.test_fraction, spec.seed, where)
+    use_standardize = spec.standardize and spec.name != "synthetic"
+    X_train, X_test = pp.encode(train, test, use_one_hot=spec.one_hot, use_standardize=use_standardize)
+    X_train, X_test = pp.project(X_train, X_test, spec.projection, spec.seed)
+    X_train, X_test = pp.to_unit_ball(X_train, X_test, spec.unit_ball)
+    return Dataset(spec, X_train, train.y, X_test, test.y)
+
+
+def _cache_text(spec: DatasetSpec) -> str:
+    """What identifies processed arrays: PREPROCESSING_VERSION, file checksums, resolved spec JSON."""
+    resolved = resolve_spec(spec)
+    shas = ",".join(f.sha256 for f in get_entry(spec.name).files)
+    return f"v{PREPROCESSING_VERSION}|{shas}|{resolved.model_dump_json()}"
+
+
+def cache_key(spec: DatasetSpec) -> str:
+    """16 hex digits of the sha256 of `_cache_text(spec)`."""
+    return hashlib.sha256(_cache_text(spec).encode()).hexdigest()[:16]
+
+
+def processed_path(spec: DatasetSpec) -> Path:
+    """<cache>/processed/<name>-<key>.npz, the processed-array cache file of `spec`."""
+    return cache_dir() / "processed" / f"{spec.name}-{cache_key(spec)}.npz"
+
+
+def _read_processed(path: Path, key: str) -> Optional[dict[str, np.ndarray]]:
+    """The arrays of a processed cache file, or None if absent, unreadable or for another key."""
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            if str(npz["key"]) != key:
+                return None
+            return {name: npz[name] for name in ARRAYS}
+    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile):
+        return None
+
+
+def _write_processed(path: Path, key: str, dataset: Dataset) -> None:
+    """Write the arrays atomically (temp file in the same folder + os.replace); best effort."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".tmp", dir=path.parent)
+    except OSError:
+        return  # read-only cache: work without it
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            np.savez(fh, key=np.array(key), **{name: getattr(dataset, name) for name in ARRAYS})
+        make_readable(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_dataset(spec: DatasetSpec, *, cache: bool = True) -> Dataset:
+    """The preprocessed dataset of `spec` (features float64, labels in {-1, +1} float64).
+
+    Steps: (subsample) -> split -> one-hot -> standardise (train stats) -> projection -> unit ball.
+    With `cache`, arrays are read from / written to `processed_path(spec)`. The returned
+    `Dataset.spec` is `spec` as given; `resolve_spec(spec)` shows the defaults applied.
+    """
+    resolved = resolve_spec(spec)
+    path = processed_path(spec) if cache else None
+    key = _cache_text(spec)
+    if path is not None and path.exists():
+        arrays = _read_processed(path, key)
+        if arrays is not None:
+            return Dataset(spec, **arrays)
+    built = build_dataset(resolved)
+    dataset = Dataset(spec, built.X_train, built.y_train, built.X_test, built.y_test)
+    if path is not None:
+        _write_processed(path, key, dataset)
+    return dataset

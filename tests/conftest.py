@@ -1,0 +1,105 @@
+"""Shared pytest fixtures.
+
+Data fixtures: the local dataset mirror (`../shared/datasets`, or $DPSGD_SHARED_DATASETS) is
+served over HTTP on 127.0.0.1, and a session-wide download cache points at it, so each real
+file is downloaded once per test session and no test touches the internet.
+"""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import os
+import shutil
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+
+
+def shared_datasets_path() -> Path:
+    """The read-only mirror of the raw dataset files used by the data tests."""
+    env = os.environ.get("DPSGD_SHARED_DATASETS")
+    return Path(env) if env else Path(__file__).parents[1].parent / "shared" / "datasets"
+
+
+@dataclass
+class DataServer:
+    """A quiet HTTP server for a folder; `requests` lists the paths requested so far."""
+
+    url: str
+    requests: list[str] = field(default_factory=list)
+    _server: http.server.ThreadingHTTPServer | None = None
+
+    def close(self) -> None:
+        """Stop serving and free the port."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+
+
+def serve_folder(directory: Path) -> DataServer:
+    """Serve `directory` on 127.0.0.1 (free port) from a daemon thread, counting requests."""
+    server_info = DataServer(url="")
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def send_head(self):  # called by GET and HEAD
+            server_info.requests.append(self.path)
+            return super().send_head()
+
+        def log_message(self, format, *args):  # noqa: A002 - silence the access log
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(Handler, directory=str(directory))
+    )
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    server_info.url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    server_info._server = httpd
+    return server_info
+
+
+@pytest.fixture(scope="session")
+def shared_datasets_dir() -> Path:
+    """The shared mirror folder; skips the data tests when it is absent."""
+    path = shared_datasets_path()
+    if not (path / "SHA256SUMS").is_file():
+        pytest.skip(f"dataset mirror not found at {path} (set DPSGD_SHARED_DATASETS to its location)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def dataset_mirror(shared_datasets_dir: Path) -> Iterator[DataServer]:
+    """The shared mirror folder served over HTTP on loopback for the whole session."""
+    server = serve_folder(shared_datasets_dir)
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def data_env(tmp_path_factory: pytest.TempPathFactory, dataset_mirror: DataServer) -> Iterator[Path]:
+    """DPSGD_DATA_DIR = a session temp cache, DPSGD_DATA_MIRROR = the loopback mirror; yields the cache."""
+    cache = tmp_path_factory.mktemp("dpsgd-data-cache")
+    patch = pytest.MonkeyPatch()
+    patch.setenv("DPSGD_DATA_DIR", str(cache))
+    patch.setenv("DPSGD_DATA_MIRROR", dataset_mirror.url)
+    yield cache
+    patch.undo()
+    shutil.rmtree(cache, ignore_errors=True)  # processed arrays take hundreds of MB
+
+
+@pytest.fixture
+def serve_data_folder() -> Iterator[Callable[[Path], DataServer]]:
+    """Factory: serve any folder (e.g. a fake mirror) over loopback; servers close after the test."""
+    servers: list[DataServer] = []
+
+    def start(directory: Path) -> DataServer:
+        servers.append(serve_folder(directory))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.close()
