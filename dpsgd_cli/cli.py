@@ -180,7 +180,7 @@ def epsilon(
     accountant: Accountant = typer.Option(Accountant.rdp, "--accountant"),
 ) -> None:
     """ε of DP-SGD (Poisson-subsampled Gaussian, T steps) at the given δ."""
-    from dpsgd_cli.privacy import dpsgd_epsilon
+    from dpsgd_cli.privacy.accounting import dpsgd_epsilon
 
     eps = dpsgd_epsilon(sigma, sample_rate, steps, delta, accountant=accountant.value)
     console.print(f"ε = {eps:.6g}  (σ = {sigma:g}, q = {sample_rate:g}, T = {steps}, δ = {delta:g}, "
@@ -196,7 +196,7 @@ def sigma(
     accountant: Accountant = typer.Option(Accountant.rdp, "--accountant"),
 ) -> None:
     """The smallest noise multiplier σ giving ε ≤ target (within 0.1%) for DP-SGD."""
-    from dpsgd_cli.privacy import calibrate_sigma
+    from dpsgd_cli.privacy.accounting import calibrate_sigma
 
     cal = calibrate_sigma(epsilon, delta, sample_rate, steps, accountant=accountant.value)
     console.print(f"σ = {cal.sigma:.6g}  (achieved ε = {cal.epsilon:.6g} ≤ {epsilon:g}, q = {sample_rate:g}, "

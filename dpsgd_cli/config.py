@@ -134,6 +134,7 @@ class Grid(Axes):
     algorithms: list[AlgorithmEntry] = Field(min_length=1)
     seeds: int = Field(3, ge=1, le=1000, description="runs per cell, seeds 0..seeds-1")
     delta: Union[Literal["1/n^2"], float] = Field(DELTA_RULE, description="δ, a number in (0, 1) or 1/n^2")
+    trace_every: Optional[int] = Field(None, ge=1, description="record the objective every k examples (traces.csv)")
     description: str = ""
 
     @field_validator("datasets", mode="before")
@@ -188,10 +189,11 @@ class Cell(_Strict):
     l2: float
     clip_norm: Optional[float]
     seeds: tuple[int, ...]
+    trace_every: Optional[int] = None
 
     def key(self) -> dict[str, Any]:
-        """Everything that determines a run except its seed (and the grid's name)."""
-        data = self.model_dump(mode="json", exclude={"grid", "seeds"})
+        """Everything that determines a run except its seed (and the grid's name and what it records)."""
+        data = self.model_dump(mode="json", exclude={"grid", "seeds", "trace_every"})
         data["algorithm"].pop("overrides")
         return data
 
@@ -217,8 +219,8 @@ def expand(grid: Grid) -> list[Cell]:
             for axis in AXES
         }
         for values in itertools.product(*axes.values()):
-            cell = Cell(grid=grid.name, dataset=dataset, model=model, algorithm=algo,
-                        delta=grid.delta, seeds=tuple(range(grid.seeds)), **dict(zip(axes, values)))
+            cell = Cell(grid=grid.name, dataset=dataset, model=model, algorithm=algo, delta=grid.delta,
+                        seeds=tuple(range(grid.seeds)), trace_every=grid.trace_every, **dict(zip(axes, values)))
             cells.setdefault(cell.cell_id, cell)
     return list(cells.values())
 

@@ -9,7 +9,7 @@ from dpsgd_cli.algorithms.chain import add_noise
 from dpsgd_cli.algorithms.sampling import poisson_batches, poisson_indices
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.models import make_model
-from dpsgd_cli.privacy import calibrate_sigma
+from dpsgd_cli.privacy.accounting import calibrate_sigma
 
 
 @pytest.fixture(scope="module")

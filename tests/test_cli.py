@@ -142,3 +142,25 @@ def test_privacy_calculators_agree():
     eps = invoke("epsilon", "--sigma", sigma, "--sample-rate", "0.01", "--steps", "1000", "--delta", "1e-5")
     value = float(eps.output.split("ε = ")[1].split()[0])
     assert 0.999 <= value <= 1.0
+
+
+def test_traces_written_for_iterative_algorithms(grid_file, tmp_path):
+    grid_file.write_text(grid_file.read_text().replace("epochs: 2", "epochs: 2\n    trace_every: 160"))
+    out = tmp_path / "results"
+    execute(plan_grid(load_grid_file(grid_file).grids[0], out))
+    runs = pd.read_csv(out / "tiny" / "runs.csv")
+    traces = pd.read_csv(out / "tiny" / "traces.csv")
+    iterative = runs[runs["algorithm"] != "erm"]
+    assert set(traces["run_id"]) == set(iterative["run_id"])
+    per_run = traces.groupby("run_id")["examples"].apply(list)
+    # 480 training points × 2 epochs, a checkpoint every 160 examples (batch 32 divides 160)
+    assert all(examples == [160, 320, 480, 640, 800, 960] for examples in per_run)
+    assert (traces["optimality_gap"] > -1e-9).all()
+
+
+def test_datasets_commands(tmp_path, monkeypatch):
+    monkeypatch.setenv("DPSGD_DATA_DIR", str(tmp_path))
+    listed = invoke("datasets", "list")
+    assert listed.exit_code == 0 and "adult" in listed.output and "synthetic" in listed.output
+    info = invoke("datasets", "info", "adult")
+    assert info.exit_code == 0 and "5b00264637dbfec3" in info.output

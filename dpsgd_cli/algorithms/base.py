@@ -29,6 +29,7 @@ class Setting:
     lr: Optional[float] = None
     epochs: Optional[float] = None
     clip_norm: Optional[float] = None
+    trace_every: Optional[int] = None
 
     @property
     def sample_rate(self) -> float:
@@ -42,11 +43,13 @@ class Setting:
 
 @dataclass
 class Outcome:
-    """Trained parameters (R, P), the values the algorithm derived (σ, achieved ε, ...) and its guarantee."""
+    """Trained parameters (R, P), the values the algorithm derived (σ, achieved ε, ...), its guarantee, and
+    optional checkpoints (examples processed, train objective (R,), train accuracy (R,))."""
 
     theta: np.ndarray
     derived: dict[str, Any] = field(default_factory=dict)
     guarantee: str = "proved"
+    trace: list[tuple[int, np.ndarray, np.ndarray]] = field(default_factory=list)
 
 
 class Algorithm:

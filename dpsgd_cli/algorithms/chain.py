@@ -36,6 +36,42 @@ def constant(lr: float) -> Schedule:
     return lambda t: lr
 
 
+def inverse_sqrt(c: float) -> Schedule:
+    """η_t = c/√t (Song et al. 2013 use c = 1 and 10; Bassily et al. 2014: R/(l√t))."""
+    return lambda t: c / t**0.5
+
+
+def inverse_time(c: float) -> Schedule:
+    """η_t = c/t (for an s-strongly convex objective c = 1/s: Bassily et al. 2014; Song et al. 2013 1/(λt))."""
+    return lambda t: c / t
+
+
+def project_to_ball(radius: float) -> Callable[[np.ndarray], np.ndarray]:
+    """Euclidean projection of each replica's θ onto {‖θ‖ ≤ radius}."""
+
+    def project(theta: np.ndarray) -> np.ndarray:
+        norm = np.linalg.norm(theta, axis=1, keepdims=True)
+        return theta * np.minimum(1.0, radius / np.maximum(norm, 1e-300))
+
+    return project
+
+
+@dataclass
+class Checkpoints:
+    """Records the training objective every `every` examples processed (for the per-iteration figures)."""
+
+    every: int
+    X: np.ndarray
+    y: np.ndarray
+    rows: list[tuple[int, np.ndarray, np.ndarray]] = field(default_factory=list)
+
+    def maybe_record(self, model: Model, theta: np.ndarray, before: int, after: int) -> None:
+        if after // self.every > before // self.every:
+            with np.errstate(all="ignore"):
+                self.rows.append((after, model.objective(theta, self.X, self.y),
+                                  model.accuracy(theta, self.X, self.y)))
+
+
 @dataclass
 class GradientChain:
     batches: Iterator[Batch]
@@ -43,6 +79,8 @@ class GradientChain:
     transforms: Sequence[Transform] = field(default_factory=list)
     schedule: Schedule = constant(0.1)
     project: Optional[Callable[[np.ndarray], np.ndarray]] = None
+    checkpoints: Optional[Checkpoints] = None
+    examples_per_step: float = 1.0  # (expected) batch size, to count examples processed for checkpoints
 
     def run(self, model: Model, theta: np.ndarray, steps: int) -> np.ndarray:
         """Apply `steps` updates to θ (R, P); a replica that diverges ends as NaN without stopping the others."""
@@ -55,4 +93,7 @@ class GradientChain:
                 theta -= self.schedule(t) * g
                 if self.project is not None:
                     theta = self.project(theta)
+                if self.checkpoints is not None:
+                    before, after = round((t - 1) * self.examples_per_step), round(t * self.examples_per_step)
+                    self.checkpoints.maybe_record(model, theta, before, after)
         return theta

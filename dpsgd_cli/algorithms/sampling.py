@@ -51,3 +51,24 @@ def gather(X: np.ndarray, y: np.ndarray, x_norm: np.ndarray, idx: np.ndarray) ->
     valid = idx >= 0
     safe = np.where(valid, idx, 0)
     return Batch(X=X[safe], y=y[safe], weight=valid.astype(X.dtype), x_norm=x_norm[safe] * valid)
+
+
+def uniform_examples(X: np.ndarray, y: np.ndarray, streams: ReplicaStreams, batch_size: int = 1) -> Iterator[Batch]:
+    """`batch_size` examples drawn uniformly with replacement per step (Bassily et al. 2014 use one)."""
+    n = X.shape[0]
+    x_norm = np.linalg.norm(X, axis=1)
+    draws = streams.per_step("sampling", lambda g, k: g.integers(0, n, size=(k, batch_size)))
+    for idx in draws:
+        yield gather(X, y, x_norm, idx)
+
+
+def shuffled_batches(X: np.ndarray, y: np.ndarray, batch_size: int, streams: ReplicaStreams) -> Iterator[Batch]:
+    """Disjoint batches of a fresh random permutation per pass, ⌊n/b⌋ per pass (Song et al. 2013; Wu et al. 2017)."""
+    n = X.shape[0]
+    per_pass = n // batch_size
+    x_norm = np.linalg.norm(X, axis=1)
+    gens = streams.generators("sampling")
+    while True:
+        perms = np.stack([g.permutation(n)[: per_pass * batch_size] for g in gens])  # (R, n')
+        for k in range(per_pass):
+            yield gather(X, y, x_norm, perms[:, k * batch_size:(k + 1) * batch_size])

@@ -7,11 +7,11 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from dpsgd_cli.algorithms.base import Algorithm, Outcome, Setting
-from dpsgd_cli.algorithms.chain import GradientChain, add_l2, add_noise, constant, scale
+from dpsgd_cli.algorithms.chain import Checkpoints, GradientChain, add_l2, add_noise, constant, scale
 from dpsgd_cli.algorithms.sampling import poisson_batches
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.models import Model
-from dpsgd_cli.privacy import calibrate_sigma
+from dpsgd_cli.privacy.accounting import calibrate_sigma
 
 
 class SGD(Algorithm):
@@ -31,11 +31,15 @@ class SGD(Algorithm):
             clip=clip,
             transforms=[*noise, scale(1.0 / setting.batch_size), add_l2(setting.l2)],
             schedule=constant(setting.lr),
+            checkpoints=Checkpoints(setting.trace_every, X, y) if setting.trace_every else None,
+            examples_per_step=setting.batch_size,
         )
 
     def fit(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Outcome:
-        theta = self.chain(setting, X, y, streams).run(model, model.init(streams.generators("init")), setting.steps)
-        return Outcome(theta, {"steps": setting.steps, "sample_rate": setting.sample_rate}, guarantee="non-private")
+        chain = self.chain(setting, X, y, streams)
+        theta = chain.run(model, model.init(streams.generators("init")), setting.steps)
+        return Outcome(theta, {"steps": setting.steps, "sample_rate": setting.sample_rate}, guarantee="non-private",
+                       trace=chain.checkpoints.rows if chain.checkpoints else [])
 
 
 class DPSGDParams(BaseModel):
@@ -62,4 +66,4 @@ class DPSGD(SGD):
         theta = chain.run(model, model.init(streams.generators("init")), setting.steps)
         derived = {"steps": setting.steps, "sample_rate": setting.sample_rate, "sigma": cal.sigma,
                    "epsilon_achieved": cal.epsilon, "accountant": cal.accountant, "accountant_library": cal.library}
-        return Outcome(theta, derived, guarantee="proved")
+        return Outcome(theta, derived, guarantee="proved", trace=chain.checkpoints.rows if chain.checkpoints else [])

@@ -22,6 +22,7 @@ COLUMNS = [
     "test_accuracy", "test_loss", "train_accuracy", "train_objective", "optimal_objective", "optimality_gap",
     "guarantee", "derived", "wall_time", "status", "message", "version",
 ]
+TRACE_COLUMNS = ["run_id", "cell_id", "seed", "examples", "train_objective", "optimality_gap", "train_accuracy"]
 LIBRARIES = ["dpsgd", "numpy", "scipy", "pandas", "scikit-learn", "dp-accounting", "pydantic", "joblib"]
 
 
@@ -42,6 +43,7 @@ class ResultStore:
     def __init__(self, folder: Path):
         self.folder = Path(folder)
         self.csv = self.folder / "runs.csv"
+        self.traces_csv = self.folder / "traces.csv"
 
     def read(self) -> pd.DataFrame:
         if not self.csv.exists() or self.csv.stat().st_size == 0:
@@ -51,27 +53,34 @@ class ResultStore:
     def start(self, resume: bool) -> set[str]:
         """Prepare the folder; return the run ids already final. Without resume, the old CSV is kept as a backup."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        if self.csv.exists() and not resume:
+        if not resume:
             stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-            shutil.move(self.csv, self.csv.with_name(f"runs.{stamp}.csv.bak"))
+            for path in (self.csv, self.traces_csv):
+                if path.exists():
+                    shutil.move(path, path.with_name(f"{path.stem}.{stamp}.csv.bak"))
         frame = self.read()
         final = frame[frame["status"].isin(["ok", "diverged"])]
         if len(final) < len(frame):  # rewrite without the failed rows, atomically
             self._write(final.drop_duplicates("run_id", keep="last"))
-        return set(final["run_id"].astype(str))
+        done = set(final["run_id"].astype(str))
+        traces = self.read_traces()
+        if len(traces) and not traces["run_id"].isin(done).all():  # checkpoints of runs that never finished
+            _write_csv(self.traces_csv, traces[traces["run_id"].isin(done)], TRACE_COLUMNS)
+        return done
 
     def append(self, rows: Iterable[dict[str, Any]]) -> None:
-        frame = pd.DataFrame(list(rows)).reindex(columns=COLUMNS)
-        header = not self.csv.exists() or self.csv.stat().st_size == 0
-        with open(self.csv, "a", newline="") as fh:
-            frame.to_csv(fh, header=header, index=False)
-            fh.flush()
-            os.fsync(fh.fileno())
+        _append_csv(self.csv, rows, COLUMNS)
+
+    def append_traces(self, rows: Iterable[dict[str, Any]]) -> None:
+        _append_csv(self.traces_csv, rows, TRACE_COLUMNS)
+
+    def read_traces(self) -> pd.DataFrame:
+        if not self.traces_csv.exists():
+            return pd.DataFrame(columns=TRACE_COLUMNS)
+        return pd.read_csv(self.traces_csv, dtype={"run_id": str, "cell_id": str})
 
     def _write(self, frame: pd.DataFrame) -> None:
-        tmp = self.csv.with_suffix(".csv.tmp")
-        frame.reindex(columns=COLUMNS).to_csv(tmp, index=False)
-        os.replace(tmp, self.csv)
+        _write_csv(self.csv, frame, COLUMNS)
 
     def write_manifest(self, grid: dict[str, Any], grid_hash: str, started: float, finished: float | None,
                        **extra: Any) -> None:
@@ -88,6 +97,24 @@ class ResultStore:
         tmp = self.folder / "manifest.json.tmp"
         tmp.write_text(json.dumps(manifest, indent=2, default=str))
         os.replace(tmp, self.folder / "manifest.json")
+
+
+def _append_csv(path: Path, rows: Iterable[dict[str, Any]], columns: list[str]) -> None:
+    rows = list(rows)
+    if not rows:
+        return
+    header = not path.exists() or path.stat().st_size == 0
+    with open(path, "a", newline="") as fh:
+        pd.DataFrame(rows).reindex(columns=columns).to_csv(fh, header=header, index=False)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _write_csv(path: Path, frame: pd.DataFrame, columns: list[str]) -> None:
+    """Replace `path` atomically (a crash leaves the old or the new file, never half of one)."""
+    tmp = path.with_suffix(".csv.tmp")
+    frame.reindex(columns=columns).to_csv(tmp, index=False)
+    os.replace(tmp, path)
 
 
 def _iso(stamp: float) -> str:

@@ -37,7 +37,8 @@ def resolve_delta(delta: Any, n: int) -> float:
 
 def setting_of(cell: Cell, data: Dataset) -> Setting:
     return Setting(n=data.n, d=data.d, delta=resolve_delta(cell.delta, data.n), l2=cell.l2, epsilon=cell.epsilon,
-                   batch_size=cell.batch_size, lr=cell.lr, epochs=cell.epochs, clip_norm=cell.clip_norm)
+                   batch_size=cell.batch_size, lr=cell.lr, epochs=cell.epochs, clip_norm=cell.clip_norm,
+                   trace_every=cell.trace_every)
 
 
 @functools.lru_cache(maxsize=64)
@@ -57,8 +58,14 @@ class Task:
     optimal_objective: float
 
 
-def run_task(task: Task, single_thread: bool = False) -> list[dict[str, Any]]:
-    """Train the task's seeds as replicas and return one row per seed (never raises)."""
+@dataclass(frozen=True)
+class TaskResult:
+    rows: list[dict[str, Any]]  # one per seed, for runs.csv
+    traces: list[dict[str, Any]] = field(default_factory=list)  # checkpoints, for traces.csv
+
+
+def run_task(task: Task, single_thread: bool = False) -> TaskResult:
+    """Train the task's seeds as replicas; one row per seed, and their checkpoints (never raises)."""
     if single_thread:
         from threadpoolctl import threadpool_limits
 
@@ -76,8 +83,8 @@ def run_task(task: Task, single_thread: bool = False) -> list[dict[str, Any]]:
     except Exception as exc:  # recorded, and the grid goes on
         message = f"{type(exc).__name__}: {exc}" if isinstance(exc, UserError) else _short_traceback(exc)
         elapsed = (time.perf_counter() - start) / len(task.seeds)
-        return [{**base, "run_id": cell.run_id(s), "seed": s, "status": "failed", "message": message,
-                 "wall_time": elapsed} for s in task.seeds]
+        return TaskResult([{**base, "run_id": cell.run_id(s), "seed": s, "status": "failed", "message": message,
+                            "wall_time": elapsed} for s in task.seeds])
     elapsed = (time.perf_counter() - start) / len(task.seeds)
     metrics = _metrics(model, outcome.theta, data, task.optimal_objective)
     derived = dict(outcome.derived)
@@ -90,7 +97,14 @@ def run_task(task: Task, single_thread: bool = False) -> list[dict[str, Any]]:
         finite = np.isfinite(outcome.theta[r]).all() and np.isfinite(row["train_objective"])
         row["status"], row["message"] = ("ok", "") if finite else ("diverged", "non-finite parameters or objective")
         rows.append(row)
-    return rows
+    return TaskResult(rows, _trace_rows(cell, task, outcome.trace))
+
+
+def _trace_rows(cell: Cell, task: Task, trace: list) -> list[dict[str, Any]]:
+    return [{"run_id": cell.run_id(seed), "cell_id": cell.cell_id, "seed": seed, "examples": examples,
+             "train_objective": objective[r], "optimality_gap": objective[r] - task.optimal_objective,
+             "train_accuracy": accuracy[r]}
+            for examples, objective, accuracy in trace for r, seed in enumerate(task.seeds)]
 
 
 def _base_row(cell: Cell, data: Dataset, setting: Setting, optimal: float) -> dict[str, Any]:
@@ -175,23 +189,24 @@ def grid_hash(grid: Grid) -> str:
 
 
 def execute(run: GridRun, jobs: int = 1, on_rows: Optional[Callable[[list[dict]], None]] = None) -> int:
-    """Run the pending tasks, appending each task's rows to runs.csv as it finishes; returns runs done."""
+    """Run the pending tasks, appending each task's rows to runs.csv (and traces.csv) as it finishes."""
     store = ResultStore(run.folder)
     started = now()
     store.write_manifest(run.grid.model_dump(mode="json"), grid_hash(run.grid), started, None,
                          cells=len(run.cells), runs=run.total_runs)
     done = 0
-    for rows in _results(run.tasks, jobs):
-        store.append(rows)
-        done += len(rows)
+    for result in _results(run.tasks, jobs):
+        store.append_traces(result.traces)  # first: a run in runs.csv always has its traces
+        store.append(result.rows)
+        done += len(result.rows)
         if on_rows:
-            on_rows(rows)
+            on_rows(result.rows)
     store.write_manifest(run.grid.model_dump(mode="json"), grid_hash(run.grid), started, now(),
                          cells=len(run.cells), runs=run.total_runs)
     return done
 
 
-def _results(tasks: list[Task], jobs: int) -> Iterator[list[dict[str, Any]]]:
+def _results(tasks: list[Task], jobs: int) -> Iterator[TaskResult]:
     if jobs <= 1 or len(tasks) <= 1:
         yield from map(run_task, tasks)
         return

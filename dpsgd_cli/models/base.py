@@ -32,6 +32,7 @@ class Model:
 
     name: ClassVar[str]
     Options: ClassVar[type[BaseModel]] = NoOptions
+    convex: ClassVar[bool] = False  # is ℓ(·; x, y) convex in θ (the private ERM proofs need it)?
 
     def __init__(self, d: int, l2: float):
         self.d = d
@@ -64,6 +65,14 @@ class Model:
     def decision(self, theta: np.ndarray, X: np.ndarray) -> np.ndarray:
         """Scores whose sign is the predicted label: (R, n)."""
         raise NotImplementedError
+
+    def lipschitz(self, x_max: float) -> float | None:
+        """A bound on ‖∇ℓ(θ; x, y)‖ over all θ when ‖x‖ ≤ x_max, or None if there is none."""
+        return None
+
+    def smoothness(self, x_max: float) -> float | None:
+        """A bound β on the Hessian of ℓ when ‖x‖ ≤ x_max (ℓ is β-smooth), or None."""
+        return None
 
     # Shared by all models -------------------------------------------------------------------------
     def objective(self, theta: np.ndarray, X: np.ndarray, y: np.ndarray) -> np.ndarray:

@@ -14,6 +14,13 @@ class LogisticRegression(Model):
     """Linear model; ∇ℓ = −y σ(−y θ·x) x, so ‖∇ℓ‖ = |residual|·‖x‖ and clipping needs no per-example gradients."""
 
     name = "logreg"
+    convex = True
+
+    def lipschitz(self, x_max: float) -> float:
+        return x_max  # |σ(·)| ≤ 1
+
+    def smoothness(self, x_max: float) -> float:
+        return x_max**2 / 4  # σ' ≤ 1/4
 
     @property
     def n_params(self) -> int:

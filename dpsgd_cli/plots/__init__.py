@@ -26,6 +26,7 @@ METRICS = {
     "train_objective": ("train_objective", "train objective F(θ)", False),
 }
 HYPER = ["batch_size", "lr", "epochs", "l2", "clip_norm"]
+REFERENCE_STYLES = [("black", "--"), ("dimgray", ":"), ("gray", "-."), ("darkgray", (0, (5, 2, 1, 2)))]
 
 
 def result_folders(path: Path) -> list[Path]:
@@ -95,14 +96,15 @@ def _draw_panel(ax, panel: pd.DataFrame, column: str, log_y: bool) -> None:
         (drawn,) = ax.plot(stats.index, stats["mean"], marker="o", ms=3.5, label=label)
         ax.fill_between(stats.index, stats["mean"] - stats["std"], stats["mean"] + stats["std"],
                         color=drawn.get_color(), alpha=0.2, lw=0)
+    styles = iter(REFERENCE_STYLES * len(reference))
     for label, ref in reference.groupby("label", sort=True):
         mean, std = ref[column].mean(), ref[column].std() if len(ref) > 1 else 0.0
+        color, dashes = next(styles)
         if log_y and mean <= 0:
             continue
-        line = ax.axhline(mean, ls="--", lw=1.2, color="black" if label.startswith("erm") else None,
-                          label=f"{label} (non-private)")
+        ax.axhline(mean, ls=dashes, lw=1.2, color=color, label=f"{label} (non-private)")
         if std > 0:
-            ax.axhspan(mean - std, mean + std, color=line.get_color(), alpha=0.1, lw=0)
+            ax.axhspan(mean - std, mean + std, color=color, alpha=0.08, lw=0)
     ax.set_xscale("log")
     if log_y:
         ax.set_yscale("log")

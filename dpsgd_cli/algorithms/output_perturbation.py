@@ -1,0 +1,305 @@
+"""Output perturbation: the exact regularised minimiser plus Gaussian noise (`output_perturbation`,
+Chaudhuri–Monteleoni–Sarwate 2011) and permutation-based SGD plus Gaussian noise (`bolt_on`, Wu et al. 2017).
+
+Both release θ + N(0, σ²I), with σ calibrated to the L2-sensitivity Δ of θ by the Gaussian mechanism; they
+differ only in how θ is computed and in Δ. The noise and its calibration live here once
+(`calibrate_output_noise`, `add_output_noise`):
+
+- `classic`: σ = Δ √(2 ln(1.25/δ)) / ε (Dwork & Roth 2014, Thm A.1), proved for 0 < ε < 1 only;
+- `analytic`: the smallest σ for which the Gaussian mechanism is (ε, δ)-DP, exact for every ε > 0
+  (Balle & Wang, ICML 2018, Thm 8; computed by `dp_accounting.get_sigma_gaussian`), i.e. σ solving
+  δ = Φ(Δ/(2σ) − εσ/Δ) − e^ε Φ(−Δ/(2σ) − εσ/Δ).
+
+Whatever the calibration, `derived["epsilon_exact"]` is the exact ε of the released mechanism (Δ, σ, δ) by the
+Balle–Wang curve: what the tight analysis of the same noise certifies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator, Literal, Optional
+
+import numpy as np
+from dp_accounting import get_epsilon_gaussian
+from pydantic import BaseModel, ConfigDict, Field
+
+from dpsgd_cli.algorithms.base import Algorithm, Outcome, Setting
+from dpsgd_cli.algorithms.chain import Checkpoints, GradientChain, Schedule, add_l2, constant, scale
+from dpsgd_cli.algorithms.erm import minimize_objective
+from dpsgd_cli.algorithms.sampling import gather
+from dpsgd_cli.algorithms.streams import ReplicaStreams
+from dpsgd_cli.errors import UserError
+from dpsgd_cli.models import Batch, Model
+from dpsgd_cli.privacy.mechanisms import analytic_gaussian_sigma, gaussian_sigma, gaussian_sigma_valid
+
+Calibration = Literal["classic", "analytic"]
+ROW_NORM_TOLERANCE = 1e-9  # rows are normalised to the unit ball in floating point
+# output_perturbation releases an L-BFGS iterate θ̂, not the exact θ*: ‖θ̂ − θ*‖ ≤ ‖∇F(θ̂)‖/λ by λ-strong convexity.
+# The proof is taken to hold when that distance is below this fraction of the sensitivity.
+ARGMIN_TOLERANCE = 1e-3
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The shared Gaussian output noise
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OutputNoise:
+    """σ of θ + N(0, σ²I) for L2-sensitivity Δ at (ε, δ); `epsilon_achieved` is the ε the chosen calibration proves
+    (None when it proves nothing: classic with ε ≥ 1), `epsilon_exact` the exact ε of the same noise (Balle–Wang)."""
+
+    sensitivity: float
+    sigma: float
+    calibration: str
+    epsilon_achieved: Optional[float]
+    epsilon_exact: float
+    failure: Optional[str]  # why the calibration proves nothing, else None
+
+    def derived(self) -> dict[str, Any]:
+        return {"sigma": self.sigma, "sensitivity": self.sensitivity, "epsilon_achieved": self.epsilon_achieved,
+                "epsilon_exact": self.epsilon_exact, "accountant": f"gaussian_{self.calibration}"}
+
+
+def calibrate_output_noise(sensitivity: float, epsilon: float, delta: float, calibration: Calibration) -> OutputNoise:
+    """σ of the Gaussian mechanism: classic Dwork–Roth formula (valid for ε < 1) or analytic (Balle–Wang, any ε)."""
+    if calibration == "classic":
+        sigma = gaussian_sigma(sensitivity, epsilon, delta, strict=False)
+        valid = gaussian_sigma_valid(epsilon)
+        failure = (None if valid else
+                   f"none: epsilon = {epsilon:g} ≥ 1 (classic Gaussian mechanism formula valid for ε < 1)")
+        achieved = float(epsilon) if valid else None
+    elif calibration == "analytic":
+        sigma = analytic_gaussian_sigma(sensitivity, epsilon, delta)
+        failure, achieved = None, None
+    else:
+        raise UserError(f"calibration must be 'classic' or 'analytic', got {calibration!r}")
+    exact = float(get_epsilon_gaussian(sigma / sensitivity, delta))
+    if calibration == "analytic":
+        achieved = exact
+    return OutputNoise(float(sensitivity), float(sigma), calibration, achieved, exact, failure)
+
+
+def add_output_noise(theta: np.ndarray, sigma: float, streams: ReplicaStreams) -> np.ndarray:
+    """θ + σ z, z ~ N(0, I) drawn from each replica's own "output" stream: (R, P)."""
+    z = np.stack([g.standard_normal(theta.shape[1]) for g in streams.generators("output")])
+    return theta + sigma * z
+
+
+def _assumption_failure(model: Model, X: np.ndarray) -> Optional[str]:
+    """First failed assumption shared by both proofs (convex loss, rows in the unit ball), else None."""
+    if not model.convex:
+        return "none: non-convex model"
+    x_max = float(np.linalg.norm(X, axis=1).max()) if len(X) else 0.0
+    if x_max > 1 + ROW_NORM_TOLERANCE:
+        return f"none: rows outside the unit ball (max ‖x‖ = {x_max:.4g} > 1)"
+    return None
+
+
+def _lipschitz(model: Model, algorithm: str) -> float:
+    L = model.lipschitz(1.0)
+    if L is None:
+        raise UserError(f"{algorithm}: model {model.name!r} has no Lipschitz bound for ‖x‖ ≤ 1; use model logreg")
+    return float(L)
+
+
+class OutputNoiseParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    calibration: Calibration = Field(
+        "classic", description="classic: σ = Δ√(2 ln(1.25/δ))/ε (ε < 1); analytic: Balle–Wang 2018, exact for every ε")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# output_perturbation
+# ----------------------------------------------------------------------------------------------------------
+
+
+class OutputPerturbation(Algorithm):
+    """DP-ERM by output perturbation (Chaudhuri, Monteleoni & Sarwate, JMLR 2011; Gaussian version of Bellet's lecture).
+
+    Assumptions: ℓ convex, differentiable and L-Lipschitz (L = 1 for logistic loss with ‖x‖ ≤ 1), regulariser
+    (λ/2)‖θ‖² with λ > 0, θ* the exact minimiser of F(θ) = (1/n) Σ ℓ + (λ/2)‖θ‖².
+    Sensitivity Δ = 2L/(nλ) (Chaudhuri et al. 2011, Cor. 8); release θ* + N(0, σ²I) with
+    σ = Δ √(2 ln(1.25/δ)) / ε = 2L √(2 ln(1.25/δ)) / (nλε) (classic, ε < 1) or the analytic σ (any ε).
+    θ* is computed by L-BFGS; the guarantee requires ‖θ̂ − θ*‖ ≤ ‖∇F(θ̂)‖/λ ≤ 10⁻³ Δ.
+    """
+
+    name = "output_perturbation"
+    private = True
+    uses = frozenset({"epsilon", "l2"})
+    Params = OutputNoiseParams
+    source = "Chaudhuri, Monteleoni & Sarwate, Differentially Private Empirical Risk Minimization, JMLR 2011"
+
+    def fit(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Outcome:
+        if not setting.l2 > 0:
+            raise UserError(f"output_perturbation needs l2 > 0 (λ-strongly convex objective), got l2 = {setting.l2:g}; "
+                            "set l2 (e.g. 1e-3) for this algorithm")
+        L = _lipschitz(model, self.name)
+        sensitivity = 2 * L / (setting.n * setting.l2)
+        noise = calibrate_output_noise(sensitivity, setting.epsilon, setting.delta, self.params.calibration)
+        theta0 = model.init(streams.generators("init")[:1])[0]
+        theta_star, info = minimize_objective(model, X, y, theta0)
+        argmin_error = info["grad_norm"] / setting.l2
+        guarantee = (_assumption_failure(model, X)
+                     or (f"none: inexact minimiser (‖θ̂ − θ*‖ ≤ ‖∇F‖/λ = {argmin_error:.3g} > 1e-3 Δ)"
+                         if argmin_error > ARGMIN_TOLERANCE * sensitivity else None)
+                     or noise.failure or "proved")
+        theta = add_output_noise(np.tile(theta_star, (streams.replicas, 1)), noise.sigma, streams)
+        derived = {**noise.derived(), "lipschitz": L, "argmin_error_bound": argmin_error, **info}
+        return Outcome(theta, derived, guarantee=guarantee)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# bolt_on
+# ----------------------------------------------------------------------------------------------------------
+
+
+def convex_psgd_sensitivity(lipschitz: float, lr: float, passes: int, batch_size: int) -> float:
+    """Δ = 2kLη/b: k passes of PSGD with constant step η ≤ 2/β, convex β-smooth L-Lipschitz loss (Wu et al. 2017)."""
+    return 2 * passes * lipschitz * lr / batch_size
+
+
+def strongly_convex_psgd_sensitivity(lipschitz: float, gamma: float, batch_size: int, batches_per_pass: int) -> float:
+    """Δ = 2L/(γ b M), M = ⌊n/b⌋ batches per pass (= 2L/(γn) when b divides n), for steps η_t = min(1/β, 1/(γt)).
+
+    From the growth recursion of Wu et al. (2017): the step map is (1 − η_t γ)-expansive (η_t ≤ 1/β ≤ 2/(β + γ)), so
+    δ_t ≤ (1 − η_t γ) δ_{t−1}, plus 2η_t L/b at the one step per pass whose batch holds the differing example. A hit
+    at step s contributes (2L/b) η_s Π_{t=s+1}^{T} (1 − η_t γ) ≤ 2L/(bγT) (T = kM steps; exactly 2L/(bγT) when
+    s ≥ β/γ, since Π (1 − 1/t) = s/T; less before), and the k hits give 2kL/(bγT) = 2L/(γbM) whatever their
+    positions. Counting t in examples instead of steps, or dividing 2L/(γn) by b again, is not what this proof gives:
+    2L/(γnb) is exceeded on real neighbours (tests/test_output_perturbation.py).
+    """
+    return 2 * lipschitz / (gamma * batch_size * batches_per_pass)
+
+
+def min_inverse_time(beta: float, gamma: float) -> Schedule:
+    """η_t = min(1/β, 1/(γt)) (Wu et al. 2017, strongly convex case)."""
+    return lambda t: min(1.0 / beta, 1.0 / (gamma * t))
+
+
+def fixed_permutation_batches(X: np.ndarray, y: np.ndarray, batch_size: int,
+                              streams: ReplicaStreams) -> Iterator[Batch]:
+    """One random permutation per replica, drawn once; every pass walks its ⌊n/b⌋ disjoint batches in the same order
+    (Wu et al.'s PSGD, as in Bismarck's shuffle-once). The last n − b⌊n/b⌋ examples of the permutation are never
+    used."""
+    n = X.shape[0]
+    per_pass = n // batch_size
+    x_norm = np.linalg.norm(X, axis=1)
+    perms = np.stack([g.permutation(n)[: per_pass * batch_size] for g in streams.generators("sampling")])
+    while True:
+        for k in range(per_pass):
+            yield gather(X, y, x_norm, perms[:, k * batch_size:(k + 1) * batch_size])
+
+
+@dataclass(frozen=True)
+class PSGDPlan:
+    """Everything bolt_on derives before training."""
+
+    case: str  # "convex" | "strongly_convex"
+    lipschitz: float
+    beta: float  # smoothness of the batch objective (1/b) Σ ℓ + (λ/2)‖θ‖²: β_ℓ + λ
+    gamma: float  # strong convexity: λ (0 in the convex case)
+    batch_size: int
+    passes: int
+    batches_per_pass: int
+    schedule: Schedule
+    step_rule: str
+    sensitivity: float
+    failure: Optional[str]  # a failed step-size condition, else None
+
+    @property
+    def steps(self) -> int:
+        return self.passes * self.batches_per_pass
+
+    def derived(self) -> dict[str, Any]:
+        return {"case": self.case, "steps": self.steps, "passes": self.passes,
+                "batches_per_pass": self.batches_per_pass,
+                "step_rule": self.step_rule, "lipschitz": self.lipschitz, "beta": self.beta, "gamma": self.gamma,
+                "sensitivity": self.sensitivity}
+
+
+class BoltOnParams(OutputNoiseParams):
+    case: Literal["auto", "convex", "strongly_convex"] = Field(
+        "auto", description="sensitivity analysis: convex (constant step lr ≤ 2/β) or strongly_convex "
+                            "(step min(1/β, 1/(λt)), needs l2 > 0); auto: strongly_convex when l2 > 0")
+
+
+class BoltOn(Algorithm):
+    """Bolt-on private PSGD (Wu, Li, Kumar, Chaudhuri, Jha & Naughton, SIGMOD 2017): k passes of mini-batch SGD over one
+    random permutation, no noise during training, then θ + N(0, σ²I) with σ from the L2-sensitivity Δ (Gaussian
+    mechanism, classic or analytic calibration).
+
+    Assumptions: ℓ convex, β_ℓ-smooth and L-Lipschitz (logistic loss with ‖x‖ ≤ 1: L = 1, β_ℓ = 1/4; per-example
+    gradients are clipped to L so the Lipschitz bound holds whatever the data); β = β_ℓ + λ is the smoothness of the
+    step's objective (1/b) Σ_B ℓ + (λ/2)‖θ‖².
+    - convex: constant step η = lr ≤ 2/β, Δ = 2kLη/b (Wu et al. Thm 1 with mini-batches);
+    - strongly_convex (λ > 0, γ = λ): η_t = min(1/β, 1/(γt)) (lr unused), Δ = 2L/(γ b ⌊n/b⌋) = 2L/(γn) when b | n
+      (Wu et al. Thm 2: the mini-batch does not divide it further; see `strongly_convex_psgd_sensitivity`).
+    L is the Lipschitz constant of the data loss only: the regulariser's gradient λθ is the same on both neighbouring
+    datasets and cancels in the growth recursion, so no projection onto a ball is needed.
+    The permutation is drawn once per replica and reused by every pass (`fixed_permutation_batches`); the analysis
+    holds for any fixed permutation and the same starting point on both datasets. Checkpoints (traces.csv) record the
+    noiseless iterates; only the final θ is released, with noise.
+    """
+
+    name = "bolt_on"
+    private = True
+    uses = frozenset({"epsilon", "batch_size", "lr", "epochs", "l2"})
+    Params = BoltOnParams
+    source = ("Wu, Li, Kumar, Chaudhuri, Jha & Naughton, Bolt-on Differential Privacy for Scalable Stochastic "
+              "Gradient Descent-based Analytics, SIGMOD 2017")
+
+    def plan(self, setting: Setting, model: Model) -> PSGDPlan:
+        case = self.params.case
+        if case == "auto":
+            case = "strongly_convex" if setting.l2 > 0 else "convex"
+        if case == "strongly_convex" and not setting.l2 > 0:
+            raise UserError("bolt_on case strongly_convex needs l2 > 0 (γ = λ); set l2 > 0 or case: convex")
+        passes = setting.epochs
+        if passes != int(passes) or passes < 1:
+            raise UserError(f"bolt_on: epochs is the number k of passes and must be a whole number ≥ 1, got {passes:g}")
+        b = int(setting.batch_size)
+        if not 1 <= b <= setting.n:
+            raise UserError(f"bolt_on: batch_size must be in [1, n = {setting.n}], got {b}")
+        L = _lipschitz(model, self.name)
+        smooth = model.smoothness(1.0)
+        if smooth is None:
+            raise UserError(f"bolt_on: model {model.name!r} has no smoothness bound; use model logreg")
+        beta = float(smooth) + setting.l2
+        per_pass = setting.n // b
+        failure = None
+        if case == "convex":
+            eta = float(setting.lr)
+            sensitivity = convex_psgd_sensitivity(L, eta, int(passes), b)
+            if eta > 2 / beta:
+                failure = f"none: lr = {eta:g} > 2/β = {2 / beta:.4g} (convex case needs η ≤ 2/β)"
+            return PSGDPlan(case, L, beta, 0.0, b, int(passes), per_pass, constant(eta), f"constant {eta:g}",
+                            sensitivity, failure)
+        gamma = float(setting.l2)
+        sensitivity = strongly_convex_psgd_sensitivity(L, gamma, b, per_pass)
+        return PSGDPlan(case, L, beta, gamma, b, int(passes), per_pass, min_inverse_time(beta, gamma),
+                        f"min(1/beta, 1/(gamma t)), beta = {beta:g}, gamma = {gamma:g}", sensitivity, failure)
+
+    def chain(self, plan: PSGDPlan, l2: float, batches: Iterator[Batch],
+              checkpoints: Optional[Checkpoints] = None) -> GradientChain:
+        """The non-private PSGD: clip each example's gradient to L, average over the batch, add λθ, step."""
+        return GradientChain(batches=batches, clip=plan.lipschitz,
+                             transforms=[scale(1.0 / plan.batch_size), add_l2(l2)],
+                             schedule=plan.schedule, checkpoints=checkpoints, examples_per_step=plan.batch_size)
+
+    def fit(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Outcome:
+        plan = self.plan(setting, model)
+        noise = calibrate_output_noise(plan.sensitivity, setting.epsilon, setting.delta, self.params.calibration)
+        checkpoints = Checkpoints(setting.trace_every, X, y) if setting.trace_every else None
+        chain = self.chain(plan, setting.l2, fixed_permutation_batches(X, y, plan.batch_size, streams), checkpoints)
+        theta = chain.run(model, model.init(streams.generators("init")), plan.steps)
+        theta = add_output_noise(theta, noise.sigma, streams)
+        guarantee = _assumption_failure(model, X) or plan.failure or noise.failure or "proved"
+        derived = {**plan.derived(), **noise.derived(),
+                   "examples_unused_per_pass": setting.n - plan.batches_per_pass * plan.batch_size}
+        return Outcome(theta, derived, guarantee=guarantee, trace=checkpoints.rows if checkpoints else [])
+
+
+__all__ = ["BoltOn", "OutputPerturbation", "OutputNoise", "PSGDPlan", "add_output_noise", "calibrate_output_noise",
+           "convex_psgd_sensitivity", "fixed_permutation_batches", "min_inverse_time",
+           "strongly_convex_psgd_sensitivity"]

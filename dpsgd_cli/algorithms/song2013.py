@@ -1,0 +1,157 @@
+"""Mini-batch SGD with α-DP updates (Song, Chaudhuri & Sarwate, GlobalSIP 2013) and its non-private twin.
+
+Song, Chaudhuri, Sarwate, "Stochastic gradient descent with differentially private updates", GlobalSIP 2013.
+
+Both algorithms are the same `GradientChain`; `song2013` switches the noise on:
+
+    w_{t+1} = Π( w_t − η_t ( λ w_t + (1/b) Σ_{i∈B_t} ∇ℓ(w_t; x_i, y_i) + Z_t / b ) ),
+
+B_t the t-th of the ⌊n/b⌋ disjoint batches of a uniformly random permutation (one pass), Π the Euclidean
+projection onto {‖w‖ ≤ 1/λ}, η_t = c/√t (c = the grid's `lr`; the paper shows c = 1 and 10), 1/(λt), or a
+constant, and Z_t ∈ R^d with density ∝ exp(−(α/2)‖z‖) (‖Z_t‖ ~ Gamma(d, scale 2/α), direction uniform).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, Optional
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from dpsgd_cli.algorithms.base import Algorithm, Outcome, Setting
+from dpsgd_cli.algorithms.chain import (Checkpoints, GradientChain, Schedule, Transform, add_l2, add_noise, constant,
+                                        inverse_sqrt, inverse_time, project_to_ball, scale)
+from dpsgd_cli.algorithms.sampling import shuffled_batches
+from dpsgd_cli.algorithms.streams import ReplicaStreams
+from dpsgd_cli.errors import UserError
+from dpsgd_cli.models import Model
+from dpsgd_cli.privacy.mechanisms import advanced_composition_epsilon_per_step, gamma_norm_noise
+
+GRADIENT_BOUND = 1.0  # the paper's ‖∇ℓ‖ ≤ 1, enforced by clipping each example's gradient to norm 1
+SENSITIVITY = 2.0 * GRADIENT_BOUND  # L2 sensitivity of Σ_{i∈B_t} ∇ℓ_i when one example is replaced
+
+
+class Song2013Params(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    schedule: Literal["inv_sqrt", "inv_t", "constant"] = Field(
+        "inv_sqrt", description="η_t = lr/√t (inv_sqrt), 1/(λt) (inv_t: lr unused), or lr (constant)")
+    radius: Optional[float] = Field(None, gt=0, description="projection radius (default 1/λ, which holds w*)")
+
+
+class Song2013PrivateParams(Song2013Params):
+    composition: Literal["basic", "advanced"] = Field(
+        "basic", description="over k passes: basic (α = ε/k, pure ε-DP) or advanced (the larger of ε/k and the "
+                             "per-pass α of advanced composition with δ' = δ: (ε, δ)-DP)")
+
+
+class Song2013NonPrivate(Algorithm):
+    """Non-private SGD of Song et al. 2013 ("non-private" curves): the chain of `song2013` without noise or clip.
+
+    Same seed and batch size as a `song2013` run → the same permutation and batches, schedule and projection.
+    Steps: T = round(epochs · ⌊n/b⌋) (one epoch = one pass of ⌊n/b⌋ disjoint batches; n mod b examples left out).
+    """
+
+    name = "song2013_nonprivate"
+    private = False
+    uses = frozenset({"batch_size", "lr", "epochs", "l2"})
+    Params = Song2013Params
+    source = ("Song, Chaudhuri & Sarwate, Stochastic gradient descent with differentially private updates, "
+              "GlobalSIP 2013")
+
+    # The chain shared by both algorithms ------------------------------------------------------------
+    def steps(self, setting: Setting) -> tuple[int, int, int]:
+        """(per pass ⌊n/b⌋, steps T = round(epochs · ⌊n/b⌋) ≥ 1, passes touched k = ⌈T / ⌊n/b⌋⌉)."""
+        if setting.l2 is None or not setting.l2 > 0:
+            raise UserError(f"{self.name}: l2 = {setting.l2}, but Song et al. 2013 need a λ-strongly convex "
+                            f"objective (radius 1/λ, step 1/(λt)); set l2 > 0 in the grid (e.g. 1e-4)")
+        if not 1 <= setting.batch_size <= setting.n:
+            raise UserError(f"{self.name}: batch_size = {setting.batch_size} must be in [1, n = {setting.n}]")
+        if self.params.schedule != "inv_t" and not (setting.lr or 0) > 0:
+            raise UserError(f"{self.name}: schedule {self.params.schedule} needs lr > 0 in the grid, "
+                            f"got {setting.lr}; or use schedule: inv_t")
+        per_pass = setting.n // setting.batch_size
+        steps = max(1, round(setting.epochs * per_pass))
+        return per_pass, steps, math.ceil(steps / per_pass)
+
+    def radius(self, setting: Setting) -> float:
+        return self.params.radius if self.params.radius is not None else 1.0 / setting.l2
+
+    def schedule(self, setting: Setting) -> Schedule:
+        if self.params.schedule == "inv_sqrt":
+            return inverse_sqrt(setting.lr)
+        if self.params.schedule == "inv_t":
+            return inverse_time(1.0 / setting.l2)
+        return constant(setting.lr)
+
+    def chain(self, setting: Setting, X, y, streams: ReplicaStreams, noise: Optional[Transform] = None,
+              clip: Optional[float] = None) -> GradientChain:
+        """Σ (clipped) ∇ℓ over the batch → [+ Z_t] → ·1/b → + λw → w − η_t · → Π onto the ball."""
+        return GradientChain(
+            batches=shuffled_batches(X, y, setting.batch_size, streams),
+            clip=clip,
+            transforms=[*([noise] if noise is not None else []), scale(1.0 / setting.batch_size), add_l2(setting.l2)],
+            schedule=self.schedule(setting),
+            project=project_to_ball(self.radius(setting)),
+            checkpoints=Checkpoints(setting.trace_every, X, y) if setting.trace_every else None,
+            examples_per_step=setting.batch_size,
+        )
+
+    def noise(self, setting: Setting, model: Model, X, streams: ReplicaStreams,
+              passes: int) -> tuple[Optional[Transform], dict, str]:
+        """(noise transform or None, derived values, guarantee): none for the non-private version."""
+        return None, {}, "non-private"
+
+    def fit(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Outcome:
+        per_pass, steps, passes = self.steps(setting)
+        noise, derived, guarantee = self.noise(setting, model, X, streams, passes)
+        chain = self.chain(setting, X, y, streams, noise=noise, clip=GRADIENT_BOUND if noise is not None else None)
+        theta = chain.run(model, model.init(streams.generators("init")), steps)
+        eta = chain.schedule
+        derived = {"steps": steps, "sample_rate": setting.batch_size / setting.n, "steps_per_pass": per_pass,
+                   "passes": passes, "schedule": self.params.schedule, "step_size_first": eta(1),
+                   "step_size_last": eta(steps), "radius": self.radius(setting), **derived}
+        return Outcome(theta, derived, guarantee=guarantee, trace=chain.checkpoints.rows if chain.checkpoints else [])
+
+
+class Song2013(Song2013NonPrivate):
+    """α-DP mini-batch SGD of Song, Chaudhuri & Sarwate, GlobalSIP 2013 (their mini-batch update and its privacy).
+
+    Assumptions of the privacy proof: ‖∇ℓ(w; x, y)‖ ≤ 1 for all w (the paper: needs ‖x‖ ≤ 1 for logistic
+    regression; here every per-example gradient is clipped to norm 1, so it holds for any data — a no-op when
+    the rows are in the unit ball), batches disjoint within a pass, w_0 independent of the data. Convexity and
+    λ > 0 matter for convergence only (λ > 0 is required all the same: radius 1/λ, step 1/(λt)).
+
+    Privacy: replacing one example changes the one batch sum that contains it by ≤ 2, so adding Z_t of density
+    ∝ exp(−(α/2)‖z‖) to the SUM (Z_t/b to the mean) makes that update α-DP; the other updates of the pass do not
+    read the example, so one pass is α-DP. With epochs → T = round(epochs·⌊n/b⌋) steps touching k = ⌈T/⌊n/b⌋⌉
+    passes, each example is read k times: α = ε/k per pass (basic composition, pure ε-DP; δ unused), or with
+    `composition: advanced` the larger of ε/k and the α of k-fold advanced composition with δ' = δ ((ε, δ)-DP).
+    """
+
+    name = "song2013"
+    private = True
+    uses = frozenset({"epsilon", "batch_size", "lr", "epochs", "l2"})
+    Params = Song2013PrivateParams
+
+    def noise(self, setting: Setting, model: Model, X, streams: ReplicaStreams,
+              passes: int) -> tuple[Optional[Transform], dict, str]:
+        alpha, delta_used = setting.epsilon / passes, 0.0
+        composition = "pure" if passes == 1 else "basic"
+        if self.params.composition == "advanced" and passes > 1:
+            advanced, _ = advanced_composition_epsilon_per_step(setting.epsilon, setting.delta, passes,
+                                                                delta_prime=setting.delta)
+            if advanced > alpha:
+                alpha, delta_used, composition = advanced, setting.delta, "advanced"
+        d = model.n_params
+        draws = streams.per_step("noise", lambda g, k: gamma_norm_noise(g, alpha, d, size=k))  # (R, d) per step
+        x_max = float(np.max(np.linalg.norm(X, axis=1), initial=0.0))
+        bound = model.lipschitz(x_max)
+        derived = {
+            "epsilon_achieved": setting.epsilon,  # k · (ε/k) = ε, or the advanced-composition total ε (≤ target)
+            "delta_achieved": delta_used, "accountant": composition, "alpha_per_pass": alpha,
+            "sensitivity": SENSITIVITY, "noise_norm_scale": 2.0 / alpha, "noise_norm_mean": 2.0 * d / alpha,
+            "gradient_bound_without_clip": bound, "clip_active": bound is None or bound > GRADIENT_BOUND,
+        }
+        # add_noise(1, draws): g + Z_t on the batch SUM, i.e. Z_t/b on the mean after scale(1/b)
+        return add_noise(1.0, draws), derived, "proved"

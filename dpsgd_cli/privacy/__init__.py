@@ -1,0 +1,1 @@
+"""Differential-privacy building blocks (:mod:`.mechanisms`) and accounting (:mod:`.accounting`)."""

@@ -1,0 +1,529 @@
+"""Tests of dpsgd_cli.privacy: accounting (against dp-accounting built independently here and
+against closed forms) and the classical mechanisms (closed forms by hand, samplers by KS tests
+that are also shown to reject a wrong distribution)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import math
+import time
+
+import dp_accounting
+import numpy as np
+import pytest
+from dp_accounting.pld import PLDAccountant
+from dp_accounting.rdp import RdpAccountant
+from dp_accounting.rdp.rdp_privacy_accountant import DEFAULT_RDP_ORDERS
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy import optimize, stats
+
+from dpsgd_cli.errors import UserError
+from dpsgd_cli.privacy import accounting as acc
+from dpsgd_cli.privacy import mechanisms as mech
+
+ADULT_Q = 256 / 30162
+ADULT_T = 590
+ADULT_DELTA = 1 / 30162**2
+
+
+# ------------------------------------------------------------------------------------------
+# Independent references
+# ------------------------------------------------------------------------------------------
+
+
+def lib_event(sigma, q, steps):
+    """DP-SGD event built directly with dp_accounting (not through dpsgd_event)."""
+    gaussian = dp_accounting.GaussianDpEvent(noise_multiplier=sigma)
+    if q == 1.0:
+        return dp_accounting.SelfComposedDpEvent(event=gaussian, count=steps)
+    sampled = dp_accounting.PoissonSampledDpEvent(sampling_probability=q, event=gaussian)
+    return dp_accounting.SelfComposedDpEvent(event=sampled, count=steps)
+
+
+def lib_rdp(sigma, q, steps, delta, max_order=1024.0):
+    """(epsilon, optimal order) from a fresh RdpAccountant over our documented grid <= max_order."""
+    accountant = RdpAccountant(orders=[a for a in acc.RDP_ORDERS if a <= max_order])
+    accountant.compose(lib_event(sigma, q, steps))
+    eps, order = accountant.get_epsilon_and_optimal_order(delta)
+    assert order < max_order, "reference grid truncated too early for this case"
+    return eps, order
+
+
+def lib_pld(sigma, q, steps, delta, h):
+    accountant = PLDAccountant(value_discretization_interval=h)
+    accountant.compose(lib_event(sigma, q, steps))
+    return accountant.get_epsilon(delta)
+
+
+def exact_gaussian_epsilon(mu, delta):
+    """Exact epsilon(delta) of a Gaussian mechanism with sensitivity/sigma = mu (Balle & Wang
+    2018, Thm 8): delta = Phi(-eps/mu + mu/2) - e^eps Phi(-eps/mu - mu/2)."""
+
+    def excess(eps):
+        return stats.norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * stats.norm.cdf(-eps / mu - mu / 2) - delta
+
+    return optimize.brentq(excess, 0.0, 500.0, xtol=1e-14, rtol=1e-14)
+
+
+def classic_rdp_gaussian_epsilon(sigma, steps, delta):
+    """min over real alpha > 1 of T alpha / (2 sigma^2) + ln(1/delta) / (alpha - 1)
+    (Mironov 2017, Prop. 3): with a = T/(2 sigma^2), L = ln(1/delta) the minimum is
+    a + 2 sqrt(a L), at alpha = 1 + sqrt(L / a)."""
+    a = steps / (2 * sigma**2)
+    big_l = math.log(1 / delta)
+    return a + 2 * math.sqrt(a * big_l)
+
+
+# ------------------------------------------------------------------------------------------
+# The RDP order grid
+# ------------------------------------------------------------------------------------------
+
+
+def test_rdp_order_grid_is_rich_and_contains_library_defaults():
+    orders = np.array(acc.RDP_ORDERS)
+    assert np.all(np.diff(orders) > 0)
+    assert set(DEFAULT_RDP_ORDERS) <= set(acc.RDP_ORDERS)  # so we are never looser than defaults
+    small = orders[orders <= 11]
+    assert small[0] == pytest.approx(1.05) and small[-1] == 11
+    assert np.allclose(np.diff(small), 0.05)
+    large = orders[orders >= 64]
+    assert np.max(large[1:] / large[:-1]) <= 1.05 + 1e-2  # <= 5 % apart (+ integer rounding)
+    assert orders[-1] == acc.RDP_MAX_ORDER == 32768
+
+
+def test_rdp_epsilon_floor_matches_library_conversion_at_tiny_rdp():
+    delta = ADULT_DELTA
+    floor = acc.rdp_epsilon_floor(delta)
+    # The library conversion with rdp -> 0+ (but above the KL branch threshold delta^2).
+    rdp = np.full(len(acc.RDP_ORDERS), 1e-14)
+    lib = dp_accounting.rdp.compute_epsilon(list(acc.RDP_ORDERS), list(rdp), delta)[0]
+    assert floor == pytest.approx(lib, abs=1e-12)
+    assert 2e-4 < floor < 4e-4  # ~ln(1/delta)/32768: epsilon ~ 1e-3 is still reachable
+
+
+# ------------------------------------------------------------------------------------------
+# dpsgd_epsilon against dp-accounting and closed forms
+# ------------------------------------------------------------------------------------------
+
+RDP_CASES = [
+    (1.1, 0.01, 1000, 1e-5),
+    (0.7, ADULT_Q, ADULT_T, ADULT_DELTA),
+    (4.0, 0.004, 5000, 1e-6),
+    (10.0, ADULT_Q, ADULT_T, ADULT_DELTA),  # optimal order ~260: exercises the lazy walk
+    (2.0, 1.0, 10, 1e-5),
+]
+
+
+@pytest.mark.parametrize("sigma,q,steps,delta", RDP_CASES)
+def test_rdp_epsilon_equals_fresh_library_accountant(sigma, q, steps, delta):
+    ours = acc.dpsgd_epsilon(sigma, q, steps, delta, "rdp")
+    reference, _ = lib_rdp(sigma, q, steps, delta)
+    assert ours == pytest.approx(reference, rel=1e-12)
+    # The library's default orders can only be looser (our grid contains them).
+    default = RdpAccountant()
+    default.compose(lib_event(sigma, q, steps))
+    assert ours <= default.get_epsilon(delta) * (1 + 1e-12)
+
+
+def test_rdp_tiny_epsilon_uses_large_orders():
+    """epsilon ~ 0.01 at delta ~ 1e-9 needs orders ~ 2500: orders <= 1024 floor at ~0.0124."""
+    sigma = 100.0
+    ours = acc.dpsgd_epsilon(sigma, ADULT_Q, ADULT_T, ADULT_DELTA, "rdp")
+    reference, order = lib_rdp(sigma, ADULT_Q, ADULT_T, ADULT_DELTA, max_order=8192)
+    assert order > 1024
+    assert ours == pytest.approx(reference, rel=1e-12)
+    default = RdpAccountant()  # orders up to 1024
+    default.compose(lib_event(sigma, ADULT_Q, ADULT_T))
+    assert default.get_epsilon(ADULT_DELTA) > 1.3 * ours
+    assert ours < 0.0105
+
+
+PLD_CASES = [
+    (1.1, 0.01, 1000, 1e-5),
+    (0.7, ADULT_Q, ADULT_T, ADULT_DELTA),
+    (100.0, ADULT_Q, ADULT_T, ADULT_DELTA),  # epsilon ~ 0.0094
+    (3.0, 0.05, 200, 1e-6),
+]
+
+
+@pytest.mark.parametrize("sigma,q,steps,delta", PLD_CASES)
+def test_pld_epsilon_is_an_accurate_upper_bound_vs_fresh_library_accountant(sigma, q, steps, delta):
+    ours = acc.dpsgd_epsilon(sigma, q, steps, delta, "pld")
+    # The documented rule: h <= PLD_RHO * epsilon / sqrt(T); compare with a 4x finer grid.
+    _, h = acc._pld_epsilon(acc.dpsgd_event(sigma, q, steps), delta)
+    assert h <= acc.PLD_RHO * ours / math.sqrt(steps)
+    reference = lib_pld(sigma, q, steps, delta, h / 4)
+    assert reference * (1 - 1e-9) <= ours <= reference * (1 + 2e-4)
+    assert lib_pld(sigma, q, steps, delta, h) == ours  # same h: the very same computation
+
+
+@pytest.mark.parametrize(
+    "sigma,q,steps,delta",
+    [(1.1, 0.01, 1000, 1e-5), (0.7, ADULT_Q, ADULT_T, ADULT_DELTA), (3.0, 0.05, 200, 1e-6),
+     (100.0, ADULT_Q, ADULT_T, ADULT_DELTA)],
+)
+def test_rdp_is_not_tighter_than_pld(sigma, q, steps, delta):
+    rdp = acc.dpsgd_epsilon(sigma, q, steps, delta, "rdp")
+    pld = acc.dpsgd_epsilon(sigma, q, steps, delta, "pld")
+    assert rdp >= pld * (1 - 1e-3)
+    assert rdp <= 1.3 * pld  # and RDP is not absurdly loose either
+
+
+@pytest.mark.parametrize(
+    "sigma,steps,delta", [(1.0, 1, 1e-5), (2.0, 10, 1e-5), (5.0, 100, 1e-6), (50.0, 100, 1e-6)]
+)
+def test_full_batch_is_the_gaussian_mechanism(sigma, steps, delta):
+    """q = 1: T compositions of Gaussian(sigma) = one Gaussian with sigma/sqrt(T)."""
+    exact = exact_gaussian_epsilon(math.sqrt(steps) / sigma, delta)
+    classic = classic_rdp_gaussian_epsilon(sigma, steps, delta)
+    rdp = acc.dpsgd_epsilon(sigma, 1.0, steps, delta, "rdp")
+    pld = acc.dpsgd_epsilon(sigma, 1.0, steps, delta, "pld")
+    # Library RDP uses the improved conversion: below the classical bound, within a modest factor.
+    assert exact <= rdp <= classic
+    assert rdp >= 0.75 * classic
+    # PLD is essentially exact for the Gaussian, and an upper bound.
+    assert exact * (1 - 1e-9) <= pld <= exact * (1 + 1e-4)
+    # Our RDP equals the closed-form Gaussian RDP curve T alpha/(2 sigma^2) through the wrapper.
+    orders = np.array(acc.RDP_ORDERS)
+    assert rdp == pytest.approx(
+        acc.rdp_curve_to_epsilon(orders, steps * orders / (2 * sigma**2), delta), rel=1e-12
+    )
+
+
+def test_dpsgd_event_structure():
+    event = acc.dpsgd_event(1.5, 0.01, 7)
+    assert event == lib_event(1.5, 0.01, 7)
+    assert acc.dpsgd_event(1.5, 1.0, 7) == lib_event(1.5, 1.0, 7)
+    assert isinstance(acc.dpsgd_event(1.5, 1, 7).event, dp_accounting.GaussianDpEvent)
+
+
+def test_epsilon_grows_with_steps_and_shrinks_with_sigma():
+    for name in acc.ACCOUNTANTS:
+        e = [acc.dpsgd_epsilon(1.0, 0.01, t, 1e-5, name) for t in (100, 200, 400)]
+        assert e[0] < e[1] < e[2]
+        e = [acc.dpsgd_epsilon(s, 0.01, 400, 1e-5, name) for s in (0.8, 1.0, 1.5)]
+        assert e[0] > e[1] > e[2]
+
+
+def test_rdp_curve_to_epsilon_is_at_most_the_classic_conversion():
+    orders = np.array([1.5, 2.0, 4.0, 8.0, 16.0, 32.0])
+    rdp = 0.3 * orders  # a zCDP-like curve
+    delta = 1e-6
+    classic = np.min(rdp + math.log(1 / delta) / (orders - 1))
+    ours = acc.rdp_curve_to_epsilon(orders, rdp, delta)
+    assert ours < classic
+    # Hand check of the improved conversion (Balle et al. 2020, Prop. 12) at alpha = 8:
+    a = 8.0
+    at_8 = 0.3 * a + math.log1p(-1 / a) - math.log(delta * a) / (a - 1)
+    assert ours <= at_8 + 1e-12
+    with pytest.raises(UserError, match="orders"):
+        acc.rdp_curve_to_epsilon([2.0, 3.0], [0.1], delta)
+    with pytest.raises(UserError, match="orders"):
+        acc.rdp_curve_to_epsilon([0.5], [0.1], delta)
+    with pytest.raises(UserError, match="delta"):
+        acc.rdp_curve_to_epsilon([2.0], [0.1], 0.0)
+
+
+# ------------------------------------------------------------------------------------------
+# Calibration
+# ------------------------------------------------------------------------------------------
+
+TARGETS = (0.01, 0.1, 1.0, 3.0)
+
+
+@pytest.mark.parametrize("accountant", acc.ACCOUNTANTS)
+def test_calibrate_sigma_hits_the_window_checked_by_fresh_accountant(accountant):
+    sigmas = []
+    for target in TARGETS:
+        cal = acc.calibrate_sigma(target, ADULT_DELTA, ADULT_Q, ADULT_T, accountant)
+        assert 0.999 * target <= cal.epsilon <= target
+        if accountant == "rdp":
+            eps, order = lib_rdp(cal.sigma, ADULT_Q, ADULT_T, ADULT_DELTA,
+                                 max_order=8192 if target < 0.05 else 1024)
+            assert eps == pytest.approx(cal.epsilon, rel=1e-12)
+            assert order == cal.rdp_order
+        else:
+            h = cal.value_discretization_interval
+            assert lib_pld(cal.sigma, ADULT_Q, ADULT_T, ADULT_DELTA, h) == cal.epsilon
+            finer = lib_pld(cal.sigma, ADULT_Q, ADULT_T, ADULT_DELTA, h / 4)
+            eps = finer
+            assert 0.998 * target <= finer <= target
+        assert 0.998 * target <= eps <= target
+        # Minimal: 1 % less noise already breaks the target.
+        assert acc.dpsgd_epsilon(0.99 * cal.sigma, ADULT_Q, ADULT_T, ADULT_DELTA, accountant) > target
+        sigmas.append(cal.sigma)
+    assert all(a > b for a, b in zip(sigmas, sigmas[1:]))  # larger target -> less noise
+
+
+def test_pld_calibration_needs_less_noise_than_rdp():
+    for target in (0.1, 1.0):
+        rdp = acc.calibrate_sigma(target, 1e-5, 0.01, 1000, "rdp")
+        pld = acc.calibrate_sigma(target, 1e-5, 0.01, 1000, "pld")
+        assert pld.sigma < rdp.sigma
+
+
+def test_calibration_record_and_cache():
+    acc.calibrate_sigma.cache_clear()
+    start = time.perf_counter()
+    cal = acc.calibrate_sigma(1.0, ADULT_DELTA, ADULT_Q, ADULT_T)
+    elapsed = time.perf_counter() - start
+    assert elapsed < 3.0  # typically ~0.1 s; generous for loaded CI machines
+    assert acc.calibrate_sigma(1.0, ADULT_DELTA, ADULT_Q, ADULT_T) is cal
+    assert acc.calibrate_sigma.cache_info().hits == 1
+    assert cal.accountant == "rdp" and cal.steps == ADULT_T and cal.sample_rate == ADULT_Q
+    assert cal.target_epsilon == 1.0 and cal.delta == ADULT_DELTA
+    assert cal.library == f"dp-accounting {importlib.metadata.version('dp-accounting')}"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cal.sigma = 2.0  # type: ignore[misc]
+
+
+def test_calibrate_sigma_unreachable_targets():
+    with pytest.raises(UserError, match="unreachable.*pld"):
+        acc.calibrate_sigma(1e-4, ADULT_DELTA, ADULT_Q, ADULT_T, "rdp")
+    # PLD can go lower than the RDP floor.
+    cal = acc.calibrate_sigma(1e-3, ADULT_DELTA, ADULT_Q, ADULT_T, "pld")
+    assert 0.999e-3 <= cal.epsilon <= 1e-3
+
+
+def test_calibrate_generic_on_known_function():
+    calls = []
+
+    def eps(sigma):
+        calls.append(sigma)
+        return 3.0 / sigma
+
+    point = acc.calibrate(eps, 0.5)
+    assert 0.999 * 0.5 <= point.epsilon <= 0.5 and point.epsilon == 3.0 / point.sigma
+    assert 6.0 <= point.sigma <= 6.0 / 0.999
+    assert point.evaluations == len(calls) <= 10
+    # Stopping rule is on epsilon: a looser window stops earlier, never outside the window.
+    loose = acc.calibrate(lambda s: 3.0 / s, 0.5, rel_tol=0.2)
+    assert 0.4 <= loose.epsilon <= 0.5
+
+
+def test_calibrate_generic_errors():
+    with pytest.raises(UserError, match="unreachable"):
+        acc.calibrate(lambda s: 1.0 + 1.0 / s, 0.5)  # epsilon never below 1
+    with pytest.raises(UserError, match="too loose"):
+        acc.calibrate(lambda s: 1.0 / s, 1e6)  # sigma < 1e-2 would do
+    with pytest.raises(RuntimeError, match="jumps over the window"):
+        acc.calibrate(lambda s: 2.0 if s < 1.0 else 0.5, 1.0)
+    with pytest.raises(UserError, match="target_epsilon"):
+        acc.calibrate(lambda s: 1.0 / s, -1.0)
+
+
+# ------------------------------------------------------------------------------------------
+# Input validation: UserError, one line, naming parameter, value and range
+# ------------------------------------------------------------------------------------------
+
+INVALID_CALLS = [
+    (lambda: acc.calibrate_sigma(0.0, 1e-5, 0.01, 100), "target_epsilon", "0.0"),
+    (lambda: acc.calibrate_sigma(-1.0, 1e-5, 0.01, 100), "target_epsilon", "-1.0"),
+    (lambda: acc.calibrate_sigma(float("nan"), 1e-5, 0.01, 100), "target_epsilon", "nan"),
+    (lambda: acc.calibrate_sigma(1.0, 0.0, 0.01, 100), "delta", "(0, 1)"),
+    (lambda: acc.calibrate_sigma(1.0, 1.0, 0.01, 100), "delta", "1.0"),
+    (lambda: acc.calibrate_sigma(1.0, 1e-5, 0.0, 100), "sample_rate", "(0, 1]"),
+    (lambda: acc.calibrate_sigma(1.0, 1e-5, 1.5, 100), "sample_rate", "1.5"),
+    (lambda: acc.calibrate_sigma(1.0, 1e-5, 0.01, 0), "steps", ">= 1"),
+    (lambda: acc.calibrate_sigma(1.0, 1e-5, 0.01, 2.5), "steps", "2.5"),
+    (lambda: acc.calibrate_sigma(1.0, 1e-5, 0.01, 100, "moments"), "accountant", "moments"),
+    (lambda: acc.dpsgd_epsilon(0.0, 0.01, 100, 1e-5), "sigma", "(0, inf)"),
+    (lambda: acc.dpsgd_epsilon(1.0, 0.01, 100, 2.0), "delta", "2.0"),
+    (lambda: acc.dpsgd_event(-1.0, 0.01, 100), "noise_multiplier", "-1.0"),
+    (lambda: acc.epsilon_for(acc.dpsgd_event(1.0, 0.1, 1), 1e-5, "gdp"), "accountant", "gdp"),
+    (lambda: mech.laplace_scale(1.0, 0.0), "epsilon", "(0, inf)"),
+    (lambda: mech.laplace_scale(-1.0, 1.0), "sensitivity", "-1.0"),
+    (lambda: mech.gaussian_sigma(1.0, 0.5, 0.0), "delta", "(0, 1)"),
+    (lambda: mech.gaussian_sigma(1.0, 1.5, 1e-5), "epsilon", "(0, 1)"),
+    (lambda: mech.amplify_by_subsampling(1.0, 0.0), "q", "(0, 1]"),
+    (lambda: mech.amplify_by_subsampling(-1.0, 0.5), "epsilon", "-1.0"),
+    (lambda: mech.amplify_by_subsampling(2.0, 0.5, tight=False), "epsilon", "(0, 1]"),
+    (lambda: mech.basic_composition(1.0, 0.0, 0), "k", ">= 1"),
+    (lambda: mech.advanced_composition(1.0, 0.0, 10, 0.0), "delta_prime", "(0, 1)"),
+    (lambda: mech.advanced_composition_epsilon_per_step(1.0, 1e-5, 10, 1e-4), "delta_prime", "1e-05"),
+    (lambda: mech.gamma_norm_noise(np.random.default_rng(0), 0.0, 3), "alpha", "(0, inf)"),
+    (lambda: mech.gamma_norm_noise(np.random.default_rng(0), 1.0, 0), "d", ">= 1"),
+    (lambda: mech.laplace_noise(np.random.default_rng(0), -2.0), "scale", "-2.0"),
+    (lambda: mech.gaussian_noise(np.random.default_rng(0), 0.0), "sigma", "(0, inf)"),
+]
+
+
+@pytest.mark.parametrize("call,name,fragment", INVALID_CALLS)
+def test_invalid_inputs_raise_user_error_naming_the_parameter(call, name, fragment):
+    with pytest.raises(UserError) as info:
+        call()
+    message = str(info.value)
+    assert message.startswith(name + " ") or f"{name}=" in message
+    assert fragment in message
+    assert "\n" not in message
+
+
+# ------------------------------------------------------------------------------------------
+# Closed forms
+# ------------------------------------------------------------------------------------------
+
+
+def test_laplace_scale_by_hand():
+    assert mech.laplace_scale(2.0, 0.5) == 4.0
+    assert mech.laplace_scale(1.0, 0.1) == pytest.approx(10.0)
+
+
+def test_gaussian_sigma_by_hand():
+    # Delta = 1, eps = 0.5, delta = 1e-5: ln(1.25e5) = ln 1.25 + 5 ln 10 = 11.7360690;
+    # sqrt(2 * 11.7360690) = 4.8448053; / 0.5 = 9.6896105.
+    assert mech.gaussian_sigma(1.0, 0.5, 1e-5) == pytest.approx(9.6896105, rel=1e-7)
+    assert mech.gaussian_sigma(2.0, 0.5, 1e-5) == pytest.approx(2 * 9.6896105, rel=1e-7)
+    assert mech.gaussian_sigma_valid(0.99) and not mech.gaussian_sigma_valid(1.0)
+    assert not mech.gaussian_sigma_valid(0.0)
+    # Outside the theorem only on explicit request, and unclamped.
+    assert mech.gaussian_sigma(1.0, 2.0, 1e-5, strict=False) == pytest.approx(4.8448053 / 2, rel=1e-7)
+
+
+@pytest.mark.parametrize("epsilon,delta", [(0.1, 1e-5), (0.5, 1e-6), (0.9, 1e-3), (3.0, 1e-5)])
+def test_analytic_gaussian_sigma_is_exact_and_tighter(epsilon, delta):
+    sigma = mech.analytic_gaussian_sigma(1.0, epsilon, delta)
+    # Balle & Wang 2018 Thm 8: delta(eps) = Phi(1/(2s) - eps s) - e^eps Phi(-1/(2s) - eps s).
+    achieved = stats.norm.cdf(0.5 / sigma - epsilon * sigma) - math.exp(epsilon) * stats.norm.cdf(
+        -0.5 / sigma - epsilon * sigma
+    )
+    assert achieved == pytest.approx(delta, rel=1e-6)
+    if mech.gaussian_sigma_valid(epsilon):
+        assert sigma < mech.gaussian_sigma(1.0, epsilon, delta)
+    assert mech.analytic_gaussian_sigma(3.0, epsilon, delta) == pytest.approx(3 * sigma)
+
+
+def test_amplification_by_hand():
+    # ln(1 + 0.01 (e - 1)) = ln(1.0171828) = 0.0170369
+    eps, delta = mech.amplify_by_subsampling(1.0, 0.01, 1e-5)
+    assert eps == pytest.approx(0.0170369, rel=1e-5)
+    assert delta == pytest.approx(1e-7)
+    assert mech.amplify_by_subsampling(1.0, 0.01, 1e-5, tight=False) == pytest.approx((0.02, 1e-7))
+    assert mech.amplify_by_subsampling(0.7, 1.0) == pytest.approx((0.7, 0.0))  # q = 1: no change
+    # Why 2 q eps is restricted to eps <= 1: it is not an upper bound for larger eps.
+    assert mech.amplify_by_subsampling(3.0, 0.1)[0] > 2 * 0.1 * 3.0
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    epsilon=st.floats(min_value=1e-6, max_value=1.0),
+    q=st.floats(min_value=1e-6, max_value=1.0),
+)
+def test_tight_amplification_below_2q_eps_and_tends_to_q_eps(epsilon, q):
+    tight, _ = mech.amplify_by_subsampling(epsilon, q)
+    approx, _ = mech.amplify_by_subsampling(epsilon, q, tight=False)
+    assert tight <= approx
+    assert tight <= epsilon * (1 + 1e-12)  # amplification never hurts
+    # tight = q eps (1 + O(eps)): ln(1 + q(e^eps - 1)) / (q eps) is in [1 - q eps/2, 1 + eps].
+    ratio = tight / (q * epsilon)
+    assert 1 - q * epsilon / 2 - 1e-12 <= ratio <= 1 + epsilon
+
+
+def test_amplification_limit_small_epsilon():
+    for q in (0.5, 0.01):
+        assert mech.amplify_by_subsampling(1e-8, q)[0] / (q * 1e-8) == pytest.approx(1.0, abs=1e-7)
+
+
+def test_basic_composition():
+    assert mech.basic_composition(0.1, 1e-6, 10) == pytest.approx((1.0, 1e-5))
+    assert mech.basic_composition(0.5, 0.0, 1) == (0.5, 0.0)
+
+
+def test_advanced_composition_by_hand():
+    # eps = 0.1, delta = 1e-6, k = 100, delta' = 1e-5:
+    # 0.1 sqrt(200 ln 1e5) = 0.1 sqrt(2302.585093) = 4.7985259; 100 * 0.1 * (e^0.1 - 1) = 1.0517092.
+    eps, delta = mech.advanced_composition(0.1, 1e-6, 100, 1e-5)
+    assert eps == pytest.approx(4.7985259 + 1.0517092, rel=1e-7)
+    assert delta == pytest.approx(1.1e-4)
+    # For large k it beats basic composition (10.0 here).
+    assert eps < mech.basic_composition(0.1, 1e-6, 100)[0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    total_epsilon=st.floats(min_value=1e-3, max_value=50.0),
+    total_delta=st.floats(min_value=1e-12, max_value=0.1),
+    k=st.integers(min_value=1, max_value=100_000),
+    split=st.floats(min_value=0.01, max_value=1.0),
+)
+def test_advanced_composition_inverse_round_trips(total_epsilon, total_delta, k, split):
+    delta_prime = split * total_delta
+    eps, delta = mech.advanced_composition_epsilon_per_step(total_epsilon, total_delta, k, delta_prime)
+    assert eps > 0 and delta >= 0
+    back_eps, back_delta = mech.advanced_composition(eps, delta, k, delta_prime)
+    assert back_eps == pytest.approx(total_epsilon, rel=1e-10)
+    assert back_delta == pytest.approx(total_delta, rel=1e-10)
+
+
+def test_advanced_composition_inverse_defaults_and_monotone():
+    eps, delta = mech.advanced_composition_epsilon_per_step(1.0, 1e-5, 100)
+    assert delta == pytest.approx(5e-8)  # delta' = 1e-5 / 2 by default; (1e-5 - 5e-6) / 100
+    assert mech.advanced_composition(eps, delta, 100, 5e-6) == pytest.approx((1.0, 1e-5))
+    per_step = [mech.advanced_composition_epsilon_per_step(e, 1e-5, 100)[0] for e in (0.5, 1, 2)]
+    assert per_step[0] < per_step[1] < per_step[2]
+
+
+# ------------------------------------------------------------------------------------------
+# Samplers (fixed seeds; each test also shows that a wrong distribution is rejected)
+# ------------------------------------------------------------------------------------------
+
+N = 200_000
+
+
+def test_laplace_noise_distribution():
+    rng = np.random.default_rng(20240601)
+    scale = mech.laplace_scale(1.0, 0.5)
+    x = mech.laplace_noise(rng, scale, N)
+    assert x.shape == (N,)
+    assert stats.kstest(x, stats.laplace(scale=scale).cdf).pvalue > 1e-3
+    assert stats.kstest(x, stats.laplace(scale=1.1 * scale).cdf).pvalue < 1e-6
+    assert mech.laplace_noise(rng, 1.0, (3, 4)).shape == (3, 4)
+
+
+def test_gaussian_noise_distribution():
+    rng = np.random.default_rng(20240602)
+    sigma = 2.5
+    x = mech.gaussian_noise(rng, sigma, N)
+    assert stats.kstest(x, stats.norm(scale=sigma).cdf).pvalue > 1e-3
+    assert stats.kstest(x, stats.norm(scale=1.1 * sigma).cdf).pvalue < 1e-6
+    assert mech.gaussian_noise(rng, 1.0, (2, 5)).shape == (2, 5)
+
+
+@pytest.mark.parametrize("alpha,d", [(2.0, 5), (0.5, 20)])
+def test_gamma_norm_noise_distribution(alpha, d):
+    rng = np.random.default_rng(20240603 + d)
+    z = mech.gamma_norm_noise(rng, alpha, d, N)
+    assert z.shape == (N, d)
+    norms = np.linalg.norm(z, axis=1)
+    # Norm ~ Gamma(d, 2/alpha): mean 2d/alpha, sd sqrt(d) 2/alpha.
+    standard_error = math.sqrt(d) * (2 / alpha) / math.sqrt(N)
+    assert abs(norms.mean() - 2 * d / alpha) < 4 * standard_error
+    assert stats.kstest(norms, stats.gamma(a=d, scale=2 / alpha).cdf).pvalue > 1e-3
+    assert stats.kstest(norms, stats.gamma(a=d, scale=2.2 / alpha).cdf).pvalue < 1e-6
+    assert stats.kstest(norms, stats.gamma(a=d + 1, scale=2 / alpha).cdf).pvalue < 1e-6
+    # Direction uniform on the sphere: mean 0, covariance I/d, one coordinate's marginal is
+    # (u + 1)/2 ~ Beta((d-1)/2, (d-1)/2).
+    u = z / norms[:, None]
+    assert np.all(np.abs(u.mean(axis=0)) < 4 * math.sqrt(1 / d / N))
+    assert np.allclose(np.cov(u, rowvar=False), np.eye(d) / d, atol=0.01 / d * 5)
+    half = (d - 1) / 2
+    assert stats.kstest((u[:, 0] + 1) / 2, stats.beta(half, half).cdf).pvalue > 1e-3
+    assert stats.kstest((u[:, 0] + 1) / 2, stats.beta(half + 1, half + 1).cdf).pvalue < 1e-6
+    # Norm and direction independent.
+    assert abs(np.corrcoef(norms, np.abs(u[:, 0]))[0, 1]) < 4 / math.sqrt(N)
+
+
+def test_gamma_norm_noise_in_one_dimension_is_laplace():
+    """Density exp(-(alpha/2)|z|) on R is Laplace with scale 2/alpha."""
+    rng = np.random.default_rng(20240604)
+    z = mech.gamma_norm_noise(rng, 4.0, 1, N)[:, 0]
+    assert stats.kstest(z, stats.laplace(scale=0.5).cdf).pvalue > 1e-3
+    assert stats.kstest(z, stats.laplace(scale=0.55).cdf).pvalue < 1e-6
+
+
+def test_gamma_norm_noise_shapes():
+    rng = np.random.default_rng(0)
+    assert mech.gamma_norm_noise(rng, 1.0, 3).shape == (3,)
+    assert mech.gamma_norm_noise(rng, 1.0, 3, 7).shape == (7, 3)
+    assert mech.gamma_norm_noise(rng, 1.0, 3, (2, 4)).shape == (2, 4, 3)
