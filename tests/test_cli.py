@@ -116,6 +116,11 @@ def test_parallel_jobs_give_the_same_results(grid_file, tmp_path):
     (["sigma", "--epsilon", "-1", "--sample-rate", "0.01", "--steps", "100", "--delta", "1e-5"], "epsilon"),
     (["epsilon", "--sigma", "1", "--sample-rate", "2", "--steps", "100", "--delta", "1e-5"], "sample"),
     (["datasets", "info", "adlt"], "adult"),
+    (["run"], "Missing argument"),
+    (["runn"], "No such command 'runn'"),
+    (["run", "GRID", "--jobs", "0"], "--jobs"),
+    (["plot", "EMPTY", "--format", "jpg"], "--format"),
+    (["privacy-curve", "--alpha", "0.5"], "--alpha"),
 ])
 def test_bad_input_is_one_line_with_exit_code_2(grid_file, tmp_path, args, expected):
     (tmp_path / "EMPTY").mkdir()
@@ -164,3 +169,13 @@ def test_datasets_commands(tmp_path, monkeypatch):
     assert listed.exit_code == 0 and "adult" in listed.output and "synthetic" in listed.output
     info = invoke("datasets", "info", "adult")
     assert info.exit_code == 0 and "5b00264637dbfec3" in info.output
+
+
+def test_privacy_curve_command(tmp_path):
+    result = invoke("privacy-curve", "--out", tmp_path, "--k-max", "400")
+    assert result.exit_code == 0, result.output
+    frame = pd.read_csv(tmp_path / "privacy_curve.csv")
+    assert list(frame.columns[:4]) == ["K", "dynamics", "composition", "lower_bound"]
+    # the talk's parameters: saturation α S_g² / (λ σ² n²) = 30·16 / (1·0.02²·5000²) = 0.048
+    assert "0.048" in result.output and frame["dynamics"].max() < 0.048
+    assert (tmp_path / "privacy_curve.png").stat().st_size > 10_000

@@ -1,0 +1,144 @@
+"""Noisy full-batch gradient descent with the privacy dynamics accountant of Chourasia, Ye & Shokri (NeurIPS 2021)."""
+
+from __future__ import annotations
+
+from typing import Iterator, Literal, Optional
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from dpsgd_cli.algorithms.base import Algorithm, Outcome, Setting
+from dpsgd_cli.algorithms.chain import (Checkpoints, GradientChain, add_l2, add_noise, constant, project_to_ball,
+                                        scale)
+from dpsgd_cli.algorithms.streams import ReplicaStreams
+from dpsgd_cli.errors import UserError
+from dpsgd_cli.models import Batch, Model
+from dpsgd_cli.privacy.dynamics import calibrate_noisy_gd, noisy_gd_epsilon
+
+ROW_NORM_TOLERANCE = 1e-9  # rows normalised to norm 1 may exceed it by rounding
+
+
+# --- shared building block (belongs in sampling.py) ----------------------------------------------------------------
+def full_batches(X: np.ndarray, y: np.ndarray, replicas: int) -> Iterator[Batch]:
+    """The whole training set as every step's batch for every replica (full-batch GD), without copying X.
+
+    The replica axis is a zero-stride broadcast view: (R, n, d) costs the memory of X once.
+    """
+    n = X.shape[0]
+    batch = Batch(X=np.broadcast_to(X, (replicas, *X.shape)), y=np.broadcast_to(y, (replicas, n)),
+                  weight=np.ones((replicas, n), dtype=X.dtype),
+                  x_norm=np.broadcast_to(np.linalg.norm(X, axis=1), (replicas, n)))
+    while True:
+        yield batch
+
+
+class NoisyGDParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    accountant: Literal["dynamics", "composition"] = Field(
+        "dynamics", description="dynamics: Chourasia et al. RDP bound; composition: K-fold RDP of the Gaussian step")
+    radius: Optional[float] = Field(None, gt=0, allow_inf_nan=False,
+                                    description="project onto the L2 ball of this radius (None: no projection)")
+
+
+class NoisyGD(Algorithm):
+    """Noisy full-batch GD (Chourasia, Ye, Shokri, NeurIPS 2021, "Differential Privacy Dynamics of Langevin
+    Diffusion and Noisy Gradient Descent", Algorithm "Noisy GD"), with per-example clipping at C:
+
+        θ_{k+1} = Π_C(θ_k − η((1/n) Σ_i clip_C(∇ℓ(θ_k; x_i, y_i)) + λθ_k) + √(2ησ²) N(0, I)),   k < K,
+
+    θ_0 = model.init (data-independent), K = round(epochs) full-batch steps, η = lr, Π_C the projection onto the
+    ball of radius Params.radius (none by default; any closed convex C keeps both proofs). The paper's L_D is
+    the mean of the λ-strongly convex per-example loss ℓ + (λ/2)‖θ‖², so λθ is part of ∇L_D (inside
+    the step, before the noise). Sensitivity (replace-one neighbours, the paper's): S_g = 2C.
+
+    σ (the paper's noise parameter; per-step std √(2η)σ) is the smallest for which the accountant gives
+    ε ≤ target at δ (within 0.1%), RDP → (ε, δ) by the improved conversion over RDP_ORDERS:
+      * dynamics:    ε(α) = α S_g² / (λσ²n²) · (1 − e^{−ληK/2})  (their RDP theorem for Noisy GD). Assumes ℓ
+        λ-strongly convex and β-smooth with η ≤ 1/β; checked: λ > 0, model convex, rows in the unit ball, clipping inactive
+        (C ≥ model.lipschitz(1), so the clipped gradient is ∇ℓ), β = model.smoothness(1) + λ, η ≤ 1/β;
+        `guarantee` names the first that fails.
+      * composition: ε(α) = α η K S_g² / (4σ²n²) (K Gaussian mechanisms of sensitivity ηS_g/n, std √(2ησ²));
+        needs only the clipping, so always "proved".
+    See dpsgd_cli/privacy/dynamics.py for how the two bounds compare (composition is smaller for ληK/2 < 1.594).
+    """
+
+    name = "noisy_gd"
+    private = True
+    uses = frozenset({"epsilon", "lr", "epochs", "l2", "clip_norm"})
+    Params = NoisyGDParams
+    source = ("Chourasia, Ye, Shokri, Differential Privacy Dynamics of Langevin Diffusion and Noisy Gradient "
+              "Descent, NeurIPS 2021")
+
+    @staticmethod
+    def steps(setting: Setting) -> int:
+        K = round(setting.epochs)
+        if K < 1:
+            raise UserError(f"noisy_gd: epochs = {setting.epochs} gives K = {K} full-batch steps; use epochs ≥ 1 "
+                            f"(K = round(epochs))")
+        return K
+
+    def dynamics_guarantee(self, setting: Setting, model: Model, X: np.ndarray) -> tuple[str, Optional[float]]:
+        """("proved" or the first failed assumption of the dynamics bound, the smoothness β of the regularised loss)."""
+        lam, C, eta = setting.l2, setting.clip_norm, setting.lr
+        max_norm = float(np.max(np.linalg.norm(X, axis=1))) if X.size else 0.0
+        smooth = model.smoothness(1.0)
+        beta = None if smooth is None else smooth + lam
+        lipschitz = model.lipschitz(1.0)
+        if not lam > 0:
+            return "none: l2 = 0 (the dynamics bound needs a λ-strongly convex loss, λ > 0)", beta
+        if not model.convex:
+            return "none: non-convex model", beta
+        if max_norm > 1.0 + ROW_NORM_TOLERANCE:
+            return f"none: rows outside the unit ball (max ‖x‖ = {max_norm:.4g} > 1)", beta
+        if lipschitz is None:
+            return "none: the model has no Lipschitz bound", beta
+        if C < lipschitz:
+            return (f"none: clipping active (C = {C:g} < L = {lipschitz:g}): the update is not the gradient of the "
+                    f"strongly convex loss"), beta
+        if beta is None:
+            return "none: the model has no smoothness bound", beta
+        if eta > 1.0 / beta:
+            return f"none: step size η = {eta:g} > 1/β = {1.0 / beta:.4g} (β = smoothness + λ)", beta
+        return "proved", beta
+
+    def chain(self, setting: Setting, X, y, streams: ReplicaStreams, noise_std: float) -> GradientChain:
+        """Full-batch chain; the noise is added to the gradient with std √(2σ²/η), i.e. √(2ησ²) on θ."""
+        transforms = [scale(1.0 / setting.n), add_l2(setting.l2)]
+        if noise_std > 0:
+            transforms.append(add_noise(noise_std, streams.normal("noise", (X.shape[1],))))
+        radius = self.params.radius
+        return GradientChain(
+            batches=full_batches(X, y, streams.replicas),
+            clip=setting.clip_norm,
+            transforms=transforms,
+            schedule=constant(setting.lr),
+            project=project_to_ball(radius) if radius is not None else None,
+            checkpoints=Checkpoints(setting.trace_every, X, y) if setting.trace_every else None,
+            examples_per_step=setting.n,
+        )
+
+    def fit(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Outcome:
+        K, eta, n, lam = self.steps(setting), setting.lr, setting.n, setting.l2
+        sensitivity = 2.0 * setting.clip_norm  # replace-one: ‖clip(∇ℓ(θ; x)) − clip(∇ℓ(θ; x'))‖ ≤ 2C
+        accountant = self.params.accountant
+        guarantee, beta = self.dynamics_guarantee(setting, model, X)
+        if accountant == "composition":
+            guarantee = "proved"
+        elif not lam > 0:
+            raise UserError(f"noisy_gd with accountant 'dynamics' needs l2 > 0 (λ-strong convexity), got "
+                            f"l2 = {lam}; set l2 > 0 or use accountant: composition")
+        cal = calibrate_noisy_gd(setting.epsilon, setting.delta, K, eta, lam, n, sensitivity, accountant)
+        noise_std = np.sqrt(2.0 * cal.sigma**2 / eta)  # on the gradient; × η gives √(2ησ²) on θ
+        chain = self.chain(setting, X, y, streams, noise_std)
+        theta = chain.run(model, model.init(streams.generators("init")), K)
+        derived = {
+            "sigma": cal.sigma, "epsilon_achieved": cal.epsilon, "accountant": accountant, "steps": K,
+            "sample_rate": 1.0, "sensitivity": sensitivity, "step_noise_std": float(np.sqrt(2.0 * eta) * cal.sigma),
+            "beta": beta, "radius": self.params.radius,
+            "epsilon_dynamics": noisy_gd_epsilon(cal.sigma, setting.delta, K, eta, lam, n, sensitivity, "dynamics")
+            if lam > 0 else None,
+            "epsilon_composition": noisy_gd_epsilon(cal.sigma, setting.delta, K, eta, lam, n, sensitivity,
+                                                    "composition"),
+        }
+        return Outcome(theta, derived, guarantee=guarantee,
+                       trace=chain.checkpoints.rows if chain.checkpoints else [])

@@ -1,0 +1,148 @@
+"""Rényi-DP bounds of noisy full-batch gradient descent (Chourasia, Ye & Shokri, NeurIPS 2021).
+
+Chourasia, Ye, Shokri, "Differential Privacy Dynamics of Langevin Diffusion and Noisy Gradient Descent",
+NeurIPS 2021 (arXiv:2102.05855). The algorithm (their Noisy GD), K steps of size η on L_D = (1/n) Σ ℓ(θ; x_i):
+
+    θ_{k+1} = Π_C(θ_k − η ∇L_D(θ_k) + √(2ησ²) N(0, I)),
+
+σ the paper's noise parameter (per-step noise std √(2η)σ, not a noise multiplier), neighbouring datasets differ
+in one record (replace-one), S_g = max_{x, x'} sup_θ ‖∇ℓ(θ; x) − ∇ℓ(θ; x')‖ the gradient sensitivity (≤ 2L for
+an L-Lipschitz loss, or 2C with per-example clipping at C). Bounds on the order-α Rényi divergence ε(α) between
+the last iterates on neighbouring datasets:
+
+``dynamics_rdp``  (their RDP theorem for Noisy GD; ℓ λ-strongly convex and β-smooth, η < 1/β, C convex)
+    ε(α) = α S_g² / (λ σ² n²) · (1 − e^{−ληK/2});  increasing in K, saturates at α S_g² / (λ σ² n²).
+``composition_rdp``  (the baseline: K-fold RDP composition, no convexity needed)
+    step k releases θ_k − η∇L_D(θ_k) + N(0, 2ησ² I), a Gaussian mechanism with L2 sensitivity Δ = η S_g / n
+    and std s = √(2η)σ, of RDP αΔ²/(2s²) (Mironov 2017, Prop. 7); K steps:  ε(α) = α η K S_g² / (4 σ² n²).
+``squared_loss_lower_bound``  (their lower bound, ℓ(θ; x) = ½‖θ − x‖², λ = β = 1)
+    ε(α) ≥ α S_g² / (4 σ² n²) · (1 − e^{−ηK}).
+
+How the three compare (exact statements, tested in tests/test_noisy_gd.py): for small K the dynamics bound
+grows like α S_g² ηK / (2σ²n²), i.e. with TWICE the slope of the composition bound α S_g² ηK / (4σ²n²); the
+composition bound is the smaller one until ληK/2 = x* ≈ 1.5936 (the root of 1 − e^{−x} = x/2), after which the
+dynamics bound is smaller and stays bounded. The lower bound's initial slope equals the composition bound's
+(one step of noisy GD *is* one Gaussian mechanism), and lower ≤ min(composition, dynamics) for all K when λ = 1.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Literal, Sequence
+
+import numpy as np
+import pandas as pd
+
+from dpsgd_cli.errors import UserError
+from dpsgd_cli.privacy import _validate as check
+from dpsgd_cli.privacy.accounting import RDP_ORDERS, CalibrationPoint, calibrate, rdp_curve_to_epsilon
+
+__all__ = [
+    "ACCOUNTANTS",
+    "SATURATION_ROOT",
+    "calibrate_noisy_gd",
+    "composition_rdp",
+    "dynamics_rdp",
+    "noisy_gd_epsilon",
+    "privacy_curve",
+    "squared_loss_lower_bound",
+]
+
+ACCOUNTANTS: tuple[str, ...] = ("dynamics", "composition")
+
+SATURATION_ROOT: float = 1.5936242600400401
+"""x* > 0 with 1 − e^{−x*} = x*/2: the dynamics and composition bounds cross at ληK/2 = x*."""
+
+
+def _common(alpha, K, eta, sigma, n, sensitivity):
+    a = np.asarray(alpha, dtype=float)
+    k = np.asarray(K, dtype=float)
+    if np.any(~(a > 1)) or np.any(~np.isfinite(a)):
+        raise UserError(f"alpha (the Rényi order) must be finite and > 1, got {alpha!r}")
+    if np.any(~(k >= 0)) or np.any(~np.isfinite(k)):
+        raise UserError(f"K (the number of steps) must be finite and ≥ 0, got {K!r}")
+    return (a, k, check.positive("eta", eta), check.positive("sigma", sigma), check.positive("n", n),
+            check.non_negative("sensitivity", sensitivity))
+
+
+def dynamics_rdp(alpha, K, eta: float, sigma: float, lam: float, n: float, sensitivity: float):
+    """ε(α) = α S_g² / (λ σ² n²) · (1 − e^{−ληK/2}) (Chourasia et al. 2021); array-valued in α, K.
+
+    Valid for a λ-strongly convex, β-smooth loss with η < 1/β (checked by the caller, not here).
+    """
+    a, k, eta, sigma, n, s = _common(alpha, K, eta, sigma, n, sensitivity)
+    lam = check.positive("lam (strong convexity λ)", lam)
+    return a * s**2 / (lam * sigma**2 * n**2) * -np.expm1(-lam * eta * k / 2.0)
+
+
+def composition_rdp(alpha, K, eta: float, sigma: float, n: float, sensitivity: float):
+    """ε(α) = K · αΔ²/(2s²) with Δ = ηS_g/n, s² = 2ησ²:  α η K S_g² / (4 σ² n²); array-valued in α, K."""
+    a, k, eta, sigma, n, s = _common(alpha, K, eta, sigma, n, sensitivity)
+    delta_2 = eta * s / n  # L2 sensitivity of one step θ − η∇L_D(θ) (replace-one)
+    return k * a * delta_2**2 / (2.0 * 2.0 * eta * sigma**2)
+
+
+def squared_loss_lower_bound(alpha, K, eta: float, sigma: float, n: float, sensitivity: float):
+    """α S_g² / (4 σ² n²) · (1 − e^{−ηK}): Chourasia et al.'s lower bound for ℓ(θ; x) = ½‖θ − x‖² (λ = 1)."""
+    a, k, eta, sigma, n, s = _common(alpha, K, eta, sigma, n, sensitivity)
+    return a * s**2 / (4.0 * sigma**2 * n**2) * -np.expm1(-eta * k)
+
+
+def privacy_curve(K_values: Sequence[float], alpha: float = 30, sigma: float = 0.02, sensitivity: float = 4,
+                  eta: float = 0.02, lam: float = 1, n: float = 5000) -> pd.DataFrame:
+    """ε(α) against K for the three bounds; defaults are the parameters of the paper's Figure 1 / the talk.
+
+    Columns K, dynamics, composition, lower_bound; the parameters are in ``frame.attrs``.
+    """
+    K = np.asarray(K_values, dtype=float).ravel()
+    if K.size == 0:
+        raise UserError("K_values must not be empty")
+    frame = pd.DataFrame({
+        "K": K,
+        "dynamics": dynamics_rdp(alpha, K, eta, sigma, lam, n, sensitivity),
+        "composition": composition_rdp(alpha, K, eta, sigma, n, sensitivity),
+        "lower_bound": squared_loss_lower_bound(alpha, K, eta, sigma, n, sensitivity),
+    })
+    frame.attrs.update(alpha=float(alpha), sigma=float(sigma), sensitivity=float(sensitivity), eta=float(eta),
+                       lam=float(lam), n=float(n),
+                       saturation=float(alpha) * float(sensitivity) ** 2 / (float(lam) * float(sigma) ** 2
+                                                                            * float(n) ** 2))
+    return frame
+
+
+# --- (ε, δ) and calibration --------------------------------------------------------------------------------------
+Accountant = Literal["dynamics", "composition"]
+
+
+def _rdp_slope(accountant: str, K: int, eta: float, lam: float, n: int, sensitivity: float) -> Callable[[float], float]:
+    """σ ↦ c(σ) with ε(α) = c(σ)·α (both bounds are linear in α)."""
+    if accountant == "dynamics":
+        return lambda sigma: float(dynamics_rdp(2.0, K, eta, sigma, lam, n, sensitivity)) / 2.0
+    if accountant == "composition":
+        return lambda sigma: float(composition_rdp(2.0, K, eta, sigma, n, sensitivity)) / 2.0
+    raise UserError(f"accountant must be one of {', '.join(ACCOUNTANTS)}, got {accountant!r}")
+
+
+def noisy_gd_epsilon(sigma: float, delta: float, K: int, eta: float, lam: float, n: int, sensitivity: float,
+                     accountant: Accountant = "dynamics") -> float:
+    """ε at δ of noisy GD: the RDP curve of ``accountant`` converted by ``rdp_curve_to_epsilon`` over RDP_ORDERS."""
+    c = _rdp_slope(accountant, K, eta, lam, n, sensitivity)(check.positive("sigma", sigma))
+    orders = np.asarray(RDP_ORDERS)
+    return rdp_curve_to_epsilon(orders, c * orders, delta)
+
+
+def calibrate_noisy_gd(target_epsilon: float, delta: float, K: int, eta: float, lam: float, n: int,
+                       sensitivity: float, accountant: Accountant = "dynamics") -> CalibrationPoint:
+    """Smallest σ (the paper's noise parameter) with ε in [0.999·target, target] by ``calibrate``."""
+    target = check.positive("target_epsilon", target_epsilon)
+    d = check.open_unit("delta", delta)
+    check.positive("sensitivity", sensitivity)
+    slope = _rdp_slope(accountant, K, eta, lam, n, sensitivity)
+    # ε ≈ c + 2√(c ln(1/δ)) for an RDP curve c·α, and c ∝ 1/σ²: a first guess for σ
+    log_inv = math.log(1.0 / d)
+    c_target = (math.sqrt(log_inv + target) - math.sqrt(log_inv)) ** 2
+    guess = math.sqrt(slope(1.0) / c_target)
+    orders = np.asarray(RDP_ORDERS)
+    context = f" (noisy_gd, accountant={accountant!r}, delta={d:g}, K={K}, eta={eta:g}, n={n})"
+    return calibrate(lambda s: rdp_curve_to_epsilon(orders, slope(s) * orders, d), target,
+                     sigma_min=guess * 1e-4, sigma_max=guess * 1e4, sigma_guess=guess, context=context)
