@@ -10,11 +10,9 @@ from scipy import stats
 
 from dpsgd_cli.algorithms import ALGORITHMS, Setting
 from dpsgd_cli.algorithms.erm import minimize_objective
-from dpsgd_cli.algorithms.output_perturbation import (
-    calibrate_output_noise,
-    fixed_permutation_batches,
-    min_inverse_time,
-)
+from dpsgd_cli.algorithms.chain import min_inverse_time
+from dpsgd_cli.algorithms.output_perturbation import calibrate_output_noise
+from dpsgd_cli.algorithms.sampling import shuffled_batches
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.config import load_grid_file
 from dpsgd_cli.engine import execute, plan_grid
@@ -186,13 +184,13 @@ def test_bolt_on_guarantees_and_errors(data):
 def test_fixed_permutation_is_drawn_once_and_reused_every_pass():
     n, b = 23, 5
     X, y = np.arange(n, dtype=float)[:, None], np.ones(n)
-    batches = fixed_permutation_batches(X, y, b, ReplicaStreams([0, 1]))
+    batches = shuffled_batches(X, y, b, ReplicaStreams([0, 1]), reshuffle=False)
     passes = [np.concatenate([next(batches).X[:, :, 0] for _ in range(n // b)], axis=1) for _ in range(3)]
     np.testing.assert_array_equal(passes[0], passes[1])
     np.testing.assert_array_equal(passes[0], passes[2])
     assert all(len(set(row)) == (n // b) * b for row in passes[0])  # disjoint batches, 3 examples left out
     assert not np.array_equal(passes[0][0], passes[0][1])  # each replica its own permutation
-    alone = fixed_permutation_batches(X, y, b, ReplicaStreams([1]))
+    alone = shuffled_batches(X, y, b, ReplicaStreams([1]), reshuffle=False)
     np.testing.assert_array_equal(next(alone).X[0], passes[0][1][:b, None])
 
 

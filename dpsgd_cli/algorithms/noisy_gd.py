@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterator, Literal, Optional
+from typing import Literal, Optional
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -10,26 +10,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from dpsgd_cli.algorithms.base import Algorithm, Outcome, Setting
 from dpsgd_cli.algorithms.chain import (Checkpoints, GradientChain, add_l2, add_noise, constant, project_to_ball,
                                         scale)
+from dpsgd_cli.algorithms.sampling import full_batches
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.errors import UserError
-from dpsgd_cli.models import Batch, Model
+from dpsgd_cli.models import Model
 from dpsgd_cli.privacy.dynamics import calibrate_noisy_gd, noisy_gd_epsilon
 
 ROW_NORM_TOLERANCE = 1e-9  # rows normalised to norm 1 may exceed it by rounding
-
-
-# --- shared building block (belongs in sampling.py) ----------------------------------------------------------------
-def full_batches(X: np.ndarray, y: np.ndarray, replicas: int) -> Iterator[Batch]:
-    """The whole training set as every step's batch for every replica (full-batch GD), without copying X.
-
-    The replica axis is a zero-stride broadcast view: (R, n, d) costs the memory of X once.
-    """
-    n = X.shape[0]
-    batch = Batch(X=np.broadcast_to(X, (replicas, *X.shape)), y=np.broadcast_to(y, (replicas, n)),
-                  weight=np.ones((replicas, n), dtype=X.dtype),
-                  x_norm=np.broadcast_to(np.linalg.norm(X, axis=1), (replicas, n)))
-    while True:
-        yield batch
 
 
 class NoisyGDParams(BaseModel):

@@ -24,9 +24,9 @@ from dp_accounting import get_epsilon_gaussian
 from pydantic import BaseModel, ConfigDict, Field
 
 from dpsgd_cli.algorithms.base import Algorithm, Outcome, Setting
-from dpsgd_cli.algorithms.chain import Checkpoints, GradientChain, Schedule, add_l2, constant, scale
+from dpsgd_cli.algorithms.chain import Checkpoints, GradientChain, Schedule, add_l2, constant, min_inverse_time, scale
 from dpsgd_cli.algorithms.erm import minimize_objective
-from dpsgd_cli.algorithms.sampling import gather
+from dpsgd_cli.algorithms.sampling import shuffled_batches
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import Batch, Model
@@ -172,25 +172,6 @@ def strongly_convex_psgd_sensitivity(lipschitz: float, gamma: float, batch_size:
     return 2 * lipschitz / (gamma * batch_size * batches_per_pass)
 
 
-def min_inverse_time(beta: float, gamma: float) -> Schedule:
-    """η_t = min(1/β, 1/(γt)) (Wu et al. 2017, strongly convex case)."""
-    return lambda t: min(1.0 / beta, 1.0 / (gamma * t))
-
-
-def fixed_permutation_batches(X: np.ndarray, y: np.ndarray, batch_size: int,
-                              streams: ReplicaStreams) -> Iterator[Batch]:
-    """One random permutation per replica, drawn once; every pass walks its ⌊n/b⌋ disjoint batches in the same order
-    (Wu et al.'s PSGD, as in Bismarck's shuffle-once). The last n − b⌊n/b⌋ examples of the permutation are never
-    used."""
-    n = X.shape[0]
-    per_pass = n // batch_size
-    x_norm = np.linalg.norm(X, axis=1)
-    perms = np.stack([g.permutation(n)[: per_pass * batch_size] for g in streams.generators("sampling")])
-    while True:
-        for k in range(per_pass):
-            yield gather(X, y, x_norm, perms[:, k * batch_size:(k + 1) * batch_size])
-
-
 @dataclass(frozen=True)
 class PSGDPlan:
     """Everything bolt_on derives before training."""
@@ -237,7 +218,7 @@ class BoltOn(Algorithm):
       (Wu et al. Thm 2: the mini-batch does not divide it further; see `strongly_convex_psgd_sensitivity`).
     L is the Lipschitz constant of the data loss only: the regulariser's gradient λθ is the same on both neighbouring
     datasets and cancels in the growth recursion, so no projection onto a ball is needed.
-    The permutation is drawn once per replica and reused by every pass (`fixed_permutation_batches`); the analysis
+    The permutation is drawn once per replica and reused by every pass (`shuffled_batches(..., reshuffle=False)`); the analysis
     holds for any fixed permutation and the same starting point on both datasets. Checkpoints (traces.csv) record the
     noiseless iterates; only the final θ is released, with noise.
     """
@@ -291,7 +272,7 @@ class BoltOn(Algorithm):
         plan = self.plan(setting, model)
         noise = calibrate_output_noise(plan.sensitivity, setting.epsilon, setting.delta, self.params.calibration)
         checkpoints = Checkpoints(setting.trace_every, X, y) if setting.trace_every else None
-        chain = self.chain(plan, setting.l2, fixed_permutation_batches(X, y, plan.batch_size, streams), checkpoints)
+        chain = self.chain(plan, setting.l2, shuffled_batches(X, y, plan.batch_size, streams, reshuffle=False), checkpoints)
         theta = chain.run(model, model.init(streams.generators("init")), plan.steps)
         theta = add_output_noise(theta, noise.sigma, streams)
         guarantee = _assumption_failure(model, X) or plan.failure or noise.failure or "proved"
@@ -301,5 +282,5 @@ class BoltOn(Algorithm):
 
 
 __all__ = ["BoltOn", "OutputPerturbation", "OutputNoise", "PSGDPlan", "add_output_noise", "calibrate_output_noise",
-           "convex_psgd_sensitivity", "fixed_permutation_batches", "min_inverse_time",
+           "convex_psgd_sensitivity",
            "strongly_convex_psgd_sensitivity"]

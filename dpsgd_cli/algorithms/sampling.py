@@ -62,13 +62,31 @@ def uniform_examples(X: np.ndarray, y: np.ndarray, streams: ReplicaStreams, batc
         yield gather(X, y, x_norm, idx)
 
 
-def shuffled_batches(X: np.ndarray, y: np.ndarray, batch_size: int, streams: ReplicaStreams) -> Iterator[Batch]:
-    """Disjoint batches of a fresh random permutation per pass, ⌊n/b⌋ per pass (Song et al. 2013; Wu et al. 2017)."""
+def shuffled_batches(X: np.ndarray, y: np.ndarray, batch_size: int, streams: ReplicaStreams,
+                     reshuffle: bool = True) -> Iterator[Batch]:
+    """Disjoint batches of a random permutation, ⌊n/b⌋ per pass; the last n − b⌊n/b⌋ examples of it are unused.
+
+    reshuffle: a fresh permutation every pass (Song et al. 2013); False: one permutation drawn once and walked
+    in the same order every pass (Wu et al. 2017's PSGD, Bismarck's shuffle-once).
+    """
     n = X.shape[0]
     per_pass = n // batch_size
     x_norm = np.linalg.norm(X, axis=1)
     gens = streams.generators("sampling")
+    perms = None
     while True:
-        perms = np.stack([g.permutation(n)[: per_pass * batch_size] for g in gens])  # (R, n')
+        if reshuffle or perms is None:
+            perms = np.stack([g.permutation(n)[: per_pass * batch_size] for g in gens])  # (R, n')
         for k in range(per_pass):
             yield gather(X, y, x_norm, perms[:, k * batch_size:(k + 1) * batch_size])
+
+
+def full_batches(X: np.ndarray, y: np.ndarray, replicas: int) -> Iterator[Batch]:
+    """The whole training set as every step's batch for every replica (full-batch GD), without copying X:
+    the replica axis is a zero-stride broadcast view."""
+    n = X.shape[0]
+    batch = Batch(X=np.broadcast_to(X, (replicas, *X.shape)), y=np.broadcast_to(y, (replicas, n)),
+                  weight=np.ones((replicas, n), dtype=X.dtype),
+                  x_norm=np.broadcast_to(np.linalg.norm(X, axis=1), (replicas, n)))
+    while True:
+        yield batch
