@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import math
-import time
 
 import dp_accounting
 import numpy as np
@@ -265,11 +264,8 @@ def test_pld_calibration_needs_less_noise_than_rdp():
 
 
 def test_calibration_record_and_cache():
-    acc.calibrate_sigma.cache_clear()
-    start = time.perf_counter()
+    acc.calibrate_sigma.cache_clear()  # speed is measured by the benchmark, not here
     cal = acc.calibrate_sigma(1.0, ADULT_DELTA, ADULT_Q, ADULT_T)
-    elapsed = time.perf_counter() - start
-    assert elapsed < 3.0  # typically ~0.1 s; generous for loaded CI machines
     assert acc.calibrate_sigma(1.0, ADULT_DELTA, ADULT_Q, ADULT_T) is cal
     assert acc.calibrate_sigma.cache_info().hits == 1
     assert cal.accountant == "rdp" and cal.steps == ADULT_T and cal.sample_rate == ADULT_Q

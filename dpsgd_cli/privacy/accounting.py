@@ -22,14 +22,16 @@ As in ``dp-accounting``, the *mechanism* is described by a :class:`dp_accounting
     orders).  epsilon = 0.01 needs alpha ~ 2e3..4e3.  The relative spacing (<= 5 %) costs at most
     ~0.03 % of epsilon compared with a continuum of orders (for an RDP curve ~ a*alpha the loss of
     a grid with ratio r is (sqrt(r) + 1/sqrt(r))/2 - 1); measured against a dense reference grid
-    (step 0.01 below 11, every integer to 1024, 2 % above) the loss is <= 0.05 % on all cases tried.
+    (step 0.01 below 11, every integer to 1024, 2 % above) on 16 DP-SGD settings
+    (epsilon 0.0066..102) the loss is <= 0.02 %, except 0.04 % at epsilon = 13.8 (alpha* = 2.78).
 
     Cost: the library computes an integer order alpha with an (alpha+1)-term Python loop
     (~2.3 us/term), so the orders above 64 are evaluated *lazily*: only if the optimum over the
     orders <= 64 sits at 64, the grid is walked upwards until epsilon has increased at two
-    consecutive orders.  The per-order bound is unimodal in alpha (checked on a dense grid for
-    all the cases in the tests), so the result equals the minimum over the whole grid; the test
-    suite checks this against a fresh ``RdpAccountant(orders=...)`` over the full grid.
+    consecutive orders.  Above 64 the per-order bound is unimodal in alpha (checked on the dense
+    grid for the same 16 settings), so the result equals the minimum over the whole grid; the
+    tests compare with a fresh ``RdpAccountant(orders=RDP_ORDERS up to 1024 or 8192)``.  If the
+    bound were not unimodal the walk could stop early: epsilon would be looser, never invalid.
 
 ``"pld"``
     :class:`dp_accounting.pld.PLDAccountant` (privacy loss distributions, Koskela et al. 2020;
@@ -39,13 +41,17 @@ As in ``dp-accounting``, the *mechanism* is described by a :class:`dp_accounting
     number of compositions and K ~ 2..9.  So neither a fixed h = 1e-4 (error 2.9 % at
     epsilon = 0.019 and 24 % at epsilon = 0.006 for q = 256/30162, T = 590) nor h = epsilon/100
     (error ~10 % at T = 590) is adequate.  We use ``h = rho * epsilon / sqrt(n)`` with
-    ``rho = PLD_RHO = 0.005`` (expected relative error 5e-5..2e-4), snapped down to the grid
-    10**(-k/4) and found by fixed-point iteration: start at h = 1e-2, recompute with the h implied
-    by the current epsilon until h no longer decreases (2-3 passes; each pass is an upper bound).
-    Measured cost per evaluation: 5-50 ms for T = 590, 35-200 ms for T = 1e4.
+    ``rho = PLD_RHO = 0.005`` (measured: within 2e-5..4e-5 of a 4x finer grid), snapped down to
+    the grid 10**(-k/4) and found by fixed-point iteration: start at h = 1e-2, recompute with the
+    h implied by the current epsilon until h no longer decreases (2-3 passes; each pass is an
+    upper bound).  Measured cost per evaluation: 5-100 ms for T = 590, 35-250 ms for T = 1e4.
 
 Calibration (:func:`calibrate_sigma`, generic :func:`calibrate`) finds the smallest noise
-multiplier whose epsilon is within ``[0.999 * target, target]``.
+multiplier whose epsilon is within ``[0.999 * target, target]`` (Brent's bracketing method on
+log sigma, stopped by the epsilon window; 3-8 evaluations).  Measured (2-core machine,
+q = 256/30162, T = 590, delta = 1/30162^2): RDP 0.09 s (epsilon = 1), 0.16 s (3), 0.55 s (0.01);
+PLD 0.30 s, 0.40 s, 0.08 s.  q = 0.01, T = 1e4: RDP ~0.05 s, PLD 0.4-0.6 s.  Only very small
+targets are slow with RDP (epsilon = 0.002: ~3.5 s, the optimal order is ~1e4).
 """
 
 from __future__ import annotations
