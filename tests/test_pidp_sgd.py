@@ -1,0 +1,326 @@
+"""PIDP-SGD (Kang et al.): its constants by hand, the Hessian and influence vectors, the private test, both
+branches, the noise of a noisy step, replica independence, and a run through the engine."""
+
+import json
+import math
+import textwrap
+
+import numpy as np
+import pandas as pd
+import pytest
+from scipy import stats
+from scipy.special import expit
+
+from dpsgd_cli.algorithms import ALGORITHMS, Setting
+from dpsgd_cli.algorithms import pidp_sgd as P
+from dpsgd_cli.algorithms.chain import GradientChain, add_l2, add_noise, constant, project_to_ball, scale
+from dpsgd_cli.algorithms.sampling import poisson_batches
+from dpsgd_cli.algorithms.streams import ReplicaStreams
+from dpsgd_cli.models import make_model
+from dpsgd_cli.privacy.accounting import calibrate_sigma
+from dpsgd_cli.privacy.mechanisms import advanced_composition, amplify_by_subsampling
+
+
+@pytest.fixture(autouse=True)
+def _one_blas_thread():
+    """Small matrices: BLAS threads only add contention (the engine's workers run single-threaded too)."""
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(1):
+        yield
+
+
+@pytest.fixture(scope="module")
+def data():
+    rng = np.random.default_rng(7)
+    X = rng.normal(size=(300, 6))
+    X /= np.maximum(1.0, np.linalg.norm(X, axis=1, keepdims=True))
+    y = np.where(X @ np.array([1.0, -2.0, 0.5, 0.0, 1.0, 0.3]) + 0.2 * rng.normal(size=300) > 0, 1.0, -1.0)
+    return X, y
+
+
+def _setting(n, d, **kw):
+    base = {"n": n, "d": d, "delta": 1e-5, "l2": 1e-3, "epsilon": 1.0, "batch_size": 10, "lr": 0.5, "epochs": 2}
+    return Setting(**{**base, **kw})
+
+
+def _fit(X, y, seeds=(0, 1), params=None, **kw):
+    setting = _setting(*X.shape, **kw)
+    model = make_model("logreg", X.shape[1], setting.l2)
+    return ALGORITHMS["pidp_sgd"](params or {}).fit(setting, model, X, y, ReplicaStreams(seeds)), setting, model
+
+
+# --- constants by hand ----------------------------------------------------------------------------
+
+
+def test_sigma_c_and_error_bound_by_hand():
+    # σ_c = 2.83·G·R·√(ln(1.25R/δ₂))/(nζε₂), G=1, R=2, δ₂=1e-4, n=100, ζ=0.5, ε₂=0.25:
+    # ln(25000) = 10.126631, √ = 3.1822368, 2.83·2·3.1822368 = 18.011460, / (100·0.5·0.25 = 12.5) = 1.4409168
+    assert P.contribution_sigma(1.0, 2, 1e-4, 100, 0.5, 0.25) == pytest.approx(1.4409168, rel=1e-7)
+    # E = (2LG + CG²/ζ)/(ζ²n²), L=1/4, G=1, C=1/(6√3)=0.09622504, ζ=0.5, n=100:
+    # (0.5 + 0.19245009)/(0.25·10⁴) = 2.7698004e-4
+    assert P.influence_error_bound(0.25, 1.0, 1 / (6 * math.sqrt(3)), 0.5, 100) == pytest.approx(2.7698004e-4, rel=1e-7)
+    # C is max |σ''| of the sigmoid (σ'' = σ'(1 − 2σ))
+    m = np.linspace(-10, 10, 2_000_001)
+    assert np.abs(expit(m) * expit(-m) * (1 - 2 * expit(m))).max() == pytest.approx(P.MAX_ABS_SIGMOID_2ND, rel=1e-9)
+
+
+def test_fit_derives_the_paper_constants(data):
+    X, y = data
+    out, _, _ = _fit(X, y, epsilon=2.0, params={"zeta": 0.05, "rounds": 3, "local_steps": 7})
+    d = out.derived
+    n, R = X.shape[0], 3
+    assert (d["rounds"], d["local_steps"], d["steps"]) == (3, 7, 21)
+    assert (d["epsilon_1"], d["epsilon_2"], d["delta_1"], d["delta_2"]) == (1.5, 0.5, 5e-6, 5e-6)
+    assert (d["lipschitz_G"], d["smoothness_L"]) == (1.0, 0.25)
+    by_hand = 2.83 * 1.0 * R * math.sqrt(math.log(1.25 * R / 5e-6)) / (n * 0.05 * 0.5)
+    assert d["sigma_c"] == pytest.approx(by_hand, rel=1e-12)
+    E = (2 * 0.25 * 1.0 + (1 / (6 * math.sqrt(3))) / 0.05) / (0.05**2 * n**2)
+    assert d["influence_error_bound"] == pytest.approx(E, rel=1e-12)
+    cal = calibrate_sigma(1.5, 5e-6, 10 / n, 21, accountant="rdp")
+    assert d["sigma"] == cal.sigma and d["epsilon_achieved"] == pytest.approx(cal.epsilon + 0.5)
+    assert d["epsilon_achieved"] <= 2.0 and d["noise_std"] == pytest.approx(cal.sigma / 10)
+    assert d["hessian_damped"] is True and out.guarantee == P.PAPER_CLAIM
+
+
+def test_default_schedule_is_one_round_per_epoch(data):
+    X, y = data
+    out, s, _ = _fit(X, y, epochs=3, batch_size=20)
+    assert (out.derived["rounds"], out.derived["local_steps"]) == (3, 15) and out.derived["steps"] == s.steps
+
+
+def test_composition_accountant_is_a_valid_bound(data):
+    X, y = data
+    T, q = 60, 10 / X.shape[0]
+    cal = P.calibrate_noisy_steps(0.75, 5e-6, q, T, "composition")
+    # forward: per-step Gaussian (ε₀, δ₀) at σ, amplified by Poisson sampling, composed T times (advanced with
+    # δ' = δ₁/2, or basic): the better of the two gives back ε₁ = 0.75
+    totals = []
+    for delta_0, compose in ((5e-6 / (2 * T * q), lambda e, dl: advanced_composition(e, dl, T, 5e-6 / 2)),
+                             (5e-6 / (T * q), lambda e, dl: (T * e, T * dl))):
+        e_s, d_s = amplify_by_subsampling(math.sqrt(2 * math.log(1.25 / delta_0)) / cal.sigma, q, delta_0)
+        total_eps, total_delta = compose(e_s, d_s)
+        assert total_delta <= 5e-6 * (1 + 1e-9)
+        totals.append(total_eps)
+    assert min(totals) == pytest.approx(0.75, rel=1e-9)
+    assert cal.valid and cal.sigma > calibrate_sigma(0.75, 5e-6, q, T).sigma  # RDP is tighter
+    out, _, _ = _fit(X, y, params={"accountant": "composition"})
+    assert out.derived["accountant"] == "composition" and out.guarantee == P.PAPER_CLAIM
+
+
+# --- Hessian and influence vectors -----------------------------------------------------------------
+
+
+def test_hessian_matches_finite_differences_of_the_gradient(data):
+    X, y = data
+    l2, d = 1e-2, X.shape[1]
+    model = make_model("logreg", d, l2)
+    theta = np.random.default_rng(0).normal(size=(2, d))
+    H = P.logreg_hessian(theta, X, y, l2)
+    h = 1e-5
+    for j in range(d):
+        e = np.zeros(d)
+        e[j] = h
+        column = (model.gradient(theta + e, X, y) - model.gradient(theta - e, X, y)) / (2 * h)
+        np.testing.assert_allclose(H[:, :, j], column, atol=1e-8)
+    np.testing.assert_allclose(H, np.swapaxes(H, 1, 2))
+    Hd, damped = P.damped(H, l2, 0.5)
+    assert damped and np.linalg.eigvalsh(Hd).min() >= 0.5
+    assert P.damped(H, l2, l2)[1] is False  # λ ≥ ζ: H already has λ_min ≥ ζ, nothing added
+
+
+def test_influence_vectors_match_a_dense_solve(data):
+    X, y = data
+    n, d = X.shape
+    theta = np.random.default_rng(1).normal(size=(3, d))
+    H, _ = P.damped(P.logreg_hessian(theta, X, y, 1e-3), 1e-3, 0.05)
+    H_inv = np.linalg.solve(H, np.broadcast_to(np.eye(d), H.shape))
+    model = make_model("logreg", d, 0.0)
+    for G in (1.0, 0.2):  # 0.2 clips most gradients
+        v = P.influence_vectors(theta, X[:20], y[:20], H_inv, n, G)
+        for r in range(3):
+            for i in range(20):
+                g = model.data_gradient(theta[r:r + 1], X[i:i + 1], y[i:i + 1])[0]
+                g = g * min(1.0, G / np.linalg.norm(g))
+                np.testing.assert_allclose(v[r, i], np.linalg.solve(H[r], g) / n, rtol=1e-9, atol=1e-15)
+        norms = P.influence_norms(theta, X, y, np.linalg.norm(X, axis=1), H_inv, G)
+        np.testing.assert_allclose(norms[:, :20], np.linalg.norm(v, axis=-1), rtol=1e-10)
+        assert norms.max() <= G / (n * 0.05) + 1e-15  # ‖H⁻¹‖ ≤ 1/ζ: the bound σ_c uses
+
+
+def test_noised_norm_is_the_norm_of_2c_plus_gaussian_vector():
+    """The exact shortcut √((2‖c‖ + σZ)² + σ²χ²_{d−1}) against brute-force vectors 2c + N(0, σ²I)."""
+    d, sigma, N = 12, 0.3, 40000
+    c = np.full((1, N), 0.4)
+    fast = P.noised_norms(c, sigma, d, [np.random.default_rng(0)])[0]
+    direction = np.random.default_rng(1).normal(size=d)
+    vec = 2 * 0.4 * direction / np.linalg.norm(direction)
+    slow = np.linalg.norm(vec + sigma * np.random.default_rng(2).normal(size=(N, d)), axis=1)
+    assert stats.ks_2samp(fast, slow).pvalue > 1e-3
+    wrong = np.linalg.norm(vec + 1.05 * sigma * np.random.default_rng(2).normal(size=(N, d)), axis=1)
+    assert stats.ks_2samp(fast, wrong).pvalue < 1e-6  # a 5% error in σ_c would be caught
+    assert P.noised_norms(np.zeros((1, 5)), 2.0, 1, [np.random.default_rng(0)]).shape == (1, 5)  # d = 1
+
+
+def test_contribution_test_adds_E_to_the_norm_and_compares_with_r(data):
+    X, y = data
+    n, d = X.shape
+    theta = np.random.default_rng(2).normal(size=(2, d))
+    x_norm = np.linalg.norm(X, axis=1)
+    H, _ = P.damped(P.logreg_hessian(theta, X, y, 1e-3), 1e-3, 0.05)
+    v = P.influence_norms(theta, X, y, x_norm, np.linalg.inv(H), 1.0)  # (2, n)
+    E = 0.5 * v.max()
+    gens = [np.random.default_rng(0), np.random.default_rng(1)]
+    # σ_c = 0: ‖c̃_z‖ = 2(‖v_z‖ + E) exactly; with r = 2‖v‖max + 1.5E every example passes without E, not with it
+    radius = 2 * v.max() + 1.5 * E
+    eligible, was_damped = P.contribution_test(theta, X, y, x_norm, 1e-3, 0.05, 1.0, E, 0.0, radius, gens)
+    np.testing.assert_array_equal(eligible, 2 * (v + E) <= radius)
+    assert was_damped and (2 * v <= radius).all() and 0 < eligible.sum() < 2 * n and not eligible.flat[np.argmax(v)]
+    # a diverged replica does not break the others
+    bad = theta.copy()
+    bad[0] = np.nan
+    eligible, _ = P.contribution_test(bad, X, y, x_norm, 1e-3, 0.05, 1.0, E, 0.0, radius, gens)
+    np.testing.assert_array_equal(eligible[1], 2 * (v[1] + E) <= radius)
+
+
+def test_indexed_batches_are_the_dp_sgd_batches(data):
+    X, y = data
+    plain = poisson_batches(X, y, 0.05, ReplicaStreams([0, 4]))
+    indexed = P.indexed_poisson_batches(X, y, 0.05, ReplicaStreams([0, 4]))
+    for _ in range(30):
+        a, (idx, b) = next(plain), next(indexed)
+        for field in ("X", "y", "weight", "x_norm"):
+            np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
+        np.testing.assert_array_equal(X[np.maximum(idx, 0)] * (idx >= 0)[..., None], a.X * a.weight[..., None])
+
+
+# --- the two branches -------------------------------------------------------------------------------
+
+
+def test_all_noiseless_is_sgd_and_all_noisy_is_the_dp_sgd_chain(data):
+    X, y = data
+    d = X.shape[1]
+    kw = {"epochs": 2, "batch_size": 10, "lr": 0.5}
+    quiet, s, model = _fit(X, y, params={"zeta": 1e6, "radius": 1e6}, **kw)  # σ_c ≈ 0: every example passes
+    assert quiet.derived["noiseless_fraction"] == [1.0, 1.0] and quiet.derived["noiseless_fraction_mean"] == 1.0
+    reference = ALGORITHMS["sgd"]().fit(s, model, X, y, ReplicaStreams([0, 1])).theta
+    np.testing.assert_allclose(quiet.theta, reference, rtol=1e-12)  # noise off: exactly the non-private SGD
+
+    loud, s, model = _fit(X, y, params={"zeta": 1e-9, "radius": 1e6}, **kw)  # σ_c huge: no example passes
+    assert loud.derived["noiseless_fraction"] == [0.0, 0.0] and loud.derived["eligible_fraction"] == [0.0, 0.0]
+    streams = ReplicaStreams([0, 1])
+    chain = GradientChain(poisson_batches(X, y, s.sample_rate, streams), clip=1.0,
+                          transforms=[add_noise(loud.derived["sigma"], streams.normal("noise", (d,))),
+                                      scale(1 / s.batch_size), add_l2(s.l2)],
+                          schedule=constant(s.lr), project=project_to_ball(1e6))
+    np.testing.assert_allclose(loud.theta, chain.run(model, np.zeros((2, d)), s.steps), rtol=1e-12)
+
+
+def test_mixed_case_fraction_in_unit_interval(data):
+    X, y = data
+    n, d = X.shape
+    R, T_local = 2, 40
+    sigma_c = P.contribution_sigma(1.0, R, 0.5e-5, n, 0.05, 0.25)
+    radius = sigma_c * math.sqrt(d - 0.5)  # ≈ the median of ‖c̃‖: about half the examples pass
+    out, _, _ = _fit(X, y, seeds=(0, 1, 2), batch_size=2,
+                     params={"zeta": 0.05, "radius": radius, "rounds": R, "local_steps": T_local})
+    fractions = np.array(out.derived["noiseless_fraction"])
+    assert ((fractions > 0) & (fractions < 1)).all()
+    assert np.allclose(fractions * R * T_local, np.round(fractions * R * T_local))  # whole steps
+    assert out.derived["noiseless_fraction_mean"] == pytest.approx(fractions.mean())
+    assert all(0.2 < e < 0.8 for e in out.derived["eligible_fraction"])
+
+
+def test_noisy_step_noise_has_std_sigma_G_over_B():
+    """One step from θ = 0: θ_noisy − θ_noiseless = −η σ G z / B with z ~ N(0, I)."""
+    rng = np.random.default_rng(3)
+    n, d, B, lr, seeds = 120, 250, 8, 0.7, tuple(range(48))
+    X = rng.normal(size=(n, d))
+    X /= np.linalg.norm(X, axis=1, keepdims=True)
+    y = np.where(rng.random(n) < 0.5, 1.0, -1.0)
+    common = {"seeds": seeds, "batch_size": B, "lr": lr, "epsilon": 2.0, "epochs": B / n}
+    noisy, _, _ = _fit(X, y, params={"zeta": 1e-9, "radius": 1e6}, **common)
+    quiet, _, _ = _fit(X, y, params={"zeta": 1e6, "radius": 1e6}, **common)
+    assert noisy.derived["noiseless_fraction_mean"] == 0.0 and quiet.derived["noiseless_fraction_mean"] == 1.0
+    assert noisy.derived["steps"] == 1 and noisy.derived["sigma"] == quiet.derived["sigma"]
+    std = lr * noisy.derived["sigma"] * 1.0 / B
+    z = ((noisy.theta - quiet.theta) / -std).ravel()  # 12000 draws
+    assert stats.kstest(z, "norm").pvalue > 1e-3
+    chi2 = (z**2).sum()
+    assert 2 * min(stats.chi2.cdf(chi2, z.size), stats.chi2.sf(chi2, z.size)) > 1e-3
+    assert stats.chi2.cdf(((z / 1.05) ** 2).sum(), z.size) < 1e-6  # std 5% too small would be caught
+    assert stats.chi2.sf(((z * 1.05) ** 2).sum(), z.size) < 1e-6  # std 5% too large would be caught
+
+
+# --- projection, replicas, guarantee ----------------------------------------------------------------
+
+
+def test_projection_keeps_iterates_in_the_ball(data):
+    X, y = data
+    out, _, _ = _fit(X, y, lr=5.0, params={"radius": 0.3, "rounds": 4, "local_steps": 5})
+    assert (np.linalg.norm(out.theta, axis=1) <= 0.3 * (1 + 1e-12)).all()
+
+
+def test_replicas_are_independent(data):
+    X, y = data
+    n, d = X.shape
+    radius = P.contribution_sigma(1.0, 2, 0.5e-5, n, 0.05, 0.25) * math.sqrt(d - 0.5)
+    params = {"zeta": 0.05, "radius": radius, "rounds": 2, "local_steps": 30}
+    together, _, _ = _fit(X, y, seeds=(1, 3, 5), batch_size=2, params=params)
+    alone, _, _ = _fit(X, y, seeds=(3,), batch_size=2, params=params)
+    np.testing.assert_allclose(together.theta[1], alone.theta[0], rtol=1e-12)
+    assert together.derived["noiseless_fraction"][1] == alone.derived["noiseless_fraction"][0]
+    assert together.derived["eligible_fraction"][1] == alone.derived["eligible_fraction"][0]
+    assert not np.allclose(together.theta[0], together.theta[2])
+
+
+def test_guarantee_names_the_failed_assumption(data):
+    X, y = data
+    assert _fit(X * 1.5, y)[0].guarantee.startswith("none: rows outside the unit ball (max ‖x‖ = 1.5")
+    big = _fit(X, y, epsilon=8.0, params={"rounds": 1, "local_steps": 3})[0]  # ε₂/R = 2
+    assert big.guarantee.startswith("none: per-round test budget ε₂/R = 2")
+    loose = _fit(X, y, epsilon=3.0, epochs=0.1, params={"accountant": "composition"})[0]
+    assert loose.guarantee.startswith("none: per-step ε₀")
+
+
+def test_trace_counts_examples_across_rounds(data):
+    X, y = data
+    setting = _setting(*X.shape, trace_every=50, batch_size=10, epochs=2)
+    model = make_model("logreg", X.shape[1], setting.l2)
+    out = ALGORITHMS["pidp_sgd"]({"rounds": 3, "local_steps": 10}).fit(setting, model, X, y, ReplicaStreams([0, 1]))
+    examples = [row[0] for row in out.trace]
+    assert examples == list(range(50, 301, 50))  # 3 rounds × 10 steps × 10 examples, counted across rounds
+    assert all(row[1].shape == (2,) and np.isfinite(row[1]).all() for row in out.trace)
+    assert len(out.derived["empty_step_fraction"]) == 2
+
+
+# --- end to end ---------------------------------------------------------------------------------------
+
+
+def test_runs_through_the_engine(tmp_path, monkeypatch):
+    from dpsgd_cli.config import load_grid_file
+    from dpsgd_cli.engine import execute, plan_grid
+
+    monkeypatch.setenv("DPSGD_DATA_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "grid.yaml"
+    path.write_text(textwrap.dedent("""
+        grids:
+          - name: pidp
+            datasets: [{name: synthetic, n: 600}]
+            algorithms: [{name: pidp_sgd, zeta: 0.05, radius: 20}]
+            epsilon: [1, 3]
+            batch_size: [16]
+            lr: [0.5]
+            epochs: 2
+            seeds: 2
+    """))
+    grid = load_grid_file(path).grids[0]
+    execute(plan_grid(grid, tmp_path / "out"))
+    runs = pd.read_csv(tmp_path / "out" / "pidp" / "runs.csv")
+    assert len(runs) == 4 and set(runs["status"]) == {"ok"} and set(runs["guarantee"]) == {P.PAPER_CLAIM}
+    assert (runs["sigma"] > 0).all() and set(runs["accountant"]) == {"rdp"}
+    assert (runs["epsilon_achieved"] <= runs["epsilon"]).all() and (runs["steps"] > 0).all()
+    for _, row in runs.iterrows():
+        derived = json.loads(row["derived"])
+        assert len(derived["noiseless_fraction"]) == 2 and 0 <= derived["noiseless_fraction_mean"] <= 1
+        assert derived["sigma_c"] > 0 and derived["influence_error_bound"] > 0
