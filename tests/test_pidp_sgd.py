@@ -16,6 +16,8 @@ from dpsgd_cli.algorithms import pidp_sgd as P
 from dpsgd_cli.algorithms.chain import GradientChain, add_l2, add_noise, constant, project_to_ball, scale
 from dpsgd_cli.algorithms.sampling import poisson_batches
 from dpsgd_cli.algorithms.streams import ReplicaStreams
+from dpsgd_cli.config import load_grid_file
+from dpsgd_cli.engine import execute, plan_grid
 from dpsgd_cli.models import make_model
 from dpsgd_cli.privacy.accounting import calibrate_sigma
 from dpsgd_cli.privacy.mechanisms import advanced_composition, amplify_by_subsampling
@@ -322,5 +324,26 @@ def test_runs_through_the_engine(tmp_path, monkeypatch):
     assert (runs["epsilon_achieved"] <= runs["epsilon"]).all() and (runs["steps"] > 0).all()
     for _, row in runs.iterrows():
         derived = json.loads(row["derived"])
-        assert len(derived["noiseless_fraction"]) == 2 and 0 <= derived["noiseless_fraction_mean"] <= 1
+        assert 0 <= row["noiseless_fraction"] <= 1 and 0 <= derived["noiseless_fraction_mean"] <= 1
+        assert 0 <= derived["eligible_fraction"] <= 1  # per-replica values: this seed's own
         assert derived["sigma_c"] > 0 and derived["influence_error_bound"] > 0
+
+
+def test_noiseless_fraction_is_a_per_run_csv_column(tmp_path, monkeypatch):
+    monkeypatch.setenv("DPSGD_DATA_DIR", str(tmp_path / "cache"))
+    grid = tmp_path / "grid.yaml"
+    grid.write_text(textwrap.dedent("""
+        grids:
+          - name: pidp
+            datasets: [{name: synthetic, n: 400}]
+            algorithms: [{name: pidp_sgd, zeta: 0.1, radius: 20}]
+            epsilon: [3]
+            batch_size: [20]
+            lr: [0.5]
+            epochs: 2
+            seeds: 2
+    """))
+    execute(plan_grid(load_grid_file(grid).grids[0], tmp_path / "out"))
+    runs = pd.read_csv(tmp_path / "out" / "pidp" / "runs.csv")
+    assert runs["noiseless_fraction"].between(0, 1).all() and runs["noiseless_fraction"].notna().all()
+    assert all("noiseless_fraction" not in json.loads(d) for d in runs["derived"])

@@ -19,7 +19,7 @@ from dpsgd_cli.algorithms.erm import minimize_objective
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.config import DELTA_RULE, Cell, Grid, expand
 from dpsgd_cli.data import Dataset, DatasetSpec, load_dataset
-from dpsgd_cli.engine.results import ResultStore, now
+from dpsgd_cli.engine.results import COLUMNS, ResultStore, now
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import make_model
 
@@ -88,11 +88,17 @@ def run_task(task: Task, single_thread: bool = False) -> TaskResult:
     elapsed = (time.perf_counter() - start) / len(task.seeds)
     metrics = _metrics(model, outcome.theta, data, task.optimal_objective)
     derived = dict(outcome.derived)
-    known = {k: derived.pop(k) for k in list(derived) if k in base}
+    # a derived list with one value per replica (e.g. pidp_sgd's noiseless_fraction) belongs to each seed's row
+    per_replica = {k: derived.pop(k) for k in list(derived)
+                   if isinstance(derived[k], (list, np.ndarray)) and len(derived[k]) == len(task.seeds)}
+    known = {k: derived.pop(k) for k in list(derived) if k in COLUMNS}
     rows = []
     for r, seed in enumerate(task.seeds):
-        row = {**base, **known, **{k: v[r] for k, v in metrics.items()}, "run_id": cell.run_id(seed), "seed": seed,
-               "guarantee": outcome.guarantee, "derived": json.dumps(derived, default=float) if derived else "",
+        own = {k: v[r] for k, v in per_replica.items()}
+        extra = {**derived, **{k: v for k, v in own.items() if k not in COLUMNS}}
+        row = {**base, **known, **{k: v for k, v in own.items() if k in COLUMNS},
+               **{k: v[r] for k, v in metrics.items()}, "run_id": cell.run_id(seed), "seed": seed,
+               "guarantee": outcome.guarantee, "derived": json.dumps(extra, default=float) if extra else "",
                "wall_time": elapsed}
         finite = np.isfinite(outcome.theta[r]).all() and np.isfinite(row["train_objective"])
         row["status"], row["message"] = ("ok", "") if finite else ("diverged", "non-finite parameters or objective")
