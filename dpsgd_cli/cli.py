@@ -55,11 +55,13 @@ def run(
     no_resume: bool = typer.Option(False, "--no-resume", help="Start over (the old runs.csv is kept as a backup)."),
 ) -> None:
     """Run every cell of the grid(s), appending each finished run to OUT/<grid>/runs.csv."""
+    from dpsgd_cli.algorithms.kernels import backend_description
     from dpsgd_cli.config import load_grid_file, select
     from dpsgd_cli.engine import execute, plan_grid, summary_frame
 
     grids = select(load_grid_file(grid_file), only)
     plans = [plan_grid(g, out, resume=not no_resume, dry_run=dry_run) for g in grids]
+    console.print(backend_description(), highlight=False)
     for plan in plans:
         console.print(f"[bold]{plan.grid.name}[/]: {len(plan.cells)} cells × {plan.grid.seeds} seeds = "
                       f"{plan.total_runs} runs; {plan.done_before} already done, {plan.pending_runs} to run "
@@ -69,7 +71,8 @@ def run(
     if dry_run:
         return
     for plan in plans:
-        if not plan.tasks:
+        if not plan.tasks:  # nothing to train; the manifest and analytic tables are still refreshed
+            execute(plan, jobs=jobs)
             continue
         columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("runs"),
                    TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
@@ -120,14 +123,34 @@ def _fmt(value: Any) -> str:
 @app.command()
 def plot(
     results_dir: Path = typer.Argument(Path("results"), help="A grid's results folder, or the results root."),
-    metric: str = typer.Option("accuracy", "--metric", help="accuracy | optimality_gap | test_loss | train_objective"),
-    fmt: ImageFormat = typer.Option(ImageFormat.png, "--format", help="Image format."),
+    metric: Optional[str] = typer.Option(
+        None, "--metric", help="accuracy | optimality_gap | test_loss | train_objective | train_accuracy "
+        "(default: the grid's paper figures, or accuracy)"),
+    fmt: ImageFormat = typer.Option(ImageFormat.png, "--format", help="Image format (png also writes a PDF)."),
 ) -> None:
-    """Draw accuracy (or another metric) over ε: a panel per (dataset, model), a line per algorithm."""
+    """Draw the grid's paper figures, or a metric over ε (a panel per dataset and model, a line per algorithm)."""
     from dpsgd_cli.plots import plot_results
 
     for path in plot_results(results_dir, metric=metric, fmt=fmt.value):
         console.print(str(path))
+
+
+# --- report --------------------------------------------------------------------------------------------
+@app.command()
+def report(
+    results_dir: Path = typer.Argument(Path("results"), help="A grid's results folder, or the results root."),
+) -> None:
+    """Check the papers' claims listed in the grids against the results; print PASS/FAIL and write report.md."""
+    from dpsgd_cli.report import build_report
+
+    verdicts, path = build_report(results_dir)
+    table = Table("grid", "claim", "verdict", "numbers", title="claims of the papers", show_lines=True)
+    colours = {"PASS": "green", "FAIL": "red", "NO DATA": "yellow"}
+    for v in verdicts:
+        table.add_row(v.grid, f"{v.claim.id}: {v.claim.text}", f"[{colours[v.status]}]{v.status}[/]", v.numbers)
+    console.print(table)
+    counts = {s: sum(v.status == s for v in verdicts) for s in colours}
+    console.print(f"{counts['PASS']} PASS, {counts['FAIL']} FAIL, {counts['NO DATA']} NO DATA → {path}")
 
 
 # --- datasets --------------------------------------------------------------------------------------

@@ -125,6 +125,57 @@ def check_axes(values: dict[str, list[Any]]) -> None:
                 raise ValueError(f"{axis} = {shown} {rule}")
 
 
+Selection = dict[str, Any]  # column → value, list of values, or a comparison string like ">=1"
+
+
+class FigureSpec(_Strict):
+    """How a paper lays out one figure drawn from a grid's results (`dpsgd plot`).
+
+    kind `sweep`: a metric over a grid axis (x), a line per `lines` value, mean ± 1 std over seeds, the
+    non-private runs (no ε) as dashed references; `traces`: a metric over examples processed (traces.csv);
+    `privacy_curve`, `noise_scale`: analytic tables computed by `dpsgd run` (see engine/analytic.py).
+    """
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="file name of the figure")
+    kind: Literal["sweep", "traces", "privacy_curve", "noise_scale"] = "sweep"
+    title: str = ""
+    paper: str = Field("", description="what the paper's figure shows, in one line (for the report)")
+    x: str = "epsilon"
+    metric: str = "test_accuracy"
+    rows: Optional[str] = Field(None, description="column whose values make the panel rows")
+    cols: Optional[str] = Field("dataset", description="column whose values make the panel columns")
+    lines: list[str] = Field(["label"], description="columns whose values make one line")
+    where: Selection = Field(default_factory=dict, description="keep only these runs")
+    log_x: bool = True
+    log_y: bool = False
+    params: dict[str, Any] = Field(default_factory=dict, description="parameters of an analytic figure")
+
+
+class ClaimSpec(_Strict):
+    """A paper's stated finding, checked against the numbers just computed (`dpsgd report`).
+
+    check `monotone`: the mean of `metric` over `over` moves in `direction` (each step ≥ −tolerance);
+    `better`: selection `a` beats `b` (by more than `tolerance` and twice the standard error of the
+    difference over seeds) at every value of `over`; `within`: |a − b| ≤ tolerance (relative to |b| if
+    `relative`) at every value of `over`; `saturates`: an analytic curve reaches (1 − tolerance) of its limit.
+    """
+
+    id: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    text: str = Field(description="the claim, as the paper states it")
+    check: Literal["monotone", "better", "within", "saturates"]
+    metric: str = "test_accuracy"
+    source: str = Field("runs", description="runs, traces, or the name of an analytic figure")
+    where: Selection = Field(default_factory=dict)
+    a: Selection = Field(default_factory=dict)
+    b: Selection = Field(default_factory=dict)
+    over: Optional[str] = "epsilon"
+    group_by: list[str] = Field(default_factory=list, description="check each group separately; all must hold")
+    direction: Literal["increasing", "decreasing"] = "increasing"
+    higher_is_better: bool = True
+    tolerance: float = Field(0.0, ge=0)
+    relative: bool = False
+
+
 class Grid(Axes):
     """One named grid: datasets × models × algorithms × axes × seeds."""
 
@@ -136,6 +187,8 @@ class Grid(Axes):
     delta: Union[Literal["1/n^2"], float] = Field(DELTA_RULE, description="δ, a number in (0, 1) or 1/n^2")
     trace_every: Optional[int] = Field(None, ge=1, description="record the objective every k examples (traces.csv)")
     description: str = ""
+    figures: list[FigureSpec] = Field(default_factory=list, description="the paper's figures drawn from this grid")
+    claims: list[ClaimSpec] = Field(default_factory=list, description="the paper's findings, checked by the report")
 
     @field_validator("datasets", mode="before")
     @classmethod

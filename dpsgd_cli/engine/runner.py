@@ -19,6 +19,7 @@ from dpsgd_cli.algorithms.erm import minimize_objective
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.config import DELTA_RULE, Cell, Grid, expand
 from dpsgd_cli.data import Dataset, DatasetSpec, load_dataset
+from dpsgd_cli.engine.analytic import write_analytic_tables
 from dpsgd_cli.engine.results import COLUMNS, ResultStore, now
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import make_model
@@ -200,6 +201,7 @@ def execute(run: GridRun, jobs: int = 1, on_rows: Optional[Callable[[list[dict]]
     started = now()
     store.write_manifest(run.grid.model_dump(mode="json"), grid_hash(run.grid), started, None,
                          cells=len(run.cells), runs=run.total_runs)
+    write_analytic_tables(run.grid, run.folder)
     done = 0
     for result in _results(run.tasks, jobs):
         store.append_traces(result.traces)  # first: a run in runs.csv always has its traces

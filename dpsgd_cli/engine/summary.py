@@ -36,3 +36,24 @@ def summary_frame(folder: Path) -> pd.DataFrame:
     out = out.join(stats).reset_index()
     out["ok"] = out["ok"].fillna(0).astype(int)
     return out.fillna({"acc_std": 0.0, "gap_std": 0.0})
+
+
+_COMPARISONS = {">=": "ge", "<=": "le", "!=": "ne", ">": "gt", "<": "lt", "==": "eq"}
+
+
+def select(frame: pd.DataFrame, selection: dict) -> pd.DataFrame:
+    """Rows matching every `column: value` of the selection: a value, a list of values, or a comparison
+    string such as ">=1" (numbers) — the filter language of figures and claims in experiments.yaml."""
+    mask = pd.Series(True, index=frame.index)
+    for column, wanted in selection.items():
+        if column not in frame.columns:
+            raise KeyError(f"no column {column!r} in the results (columns: {', '.join(frame.columns)})")
+        values = frame[column]
+        if isinstance(wanted, list):
+            mask &= values.isin(wanted)
+        elif isinstance(wanted, str) and wanted[:2].rstrip("0123456789.-+ ") in _COMPARISONS:
+            op = wanted[:2] if wanted[:2] in _COMPARISONS else wanted[:1]
+            mask &= getattr(pd.to_numeric(values, errors="coerce"), _COMPARISONS[op])(float(wanted[len(op):]))
+        else:
+            mask &= values == wanted
+    return frame[mask]

@@ -1,4 +1,8 @@
-"""Figures from runs.csv: a metric over ε, a panel per (dataset, model), a line per private algorithm."""
+"""Figures from a grid's results: the paper figures its `figures:` list describes, or a metric over ε.
+
+A sweep figure is a grid of panels (rows × cols, from result columns), a line per `lines` value with a
+±1 std band over seeds, and the runs without the x value (the non-private references for x = ε) dashed.
+"""
 
 from __future__ import annotations
 
@@ -6,25 +10,31 @@ import difflib
 import json
 import math
 from pathlib import Path
+from typing import Optional
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from dpsgd_cli.config import FigureSpec  # noqa: E402
+from dpsgd_cli.engine.analytic import analytic_table  # noqa: E402
 from dpsgd_cli.engine.results import ResultStore  # noqa: E402
-from dpsgd_cli.engine.summary import algorithm_label  # noqa: E402
+from dpsgd_cli.engine.summary import algorithm_label, select  # noqa: E402
 from dpsgd_cli.errors import UserError  # noqa: E402
 
 METRICS = {
-    "accuracy": ("test_accuracy", "test accuracy", False),
-    "test_accuracy": ("test_accuracy", "test accuracy", False),
-    "train_accuracy": ("train_accuracy", "train accuracy", False),
-    "optimality_gap": ("optimality_gap", "optimality gap F(θ) − L*", True),
-    "test_loss": ("test_loss", "test loss (mean logistic loss)", False),
-    "train_objective": ("train_objective", "train objective F(θ)", False),
+    "accuracy": ("test_accuracy", "test accuracy"),
+    "test_accuracy": ("test_accuracy", "test accuracy"),
+    "train_accuracy": ("train_accuracy", "train accuracy"),
+    "optimality_gap": ("optimality_gap", "optimality gap F(θ) − L*"),
+    "test_loss": ("test_loss", "test loss (mean logistic loss)"),
+    "train_objective": ("train_objective", "train objective F(θ)"),
 }
+AXIS_LABELS = {"epsilon": "privacy budget ε", "batch_size": "batch size b", "examples": "examples processed",
+               "lr": "learning rate", "epochs": "epochs"}
 HYPER = ["batch_size", "lr", "epochs", "l2", "clip_norm"]
 REFERENCE_STYLES = [("black", "--"), ("dimgray", ":"), ("gray", "-."), ("darkgray", (0, (5, 2, 1, 2)))]
 
@@ -41,39 +51,165 @@ def result_folders(path: Path) -> list[Path]:
     return folders
 
 
-def plot_results(path: Path, metric: str = "accuracy", fmt: str = "png") -> list[Path]:
-    if metric not in METRICS:
+def grid_of(folder: Path) -> dict:
+    """The grid as recorded in the folder's manifest (its figures and claims included)."""
+    manifest = Path(folder) / "manifest.json"
+    return json.loads(manifest.read_text()).get("grid", {}) if manifest.exists() else {}
+
+
+def plot_results(path: Path, metric: Optional[str] = None, fmt: str = "png") -> list[Path]:
+    """The grid's paper figures (when it lists some and no metric is asked for), else `metric` over ε."""
+    if metric is not None and metric not in METRICS:
         match = difflib.get_close_matches(metric, METRICS, n=1)
         hint = f" (did you mean '{match[0]}'?)" if match else ""
         raise UserError(f"--metric {metric}: unknown metric{hint}; choose one of {', '.join(METRICS)}")
-    return [p for folder in result_folders(path) for p in [plot_folder(folder, metric, fmt)] if p is not None]
+    paths: list[Path] = []
+    for folder in result_folders(path):
+        figures = [FigureSpec(**f) for f in grid_of(folder).get("figures", [])] if metric is None else []
+        if not figures:
+            column = METRICS[metric or "accuracy"][0]
+            figures = [FigureSpec(name=metric or "accuracy", metric=column, rows="model", cols="dataset",
+                                  log_y=column == "optimality_gap")]
+        paths += [p for spec in figures for p in draw_figure(folder, spec, fmt)]
+    return paths
 
 
-def plot_folder(folder: Path, metric: str, fmt: str) -> Path | None:
-    column, ylabel, log_y = METRICS[metric]
-    frame = ResultStore(folder).read()
-    frame = frame[frame["status"] == "ok"]
+def draw_figure(folder: Path, spec: FigureSpec, fmt: str) -> list[Path]:
+    """Draw one figure; saved as `fmt` (and also PDF when fmt is png, for papers)."""
+    if spec.kind == "privacy_curve":
+        from dpsgd_cli.plots.privacy_curve import plot_privacy_curve
+
+        table = analytic_table(folder, spec)
+        table.attrs.update({k: v for k, v in spec.params.items() if k not in ("k_max", "points", "log_x")})
+        paths = [plot_privacy_curve(table, folder / "figures" / f"{spec.name}.{fmt}", log_x=False)]
+        if fmt == "png":
+            paths.append(plot_privacy_curve(table, folder / "figures" / f"{spec.name}.pdf"))
+        return paths
+    frame = _frame_for(folder, spec)
     if frame.empty:
-        return None
-    frame = frame.assign(label=_line_labels(frame))
-    panels = list(frame.groupby(["dataset", "model"], sort=True))
-    ncols = min(3, len(panels))
-    nrows = math.ceil(len(panels) / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, 3.6 * nrows + 0.5), squeeze=False)
-    for ax, ((dataset, model), panel) in zip(axes.flat, panels):
-        _draw_panel(ax, panel, column, log_y)
-        ax.set_title(f"{dataset} · {model}")
-        ax.set_xlabel("privacy budget ε")
-        ax.set_ylabel(ylabel)
-    for ax in list(axes.flat)[len(panels):]:
-        ax.set_visible(False)
+        return []
+    if spec.kind == "noise_scale":
+        fig = _noise_scale_figure(frame, spec)
+    else:
+        fig = _panel_figure(frame, spec)
     fig.text(0.01, 0.005, _caption(folder, frame), fontsize=8, ha="left", va="bottom")
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
-    out = folder / "figures" / f"{metric}.{fmt}"
+    fig.tight_layout(rect=(0, 0.04, 1, 0.95 if spec.title else 1))
+    out = folder / "figures" / f"{spec.name}.{fmt}"
     out.parent.mkdir(parents=True, exist_ok=True)
+    paths = [out]
     fig.savefig(out, dpi=150)
+    if fmt == "png":
+        fig.savefig(out.with_suffix(".pdf"))
+        paths.append(out.with_suffix(".pdf"))
     plt.close(fig)
-    return out
+    return paths
+
+
+def _frame_for(folder: Path, spec: FigureSpec) -> pd.DataFrame:
+    if spec.kind == "noise_scale":
+        return analytic_table(folder, spec)
+    store = ResultStore(folder)
+    runs = store.read()
+    runs = runs[runs["status"] == "ok"]
+    runs = runs.assign(label=_line_labels(runs)) if len(runs) else runs.assign(label=[])
+    if spec.kind == "traces":
+        traces = store.read_traces()
+        keep = [c for c in runs.columns if c not in traces.columns or c in ("run_id",)]
+        runs = traces.merge(runs[keep], on="run_id", how="inner")
+    return select(runs, spec.where) if len(runs) else runs
+
+
+def _panel_figure(frame: pd.DataFrame, spec: FigureSpec):
+    rows = _levels(frame, spec.rows)
+    cols = _levels(frame, spec.cols)
+    fig, axes = plt.subplots(len(rows), len(cols), figsize=(4.6 * len(cols), 3.6 * len(rows) + 0.6),
+                             squeeze=False)
+    ylabel = next((label for column, label in METRICS.values() if column == spec.metric), spec.metric)
+    x = "examples" if spec.kind == "traces" else spec.x
+    for i, row in enumerate(rows):
+        for j, col in enumerate(cols):
+            ax = axes[i][j]
+            panel = frame
+            if spec.rows:
+                panel = panel[panel[spec.rows] == row]
+            if spec.cols:
+                panel = panel[panel[spec.cols] == col]
+            _draw_panel(ax, panel, x, spec)
+            title = " · ".join(f"{v}" if name in ("dataset", "model") else f"{name} = {_num(v)}"
+                               for name, v in ((spec.rows, row), (spec.cols, col)) if name)
+            ax.set_title(title)
+            ax.set_xlabel(AXIS_LABELS.get(x, x))
+            ax.set_ylabel(ylabel)
+    if spec.title:
+        fig.suptitle(spec.title)
+    return fig
+
+
+def _num(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _levels(frame: pd.DataFrame, column: Optional[str]) -> list:
+    return sorted(frame[column].dropna().unique(), key=str) if column else [None]
+
+
+def _line_key(frame: pd.DataFrame, spec: FigureSpec) -> pd.Series:
+    key = frame[spec.lines[0]].astype(str)
+    for column in spec.lines[1:]:
+        key = key + f" {column}=" + frame[column].astype(str)
+    return key
+
+
+def _draw_panel(ax, panel: pd.DataFrame, x: str, spec: FigureSpec) -> None:
+    if panel.empty:
+        ax.set_visible(False)
+        return
+    panel = panel.assign(_line=_line_key(panel, spec))
+    curves, reference = panel[panel[x].notna()], panel[panel[x].isna()]
+    for label, line in curves.groupby("_line", sort=True):
+        stats = line.groupby(x)[spec.metric].agg(["mean", "std"]).fillna(0.0)
+        if spec.log_y:
+            stats = stats[stats["mean"] > 0]
+        (drawn,) = ax.plot(stats.index, stats["mean"], marker="o" if len(stats) < 30 else None, ms=3.5, label=label)
+        ax.fill_between(stats.index, stats["mean"] - stats["std"], stats["mean"] + stats["std"],
+                        color=drawn.get_color(), alpha=0.2, lw=0)
+    styles = iter(REFERENCE_STYLES * max(1, len(reference)))
+    for label, ref in reference.groupby("_line", sort=True):
+        mean, std = ref[spec.metric].mean(), ref[spec.metric].std() if len(ref) > 1 else 0.0
+        color, dashes = next(styles)
+        if spec.log_y and mean <= 0:
+            continue
+        ax.axhline(mean, ls=dashes, lw=1.2, color=color, label=f"{label} (non-private)")
+        if std > 0:
+            ax.axhspan(mean - std, mean + std, color=color, alpha=0.08, lw=0)
+    if spec.log_x:
+        ax.set_xscale("log")
+        values = sorted(curves[x].unique())
+        if 0 < len(values) <= 12:  # label the swept values themselves, not powers of ten
+            ax.set_xticks(values, [_num(v) for v in values])
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    if spec.log_y:
+        ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.25)
+    ax.legend(fontsize=7)
+
+
+def _noise_scale_figure(table: pd.DataFrame, spec: FigureSpec):
+    """σ of bassily2014 under each accounting: over T (n fixed) and over n (T = epochs·n)."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), squeeze=False)
+    for ax, (panel, x, xlabel) in zip(axes[0], [("T", "steps", "steps T"), ("n", "n", "records n")]):
+        part = table[table["panel"] == panel]
+        for label, line in part.groupby("accounting", sort=False):
+            ax.plot(line[x], line["sigma"], marker="o", ms=3.5, label=label)
+        fixed = (f"n = {part['n'].iloc[0]:,}" if panel == "T" else f"T = {part['steps'].iloc[0] / part['n'].iloc[0]:g}·n"
+                 ) if len(part) else ""
+        ax.set(xscale="log", yscale="log", xlabel=xlabel, ylabel="noise σ (per-step, on ∇ℓ)",
+               title=f"σ over {xlabel.split()[-1]} ({fixed}, ε = {table['epsilon'].iloc[0]:g}, δ = 1/n²)")
+        ax.grid(True, which="both", alpha=0.25)
+        ax.legend(fontsize=7)
+    if spec.title:
+        fig.suptitle(spec.title)
+    return fig
 
 
 def _line_labels(frame: pd.DataFrame) -> pd.Series:
@@ -86,36 +222,9 @@ def _line_labels(frame: pd.DataFrame) -> pd.Series:
     return labels + extra
 
 
-def _draw_panel(ax, panel: pd.DataFrame, column: str, log_y: bool) -> None:
-    private = panel[panel["epsilon"].notna()]
-    reference = panel[panel["epsilon"].isna()]
-    for label, line in private.groupby("label", sort=True):
-        stats = line.groupby("epsilon")[column].agg(["mean", "std"]).fillna(0.0)
-        if log_y:
-            stats = stats[stats["mean"] > 0]
-        (drawn,) = ax.plot(stats.index, stats["mean"], marker="o", ms=3.5, label=label)
-        ax.fill_between(stats.index, stats["mean"] - stats["std"], stats["mean"] + stats["std"],
-                        color=drawn.get_color(), alpha=0.2, lw=0)
-    styles = iter(REFERENCE_STYLES * len(reference))
-    for label, ref in reference.groupby("label", sort=True):
-        mean, std = ref[column].mean(), ref[column].std() if len(ref) > 1 else 0.0
-        color, dashes = next(styles)
-        if log_y and mean <= 0:
-            continue
-        ax.axhline(mean, ls=dashes, lw=1.2, color=color, label=f"{label} (non-private)")
-        if std > 0:
-            ax.axhspan(mean - std, mean + std, color=color, alpha=0.08, lw=0)
-    ax.set_xscale("log")
-    if log_y:
-        ax.set_yscale("log")
-    ax.grid(True, which="both", alpha=0.25)
-    ax.legend(fontsize=7)
-
-
 def _caption(folder: Path, frame: pd.DataFrame) -> str:
-    manifest = folder / "manifest.json"
-    grid = json.loads(manifest.read_text()).get("grid", {}) if manifest.exists() else {}
-    seeds = grid.get("seeds", frame["seed"].nunique())
-    delta = grid.get("delta", ", ".join(f"{d:.3g}" for d in sorted(frame["delta"].unique())))
+    grid = grid_of(folder)
+    seeds = grid.get("seeds", frame["seed"].nunique() if "seed" in frame else "?")
+    delta = grid.get("delta", "")
     delta = "1/n² (n = training records)" if delta == "1/n^2" else delta
     return f"grid {folder.name}; mean ± 1 std over {seeds} seeds; δ = {delta}"

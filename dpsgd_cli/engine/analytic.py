@@ -1,0 +1,86 @@
+"""Tables that need no training, computed by `dpsgd run` for the analytic figures of a grid.
+
+`privacy_curve`: Rényi ε of noisy GD over K steps under both bounds of Chourasia, Ye, Shokri (NeurIPS 2021).
+`noise_scale`: the noise σ `bassily2014` needs for the same (ε, δ) under each accounting, over T and n.
+Each is written to `<results>/<grid>/<figure name>.csv`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import pandas as pd
+
+from dpsgd_cli.config import FigureSpec, Grid
+
+# (label, accounting, formula, amplification) of bassily2014 in the noise-scale figure (Bellet's lecture)
+NOISE_ACCOUNTINGS = [
+    ("closed form (paper)", "closed_form", "paper", "tight"),
+    ("closed form (lecture)", "closed_form", "lecture", "tight"),
+    ("advanced composition, 2qε", "advanced_composition", "paper", "approx"),
+    ("advanced composition, tight amplification", "advanced_composition", "paper", "tight"),
+    ("RDP (dp-accounting)", "rdp", "paper", "tight"),
+    ("PLD (dp-accounting)", "pld", "paper", "tight"),
+]
+
+
+def privacy_curve_table(params: dict[str, Any]) -> pd.DataFrame:
+    """Columns K, dynamics, composition, lower_bound; params as `dpsgd privacy-curve` (talk's defaults)."""
+    from dpsgd_cli.plots.privacy_curve import k_values
+    from dpsgd_cli.privacy.dynamics import privacy_curve
+
+    params = dict(params)
+    ks = k_values(int(params.pop("k_max", 1000)), int(params.pop("points", 200)), log=bool(params.pop("log_x", False)))
+    return privacy_curve(ks, **params)
+
+
+def noise_scale_table(params: dict[str, Any]) -> pd.DataFrame:
+    """σ of bassily2014 calibrated to (ε, δ = 1/n²) under each accounting: over T = epochs·n at fixed n
+    (panel "T"), and over n at fixed epochs (panel "n"). Columns panel, accounting, n, steps, sigma."""
+    from dpsgd_cli.algorithms.bassily import calibrate_bassily
+
+    epsilon = float(params.get("epsilon", 1.0))
+    n_fixed = int(params.get("n", 30162))
+    epochs_axis = [float(e) for e in params.get("epochs", [0.1, 0.3, 1, 3])]
+    n_axis = [int(v) for v in params.get("n_values", [1000, 3000, 10000, 30000])]
+    epochs_fixed = float(params.get("epochs_fixed", 1.0))
+    skip = set(params.get("skip", []))
+    points = [("T", n_fixed, round(e * n_fixed)) for e in epochs_axis]
+    points += [("n", n, round(epochs_fixed * n)) for n in n_axis]
+    rows = []
+    for label, accounting, formula, amplification in NOISE_ACCOUNTINGS:
+        if label in skip:
+            continue
+        for panel, n, steps in points:
+            privacy = calibrate_bassily(epsilon, 1.0 / n**2, n, steps, 1.0, accounting, formula, amplification)
+            rows.append({"panel": panel, "accounting": label, "n": n, "steps": steps, "epsilon": epsilon,
+                         "delta": 1.0 / n**2, "sigma": privacy.sigma})
+    return pd.DataFrame(rows)
+
+
+ANALYTIC: dict[str, Callable[[dict[str, Any]], pd.DataFrame]] = {
+    "privacy_curve": privacy_curve_table,
+    "noise_scale": noise_scale_table,
+}
+
+
+def write_analytic_tables(grid: Grid, folder: Path) -> list[Path]:
+    """Compute the table of every analytic figure of the grid (cheap next to training; redone each run)."""
+    paths = []
+    for figure in grid.figures:
+        if figure.kind in ANALYTIC:
+            path = Path(folder) / f"{figure.name}.csv"
+            ANALYTIC[figure.kind](figure.params).to_csv(path, index=False)
+            paths.append(path)
+    return paths
+
+
+def analytic_table(folder: Path, figure: FigureSpec) -> pd.DataFrame:
+    path = Path(folder) / f"{figure.name}.csv"
+    if not path.exists():
+        from dpsgd_cli.errors import UserError
+
+        raise UserError(f"{path}: missing; run the grid again (`dpsgd run ... --only {Path(folder).name}`) "
+                        f"to compute the table of figure {figure.name}")
+    return pd.read_csv(path)

@@ -1,0 +1,171 @@
+"""`dpsgd report`: check the papers' claims (experiments.yaml `claims:`) against the numbers just computed.
+
+Each claim gets PASS, FAIL or NO DATA with the numbers behind it (mean ± std over seeds, n seeds); a FAIL is
+a finding, reported as it is. `report.md` gathers every grid's figures and its claims table.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import pandas as pd
+
+from dpsgd_cli.config import ClaimSpec, FigureSpec
+from dpsgd_cli.engine.analytic import analytic_table
+from dpsgd_cli.engine.results import ResultStore
+from dpsgd_cli.engine.summary import select
+from dpsgd_cli.plots import _line_labels, grid_of, result_folders
+
+
+@dataclass(frozen=True)
+class Verdict:
+    grid: str
+    claim: ClaimSpec
+    status: str  # PASS | FAIL | NO DATA
+    numbers: str
+
+
+def claim_frame(folder: Path, claim: ClaimSpec, figures: list[FigureSpec]) -> pd.DataFrame:
+    """The rows a claim reads: ok runs, their traces, or an analytic figure's table."""
+    if claim.source not in ("runs", "traces"):
+        figure = next((f for f in figures if f.name == claim.source), None)
+        if figure is None:
+            raise KeyError(f"claim {claim.id}: source {claim.source!r} is neither runs, traces nor a figure of the grid")
+        return analytic_table(folder, figure)
+    store = ResultStore(folder)
+    runs = store.read()
+    runs = runs[runs["status"] == "ok"]
+    runs = runs.assign(label=_line_labels(runs)) if len(runs) else runs.assign(label=[])
+    if claim.source == "traces":
+        traces = store.read_traces()
+        keep = [c for c in runs.columns if c not in traces.columns or c == "run_id"]
+        runs = traces.merge(runs[keep], on="run_id", how="inner")
+    return runs
+
+
+def _stats(frame: pd.DataFrame, metric: str, over: Optional[str]) -> pd.DataFrame:
+    """mean, std, n of the metric at each value of `over` (or overall)."""
+    keys = frame[over] if over else pd.Series(0, index=frame.index)
+    out = frame.groupby(keys)[metric].agg(["mean", "std", "count"]).rename(columns={"count": "n"})
+    return out.fillna({"std": 0.0})
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.4g}"
+
+
+def _cell(stats: pd.Series) -> str:
+    return f"{_fmt(stats['mean'])} ± {_fmt(stats['std'])} (n={int(stats['n'])})"
+
+
+def _check_group(frame: pd.DataFrame, claim: ClaimSpec, limit: Optional[float]) -> tuple[Optional[bool], str]:
+    """(holds, numbers) for one group; holds None when there is nothing to compare."""
+    frame = select(frame, claim.where)
+    if claim.check == "monotone":
+        stats = _stats(select(frame, claim.a), claim.metric, claim.over)
+        if len(stats) < 2:
+            return None, f"{len(stats)} value(s) of {claim.over}"
+        steps = stats["mean"].diff().dropna()
+        steps = steps if claim.direction == "increasing" else -steps
+        text = " → ".join(f"{claim.over}={k:g}: {_cell(s)}" for k, s in stats.iterrows())
+        return bool((steps >= -claim.tolerance).all()), text
+    if claim.check == "saturates":
+        series = select(frame, claim.a).sort_values(claim.over)[claim.metric]
+        if series.empty or limit is None:
+            return None, "no curve or no limit"
+        last = float(series.iloc[-1])
+        holds = last >= (1 - claim.tolerance) * limit and float(series.max()) <= limit * (1 + 1e-9)
+        return holds, f"last {claim.metric} = {_fmt(last)} vs limit {_fmt(limit)} (tolerance {claim.tolerance:g})"
+    a = _stats(select(frame, claim.a), claim.metric, claim.over)
+    b = _stats(select(frame, claim.b), claim.metric, claim.over)
+    common = a.index.intersection(b.index)
+    if common.empty:
+        return None, f"a: {len(a)} value(s), b: {len(b)} value(s) of {claim.over}, none in common"
+    parts, holds = [], True
+    for key in common:
+        sa, sb = a.loc[key], b.loc[key]
+        diff = sa["mean"] - sb["mean"]
+        se = math.sqrt(sa["std"] ** 2 / sa["n"] + sb["std"] ** 2 / sb["n"])
+        where = f"{claim.over}={key:g}: " if claim.over else ""
+        if claim.check == "better":
+            gain = diff if claim.higher_is_better else -diff
+            ok = gain > claim.tolerance + 2 * se
+            parts.append(f"{where}a {_cell(sa)} vs b {_cell(sb)}, gain {_fmt(gain)} (2·SE {_fmt(2 * se)})")
+        else:  # within
+            bound = claim.tolerance * (abs(sb["mean"]) if claim.relative else 1.0)
+            ok = abs(diff) <= bound
+            parts.append(f"{where}a {_cell(sa)} vs b {_cell(sb)}, |a − b| = {_fmt(abs(diff))} (≤ {_fmt(bound)}?)")
+        holds &= bool(ok)
+    return holds, "; ".join(parts)
+
+
+def evaluate(folder: Path, claim: ClaimSpec, figures: list[FigureSpec]) -> Verdict:
+    grid = Path(folder).name
+    try:
+        frame = claim_frame(folder, claim, figures)
+        limit = _limit(claim, figures)
+        groups = list(frame.groupby(claim.group_by, sort=True)) if claim.group_by else [((), frame)]
+        results = []
+        for key, group in groups:
+            holds, numbers = _check_group(group, claim, limit)
+            name = ", ".join(f"{k}" for k in (key if isinstance(key, tuple) else (key,)))
+            results.append((holds, f"[{name}] {numbers}" if claim.group_by else numbers))
+    except (KeyError, ValueError) as exc:
+        return Verdict(grid, claim, "NO DATA", str(exc).strip("'\""))
+    decided = [h for h, _ in results if h is not None]
+    status = "NO DATA" if not decided else ("PASS" if all(decided) else "FAIL")
+    return Verdict(grid, claim, status, "; ".join(text for _, text in results) or "no rows")
+
+
+def _limit(claim: ClaimSpec, figures: list[FigureSpec]) -> Optional[float]:
+    """The saturation value α S_g²/(λσ²n²) of a privacy-curve figure's parameters (for `saturates`)."""
+    if claim.check != "saturates":
+        return None
+    figure = next((f for f in figures if f.name == claim.source), None)
+    if figure is None or figure.kind != "privacy_curve":
+        return None
+    p = {"alpha": 30, "sigma": 0.02, "sensitivity": 4, "lam": 1, "n": 5000, **figure.params}
+    return p["alpha"] * p["sensitivity"] ** 2 / (p["lam"] * p["sigma"] ** 2 * p["n"] ** 2)
+
+
+def build_report(path: Path) -> tuple[list[Verdict], Path]:
+    """Evaluate the claims of every grid under `path` and write `path/report.md`."""
+    path = Path(path)
+    verdicts: list[Verdict] = []
+    sections = ["# dpsgd reproduction report", "",
+                "Each claim of the papers is checked against the runs in this folder: PASS or FAIL with the "
+                "numbers behind it (mean ± std over seeds; `better` needs a gain larger than the tolerance plus "
+                "twice the standard error of the difference).", ""]
+    for folder in result_folders(path):
+        grid = grid_of(folder)
+        figures = [FigureSpec(**f) for f in grid.get("figures", [])]
+        claims = [ClaimSpec(**c) for c in grid.get("claims", [])]
+        found = [evaluate(folder, claim, figures) for claim in claims]
+        verdicts += found
+        sections += _section(folder, path, grid, figures, found)
+    out = path / "report.md"
+    out.write_text("\n".join(sections) + "\n")
+    return verdicts, out
+
+
+def _section(folder: Path, root: Path, grid: dict, figures: list[FigureSpec], verdicts: list[Verdict]) -> list[str]:
+    lines = [f"## {folder.name}", ""]
+    if grid.get("description"):
+        lines += [grid["description"], ""]
+    shown = figures or [FigureSpec(name=p.stem) for p in sorted((folder / "figures").glob("*.png"))]
+    for figure in shown:
+        image = folder / "figures" / f"{figure.name}.png"
+        if image.exists():
+            lines += [f"### {figure.title or figure.name}", ""]
+            if figure.paper:
+                lines += [f"*The paper:* {figure.paper}", ""]
+            lines += [f"![{figure.name}]({image.relative_to(root).as_posix()})", ""]
+    if verdicts:
+        lines += ["| claim | verdict | numbers |", "| --- | --- | --- |"]
+        lines += [f"| **{v.claim.id}**: {v.claim.text} | {v.status} | {v.numbers.replace('|', '/')} |"
+                  for v in verdicts]
+        lines.append("")
+    return lines

@@ -1,0 +1,122 @@
+"""Paper figures and claims: the filter language, each check (able to pass and to fail), and the report."""
+
+import textwrap
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from dpsgd_cli.config import ClaimSpec, FigureSpec, load_grid_file
+from dpsgd_cli.engine import execute, plan_grid
+from dpsgd_cli.engine.summary import select
+from dpsgd_cli.plots import plot_results
+from dpsgd_cli.report import _check_group, build_report
+
+
+def test_select_language():
+    frame = pd.DataFrame({"eps": [0.1, 1.0, 3.0, np.nan], "algo": ["a", "b", "a", "c"]})
+    assert select(frame, {"eps": ">=1"}).index.tolist() == [1, 2]
+    assert select(frame, {"eps": "<1"}).index.tolist() == [0]
+    assert select(frame, {"algo": ["a", "c"]}).index.tolist() == [0, 2, 3]
+    assert select(frame, {"algo": "a", "eps": "!=0.1"}).index.tolist() == [2]
+    with pytest.raises(KeyError):
+        select(frame, {"nope": 1})
+
+
+def _runs(values: dict) -> pd.DataFrame:
+    """A results frame: algorithm → {epsilon: [accuracy per seed]}."""
+    rows = [{"algorithm": algo, "epsilon": eps, "test_accuracy": acc, "seed": s}
+            for algo, by_eps in values.items() for eps, accs in by_eps.items() for s, acc in enumerate(accs)]
+    return pd.DataFrame(rows)
+
+
+def claim(**kw):
+    return ClaimSpec(id="c", text="t", **kw)
+
+
+def test_monotone_passes_and_fails():
+    frame = _runs({"dp": {0.1: [0.80, 0.81], 1.0: [0.83, 0.84], 3.0: [0.835, 0.84]}})
+    assert _check_group(frame, claim(check="monotone", a={"algorithm": "dp"}), None)[0] is True
+    frame.loc[frame["epsilon"] == 3.0, "test_accuracy"] = 0.82
+    assert _check_group(frame, claim(check="monotone", a={"algorithm": "dp"}), None)[0] is False
+    assert _check_group(frame, claim(check="monotone", a={"algorithm": "dp"}, tolerance=0.02), None)[0] is True
+
+
+def test_better_needs_the_gain_beyond_the_seed_spread():
+    clear = _runs({"a": {1.0: [0.85, 0.86, 0.85]}, "b": {1.0: [0.80, 0.81, 0.80]}})
+    spec = claim(check="better", a={"algorithm": "a"}, b={"algorithm": "b"})
+    holds, numbers = _check_group(clear, spec, None)
+    assert holds is True and "gain 0.05" in numbers
+    noisy = _runs({"a": {1.0: [0.90, 0.80, 0.85]}, "b": {1.0: [0.84, 0.83, 0.85]}})
+    assert _check_group(noisy, spec, None)[0] is False  # mean gain 0.01 < 2·SE
+    lower = claim(check="better", metric="test_accuracy", a={"algorithm": "b"}, b={"algorithm": "a"},
+                  higher_is_better=False)
+    assert _check_group(clear, lower, None)[0] is True
+
+
+def test_within_absolute_and_relative():
+    frame = _runs({"a": {1.0: [0.84]}, "b": {1.0: [0.85]}})
+    assert _check_group(frame, claim(check="within", a={"algorithm": "a"}, b={"algorithm": "b"},
+                                     tolerance=0.011), None)[0] is True
+    assert _check_group(frame, claim(check="within", a={"algorithm": "a"}, b={"algorithm": "b"},
+                                     tolerance=0.009), None)[0] is False
+    assert _check_group(frame, claim(check="within", a={"algorithm": "a"}, b={"algorithm": "b"},
+                                     tolerance=0.02, relative=True), None)[0] is True
+
+
+def test_no_common_values_is_no_data():
+    frame = _runs({"a": {1.0: [0.84]}, "b": {3.0: [0.85]}})
+    assert _check_group(frame, claim(check="better", a={"algorithm": "a"}, b={"algorithm": "b"}), None)[0] is None
+
+
+def test_saturates():
+    table = pd.DataFrame({"K": [1, 10, 100], "dynamics": [0.01, 0.04, 0.0479]})
+    spec = claim(check="saturates", metric="dynamics", over="K", tolerance=0.01)
+    assert _check_group(table, spec, 0.048)[0] is True
+    assert _check_group(table, spec, 0.06)[0] is False
+
+
+GRID = """
+grids:
+  - name: figs
+    datasets: [{name: synthetic, n: 500}]
+    algorithms: [erm, {name: song2013, lr: [1.0]}, {name: song2013_nonprivate, lr: [1.0]}]
+    epsilon: [1]
+    batch_size: [1, 5]
+    epochs: 1
+    seeds: 2
+    trace_every: 100
+    figures:
+      - {name: trace_fig, kind: traces, metric: train_objective, rows: batch_size, cols: dataset, log_x: false}
+      - {name: b_fig, kind: sweep, x: batch_size, metric: train_objective, lines: [algorithm]}
+      - {name: curve, kind: privacy_curve, params: {k_max: 300, points: 50}}
+    claims:
+      - {id: sat, text: the dynamics bound saturates, check: saturates, source: curve, metric: dynamics,
+         over: K, tolerance: 0.05}
+      - {id: nonpriv-better, text: non-private SGD reaches a lower objective, check: better,
+         metric: train_objective, higher_is_better: false, a: {algorithm: song2013_nonprivate},
+         b: {algorithm: song2013}, over: batch_size}
+      - {id: missing, text: refers to nothing, check: better, a: {algorithm: dp_sgd}, b: {algorithm: erm}}
+"""
+
+
+def test_figures_and_report_end_to_end(tmp_path, monkeypatch):
+    monkeypatch.setenv("DPSGD_DATA_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "grid.yaml"
+    path.write_text(textwrap.dedent(GRID))
+    execute(plan_grid(load_grid_file(path).grids[0], tmp_path / "out"))
+    assert (tmp_path / "out" / "figs" / "curve.csv").exists()
+    figures = plot_results(tmp_path / "out")
+    names = sorted(p.name for p in figures)
+    assert names == ["b_fig.pdf", "b_fig.png", "curve.pdf", "curve.png", "trace_fig.pdf", "trace_fig.png"]
+    assert all(p.stat().st_size > 5_000 for p in figures)
+    verdicts, report = build_report(tmp_path / "out")
+    status = {v.claim.id: v.status for v in verdicts}
+    assert status == {"sat": "PASS", "nonpriv-better": "PASS", "missing": "NO DATA"}
+    text = report.read_text()
+    assert "![trace_fig](figs/figures/trace_fig.png)" in text and "| **sat**" in text
+
+
+def test_figure_spec_validation():
+    with pytest.raises(Exception):
+        FigureSpec(name="x", kind="bar")
