@@ -60,6 +60,8 @@ paper's γ_t = ‖C‖₂/(G√t) with ‖C‖₂ = 2R the diameter of C and G²
 G = √(pσ_P² + n²L²) on our scale, plus the regulariser's gradient); `auto`: strongly_convex if λ > 0 else convex.
 Radius R (`radius`): default l/λ (the minimiser of F satisfies ‖θ*‖ = ‖∇L(θ*)‖/λ ≤ l/λ) if λ > 0, else 10.
 Steps: T = round(epochs · n) (the paper's T = n² would be 30162² ≈ 9·10⁸ steps on adult).
+Backend (`backend`): with logistic regression the steps run in the numba kernel of `kernels.py` when numba is
+installed (auto; `numpy` forces the chain): the same examples and noise draws, the same result.
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ from dp_accounting.privacy_accountant import NeighboringRelation
 from dp_accounting.rdp.rdp_privacy_accountant import RdpAccountant
 from pydantic import BaseModel, ConfigDict, Field
 
+from dpsgd_cli.algorithms import kernels
 from dpsgd_cli.algorithms.base import Algorithm, Outcome, Setting
 from dpsgd_cli.algorithms.chain import (Checkpoints, GradientChain, Schedule, add_l2, add_noise, inverse_sqrt,
                                         inverse_time, project_to_ball)
@@ -339,6 +342,8 @@ class BassilyParams(BaseModel):
     radius: Optional[float] = Field(None, gt=0, description="radius R of the ball C (default l/λ, or 10 if λ = 0)")
     schedule: Literal["auto", "convex", "strongly_convex"] = Field(
         "auto", description="γ_t = 2R/(G√t) (convex) or 1/(λt) (strongly convex); auto: the latter if λ > 0")
+    backend: kernels.Backend = Field(
+        "auto", description="logreg: the numba kernel (auto: when numba is installed) or numpy; same result")
 
 
 class Bassily2014(Algorithm):
@@ -402,19 +407,32 @@ class Bassily2014(Algorithm):
         priv = self.privacy(setting, l_used)
         radius = self.radius(setting, l_used)
         schedule, step_info = self.schedule(setting, priv.sigma, l_used, radius)
-        chain = self.chain(setting, X, y, streams, model, priv.sigma, l_used, radius, schedule)
-        theta = chain.run(model, model.init(streams.generators("init")), steps)
+        init = model.init(streams.generators("init"))
+        backend = kernels.select_backend(self.params.backend, model, 1)
+        if backend == "numba":  # the same draws as `chain` (uniform_example_blocks, streams.normal), in one call
+            ckpt = Checkpoints(setting.trace_every, X, y) if setting.trace_every else None
+            d = model.n_params
+            noise = (kernels.block_draws(streams, "noise", lambda g, k: g.standard_normal((k, d)))
+                     if priv.sigma > 0 else None)
+            theta = kernels.logreg_single_example_sgd(
+                init, X, y, kernels.uniform_example_index_blocks(X.shape[0], streams), steps, schedule,
+                clip=l_used, l2=setting.l2, radius=radius, noise=noise, noise_std=priv.sigma, checkpoints=ckpt,
+                model=model)
+            trace = ckpt.rows if ckpt else []
+        else:
+            chain = self.chain(setting, X, y, streams, model, priv.sigma, l_used, radius, schedule)
+            theta = chain.run(model, init, steps)
+            trace = chain.checkpoints.rows if chain.checkpoints else []
         max_norm = float(np.linalg.norm(X, axis=1).max()) if len(X) else 0.0
         derived = {"steps": steps, "sample_rate": 1.0 / setting.n, "sigma": priv.sigma,
                    "epsilon_achieved": priv.epsilon, "accountant": priv.accountant, "accountant_library": LIBRARY,
                    "lipschitz": l_used, "sensitivity": 2.0 * l_used, "radius": radius, "max_row_norm": max_norm,
-                   **step_info, **priv.details}
+                   "backend": backend, **step_info, **priv.details}
         if priv.accountant != "rdp":
             # what the exact-scheme RDP accountant certifies for the σ used (for "what tighter accounting buys")
             derived["epsilon_rdp"] = _cached_rdp_epsilon(priv.sigma / (2.0 * l_used), setting.n, steps,
                                                          setting.delta)
-        return Outcome(theta, derived, guarantee=self.guarantee(model, lipschitz, max_norm, priv),
-                       trace=chain.checkpoints.rows if chain.checkpoints else [])
+        return Outcome(theta, derived, guarantee=self.guarantee(model, lipschitz, max_norm, priv), trace=trace)
 
     @staticmethod
     def guarantee(model: Model, lipschitz: Optional[float], max_norm: float, priv: Privacy) -> str:

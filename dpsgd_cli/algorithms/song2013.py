@@ -9,16 +9,20 @@ Both algorithms are the same `GradientChain`; `song2013` switches the noise on:
 B_t the t-th of the ⌊n/b⌋ disjoint batches of a uniformly random permutation (one pass), Π the Euclidean
 projection onto {‖w‖ ≤ 1/λ}, η_t = c/√t (c = the grid's `lr`; the paper shows c = 1 and 10), 1/(λt), or a
 constant, and Z_t ∈ R^d with density ∝ exp(−(α/2)‖z‖) (‖Z_t‖ ~ Gamma(d, scale 2/α), direction uniform).
+
+With b = 1 and logistic regression the pass runs in the numba kernel of `kernels.py` when numba is installed
+(`backend: auto`; `numpy` forces the chain): the same permutations and Z_t, the same result.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Literal, Optional
+from typing import Callable, Literal, Optional
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from dpsgd_cli.algorithms import kernels
 from dpsgd_cli.algorithms.base import Algorithm, Outcome, Setting
 from dpsgd_cli.algorithms.chain import (Checkpoints, GradientChain, Schedule, Transform, add_l2, add_noise, constant,
                                         inverse_sqrt, inverse_time, project_to_ball, scale)
@@ -37,6 +41,12 @@ class Song2013Params(BaseModel):
     schedule: Literal["inv_sqrt", "inv_t", "constant"] = Field(
         "inv_sqrt", description="η_t = lr/√t (inv_sqrt), 1/(λt) (inv_t: lr unused), or lr (constant)")
     radius: Optional[float] = Field(None, gt=0, description="projection radius (default 1/λ, which holds w*)")
+    backend: kernels.Backend = Field(
+        "auto", description="b = 1 with logreg: the numba kernel (auto: when numba is installed) or numpy; "
+                            "same random numbers, same result")
+
+
+NoiseDraw = Callable[[np.random.Generator, int], np.ndarray]  # (generator, K steps) → (K, d) draws of Z_t
 
 
 class Song2013PrivateParams(Song2013Params):
@@ -97,21 +107,35 @@ class Song2013NonPrivate(Algorithm):
             examples_per_step=setting.batch_size,
         )
 
-    def noise(self, setting: Setting, model: Model, X, streams: ReplicaStreams,
-              passes: int) -> tuple[Optional[Transform], dict, str]:
-        """(noise transform or None, derived values, guarantee): none for the non-private version."""
+    def noise_draw(self, setting: Setting, model: Model, X, passes: int) -> tuple[Optional[NoiseDraw], dict, str]:
+        """(draw of Z_t for K steps from one replica's generator, or None; derived values; guarantee): no noise
+        for the non-private version."""
         return None, {}, "non-private"
 
     def fit(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Outcome:
         per_pass, steps, passes = self.steps(setting)
-        noise, derived, guarantee = self.noise(setting, model, X, streams, passes)
-        chain = self.chain(setting, X, y, streams, noise=noise, clip=GRADIENT_BOUND if noise is not None else None)
-        theta = chain.run(model, model.init(streams.generators("init")), steps)
-        eta = chain.schedule
+        draw, derived, guarantee = self.noise_draw(setting, model, X, passes)
+        clip = GRADIENT_BOUND if draw is not None else None
+        init = model.init(streams.generators("init"))
+        backend = kernels.select_backend(self.params.backend, model, setting.batch_size)
+        if backend == "numba":  # b = 1: the whole pass in one kernel call, same draws as the chain below
+            eta = self.schedule(setting)
+            ckpt = Checkpoints(setting.trace_every, X, y) if setting.trace_every else None
+            theta = kernels.logreg_single_example_sgd(
+                init, X, y, kernels.shuffled_example_blocks(X.shape[0], streams), steps, eta, clip=clip,
+                l2=setting.l2, radius=self.radius(setting),
+                noise=kernels.block_draws(streams, "noise", draw) if draw else None, noise_std=1.0,
+                batch_scale=1.0 / setting.batch_size, checkpoints=ckpt, model=model)
+            trace = ckpt.rows if ckpt else []
+        else:
+            noise = add_noise(1.0, streams.per_step("noise", draw)) if draw else None
+            chain = self.chain(setting, X, y, streams, noise=noise, clip=clip)
+            theta = chain.run(model, init, steps)
+            eta, trace = chain.schedule, chain.checkpoints.rows if chain.checkpoints else []
         derived = {"steps": steps, "sample_rate": setting.batch_size / setting.n, "steps_per_pass": per_pass,
                    "passes": passes, "schedule": self.params.schedule, "step_size_first": eta(1),
-                   "step_size_last": eta(steps), "radius": self.radius(setting), **derived}
-        return Outcome(theta, derived, guarantee=guarantee, trace=chain.checkpoints.rows if chain.checkpoints else [])
+                   "step_size_last": eta(steps), "radius": self.radius(setting), "backend": backend, **derived}
+        return Outcome(theta, derived, guarantee=guarantee, trace=trace)
 
 
 class Song2013(Song2013NonPrivate):
@@ -134,8 +158,7 @@ class Song2013(Song2013NonPrivate):
     uses = frozenset({"epsilon", "batch_size", "lr", "epochs", "l2"})
     Params = Song2013PrivateParams
 
-    def noise(self, setting: Setting, model: Model, X, streams: ReplicaStreams,
-              passes: int) -> tuple[Optional[Transform], dict, str]:
+    def noise_draw(self, setting: Setting, model: Model, X, passes: int) -> tuple[Optional[NoiseDraw], dict, str]:
         alpha, delta_used = setting.epsilon / passes, 0.0
         composition = "pure" if passes == 1 else "basic"
         if self.params.composition == "advanced" and passes > 1:
@@ -144,7 +167,6 @@ class Song2013(Song2013NonPrivate):
             if advanced > alpha:
                 alpha, delta_used, composition = advanced, setting.delta, "advanced"
         d = model.n_params
-        draws = streams.per_step("noise", lambda g, k: gamma_norm_noise(g, alpha, d, size=k))  # (R, d) per step
         x_max = float(np.max(np.linalg.norm(X, axis=1), initial=0.0))
         bound = model.lipschitz(x_max)
         derived = {
@@ -153,5 +175,5 @@ class Song2013(Song2013NonPrivate):
             "sensitivity": SENSITIVITY, "noise_norm_scale": 2.0 / alpha, "noise_norm_mean": 2.0 * d / alpha,
             "gradient_bound_without_clip": bound, "clip_active": bound is None or bound > GRADIENT_BOUND,
         }
-        # add_noise(1, draws): g + Z_t on the batch SUM, i.e. Z_t/b on the mean after scale(1/b)
-        return add_noise(1.0, draws), derived, "proved"
+        # Z_t (K steps at a time, in blocks of 64) goes on the batch SUM, i.e. Z_t/b on the mean after scale(1/b)
+        return (lambda g, k: gamma_norm_noise(g, alpha, d, size=k)), derived, "proved"

@@ -66,6 +66,10 @@ class Model:
         """Scores whose sign is the predicted label: (R, n)."""
         raise NotImplementedError
 
+    def hvp(self, theta: np.ndarray, X: np.ndarray, y: np.ndarray, v: np.ndarray) -> np.ndarray:
+        """Exact Hessian–vector product ∇²F(θ) v of the full objective (λv included), per replica: (R, P)."""
+        raise NotImplementedError(f"model {self.name!r} has no Hessian–vector product")
+
     def lipschitz(self, x_max: float) -> float | None:
         """A bound on ‖∇ℓ(θ; x, y)‖ over all θ when ‖x‖ ≤ x_max, or None if there is none."""
         return None
@@ -83,3 +87,56 @@ class Model:
 
     def accuracy(self, theta: np.ndarray, X: np.ndarray, y: np.ndarray) -> np.ndarray:
         return np.mean(np.where(self.decision(theta, X) >= 0, 1.0, -1.0) == y, axis=-1)
+
+    def inverse_hvp(self, theta: np.ndarray, X: np.ndarray, y: np.ndarray, v: np.ndarray, damping: float = 0.0,
+                    tol: float = 1e-10, max_iter: Optional[int] = None,
+                    return_info: bool = False) -> np.ndarray | tuple[np.ndarray, dict]:
+        """x ≈ (∇²F(θ) + ζI)⁻¹ v for every replica by conjugate gradients on Hessian–vector products (Koh & Liang 2017).
+
+        Each replica runs its own CG (own step sizes), all replicas share one `hvp` call per iteration; a replica
+        stops when ‖v − (H + ζI)x‖ ≤ tol·‖v‖. max_iter defaults to P (exact in exact arithmetic for a positive
+        definite system). CG needs H + ζI positive definite: a non-convex model's Hessian may be indefinite, so a
+        replica that meets a direction p with pᵀ(H + ζI)p ≤ 0 stops there (its x is the last iterate) and is
+        reported in `info["negative_curvature"]`; raise ζ to avoid it. With return_info, also returns
+        {"iterations": (R,), "residual": ‖v − (H + ζI)x‖/‖v‖ recomputed (R,), "converged": CG's recursive residual
+        reached tol (R,), "negative_curvature": (R,)}.
+        """
+        v = np.asarray(v, dtype=float)
+        R, P = v.shape
+        max_iter = P if max_iter is None else int(max_iter)
+
+        def apply(p: np.ndarray) -> np.ndarray:
+            return self.hvp(theta, X, y, p) + damping * p
+
+        x = np.zeros_like(v)
+        r = v.copy()
+        p = r.copy()
+        rr = np.einsum("rp,rp->r", r, r)
+        target = tol**2 * rr
+        active = rr > target
+        negative = np.zeros(R, dtype=bool)
+        iterations = np.zeros(R, dtype=int)
+        for _ in range(max_iter):
+            if not active.any():
+                break
+            Ap = apply(p)
+            curvature = np.einsum("rp,rp->r", p, Ap)
+            bad = active & ~(curvature > 0)
+            negative |= bad
+            active &= ~bad
+            alpha = np.where(active, rr / np.where(active, curvature, 1.0), 0.0)
+            x += alpha[:, None] * p
+            r -= alpha[:, None] * Ap
+            rr_new = np.einsum("rp,rp->r", r, r)
+            iterations += active
+            beta = np.where(active, rr_new / np.where(rr > 0, rr, 1.0), 0.0)
+            p = np.where(active[:, None], r + beta[:, None] * p, p)
+            rr = np.where(active, rr_new, rr)
+            active &= rr > target
+        if not return_info:
+            return x
+        norm_v = np.sqrt(np.einsum("rp,rp->r", v, v))
+        residual = np.linalg.norm(v - apply(x), axis=1) / np.where(norm_v > 0, norm_v, 1.0)
+        info = {"iterations": iterations, "residual": residual, "converged": (rr <= target) & ~negative,
+                "negative_curvature": negative}
+        return x, info

@@ -53,3 +53,9 @@ class LogisticRegression(Model):
             norm = np.abs(residual) * batch.x_norm
             scale = scale * clip / np.maximum(norm, clip)  # = min(1, C/‖g‖), safe at ‖g‖ = 0
         return np.einsum("rm,rmd->rd", scale, batch.X)
+
+    def hvp(self, theta, X, y, v):
+        """∇²F(θ) v = (1/n) Σ σ'(m_i) (x_i·v) x_i + λv, m_i = θ·x_i, σ'(m) = σ(m)σ(−m) (y² = 1): (R, P)."""
+        margin = self.decision(theta, X)  # (R, n)
+        weight = expit(margin) * expit(-margin)
+        return (weight * (v @ X.T)) @ X / X.shape[0] + self.l2 * v

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import difflib
 import json
-import math
 from pathlib import Path
 from typing import Optional
 
