@@ -15,9 +15,8 @@ import pandas as pd
 
 from dpsgd_cli.config import ClaimSpec, FigureSpec
 from dpsgd_cli.engine.analytic import analytic_table
-from dpsgd_cli.engine.results import ResultStore
-from dpsgd_cli.engine.summary import select
-from dpsgd_cli.plots import _line_labels, grid_of, result_folders
+from dpsgd_cli.engine.summary import results_frame, select
+from dpsgd_cli.plots import grid_of, result_folders
 
 
 @dataclass(frozen=True)
@@ -35,15 +34,7 @@ def claim_frame(folder: Path, claim: ClaimSpec, figures: list[FigureSpec]) -> pd
         if figure is None:
             raise KeyError(f"claim {claim.id}: source {claim.source!r} is neither runs, traces nor a figure of the grid")
         return analytic_table(folder, figure)
-    store = ResultStore(folder)
-    runs = store.read()
-    runs = runs[runs["status"] == "ok"]
-    runs = runs.assign(label=_line_labels(runs)) if len(runs) else runs.assign(label=[])
-    if claim.source == "traces":
-        traces = store.read_traces()
-        keep = [c for c in runs.columns if c not in traces.columns or c == "run_id"]
-        runs = traces.merge(runs[keep], on="run_id", how="inner")
-    return runs
+    return results_frame(folder, traces=claim.source == "traces")
 
 
 def _stats(frame: pd.DataFrame, metric: str, over: Optional[str]) -> pd.DataFrame:

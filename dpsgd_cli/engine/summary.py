@@ -9,15 +9,31 @@ import pandas as pd
 
 from dpsgd_cli.engine.results import ResultStore
 
+HYPER = ["batch_size", "lr", "epochs", "l2", "clip_norm"]
 CELL_COLUMNS = ["dataset", "model", "algorithm", "label", "epsilon", "batch_size", "lr", "epochs", "l2", "clip_norm"]
 
 
+def _params(frame: pd.DataFrame) -> pd.Series:
+    return frame["algorithm_params"].fillna("{}").map(lambda s: json.loads(s) if isinstance(s, str) and s else {})
+
+
 def algorithm_label(frame: pd.DataFrame) -> pd.Series:
-    """`dp_sgd`, or `dp_sgd accountant=pld` where the grid has several parameterisations."""
-    params = frame["algorithm_params"].fillna("{}").map(lambda s: json.loads(s) if s else {})
-    text = params.map(lambda p: "".join(f" {k}={v}" for k, v in p.items()))
-    varying = frame.assign(_p=text).groupby("algorithm")["_p"].transform("nunique") > 1
-    return frame["algorithm"] + text.where(varying, "")
+    """`dp_sgd`, or `dp_sgd accountant=pld` naming the parameters that differ between an algorithm's runs."""
+    params = _params(frame)
+    label = frame["algorithm"].copy()
+    for algorithm, rows in params.groupby(frame["algorithm"]):
+        keys = sorted({k for p in rows for k in p})
+        varying = [k for k in keys if len({json.dumps(p.get(k)) for p in rows}) > 1]
+        label[rows.index] = algorithm + rows.map(lambda p: "".join(f" {k}={p.get(k)}" for k in varying))
+    return label
+
+
+def with_params(frame: pd.DataFrame) -> pd.DataFrame:
+    """The runs with each algorithm parameter as a column of its own (e.g. `schedule`, `accountant`), so that
+    figures and claims can select on it; a column that exists already keeps its values."""
+    params = _params(frame)
+    keys = sorted({k for p in params for k in p} - set(frame.columns))
+    return frame.assign(**{k: params.map(lambda p, k=k: p.get(k)) for k in keys}) if keys else frame
 
 
 def summary_frame(folder: Path) -> pd.DataFrame:
@@ -57,3 +73,27 @@ def select(frame: pd.DataFrame, selection: dict) -> pd.DataFrame:
         else:
             mask &= values == wanted
     return frame[mask]
+
+
+def line_labels(frame: pd.DataFrame) -> pd.Series:
+    """Algorithm label, plus the hyperparameters that vary among that algorithm's runs."""
+    labels = algorithm_label(frame)
+    extra = pd.Series("", index=frame.index)
+    for col in HYPER:
+        varying = frame.groupby(labels)[col].transform(lambda s: s.nunique(dropna=True) > 1)
+        extra += frame[col].map(lambda v, c=col: f" {c}={v:g}" if v == v else "").where(varying, "")
+    return labels + extra
+
+
+def results_frame(folder: Path, traces: bool = False) -> pd.DataFrame:
+    """The ok runs of a results folder with their line label and parameter columns; with `traces`, their
+    checkpoints (one row per run and checkpoint) joined with those run columns."""
+    store = ResultStore(folder)
+    runs = store.read()
+    runs = runs[runs["status"] == "ok"]
+    runs = with_params(runs.assign(label=line_labels(runs))) if len(runs) else runs.assign(label=[])
+    if traces:
+        checkpoints = store.read_traces()
+        keep = [c for c in runs.columns if c not in checkpoints.columns or c == "run_id"]
+        runs = checkpoints.merge(runs[keep], on="run_id", how="inner")
+    return runs

@@ -20,8 +20,7 @@ import pandas as pd  # noqa: E402
 
 from dpsgd_cli.config import FigureSpec  # noqa: E402
 from dpsgd_cli.engine.analytic import analytic_table  # noqa: E402
-from dpsgd_cli.engine.results import ResultStore  # noqa: E402
-from dpsgd_cli.engine.summary import algorithm_label, select  # noqa: E402
+from dpsgd_cli.engine.summary import results_frame, select  # noqa: E402
 from dpsgd_cli.errors import UserError  # noqa: E402
 
 METRICS = {
@@ -34,7 +33,6 @@ METRICS = {
 }
 AXIS_LABELS = {"epsilon": "privacy budget ε", "batch_size": "batch size b", "examples": "examples processed",
                "lr": "learning rate", "epochs": "epochs"}
-HYPER = ["batch_size", "lr", "epochs", "l2", "clip_norm"]
 REFERENCE_STYLES = [("black", "--"), ("dimgray", ":"), ("gray", "-."), ("darkgray", (0, (5, 2, 1, 2)))]
 
 
@@ -107,14 +105,7 @@ def draw_figure(folder: Path, spec: FigureSpec, fmt: str) -> list[Path]:
 def _frame_for(folder: Path, spec: FigureSpec) -> pd.DataFrame:
     if spec.kind == "noise_scale":
         return analytic_table(folder, spec)
-    store = ResultStore(folder)
-    runs = store.read()
-    runs = runs[runs["status"] == "ok"]
-    runs = runs.assign(label=_line_labels(runs)) if len(runs) else runs.assign(label=[])
-    if spec.kind == "traces":
-        traces = store.read_traces()
-        keep = [c for c in runs.columns if c not in traces.columns or c in ("run_id",)]
-        runs = traces.merge(runs[keep], on="run_id", how="inner")
+    runs = results_frame(folder, traces=spec.kind == "traces")
     return select(runs, spec.where) if len(runs) else runs
 
 
@@ -209,16 +200,6 @@ def _noise_scale_figure(table: pd.DataFrame, spec: FigureSpec):
     if spec.title:
         fig.suptitle(spec.title)
     return fig
-
-
-def _line_labels(frame: pd.DataFrame) -> pd.Series:
-    """Algorithm label, plus the hyperparameters that vary among that algorithm's runs."""
-    labels = algorithm_label(frame)
-    extra = pd.Series("", index=frame.index)
-    for col in HYPER:
-        varying = frame.groupby(labels)[col].transform(lambda s: s.nunique(dropna=True) > 1)
-        extra += frame[col].map(lambda v, c=col: f" {c}={v:g}" if v == v else "").where(varying, "")
-    return labels + extra
 
 
 def _caption(folder: Path, frame: pd.DataFrame) -> str:

@@ -1,0 +1,248 @@
+"""Numba kernels for the loops over single examples that cannot be vectorised (optional: `pip install 'dpsgd[numba]'`).
+
+Only where one example per step is inherent: `song2013` with b = 1 and `bassily2014` (one uniformly drawn example
+per step). Their per-step work is a few d-vectors, so the NumPy chain spends ~25 µs per step in Python and array
+overhead; the kernel runs a whole pass (or a chunk of at most `CHUNK_ELEMENTS` noise numbers) in one call.
+Mini-batch algorithms (`dp_sgd`, `sgd`, `song2013` with b > 1, `pidp_sgd`, ...) stay vectorised NumPy.
+
+Same random numbers on both paths: the sampling indices and the noise are drawn with NumPy from the replica
+streams exactly as the NumPy samplers draw them (same generators, same calls, same block sizes: a permutation
+per pass, `integers` / noise draws in blocks of `BLOCK_STEPS` steps) and passed into the kernel, so a seed gives
+the same run whichever backend trains it (equal up to floating-point summation order, ~1e-15 relative per
+step; tests/test_kernels.py asserts rtol 1e-12).
+
+The update of one step, for replica r, example i = idx[t, r] (logistic regression, ℓ = log(1 + e^{−y θ·x})):
+
+    a   = −y σ(−y θ·x)                                   (∇ℓ = a x)
+    a  ← a · C / max(|a|‖x‖, C)                           (clip ‖∇ℓ‖ to C; skipped when clip is None)
+    g   = ((a x + s·z_t) · batch_scale) + λθ              (z_t the step's noise, s its scale; λθ skipped if λ = 0)
+    θ  ← θ − η_t g,   then θ ← θ · min(1, ρ/‖θ‖)          (projection onto the ball of radius ρ, if any)
+
+which is, operation for operation, `GradientChain` with `clipped_grad_sum` → `add_noise(s)` → `scale` → `add_l2`
+→ schedule → `project_to_ball` (see the callers in song2013.py and bassily.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import importlib.util
+from typing import Callable, Iterator, Literal, Optional
+
+import numpy as np
+
+from dpsgd_cli.algorithms.streams import BLOCK_STEPS, ReplicaStreams
+from dpsgd_cli.errors import UserError
+
+Backend = Literal["auto", "numpy", "numba"]
+HAVE_NUMBA: bool = importlib.util.find_spec("numba") is not None  # numba itself is imported lazily
+NUMBA_HINT = "pip install 'dpsgd[numba]'"
+CHUNK_ELEMENTS = 1 << 23  # noise numbers per kernel call (64 MB in float64): a whole pass on adult / kddcup99
+
+
+def numba_version() -> Optional[str]:
+    """The installed numba's version, without importing it (None when absent)."""
+    if not HAVE_NUMBA:
+        return None
+    try:
+        return importlib.metadata.version("numba")
+    except importlib.metadata.PackageNotFoundError:  # importable but not installed as a distribution
+        return "(version unknown)"
+
+
+def backend_description() -> str:
+    """One line for the CLI: which backend the single-example loops use."""
+    version = numba_version()
+    if version:
+        return f"backend: numba {version} (single-example loops: song2013 b = 1, bassily2014)"
+    return f"backend: numpy ({NUMBA_HINT} for the single-example kernels)"
+
+
+def kernel_applies(model, batch_size: Optional[int]) -> bool:
+    """The kernel implements logistic regression with one example per step: a `LogisticRegression` whose
+    gradient is not overridden, and batch size 1."""
+    from dpsgd_cli.models.logreg import LogisticRegression
+
+    return (batch_size == 1 and isinstance(model, LogisticRegression)
+            and type(model).clipped_grad_sum is LogisticRegression.clipped_grad_sum)
+
+
+def select_backend(requested: Backend, model, batch_size: Optional[int]) -> str:
+    """'numba' or 'numpy' for this run.
+
+    auto: numba where the kernel applies (b = 1, logreg) and numba is installed, else numpy;
+    numba: the kernel where it applies (UserError if numba is missing); numpy: never the kernel.
+    """
+    if requested == "numpy":
+        return "numpy"
+    if requested == "numba" and not HAVE_NUMBA:
+        raise UserError(f"backend: numba, but numba is not installed: {NUMBA_HINT}, or use backend: auto")
+    if requested not in ("auto", "numba"):
+        raise UserError(f"backend = {requested!r}: use auto, numpy or numba")
+    return "numba" if HAVE_NUMBA and kernel_applies(model, batch_size) else "numpy"
+
+
+# --- random numbers, drawn exactly as the NumPy samplers and `streams.per_step` draw them -----------------------
+
+
+def block_draws(streams: ReplicaStreams, purpose: str, draw: Callable[[np.random.Generator, int], np.ndarray],
+                block: int = BLOCK_STEPS) -> Iterator[np.ndarray]:
+    """(K, R, ...) blocks: the numbers `streams.per_step(purpose, draw, block)` yields one step at a time."""
+    gens = streams.generators(purpose)
+    while True:
+        yield np.stack([draw(g, block) for g in gens], axis=1)
+
+
+def shuffled_example_blocks(n: int, streams: ReplicaStreams) -> Iterator[np.ndarray]:
+    """(n, R) example indices per pass: a fresh permutation per pass and replica, as
+    `sampling.shuffled_batches(X, y, 1, streams)` draws them (b = 1: ⌊n/1⌋ = n steps per pass)."""
+    gens = streams.generators("sampling")
+    while True:
+        yield np.stack([g.permutation(n)[:n] for g in gens]).T
+
+
+def uniform_example_index_blocks(n: int, streams: ReplicaStreams) -> Iterator[np.ndarray]:
+    """(K, R) indices, one uniform example per step and replica, as `bassily.uniform_example_blocks` and
+    `sampling.uniform_examples(X, y, streams, 1)` draw them."""
+    gens = streams.generators("sampling")
+    while True:
+        yield np.stack([g.integers(0, n, size=(BLOCK_STEPS, 1)) for g in gens], axis=1)[..., 0]
+
+
+class _Reader:
+    """Take the next m steps from an iterator of (K, ...) blocks (blocks split and joined as needed)."""
+
+    def __init__(self, blocks: Iterator[np.ndarray]):
+        self.blocks, self.rest = blocks, None
+
+    def take(self, m: int) -> np.ndarray:
+        parts, have = [], 0
+        while have < m:
+            block = self.rest if self.rest is not None else next(self.blocks)
+            self.rest = None
+            need = m - have
+            if len(block) > need:
+                block, self.rest = block[:need], block[need:]
+            parts.append(block)
+            have += len(block)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def schedule_values(schedule: Callable[[int], float], start: int, stop: int) -> np.ndarray:
+    """η_t for t = start..stop−1: the schedule applied to an array of t when it is elementwise (the chain's
+    `constant`, `inverse_sqrt`, `inverse_time`), else called step by step."""
+    t = np.arange(start, stop, dtype=np.float64)
+    try:
+        values = np.asarray(schedule(t), dtype=np.float64)
+    except (TypeError, ValueError):
+        values = None
+    if values is not None and values.ndim == 0:
+        return np.full(t.shape, float(values))
+    if values is not None and values.shape == t.shape:
+        return values
+    return np.fromiter((schedule(s) for s in range(start, stop)), dtype=np.float64, count=stop - start)
+
+
+# --- the kernel ---------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels():
+    """Compile (or load from numba's on-disk cache) the kernels; imports numba."""
+    try:
+        import numba
+    except Exception as exc:  # installed but broken (e.g. a NumPy it does not support)
+        raise UserError(f"numba could not be imported ({type(exc).__name__}: {exc}); reinstall it "
+                        f"({NUMBA_HINT}) or use backend: numpy") from exc
+
+    @numba.njit(cache=True, nogil=True)
+    def sgd1_logreg(theta, X, y, x_norm, idx, noise, noise_std, lrs, l2, clip, radius, batch_scale,
+                    start, stop, do_clip, do_noise, do_project):  # pragma: no cover - compiled
+        R, d = theta.shape
+        for r in range(R):
+            for t in range(start, stop):
+                i = idx[t, r]
+                dot = 0.0
+                for j in range(d):
+                    dot += X[i, j] * theta[r, j]
+                yi = y[i]
+                margin = yi * dot
+                a = -yi * (1.0 / (1.0 + np.exp(margin)))  # −y σ(−margin), σ(−m) = 1/(1 + e^m) as scipy's expit
+                if do_clip:
+                    a = a * clip / max(abs(a) * x_norm[i], clip)
+                eta = lrs[t]
+                sq = 0.0
+                for j in range(d):
+                    g = a * X[i, j]
+                    if do_noise:
+                        g = g + noise_std * noise[t, r, j]
+                    g = g * batch_scale
+                    if l2 != 0.0:
+                        g = g + l2 * theta[r, j]
+                    v = theta[r, j] - eta * g
+                    theta[r, j] = v
+                    sq += v * v
+                if do_project:
+                    f = radius / max(np.sqrt(sq), 1e-300)
+                    if f < 1.0:
+                        for j in range(d):
+                            theta[r, j] = theta[r, j] * f
+        return theta
+
+    return {"sgd1_logreg": sgd1_logreg, "version": numba.__version__}
+
+
+def warm_up() -> float:
+    """Compile or load the kernels now; returns the seconds it took (the benchmark reports it)."""
+    import time
+
+    start = time.perf_counter()
+    kernel = _kernels()["sgd1_logreg"]
+    X, y = np.ones((1, 1)), np.ones(1)
+    kernel(np.zeros((1, 1)), X, y, np.ones(1), np.zeros((1, 1), dtype=np.int64), np.zeros((1, 1, 1)), 0.0,
+           np.ones(1), 0.0, 1.0, 1.0, 1.0, 0, 1, True, True, True)
+    return time.perf_counter() - start
+
+
+def logreg_single_example_sgd(theta: np.ndarray, X: np.ndarray, y: np.ndarray, indices: Iterator[np.ndarray],
+                              steps: int, schedule: Callable[[int], float], *, clip: Optional[float], l2: float,
+                              radius: Optional[float], noise: Optional[Iterator[np.ndarray]] = None,
+                              noise_std: float = 0.0, batch_scale: float = 1.0, checkpoints=None,
+                              model=None) -> np.ndarray:
+    """`steps` single-example steps of projected (noisy, clipped) SGD on logistic regression for every replica,
+    by the numba kernel (module docstring). θ (R, d) is not modified; the result is returned.
+
+    indices: (K, R) blocks of example indices; noise: (K, R, d) blocks of the noise's standard draws (None: no
+    noise); checkpoints: a `chain.Checkpoints` (one example per step), recorded as `GradientChain.run` does.
+    """
+    kernel = _kernels()["sgd1_logreg"]
+    theta = np.array(theta, copy=True, order="C")
+    X = np.ascontiguousarray(X)
+    y = np.ascontiguousarray(y)
+    x_norm = np.linalg.norm(X, axis=1)
+    R, d = theta.shape
+    chunk = max(BLOCK_STEPS, (CHUNK_ELEMENTS // max(1, R * d)) // BLOCK_STEPS * BLOCK_STEPS)
+    index_reader = _Reader(indices)
+    noise_reader = _Reader(noise) if noise is not None else None
+    no_noise = np.zeros((1, 1, 1), dtype=np.float64)
+    every = checkpoints.every if checkpoints is not None else None
+    done = 0
+    while done < steps:
+        m = min(chunk, steps - done)
+        idx = np.ascontiguousarray(index_reader.take(m), dtype=np.int64)
+        z = np.ascontiguousarray(noise_reader.take(m)) if noise_reader is not None else no_noise
+        lrs = schedule_values(schedule, done + 1, done + m + 1)
+        cuts = [m]
+        if every:  # stop after each step t (1-based, global) with t % every == 0, to record a checkpoint
+            first = (done // every + 1) * every
+            cuts = sorted({*range(first - done, m + 1, every), m}) if first - done <= m else [m]
+        lo = 0
+        for hi in cuts:
+            kernel(theta, X, y, x_norm, idx, z, float(noise_std), lrs, float(l2 or 0.0),
+                   float(clip) if clip is not None else 1.0, float(radius) if radius is not None else 1.0,
+                   float(batch_scale), lo, hi, clip is not None, noise_reader is not None, radius is not None)
+            if checkpoints is not None and hi > lo:
+                checkpoints.maybe_record(model, theta, done + hi - 1, done + hi)
+            lo = hi
+        done += m
+    return theta

@@ -1,0 +1,208 @@
+"""One-hidden-layer perceptron (Kang et al.: "a multi-layer perceptron with one hidden layer whose size is the same
+as the input layer"), vectorised over the replica axis.
+
+    z = W₁ x + b₁ ∈ R^h,   a = φ(z),   f(x) = w₂·a + b₂,   ℓ(θ; x, y) = log(1 + exp(−y f(x)))   (y ∈ {−1, +1}),
+    F(θ) = (1/n) Σ ℓ(θ; x_i, y_i) + (λ/2)‖θ‖²   over ALL P = d·h + h + h + 1 parameters (biases regularised too).
+
+θ is flat, (R, P), laid out as [W₁ (h×d, row-major) | b₁ (h) | w₂ (h) | b₂ (1)] (`unpack` / `pack`).
+
+Per-example gradients (r = ∂ℓ/∂f = −y σ(−y f), u = w₂ ⊙ φ'(z), δ = r u):
+    ∂ℓ/∂b₂ = r,  ∂ℓ/∂w₂ = r a,  ∂ℓ/∂b₁ = δ,  ∂ℓ/∂W₁ = δ xᵀ   (an outer product: ‖δ xᵀ‖ = ‖δ‖‖x‖), so
+    ‖∇ℓ‖² = r² (1 + ‖a‖² + ‖u‖² (‖x‖² + 1)),
+and clipping never builds the (R, M, P) tensor: each example's output gradient r is scaled by
+weight · min(1, C/‖∇ℓ‖) and the usual batched backward pass (matrix products) sums the clipped gradients.
+
+Hessian–vector products are exact (Pearlmutter's R-operator, forward-over-reverse by hand): for a direction
+v = (V₁, c₁, v₂, c₂), R{z} = V₁x + c₁, R{a} = φ'(z) ⊙ R{z}, R{f} = v₂·a + w₂·R{a} + c₂, R{r} = ℓ''(f) R{f} with
+ℓ''(f) = σ(f) σ(−f), R{δ} = R{r} u + r (v₂ ⊙ φ'(z) + w₂ ⊙ φ''(z) ⊙ R{z}); then
+H v = (1/n) Σ [R{δ} xᵀ | R{δ} | R{r} a + r R{a} | R{r}] + λ v.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Literal, Optional
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+from scipy.special import expit
+
+from dpsgd_cli.models.base import Batch, Model
+
+Activation = Literal["tanh", "relu", "sigmoid"]
+# Full-data passes are cut into blocks of examples so that an (R, block, h) temporary holds at most this many numbers.
+BLOCK_ELEMENTS = 1 << 22
+
+
+class MLPOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    hidden: Optional[int] = Field(None, ge=1, description="hidden units h (default: the input dimension d)")
+    activation: Activation = Field("tanh", description="φ: tanh (smooth, default), relu or sigmoid")
+
+
+def _activate(kind: str, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(φ(z), φ'(z))."""
+    if kind == "tanh":
+        a = np.tanh(z)
+        return a, 1.0 - a * a
+    if kind == "sigmoid":
+        a = expit(z)
+        return a, a * (1.0 - a)
+    if kind == "relu":
+        positive = z > 0
+        return np.where(positive, z, 0.0), positive.astype(z.dtype)
+    raise ValueError(f"unknown activation {kind!r}")
+
+
+def _second_derivative(kind: str, a: np.ndarray, da: np.ndarray) -> np.ndarray:
+    """φ''(z) from φ(z) and φ'(z) (0 for relu, almost everywhere)."""
+    if kind == "tanh":
+        return -2.0 * a * da
+    if kind == "sigmoid":
+        return da * (1.0 - 2.0 * a)
+    return np.zeros_like(a)
+
+
+class MLP(Model):
+    """d → h (φ) → 1 logit, logistic loss; non-convex, so no global Lipschitz or smoothness bound (None).
+
+    Options: `hidden` (h, default d), `activation` (tanh default; relu, sigmoid). Initialisation (independent of the
+    data, one generator per replica): Glorot/Xavier uniform U(±√(6/(fan_in + fan_out))) for tanh and sigmoid, He
+    uniform U(±√(6/fan_in)) for relu, on W₁ (fan_in d, fan_out h) and w₂ (fan_in h, fan_out 1); biases 0.
+    `X` may be shared (n, d) or per replica (R, M, d) in every method.
+    """
+
+    name = "mlp"
+    Options = MLPOptions
+    convex = False
+
+    def __init__(self, d: int, l2: float, hidden: Optional[int] = None, activation: Activation = "tanh"):
+        super().__init__(d, l2)
+        self.hidden = int(hidden) if hidden is not None else int(d)
+        self.activation = activation
+        _activate(activation, np.zeros(1))  # validates the name
+
+    # Parameters -----------------------------------------------------------------------------------------
+    @property
+    def n_params(self) -> int:
+        return self.d * self.hidden + 2 * self.hidden + 1
+
+    def unpack(self, theta: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Views (W₁ (R, h, d), b₁ (R, h), w₂ (R, h), b₂ (R,)) of θ (R, P)."""
+        d, h = self.d, self.hidden
+        if theta.shape[-1] != self.n_params:
+            raise ValueError(f"mlp with d = {d}, h = {h} has P = {self.n_params} parameters, got {theta.shape[-1]}")
+        R = theta.shape[0]
+        W1 = theta[:, : d * h].reshape(R, h, d)
+        b1 = theta[:, d * h: d * h + h]
+        w2 = theta[:, d * h + h: d * h + 2 * h]
+        b2 = theta[:, -1]
+        return W1, b1, w2, b2
+
+    def pack(self, W1: np.ndarray, b1: np.ndarray, w2: np.ndarray, b2: np.ndarray) -> np.ndarray:
+        """θ (R, P) from (W₁ (R, h, d), b₁ (R, h), w₂ (R, h), b₂ (R,))."""
+        R = W1.shape[0]
+        return np.concatenate([W1.reshape(R, -1), b1, w2, np.reshape(b2, (R, 1))], axis=1)
+
+    def init(self, generators: list[np.random.Generator]) -> np.ndarray:
+        d, h = self.d, self.hidden
+        if self.activation == "relu":  # He et al. 2015
+            lim1, lim2 = np.sqrt(6.0 / d), np.sqrt(6.0 / h)
+        else:  # Glorot & Bengio 2010
+            lim1, lim2 = np.sqrt(6.0 / (d + h)), np.sqrt(6.0 / (h + 1))
+        rows = []
+        for g in generators:  # one replica's draws from its own generator
+            W1 = g.uniform(-lim1, lim1, size=(1, h, d))
+            w2 = g.uniform(-lim2, lim2, size=(1, h))
+            rows.append(self.pack(W1, np.zeros((1, h)), w2, np.zeros(1))[0])
+        return np.stack(rows) if rows else np.zeros((0, self.n_params))
+
+    # Forward / backward ----------------------------------------------------------------------------------
+    def _blocks(self, X: np.ndarray, replicas: int) -> Iterator[slice]:
+        m = X.shape[-2]
+        size = max(1, BLOCK_ELEMENTS // max(1, replicas * self.hidden))
+        for start in range(0, m, size):
+            yield slice(start, min(m, start + size))
+
+    def _forward(self, theta: np.ndarray, X: np.ndarray):
+        """(a, φ'(z), f) for X (n, d) or (R, M, d): a, φ' (R, M, h); f (R, M)."""
+        W1, b1, w2, b2 = self.unpack(theta)
+        z = np.matmul(X, W1.transpose(0, 2, 1))
+        z += b1[:, None, :]
+        a, da = _activate(self.activation, z)
+        f = np.matmul(a, w2[:, :, None])[..., 0] + b2[:, None]
+        return a, da, f
+
+    def decision(self, theta: np.ndarray, X: np.ndarray) -> np.ndarray:
+        R = theta.shape[0]
+        return np.concatenate([self._forward(theta, X[..., s, :])[2] for s in self._blocks(X, R)], axis=-1)
+
+    def data_loss(self, theta, X, y):
+        return np.mean(np.logaddexp(0.0, -y * self.decision(theta, X)), axis=-1)
+
+    def _backward(self, theta: np.ndarray, X: np.ndarray, y: np.ndarray, weight,
+                  clip: Optional[float], x_norm) -> np.ndarray:
+        """Σ_i weight_i · min(1, C/‖∇ℓ_i‖) ∇ℓ_i (no clip when C is None): (R, P); examples in blocks."""
+        W1, b1, w2, b2 = self.unpack(theta)
+        R = theta.shape[0]
+        gW1 = np.zeros_like(W1)
+        gb1 = np.zeros_like(b1)
+        gw2 = np.zeros_like(w2)
+        gb2 = np.zeros_like(b2)
+        for s in self._blocks(X, R):
+            Xs = X[..., s, :]
+            a, da, f = self._forward(theta, Xs)
+            ys = y[..., s]
+            r = -ys * expit(-ys * f)  # ∂ℓ/∂f, (R, m)
+            u = da * w2[:, None, :]  # ∂f/∂z, (R, m, h)
+            coef = r * (weight[..., s] if np.ndim(weight) else weight)
+            if clip is not None:
+                xn = x_norm[..., s]
+                norm = np.abs(r) * np.sqrt(1.0 + np.einsum("rmh,rmh->rm", a, a)
+                                           + np.einsum("rmh,rmh->rm", u, u) * (xn * xn + 1.0))
+                coef = coef * (clip / np.maximum(norm, clip))  # = min(1, C/‖g‖), safe at ‖g‖ = 0
+            gb2 += coef.sum(axis=-1)
+            gw2 += np.matmul(coef[:, None, :], a)[:, 0, :]
+            delta = u * coef[..., None]  # (R, m, h)
+            gb1 += delta.sum(axis=1)
+            gW1 += np.matmul(delta.transpose(0, 2, 1), Xs)
+        return self.pack(gW1, gb1, gw2, gb2)
+
+    def data_gradient(self, theta, X, y):
+        return self._backward(theta, X, y, 1.0 / X.shape[-2], None, None)
+
+    def clipped_grad_sum(self, theta, batch: Batch, clip: Optional[float]):
+        return self._backward(theta, batch.X, batch.y, batch.weight, clip, batch.x_norm)
+
+    def per_example_grad_norms(self, theta, batch: Batch):
+        W1, b1, w2, b2 = self.unpack(theta)
+        a, da, f = self._forward(theta, batch.X)
+        r = -batch.y * expit(-batch.y * f)
+        u = da * w2[:, None, :]
+        return np.abs(r) * np.sqrt(1.0 + np.einsum("rmh,rmh->rm", a, a)
+                                   + np.einsum("rmh,rmh->rm", u, u) * (batch.x_norm**2 + 1.0))
+
+    # Second order -----------------------------------------------------------------------------------------
+    def hvp(self, theta: np.ndarray, X: np.ndarray, y: np.ndarray, v: np.ndarray) -> np.ndarray:
+        """Exact ∇²F(θ) v (R-operator, see the module docstring), λv included: (R, P)."""
+        W1, b1, w2, b2 = self.unpack(theta)
+        V1, c1, v2, c2 = self.unpack(v)
+        R, n = theta.shape[0], X.shape[-2]
+        hW1, hb1, hw2, hb2 = np.zeros_like(W1), np.zeros_like(b1), np.zeros_like(w2), np.zeros_like(b2)
+        for s in self._blocks(X, R):
+            Xs = X[..., s, :]
+            a, da, f = self._forward(theta, Xs)
+            ys = y[..., s]
+            r = -ys * expit(-ys * f)
+            curvature = expit(f) * expit(-f)  # ℓ''(f)
+            Rz = np.matmul(Xs, V1.transpose(0, 2, 1)) + c1[:, None, :]
+            Ra = da * Rz
+            Rf = np.matmul(a, v2[:, :, None])[..., 0] + np.matmul(Ra, w2[:, :, None])[..., 0] + c2[:, None]
+            Rr = curvature * Rf
+            Rdelta = (Rr[..., None] * (da * w2[:, None, :])
+                      + r[..., None] * (da * v2[:, None, :]
+                                        + w2[:, None, :] * _second_derivative(self.activation, a, da) * Rz))
+            hb2 += Rr.sum(axis=-1)
+            hw2 += np.matmul(Rr[:, None, :], a)[:, 0, :] + np.matmul(r[:, None, :], Ra)[:, 0, :]
+            hb1 += Rdelta.sum(axis=1)
+            hW1 += np.matmul(Rdelta.transpose(0, 2, 1), Xs)
+        return self.pack(hW1, hb1, hw2, hb2) / n + self.l2 * v
