@@ -70,8 +70,8 @@ def test_no_common_values_is_no_data():
 
 
 def test_saturates():
-    table = pd.DataFrame({"K": [1, 10, 100], "dynamics": [0.01, 0.04, 0.0479]})
-    spec = claim(check="saturates", metric="dynamics", over="K", tolerance=0.01)
+    table = pd.DataFrame({"K": [1, 10, 100], "bound": "dynamics", "rdp_epsilon": [0.01, 0.04, 0.0479]})
+    spec = claim(check="saturates", metric="rdp_epsilon", a={"bound": "dynamics"}, over="K", tolerance=0.01)
     assert _check_group(table, spec, 0.048)[0] is True
     assert _check_group(table, spec, 0.06)[0] is False
 
@@ -91,8 +91,8 @@ grids:
       - {name: b_fig, kind: sweep, x: batch_size, metric: train_objective, lines: [algorithm]}
       - {name: curve, kind: privacy_curve, params: {k_max: 300, points: 50}}
     claims:
-      - {id: sat, text: the dynamics bound saturates, check: saturates, source: curve, metric: dynamics,
-         over: K, tolerance: 0.05}
+      - {id: sat, text: the dynamics bound saturates, check: saturates, source: curve, metric: rdp_epsilon,
+         a: {bound: dynamics}, over: K, tolerance: 0.05}
       - {id: nonpriv-better, text: non-private SGD reaches a lower objective, check: better,
          metric: train_objective, higher_is_better: false, a: {algorithm: song2013_nonprivate},
          b: {algorithm: song2013}, over: batch_size}

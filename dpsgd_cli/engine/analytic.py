@@ -26,13 +26,15 @@ NOISE_ACCOUNTINGS = [
 
 
 def privacy_curve_table(params: dict[str, Any]) -> pd.DataFrame:
-    """Columns K, dynamics, composition, lower_bound; params as `dpsgd privacy-curve` (talk's defaults)."""
+    """Long format K, bound (dynamics | composition | lower_bound), rdp_epsilon — so claims can compare bounds;
+    params as `dpsgd privacy-curve` (the talk's defaults)."""
     from dpsgd_cli.plots.privacy_curve import k_values
     from dpsgd_cli.privacy.dynamics import privacy_curve
 
     params = dict(params)
     ks = k_values(int(params.pop("k_max", 1000)), int(params.pop("points", 200)), log=bool(params.pop("log_x", False)))
-    return privacy_curve(ks, **params)
+    wide = privacy_curve(ks, **params)
+    return wide.melt(id_vars="K", var_name="bound", value_name="rdp_epsilon")
 
 
 def noise_scale_table(params: dict[str, Any]) -> pd.DataFrame:

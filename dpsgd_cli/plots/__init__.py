@@ -76,7 +76,7 @@ def draw_figure(folder: Path, spec: FigureSpec, fmt: str) -> list[Path]:
     if spec.kind == "privacy_curve":
         from dpsgd_cli.plots.privacy_curve import plot_privacy_curve
 
-        table = analytic_table(folder, spec)
+        table = analytic_table(folder, spec).pivot(index="K", columns="bound", values="rdp_epsilon").reset_index()
         table.attrs.update({k: v for k, v in spec.params.items() if k not in ("k_max", "points", "log_x")})
         paths = [plot_privacy_curve(table, folder / "figures" / f"{spec.name}.{fmt}", log_x=False)]
         if fmt == "png":
