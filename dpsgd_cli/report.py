@@ -61,7 +61,12 @@ def _check_group(frame: pd.DataFrame, claim: ClaimSpec, limit: Optional[float]) 
             return None, f"{len(stats)} value(s) of {claim.over}"
         steps = stats["mean"].diff().dropna()
         steps = steps if claim.direction == "increasing" else -steps
-        text = " → ".join(f"{claim.over}={k:g}: {_cell(s)}" for k, s in stats.iterrows())
+        keys = list(stats.index)
+        if len(keys) > 8:  # a long curve: its ends and its worst step
+            keys = sorted(set(keys[:3] + [steps.idxmin()] + keys[-3:]))
+        text = " → ".join(f"{claim.over}={k:g}: {_cell(stats.loc[k])}" for k in keys)
+        if len(stats) > 8:
+            text += f" ({len(stats)} values; worst step {_fmt(float(steps.min()))} at {claim.over}={steps.idxmin():g})"
         return bool((steps >= -claim.tolerance).all()), text
     if claim.check == "saturates":
         series = select(frame, claim.a).sort_values(claim.over)[claim.metric]

@@ -120,10 +120,9 @@ def _panel_figure(frame: pd.DataFrame, spec: FigureSpec):
         for j, col in enumerate(cols):
             ax = axes[i][j]
             panel = frame
-            if spec.rows:
-                panel = panel[panel[spec.rows] == row]
-            if spec.cols:
-                panel = panel[panel[spec.cols] == col]
+            for column, value in ((spec.rows, row), (spec.cols, col)):
+                if column:  # runs without this column's value (e.g. erm has no lr) are references in every panel
+                    panel = panel[(panel[column] == value) | panel[column].isna()]
             _draw_panel(ax, panel, x, spec)
             title = " · ".join(f"{v}" if name in ("dataset", "model") else f"{name} = {_num(v)}"
                                for name, v in ((spec.rows, row), (spec.cols, col)) if name)
@@ -140,7 +139,11 @@ def _num(value) -> str:
 
 
 def _levels(frame: pd.DataFrame, column: Optional[str]) -> list:
-    return sorted(frame[column].dropna().unique(), key=str) if column else [None]
+    if not column:
+        return [None]
+    values = list(frame[column].dropna().unique())
+    numeric = all(isinstance(v, (int, float)) for v in values)
+    return sorted(values) if numeric else sorted(values, key=str)
 
 
 def _line_key(frame: pd.DataFrame, spec: FigureSpec) -> pd.Series:
