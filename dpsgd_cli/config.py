@@ -48,6 +48,8 @@ class ModelEntry(_Strict):
     @classmethod
     def _split(cls, raw: Any) -> Any:
         raw = {"name": raw} if isinstance(raw, str) else dict(raw)
+        if set(raw) == {"name", "options"}:  # as dumped in a manifest
+            raw = {"name": raw["name"], **raw["options"]}
         name = raw.pop("name", None)
         if name not in MODELS:
             raise ValueError(f"unknown model {name!r}{_closest(str(name), MODELS)}; known: {', '.join(MODELS)}")
@@ -68,6 +70,8 @@ class AlgorithmEntry(_Strict):
     @classmethod
     def _split(cls, raw: Any) -> Any:
         raw = {"name": raw} if isinstance(raw, str) else dict(raw)
+        if set(raw) == {"name", "params", "overrides"}:  # as dumped in a manifest
+            raw = {"name": raw["name"], **raw["params"], **raw["overrides"]}
         name = raw.pop("name", None)
         if name not in ALGORITHMS:
             raise ValueError(

@@ -129,3 +129,12 @@ def test_select_unknown_grid(tmp_path):
     with pytest.raises(UserError, match=r"--only h: no such grid"):
         select(grid_file, ["h"])
     assert [g.name for g in select(grid_file, ["g"])] == ["g"]
+
+
+def test_manifest_round_trip_keeps_run_ids(tmp_path):
+    text = BASE.replace("algorithms: [erm, sgd, dp_sgd]", "algorithms: [erm, {name: dp_sgd, accountant: pld, lr: 0.2}]")
+    grid = grid_of(tmp_path, text)
+    from dpsgd_cli.config import Grid
+
+    again = Grid.model_validate(grid.model_dump(mode="json"))
+    assert [c.run_id(0) for c in expand(again)] == [c.run_id(0) for c in expand(grid)]

@@ -120,3 +120,19 @@ def test_figures_and_report_end_to_end(tmp_path, monkeypatch):
 def test_figure_spec_validation():
     with pytest.raises(Exception):
         FigureSpec(name="x", kind="bar")
+
+
+def test_rows_of_an_earlier_grid_version_are_kept_but_not_shown(tmp_path, monkeypatch):
+    from dpsgd_cli.engine.results import ResultStore
+    from dpsgd_cli.engine.summary import results_frame
+
+    monkeypatch.setenv("DPSGD_DATA_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "grid.yaml"
+    text = "grids: [{name: g, datasets: [{name: synthetic, n: 300}], algorithms: [sgd], lr: [0.5], seeds: 2, epochs: 1}]"
+    path.write_text(text)
+    execute(plan_grid(load_grid_file(path).grids[0], tmp_path / "out"))
+    path.write_text(text.replace("lr: [0.5]", "lr: [0.25]"))
+    execute(plan_grid(load_grid_file(path).grids[0], tmp_path / "out"))
+    assert len(ResultStore(tmp_path / "out" / "g").read()) == 4  # nothing computed is lost
+    shown = results_frame(tmp_path / "out" / "g")
+    assert len(shown) == 2 and set(shown["lr"]) == {0.25}

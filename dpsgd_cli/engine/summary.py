@@ -85,12 +85,24 @@ def line_labels(frame: pd.DataFrame) -> pd.Series:
     return labels + extra
 
 
+def current_run_ids(folder: Path, fallback: pd.Series) -> set[str]:
+    """Run ids of the grid as last run (its manifest): rows left by an earlier version of the grid stay in
+    runs.csv but are not shown. Without a manifest, every row counts."""
+    from dpsgd_cli.config import Grid, expand
+
+    manifest = Path(folder) / "manifest.json"
+    if not manifest.exists():
+        return set(fallback.astype(str))
+    grid = Grid.model_validate(json.loads(manifest.read_text())["grid"])
+    return {cell.run_id(seed) for cell in expand(grid) for seed in cell.seeds}
+
+
 def results_frame(folder: Path, traces: bool = False) -> pd.DataFrame:
     """The ok runs of a results folder with their line label and parameter columns; with `traces`, their
     checkpoints (one row per run and checkpoint) joined with those run columns."""
     store = ResultStore(folder)
     runs = store.read()
-    runs = runs[runs["status"] == "ok"]
+    runs = runs[(runs["status"] == "ok") & runs["run_id"].isin(current_run_ids(folder, runs["run_id"]))]
     runs = with_params(runs.assign(label=line_labels(runs))) if len(runs) else runs.assign(label=[])
     if traces:
         checkpoints = store.read_traces()
