@@ -128,7 +128,7 @@ def test_rows_of_an_earlier_grid_version_are_kept_but_not_shown(tmp_path, monkey
 
     monkeypatch.setenv("DPSGD_DATA_DIR", str(tmp_path / "cache"))
     path = tmp_path / "grid.yaml"
-    text = "grids: [{name: g, datasets: [{name: synthetic, n: 300}], algorithms: [sgd], lr: [0.5], seeds: 2, epochs: 1}]"
+    text = "grids: [{name: g, datasets: [{name: synthetic, n: 300}], algorithms: [sgd], lr: [0.5], batch_size: 20, seeds: 2, epochs: 1}]"
     path.write_text(text)
     execute(plan_grid(load_grid_file(path).grids[0], tmp_path / "out"))
     path.write_text(text.replace("lr: [0.5]", "lr: [0.25]"))
