@@ -61,7 +61,7 @@ def run(
 
     grids = select(load_grid_file(grid_file), only)
     plans = [plan_grid(g, out, resume=not no_resume, dry_run=dry_run) for g in grids]
-    console.print(backend_description(), highlight=False)
+    console.print(backend_description(), highlight=False, markup=False)
     for plan in plans:
         console.print(f"[bold]{plan.grid.name}[/]: {len(plan.cells)} cells × {plan.grid.seeds} seeds = "
                       f"{plan.total_runs} runs; {plan.done_before} already done, {plan.pending_runs} to run "

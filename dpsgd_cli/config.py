@@ -252,6 +252,8 @@ class Cell(_Strict):
         """Everything that determines a run except its seed (and the grid's name and what it records)."""
         data = self.model_dump(mode="json", exclude={"grid", "seeds", "trace_every"})
         data["algorithm"].pop("overrides")
+        for name in ALGORITHMS[self.algorithm.name].execution_params:
+            data["algorithm"]["params"].pop(name, None)
         return data
 
     @property

@@ -138,3 +138,13 @@ def test_manifest_round_trip_keeps_run_ids(tmp_path):
 
     again = Grid.model_validate(grid.model_dump(mode="json"))
     assert [c.run_id(0) for c in expand(again)] == [c.run_id(0) for c in expand(grid)]
+
+
+def test_execution_parameters_do_not_change_run_ids(tmp_path):
+    ids = []
+    for backend in ("auto", "numpy"):
+        text = BASE.replace("algorithms: [erm, sgd, dp_sgd]", f"algorithms: [{{name: song2013, backend: {backend}}}]")
+        ids.append([c.run_id(0) for c in expand(grid_of(tmp_path, text))])
+    assert ids[0] == ids[1]
+    text = BASE.replace("algorithms: [erm, sgd, dp_sgd]", "algorithms: [{name: song2013, schedule: inv_t}]")
+    assert [c.run_id(0) for c in expand(grid_of(tmp_path, text))] != ids[0]

@@ -12,6 +12,19 @@ from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.models import Model
 
 
+ROW_NORM_TOLERANCE = 1e-9  # preprocessed rows have ‖x‖ = 1 up to rounding (adult: 1.0000000000000002)
+
+
+def max_row_norm(X: np.ndarray) -> float:
+    return float(np.sqrt(np.einsum("ij,ij->i", X, X).max())) if len(X) else 0.0
+
+
+def unit_ball_violation(X: np.ndarray) -> Optional[str]:
+    """The `guarantee` text when a row lies outside the unit ball (the proofs' Lipschitz bounds need ‖x‖ ≤ 1)."""
+    top = max_row_norm(X)
+    return f"none: rows outside the unit ball (max ‖x‖ = {top:.4g} > 1)" if top > 1 + ROW_NORM_TOLERANCE else None
+
+
 class NoParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -60,6 +73,8 @@ class Algorithm:
     uses: ClassVar[frozenset[str]]
     Params: ClassVar[type[BaseModel]] = NoParams
     source: ClassVar[str] = ""
+    # parameters that choose how, not what, is computed (e.g. backend): left out of the run id
+    execution_params: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, params: Optional[dict[str, Any]] = None):
         self.params = self.Params(**(params or {}))

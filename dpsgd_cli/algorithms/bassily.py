@@ -79,7 +79,8 @@ from dp_accounting.rdp.rdp_privacy_accountant import RdpAccountant
 from pydantic import BaseModel, ConfigDict, Field
 
 from dpsgd_cli.algorithms import kernels
-from dpsgd_cli.algorithms.base import Algorithm, Outcome, Setting
+from dpsgd_cli.algorithms.base import ROW_NORM_TOLERANCE, Algorithm, Outcome, Setting, max_row_norm
+from dpsgd_cli.algorithms.sampling import row_norms
 from dpsgd_cli.algorithms.chain import (Checkpoints, GradientChain, Schedule, add_l2, add_noise, inverse_sqrt,
                                         inverse_time, project_to_ball)
 from dpsgd_cli.algorithms.streams import BLOCK_STEPS, ReplicaStreams
@@ -91,7 +92,6 @@ from dpsgd_cli.privacy.mechanisms import (advanced_composition, advanced_composi
                                           amplify_by_subsampling, analytic_gaussian_sigma, gaussian_sigma)
 
 PLD_RHO_BASSILY = 0.04  # see pld_epsilon
-ROW_NORM_TOLERANCE = 1e-9  # preprocessed rows have ‖x‖ = 1 up to rounding (adult: 1.0000000000000002)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -321,7 +321,7 @@ def uniform_example_blocks(X: np.ndarray, y: np.ndarray, streams: ReplicaStreams
     streams, 1)`, but the rows of BLOCK_STEPS steps are gathered at once (a step is then a slice, not a fancy
     index: ~10 µs less per step, which matters for T ~ 10⁵ single-example steps)."""
     n = X.shape[0]
-    x_norm = np.linalg.norm(X, axis=1)
+    x_norm = row_norms(X)
     gens = streams.generators("sampling")
     ones = np.ones((BLOCK_STEPS, len(gens), 1), dtype=X.dtype)
     while True:
@@ -355,6 +355,7 @@ class Bassily2014(Algorithm):
     name = "bassily2014"
     private = True
     uses = frozenset({"epsilon", "epochs", "l2"})
+    execution_params = frozenset({"backend"})
     Params = BassilyParams
     source = "Bassily, Smith & Thakurta, Private Empirical Risk Minimization: Efficient Algorithms and Tight " \
              "Error Bounds, FOCS 2014"
@@ -423,7 +424,7 @@ class Bassily2014(Algorithm):
             chain = self.chain(setting, X, y, streams, model, priv.sigma, l_used, radius, schedule)
             theta = chain.run(model, init, steps)
             trace = chain.checkpoints.rows if chain.checkpoints else []
-        max_norm = float(np.linalg.norm(X, axis=1).max()) if len(X) else 0.0
+        max_norm = max_row_norm(X)
         derived = {"steps": steps, "sample_rate": 1.0 / setting.n, "sigma": priv.sigma,
                    "epsilon_achieved": priv.epsilon, "accountant": priv.accountant, "accountant_library": LIBRARY,
                    "lipschitz": l_used, "sensitivity": 2.0 * l_used, "radius": radius, "max_row_norm": max_norm,

@@ -31,11 +31,21 @@ from typing import Callable, Iterator, Literal, Optional
 
 import numpy as np
 
+from dpsgd_cli.algorithms.sampling import row_norms
 from dpsgd_cli.algorithms.streams import BLOCK_STEPS, ReplicaStreams
 from dpsgd_cli.errors import UserError
 
 Backend = Literal["auto", "numpy", "numba"]
-HAVE_NUMBA: bool = importlib.util.find_spec("numba") is not None  # numba itself is imported lazily
+
+
+def _numba_installed() -> bool:
+    try:
+        return importlib.util.find_spec("numba") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+HAVE_NUMBA: bool = _numba_installed()  # numba itself is imported lazily, by the first kernel call
 NUMBA_HINT = "pip install 'dpsgd[numba]'"
 CHUNK_ELEMENTS = 1 << 23  # noise numbers per kernel call (64 MB in float64): a whole pass on adult / kddcup99
 
@@ -79,7 +89,15 @@ def select_backend(requested: Backend, model, batch_size: Optional[int]) -> str:
         raise UserError(f"backend: numba, but numba is not installed: {NUMBA_HINT}, or use backend: auto")
     if requested not in ("auto", "numba"):
         raise UserError(f"backend = {requested!r}: use auto, numpy or numba")
-    return "numba" if HAVE_NUMBA and kernel_applies(model, batch_size) else "numpy"
+    if not (HAVE_NUMBA and kernel_applies(model, batch_size)):
+        return "numpy"
+    try:
+        _kernels()  # imports numba and compiles (or loads the cached kernel) once per process
+    except UserError:
+        if requested == "numba":
+            raise
+        return "numpy"  # auto: numba installed but broken, the NumPy path runs
+    return "numba"
 
 
 # --- random numbers, drawn exactly as the NumPy samplers and `streams.per_step` draw them -----------------------
@@ -219,7 +237,7 @@ def logreg_single_example_sgd(theta: np.ndarray, X: np.ndarray, y: np.ndarray, i
     theta = np.array(theta, copy=True, order="C")
     X = np.ascontiguousarray(X)
     y = np.ascontiguousarray(y)
-    x_norm = np.linalg.norm(X, axis=1)
+    x_norm = row_norms(X)
     R, d = theta.shape
     chunk = max(BLOCK_STEPS, (CHUNK_ELEMENTS // max(1, R * d)) // BLOCK_STEPS * BLOCK_STEPS)
     index_reader = _Reader(indices)

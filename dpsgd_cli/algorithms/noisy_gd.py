@@ -7,7 +7,7 @@ from typing import Literal, Optional
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from dpsgd_cli.algorithms.base import Algorithm, Outcome, Setting
+from dpsgd_cli.algorithms.base import Algorithm, Outcome, Setting, unit_ball_violation
 from dpsgd_cli.algorithms.chain import (Checkpoints, GradientChain, add_l2, add_noise, constant, project_to_ball,
                                         scale)
 from dpsgd_cli.algorithms.sampling import full_batches
@@ -16,7 +16,6 @@ from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import Model
 from dpsgd_cli.privacy.dynamics import calibrate_noisy_gd, noisy_gd_epsilon
 
-ROW_NORM_TOLERANCE = 1e-9  # rows normalised to norm 1 may exceed it by rounding
 
 
 class NoisyGDParams(BaseModel):
@@ -67,7 +66,6 @@ class NoisyGD(Algorithm):
     def dynamics_guarantee(self, setting: Setting, model: Model, X: np.ndarray) -> tuple[str, Optional[float]]:
         """("proved" or the first failed assumption of the dynamics bound, the smoothness β of the regularised loss)."""
         lam, C, eta = setting.l2, setting.clip_norm, setting.lr
-        max_norm = float(np.max(np.linalg.norm(X, axis=1))) if X.size else 0.0
         smooth = model.smoothness(1.0)
         beta = None if smooth is None else smooth + lam
         lipschitz = model.lipschitz(1.0)
@@ -75,8 +73,8 @@ class NoisyGD(Algorithm):
             return "none: l2 = 0 (the dynamics bound needs a λ-strongly convex loss, λ > 0)", beta
         if not model.convex:
             return "none: non-convex model", beta
-        if max_norm > 1.0 + ROW_NORM_TOLERANCE:
-            return f"none: rows outside the unit ball (max ‖x‖ = {max_norm:.4g} > 1)", beta
+        if unit_ball_violation(X):
+            return unit_ball_violation(X), beta
         if lipschitz is None:
             return "none: the model has no Lipschitz bound", beta
         if C < lipschitz:
@@ -88,11 +86,14 @@ class NoisyGD(Algorithm):
             return f"none: step size η = {eta:g} > 1/β = {1.0 / beta:.4g} (β = smoothness + λ)", beta
         return "proved", beta
 
-    def chain(self, setting: Setting, X, y, streams: ReplicaStreams, noise_std: float) -> GradientChain:
-        """Full-batch chain; the noise is added to the gradient with std √(2σ²/η), i.e. √(2ησ²) on θ."""
+    def chain(self, setting: Setting, X, y, streams: ReplicaStreams, noise_std: float,
+              n_params: Optional[int] = None) -> GradientChain:
+        """Full-batch chain; the noise is added to the gradient with std √(2σ²/η), i.e. √(2ησ²) on θ.
+        n_params: the model's P (default d, logistic regression's)."""
         transforms = [scale(1.0 / setting.n), add_l2(setting.l2)]
         if noise_std > 0:
-            transforms.append(add_noise(noise_std, streams.normal("noise", (X.shape[1],))))
+            P = n_params if n_params is not None else X.shape[1]
+            transforms.append(add_noise(noise_std, streams.normal("noise", (P,))))
         radius = self.params.radius
         return GradientChain(
             batches=full_batches(X, y, streams.replicas),
@@ -116,7 +117,7 @@ class NoisyGD(Algorithm):
                             f"l2 = {lam}; set l2 > 0 or use accountant: composition")
         cal = calibrate_noisy_gd(setting.epsilon, setting.delta, K, eta, lam, n, sensitivity, accountant)
         noise_std = np.sqrt(2.0 * cal.sigma**2 / eta)  # on the gradient; × η gives √(2ησ²) on θ
-        chain = self.chain(setting, X, y, streams, noise_std)
+        chain = self.chain(setting, X, y, streams, noise_std, model.n_params)
         theta = chain.run(model, model.init(streams.generators("init")), K)
         derived = {
             "sigma": cal.sigma, "epsilon_achieved": cal.epsilon, "accountant": accountant, "steps": K,

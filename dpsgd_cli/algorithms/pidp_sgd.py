@@ -83,9 +83,9 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 from scipy.special import expit
 
-from dpsgd_cli.algorithms.base import Algorithm, Outcome, Setting
+from dpsgd_cli.algorithms.base import Algorithm, Outcome, Setting, unit_ball_violation
 from dpsgd_cli.algorithms.chain import Checkpoints, GradientChain, Transform, add_l2, constant, project_to_ball, scale
-from dpsgd_cli.algorithms.sampling import gather, poisson_batches
+from dpsgd_cli.algorithms.sampling import gather, poisson_batches, row_norms
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import Batch, Model
@@ -162,7 +162,7 @@ def clipped_residuals(theta: np.ndarray, X: np.ndarray, y: np.ndarray, x_norm: n
 def influence_vectors(theta: np.ndarray, X: np.ndarray, y: np.ndarray, H_inv: np.ndarray, n: int,
                       G: float) -> np.ndarray:
     """v_z = (1/n) H⁻¹ clip_G(∇ℓ(θ, z)) for the rows of X: (R, m, d)."""
-    a = clipped_residuals(theta, X, y, np.linalg.norm(X, axis=1), G)
+    a = clipped_residuals(theta, X, y, row_norms(X), G)
     return np.einsum("rm,rde,me->rmd", a, H_inv, X, optimize=True) / n
 
 
@@ -209,7 +209,7 @@ def indexed_poisson_batches(X: np.ndarray, y: np.ndarray, q: float,
     """The batches of `poisson_batches` (same draws, so the same batches as `dp_sgd` for a seed) with their
     example indices (R, M), −1 on padding. Runs the shared sampler on the column of row indices."""
     n = X.shape[0]
-    x_norm = np.linalg.norm(X, axis=1)
+    x_norm = row_norms(X)
     for b in poisson_batches(np.arange(n, dtype=float)[:, None], y, q, streams):
         idx = np.where(b.weight > 0, b.X[..., 0], -1).astype(np.int64)
         yield idx, gather(X, y, x_norm, idx)
@@ -297,7 +297,7 @@ class PIDPSGD(Algorithm):
         sigma_c = contribution_sigma(G, rounds, delta_2, n, p.zeta, eps_2)
         cal = calibrate_noisy_steps(eps_1, delta_1, q, steps, p.accountant)
 
-        x_norm = np.linalg.norm(X, axis=1)
+        x_norm = row_norms(X)
         batches = indexed_poisson_batches(X, y, q, streams)
         noise = streams.normal("noise", (d,))
         test_gens = [g.spawn(1)[0] for g in streams.generators("noise")]  # independent of the step noise
@@ -361,9 +361,8 @@ class PIDPSGD(Algorithm):
         """PAPER_CLAIM when the assumptions of the paper's claim hold, else the first one that fails."""
         if not model.convex:
             return "none: non-convex model"
-        max_norm = float(np.linalg.norm(X, axis=1).max()) if X.size else 0.0
-        if max_norm > 1.0 + 1e-9:
-            return f"none: rows outside the unit ball (max ‖x‖ = {max_norm:.3g} > 1)"
+        if unit_ball_violation(X):
+            return unit_ball_violation(X)
         if eps_2 / rounds >= 1.0:
             return (f"none: per-round test budget ε₂/R = {eps_2 / rounds:.3g} ≥ 1 (σ_c uses the classical "
                     f"Gaussian mechanism, valid for ε < 1)")

@@ -36,7 +36,7 @@ def poisson_batches(X: np.ndarray, y: np.ndarray, q: float, streams: ReplicaStre
     if width is None:  # a width the Binomial(n, q) batch size exceeds with probability < 1e-20
         mean = n * q
         width = min(n, math.ceil(mean + 10 * math.sqrt(mean * (1 - q)) + 10))
-    x_norm = np.linalg.norm(X, axis=1)
+    x_norm = row_norms(X)
     gens = streams.generators("sampling")
     while True:
         draws = [poisson_indices(g, n, q, BLOCK_STEPS, width) for g in gens]
@@ -46,17 +46,23 @@ def poisson_batches(X: np.ndarray, y: np.ndarray, q: float, streams: ReplicaStre
             yield gather(X, y, x_norm, idx[:, : max(1, int((idx >= 0).sum(axis=1).max()))])
 
 
+def row_norms(X: np.ndarray) -> np.ndarray:
+    """‖x_i‖ for every row (einsum: a third of the time of np.linalg.norm on adult)."""
+    return np.sqrt(np.einsum("ij,ij->i", X, X))
+
+
 def gather(X: np.ndarray, y: np.ndarray, x_norm: np.ndarray, idx: np.ndarray) -> Batch:
     """Batch of rows `idx` (R, M) with −1 marking padding."""
     valid = idx >= 0
     safe = np.where(valid, idx, 0)
-    return Batch(X=X[safe], y=y[safe], weight=valid.astype(X.dtype), x_norm=x_norm[safe] * valid)
+    return Batch(X=np.take(X, safe, axis=0), y=np.take(y, safe), weight=valid.astype(X.dtype),
+                 x_norm=np.take(x_norm, safe) * valid)
 
 
 def uniform_examples(X: np.ndarray, y: np.ndarray, streams: ReplicaStreams, batch_size: int = 1) -> Iterator[Batch]:
     """`batch_size` examples drawn uniformly with replacement per step (Bassily et al. 2014 use one)."""
     n = X.shape[0]
-    x_norm = np.linalg.norm(X, axis=1)
+    x_norm = row_norms(X)
     draws = streams.per_step("sampling", lambda g, k: g.integers(0, n, size=(k, batch_size)))
     for idx in draws:
         yield gather(X, y, x_norm, idx)
@@ -71,7 +77,7 @@ def shuffled_batches(X: np.ndarray, y: np.ndarray, batch_size: int, streams: Rep
     """
     n = X.shape[0]
     per_pass = n // batch_size
-    x_norm = np.linalg.norm(X, axis=1)
+    x_norm = row_norms(X)
     gens = streams.generators("sampling")
     perms = None
     while True:
@@ -87,6 +93,6 @@ def full_batches(X: np.ndarray, y: np.ndarray, replicas: int) -> Iterator[Batch]
     n = X.shape[0]
     batch = Batch(X=np.broadcast_to(X, (replicas, *X.shape)), y=np.broadcast_to(y, (replicas, n)),
                   weight=np.ones((replicas, n), dtype=X.dtype),
-                  x_norm=np.broadcast_to(np.linalg.norm(X, axis=1), (replicas, n)))
+                  x_norm=np.broadcast_to(row_norms(X), (replicas, n)))
     while True:
         yield batch

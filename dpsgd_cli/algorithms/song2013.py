@@ -23,7 +23,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from dpsgd_cli.algorithms import kernels
-from dpsgd_cli.algorithms.base import Algorithm, Outcome, Setting
+from dpsgd_cli.algorithms.base import Algorithm, Outcome, Setting, max_row_norm
 from dpsgd_cli.algorithms.chain import (Checkpoints, GradientChain, Schedule, Transform, add_l2, add_noise, constant,
                                         inverse_sqrt, inverse_time, project_to_ball, scale)
 from dpsgd_cli.algorithms.sampling import shuffled_batches
@@ -65,6 +65,7 @@ class Song2013NonPrivate(Algorithm):
     name = "song2013_nonprivate"
     private = False
     uses = frozenset({"batch_size", "lr", "epochs", "l2"})
+    execution_params = frozenset({"backend"})
     Params = Song2013Params
     source = ("Song, Chaudhuri & Sarwate, Stochastic gradient descent with differentially private updates, "
               "GlobalSIP 2013")
@@ -167,7 +168,7 @@ class Song2013(Song2013NonPrivate):
             if advanced > alpha:
                 alpha, delta_used, composition = advanced, setting.delta, "advanced"
         d = model.n_params
-        x_max = float(np.max(np.linalg.norm(X, axis=1), initial=0.0))
+        x_max = max_row_norm(X)
         bound = model.lipschitz(x_max)
         derived = {
             "epsilon_achieved": setting.epsilon,  # k · (ε/k) = ε, or the advanced-composition total ε (≤ target)

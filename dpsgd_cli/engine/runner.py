@@ -15,7 +15,7 @@ import numpy as np
 
 from dpsgd_cli import __version__
 from dpsgd_cli.algorithms import ALGORITHMS, Setting
-from dpsgd_cli.algorithms.erm import minimize_objective
+from dpsgd_cli.algorithms.erm import reference_minimum
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.config import DELTA_RULE, Cell, Grid, expand
 from dpsgd_cli.data import Dataset, DatasetSpec, load_dataset
@@ -43,13 +43,18 @@ def setting_of(cell: Cell, data: Dataset) -> Setting:
 
 
 @functools.lru_cache(maxsize=64)
-def optimal_objective(spec: DatasetSpec, model_name: str, model_options: str, l2: float) -> float:
-    """L* = min F on the training set (exact minimiser of the convex objective, L-BFGS)."""
+def reference_optimum(spec: DatasetSpec, model_name: str, model_options: str, l2: float) -> tuple[float, str]:
+    """(L*, how it was obtained): min F on the training set by `reference_minimum` — the exact minimiser for a
+    convex model ("lbfgs"), the best of several L-BFGS starts for a non-convex one ("lbfgs_best_of_5")."""
     data = dataset(spec)
     model = make_model(model_name, data.d, l2, json.loads(model_options))
-    theta0 = model.init(ReplicaStreams([0]).generators("init"))[0]
-    theta, _ = minimize_objective(model, data.X_train, data.y_train, theta0)
-    return float(model.objective(theta[None], data.X_train, data.y_train)[0])
+    _, objective, info = reference_minimum(model, data.X_train, data.y_train)
+    return objective, info["optimum_method"]
+
+
+def optimal_objective(spec: DatasetSpec, model_name: str, model_options: str, l2: float) -> float:
+    """L* = min F on the training set (see `reference_optimum`)."""
+    return reference_optimum(spec, model_name, model_options, l2)[0]
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,7 @@ class Task:
     cell: Cell
     seeds: tuple[int, ...]
     optimal_objective: float
+    optimum_method: str = ""  # how L* was obtained (recorded in each row's `derived`)
 
 
 @dataclass(frozen=True)
@@ -89,6 +95,8 @@ def run_task(task: Task, single_thread: bool = False) -> TaskResult:
     elapsed = (time.perf_counter() - start) / len(task.seeds)
     metrics = _metrics(model, outcome.theta, data, task.optimal_objective)
     derived = dict(outcome.derived)
+    if task.optimum_method:
+        derived.setdefault("optimum_method", task.optimum_method)
     # a derived list with one value per replica (e.g. pidp_sgd's noiseless_fraction) belongs to each seed's row
     per_replica = {k: derived.pop(k) for k in list(derived)
                    if isinstance(derived[k], (list, np.ndarray)) and len(derived[k]) == len(task.seeds)}
@@ -185,9 +193,9 @@ def plan_grid(grid: Grid, out_root: Path, resume: bool = True, dry_run: bool = F
         seeds = tuple(s for s in cell.seeds if cell.run_id(s) not in done)
         run.done_before += len(cell.seeds) - len(seeds)
         if seeds:
-            optimal = optimal_objective(cell.dataset, cell.model.name,
-                                        json.dumps(cell.model.options, sort_keys=True), cell.l2)
-            run.tasks.append(Task(cell, seeds, optimal))
+            optimal, method = reference_optimum(cell.dataset, cell.model.name,
+                                                json.dumps(cell.model.options, sort_keys=True), cell.l2)
+            run.tasks.append(Task(cell, seeds, optimal, method))
     return run
 
 

@@ -85,6 +85,15 @@ class Model:
     def gradient(self, theta: np.ndarray, X: np.ndarray, y: np.ndarray) -> np.ndarray:
         return self.data_gradient(theta, X, y) + self.l2 * theta
 
+    def data_loss_and_gradient(self, theta: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(data_loss (R,), data_gradient (R, P)); a model may share one forward pass between them."""
+        return self.data_loss(theta, X, y), self.data_gradient(theta, X, y)
+
+    def objective_and_gradient(self, theta: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(F(θ) (R,), ∇F(θ) (R, P)) in one call (what L-BFGS asks for)."""
+        loss, grad = self.data_loss_and_gradient(theta, X, y)
+        return loss + 0.5 * self.l2 * np.einsum("rp,rp->r", theta, theta), grad + self.l2 * theta
+
     def accuracy(self, theta: np.ndarray, X: np.ndarray, y: np.ndarray) -> np.ndarray:
         return np.mean(np.where(self.decision(theta, X) >= 0, 1.0, -1.0) == y, axis=-1)
 

@@ -40,7 +40,7 @@ class LogisticRegression(Model):
         return residual @ X / X.shape[0]
 
     def _residual(self, theta: np.ndarray, batch: Batch) -> np.ndarray:
-        margin = batch.y * np.einsum("rmd,rd->rm", batch.X, theta)
+        margin = batch.y * np.matmul(batch.X, theta[:, :, None])[..., 0]
         return -batch.y * expit(-margin)
 
     def per_example_grad_norms(self, theta, batch):
@@ -52,7 +52,7 @@ class LogisticRegression(Model):
         if clip is not None:
             norm = np.abs(residual) * batch.x_norm
             scale = scale * clip / np.maximum(norm, clip)  # = min(1, C/‖g‖), safe at ‖g‖ = 0
-        return np.einsum("rm,rmd->rd", scale, batch.X)
+        return np.matmul(scale[:, None, :], batch.X)[:, 0]
 
     def hvp(self, theta, X, y, v):
         """∇²F(θ) v = (1/n) Σ σ'(m_i) (x_i·v) x_i + λv, m_i = θ·x_i, σ'(m) = σ(m)σ(−m) (y² = 1): (R, P)."""

@@ -140,21 +140,25 @@ class MLP(Model):
         return np.mean(np.logaddexp(0.0, -y * self.decision(theta, X)), axis=-1)
 
     def _backward(self, theta: np.ndarray, X: np.ndarray, y: np.ndarray, weight,
-                  clip: Optional[float], x_norm) -> np.ndarray:
-        """Σ_i weight_i · min(1, C/‖∇ℓ_i‖) ∇ℓ_i (no clip when C is None): (R, P); examples in blocks."""
+                  clip: Optional[float], x_norm) -> tuple[np.ndarray, np.ndarray]:
+        """(Σ_i weight_i · min(1, C/‖∇ℓ_i‖) ∇ℓ_i (no clip when C is None) (R, P), Σ_i weight_i ℓ_i (R,));
+        examples in blocks."""
         W1, b1, w2, b2 = self.unpack(theta)
         R = theta.shape[0]
         gW1 = np.zeros_like(W1)
         gb1 = np.zeros_like(b1)
         gw2 = np.zeros_like(w2)
         gb2 = np.zeros_like(b2)
+        loss = np.zeros(R)
         for s in self._blocks(X, R):
             Xs = X[..., s, :]
             a, da, f = self._forward(theta, Xs)
             ys = y[..., s]
+            w = weight[..., s] if np.ndim(weight) else weight
+            loss += np.sum(w * np.logaddexp(0.0, -ys * f), axis=-1)
             r = -ys * expit(-ys * f)  # ∂ℓ/∂f, (R, m)
             u = da * w2[:, None, :]  # ∂f/∂z, (R, m, h)
-            coef = r * (weight[..., s] if np.ndim(weight) else weight)
+            coef = r * w
             if clip is not None:
                 xn = x_norm[..., s]
                 norm = np.abs(r) * np.sqrt(1.0 + np.einsum("rmh,rmh->rm", a, a)
@@ -165,13 +169,17 @@ class MLP(Model):
             delta = u * coef[..., None]  # (R, m, h)
             gb1 += delta.sum(axis=1)
             gW1 += np.matmul(delta.transpose(0, 2, 1), Xs)
-        return self.pack(gW1, gb1, gw2, gb2)
+        return self.pack(gW1, gb1, gw2, gb2), loss
 
     def data_gradient(self, theta, X, y):
-        return self._backward(theta, X, y, 1.0 / X.shape[-2], None, None)
+        return self._backward(theta, X, y, 1.0 / X.shape[-2], None, None)[0]
+
+    def data_loss_and_gradient(self, theta, X, y):
+        grad, loss = self._backward(theta, X, y, 1.0 / X.shape[-2], None, None)
+        return loss, grad
 
     def clipped_grad_sum(self, theta, batch: Batch, clip: Optional[float]):
-        return self._backward(theta, batch.X, batch.y, batch.weight, clip, batch.x_norm)
+        return self._backward(theta, batch.X, batch.y, batch.weight, clip, batch.x_norm)[0]
 
     def per_example_grad_norms(self, theta, batch: Batch):
         W1, b1, w2, b2 = self.unpack(theta)

@@ -1,0 +1,209 @@
+"""Numba kernels (algorithms/kernels.py): each equals the NumPy chain it replaces; backend selection; the CLI line.
+
+The equality tests skip when numba is not installed (`pip install 'dpsgd[numba]'`); the selection tests run always.
+"""
+
+import textwrap
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+from typer.testing import CliRunner
+
+from dpsgd_cli.algorithms import ALGORITHMS, Setting, kernels
+from dpsgd_cli.algorithms.chain import constant, inverse_sqrt, inverse_time, min_inverse_time
+from dpsgd_cli.algorithms.streams import ReplicaStreams
+from dpsgd_cli.errors import UserError
+from dpsgd_cli.models import make_model
+
+needs_numba = pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="numba not installed (pip install 'dpsgd[numba]')")
+SEEDS = [0, 3, 11]
+
+
+def _data(n=150, d=5, seed=2, max_norm=1.6):
+    """Rows up to norm 1.6: some per-example gradients exceed 1, so the clip acts."""
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(n, d))
+    X *= max_norm * rng.uniform(0.1, 1.0, size=(n, 1)) / np.linalg.norm(X, axis=1, keepdims=True)
+    y = np.where(X @ rng.normal(size=d) + 0.3 * rng.normal(size=n) > 0, 1.0, -1.0)
+    return X, y
+
+
+def _setting(X, **kw):
+    n, d = X.shape
+    base = dict(n=n, d=d, delta=1e-5, l2=1e-2, epsilon=2.0, batch_size=1, lr=0.5, epochs=1)
+    return Setting(**{**base, **kw})
+
+
+def _both(name, params, setting, X, y, seeds=SEEDS):
+    model = make_model("logreg", X.shape[1], setting.l2)
+    ref = ALGORITHMS[name]({**params, "backend": "numpy"}).fit(setting, model, X, y, ReplicaStreams(seeds))
+    fast = ALGORITHMS[name]({**params, "backend": "numba"}).fit(setting, model, X, y, ReplicaStreams(seeds))
+    return ref, fast
+
+
+def _assert_same(ref, fast):
+    assert ref.derived.pop("backend") == "numpy" and fast.derived.pop("backend") == "numba"
+    scale = max(1.0, float(np.abs(ref.theta).max()))
+    np.testing.assert_allclose(fast.theta, ref.theta, rtol=1e-12, atol=1e-13 * scale)
+    assert fast.derived == ref.derived and fast.guarantee == ref.guarantee
+    assert [row[0] for row in fast.trace] == [row[0] for row in ref.trace]
+    for (_, obj_f, acc_f), (_, obj_r, acc_r) in zip(fast.trace, ref.trace):
+        np.testing.assert_allclose(obj_f, obj_r, rtol=1e-12)
+        np.testing.assert_array_equal(acc_f, acc_r)
+
+
+CASES = [
+    ("song2013", {}, {}),
+    ("song2013", {"schedule": "inv_t"}, {"epochs": 2.5}),  # 3 passes, a fresh permutation each
+    ("song2013", {"schedule": "constant", "radius": 0.3}, {"trace_every": 40, "epochs": 2}),  # projection acts
+    ("song2013", {"composition": "advanced"}, {"epochs": 3, "epsilon": 0.5}),
+    ("song2013_nonprivate", {}, {"epochs": 2}),  # no clip, no noise
+    ("bassily2014", {}, {}),  # strongly convex schedule, closed-form σ
+    ("bassily2014", {"accounting": "rdp", "schedule": "convex", "radius": 2.0}, {"trace_every": 50, "epochs": 1.5}),
+    ("bassily2014", {}, {"l2": 0.0, "epsilon": 3.0}),  # λ = 0: convex schedule, default radius 10
+]
+
+
+@needs_numba
+@pytest.mark.parametrize("name, params, kw", CASES)
+def test_kernel_equals_the_numpy_chain(name, params, kw):
+    X, y = _data()
+    ref, fast = _both(name, params, _setting(X, **kw), X, y)
+    _assert_same(ref, fast)
+    assert not np.allclose(ref.theta[0], ref.theta[1])  # the replicas differ: the comparison is not trivial
+
+
+@needs_numba
+@pytest.mark.parametrize("name", ["song2013", "bassily2014"])
+def test_kernel_in_small_chunks_with_checkpoints(monkeypatch, name):
+    """Chunks of 64 steps (not dividing the pass of n = 150, nor the checkpoint period): same run."""
+    X, y = _data()
+    monkeypatch.setattr(kernels, "CHUNK_ELEMENTS", 64 * len(SEEDS) * X.shape[1])
+    ref, fast = _both(name, {}, _setting(X, epochs=2.2, trace_every=70), X, y)
+    _assert_same(ref, fast)
+    assert len(fast.trace) == 4
+
+
+@needs_numba
+def test_kernel_replicas_are_independent():
+    X, y = _data()
+    setting, model = _setting(X, epochs=2), make_model("logreg", X.shape[1], 1e-2)
+    for name in ("song2013", "bassily2014"):
+        algo = ALGORITHMS[name]({"backend": "numba"})
+        together = algo.fit(setting, model, X, y, ReplicaStreams([0, 1, 2])).theta
+        alone = algo.fit(setting, model, X, y, ReplicaStreams([2])).theta
+        np.testing.assert_allclose(together[2], alone[0], rtol=1e-12)
+
+
+@needs_numba
+def test_kernel_float32_data_runs_and_matches_float64_closely():
+    X, y = _data()
+    setting, model = _setting(X), make_model("logreg", X.shape[1], 1e-2)
+    algo = ALGORITHMS["song2013"]({"backend": "numba"})
+    a = algo.fit(setting, model, X, y, ReplicaStreams([0])).theta
+    b = algo.fit(setting, model, X.astype(np.float32), y.astype(np.float32), ReplicaStreams([0])).theta
+    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
+
+
+def test_schedule_values_match_step_by_step_calls():
+    for schedule in (constant(0.3), inverse_sqrt(2.0), inverse_time(5.0), min_inverse_time(4.0, 0.1)):
+        expected = np.array([schedule(t) for t in range(7, 300)])
+        np.testing.assert_allclose(kernels.schedule_values(schedule, 7, 300), expected, rtol=1e-15)
+
+
+def test_draw_helpers_consume_the_streams_like_the_numpy_samplers():
+    from dpsgd_cli.algorithms.bassily import uniform_example_blocks
+    from dpsgd_cli.algorithms.sampling import shuffled_batches
+
+    X = np.arange(40, dtype=float)[:, None]
+    y = np.ones(40)
+    streams = ReplicaStreams([4, 9])
+    order = kernels._Reader(kernels.shuffled_example_blocks(40, streams)).take(100)  # 2.5 passes
+    batches = shuffled_batches(X, y, 1, streams)
+    np.testing.assert_array_equal(order, np.stack([next(batches).X[:, 0, 0] for _ in range(100)]).astype(int))
+    idx = kernels._Reader(kernels.uniform_example_index_blocks(40, streams)).take(150)
+    blocks = uniform_example_blocks(X, y, streams)
+    np.testing.assert_array_equal(idx, np.stack([next(blocks).X[:, 0, 0] for _ in range(150)]).astype(int))
+    noise = kernels._Reader(kernels.block_draws(streams, "noise", lambda g, k: g.standard_normal((k, 3)))).take(70)
+    per_step = streams.normal("noise", (3,))
+    np.testing.assert_array_equal(noise, np.stack([next(per_step) for _ in range(70)]))
+
+
+# --- backend selection (no numba needed) ---------------------------------------------------------------------------
+
+
+def test_backend_selection(monkeypatch):
+    logreg = make_model("logreg", 3, 0.1)
+
+    class Other(type(logreg)):  # a model whose gradient is not the logistic one the kernel computes
+        def clipped_grad_sum(self, theta, batch, clip):
+            return super().clipped_grad_sum(theta, batch, clip)
+
+    monkeypatch.setattr(kernels, "HAVE_NUMBA", True)
+    monkeypatch.setattr(kernels, "_kernels", lambda: {})  # "numba imports": the selection logic only
+    assert kernels.select_backend("auto", logreg, 1) == "numba"
+    assert kernels.select_backend("numba", logreg, 1) == "numba"
+    assert kernels.select_backend("numpy", logreg, 1) == "numpy"
+    assert kernels.select_backend("auto", logreg, 2) == "numpy"  # mini-batches stay vectorised NumPy
+    assert kernels.select_backend("numba", logreg, 5) == "numpy"
+    assert kernels.select_backend("auto", Other(3, 0.1), 1) == "numpy"
+
+    def broken():
+        raise UserError("numba could not be imported (ImportError: ...)")
+
+    monkeypatch.setattr(kernels, "_kernels", broken)  # installed but broken: auto falls back, numba says why
+    assert kernels.select_backend("auto", logreg, 1) == "numpy"
+    with pytest.raises(UserError, match="could not be imported"):
+        kernels.select_backend("numba", logreg, 1)
+    monkeypatch.setattr(kernels, "HAVE_NUMBA", False)
+    assert kernels.select_backend("auto", logreg, 1) == "numpy"
+    with pytest.raises(UserError, match=r"pip install 'dpsgd\[numba\]'"):
+        kernels.select_backend("numba", logreg, 1)
+    assert kernels.backend_description().startswith("backend: numpy (pip install 'dpsgd[numba]'")
+
+
+def test_without_numba_the_algorithms_run_numpy(monkeypatch):
+    monkeypatch.setattr(kernels, "HAVE_NUMBA", False)
+    X, y = _data(60, 3)
+    model = make_model("logreg", 3, 1e-2)
+    for name in ("song2013", "song2013_nonprivate", "bassily2014"):
+        out = ALGORITHMS[name]().fit(_setting(X), model, X, y, ReplicaStreams([0]))
+        assert out.derived["backend"] == "numpy" and np.isfinite(out.theta).all()
+    with pytest.raises(UserError, match="numba is not installed"):
+        ALGORITHMS["song2013"]({"backend": "numba"}).fit(_setting(X), model, X, y, ReplicaStreams([0]))
+
+
+def test_backend_parameter_is_validated():
+    for name in ("song2013", "song2013_nonprivate", "bassily2014"):
+        assert ALGORITHMS[name].Params().backend == "auto"
+        with pytest.raises(ValidationError):
+            ALGORITHMS[name].Params(backend="gpu")
+
+
+def test_backend_description_names_numba_when_installed(monkeypatch):
+    monkeypatch.setattr(kernels, "HAVE_NUMBA", True)
+    monkeypatch.setattr(kernels, "numba_version", lambda: "0.99.0")
+    assert kernels.backend_description().startswith("backend: numba 0.99.0")
+
+
+def test_cli_run_says_the_backend_once(tmp_path, monkeypatch):
+    from dpsgd_cli.cli import app
+
+    monkeypatch.setenv("DPSGD_DATA_DIR", str(tmp_path / "cache"))
+    grid = tmp_path / "grid.yaml"
+    grid.write_text(textwrap.dedent("""
+        grids:
+          - name: tiny
+            datasets: [{name: synthetic, n: 300}]
+            algorithms: [{name: song2013, backend: numpy}]
+            batch_size: [1]
+            lr: [1]
+            epochs: 1
+            l2: 1.0e-3
+            seeds: 1
+    """))
+    result = CliRunner().invoke(app, ["run", str(grid), "--out", str(tmp_path / "r"), "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert result.output.count("backend: ") == 1
+    assert kernels.backend_description() in result.output
