@@ -7,6 +7,7 @@ A sweep figure is a grid of panels (rows × cols, from result columns), a line p
 from __future__ import annotations
 
 import difflib
+import textwrap
 import json
 from pathlib import Path
 from typing import Optional
@@ -90,7 +91,7 @@ def draw_figure(folder: Path, spec: FigureSpec, fmt: str) -> list[Path]:
     else:
         fig = _panel_figure(frame, spec)
     fig.text(0.01, 0.005, _caption(folder, frame), fontsize=8, ha="left", va="bottom")
-    fig.tight_layout(rect=(0, 0.04, 1, 0.95 if spec.title else 1))
+    fig.tight_layout(rect=(0, 0.04, 1, 0.93 if spec.title else 1))
     out = folder / "figures" / f"{spec.name}.{fmt}"
     out.parent.mkdir(parents=True, exist_ok=True)
     paths = [out]
@@ -130,7 +131,7 @@ def _panel_figure(frame: pd.DataFrame, spec: FigureSpec):
             ax.set_xlabel(AXIS_LABELS.get(x, x))
             ax.set_ylabel(ylabel)
     if spec.title:
-        fig.suptitle(spec.title)
+        fig.suptitle(textwrap.fill(spec.title, 90 if fig.get_figwidth() > 8 else 55))
     return fig
 
 
@@ -201,7 +202,7 @@ def _noise_scale_figure(table: pd.DataFrame, spec: FigureSpec):
         ax.grid(True, which="both", alpha=0.25)
         ax.legend(fontsize=7)
     if spec.title:
-        fig.suptitle(spec.title)
+        fig.suptitle(textwrap.fill(spec.title, 90 if fig.get_figwidth() > 8 else 55))
     return fig
 
 
