@@ -347,3 +347,165 @@ def test_noiseless_fraction_is_a_per_run_csv_column(tmp_path, monkeypatch):
     runs = pd.read_csv(tmp_path / "out" / "pidp" / "runs.csv")
     assert runs["noiseless_fraction"].between(0, 1).all() and runs["noiseless_fraction"].notna().all()
     assert all("noiseless_fraction" not in json.loads(d) for d in runs["derived"])
+
+
+# --- the mlp: full influence (dense Hessian from Hessian–vector products) and the output-layer restriction -------
+
+
+def _tiny_mlp(activation="tanh", n=60, seed=11, l2=1e-2, R=2):
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(n, 3))
+    X /= np.maximum(1.0, np.linalg.norm(X, axis=1, keepdims=True))
+    y = np.where(X @ np.array([1.0, -1.0, 0.5]) + 0.3 * rng.normal(size=n) > 0, 1.0, -1.0)
+    model = make_model("mlp", 3, l2, {"hidden": 3, "activation": activation})
+    return model, X, y, rng.normal(size=(R, model.n_params))
+
+
+def _naive_clipped_gradient(model, theta_r, x, y, G):
+    g = model.data_gradient(theta_r[None], x[None], np.array([y]))[0]
+    return g * min(1.0, G / np.linalg.norm(g))
+
+
+@pytest.mark.parametrize("activation", ["tanh", "relu"])
+def test_full_influence_of_the_mlp_is_the_dense_solve(activation):
+    model, X, y, theta = _tiny_mlp(activation)
+    n, n_params = X.shape[0], model.n_params
+    assert n_params == 16
+    H = P.dense_hessian(model, theta, X, y)
+    h = 1e-5
+    for j in range(n_params):  # central differences of the full gradient ∇F (λθ included)
+        e = np.zeros(n_params)
+        e[j] = h
+        column = (model.gradient(theta + e, X, y) - model.gradient(theta - e, X, y)) / (2 * h)
+        np.testing.assert_allclose(H[:, :, j], column, atol=1e-8)
+    np.testing.assert_array_equal(H, np.swapaxes(H, 1, 2))
+    zeta, G = 0.05, 0.3  # G = 0.3 clips most gradients
+    Hd, shift, mu = P.damped_by_spectrum(H, zeta)
+    assert (mu < 0).all()  # the tiny network's Hessian is indefinite: +ζI alone would not do
+    np.testing.assert_allclose(np.linalg.eigvalsh(Hd)[:, 0], zeta, rtol=1e-9)
+    norms = P.full_influence_norms(model, theta, X, y, np.linalg.norm(X, axis=1), P.symmetric_inverse(Hd), G)
+    for r in range(2):
+        for i in range(0, n, 7):
+            g = _naive_clipped_gradient(model, theta[r], X[i], y[i], G)
+            assert norms[r, i] == pytest.approx(np.linalg.norm(np.linalg.solve(Hd[r], g)) / n, rel=1e-9)
+    assert norms.max() <= G / (n * zeta) * (1 + 1e-9)  # ‖H⁻¹‖ ≤ 1/ζ: the sensitivity σ_c uses
+    # the model's own CG on (H + sI) agrees with the dense solve
+    g = _naive_clipped_gradient(model, theta[0], X[0], y[0], G)[None]
+    cg = model.inverse_hvp(theta[:1], X, y, g, damping=float(shift[0]), tol=1e-12)
+    np.testing.assert_allclose(cg[0], np.linalg.solve(Hd[0], g[0]), rtol=1e-7, atol=1e-10)
+
+
+def test_spectral_damping_is_the_logreg_rule_on_psd_matrices():
+    Q = np.linalg.qr(np.random.default_rng(0).normal(size=(4, 4)))[0]
+    H = np.stack([Q @ np.diag(ev) @ Q.T for ev in ([-0.3, 0.1, 1, 2], [0.02, 0.1, 1, 2], [0.2, 0.3, 1, 2])])
+    Hd, shift, mu = P.damped_by_spectrum(H, 0.05)
+    np.testing.assert_allclose(mu, [-0.3, 0.02, 0.2], atol=1e-12)
+    np.testing.assert_allclose(shift, [0.35, 0.05, 0.0], atol=1e-12)  # ζ + max(0, −μ) where μ < ζ
+    np.testing.assert_allclose(np.linalg.eigvalsh(Hd)[:, 0], [0.05, 0.07, 0.2], atol=1e-12)
+
+
+@pytest.mark.parametrize("activation", ["tanh", "sigmoid", "relu"])
+def test_output_layer_is_the_logreg_block_of_the_dense_hessian(activation):
+    model, X, y, theta = _tiny_mlp(activation, seed=3)
+    n, k = X.shape[0], model.hidden + 1
+    w = P.output_layer_params(model, theta)
+    A_rows = P.output_features(model, theta, X)  # ã = [a, 1]: f = ã·[w₂, b₂]
+    np.testing.assert_allclose(np.einsum("rmk,rk->rm", A_rows, w), model.decision(theta, X), atol=1e-14)
+
+    def features(rows):
+        return P.output_features(model, theta, rows)
+
+    H_out = P.logreg_hessian(w, X, y, model.l2, features=features)
+    np.testing.assert_allclose(H_out, P.dense_hessian(model, theta, X, y)[:, -k:, -k:], atol=1e-13)
+    # influence norms: (1/n) ‖H_out⁻¹ clip_G(r ã)‖, the output-layer part of ∇ℓ clipped on its own norm
+    G, zeta = 0.5, 0.05
+    H_d, _ = P.damped(H_out, model.l2, zeta)
+    norms = P.influence_norms(w, X, y, None, P.symmetric_inverse(H_d), G, features=features)
+    for r in range(2):
+        for i in range(0, n, 9):
+            g = _naive_clipped_gradient(model, theta[r], X[i], y[i], np.inf)[-k:]
+            g *= min(1.0, G / np.linalg.norm(g))
+            assert norms[r, i] == pytest.approx(np.linalg.norm(np.linalg.solve(H_d[r], g)) / n, rel=1e-9)
+    # A bounds ‖ã‖ over the unit ball (tanh, sigmoid: √(h+1) for every θ; relu: from θ's hidden layer)
+    U = np.random.default_rng(1).normal(size=(2000, 3))
+    U /= np.linalg.norm(U, axis=1, keepdims=True) / np.random.default_rng(2).random((2000, 1)) ** (1 / 3)
+    A = P.output_feature_bound(model, 3 * theta)
+    assert (np.linalg.norm(P.output_features(model, 3 * theta, U), axis=-1) <= A[:, None]).all()
+    if activation != "relu":
+        np.testing.assert_array_equal(A, [2.0, 2.0])  # √(3 + 1)
+
+
+def test_output_layer_constants_by_hand():
+    model, _, _, theta = _tiny_mlp("tanh")
+    c = P.error_constants("output_layer", model, theta, 1.0, 0.05, 100)
+    # A = √(h+1) = 2: L = A²/4 = 1, C = A³/(6√3) = 8·0.0962250449 = 0.7698003589, G = 1 (the clip):
+    # E = (2·1·1 + 0.7698003589/0.05)/(0.05²·100²) = (2 + 15.396007178)/25 = 0.6958402871
+    np.testing.assert_allclose(c.L, 1.0)
+    np.testing.assert_allclose(c.C, 0.7698003589, rtol=1e-9)
+    np.testing.assert_allclose(c.E, 0.6958402871, rtol=1e-9)
+    # with G = A = 2 (the unclipped loss): (2·1·2 + 0.7698003589·4/0.05)/25 = (4 + 61.584028712)/25
+    np.testing.assert_allclose(c.E_unclipped, 2.6233611485, rtol=1e-9)
+    assert P.error_constants("full", model, theta, 1.0, 0.05, 100).E == 0.0  # no bound for the whole network
+
+
+def test_influence_resolution_and_the_parameter_cap():
+    small = make_model("mlp", 5, 1e-3, {"hidden": 4})
+    big = make_model("mlp", 60, 1e-3)  # P = 60·60 + 121 = 3721 > 3000
+    assert big.n_params > P.FULL_INFLUENCE_MAX_PARAMS >= small.n_params
+    assert [P.resolve_influence(i, small) for i in ("auto", "full", "output_layer")] == ["full", "full", "output_layer"]
+    assert P.resolve_influence("auto", big) == "output_layer"
+    assert {P.resolve_influence(i, make_model("logreg", 5, 1e-3)) for i in ("auto", "full", "output_layer")} == {"full"}
+    X = np.zeros((100, 60))
+    y = np.ones(100)
+    algo = ALGORITHMS["pidp_sgd"]({"influence": "full"})
+    with pytest.raises(P.UserError, match=r"P = 3721 parameters > 3000.*use influence: output_layer"):
+        algo.fit(_setting(100, 60), big, X, y, ReplicaStreams([0]))
+
+
+def test_mlp_replicas_are_independent():
+    model, X, y, _ = _tiny_mlp("tanh", n=200)
+    setting = _setting(200, 3, batch_size=2, epochs=1)
+    for influence, dim in (("full", model.n_params), ("output_layer", model.hidden + 1)):
+        radius = P.contribution_sigma(1.0, 2, 0.5e-5, 200, 0.05, 0.25) * math.sqrt(dim - 0.5)  # ≈ half pass
+        algo = ALGORITHMS["pidp_sgd"]({"zeta": 0.05, "radius": radius, "rounds": 2, "local_steps": 30,
+                                       "influence": influence})
+        together = algo.fit(setting, model, X, y, ReplicaStreams([1, 3, 5]))
+        alone = algo.fit(setting, model, X, y, ReplicaStreams([3]))
+        np.testing.assert_allclose(together.theta[1], alone.theta[0], rtol=1e-12)
+        for key in ("noiseless_fraction", "eligible_fraction", "hessian_shift", "hessian_min_eigenvalue"):
+            if key in together.derived:
+                assert together.derived[key][1] == alone.derived[key][0], key
+        assert 0 < together.derived["noiseless_fraction_mean"] < 1
+        assert together.guarantee == "none: non-convex model" and together.derived["influence"] == influence
+
+
+def test_mlp_runs_through_the_engine(tmp_path, monkeypatch):
+    monkeypatch.setenv("DPSGD_DATA_DIR", str(tmp_path / "cache"))
+    grid = tmp_path / "grid.yaml"
+    grid.write_text(textwrap.dedent("""
+        grids:
+          - name: pidp_mlp
+            datasets: [{name: synthetic, n: 400}]
+            models: [{name: mlp, hidden: 3}]
+            algorithms:
+              - {name: pidp_sgd, zeta: 0.05, radius: 20}
+              - {name: pidp_sgd, zeta: 0.05, radius: 20, influence: output_layer}
+            epsilon: [3]
+            batch_size: [20]
+            lr: [0.5]
+            epochs: 2
+            seeds: 2
+    """))
+    execute(plan_grid(load_grid_file(grid).grids[0], tmp_path / "out"))
+    runs = pd.read_csv(tmp_path / "out" / "pidp_mlp" / "runs.csv")
+    assert len(runs) == 4 and set(runs["status"]) == {"ok"}, runs[["status", "message"]]
+    assert set(runs["guarantee"]) == {"none: non-convex model"}
+    assert runs["noiseless_fraction"].between(0, 1).all() and (runs["sigma"] > 0).all()
+    derived = runs["derived"].map(json.loads)
+    assert sorted(derived.map(lambda d: d["influence"])) == ["full", "full", "output_layer", "output_layer"]
+    for d in derived:
+        assert d["sigma_c"] > 0 and "no claim: non-convex model" in d["privacy_note"]
+        if d["influence"] == "full":  # hidden 3 on 5 features: P = 22, the dense Hessian, shifted per replica
+            assert d["influence_dim"] == 22 and d["influence_error_bound"] is None and d["hessian_shift"] >= 0
+        else:
+            assert d["influence_dim"] == 4 and d["output_feature_bound"] == 2.0 and d["influence_error_bound"] > 0
