@@ -370,7 +370,8 @@ class Bassily2014(Algorithm):
             return self.params.radius
         return lipschitz / setting.l2 if setting.l2 > 0 else 10.0
 
-    def schedule(self, setting: Setting, sigma: float, lipschitz: float, radius: float) -> tuple[Schedule, dict]:
+    def schedule(self, setting: Setting, sigma: float, lipschitz: float, radius: float,
+                 n_params: int) -> tuple[Schedule, dict]:
         kind = self.params.schedule
         if kind == "auto":
             kind = "strongly_convex" if setting.l2 > 0 else "convex"
@@ -379,7 +380,7 @@ class Bassily2014(Algorithm):
                 raise UserError("bassily2014: schedule strongly_convex needs l2 > 0 (F is λ-strongly convex); "
                                 "use schedule: convex")
             return inverse_time(1.0 / setting.l2), {"schedule": "1/(λt)", "step_c": 1.0 / setting.l2}
-        G = math.sqrt(setting.d * sigma**2 + (lipschitz + setting.l2 * radius) ** 2)
+        G = math.sqrt(n_params * sigma**2 + (lipschitz + setting.l2 * radius) ** 2)  # E‖noisy gradient‖² bound
         c = 2.0 * radius / G
         return inverse_sqrt(c), {"schedule": "2R/(G√t)", "step_c": c, "G": G}
 
@@ -407,7 +408,7 @@ class Bassily2014(Algorithm):
         steps = self.steps(setting)
         priv = self.privacy(setting, l_used)
         radius = self.radius(setting, l_used)
-        schedule, step_info = self.schedule(setting, priv.sigma, l_used, radius)
+        schedule, step_info = self.schedule(setting, priv.sigma, l_used, radius, model.n_params)
         init = model.init(streams.generators("init"))
         backend = kernels.select_backend(self.params.backend, model, 1)
         if backend == "numba":  # the same draws as `chain` (uniform_example_blocks, streams.normal), in one call

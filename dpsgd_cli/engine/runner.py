@@ -45,7 +45,7 @@ def setting_of(cell: Cell, data: Dataset) -> Setting:
 @functools.lru_cache(maxsize=64)
 def reference_optimum(spec: DatasetSpec, model_name: str, model_options: str, l2: float) -> tuple[float, str]:
     """(L*, how it was obtained): min F on the training set by `reference_minimum` — the exact minimiser for a
-    convex model ("lbfgs"), the best of several L-BFGS starts for a non-convex one ("lbfgs_best_of_5")."""
+    convex model ("lbfgs"), the best of several L-BFGS starts for a non-convex one ("lbfgs_best_of_3", capped)."""
     data = dataset(spec)
     model = make_model(model_name, data.d, l2, json.loads(model_options))
     _, objective, info = reference_minimum(model, data.X_train, data.y_train)

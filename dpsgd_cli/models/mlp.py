@@ -39,26 +39,38 @@ class MLPOptions(BaseModel):
     activation: Activation = Field("tanh", description="φ: tanh (smooth, default), relu or sigmoid")
 
 
+# The (R, M, h) arrays are few and updated in place: a fresh multi-megabyte array costs page faults (~1 ms each
+# here, as much as a matmul), and an expression like `1.0 - a * a` also makes NumPy check whether it may elide the
+# temporary (a C backtrace, ~2 ms).
 def _activate(kind: str, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(φ(z), φ'(z))."""
+    """(φ(z), φ'(z)); overwrites z with φ(z)."""
     if kind == "tanh":
-        a = np.tanh(z)
-        return a, 1.0 - a * a
+        a = np.tanh(z, out=z)
+        da = np.multiply(a, a)
+        np.subtract(1.0, da, out=da)
+        return a, da
     if kind == "sigmoid":
-        a = expit(z)
-        return a, a * (1.0 - a)
+        a = expit(z, out=z)
+        da = np.subtract(1.0, a)
+        da *= a
+        return a, da
     if kind == "relu":
-        positive = z > 0
-        return np.where(positive, z, 0.0), positive.astype(z.dtype)
+        da = (z > 0).astype(z.dtype)
+        return np.maximum(z, 0.0, out=z), da
     raise ValueError(f"unknown activation {kind!r}")
 
 
 def _second_derivative(kind: str, a: np.ndarray, da: np.ndarray) -> np.ndarray:
     """φ''(z) from φ(z) and φ'(z) (0 for relu, almost everywhere)."""
-    if kind == "tanh":
-        return -2.0 * a * da
-    if kind == "sigmoid":
-        return da * (1.0 - 2.0 * a)
+    if kind == "tanh":  # −2 tanh (1 − tanh²)
+        out = np.multiply(a, da)
+        out *= -2.0
+        return out
+    if kind == "sigmoid":  # σ'(1 − 2σ)
+        out = np.multiply(a, -2.0)
+        out += 1.0
+        out *= da
+        return out
     return np.zeros_like(a)
 
 
@@ -145,19 +157,17 @@ class MLP(Model):
         examples in blocks."""
         W1, b1, w2, b2 = self.unpack(theta)
         R = theta.shape[0]
-        gW1 = np.zeros_like(W1)
-        gb1 = np.zeros_like(b1)
-        gw2 = np.zeros_like(w2)
-        gb2 = np.zeros_like(b2)
+        out = np.zeros_like(theta)
+        gW1, gb1, gw2, gb2 = self.unpack(out)  # views: the gradient is accumulated in place
         loss = np.zeros(R)
-        for s in self._blocks(X, R):
+        for k, s in enumerate(self._blocks(X, R)):
             Xs = X[..., s, :]
-            a, da, f = self._forward(theta, Xs)
+            a, u, f = self._forward(theta, Xs)
             ys = y[..., s]
             w = weight[..., s] if np.ndim(weight) else weight
             loss += np.sum(w * np.logaddexp(0.0, -ys * f), axis=-1)
             r = -ys * expit(-ys * f)  # ∂ℓ/∂f, (R, m)
-            u = da * w2[:, None, :]  # ∂f/∂z, (R, m, h)
+            u *= w2[:, None, :]  # φ'(z) ⊙ w₂ = ∂f/∂z, (R, m, h)
             coef = r * w
             if clip is not None:
                 xn = x_norm[..., s]
@@ -166,10 +176,14 @@ class MLP(Model):
                 coef = coef * (clip / np.maximum(norm, clip))  # = min(1, C/‖g‖), safe at ‖g‖ = 0
             gb2 += coef.sum(axis=-1)
             gw2 += np.matmul(coef[:, None, :], a)[:, 0, :]
-            delta = u * coef[..., None]  # (R, m, h)
+            delta = u
+            delta *= coef[..., None]  # (R, m, h): each example's clipped, weighted δ
             gb1 += delta.sum(axis=1)
-            gW1 += np.matmul(delta.transpose(0, 2, 1), Xs)
-        return self.pack(gW1, gb1, gw2, gb2), loss
+            if k == 0:  # straight into the output's W₁ block (a strided view; NumPy handles it)
+                np.matmul(delta.transpose(0, 2, 1), Xs, out=gW1)
+            else:
+                gW1 += np.matmul(delta.transpose(0, 2, 1), Xs)
+        return out, loss
 
     def data_gradient(self, theta, X, y):
         return self._backward(theta, X, y, 1.0 / X.shape[-2], None, None)[0]
@@ -202,15 +216,25 @@ class MLP(Model):
             ys = y[..., s]
             r = -ys * expit(-ys * f)
             curvature = expit(f) * expit(-f)  # ℓ''(f)
-            Rz = np.matmul(Xs, V1.transpose(0, 2, 1)) + c1[:, None, :]
+            Rz = np.matmul(Xs, V1.transpose(0, 2, 1))
+            Rz += c1[:, None, :]
             Ra = da * Rz
             Rf = np.matmul(a, v2[:, :, None])[..., 0] + np.matmul(Ra, w2[:, :, None])[..., 0] + c2[:, None]
             Rr = curvature * Rf
-            Rdelta = (Rr[..., None] * (da * w2[:, None, :])
-                      + r[..., None] * (da * v2[:, None, :]
-                                        + w2[:, None, :] * _second_derivative(self.activation, a, da) * Rz))
+            # R{δ} = φ' ⊙ (R{r} w₂ + r v₂) + r w₂ ⊙ φ'' ⊙ R{z}
+            Rdelta = Rr[..., None] * w2[:, None, :]
+            Rdelta += r[..., None] * v2[:, None, :]
+            Rdelta *= da
+            if self.activation != "relu":
+                second = _second_derivative(self.activation, a, da)
+                second *= Rz
+                second *= r[..., None] * w2[:, None, :]
+                Rdelta += second
             hb2 += Rr.sum(axis=-1)
             hw2 += np.matmul(Rr[:, None, :], a)[:, 0, :] + np.matmul(r[:, None, :], Ra)[:, 0, :]
             hb1 += Rdelta.sum(axis=1)
             hW1 += np.matmul(Rdelta.transpose(0, 2, 1), Xs)
-        return self.pack(hW1, hb1, hw2, hb2) / n + self.l2 * v
+        out = self.pack(hW1, hb1, hw2, hb2)
+        out /= n
+        out += self.l2 * v
+        return out
