@@ -223,8 +223,8 @@ def execute(run: GridRun, jobs: int = 1, on_rows: Optional[Callable[[list[dict]]
 
 
 def _results(tasks: list[Task], jobs: int) -> Iterator[TaskResult]:
-    if jobs <= 1 or len(tasks) <= 1:
-        yield from map(run_task, tasks)
+    if jobs <= 1 or len(tasks) <= 1:  # one BLAS thread here too: threads thrash on a shared 2-core machine
+        yield from (run_task(task, single_thread=True) for task in tasks)
         return
     from joblib import Parallel, delayed
 
