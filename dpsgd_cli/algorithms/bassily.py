@@ -75,7 +75,6 @@ import numpy as np
 from dp_accounting import dp_event, get_epsilon_gaussian
 from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
 from dp_accounting.privacy_accountant import NeighboringRelation
-from dp_accounting.rdp.rdp_privacy_accountant import RdpAccountant
 from pydantic import BaseModel, ConfigDict, Field
 
 from dpsgd_cli.algorithms import kernels
@@ -86,7 +85,7 @@ from dpsgd_cli.algorithms.chain import (Checkpoints, GradientChain, Schedule, ad
 from dpsgd_cli.algorithms.streams import BLOCK_STEPS, ReplicaStreams
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import Batch, Model
-from dpsgd_cli.privacy.accounting import (LIBRARY, RDP_BASE_ORDERS, RDP_EXTENSION_ORDERS, calibrate,
+from dpsgd_cli.privacy.accounting import (LIBRARY, calibrate, rdp_epsilon_and_order,
                                           rdp_epsilon_floor)
 from dpsgd_cli.privacy.mechanisms import (advanced_composition, advanced_composition_epsilon_per_step,
                                           amplify_by_subsampling, analytic_gaussian_sigma, gaussian_sigma)
@@ -181,26 +180,8 @@ def pld_event(noise_multiplier: float, n: int, steps: int) -> dp_event.DpEvent:
 
 
 def rdp_epsilon(noise_multiplier: float, n: int, steps: int, delta: float) -> tuple[float, float]:
-    """(ε, optimal order) of `rdp_event`, minimised over the shared order grid (orders > 64 walked lazily, as in
-    `dpsgd_cli.privacy.accounting`)."""
-    event = rdp_event(noise_multiplier, n, steps)
-    accountant = RdpAccountant(list(RDP_BASE_ORDERS), NeighboringRelation.REPLACE_ONE)
-    accountant.compose(event)
-    eps, order = (float(v) for v in accountant.get_epsilon_and_optimal_order(delta))
-    if order != RDP_BASE_ORDERS[-1] or not math.isfinite(eps):
-        return eps, order
-    worse = 0
-    for alpha in RDP_EXTENSION_ORDERS:
-        single = RdpAccountant([alpha], NeighboringRelation.REPLACE_ONE)
-        single.compose(event)
-        e = float(single.get_epsilon(delta))
-        if e < eps:
-            eps, order, worse = e, alpha, 0
-        else:
-            worse += 1
-            if worse >= 2:
-                break
-    return eps, order
+    """(ε, optimal order) of `rdp_event` under replace-one neighbours, over the shared order grid."""
+    return rdp_epsilon_and_order(rdp_event(noise_multiplier, n, steps), delta, NeighboringRelation.REPLACE_ONE)
 
 
 @functools.lru_cache(maxsize=256)

@@ -68,6 +68,7 @@ import numpy as np
 from dp_accounting import dp_event
 from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
 from dp_accounting.rdp import rdp_privacy_accountant as _rdp_lib
+from dp_accounting.privacy_accountant import NeighboringRelation
 from dp_accounting.rdp.rdp_privacy_accountant import RdpAccountant
 from scipy import optimize
 
@@ -208,12 +209,20 @@ def _quiet_rdp():
 
 def _rdp_epsilon(event: dp_event.DpEvent, delta: float) -> tuple[float, float]:
     """(epsilon, optimal order): minimum of the library conversion over :data:`RDP_ORDERS`."""
+    return rdp_epsilon_and_order(event, delta)
+
+
+def rdp_epsilon_and_order(event: dp_event.DpEvent, delta: float,
+                          relation: NeighboringRelation = NeighboringRelation.ADD_OR_REMOVE_ONE
+                          ) -> tuple[float, float]:
+    """(ε, optimal order) of the RDP accountant under `relation`, over :data:`RDP_ORDERS` (larger orders walked
+    only when the base grid's top order is optimal)."""
     with _quiet_rdp():
-        return _rdp_epsilon_loud(event, delta)
+        return _rdp_epsilon_loud(event, delta, relation)
 
 
-def _rdp_epsilon_loud(event: dp_event.DpEvent, delta: float) -> tuple[float, float]:
-    accountant = RdpAccountant(list(RDP_BASE_ORDERS))
+def _rdp_epsilon_loud(event: dp_event.DpEvent, delta: float, relation: NeighboringRelation) -> tuple[float, float]:
+    accountant = RdpAccountant(list(RDP_BASE_ORDERS), relation)
     accountant.compose(event)
     eps, order = accountant.get_epsilon_and_optimal_order(delta)
     eps, order = float(eps), float(order)
@@ -222,7 +231,7 @@ def _rdp_epsilon_loud(event: dp_event.DpEvent, delta: float) -> tuple[float, flo
     # The optimum is at the top of the base grid: walk the larger orders while epsilon decreases.
     worse = 0
     for alpha in RDP_EXTENSION_ORDERS:
-        single = RdpAccountant([alpha])
+        single = RdpAccountant([alpha], relation)
         single.compose(event)
         e = float(single.get_epsilon(delta))
         if e < eps:
