@@ -3,6 +3,8 @@
 Data fixtures: the local dataset mirror (`../shared/datasets`, or $DPSGD_SHARED_DATASETS) is
 served over HTTP on 127.0.0.1, and a session-wide download cache points at it, so each real
 file is downloaded once per test session and no test touches the internet.
+
+`run_grid`: run a one-grid YAML text through the engine and get its runs.csv.
 """
 
 from __future__ import annotations
@@ -11,12 +13,17 @@ import functools
 import http.server
 import os
 import shutil
+import textwrap
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
+import pandas as pd
 import pytest
+
+from dpsgd_cli.config import load_grid_file
+from dpsgd_cli.engine import execute, plan_grid
 
 
 def shared_datasets_path() -> Path:
@@ -103,3 +110,26 @@ def serve_data_folder() -> Iterator[Callable[[Path], DataServer]]:
     yield start
     for server in servers:
         server.close()
+
+
+@pytest.fixture
+def run_grid(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Factory `run(yaml_text, out=None) -> runs.csv as a DataFrame`.
+
+    Dedents `yaml_text` into tmp_path/grid.yaml, executes its single grid into `out` (default
+    tmp_path/"out") and reads runs.csv; afterwards `run.folder` is that grid's results folder
+    (traces.csv, ...). DPSGD_DATA_DIR is tmp_path/"cache", unless the test uses `data_env`.
+    """
+    if "data_env" not in request.fixturenames:
+        monkeypatch.setenv("DPSGD_DATA_DIR", str(tmp_path / "cache"))
+
+    def run(yaml_text: str, out: Path | None = None) -> pd.DataFrame:
+        path = tmp_path / "grid.yaml"
+        path.write_text(textwrap.dedent(yaml_text))
+        grid = load_grid_file(path).grids[0]
+        out = tmp_path / "out" if out is None else out
+        execute(plan_grid(grid, out))
+        run.folder = out / grid.name
+        return pd.read_csv(run.folder / "runs.csv")
+
+    return run

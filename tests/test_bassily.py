@@ -1,7 +1,6 @@
 """`bassily2014`: closed forms against hand computations, the accountants, noise, projection, replicas, engine."""
 
 import math
-import textwrap
 
 import numpy as np
 import pandas as pd
@@ -14,8 +13,6 @@ from dpsgd_cli.algorithms.bassily import (Bassily2014, calibrate_bassily, chain_
 from dpsgd_cli.algorithms.chain import constant
 from dpsgd_cli.algorithms.sampling import uniform_examples
 from dpsgd_cli.algorithms.streams import ReplicaStreams
-from dpsgd_cli.config import load_grid_file
-from dpsgd_cli.engine import execute, plan_grid
 from dpsgd_cli.models import make_model
 
 
@@ -262,10 +259,8 @@ def test_fit_derives_and_checks(data):
     assert out.guarantee == "none: non-convex model"
 
 
-def test_end_to_end_through_the_engine(tmp_path, monkeypatch):
-    monkeypatch.setenv("DPSGD_DATA_DIR", str(tmp_path / "cache"))
-    grid_file = tmp_path / "grid.yaml"
-    grid_file.write_text(textwrap.dedent("""
+def test_end_to_end_through_the_engine(run_grid):
+    runs = run_grid("""
         grids:
           - name: bst
             datasets: [{name: synthetic, n: 600}]
@@ -275,15 +270,12 @@ def test_end_to_end_through_the_engine(tmp_path, monkeypatch):
             seeds: 2
             epochs: 1
             trace_every: 100
-    """))
-    grid = load_grid_file(grid_file).grids[0]
-    execute(plan_grid(grid, tmp_path / "out"))
-    runs = pd.read_csv(tmp_path / "out" / "bst" / "runs.csv")
+    """)
     assert len(runs) == 4 and set(runs["status"]) == {"ok"} and set(runs["guarantee"]) == {"proved"}
     assert runs["batch_size"].isna().all() and runs["lr"].isna().all()
     assert set(runs["accountant"]) == {"rdp", "advanced_composition_tight"}
     assert (runs["sigma"] > 0).all() and (runs["steps"] == runs["n_train"]).all()
     assert ((runs["epsilon_achieved"] <= 1) & (runs["epsilon_achieved"] >= 0.999)).all()
     assert (runs["sample_rate"] == 1 / runs["n_train"]).all() and runs["test_accuracy"].notna().all()
-    traces = pd.read_csv(tmp_path / "out" / "bst" / "traces.csv")
+    traces = pd.read_csv(run_grid.folder / "traces.csv")
     assert len(traces) == 4 * (runs["n_train"].iloc[0] // 100)

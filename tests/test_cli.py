@@ -149,12 +149,9 @@ def test_privacy_calculators_agree():
     assert 0.999 <= value <= 1.0
 
 
-def test_traces_written_for_iterative_algorithms(grid_file, tmp_path):
-    grid_file.write_text(grid_file.read_text().replace("epochs: 2", "epochs: 2\n    trace_every: 160"))
-    out = tmp_path / "results"
-    execute(plan_grid(load_grid_file(grid_file).grids[0], out))
-    runs = pd.read_csv(out / "tiny" / "runs.csv")
-    traces = pd.read_csv(out / "tiny" / "traces.csv")
+def test_traces_written_for_iterative_algorithms(run_grid):
+    runs = run_grid(GRID.replace("epochs: 2", "epochs: 2\n    trace_every: 160"))
+    traces = pd.read_csv(run_grid.folder / "traces.csv")
     iterative = runs[runs["algorithm"] != "erm"]
     assert set(traces["run_id"]) == set(iterative["run_id"])
     per_run = traces.groupby("run_id")["examples"].apply(list)

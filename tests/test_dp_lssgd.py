@@ -1,9 +1,7 @@
 """DP-LSSGD: the FFT Laplacian solve, its place in the DP-SGD chain, its noise, and a run through the engine."""
 
-import textwrap
 
 import numpy as np
-import pandas as pd
 import pytest
 from pydantic import ValidationError
 from scipy import stats
@@ -166,15 +164,8 @@ grids:
 """
 
 
-def test_end_to_end_through_the_engine(tmp_path, monkeypatch):
-    from dpsgd_cli.config import load_grid_file
-    from dpsgd_cli.engine import execute, plan_grid
-
-    monkeypatch.setenv("DPSGD_DATA_DIR", str(tmp_path / "cache"))
-    path = tmp_path / "grid.yaml"
-    path.write_text(textwrap.dedent(GRID))
-    execute(plan_grid(load_grid_file(path).grids[0], tmp_path / "out"))
-    runs = pd.read_csv(tmp_path / "out" / "lssgd" / "runs.csv")
+def test_end_to_end_through_the_engine(run_grid):
+    runs = run_grid(GRID)
     lssgd = runs[runs["algorithm"] == "dp_lssgd"]
     assert len(lssgd) == 4 and set(lssgd["status"]) == {"ok"} and set(lssgd["guarantee"]) == {"proved"}
     assert (lssgd["sigma"] > 0).all() and set(lssgd["accountant"]) == {"rdp", "pld"}

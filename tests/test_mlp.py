@@ -3,10 +3,8 @@ exceeds C, exact Hessian–vector products against the dense finite-difference H
 the best-of-starts reference minimum, and every generic algorithm running with `model: mlp`."""
 
 import json
-import textwrap
 
 import numpy as np
-import pandas as pd
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,8 +14,6 @@ from dpsgd_cli.algorithms.base import Setting
 from dpsgd_cli.algorithms.erm import REFERENCE_STARTS, reference_minimum
 from dpsgd_cli.algorithms.sampling import gather
 from dpsgd_cli.algorithms.streams import ReplicaStreams
-from dpsgd_cli.config import load_grid_file
-from dpsgd_cli.engine import execute, plan_grid
 from dpsgd_cli.models import Batch, Model, make_model
 
 ACTIVATIONS = ["tanh", "sigmoid", "relu"]
@@ -274,12 +270,8 @@ grids:
 """
 
 
-def test_generic_algorithms_run_with_mlp_through_the_engine(tmp_path, monkeypatch):
-    monkeypatch.setenv("DPSGD_DATA_DIR", str(tmp_path / "cache"))
-    path = tmp_path / "grid.yaml"
-    path.write_text(textwrap.dedent(GRID))
-    execute(plan_grid(load_grid_file(path).grids[0], tmp_path / "out"))
-    runs = pd.read_csv(tmp_path / "out" / "mlp" / "runs.csv")
+def test_generic_algorithms_run_with_mlp_through_the_engine(run_grid):
+    runs = run_grid(GRID)
     assert len(runs) == 9 * 2 and set(runs["status"]) == {"ok"}, runs[["algorithm", "message"]]
     by_name = runs.groupby("algorithm")["guarantee"].agg(set)
     assert by_name["output_perturbation"] == by_name["bolt_on"] == {"none: non-convex model"}

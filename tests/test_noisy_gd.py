@@ -1,10 +1,8 @@
 """Noisy GD (Chourasia, Ye, Shokri 2021): the Rényi bounds, their calibration, the algorithm, the figure."""
 
 import math
-import textwrap
 
 import numpy as np
-import pandas as pd
 import pytest
 from dp_accounting import dp_event
 from pydantic import ValidationError
@@ -273,15 +271,8 @@ grids:
 """
 
 
-def test_end_to_end_through_the_engine(tmp_path, monkeypatch):
-    from dpsgd_cli.config import load_grid_file
-    from dpsgd_cli.engine import execute, plan_grid
-
-    monkeypatch.setenv("DPSGD_DATA_DIR", str(tmp_path / "cache"))
-    path = tmp_path / "grid.yaml"
-    path.write_text(textwrap.dedent(GRID))
-    execute(plan_grid(load_grid_file(path).grids[0], tmp_path / "out"))
-    runs = pd.read_csv(tmp_path / "out" / "ngd" / "runs.csv")
+def test_end_to_end_through_the_engine(run_grid):
+    runs = run_grid(GRID)
     assert len(runs) == 8 and set(runs["status"]) == {"ok"} and set(runs["guarantee"]) == {"proved"}
     assert (runs["sigma"] > 0).all() and set(runs["accountant"]) == {"dynamics", "composition"}
     assert (runs["epsilon_achieved"] <= runs["epsilon"]).all()

@@ -1,7 +1,6 @@
 """output_perturbation (Chaudhuri et al. 2011) and bolt_on (Wu et al. 2017): constants, noise, sampler, sensitivity."""
 
 import math
-import textwrap
 
 import numpy as np
 import pandas as pd
@@ -14,8 +13,6 @@ from dpsgd_cli.algorithms.chain import min_inverse_time
 from dpsgd_cli.algorithms.output_perturbation import calibrate_output_noise
 from dpsgd_cli.algorithms.sampling import shuffled_batches
 from dpsgd_cli.algorithms.streams import ReplicaStreams
-from dpsgd_cli.config import load_grid_file
-from dpsgd_cli.engine import execute, plan_grid
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import Batch, make_model
 
@@ -340,12 +337,8 @@ grids:
 """
 
 
-def test_grid_runs_end_to_end(tmp_path, monkeypatch):
-    monkeypatch.setenv("DPSGD_DATA_DIR", str(tmp_path / "cache"))
-    path = tmp_path / "grid.yaml"
-    path.write_text(textwrap.dedent(GRID))
-    execute(plan_grid(load_grid_file(path).grids[0], tmp_path / "out"))
-    runs = pd.read_csv(tmp_path / "out" / "op" / "runs.csv")
+def test_grid_runs_end_to_end(run_grid):
+    runs = run_grid(GRID)
     assert len(runs) == 3 * 2 * 2 and set(runs["status"]) == {"ok"}
     assert (runs["sigma"] > 0).all() and runs["derived"].str.contains('"sensitivity"').all()
     assert set(runs["accountant"]) == {"gaussian_classic", "gaussian_analytic"}
@@ -358,5 +351,5 @@ def test_grid_runs_end_to_end(tmp_path, monkeypatch):
     bolt = runs[runs["algorithm"] == "bolt_on"]
     assert (bolt["steps"] == 2 * (480 // 32)).all()
     assert runs[runs["algorithm"] == "output_perturbation"]["steps"].isna().all()
-    traces = pd.read_csv(tmp_path / "out" / "op" / "traces.csv")
+    traces = pd.read_csv(run_grid.folder / "traces.csv")
     assert set(traces["run_id"]) == set(bolt["run_id"])

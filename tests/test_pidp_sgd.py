@@ -3,10 +3,8 @@ branches, the noise of a noisy step, replica independence, and a run through the
 
 import json
 import math
-import textwrap
 
 import numpy as np
-import pandas as pd
 import pytest
 from scipy import stats
 from scipy.special import expit
@@ -16,8 +14,6 @@ from dpsgd_cli.algorithms import pidp_sgd as P
 from dpsgd_cli.algorithms.chain import GradientChain, add_l2, add_noise, constant, project_to_ball, scale
 from dpsgd_cli.algorithms.sampling import poisson_batches
 from dpsgd_cli.algorithms.streams import ReplicaStreams
-from dpsgd_cli.config import load_grid_file
-from dpsgd_cli.engine import execute, plan_grid
 from dpsgd_cli.models import make_model
 from dpsgd_cli.privacy.accounting import calibrate_sigma
 from dpsgd_cli.privacy.mechanisms import advanced_composition, amplify_by_subsampling
@@ -299,13 +295,8 @@ def test_trace_counts_examples_across_rounds(data):
 # --- end to end ---------------------------------------------------------------------------------------
 
 
-def test_runs_through_the_engine(tmp_path, monkeypatch):
-    from dpsgd_cli.config import load_grid_file
-    from dpsgd_cli.engine import execute, plan_grid
-
-    monkeypatch.setenv("DPSGD_DATA_DIR", str(tmp_path / "cache"))
-    path = tmp_path / "grid.yaml"
-    path.write_text(textwrap.dedent("""
+def test_runs_through_the_engine(run_grid):
+    runs = run_grid("""
         grids:
           - name: pidp
             datasets: [{name: synthetic, n: 600}]
@@ -315,10 +306,7 @@ def test_runs_through_the_engine(tmp_path, monkeypatch):
             lr: [0.5]
             epochs: 2
             seeds: 2
-    """))
-    grid = load_grid_file(path).grids[0]
-    execute(plan_grid(grid, tmp_path / "out"))
-    runs = pd.read_csv(tmp_path / "out" / "pidp" / "runs.csv")
+    """)
     assert len(runs) == 4 and set(runs["status"]) == {"ok"} and set(runs["guarantee"]) == {P.PAPER_CLAIM}
     assert (runs["sigma"] > 0).all() and set(runs["accountant"]) == {"rdp"}
     assert (runs["epsilon_achieved"] <= runs["epsilon"]).all() and (runs["steps"] > 0).all()
@@ -329,10 +317,8 @@ def test_runs_through_the_engine(tmp_path, monkeypatch):
         assert derived["sigma_c"] > 0 and derived["influence_error_bound"] > 0
 
 
-def test_noiseless_fraction_is_a_per_run_csv_column(tmp_path, monkeypatch):
-    monkeypatch.setenv("DPSGD_DATA_DIR", str(tmp_path / "cache"))
-    grid = tmp_path / "grid.yaml"
-    grid.write_text(textwrap.dedent("""
+def test_noiseless_fraction_is_a_per_run_csv_column(run_grid):
+    runs = run_grid("""
         grids:
           - name: pidp
             datasets: [{name: synthetic, n: 400}]
@@ -342,9 +328,7 @@ def test_noiseless_fraction_is_a_per_run_csv_column(tmp_path, monkeypatch):
             lr: [0.5]
             epochs: 2
             seeds: 2
-    """))
-    execute(plan_grid(load_grid_file(grid).grids[0], tmp_path / "out"))
-    runs = pd.read_csv(tmp_path / "out" / "pidp" / "runs.csv")
+    """)
     assert runs["noiseless_fraction"].between(0, 1).all() and runs["noiseless_fraction"].notna().all()
     assert all("noiseless_fraction" not in json.loads(d) for d in runs["derived"])
 
@@ -479,10 +463,8 @@ def test_mlp_replicas_are_independent():
         assert together.guarantee == "none: non-convex model" and together.derived["influence"] == influence
 
 
-def test_mlp_runs_through_the_engine(tmp_path, monkeypatch):
-    monkeypatch.setenv("DPSGD_DATA_DIR", str(tmp_path / "cache"))
-    grid = tmp_path / "grid.yaml"
-    grid.write_text(textwrap.dedent("""
+def test_mlp_runs_through_the_engine(run_grid):
+    runs = run_grid("""
         grids:
           - name: pidp_mlp
             datasets: [{name: synthetic, n: 400}]
@@ -495,9 +477,7 @@ def test_mlp_runs_through_the_engine(tmp_path, monkeypatch):
             lr: [0.5]
             epochs: 2
             seeds: 2
-    """))
-    execute(plan_grid(load_grid_file(grid).grids[0], tmp_path / "out"))
-    runs = pd.read_csv(tmp_path / "out" / "pidp_mlp" / "runs.csv")
+    """)
     assert len(runs) == 4 and set(runs["status"]) == {"ok"}, runs[["status", "message"]]
     assert set(runs["guarantee"]) == {"none: non-convex model"}
     assert runs["noiseless_fraction"].between(0, 1).all() and (runs["sigma"] > 0).all()

@@ -4,13 +4,6 @@ A plain NumPy DP-SGD with RDP-calibrated σ (independent run) gets 84.2% at ε =
 against ERM's 84.8% (batch 256, 5 epochs, δ = 1/n²).
 """
 
-import textwrap
-
-import pandas as pd
-
-from dpsgd_cli.config import load_grid_file
-from dpsgd_cli.engine import execute, plan_grid
-
 GRID = """
 grids:
   - name: adult_dp_sgd
@@ -27,11 +20,8 @@ grids:
 """
 
 
-def test_dp_sgd_on_adult_matches_the_reference(data_env, tmp_path):
-    path = tmp_path / "grid.yaml"
-    path.write_text(textwrap.dedent(GRID))
-    execute(plan_grid(load_grid_file(path).grids[0], tmp_path / "results"))
-    runs = pd.read_csv(tmp_path / "results" / "adult_dp_sgd" / "runs.csv")
+def test_dp_sgd_on_adult_matches_the_reference(data_env, run_grid):
+    runs = run_grid(GRID)
     assert set(runs["status"]) == {"ok"} and (runs["n_train"] == 30162).all()
     erm = runs.loc[runs["algorithm"] == "erm", "test_accuracy"].mean()
     dp = runs[runs["algorithm"] == "dp_sgd"].groupby("epsilon")["test_accuracy"].mean()

@@ -1,13 +1,10 @@
 """Paper figures and claims: the filter language, each check (able to pass and to fail), and the report."""
 
-import textwrap
-
 import numpy as np
 import pandas as pd
 import pytest
 
-from dpsgd_cli.config import ClaimSpec, FigureSpec, load_grid_file
-from dpsgd_cli.engine import execute, plan_grid
+from dpsgd_cli.config import ClaimSpec, FigureSpec
 from dpsgd_cli.engine.summary import select
 from dpsgd_cli.plots import plot_results
 from dpsgd_cli.report import _check_group, build_report
@@ -100,11 +97,8 @@ grids:
 """
 
 
-def test_figures_and_report_end_to_end(tmp_path, monkeypatch):
-    monkeypatch.setenv("DPSGD_DATA_DIR", str(tmp_path / "cache"))
-    path = tmp_path / "grid.yaml"
-    path.write_text(textwrap.dedent(GRID))
-    execute(plan_grid(load_grid_file(path).grids[0], tmp_path / "out"))
+def test_figures_and_report_end_to_end(tmp_path, run_grid):
+    run_grid(GRID)
     assert (tmp_path / "out" / "figs" / "curve.csv").exists()
     figures = plot_results(tmp_path / "out")
     names = sorted(p.name for p in figures)
@@ -122,17 +116,13 @@ def test_figure_spec_validation():
         FigureSpec(name="x", kind="bar")
 
 
-def test_rows_of_an_earlier_grid_version_are_kept_but_not_shown(tmp_path, monkeypatch):
+def test_rows_of_an_earlier_grid_version_are_kept_but_not_shown(tmp_path, run_grid):
     from dpsgd_cli.engine.results import ResultStore
     from dpsgd_cli.engine.summary import results_frame
 
-    monkeypatch.setenv("DPSGD_DATA_DIR", str(tmp_path / "cache"))
-    path = tmp_path / "grid.yaml"
     text = "grids: [{name: g, datasets: [{name: synthetic, n: 300}], algorithms: [sgd], lr: [0.5], batch_size: 20, seeds: 2, epochs: 1}]"
-    path.write_text(text)
-    execute(plan_grid(load_grid_file(path).grids[0], tmp_path / "out"))
-    path.write_text(text.replace("lr: [0.5]", "lr: [0.25]"))
-    execute(plan_grid(load_grid_file(path).grids[0], tmp_path / "out"))
+    run_grid(text)
+    run_grid(text.replace("lr: [0.5]", "lr: [0.25]"))
     assert len(ResultStore(tmp_path / "out" / "g").read()) == 4  # nothing computed is lost
     shown = results_frame(tmp_path / "out" / "g")
     assert len(shown) == 2 and set(shown["lr"]) == {0.25}

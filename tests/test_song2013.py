@@ -1,7 +1,5 @@
 """song2013 / song2013_nonprivate (Song, Chaudhuri & Sarwate, GlobalSIP 2013): update, noise, sampling, projection."""
 
-import textwrap
-
 import numpy as np
 import pandas as pd
 import pytest
@@ -216,13 +214,8 @@ def test_bad_settings_are_user_errors(data, kw, match):
         PRIVATE().fit(_setting(*X.shape, **kw), make_model("logreg", 4, 0.0), X, y, ReplicaStreams([0]))
 
 
-def test_end_to_end_through_the_engine(tmp_path, monkeypatch):
-    from dpsgd_cli.config import load_grid_file
-    from dpsgd_cli.engine import execute, plan_grid
-
-    monkeypatch.setenv("DPSGD_DATA_DIR", str(tmp_path / "cache"))
-    path = tmp_path / "grid.yaml"
-    path.write_text(textwrap.dedent("""
+def test_end_to_end_through_the_engine(run_grid):
+    runs = run_grid("""
         grids:
           - name: song
             datasets: [{name: synthetic, n: 600}]
@@ -234,15 +227,12 @@ def test_end_to_end_through_the_engine(tmp_path, monkeypatch):
             l2: 1.0e-3
             seeds: 2
             trace_every: 120
-    """))
-    grid = load_grid_file(path).grids[0]
-    execute(plan_grid(grid, tmp_path / "results"))
-    runs = pd.read_csv(tmp_path / "results" / "song" / "runs.csv")
+    """)
     assert len(runs) == 6 and set(runs["status"]) == {"ok"}
     private = runs[runs["algorithm"] == "song2013"]
     assert (private["epsilon_achieved"] == 1).all() and set(private["accountant"]) == {"pure"}
     assert (private["steps"] == 96).all() and (private["sample_rate"] == 5 / 480).all()
     assert set(private["guarantee"]) == {"proved"} and private["derived"].str.contains("alpha_per_pass").all()
     assert set(runs[runs["algorithm"] == "song2013_nonprivate"]["guarantee"]) == {"non-private"}
-    traces = pd.read_csv(tmp_path / "results" / "song" / "traces.csv")
+    traces = pd.read_csv(run_grid.folder / "traces.csv")
     assert len(traces) == 6 * 4 and set(traces["examples"]) == {120, 240, 360, 480}
