@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 from scipy.optimize import minimize
+from threadpoolctl import threadpool_limits
 
 from dpsgd_cli.algorithms.base import Algorithm, Outcome, Setting
 from dpsgd_cli.algorithms.streams import ReplicaStreams
@@ -73,8 +74,11 @@ def reference_minimum(model: Model, X: np.ndarray, y: np.ndarray,
         theta, objective, info = _REFERENCE_CACHE[key]
         return theta.copy(), objective, dict(info)
     inits = model.init(ReplicaStreams(range(starts)).generators("init"))
-    runs = [minimize_objective(model, X, y, theta0, **(LBFGS_CONVEX if model.convex else LBFGS_NONCONVEX))
-            for theta0 in inits]
+    # one BLAS thread: a capped non-convex L-BFGS path changes with the summation order, and L* must be the
+    # same in the main process and in every worker
+    with threadpool_limits(1):
+        runs = [minimize_objective(model, X, y, theta0, **(LBFGS_CONVEX if model.convex else LBFGS_NONCONVEX))
+                for theta0 in inits]
     objectives = [float(model.objective(theta[None], X, y)[0]) for theta, _ in runs]
     best = int(np.argmin(objectives))
     theta, best_info = runs[best]
