@@ -108,12 +108,17 @@ def evaluate(folder: Path, claim: ClaimSpec, figures: list[FigureSpec]) -> Verdi
         for key, group in groups:
             holds, numbers = _check_group(group, claim, limit)
             name = ", ".join(f"{k}" for k in (key if isinstance(key, tuple) else (key,)))
-            results.append((holds, f"[{name}] {numbers}" if claim.group_by else numbers))
+            mark = {True: "✓", False: "✗", None: "?"}[holds]
+            results.append((holds, f"{mark} [{name}] {numbers}" if claim.group_by else numbers))
+        results.sort(key=lambda item: item[0] is not False)  # the groups where the claim fails come first
     except (KeyError, ValueError) as exc:
         return Verdict(grid, claim, "NO DATA", str(exc).strip("'\""))
     decided = [h for h, _ in results if h is not None]
     status = "NO DATA" if not decided else ("PASS" if all(decided) else "FAIL")
-    return Verdict(grid, claim, status, "; ".join(text for _, text in results) or "no rows")
+    numbers = "; ".join(text for _, text in results) or "no rows"
+    if claim.group_by and decided:
+        numbers = f"{decided.count(False)} of {len(decided)} groups fail: {numbers}"
+    return Verdict(grid, claim, status, numbers)
 
 
 def _limit(claim: ClaimSpec, figures: list[FigureSpec]) -> Optional[float]:
