@@ -190,6 +190,9 @@ class Grid(Axes):
     seeds: int = Field(3, ge=1, le=1000, description="runs per cell, seeds 0..seeds-1")
     delta: Union[Literal["1/n^2"], float] = Field(DELTA_RULE, description="δ, a number in (0, 1) or 1/n^2")
     trace_every: Optional[int] = Field(None, ge=1, description="record the objective every k examples (traces.csv)")
+    dtype: Literal["float64", "float32"] = Field(
+        "float64", description="training precision; float32 applies to sgd, dp_sgd, dp_lssgd with logreg (the "
+        "accounting does not depend on it), the others train in float64; the CSV's dtype column says which")
     description: str = ""
     figures: list[FigureSpec] = Field(default_factory=list, description="the paper's figures drawn from this grid")
     claims: list[ClaimSpec] = Field(default_factory=list, description="the paper's findings, checked by the report")
@@ -247,6 +250,7 @@ class Cell(_Strict):
     clip_norm: Optional[float]
     seeds: tuple[int, ...]
     trace_every: Optional[int] = None
+    dtype: Literal["float64", "float32"] = "float64"
 
     def key(self) -> dict[str, Any]:
         """Everything that determines a run except its seed (and the grid's name and what it records)."""
@@ -254,6 +258,8 @@ class Cell(_Strict):
         data["algorithm"].pop("overrides")
         for name in ALGORITHMS[self.algorithm.name].execution_params:
             data["algorithm"]["params"].pop(name, None)
+        if data["dtype"] == "float64":  # the default keeps the run ids results had before dtype existed
+            data.pop("dtype")
         return data
 
     @property
@@ -278,8 +284,11 @@ def expand(grid: Grid) -> list[Cell]:
             for axis in AXES
         }
         for values in itertools.product(*axes.values()):
+            # like an unused axis, dtype applies where it is supported (float32 chains with logreg)
+            float32 = ALGORITHMS[algo.name].supports_float32 and model.name == "logreg"
             cell = Cell(grid=grid.name, dataset=dataset, model=model, algorithm=algo, delta=grid.delta,
-                        seeds=tuple(range(grid.seeds)), trace_every=grid.trace_every, **dict(zip(axes, values)))
+                        seeds=tuple(range(grid.seeds)), trace_every=grid.trace_every,
+                        dtype=grid.dtype if float32 else "float64", **dict(zip(axes, values)))
             cells.setdefault(cell.cell_id, cell)
     return list(cells.values())
 

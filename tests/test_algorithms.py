@@ -111,3 +111,14 @@ def test_erm_matches_scikit_learn(data):
     np.testing.assert_allclose(theta[0], ref.coef_[0], rtol=1e-5, atol=1e-7)
     np.testing.assert_array_equal(theta[0], theta[1])
     assert np.linalg.norm(model.gradient(theta[:1], X, y)) < 1e-7
+
+
+def test_float32_training_matches_float64_and_keeps_its_dtype(data):
+    X, y = data
+    model = make_model("logreg", X.shape[1], 1e-3)
+    setting = _setting(*X.shape)
+    wide = ALGORITHMS["dp_sgd"]().fit(setting, model, X, y, ReplicaStreams([0, 1])).theta
+    narrow = ALGORITHMS["dp_sgd"]().fit(setting, model, X.astype(np.float32), y.astype(np.float32),
+                                        ReplicaStreams([0, 1])).theta
+    assert narrow.dtype == np.float32 and wide.dtype == np.float64
+    np.testing.assert_allclose(narrow, wide, rtol=1e-4, atol=1e-5)  # same batches and noise, rounding only

@@ -5,6 +5,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pandas as pd
 import pytest
 from typer.testing import CliRunner
@@ -206,3 +207,33 @@ def test_ctrl_c_keeps_finished_runs_and_the_rerun_completes_them(grid_file, tmp_
     final = pd.read_csv(csv)
     assert len(final) == total and final["run_id"].is_unique
     assert set(saved["run_id"]) <= set(final["run_id"])
+
+
+def test_float32_grid(run_grid):
+    grid = GRID.replace("algorithms: [erm, sgd, dp_sgd]", "algorithms: [erm, dp_sgd]")
+    wide = run_grid(grid)
+    narrow = run_grid(grid.replace("epochs: 2", "epochs: 2\n    dtype: float32"), out=run_grid.folder.parent.parent / "f32")
+    assert set(narrow.loc[narrow["algorithm"] == "dp_sgd", "dtype"]) == {"float32"}  # erm stays float64
+    assert set(wide["dtype"]) == {"float64"}
+    dp = lambda f: f[f["algorithm"] == "dp_sgd"].sort_values(["epsilon", "seed"])["test_accuracy"].to_numpy()
+    np.testing.assert_allclose(dp(narrow), dp(wide), atol=0.01)
+    assert not set(narrow["run_id"]) & set(wide[wide["algorithm"] == "dp_sgd"]["run_id"])  # float32 is its own run
+
+
+def test_float32_applies_only_where_supported(run_grid):
+    grid = GRID.replace("algorithms: [erm, sgd, dp_sgd]", "algorithms: [erm, dp_sgd, {name: song2013, lr: [1.0]}]")
+    runs = run_grid(grid.replace("epochs: 2", "epochs: 2\n    dtype: float32"))
+    assert runs.groupby("algorithm")["dtype"].first().to_dict() == {
+        "dp_sgd": "float32", "erm": "float64", "song2013": "float64"}
+
+
+def test_runs_csv_of_an_older_version_gets_the_new_columns(tmp_path):
+    from dpsgd_cli.engine.results import COLUMNS, ResultStore
+
+    store = ResultStore(tmp_path)
+    old = [c for c in COLUMNS if c not in ("dtype", "noiseless_fraction")]
+    pd.DataFrame([{"run_id": "a", "status": "ok", "seed": 0}]).reindex(columns=old).to_csv(store.csv, index=False)
+    store.append([{"run_id": "b", "status": "ok", "seed": 1, "dtype": "float32"}])
+    frame = store.read()
+    assert list(frame.columns) == COLUMNS and list(frame["run_id"]) == ["a", "b"]
+    assert frame["dtype"].tolist()[1] == "float32" and frame["seed"].tolist() == [0, 1]

@@ -75,6 +75,7 @@ class Algorithm:
     source: ClassVar[str] = ""
     # parameters that choose how, not what, is computed (e.g. backend): left out of the run id
     execution_params: ClassVar[frozenset[str]] = frozenset()
+    supports_float32: ClassVar[bool] = False  # trains correctly on float32 data (grid key dtype)
 
     def __init__(self, params: Optional[dict[str, Any]] = None):
         self.params = self.Params(**(params or {}))

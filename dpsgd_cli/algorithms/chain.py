@@ -20,8 +20,9 @@ Schedule = Callable[[int], float]  # step t = 1, 2, ... → learning rate
 
 
 def add_noise(std: float, draws: Iterator[np.ndarray]) -> Transform:
-    """g + std · z with z from `draws` (one (R, P) standard-normal array per step)."""
-    return lambda g, theta: g + std * next(draws)
+    """g + std · z with z from `draws` (one (R, P) standard-normal array per step; float64 draws, so a seed
+    gives the same noise whatever the training precision, cast to the gradient's dtype)."""
+    return lambda g, theta: g + (std * next(draws)).astype(g.dtype, copy=False)
 
 
 def scale(factor: float) -> Transform:

@@ -24,6 +24,7 @@ class SGD(Algorithm):
     private = False
     uses = frozenset({"batch_size", "lr", "epochs", "l2"})
     source = "non-private mini-batch SGD"
+    supports_float32 = True
 
     def chain(self, setting: Setting, X, y, streams: ReplicaStreams, clip=None, noise=()) -> GradientChain:
         return GradientChain(
@@ -37,7 +38,7 @@ class SGD(Algorithm):
 
     def fit(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Outcome:
         chain = self.chain(setting, X, y, streams)
-        theta = chain.run(model, model.init(streams.generators("init")), setting.steps)
+        theta = chain.run(model, model.init(streams.generators("init")).astype(X.dtype, copy=False), setting.steps)
         return Outcome(theta, {"steps": setting.steps, "sample_rate": setting.sample_rate}, guarantee="non-private",
                        trace=chain.checkpoints.rows if chain.checkpoints else [])
 
@@ -63,7 +64,7 @@ class DPSGD(SGD):
                               accountant=self.params.accountant)
         noise = add_noise(cal.sigma * setting.clip_norm, streams.normal("noise", (model.n_params,)))
         chain = self.chain(setting, X, y, streams, clip=setting.clip_norm, noise=[noise])
-        theta = chain.run(model, model.init(streams.generators("init")), setting.steps)
+        theta = chain.run(model, model.init(streams.generators("init")).astype(X.dtype, copy=False), setting.steps)
         derived = {"steps": setting.steps, "sample_rate": setting.sample_rate, "sigma": cal.sigma,
                    "epsilon_achieved": cal.epsilon, "accountant": cal.accountant, "accountant_library": cal.library}
         return Outcome(theta, derived, guarantee="proved", trace=chain.checkpoints.rows if chain.checkpoints else [])

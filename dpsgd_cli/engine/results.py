@@ -20,7 +20,7 @@ COLUMNS = [
     "epsilon", "epsilon_achieved", "delta", "accountant", "accountant_library", "sigma",
     "batch_size", "lr", "epochs", "steps", "sample_rate", "l2", "clip_norm",
     "test_accuracy", "test_loss", "train_accuracy", "train_objective", "optimal_objective", "optimality_gap",
-    "guarantee", "noiseless_fraction", "derived", "wall_time", "status", "message", "version",
+    "guarantee", "noiseless_fraction", "derived", "wall_time", "status", "message", "version", "dtype",
 ]
 TRACE_COLUMNS = ["run_id", "cell_id", "seed", "examples", "train_objective", "optimality_gap", "train_accuracy"]
 LIBRARIES = ["dpsgd", "numpy", "scipy", "pandas", "scikit-learn", "dp-accounting", "pydantic", "joblib"]
@@ -103,6 +103,11 @@ def _append_csv(path: Path, rows: Iterable[dict[str, Any]], columns: list[str]) 
     rows = list(rows)
     if not rows:
         return
+    if path.exists() and path.stat().st_size:
+        with open(path) as fh:
+            existing = fh.readline().rstrip("\r\n").split(",")
+        if existing != columns:  # written by an older version with other columns: rewrite it once
+            _write_csv(path, pd.read_csv(path, dtype={"run_id": str, "cell_id": str}), columns)
     header = not path.exists() or path.stat().st_size == 0
     with open(path, "a", newline="") as fh:
         pd.DataFrame(rows).reindex(columns=columns).to_csv(fh, header=header, index=False)

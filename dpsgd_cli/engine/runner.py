@@ -86,7 +86,10 @@ def run_task(task: Task, single_thread: bool = False) -> TaskResult:
     try:
         model = make_model(cell.model.name, data.d, cell.l2, cell.model.options)
         algorithm = ALGORITHMS[cell.algorithm.name](cell.algorithm.params)
-        outcome = algorithm.fit(setting, model, data.X_train, data.y_train, ReplicaStreams(task.seeds))
+        X, y = data.X_train, data.y_train
+        if cell.dtype == "float32":  # training only: metrics and L* stay float64
+            X, y = X.astype(np.float32), y.astype(np.float32)
+        outcome = algorithm.fit(setting, model, X, y, ReplicaStreams(task.seeds))
     except Exception as exc:  # recorded, and the grid goes on
         message = f"{type(exc).__name__}: {exc}" if isinstance(exc, UserError) else _short_traceback(exc)
         elapsed = (time.perf_counter() - start) / len(task.seeds)
@@ -132,7 +135,7 @@ def _base_row(cell: Cell, data: Dataset, setting: Setting, optimal: float) -> di
         "epsilon": cell.epsilon, "epsilon_achieved": None, "delta": setting.delta, "accountant": None,
         "accountant_library": None, "sigma": None, "batch_size": cell.batch_size, "lr": cell.lr,
         "epochs": cell.epochs, "steps": None, "sample_rate": None, "l2": cell.l2, "clip_norm": cell.clip_norm,
-        "optimal_objective": optimal, "version": __version__,
+        "optimal_objective": optimal, "version": __version__, "dtype": cell.dtype,
     }
 
 
