@@ -353,6 +353,7 @@ class CalibrationPoint(NamedTuple):
     sigma: float
     epsilon: float
     evaluations: int
+    in_window: bool = True  # False: epsilon(sigma) jumps over the window; epsilon < (1 - rel_tol) * target
 
 
 class _Found(Exception):
@@ -483,10 +484,13 @@ def calibrate(
         )
     except _Found as found:
         return CalibrationPoint(found.sigma, found.epsilon, n_evals)
+    if math.isfinite(below[0]) and math.isfinite(above[0]) and above[0] < below[0] <= above[0] * (1 + 1e-6):
+        # epsilon(sigma) steps over the window (a discretised PLD is a step function of sigma): the smallest
+        # sigma seen on the private side is still private (epsilon < target), just not within rel_tol of it
+        return CalibrationPoint(below[0], below[1], n_evals, in_window=False)
     raise RuntimeError(
-        f"calibration could not bring epsilon into [{low_ok:.6g}, {target:.6g}]: epsilon(sigma) "
-        f"jumps over the window between sigma={above[0]:.9g} (epsilon={above[1]:.6g}) and "
-        f"sigma={below[0]:.9g} (epsilon={below[1]:.6g}){context}"
+        f"calibration could not bring epsilon into [{low_ok:.6g}, {target:.6g}] between "
+        f"sigma={above[0]:.9g} (epsilon={above[1]:.6g}) and sigma={below[0]:.9g} (epsilon={below[1]:.6g}){context}"
     )
 
 
@@ -495,7 +499,7 @@ class Calibration:
     """Noise multiplier calibrated by :func:`calibrate_sigma`, with everything to reproduce it."""
 
     sigma: float
-    epsilon: float  # achieved: (1 - 1e-3) * target_epsilon <= epsilon <= target_epsilon
+    epsilon: float  # achieved: <= target_epsilon, and >= (1 - 1e-3) * target unless epsilon(sigma) steps over that
     target_epsilon: float
     delta: float
     sample_rate: float
