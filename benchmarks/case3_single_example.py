@@ -116,7 +116,7 @@ def _pidp(ctx, data) -> Row:
     setting = logreg_setting(data)
     model = make_model("logreg", data.d, setting.l2)
     spent = []
-    real = pidp_module.contribution_test
+    real = pidp_module.round_influence  # the Hessian, its inverse and H⁻¹∇ℓ of every example, once per round
 
     def timed(*args, **kwargs):
         start = time.perf_counter()
@@ -125,13 +125,13 @@ def _pidp(ctx, data) -> Row:
         finally:
             spent.append(time.perf_counter() - start)
 
-    pidp_module.contribution_test = timed
+    pidp_module.round_influence = timed
     try:
         fit = lambda: ALGORITHMS["pidp_sgd"]().fit(setting, model, data.X_train, data.y_train,  # noqa: E731
                                                    ReplicaStreams([0, 1, 2]))
         total, _ = best_of(fit, 1 if ctx.quick else ctx.k, warmup=1)
     finally:
-        pidp_module.contribution_test = real
+        pidp_module.round_influence = real
     test = min(spent)
     share = test / total.min
     return Row(
