@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import pandas as pd
+import numpy as np
 import pytest
 
 from dpsgd_cli.config import load_grid_file
@@ -133,3 +134,19 @@ def run_grid(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest
         return pd.read_csv(run.folder / "runs.csv")
 
     return run
+
+
+@pytest.fixture(scope="session")
+def make_logistic_data():
+    """make(seed, n, weights, noise) → (X, y): Gaussian rows scaled into the unit ball, labels
+    sign(X·w + noise·N(0, 1)) in {−1, +1} — the small separable-ish problem the algorithm tests train on."""
+
+    def make(seed: int, n: int, weights: list, noise: float):
+        rng = np.random.default_rng(seed)
+        X = rng.normal(size=(n, len(weights)))
+        X /= np.maximum(1.0, np.linalg.norm(X, axis=1, keepdims=True))
+        y = np.where(X @ np.asarray(weights) + noise * rng.normal(size=n) > 0, 1.0, -1.0)
+        return X, y
+
+    return make
+

@@ -13,12 +13,8 @@ from dpsgd_cli.privacy.accounting import calibrate_sigma
 
 
 @pytest.fixture(scope="module")
-def data():
-    rng = np.random.default_rng(1)
-    X = rng.normal(size=(400, 5))
-    X /= np.maximum(1.0, np.linalg.norm(X, axis=1, keepdims=True))
-    y = np.where(X @ np.array([1.0, -2.0, 0.5, 0.0, 1.0]) + 0.1 * rng.normal(size=400) > 0, 1.0, -1.0)
-    return X, y
+def data(make_logistic_data):
+    return make_logistic_data(1, 400, [1.0, -2.0, 0.5, 0.0, 1.0], 0.1)
 
 
 def test_poisson_inclusion_rates_and_batch_sizes():

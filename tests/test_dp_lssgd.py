@@ -28,12 +28,8 @@ def dense_laplacian(P: int) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def data():
-    rng = np.random.default_rng(3)
-    X = rng.normal(size=(400, 6))
-    X /= np.maximum(1.0, np.linalg.norm(X, axis=1, keepdims=True))
-    y = np.where(X @ np.array([1.0, -2.0, 0.5, 0.0, 1.0, -0.5]) + 0.1 * rng.normal(size=400) > 0, 1.0, -1.0)
-    return X, y
+def data(make_logistic_data):
+    return make_logistic_data(3, 400, [1.0, -2.0, 0.5, 0.0, 1.0, -0.5], 0.1)
 
 
 def _setting(n, d, **kw):

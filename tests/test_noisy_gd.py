@@ -151,12 +151,8 @@ def test_equal_epsilon_means_equal_rdp_slope():
 
 # --- the algorithm ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def data():
-    rng = np.random.default_rng(7)
-    X = rng.normal(size=(300, 5))
-    X /= np.maximum(1.0, np.linalg.norm(X, axis=1, keepdims=True))
-    y = np.where(X @ np.array([1.0, -2.0, 0.5, 0.0, 1.0]) + 0.3 * rng.normal(size=300) > 0, 1.0, -1.0)
-    return X, y
+def data(make_logistic_data):
+    return make_logistic_data(7, 300, [1.0, -2.0, 0.5, 0.0, 1.0], 0.3)
 
 
 def _setting(n, d, **kw):

@@ -18,12 +18,8 @@ from dpsgd_cli.models import Batch, make_model
 
 
 @pytest.fixture(scope="module")
-def data():
-    rng = np.random.default_rng(3)
-    X = rng.normal(size=(100, 4))
-    X /= np.maximum(1.0, np.linalg.norm(X, axis=1, keepdims=True))
-    y = np.where(X @ np.array([1.0, -1.0, 0.5, 0.0]) + 0.3 * rng.normal(size=100) > 0, 1.0, -1.0)
-    return X, y
+def data(make_logistic_data):
+    return make_logistic_data(3, 100, [1.0, -1.0, 0.5, 0.0], 0.3)
 
 
 def _setting(n, d, **kw):

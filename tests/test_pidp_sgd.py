@@ -29,12 +29,8 @@ def _one_blas_thread():
 
 
 @pytest.fixture(scope="module")
-def data():
-    rng = np.random.default_rng(7)
-    X = rng.normal(size=(300, 6))
-    X /= np.maximum(1.0, np.linalg.norm(X, axis=1, keepdims=True))
-    y = np.where(X @ np.array([1.0, -2.0, 0.5, 0.0, 1.0, 0.3]) + 0.2 * rng.normal(size=300) > 0, 1.0, -1.0)
-    return X, y
+def data(make_logistic_data):
+    return make_logistic_data(7, 300, [1.0, -2.0, 0.5, 0.0, 1.0, 0.3], 0.2)
 
 
 def _setting(n, d, **kw):
