@@ -147,7 +147,9 @@ def report(
     table = Table("grid", "claim", "verdict", "numbers", title="claims of the papers", show_lines=True)
     colours = {"PASS": "green", "FAIL": "red", "NO DATA": "yellow"}
     for v in verdicts:
-        table.add_row(v.grid, f"{v.claim.id}: {v.claim.text}", f"[{colours[v.status]}]{v.status}[/]", v.numbers)
+        source = "(the project's own check)" if v.claim.own else v.claim.quote
+        table.add_row(escape(v.grid), escape(f"{v.claim.id}: {v.claim.text}") + f"\n[dim]{escape(source)}[/]",
+                      f"[{colours[v.status]}]{v.status}[/]", escape(v.numbers))
     console.print(table)
     counts = {s: sum(v.status == s for v in verdicts) for s in colours}
     console.print(f"{counts['PASS']} PASS, {counts['FAIL']} FAIL, {counts['NO DATA']} NO DATA → {path}")

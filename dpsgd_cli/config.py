@@ -156,7 +156,8 @@ class FigureSpec(_Strict):
 
 
 class ClaimSpec(_Strict):
-    """A paper's stated finding, checked against the numbers just computed (`dpsgd report`).
+    """A source's stated finding (its sentence in `quote`), or the project's own check (`own: true`),
+    checked against the numbers just computed (`dpsgd report`).
 
     check `monotone`: the mean of `metric` over `over` moves in `direction` (each step ≥ −tolerance);
     `better`: selection `a` beats `b` (by more than `tolerance` and twice the standard error of the
@@ -165,7 +166,10 @@ class ClaimSpec(_Strict):
     """
 
     id: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
-    text: str = Field(description="the claim, as the paper states it")
+    text: str = Field(description="what is checked, in one line")
+    quote: str = Field("", description="the source sentence the claim tests, verbatim, with its place "
+                       "(e.g. 'Kang et al. §5.2: \"...\"'); required unless `own`")
+    own: bool = Field(False, description="the project's own check, not a statement of a source")
     check: Literal["monotone", "better", "within", "saturates"]
     metric: str = "test_accuracy"
     source: str = Field("runs", description="runs, traces, or the name of an analytic figure")
@@ -173,11 +177,19 @@ class ClaimSpec(_Strict):
     a: Selection = Field(default_factory=dict)
     b: Selection = Field(default_factory=dict)
     over: Optional[str] = "epsilon"
-    group_by: list[str] = Field(default_factory=list, description="check each group separately; all must hold")
+    group_by: list[str] = Field(default_factory=list, description="check each group separately")
+    quantifier: Literal["all", "most", "some"] = Field(
+        "all", description="how many groups must hold: all; most (more than half of the decided groups); some (≥ 1)")
     direction: Literal["increasing", "decreasing"] = "increasing"
     higher_is_better: bool = True
     tolerance: float = Field(0.0, ge=0)
     relative: bool = False
+
+    @model_validator(mode="after")
+    def _sourced(self) -> "ClaimSpec":
+        if not self.own and not self.quote.strip():
+            raise ValueError(f"claim {self.id}: give `quote:` (the source sentence it tests) or mark it `own: true`")
+        return self
 
 
 class Grid(Axes):

@@ -114,11 +114,18 @@ def evaluate(folder: Path, claim: ClaimSpec, figures: list[FigureSpec]) -> Verdi
     except (KeyError, ValueError) as exc:
         return Verdict(grid, claim, "NO DATA", str(exc).strip("'\""))
     decided = [h for h, _ in results if h is not None]
-    status = "NO DATA" if not decided else ("PASS" if all(decided) else "FAIL")
+    status = "NO DATA" if not decided else ("PASS" if quantified(decided, claim.quantifier) else "FAIL")
     numbers = "; ".join(text for _, text in results) or "no rows"
     if claim.group_by and decided:
-        numbers = f"{decided.count(False)} of {len(decided)} groups fail: {numbers}"
+        need = {"all": "all", "most": "more than half", "some": "at least one"}[claim.quantifier]
+        numbers = f"{decided.count(True)} of {len(decided)} groups hold ({need} must): {numbers}"
     return Verdict(grid, claim, status, numbers)
+
+
+def quantified(decided: list[bool], quantifier: str) -> bool:
+    """Whether enough groups hold: all of them, most (strictly more than half), or some (at least one)."""
+    held = sum(decided)
+    return {"all": held == len(decided), "most": 2 * held > len(decided), "some": held >= 1}[quantifier]
 
 
 def _limit(claim: ClaimSpec, figures: list[FigureSpec]) -> Optional[float]:
@@ -166,7 +173,12 @@ def _section(folder: Path, root: Path, grid: dict, figures: list[FigureSpec], ve
             lines += [f"![{figure.name}]({image.relative_to(root).as_posix()})", ""]
     if verdicts:
         lines += ["| claim | verdict | numbers |", "| --- | --- | --- |"]
-        lines += [f"| **{v.claim.id}**: {v.claim.text} | {v.status} | {v.numbers.replace('|', '/')} |"
-                  for v in verdicts]
+        lines += [f"| **{v.claim.id}**: {v.claim.text}{_source_of(v.claim)} | {v.status} | "
+                  f"{v.numbers.replace('|', '/')} |" for v in verdicts]
         lines.append("")
     return lines
+
+
+def _source_of(claim: ClaimSpec) -> str:
+    """The quoted source sentence under the claim, or the mark of the project's own check."""
+    return "<br>*(the project's own check)*" if claim.own else f"<br>*{claim.quote.replace('|', '/')}*"

@@ -7,7 +7,7 @@ import pytest
 from dpsgd_cli.config import ClaimSpec, FigureSpec
 from dpsgd_cli.engine.summary import select
 from dpsgd_cli.plots import plot_results
-from dpsgd_cli.report import _check_group, build_report
+from dpsgd_cli.report import _check_group, build_report, quantified
 
 
 def test_select_language():
@@ -28,7 +28,7 @@ def _runs(values: dict) -> pd.DataFrame:
 
 
 def claim(**kw):
-    return ClaimSpec(id="c", text="t", **kw)
+    return ClaimSpec(id="c", text="t", **{"own": True, **kw})
 
 
 def test_monotone_passes_and_fails():
@@ -88,12 +88,12 @@ grids:
       - {name: b_fig, kind: sweep, x: batch_size, metric: train_objective, lines: [algorithm]}
       - {name: curve, kind: privacy_curve, params: {k_max: 300, points: 50}}
     claims:
-      - {id: sat, text: the dynamics bound saturates, check: saturates, source: curve, metric: rdp_epsilon,
+      - {id: sat, text: the dynamics bound saturates, quote: 'Talk: "saturates"', check: saturates, source: curve, metric: rdp_epsilon,
          a: {bound: dynamics}, over: K, tolerance: 0.05}
-      - {id: nonpriv-better, text: non-private SGD reaches a lower objective, check: better,
+      - {id: nonpriv-better, text: non-private SGD reaches a lower objective, own: true, check: better,
          metric: train_objective, higher_is_better: false, a: {algorithm: song2013_nonprivate},
          b: {algorithm: song2013}, over: batch_size}
-      - {id: missing, text: refers to nothing, check: better, a: {algorithm: dp_sgd}, b: {algorithm: erm}}
+      - {id: missing, text: refers to nothing, own: true, check: better, a: {algorithm: dp_sgd}, b: {algorithm: erm}}
 """
 
 
@@ -126,3 +126,21 @@ def test_rows_of_an_earlier_grid_version_are_kept_but_not_shown(tmp_path, run_gr
     assert len(ResultStore(tmp_path / "out" / "g").read()) == 4  # nothing computed is lost
     shown = results_frame(tmp_path / "out" / "g")
     assert len(shown) == 2 and set(shown["lr"]) == {0.25}
+
+
+def test_claim_needs_a_quote_or_own():
+    with pytest.raises(ValueError, match="quote"):
+        ClaimSpec(id="c", text="t", check="monotone")
+    assert ClaimSpec(id="c", text="t", check="monotone", quote='Song et al. §4: "..."').quote
+    assert ClaimSpec(id="c", text="t", check="monotone", own=True).own
+
+
+@pytest.mark.parametrize("decided, expected", [
+    ([True, True, True], {"all": True, "most": True, "some": True}),
+    ([True, True, False], {"all": False, "most": True, "some": True}),
+    ([True, False], {"all": False, "most": False, "some": True}),  # half is not most
+    ([False, False], {"all": False, "most": False, "some": False}),
+])
+def test_quantifiers_over_groups(decided, expected):
+    for quantifier, holds in expected.items():
+        assert quantified(decided, quantifier) is holds
