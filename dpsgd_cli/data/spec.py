@@ -48,6 +48,8 @@ class Dataset:
     y_train: np.ndarray
     X_test: np.ndarray
     y_test: np.ndarray
+    X_val: Optional[np.ndarray] = None  # held out of the training set by `with_validation` (never the test set)
+    y_val: Optional[np.ndarray] = None
 
     @property
     def name(self) -> str:
@@ -60,3 +62,26 @@ class Dataset:
     @property
     def d(self) -> int:
         return self.X_train.shape[1]
+
+
+VALIDATION_STREAM = 0x5A11D  # a seed stream of its own: the split does not depend on any other draw
+
+
+def validation_split(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(fit, validation) row indices of a training set of n rows: a seeded random round(fraction·n) rows
+    (at least 1, at most n − 1) are held out; both index arrays are sorted and together are 0..n-1."""
+    if not 0 < fraction < 1 or n < 2:
+        raise ValueError(f"validation = {fraction:g} must be in (0, 1) and the training set needs ≥ 2 rows (n = {n})")
+    size = min(n - 1, max(1, round(fraction * n)))
+    held = np.sort(np.random.default_rng([seed, VALIDATION_STREAM]).choice(n, size, replace=False))
+    return np.setdiff1d(np.arange(n), held), held
+
+
+def with_validation(data: Dataset, fraction: Optional[float]) -> Dataset:
+    """`data` whose training set is split into the rows used for fitting (X_train) and a validation set
+    (X_val), seeded by the dataset's seed; the test set is untouched. Without a fraction, `data` itself."""
+    if not fraction:
+        return data
+    fit, held = validation_split(data.n, fraction, data.spec.seed)
+    return Dataset(data.spec, data.X_train[fit], data.y_train[fit], data.X_test, data.y_test,
+                   data.X_train[held], data.y_train[held])
