@@ -93,6 +93,18 @@ def apply_selections(runs: pd.DataFrame, grid: dict) -> pd.DataFrame:
     return out
 
 
+def caption_of(grid: dict) -> str:
+    """How the figure's hyperparameters were chosen, for its caption ('' without `select:`)."""
+    parts = []
+    for spec in selections(grid):
+        on = "the TEST set (optimistic)" if spec.score == "test_accuracy" else f"validation ({spec.score})"
+        how = ("non-private choice" if spec.privacy == "non_private" else
+               f"private random search, {spec.privacy}, {spec.distribution} E[K] = {spec.mean:g}: ε is tuning + "
+               f"training" + ("" if spec.calibrate else " (ε axis = total)"))
+        parts.append(f"{spec.name}: {', '.join(spec.candidates)} tuned on {on}, {how}")
+    return ("\nper " + " × ".join(selections(grid)[0].group_by) + ": " + "; ".join(parts)) if parts else ""
+
+
 def selection_table(runs: pd.DataFrame, grid: dict) -> pd.DataFrame:
     """One row per selection and group: the choice, its score, the test metric of the chosen runs, the privacy."""
     tables = [choose(runs, spec)[1] for spec in selections(grid)]
@@ -102,7 +114,8 @@ def selection_table(runs: pd.DataFrame, grid: dict) -> pd.DataFrame:
 def choose(runs: pd.DataFrame, spec: SelectSpec) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(the chosen runs, the table of choices) of one selection."""
     private = spec.privacy != "non_private"
-    tuned = runs["tuning"].fillna("").astype(str) if "tuning" in runs else pd.Series("", index=runs.index)
+    tuned = runs["tuning"].astype(object).fillna("").astype(str) if "tuning" in runs else \
+        pd.Series("", index=runs.index)
     wanted = spec.name if private and spec.calibrate else ""
     pool = runs[(tuned == wanted) | ((tuned == "") & runs["epsilon"].isna())]  # non-private references stay
     pool = pool.assign(_cand=_key(pool, spec.candidates), _group=_key(pool, spec.group_by))

@@ -28,12 +28,13 @@ from scipy import optimize, special
 
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.privacy import _validate as check
-from dpsgd_cli.privacy.accounting import (RDP_BASE_ORDERS, RDP_EXTENSION_ORDERS, _quiet_rdp, dpsgd_event,
-                                          rdp_curve_to_epsilon)
+from dpsgd_cli.privacy.accounting import RDP_EXTENSION_ORDERS, _quiet_rdp, dpsgd_event, rdp_curve_to_epsilon
 
-TUNING_ORDERS: tuple[float, ...] = RDP_BASE_ORDERS + tuple(o for o in RDP_EXTENSION_ORDERS if o <= 4096)
-"""Orders of the tuned curve: the accountant's base grid and its extension up to 4096 (tuning adds
-log E[K]/(λ − 1), so very large orders never decide the total)."""
+TUNING_ORDERS: tuple[float, ...] = (tuple(1 + x / 10 for x in range(1, 101)) + tuple(float(a) for a in range(12, 65))
+                                    + tuple(o for o in RDP_EXTENSION_ORDERS if o <= 1024))
+"""Orders of the tuned curve: (1, 11] by 0.1, every integer to 64, then ~5% apart to 1024. Tuning adds
+ln E[K]/(λ − 1), so the largest orders matter only for a total ε below ~0.05 (at σ = 60, q = 256/30162,
+T = 590, δ = 1/n²: 0.0363 here vs 0.0357 with orders to 4096 and a 0.05 grid; equal at ε ≥ 0.2); 4× faster."""
 
 Kind = Literal["poisson", "geometric", "logarithmic", "truncated_negative_binomial"]
 
