@@ -93,7 +93,7 @@ def _plan_table(plan) -> Table:
     table = Table("dataset", "model", "algorithm", "ε", "B", "lr", "epochs", "λ", "C", "to run", title=plan.grid.name)
     pending = {t.cell.cell_id: len(t.seeds) for t in plan.tasks}
     for c in plan.cells:
-        tuned = f" [for selection {c.tuning['selection']}]" if c.tuning else ""
+        tuned = f" [for {c.tuning['tag']}]" if c.tuning else ""
         table.add_row(c.dataset.name, c.model.name, _algo_label(c.algorithm.name, c.algorithm.params) + tuned,
                       *(_fmt(v) for v in (c.epsilon, c.batch_size, c.lr, c.epochs, c.l2, c.clip_norm)),
                       f"{pending.get(c.cell_id, 0)}/{len(c.seeds)}")

@@ -238,6 +238,11 @@ class SelectSpec(_Strict):
                              "both candidates and group_by")
         return self
 
+    def tuning_tag(self) -> str:
+        """What the candidates of a calibrated private selection are trained for (runs.csv's `tuning` column);
+        not the name, so that renaming a selection keeps its runs."""
+        return f"{self.privacy} {self.distribution} mean={self.mean:g} eta={self.trials().eta:g}"
+
     def trials(self):
         """The distribution of the number of trials (privacy/tuning.py)."""
         from dpsgd_cli.privacy.tuning import Trials
@@ -288,6 +293,10 @@ class Grid(Axes):
                 if column not in AXES and column not in params:
                     raise ValueError(f"select {spec.name}: candidate {column!r} is neither an axis nor a parameter of "
                                      f"the grid's algorithms{_closest(column, [*AXES, *params])}")
+            for axis in AXES:
+                if len(getattr(self, axis)) > 1 and axis not in spec.candidates + spec.group_by:
+                    raise ValueError(f"select {spec.name}: axis {axis} varies but is neither a candidate nor in "
+                                     f"group_by; add it to one of them")
             if spec.score.startswith("val_") and not self.validation:
                 raise ValueError(f"select {spec.name}: score {spec.score} needs a validation split; add "
                                  "`validation: 0.1` to the grid")
@@ -392,8 +401,9 @@ def expand(grid: Grid) -> list[Cell]:
             cells.setdefault(cell.cell_id, cell)
     plain = list(cells.values())
     for spec in grid.select:
-        plain += tuning_cells(spec, [c for c in plain if c.tuning is None])
-    return plain
+        for cell in tuning_cells(spec, plain):
+            cells.setdefault(cell.cell_id, cell)
+    return list(cells.values())
 
 
 def cell_value(cell: Cell, column: str) -> Any:
@@ -419,7 +429,7 @@ def tuning_cells(spec: SelectSpec, cells: list[Cell]) -> list[Cell]:
     for members in groups.values():
         candidates = sorted({(c.batch_size, c.epochs, c.algorithm.params.get("accountant", "rdp")) for c in members},
                             key=str)
-        tuning = {"selection": spec.name, "privacy": spec.privacy, "distribution": spec.distribution,
+        tuning = {"tag": spec.tuning_tag(), "privacy": spec.privacy, "distribution": spec.distribution,
                   "mean": spec.mean, "eta": spec.trials().eta, "candidates": [list(c) for c in candidates]}
         out += [c.model_copy(update={"tuning": tuning}) for c in members]
     return out

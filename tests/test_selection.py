@@ -195,7 +195,7 @@ def test_calibrated_candidates_meet_the_total_epsilon():
 def test_calibrated_private_selection_trains_its_own_candidates(run_grid):
     runs = run_grid(GRID + "validation: 0.1\nselect: {name: private, candidates: [lr], privacy: papernot_steinke, "
                     "mean: 5, searches: 20}\n")
-    tuned = runs[runs["tuning"] == "private"]
+    tuned = runs[runs["tuning"] == "papernot_steinke poisson mean=5 eta=1"]
     assert len(tuned) == 4 and tuned["epsilon_base"].lt(0.7).all() and (tuned["epsilon"] == 1).all()
     plain = runs[(runs["algorithm"] == "dp_sgd") & runs["tuning"].isna()]
     assert (tuned["sigma"].min() > plain["sigma"].max())

@@ -145,7 +145,7 @@ def _base_row(cell: Cell, data: Dataset, setting: Setting, optimal: float) -> di
         "optimal_objective": optimal, "version": __version__, "dtype": cell.dtype,
         "n_val": 0 if data.X_val is None else len(data.X_val),
         "epsilon_base": setting.epsilon if cell.tuning else None,
-        "tuning": cell.tuning["selection"] if cell.tuning else None,
+        "tuning": cell.tuning["tag"] if cell.tuning else None,
     }
 
 

@@ -97,12 +97,15 @@ def caption_of(grid: dict) -> str:
     """How the figure's hyperparameters were chosen, for its caption ('' without `select:`)."""
     parts = []
     for spec in selections(grid):
-        on = "the TEST set (optimistic)" if spec.score == "test_accuracy" else f"validation ({spec.score})"
-        how = ("non-private choice" if spec.privacy == "non_private" else
-               f"private random search, {spec.privacy}, {spec.distribution} E[K] = {spec.mean:g}: ε is tuning + "
-               f"training" + ("" if spec.calibrate else " (ε axis = total)"))
-        parts.append(f"{spec.name}: {', '.join(spec.candidates)} tuned on {on}, {how}")
-    return ("\nper " + " × ".join(selections(grid)[0].group_by) + ": " + "; ".join(parts)) if parts else ""
+        if spec.score == "test_accuracy":
+            how = "on the TEST set (optimistic)"
+        elif spec.privacy == "non_private":
+            how = f"on validation ({spec.score}), choice not accounted"
+        else:
+            how = (f"private random search on validation ({spec.privacy}, {spec.distribution} E[K] = {spec.mean:g}), "
+                   + ("ε = tuning + training" if spec.calibrate else "ε axis = total ε"))
+        parts.append(f"{spec.name}: {', '.join(spec.candidates)} {how}")
+    return ("\ntuned per " + " × ".join(selections(grid)[0].group_by) + ". " + "; ".join(parts)) if parts else ""
 
 
 def selection_table(runs: pd.DataFrame, grid: dict) -> pd.DataFrame:
@@ -116,7 +119,7 @@ def choose(runs: pd.DataFrame, spec: SelectSpec) -> tuple[pd.DataFrame, pd.DataF
     private = spec.privacy != "non_private"
     tuned = runs["tuning"].astype(object).fillna("").astype(str) if "tuning" in runs else \
         pd.Series("", index=runs.index)
-    wanted = spec.name if private and spec.calibrate else ""
+    wanted = spec.tuning_tag() if private and spec.calibrate else ""
     pool = runs[(tuned == wanted) | ((tuned == "") & runs["epsilon"].isna())]  # non-private references stay
     pool = pool.assign(_cand=_key(pool, spec.candidates), _group=_key(pool, spec.group_by))
     picked, table = [], []
@@ -147,7 +150,7 @@ def _best_mean(group: pd.DataFrame, spec: SelectSpec) -> tuple[pd.DataFrame, dic
         privacy = "non-private: chosen on validation outside any accountant"
     rows = rows.assign(selection_privacy=privacy, epsilon_total=np.nan)
     return rows, _row(spec, privacy, _readable(best, spec.candidates), means[best], rows, rows["epsilon"].iloc[0],
-                      np.nan, None)
+                      np.nan, rows["delta"].max(), None)
 
 
 def _private_search(group: pd.DataFrame, spec: SelectSpec, group_key: str) -> tuple[pd.DataFrame, dict]:
@@ -174,7 +177,7 @@ def _private_search(group: pd.DataFrame, spec: SelectSpec, group_key: str) -> tu
     counts = chosen["_cand"].value_counts()
     top = f"{_readable(counts.index[0], spec.candidates)} in {counts.iloc[0] / len(chosen):.0%} of searches"
     return chosen, _row(spec, privacy, top, chosen[spec.score].mean(), chosen, group["epsilon"].iloc[0], total,
-                        trials.mean)
+                        delta, trials.mean)
 
 
 def _total_epsilon(group: pd.DataFrame, spec: SelectSpec, trials: Trials) -> tuple[float, float]:
@@ -188,10 +191,10 @@ def _total_epsilon(group: pd.DataFrame, spec: SelectSpec, trials: Trials) -> tup
 
 
 def _row(spec: SelectSpec, privacy: str, chosen: str, score: float, rows: pd.DataFrame, epsilon: float,
-         total: float, expected: Optional[float]) -> dict:
+         total: float, delta: float, expected: Optional[float]) -> dict:
     return {"privacy": privacy, "chosen": chosen, "score": spec.score, "score_mean": score,
             "test_accuracy_mean": rows["test_accuracy"].mean(), "test_accuracy_std": rows["test_accuracy"].std(),
-            "runs": len(rows), "epsilon": epsilon, "epsilon_total": total, "delta": rows["delta"].max(),
+            "runs": len(rows), "epsilon": epsilon, "epsilon_total": total, "delta": delta,
             "expected_trials": expected}
 
 

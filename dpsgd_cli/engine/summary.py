@@ -42,7 +42,7 @@ def summary_frame(folder: Path) -> pd.DataFrame:
     frame = ResultStore(folder).read()
     if frame.empty:
         return pd.DataFrame(columns=[*CELL_COLUMNS, "runs", "ok", "acc_mean", "acc_std", "gap_mean", "gap_std"])
-    tuned = frame["tuning"].map(lambda t: f" [for selection {t}]" if isinstance(t, str) and t else "") \
+    tuned = frame["tuning"].map(lambda t: f" [for {t}]" if isinstance(t, str) and t else "") \
         if "tuning" in frame else ""
     frame = frame.assign(label=algorithm_label(frame) + tuned)
     ok = frame[frame["status"] == "ok"]
