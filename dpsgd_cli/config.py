@@ -231,6 +231,9 @@ class SelectSpec(_Strict):
         if self.score == "test_accuracy" and self.privacy != "non_private":
             raise ValueError(f"select {self.name}: score test_accuracy (tuning on the test set) is only a "
                              "non_private, optimistic reference; use val_accuracy or val_objective")
+        if self.privacy != "non_private" and self.score != "val_accuracy":
+            raise ValueError(f"select {self.name}: a private selection scores by val_accuracy (a noisy count of "
+                             "correct predictions, sensitivity 1); the objective's sensitivity is unbounded")
         if self.privacy == "liu_talwar" and self.distribution != "geometric":
             raise ValueError(f"select {self.name}: liu_talwar is geometric stopping; set distribution: geometric")
         if set(self.candidates) & set(self.group_by):
@@ -416,9 +419,10 @@ def cell_value(cell: Cell, column: str) -> Any:
 
 
 def tuning_cells(spec: SelectSpec, cells: list[Cell]) -> list[Cell]:
-    """The candidates of a calibrated private selection: each private cell again, marked with the selection and
-    its group's privacy-relevant candidates (batch size, epochs, accountant), so that σ can be calibrated for
-    tuning + training to meet the cell's ε (run ids differ from the plain cells': the mechanism differs)."""
+    """The candidates of a calibrated private selection: each private cell again, marked with the selection's
+    privacy and its group's privacy-relevant candidates (batch size, epochs, accountant), so that σ can be
+    calibrated for tuning + training to meet the cell's ε (run ids differ from the plain cells': the mechanism
+    differs)."""
     if spec.privacy == "non_private" or not spec.calibrate:
         return []
     private = [c for c in cells if ALGORITHMS[c.algorithm.name].private]

@@ -16,8 +16,8 @@ from dpsgd_cli.engine import plan_grid
 from dpsgd_cli.engine.selection import base_epsilon, choose, write_selection_tables
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.privacy.accounting import dpsgd_event
-from dpsgd_cli.privacy.tuning import (TUNING_ORDERS, Trials, dpsgd_rdp, liu_talwar_epsilon, poisson_rdp, tnb_mean,
-                                      tnb_rdp, tuned_epsilon, tuned_rdp)
+from dpsgd_cli.privacy.tuning import (TUNING_ORDERS, Trials, dpsgd_rdp, liu_talwar_epsilon, poisson_rdp,
+                                      score_laplace_scale, score_sigma, tnb_mean, tnb_rdp, tuned_epsilon, tuned_rdp)
 
 GRID = """
 name: tiny
@@ -36,11 +36,13 @@ seeds: 2
 
 def test_validation_split_partitions_the_training_rows():
     fit, held = validation_split(1000, 0.1, seed=3)
-    assert len(held) == 100 and len(fit) == 900
+    assert abs(len(held) - 100) < 4 * np.sqrt(1000 * 0.1 * 0.9)  # Binomial(1000, 0.1) rows
     assert np.intersect1d(fit, held).size == 0
     assert np.array_equal(np.union1d(fit, held), np.arange(1000))
     assert np.array_equal(validation_split(1000, 0.1, seed=3)[1], held)  # seeded
     assert not np.array_equal(validation_split(1000, 0.1, seed=4)[1], held)
+    longer = validation_split(1001, 0.1, seed=3)[1]  # a record more changes no other record's assignment
+    assert np.array_equal(longer[longer < 1000], held)
 
 
 def test_validation_rows_are_neither_test_nor_fitting_rows(tmp_path, monkeypatch):
@@ -57,7 +59,7 @@ def test_validation_rows_are_neither_test_nor_fitting_rows(tmp_path, monkeypatch
 
 def test_runs_record_validation_metrics_and_fit_on_the_rest(run_grid):
     runs = run_grid(GRID + "validation: 0.1\n")
-    assert (runs["n_val"] == 48).all() and (runs["n_train"] == 432).all()  # 480 training rows, 120 test
+    assert (runs["n_val"] + runs["n_train"] == 480).all() and runs["n_val"].between(30, 66).all()  # 480 rows
     assert runs["val_accuracy"].between(0, 1).all() and (runs["val_objective"] > 0).all()
 
 
@@ -104,13 +106,25 @@ def test_selection_takes_the_argmax_on_validation_not_on_test():
 
 def test_private_search_releases_the_best_validation_score_of_its_trials():
     runs = _runs(val=[0.90, 0.80], test=[0.70, 0.85]).assign(sigma=2.0, sample_rate=0.01, steps=100,
-                                                              epsilon_achieved=1.0)
+                                                              epsilon_achieved=1.0, n_val=3000)
     spec = SelectSpec(candidates=["lr"], privacy="papernot_steinke", mean=20, calibrate=False, searches=300)
     chosen, table = choose(runs, spec)
     # with K ≈ 20 trials over two candidates almost every search tries lr 0.1, whose validation score is higher
     assert (chosen["lr"] == 0.1).mean() > 0.95 and len(chosen) == 300
     total = tuned_epsilon(TUNING_ORDERS, [dpsgd_rdp(2.0, 0.01, 100)], spec.trials(), 1e-9)
     assert table["epsilon_total"].iloc[0] == pytest.approx(total) and (chosen["epsilon"] == total).all()
+    assert "Gaussian" in table["score_noise"].iloc[0]
+
+
+def test_the_released_score_never_costs_more_than_training():
+    curve = np.asarray(dpsgd_rdp(2.0, 0.01, 100))
+    sigma = score_sigma(curve)
+    score = np.asarray(TUNING_ORDERS) / (2 * sigma**2)  # Gaussian on a count of sensitivity 1
+    assert (score <= curve * (1 + 1e-12)).all()
+    assert (score / curve).max() == pytest.approx(1.0)  # and no more noise than that
+    assert score_laplace_scale(0.5) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="val_accuracy"):
+        SelectSpec(candidates=["lr"], score="val_objective", privacy="papernot_steinke")
 
 
 def test_dpsgd_select_writes_the_table(run_grid):

@@ -68,13 +68,17 @@ VALIDATION_STREAM = 0x5A11D  # a seed stream of its own: the split does not depe
 
 
 def validation_split(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """(fit, validation) row indices of a training set of n rows: a seeded random round(fraction·n) rows
-    (at least 1, at most n − 1) are held out; both index arrays are sorted and together are 0..n-1."""
-    if not 0 < fraction < 1 or n < 2:
-        raise ValueError(f"validation = {fraction:g} must be in (0, 1) and the training set needs ≥ 2 rows (n = {n})")
-    size = min(n - 1, max(1, round(fraction * n)))
-    held = np.sort(np.random.default_rng([seed, VALIDATION_STREAM]).choice(n, size, replace=False))
-    return np.setdiff1d(np.arange(n), held), held
+    """(fit, validation) row indices of a training set of n rows, both sorted, together 0..n-1: row i is held
+    out iff the i-th uniform draw of a seeded stream is below `fraction`. Each row's assignment is its own
+    (another row's presence does not change it), which the private selection's accounting relies on
+    (privacy/tuning.py); about fraction·n rows are held out."""
+    if not 0 < fraction < 1:
+        raise ValueError(f"validation = {fraction:g} must be in (0, 1)")
+    held = np.random.default_rng([seed, VALIDATION_STREAM]).random(n) < fraction
+    if held.all() or not held.any():
+        raise ValueError(f"validation = {fraction:g} leaves no row for {'fitting' if held.all() else 'validation'} "
+                         f"in a training set of n = {n}; use a larger dataset or another fraction")
+    return np.flatnonzero(~held), np.flatnonzero(held)
 
 
 def with_validation(data: Dataset, fraction: Optional[float]) -> Dataset:

@@ -7,7 +7,8 @@ optimistic reference `score: test_accuracy`, at the test set) and the table says
 
 `papernot_steinke` / `liu_talwar`: random search with a random number of trials K (privacy/tuning.py). Its
 output is simulated `searches` times from the grid's runs: K drawn, then K trials, each a uniformly drawn
-candidate and one of its runs (drawn with replacement), the best validation score released. These runs are the
+candidate and one of its runs (drawn with replacement) scored by its noisy validation accuracy (fresh noise
+per trial, see privacy/tuning.py `score_sigma`), the best released. These runs are the
 candidates trained for the selection (`tuning` column, σ calibrated so that tuning + training meets the cell's
 ε; see `base_epsilon`), or with `calibrate: false` the plain runs, whose total ε is then larger than their own.
 """
@@ -28,10 +29,11 @@ from dpsgd_cli.algorithms import Setting
 from dpsgd_cli.config import SelectSpec
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.privacy.accounting import calibrate, calibrate_sigma
-from dpsgd_cli.privacy.tuning import TUNING_ORDERS, Trials, dpsgd_rdp, liu_talwar_epsilon, tuned_epsilon
+from dpsgd_cli.privacy.tuning import (TUNING_ORDERS, Trials, dpsgd_rdp, liu_talwar_epsilon, score_laplace_scale,
+                                      score_sigma, tuned_epsilon)
 
 TABLE_COLUMNS = ["selection", "privacy", "group", "chosen", "score", "score_mean", "test_accuracy_mean",
-                 "test_accuracy_std", "runs", "epsilon", "epsilon_total", "delta", "expected_trials"]
+                 "test_accuracy_std", "runs", "epsilon", "epsilon_total", "delta", "expected_trials", "score_noise"]
 
 
 def selections(grid: dict) -> list[SelectSpec]:
@@ -157,17 +159,18 @@ def _private_search(group: pd.DataFrame, spec: SelectSpec, group_key: str) -> tu
     """Random search with K ~ spec's distribution trials, simulated spec.searches times (seeded by the group)."""
     trials = spec.trials()
     rng = np.random.default_rng(zlib.crc32(f"{spec.name}|{group_key}".encode()))
+    group = group.assign(_noise=_score_noise(group, spec))
     runs = [part for _, part in group.groupby("_cand", sort=True)]
-    sign = -1.0 if spec.score == "val_objective" else 1.0
     outputs = []
     for search, k in enumerate(trials.sample(rng, spec.searches)):
         if k == 0:  # a Poisson search may run no trial: it releases nothing
             continue
         which = rng.integers(len(runs), size=k)
         tried = [runs[c].iloc[rng.integers(len(runs[c]))] for c in which]
-        best = max(range(k), key=lambda j: (sign * tried[j][spec.score], -j))
+        scores = [t[spec.score] + _draw(rng, spec, t["_noise"]) / t["n_val"] for t in tried]
+        best = int(np.argmax(scores))  # the first on ties
         outputs.append(tried[best].to_frame().T.assign(seed=search))
-    chosen = pd.concat(outputs, ignore_index=True).infer_objects()
+    chosen = pd.concat(outputs, ignore_index=True).infer_objects().drop(columns="_noise")
     total, delta = _total_epsilon(group, spec, trials)
     privacy = (f"{spec.privacy} ({spec.distribution}, E[K] = {spec.mean:g}): ({total:.4g}, {delta:.3g})-DP for "
                f"tuning + training" + ("" if spec.calibrate else " (not calibrated: above the candidates' ε)"))
@@ -176,18 +179,34 @@ def _private_search(group: pd.DataFrame, spec: SelectSpec, group_key: str) -> tu
     chosen = chosen.assign(selection_privacy=privacy, epsilon_total=total)
     counts = chosen["_cand"].value_counts()
     top = f"{_readable(counts.index[0], spec.candidates)} in {counts.iloc[0] / len(chosen):.0%} of searches"
-    return chosen, _row(spec, privacy, top, chosen[spec.score].mean(), chosen, group["epsilon"].iloc[0], total,
-                        delta, trials.mean)
+    row = _row(spec, privacy, top, chosen[spec.score].mean(), chosen, group["epsilon"].iloc[0], total, delta,
+               trials.mean)
+    kind = "Laplace scale" if spec.privacy == "liu_talwar" else "Gaussian σ"
+    row["score_noise"] = (f"{kind} {group['_noise'].min():.3g}–{group['_noise'].max():.3g} correct predictions "
+                          f"of {int(group['n_val'].iloc[0])}")
+    return chosen, row
 
 
 def _total_epsilon(group: pd.DataFrame, spec: SelectSpec, trials: Trials) -> tuple[float, float]:
     """(ε, δ) of tuning + training, from the runs' own noise (σ, q, T) or, for pure ε-DP runs, their ε."""
     delta = float(group["delta"].max())
     if spec.privacy == "liu_talwar":
-        return liu_talwar_epsilon(float(group["epsilon_achieved"].fillna(group["epsilon_base"]).max())), 0.0
+        return liu_talwar_epsilon(float(group["epsilon_achieved"].max())), 0.0
     events = group[["sigma", "sample_rate", "steps"]].drop_duplicates()
     curves = [dpsgd_rdp(float(s), float(q), int(t)) for s, q, t in events.itertuples(index=False)]
     return tuned_epsilon(TUNING_ORDERS, curves, trials, delta), delta
+
+
+def _score_noise(group: pd.DataFrame, spec: SelectSpec) -> pd.Series:
+    """Per run, the noise scale (in counts) of its released validation score."""
+    if spec.privacy == "liu_talwar":
+        return group["epsilon_achieved"].map(score_laplace_scale)
+    return pd.Series([score_sigma(dpsgd_rdp(float(s), float(q), int(t))) for s, q, t in
+                      group[["sigma", "sample_rate", "steps"]].itertuples(index=False)], index=group.index)
+
+
+def _draw(rng: np.random.Generator, spec: SelectSpec, scale: float) -> float:
+    return rng.laplace(0.0, scale) if spec.privacy == "liu_talwar" else rng.normal(0.0, scale)
 
 
 def _row(spec: SelectSpec, privacy: str, chosen: str, score: float, rows: pd.DataFrame, epsilon: float,
@@ -195,7 +214,7 @@ def _row(spec: SelectSpec, privacy: str, chosen: str, score: float, rows: pd.Dat
     return {"privacy": privacy, "chosen": chosen, "score": spec.score, "score_mean": score,
             "test_accuracy_mean": rows["test_accuracy"].mean(), "test_accuracy_std": rows["test_accuracy"].std(),
             "runs": len(rows), "epsilon": epsilon, "epsilon_total": total, "delta": delta,
-            "expected_trials": expected}
+            "expected_trials": expected, "score_noise": ""}
 
 
 def _key(frame: pd.DataFrame, columns: list[str]) -> pd.Series:

@@ -11,6 +11,11 @@ randomness and only the best run is released; K is random:
 
 Q draws the candidate uniformly, so Q's Rényi divergence is at most the largest of the candidates' at each order
 (joint quasi-convexity, van Erven & Harremoës 2014, Thm 13): :func:`tuned_rdp` takes that maximum curve.
+Q also releases its validation score, computed on private rows: a noisy count of correct predictions
+(sensitivity 1), Gaussian for RDP candidates, Laplace for pure ones. The validation split assigns each record
+on its own (data/spec.py `validation_split`), so a record changes either the training (fit rows) or the score
+(validation rows), never both: Q's divergence is at most the larger of the two (quasi-convexity again), and
+the score's noise is set so that its loss never exceeds the training's (:func:`score_sigma`): it costs no ε.
 The formulas are written here (the mixture over candidates needs them on a curve); tests compare them with
 dp-accounting's ``RepeatAndSelectDpEvent`` and a hand-computed case.
 """
@@ -149,3 +154,15 @@ def dpsgd_rdp(sigma: float, sample_rate: float, steps: int) -> tuple[float, ...]
 def liu_talwar_epsilon(epsilon: float) -> float:
     """Liu & Talwar (STOC 2019): geometric stopping over ε-DP candidates is 3ε-DP."""
     return 3.0 * check.positive("epsilon", epsilon)
+
+
+def score_sigma(curve: Sequence[float]) -> float:
+    """σ (in counts) of the Gaussian on the number of correct validation predictions (sensitivity 1, RDP
+    α/(2σ²), Mironov 2017 Prop. 7): the smallest with α/(2σ²) ≤ curve(α) at every order of :data:`TUNING_ORDERS`."""
+    per_order = np.asarray(curve, dtype=float) / np.asarray(TUNING_ORDERS)
+    return float(math.sqrt(1.0 / (2.0 * per_order.min())))
+
+
+def score_laplace_scale(epsilon: float) -> float:
+    """Laplace scale (in counts) of the noisy validation score of a pure ε-DP candidate: ε-DP (sensitivity 1)."""
+    return 1.0 / check.positive("epsilon", epsilon)
