@@ -104,7 +104,8 @@ def caption_of(grid: dict) -> str:
         elif spec.privacy == "non_private":
             how = f"on validation ({spec.score}), choice not accounted"
         else:
-            how = (f"private random search on validation ({spec.privacy}, {spec.distribution} E[K] = {spec.mean:g}), "
+            how = (f"private random search on validation ({spec.privacy}, {spec.distribution} E[K] = {spec.mean:g}; "
+                   f"± std over {spec.searches} searches), "
                    + ("ε = tuning + training" if spec.calibrate else "ε axis = total ε"))
         parts.append(f"{spec.name}: {', '.join(spec.candidates)} {how}")
     return ("\ntuned per " + " × ".join(selections(grid)[0].group_by) + ". " + "; ".join(parts)) if parts else ""
