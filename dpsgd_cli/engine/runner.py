@@ -100,6 +100,8 @@ def run_task(task: Task, single_thread: bool = False) -> TaskResult:
     derived = dict(outcome.derived)
     if task.optimum_method:
         derived.setdefault("optimum_method", task.optimum_method)
+    if data.train_statistics:  # preprocessing outside the accountant (file datasets), as one string
+        derived.setdefault("train_statistics", ", ".join(data.train_statistics))
     # a derived list with one value per replica (e.g. pidp_sgd's noiseless_fraction) belongs to each seed's row
     per_replica = {k: derived.pop(k) for k in list(derived)
                    if isinstance(derived[k], (list, np.ndarray)) and len(derived[k]) == len(task.seeds)}
