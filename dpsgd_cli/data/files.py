@@ -150,6 +150,9 @@ def file_spec(options: dict[str, Any]) -> FileDatasetSpec:
     except ValidationError as exc:
         err = exc.errors()[0]
         loc = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            match = difflib.get_close_matches(loc, FileDatasetSpec.model_fields, n=1, cutoff=0.5)
+            raise DataError(f"unknown option '{loc}'" + (f" (did you mean '{match[0]}'?)" if match else "")) from None
         raise DataError(f"{loc + ': ' if loc else ''}{err['msg'].removeprefix('Value error, ')}") from None
 
 
@@ -157,7 +160,7 @@ def file_spec(options: dict[str, Any]) -> FileDatasetSpec:
 
 
 def _one_line(exc: Exception) -> str:
-    text = " ".join(str(exc).split()) or type(exc).__name__
+    text = " ".join(str(exc).split()).rstrip(".") or type(exc).__name__
     return text[:200]
 
 

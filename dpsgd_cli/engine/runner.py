@@ -186,7 +186,7 @@ def plan_grid(grid: Grid, out_root: Path, resume: bool = True, dry_run: bool = F
         for cell in cells:
             if cell.dataset == spec and cell.batch_size is not None and cell.batch_size > n:
                 raise UserError(
-                    f"grid {grid.name!r}: batch_size = {cell.batch_size} for {cell.algorithm.name} on {spec.name} "
+                    f"grid {grid.name!r}: batch_size = {cell.batch_size} for {cell.algorithm.name} on {getattr(spec, 'id', None) or spec.name} "
                     f"exceeds the n = {n} training records; use 1 ≤ batch_size ≤ {n}")
     store = ResultStore(Path(out_root) / grid.name)
     if dry_run:
