@@ -19,6 +19,7 @@ from dpsgd_cli.cli import main
 from dpsgd_cli.config import expand, load_grid_file
 from dpsgd_cli.data import load_dataset
 from dpsgd_cli.data.files import file_dataset_info, file_spec, load_file_dataset, sha256_of
+from dpsgd_cli.errors import DataError
 
 RAW = {"standardize": False, "unit_ball": "none"}  # features exactly as in the file
 EXAMPLES = Path(__file__).parents[1] / "examples"
@@ -153,8 +154,11 @@ def test_run_id_follows_the_file_content_not_its_place(tmp_path, monkeypatch):
     first = run_id(a)
     shutil.copytree(a / "data", b / "data")
     assert run_id(b) == first  # same bytes elsewhere: same runs
+    spec = load_grid_file(_grid(b, "data/d.csv")).grids[0].datasets[0]
     write(b / "data" / "d.csv", "x,y\n1,0\n2,1\n3,1\n5,0\n")
     assert run_id(b) != first  # edited: new runs
+    with pytest.raises(DataError, match="changed since the grid was read"):  # edited while a grid runs
+        load_file_dataset(spec)
     assert run_id(a, sha256=sha256_of(a / "data" / "d.csv")) == first  # a pinned hash is checked, same id
 
 
@@ -207,12 +211,15 @@ def _main(monkeypatch, *args: str) -> int:
      "column 'city' is not numeric (e.g. 'Paris')"),
     ("unknown drop column", ["--path", "d.csv", "--label", "label", "--drop", "cty"], "did you mean 'city'?"),
     ("label on libsvm", ["--path", "ok.libsvm", "--label", "y"], "only for csv, tsv and parquet"),
+    ("infinite value", ["--path", "inf.csv", "--label", "label"], "column 'x' holds infinite values"),
+    ("unknown option", ["--path", "d.csv", "--label", "label", "--set", "unit_bal=row"], "did you mean 'unit_ball'?"),
 ])
 def test_bad_files_are_one_line_with_exit_code_2(tmp_path, monkeypatch, capsys, case, args, expected):
     monkeypatch.chdir(tmp_path)
     write(tmp_path / "d.csv", "x,city,label\n1,Paris,yes\n2,Rome,no\n3,Oslo,yes\n")
     write(tmp_path / "d.dat", "x,label\n1,1\n")
     write(tmp_path / "one.csv", "x,label\n1,yes\n2,yes\n")
+    write(tmp_path / "inf.csv", "x,label\n1,yes\ninf,no\n")
     write(tmp_path / "three.csv", "x,label\n1,a\n2,b\n3,c\n")
     write(tmp_path / "bad.parquet", "not parquet\n")
     write(tmp_path / "bad.libsvm", "1 qid:x 3:abc\n")

@@ -200,9 +200,11 @@ def _read_npz(path: Path) -> pd.DataFrame:
 def read_frames(spec: FileDatasetSpec) -> list[pd.DataFrame]:
     """[train file] or [train file, test file] as frames (array formats: columns x0.., label y)."""
     paths = [Path(spec.path)] + ([Path(spec.test_path)] if spec.test_path else [])
-    for path in paths:
+    for path, sha in zip(paths, (spec.sha256, spec.test_sha256)):
         if not path.is_file():
             raise DataError(f"{path}: no such file (the grid's dataset {spec.id} reads it)")
+        if sha and sha256_of(path) != sha:  # edited after the grid was read: its runs would be mislabelled
+            raise DataError(f"{path}: the file changed since the grid was read (sha256 {sha[:12]}...); run again")
     try:
         if spec.format == "libsvm":  # read together: the same number of features in train and test
             from sklearn.datasets import load_svmlight_files
@@ -343,6 +345,9 @@ def build_file_dataset(spec: FileDatasetSpec) -> tuple[Dataset, dict[str, Any]]:
             _require_columns(frame, numeric + categorical, "feature", f"{where}, test_path")
             _check_numeric(frame, numeric, f"{where}, test_path")
         frame = frame[numeric + categorical + [label]]
+        infinite = [c for c in numeric if np.isinf(frame[c].to_numpy(dtype=np.float64, na_value=np.nan)).any()]
+        if infinite:
+            raise DataError(f"{where}: column '{infinite[0]}' holds infinite values; fix the file or drop it")
         has_label = frame[label].notna().to_numpy()
         frame = frame[has_label]
         incomplete = frame[numeric + categorical].isna().any(axis=1).to_numpy()
@@ -393,7 +398,8 @@ def _summary(info: dict[str, Any]) -> str:
                 f"({info['training_values_imputed']} training values imputed)")
     return (f"{info['id']}: {Path(info['path']).name} ({info['format']}, sha256 {info['sha256'][:12]}), "
             f"{sum(info['rows_read'])} rows read, {rows}; {info['n_train']} train / "
-            f"{info['n_test']} test, {info['features']} features; class +1 = {info['label']} == "
+            f"{info['n_test']} test, {info['features']} features ({len(info['numeric_columns'])} numeric, "
+            f"{len(info['categorical_columns'])} categorical columns); class +1 = {info['label']} == "
             f"{info['positive']!r} ({info['positive_fraction_train']:.1%} of train)")
 
 
