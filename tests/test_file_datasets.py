@@ -187,6 +187,16 @@ def test_load_dataset_dispatches_file_specs(tmp_path):
     assert load_dataset(spec).name == "d"
 
 
+def test_datasets_info_previews_a_file(tmp_path, monkeypatch, capsys):
+    path = write(tmp_path / "d.csv", "x,city,label\n1,Paris,yes\n2,Rome,no\n,Oslo,yes\n4,Rome,no\n5,Oslo,yes\n")
+    code = _main(monkeypatch, "datasets", "info", "--path", str(path), "--label", "label", "--set", "test_fraction=0.25")
+    out = capsys.readouterr().out
+    assert code == 0
+    for line in ("rows_dropped: [1]", "rows_missing_values: [1]", "n_train: 3", "n_test: 1", "positive: yes",
+                 "train_statistics: ['standardisation', 'category vocabulary']"):
+        assert line in out, (line, out)
+
+
 def _main(monkeypatch, *args: str) -> int:
     monkeypatch.setattr(sys, "argv", ["dpsgd", *args])
     with pytest.raises(SystemExit) as stop:
@@ -211,6 +221,7 @@ def _main(monkeypatch, *args: str) -> int:
      "column 'city' is not numeric (e.g. 'Paris')"),
     ("unknown drop column", ["--path", "d.csv", "--label", "label", "--drop", "cty"], "did you mean 'city'?"),
     ("label on libsvm", ["--path", "ok.libsvm", "--label", "y"], "only for csv, tsv and parquet"),
+    ("identifier column", ["--path", "ids.csv", "--label", "label"], "column 'name' has a different value in every row"),
     ("infinite value", ["--path", "inf.csv", "--label", "label"], "column 'x' holds infinite values"),
     ("unknown option", ["--path", "d.csv", "--label", "label", "--set", "unit_bal=row"], "did you mean 'unit_ball'?"),
 ])
@@ -220,6 +231,7 @@ def test_bad_files_are_one_line_with_exit_code_2(tmp_path, monkeypatch, capsys, 
     write(tmp_path / "d.dat", "x,label\n1,1\n")
     write(tmp_path / "one.csv", "x,label\n1,yes\n2,yes\n")
     write(tmp_path / "inf.csv", "x,label\n1,yes\ninf,no\n")
+    write(tmp_path / "ids.csv", "name,label\n" + "".join(f"n{i},{i % 2}\n" for i in range(30)))
     write(tmp_path / "three.csv", "x,label\n1,a\n2,b\n3,c\n")
     write(tmp_path / "bad.parquet", "not parquet\n")
     write(tmp_path / "bad.libsvm", "1 qid:x 3:abc\n")

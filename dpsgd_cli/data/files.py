@@ -28,7 +28,7 @@ from typing import Any, Iterable, Literal, Optional, Union
 
 import numpy as np
 import pandas as pd
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from dpsgd_cli.data import preprocess as pp
 from dpsgd_cli.data.spec import Dataset
@@ -138,6 +138,11 @@ class FileDatasetSpec(BaseModel):
                                  f"files have unnamed features and their label in y")
         return raw
 
+    @field_validator("drop", "categorical", mode="before")
+    @classmethod
+    def _listify(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
     def identity(self) -> dict[str, Any]:
         """What enters the run id: every option and the files' sha256, not where the files are."""
         return self.model_dump(mode="json", exclude={"path", "test_path"})
@@ -240,8 +245,13 @@ def _require_columns(frame: pd.DataFrame, names: Iterable[str], key: str, where:
 def _feature_columns(frame: pd.DataFrame, spec: FileDatasetSpec, label: str, where: str) -> tuple[list, list]:
     """(numeric, categorical) feature columns: categorical as given, else the non-numeric ones."""
     features = [c for c in frame.columns if c != label and c not in spec.drop]
-    if spec.categorical is None:
-        categorical = [c for c in features if not pd.api.types.is_numeric_dtype(frame[c])]
+    if spec.categorical is None:  # text-like columns; dates are not guessed (they fail the numeric check)
+        categorical = [c for c in features if not pd.api.types.is_numeric_dtype(frame[c])
+                       and not pd.api.types.is_datetime64_any_dtype(frame[c])]
+        for c in categorical:
+            if len(frame) > 20 and frame[c].nunique() == len(frame):
+                raise DataError(f"{where}: column '{c}' has a different value in every row (an identifier?); "
+                                f"add it to drop, or list the categorical columns to one-hot it anyway")
     else:
         _require_columns(frame, spec.categorical, "categorical", where)
         categorical = [c for c in features if c in spec.categorical]
