@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -203,8 +204,6 @@ def datasets_info(
 ) -> None:
     """Everything known about one dataset: files, checksums, source, licence, default options; with --path,
     what a file dataset's loader produces (rows read and dropped, features after encoding, label balance)."""
-    from rich.markup import escape as escape_markup
-
     from dpsgd_cli.data import dataset_info
 
     if path is not None:
@@ -215,7 +214,7 @@ def datasets_info(
     else:
         info = dataset_info(name)
     for key, value in info.items():
-        console.print(f"[bold]{key}[/]: {escape_markup(str(value))}")
+        console.print(f"[bold]{key}[/]: {escape(str(value))}")
 
 
 def _file_info(path: Path, **given: Any) -> dict[str, Any]:
