@@ -105,7 +105,8 @@ def _plan_table(plan) -> Table:
     table = Table("dataset", "model", "algorithm", "ε", "B", "lr", "epochs", "λ", "C", "to run", title=plan.grid.name)
     pending = {t.cell.cell_id: len(t.seeds) for t in plan.tasks}
     for c in plan.cells:
-        table.add_row(getattr(c.dataset, "id", None) or c.dataset.name, c.model.name, _algo_label(c.algorithm.name, c.algorithm.params),
+        name = getattr(c.dataset, "id", None) or c.dataset.name  # a file dataset shows its id
+        table.add_row(name, c.model.name, _algo_label(c.algorithm.name, c.algorithm.params),
                       *(_fmt(v) for v in (c.epsilon, c.batch_size, c.lr, c.epochs, c.l2, c.clip_norm)),
                       f"{pending.get(c.cell_id, 0)}/{len(c.seeds)}")
     return table
