@@ -142,17 +142,11 @@ def build_dataset(spec: DatasetSpec) -> Dataset:
     """
     where = _where(spec)
     tables = _TABLES[spec.name](spec)
-    if spec.split == "official":
-        train = pp.subsample(tables[0], spec.subsample, spec.seed, where)
-        test = tables[1]
-    else:
-        pool = tables[0] if len(tables) == 1 else pp.concat_tables(*tables)
-        pool = pp.subsample(pool, spec.subsample, spec.seed, where)
-        train, test = pp.random_split(pool, spec.test_fraction, spec.seed, where)
+    train, test = pp.train_test(tables, official=spec.split == "official", size=spec.subsample,
+                                test_fraction=spec.test_fraction, seed=spec.seed, where=where)
     use_standardize = spec.standardize and spec.name != "synthetic"
-    X_train, X_test = pp.encode(train, test, use_one_hot=spec.one_hot, use_standardize=use_standardize)
-    X_train, X_test = pp.project(X_train, X_test, spec.projection, spec.seed)
-    X_train, X_test = pp.to_unit_ball(X_train, X_test, spec.unit_ball)
+    X_train, X_test = pp.features(train, test, one_hot=spec.one_hot, standardize=use_standardize,
+                                  projection=spec.projection, unit_ball=spec.unit_ball, seed=spec.seed)
     return Dataset(spec, X_train, train.y, X_test, test.y)
 
 
@@ -208,6 +202,10 @@ def load_dataset(spec: DatasetSpec, *, cache: bool = True) -> Dataset:
     With `cache`, arrays are read from / written to `processed_path(spec)`. The returned
     `Dataset.spec` is `spec` as given; `resolve_spec(spec)` shows the defaults applied.
     """
+    if spec.name == "file":  # a local file: no processed cache (its run id carries the file's sha256)
+        from dpsgd_cli.data.files import load_file_dataset
+
+        return load_file_dataset(spec)
     resolved = resolve_spec(spec)
     path = processed_path(spec) if cache else None
     key = _cache_text(spec)

@@ -122,6 +122,17 @@ def random_split(table: Table, test_fraction: float, seed: int, where: str) -> t
     return table.take(~is_test), table.take(is_test)
 
 
+def train_test(
+    tables: Sequence[Table], *, official: bool, size: Optional[int], test_fraction: float, seed: int, where: str
+) -> tuple[Table, Table]:
+    """(train, test): with an official split (tables = [train, test]) `size` records are drawn from train
+    only; otherwise from all records (tables concatenated) before a seeded random split."""
+    if official:
+        return subsample(tables[0], size, seed, where), tables[1]
+    pool = tables[0] if len(tables) == 1 else concat_tables(*tables)
+    return random_split(subsample(pool, size, seed, where), test_fraction, seed, where)
+
+
 def one_hot(codes: np.ndarray, vocab: tuple[tuple[str, ...], ...]) -> np.ndarray:
     """0/1 float64 indicator columns, vocab[0] first; a code of -1 gives an all-zero block."""
     widths = [len(v) for v in vocab]
@@ -199,6 +210,16 @@ def project(
         return train, test
     matrix = projection_matrix(train.shape[1], k, seed)
     return train @ matrix, test @ matrix
+
+
+def features(
+    train: Table, test: Table, *, one_hot: bool, standardize: bool, projection: Optional[int],
+    unit_ball: str, seed: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The pipeline after the split: encode (one-hot, standardise) -> projection -> unit ball."""
+    X_train, X_test = encode(train, test, use_one_hot=one_hot, use_standardize=standardize)
+    X_train, X_test = project(X_train, X_test, projection, seed)
+    return to_unit_ball(X_train, X_test, unit_ball)
 
 
 def _clip_rows(X: np.ndarray) -> np.ndarray:

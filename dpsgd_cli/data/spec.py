@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -43,15 +43,19 @@ class DatasetSpec(BaseModel):
 class Dataset:
     """Preprocessed arrays: features float64 (n, d), labels in {-1, +1} float64 (n,)."""
 
-    spec: DatasetSpec
+    spec: Any  # DatasetSpec or data.files.FileDatasetSpec
     X_train: np.ndarray
     y_train: np.ndarray
     X_test: np.ndarray
     y_test: np.ndarray
+    # preprocessing that used statistics of the training set (not covered by the accountant); file datasets
+    train_statistics: tuple[str, ...] = ()
+    summary: str = ""  # what loading did, in one line (file datasets: rows read, dropped, features)
 
     @property
     def name(self) -> str:
-        return self.spec.name
+        """The name in results: the registry name, or a file dataset's `id`."""
+        return getattr(self.spec, "id", None) or self.spec.name
 
     @property
     def n(self) -> int:

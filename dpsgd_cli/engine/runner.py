@@ -100,6 +100,8 @@ def run_task(task: Task, single_thread: bool = False) -> TaskResult:
     derived = dict(outcome.derived)
     if task.optimum_method:
         derived.setdefault("optimum_method", task.optimum_method)
+    if data.train_statistics:  # preprocessing outside the accountant (file datasets), as one string
+        derived.setdefault("train_statistics", ", ".join(data.train_statistics))
     # a derived list with one value per replica (e.g. pidp_sgd's noiseless_fraction) belongs to each seed's row
     per_replica = {k: derived.pop(k) for k in list(derived)
                    if isinstance(derived[k], (list, np.ndarray)) and len(derived[k]) == len(task.seeds)}
@@ -184,7 +186,7 @@ def plan_grid(grid: Grid, out_root: Path, resume: bool = True, dry_run: bool = F
         for cell in cells:
             if cell.dataset == spec and cell.batch_size is not None and cell.batch_size > n:
                 raise UserError(
-                    f"grid {grid.name!r}: batch_size = {cell.batch_size} for {cell.algorithm.name} on {spec.name} "
+                    f"grid {grid.name!r}: batch_size = {cell.batch_size} for {cell.algorithm.name} on {getattr(spec, 'id', None) or spec.name} "
                     f"exceeds the n = {n} training records; use 1 ≤ batch_size ≤ {n}")
     store = ResultStore(Path(out_root) / grid.name)
     if dry_run:
