@@ -237,3 +237,31 @@ def test_runs_csv_of_an_older_version_gets_the_new_columns(tmp_path):
     frame = store.read()
     assert list(frame.columns) == COLUMNS and list(frame["run_id"]) == ["a", "b"]
     assert frame["dtype"].tolist()[1] == "float32" and frame["seed"].tolist() == [0, 1]
+
+
+def test_report_command_prints_each_claim_with_its_source(tmp_path, monkeypatch):
+    monkeypatch.setenv("DPSGD_DATA_DIR", str(tmp_path / "cache"))
+    claims = """\
+    claims:
+      - id: grows
+        text: DP-SGD accuracy grows with epsilon
+        quote: 'Somebody 2020, §4: "accuracy [grows] with ε"'
+        check: monotone
+        a: {algorithm: dp_sgd}
+        tolerance: 1
+      - id: mine
+        text: a [/] bracket
+        own: true
+        check: within
+        a: {algorithm: dp_sgd}
+        b: {algorithm: sgd}
+        over: null
+        tolerance: 1
+"""
+    path = tmp_path / "grid.yaml"
+    path.write_text(textwrap.dedent(GRID) + textwrap.indent(textwrap.dedent(claims), "    "))
+    assert invoke("run", path, "--out", tmp_path / "r").exit_code == 0
+    result = invoke("report", tmp_path / "r")
+    assert result.exit_code == 0, result.output
+    assert "2 PASS" in result.output and "[grows]" in result.output and "[/]" in result.output  # markup escaped
+    assert "the project's own check" in (tmp_path / "r" / "report.md").read_text()
