@@ -205,7 +205,7 @@ def _noise_scale_figure(table: pd.DataFrame, spec: FigureSpec):
         handles, _ = ax.get_legend_handles_labels()
         if (~proved[part.index]).any():
             handles.append(Line2D([], [], ls="none", marker="o", mfc="none", color="0.3",
-                                  label="hollow: not proved (per-step ε₀ beyond its lemma)"))
+                                  label="hollow: not proved (per-step ε₀ beyond its lemmas, or ε not certified)"))
         if not len(part):
             fixed = ""
         elif panel == "T":
