@@ -216,7 +216,8 @@ def _write_processed(path: Path, key: str, dataset: Dataset) -> None:
 def load_dataset(spec: DatasetSpec, *, cache: bool = True) -> Dataset:
     """The preprocessed dataset of `spec` (features float64, labels in {-1, +1} float64).
 
-    Steps: (subsample) -> split -> one-hot -> standardise (train stats) -> projection -> unit ball.
+    Steps: (subsample) -> split -> one-hot -> standardise (train stats) -> projection -> unit ball
+    (unit ball before projection with `order: ball_then_project`).
     With `cache`, arrays are read from / written to `processed_path(spec)`. The returned
     `Dataset.spec` is `spec` as given; `resolve_spec(spec)` shows the defaults applied.
     """

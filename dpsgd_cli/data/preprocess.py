@@ -1,7 +1,8 @@
 """Preprocessing steps shared by all datasets.
 
 Order (see `load.build_dataset`): subsample -> split -> encode categorical (one-hot)
--> standardise (train statistics) -> Gaussian random projection -> unit ball.
+-> standardise (train statistics) -> Gaussian random projection -> unit ball; with
+`order: ball_then_project` (Song et al. 2013) the unit ball comes before the projection.
 Every random step draws from its own seeded stream (`rng(seed, STREAM_*)`), so e.g.
 changing `subsample` does not change the projection matrix.
 """
