@@ -281,7 +281,8 @@ def privacy_curve(
     sigma: float = typer.Option(0.02, "--sigma", min=0.0, help="Noise σ of the update's √(2ησ²) N(0, I)."),
     sensitivity: float = typer.Option(4.0, "--sensitivity", min=0.0, help="Gradient sensitivity S_g."),
     eta: float = typer.Option(0.02, "--eta", min=0.0, help="Step size η."),
-    lam: float = typer.Option(1.0, "--lam", min=0.0, help="Strong convexity λ."),
+    lam: float = typer.Option(1.0, "--lam", min=0.0, help="Strong convexity λ (the lower bound is drawn only "
+                              "for λ = 1, the squared loss ‖θ − x‖²/2 it is exact for)."),
     n: int = typer.Option(5000, "--n", min=1, help="Number of records n."),
     k_max: int = typer.Option(1000, "--k-max", min=1, help="Largest number of steps K."),
     points: int = typer.Option(200, "--points", min=2, help="Number of K values."),
@@ -306,6 +307,8 @@ def privacy_curve(
     saturation = alpha * sensitivity**2 / (lam * sigma**2 * n**2)
     console.print(f"dynamics bound saturates at ε(α={alpha:g}) = {saturation:.6g}; it is below the composition "
                   f"bound for K > {2 * SATURATION_ROOT / (lam * eta):.1f}")
+    if "lower_bound_note" in frame.attrs:
+        console.print(f"note: {frame.attrs['lower_bound_note']} (use --lam 1)")
     console.print(str(out / "privacy_curve.csv"))
     console.print(str(figure))
 

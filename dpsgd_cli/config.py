@@ -176,7 +176,13 @@ class ClaimSpec(_Strict):
     check `monotone`: the mean of `metric` over `over` moves in `direction` (each step ≥ −tolerance);
     `better`: selection `a` beats `b` (by more than `tolerance` and twice the standard error of the
     difference over seeds) at every value of `over`; `within`: |a − b| ≤ tolerance (relative to |b| if
-    `relative`) at every value of `over`; `saturates`: an analytic curve reaches (1 − tolerance) of its limit.
+    `relative`) at every value of `over`; `saturates`: an analytic curve reaches (1 − tolerance) of its limit;
+    `spread`: the spread over seeds of `a` exceeds that of `b` at every value of `over`: the one-sided
+    `confidence` (default 95%) lower bound of the ratio of standard deviations s_a/s_b by the variance-ratio
+    F-test, √(F / F_conf(n_a − 1, n_b − 1)) with F = s_a²/s_b², must exceed 1 + tolerance (tolerance 0: the
+    F-test rejects equal variances at level 1 − confidence; tolerance 1: a's std is at least twice b's). The
+    F-test assumes normal values over seeds and is sensitive to outliers; the report also shows the upper bound
+    at the same confidence (lower and upper together: a 90% interval at 95%).
     """
 
     id: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
@@ -184,7 +190,7 @@ class ClaimSpec(_Strict):
     quote: str = Field("", description="the source sentence the claim tests, verbatim, with its place "
                        "(e.g. 'Kang et al. §5.2: \"...\"'); required unless `own`")
     own: bool = Field(False, description="the project's own check, not a statement of a source")
-    check: Literal["monotone", "better", "within", "saturates"]
+    check: Literal["monotone", "better", "within", "saturates", "spread"]
     metric: str = "test_accuracy"
     source: str = Field("runs", description="runs, traces, or the name of an analytic figure")
     where: Selection = Field(default_factory=dict)
@@ -198,6 +204,7 @@ class ClaimSpec(_Strict):
     higher_is_better: bool = True
     tolerance: float = Field(0.0, ge=0)
     relative: bool = False
+    confidence: float = Field(0.95, gt=0.5, lt=1, description="spread: confidence of the lower bound on s_a/s_b")
 
     @model_validator(mode="after")
     def _sourced(self) -> "ClaimSpec":

@@ -177,6 +177,10 @@ def test_privacy_curve_command(tmp_path):
     # the talk's parameters: saturation α S_g² / (λ σ² n²) = 30·16 / (1·0.02²·5000²) = 0.048
     assert "0.048" in result.output and frame["dynamics"].max() < 0.048
     assert (tmp_path / "privacy_curve.png").stat().st_size > 10_000
+    assert "note" not in result.output
+    other = invoke("privacy-curve", "--out", tmp_path / "lam", "--k-max", "40", "--lam", "0.5")
+    assert other.exit_code == 0 and "note: lower bound omitted" in other.output and "λ = β = 1" in other.output
+    assert pd.read_csv(tmp_path / "lam" / "privacy_curve.csv")["lower_bound"].isna().all()
 
 
 def test_ctrl_c_keeps_finished_runs_and_the_rerun_completes_them(grid_file, tmp_path):

@@ -372,8 +372,9 @@ def build_file_dataset(spec: FileDatasetSpec) -> tuple[Dataset, dict[str, Any]]:
     positive = _positive_value(kept[0][label], spec, where)
     labels = [np.where(_matches(f[label], positive), 1.0, -1.0) for f in kept]
     tables = pp.frames_to_tables(kept, numeric, categorical, labels)
-    train, test = pp.train_test(tables, official=spec.test_path is not None, size=spec.subsample,
-                                test_fraction=spec.test_fraction, seed=spec.seed, where=where)
+    split = "official" if spec.test_path is not None else "random"
+    train, test = pp.train_test(tables, split=split, size=spec.subsample, test_fraction=spec.test_fraction,
+                                seed=spec.seed, where=where)
     if len(np.unique(train.y)) < 2:
         raise DataError(f"{where}: every training record has label {'+1' if train.y[0] > 0 else '-1'} "
                         f"(positive: {positive!r}) — a single class; check label and positive")

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 DatasetName = Literal["adult", "bank", "kddcup99", "mnist", "synthetic"]
 
@@ -30,13 +30,26 @@ class DatasetSpec(BaseModel):
     unit_ball: Literal["row", "max", "none"] = Field(
         "row", description="row: x/max(1,|x|) per row; max: divide by the largest train row norm; none"
     )
-    split: Optional[Literal["official", "random"]] = Field(
-        None, description="official train/test files where they exist, else a seeded random split"
+    split: Optional[Literal["official", "random", "none"]] = Field(
+        None, description="official train/test files where they exist, else a seeded random split; none: train on "
+                          "every record of the pool or training file (after subsample), empty test set (test metrics NaN)"
     )
     test_fraction: float = Field(0.2, gt=0, lt=1, description="test share of a random split")
     seed: int = Field(0, ge=0, description="seed of subsampling, random split, projection and synthetic data")
     n: Optional[int] = Field(None, gt=0, description="synthetic: number of points (default 10,000)")
     dim: Optional[int] = Field(None, gt=0, description="synthetic: dimension (default 5)")
+    order: Literal["project_then_ball", "ball_then_project"] = Field(
+        "project_then_ball", description="project_then_ball: standardise -> projection -> unit ball (rows end in "
+        "the ball); ball_then_project: standardise -> unit ball -> projection, Song et al. 2013 §IV-A's order "
+        "(projected rows may leave the unit ball)")
+
+    @model_serializer(mode="wrap")
+    def _omit_default_order(self, handler):
+        """`order` at its default is left out of dumps, so run ids and cache keys of older specs stay as they were."""
+        data = handler(self)
+        if isinstance(data, dict) and self.order == "project_then_ball":
+            data.pop("order", None)
+        return data
 
 
 @dataclass(frozen=True)

@@ -145,12 +145,19 @@ def _metrics(model, theta: np.ndarray, data: Dataset, optimal: float) -> dict[st
     with np.errstate(all="ignore"):
         train_objective = model.objective(theta, data.X_train, data.y_train)
         return {
-            "test_accuracy": model.accuracy(theta, data.X_test, data.y_test),
-            "test_loss": model.data_loss(theta, data.X_test, data.y_test),
+            **_test_metrics(model, theta, data),
             "train_accuracy": model.accuracy(theta, data.X_train, data.y_train),
             "train_objective": train_objective,
             "optimality_gap": train_objective - optimal,
         }
+
+
+def _test_metrics(model, theta: np.ndarray, data: Dataset) -> dict[str, np.ndarray]:
+    """Test accuracy and loss; NaN without a test set (`split: none`)."""
+    if data.X_test.shape[0] == 0:
+        return {"test_accuracy": np.full(theta.shape[0], np.nan), "test_loss": np.full(theta.shape[0], np.nan)}
+    return {"test_accuracy": model.accuracy(theta, data.X_test, data.y_test),
+            "test_loss": model.data_loss(theta, data.X_test, data.y_test)}
 
 
 def _short_traceback(exc: Exception) -> str:
