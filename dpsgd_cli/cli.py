@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -62,6 +63,7 @@ def run(
     grids = select(load_grid_file(grid_file), only)
     plans = [plan_grid(g, out, resume=not no_resume, dry_run=dry_run) for g in grids]
     console.print(backend_description(), highlight=False, markup=False)
+    _print_file_dataset_notes(plans)
     for plan in plans:
         console.print(f"[bold]{plan.grid.name}[/]: {len(plan.cells)} cells × {plan.grid.seeds} seeds = "
                       f"{plan.total_runs} runs; {plan.done_before} already done, {plan.pending_runs} to run "
@@ -89,12 +91,23 @@ def run(
         console.print(_summary_table(summary_frame(plan.folder), plan.grid.name))
 
 
+def _print_file_dataset_notes(plans) -> None:
+    """Once per run: what each file dataset's loading did, and the privacy caveat of its preprocessing."""
+    from dpsgd_cli.data.files import run_notes
+    from dpsgd_cli.engine.runner import dataset
+
+    specs = {c.dataset for plan in plans for c in plan.cells if c.dataset.name == "file"}
+    for line in run_notes(dataset(spec) for spec in sorted(specs, key=lambda s: s.id)):
+        console.print(line, highlight=False, markup=False)
+
+
 def _plan_table(plan) -> Table:
     table = Table("dataset", "model", "algorithm", "ε", "B", "lr", "epochs", "λ", "C", "to run", title=plan.grid.name)
     pending = {t.cell.cell_id: len(t.seeds) for t in plan.tasks}
     for c in plan.cells:
+        name = getattr(c.dataset, "id", None) or c.dataset.name  # a file dataset shows its id
         tuned = f" [for {c.tuning['tag']}]" if c.tuning else ""
-        table.add_row(c.dataset.name, c.model.name, _algo_label(c.algorithm.name, c.algorithm.params) + tuned,
+        table.add_row(name, c.model.name, _algo_label(c.algorithm.name, c.algorithm.params) + tuned,
                       *(_fmt(v) for v in (c.epsilon, c.batch_size, c.lr, c.epochs, c.l2, c.clip_norm)),
                       f"{pending.get(c.cell_id, 0)}/{len(c.seeds)}")
     return table
@@ -202,12 +215,46 @@ def datasets_fetch(names: list[str] = typer.Argument(..., help="Dataset names (s
 
 
 @datasets_app.command("info")
-def datasets_info(name: str = typer.Argument(..., help="Dataset name.")) -> None:
-    """Everything known about one dataset: files, checksums, source, licence, default options."""
+def datasets_info(
+    name: Optional[str] = typer.Argument(None, help="Dataset name (or --path FILE for a file of your own)."),
+    path: Optional[Path] = typer.Option(None, "--path", help="Preview what `{name: file, path: FILE}` loads."),
+    label: Optional[str] = typer.Option(None, "--label", help="File: the label column."),
+    positive: Optional[str] = typer.Option(None, "--positive", help="File: the label value of class +1."),
+    drop: Optional[list[str]] = typer.Option(None, "--drop", help="File: a column not used (repeatable)."),
+    categorical: Optional[list[str]] = typer.Option(None, "--categorical", help="File: a one-hot column (repeatable)."),
+    test_path: Optional[Path] = typer.Option(None, "--test-path", help="File: the test file."),
+    missing: Optional[str] = typer.Option(None, "--missing", help="File: drop | impute rows with missing values."),
+    options: Optional[list[str]] = typer.Option(None, "--set", help="File: any other option KEY=VALUE (YAML value)."),
+) -> None:
+    """Everything known about one dataset: files, checksums, source, licence, default options; with --path,
+    what a file dataset's loader produces (rows read and dropped, features after encoding, label balance)."""
     from dpsgd_cli.data import dataset_info
 
-    for key, value in dataset_info(name).items():
-        console.print(f"[bold]{key}[/]: {value}")
+    if path is not None:
+        info = _file_info(path, label=label, positive=positive, drop=drop, categorical=categorical,
+                          test_path=test_path, missing=missing, options=options)
+    elif name is None or name == "file":
+        raise UserError("datasets info: give a dataset name, or --path FILE [--label COLUMN ...] for a file")
+    else:
+        info = dataset_info(name)
+    for key, value in info.items():
+        console.print(f"[bold]{key}[/]: {escape(str(value))}")
+
+
+def _file_info(path: Path, **given: Any) -> dict[str, Any]:
+    """`datasets info --path`: the file spec from the options, loaded, described."""
+    import yaml
+
+    from dpsgd_cli.data.files import file_dataset_info, file_spec
+
+    raw: dict[str, Any] = {"path": str(path)}
+    for item in given.pop("options") or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise UserError(f"--set {item}: expected KEY=VALUE (e.g. --set standardize=false)")
+        raw[key.strip()] = yaml.safe_load(value)
+    raw.update({k: (str(v) if isinstance(v, Path) else v) for k, v in given.items() if v not in (None, [])})
+    return file_dataset_info(file_spec(raw))
 
 
 def _size(n: float) -> str:
@@ -257,7 +304,8 @@ def privacy_curve(
     sigma: float = typer.Option(0.02, "--sigma", min=0.0, help="Noise σ of the update's √(2ησ²) N(0, I)."),
     sensitivity: float = typer.Option(4.0, "--sensitivity", min=0.0, help="Gradient sensitivity S_g."),
     eta: float = typer.Option(0.02, "--eta", min=0.0, help="Step size η."),
-    lam: float = typer.Option(1.0, "--lam", min=0.0, help="Strong convexity λ."),
+    lam: float = typer.Option(1.0, "--lam", min=0.0, help="Strong convexity λ (the lower bound is drawn only "
+                              "for λ = 1, the squared loss ‖θ − x‖²/2 it is exact for)."),
     n: int = typer.Option(5000, "--n", min=1, help="Number of records n."),
     k_max: int = typer.Option(1000, "--k-max", min=1, help="Largest number of steps K."),
     points: int = typer.Option(200, "--points", min=2, help="Number of K values."),
@@ -282,6 +330,8 @@ def privacy_curve(
     saturation = alpha * sensitivity**2 / (lam * sigma**2 * n**2)
     console.print(f"dynamics bound saturates at ε(α={alpha:g}) = {saturation:.6g}; it is below the composition "
                   f"bound for K > {2 * SATURATION_ROOT / (lam * eta):.1f}")
+    if "lower_bound_note" in frame.attrs:
+        console.print(f"note: {frame.attrs['lower_bound_note']} (use --lam 1)")
     console.print(str(out / "privacy_curve.csv"))
     console.print(str(figure))
 

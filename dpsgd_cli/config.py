@@ -14,15 +14,29 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
 
 from dpsgd_cli.algorithms import ALGORITHMS, AXES
+from dpsgd_cli.data.files import FileDatasetSpec
 from dpsgd_cli.data.spec import DatasetSpec
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import MODELS
 
 DELTA_RULE = "1/n^2"
 Number = Union[int, float]
+
+
+def _dataset_kind(value: Any) -> str:
+    name = value.get("name") if isinstance(value, dict) else getattr(value, "name", None)
+    return "file" if name == "file" else "builtin"
+
+
+# a grid's dataset: a built-in one (`kddcup99`, `{name: adult, ...}`) or a local file (`{name: file, path: ...}`)
+AnyDatasetSpec = typing.Annotated[
+    Union[typing.Annotated[DatasetSpec, Tag("builtin")], typing.Annotated[FileDatasetSpec, Tag("file")]],
+    Discriminator(_dataset_kind),
+]
+_DATASET_KINDS = {"builtin": DatasetSpec, "file": FileDatasetSpec}
 
 
 def _as_list(value: Any) -> Any:
@@ -162,7 +176,13 @@ class ClaimSpec(_Strict):
     check `monotone`: the mean of `metric` over `over` moves in `direction` (each step ≥ −tolerance);
     `better`: selection `a` beats `b` (by more than `tolerance` and twice the standard error of the
     difference over seeds) at every value of `over`; `within`: |a − b| ≤ tolerance (relative to |b| if
-    `relative`) at every value of `over`; `saturates`: an analytic curve reaches (1 − tolerance) of its limit.
+    `relative`) at every value of `over`; `saturates`: an analytic curve reaches (1 − tolerance) of its limit;
+    `spread`: the spread over seeds of `a` exceeds that of `b` at every value of `over`: the one-sided
+    `confidence` (default 95%) lower bound of the ratio of standard deviations s_a/s_b by the variance-ratio
+    F-test, √(F / F_conf(n_a − 1, n_b − 1)) with F = s_a²/s_b², must exceed 1 + tolerance (tolerance 0: the
+    F-test rejects equal variances at level 1 − confidence; tolerance 1: a's std is at least twice b's). The
+    F-test assumes normal values over seeds and is sensitive to outliers; the report also shows the upper bound
+    at the same confidence (lower and upper together: a 90% interval at 95%).
     """
 
     id: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
@@ -170,7 +190,7 @@ class ClaimSpec(_Strict):
     quote: str = Field("", description="the source sentence the claim tests, verbatim, with its place "
                        "(e.g. 'Kang et al. §5.2: \"...\"'); required unless `own`")
     own: bool = Field(False, description="the project's own check, not a statement of a source")
-    check: Literal["monotone", "better", "within", "saturates"]
+    check: Literal["monotone", "better", "within", "saturates", "spread"]
     metric: str = "test_accuracy"
     source: str = Field("runs", description="runs, traces, or the name of an analytic figure")
     where: Selection = Field(default_factory=dict)
@@ -184,6 +204,7 @@ class ClaimSpec(_Strict):
     higher_is_better: bool = True
     tolerance: float = Field(0.0, ge=0)
     relative: bool = False
+    confidence: float = Field(0.95, gt=0.5, lt=1, description="spread: confidence of the lower bound on s_a/s_b")
 
     @model_validator(mode="after")
     def _sourced(self) -> "ClaimSpec":
@@ -258,7 +279,7 @@ class Grid(Axes):
     """One named grid: datasets × models × algorithms × axes × seeds."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="also the results folder name")
-    datasets: list[DatasetSpec] = Field(min_length=1)
+    datasets: list[AnyDatasetSpec] = Field(min_length=1)
     models: list[ModelEntry] = Field([ModelEntry(name="logreg")], min_length=1)
     algorithms: list[AlgorithmEntry] = Field(min_length=1)
     seeds: int = Field(3, ge=1, le=1000, description="runs per cell, seeds 0..seeds-1")
@@ -346,7 +367,7 @@ class Cell(_Strict):
     """One resolved configuration; its seeds are the replicas that train together."""
 
     grid: str
-    dataset: DatasetSpec
+    dataset: AnyDatasetSpec
     model: ModelEntry
     algorithm: AlgorithmEntry
     epsilon: Optional[float]
@@ -365,6 +386,8 @@ class Cell(_Strict):
     def key(self) -> dict[str, Any]:
         """Everything that determines a run except its seed (and the grid's name and what it records)."""
         data = self.model_dump(mode="json", exclude={"grid", "seeds", "trace_every"})
+        if isinstance(self.dataset, FileDatasetSpec):  # the file's sha256, not its path
+            data["dataset"] = self.dataset.identity()
         data["algorithm"].pop("overrides")
         for name in ALGORITHMS[self.algorithm.name].execution_params:
             data["algorithm"]["params"].pop(name, None)
@@ -440,7 +463,9 @@ def tuning_cells(spec: SelectSpec, cells: list[Cell]) -> list[Cell]:
 
 
 def load_grid_file(path: Path) -> GridFile:
-    """Parse and validate a grid file; every problem becomes one UserError line naming the path."""
+    """Parse and validate a grid file; every problem becomes one UserError line naming the path.
+
+    A file dataset's relative `path` is resolved against the grid file's folder."""
     try:
         raw = yaml.safe_load(Path(path).read_text())
     except FileNotFoundError:
@@ -452,7 +477,7 @@ def load_grid_file(path: Path) -> GridFile:
     if isinstance(raw, dict) and "grids" not in raw and "name" in raw:
         raw = {"grids": [raw]}  # a file holding a single grid
     try:
-        return GridFile.model_validate(raw)
+        return GridFile.model_validate(raw, context={"grid_dir": Path(path).resolve().parent})
     except ValidationError as exc:
         raise UserError(f"{path}: {describe_validation_error(exc, raw)}") from None
 
@@ -471,11 +496,12 @@ def describe_validation_error(exc: ValidationError, raw: Any) -> str:
     """The first pydantic error as `grids[0].algorithms[1]: message`, with a suggestion for unknown keys."""
     errors = exc.errors()
     err = errors[0]
-    loc = [part for part in err["loc"] if not (isinstance(part, str) and part.startswith("function-"))]
+    tagged = [part for part in err["loc"] if not (isinstance(part, str) and part.startswith("function-"))]
+    loc = [part for part in tagged if part not in _DATASET_KINDS]  # a dataset's kind is not a key
     path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or "top level"
     if err["type"] == "extra_forbidden":
         key = str(loc[-1])
-        valid = _fields_at(GridFile, loc[:-1])
+        valid = _fields_at(GridFile, tagged[:-1])
         message = f"unknown key {key!r}{_closest(key, valid)}"
         path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[:-1]).lstrip(".") or "top level"
     elif err["type"] == "missing":
@@ -493,6 +519,9 @@ def _fields_at(model: Any, loc: list[Any]) -> list[str]:
     """Field names of the pydantic model found by following `loc` from `model` (for suggestions)."""
     for part in loc:
         if isinstance(part, int):
+            continue
+        if part in _DATASET_KINDS:
+            model = _DATASET_KINDS[part]
             continue
         field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
         if field is None:

@@ -90,7 +90,10 @@ def _check_group(frame: pd.DataFrame, claim: ClaimSpec, limit: Optional[float]) 
         diff = sa["mean"] - sb["mean"]
         se = math.sqrt(sa["std"] ** 2 / sa["n"] + sb["std"] ** 2 / sb["n"])
         where = f"{claim.over}={key:g}: " if claim.over else ""
-        if claim.check == "better":
+        if claim.check == "spread":
+            ok, text = _spread(sa, sb, claim)
+            parts.append(f"{where}{text}")
+        elif claim.check == "better":
             gain = diff if claim.higher_is_better else -diff
             ok = gain > claim.tolerance + 2 * se
             parts.append(f"{where}a {_cell(sa)} vs b {_cell(sb)}, gain {_fmt(gain)} (2·SE {_fmt(2 * se)})")
@@ -100,6 +103,33 @@ def _check_group(frame: pd.DataFrame, claim: ClaimSpec, limit: Optional[float]) 
             parts.append(f"{where}a {_cell(sa)} vs b {_cell(sb)}, |a − b| = {_fmt(abs(diff))} (≤ {_fmt(bound)}?)")
         holds &= bool(ok)
     return holds, "; ".join(parts)
+
+
+def spread_ratio_bounds(s_a: float, n_a: int, s_b: float, n_b: int, confidence: float) -> tuple[float, float, float]:
+    """(s_a/s_b, one-sided lower bound at `confidence`, two-sided upper bound at `confidence`) of the ratio of
+    standard deviations, from the variance-ratio F-test: (s_a²/σ_a²)/(s_b²/σ_b²) ~ F(n_a − 1, n_b − 1) for normal
+    samples, so σ_a/σ_b ≥ √(F / F_conf) with F = s_a²/s_b² (F_conf the `confidence` quantile)."""
+    from scipy.stats import f as f_dist
+
+    if n_a < 2 or n_b < 2:
+        raise ValueError(f"spread needs at least 2 seeds per selection, got {n_a} and {n_b}")
+    if s_b == 0:
+        return (math.inf, math.inf if s_a > 0 else 0.0, math.inf)
+    F = (s_a / s_b) ** 2
+    lower = math.sqrt(F / f_dist.ppf(confidence, n_a - 1, n_b - 1))
+    upper = math.sqrt(F / f_dist.ppf(1 - confidence, n_a - 1, n_b - 1))
+    return math.sqrt(F), lower, upper
+
+
+def _spread(sa: pd.Series, sb: pd.Series, claim: ClaimSpec) -> tuple[bool, str]:
+    """`spread`: a's std over seeds exceeds b's by more than the tolerance, at the claim's confidence."""
+    ratio, lower, upper = spread_ratio_bounds(float(sa["std"]), int(sa["n"]), float(sb["std"]), int(sb["n"]),
+                                              claim.confidence)
+    pct = f"{100 * claim.confidence:g}%"
+    text = (f"std a {_fmt(sa['std'])} (n={int(sa['n'])}) vs b {_fmt(sb['std'])} (n={int(sb['n'])}): "
+            f"ratio {_fmt(ratio)}, one-sided {pct} lower bound {_fmt(lower)} (> {_fmt(1 + claim.tolerance)}?), "
+            f"upper {_fmt(upper)}")
+    return lower > 1 + claim.tolerance, text
 
 
 def evaluate(folder: Path, claim: ClaimSpec, figures: list[FigureSpec]) -> Verdict:
@@ -150,7 +180,8 @@ def build_report(path: Path) -> tuple[list[Verdict], Path]:
     sections = ["# dpsgd reproduction report", "",
                 "Each claim of the papers is checked against the runs in this folder: PASS or FAIL with the "
                 "numbers behind it (mean ± std over seeds; `better` needs a gain larger than the tolerance plus "
-                "twice the standard error of the difference).", ""]
+                "twice the standard error of the difference; `spread` a one-sided F-test lower bound on the ratio "
+                "of standard deviations above 1 + tolerance).", ""]
     for folder in result_folders(path):
         grid = grid_of(folder)
         figures = [FigureSpec(**f) for f in grid.get("figures", [])]

@@ -275,3 +275,36 @@ def test_end_to_end_through_the_engine(run_grid):
     assert (runs["sample_rate"] == 1 / runs["n_train"]).all() and runs["test_accuracy"].notna().all()
     traces = pd.read_csv(run_grid.folder / "traces.csv")
     assert len(traces) == 4 * (runs["n_train"].iloc[0] // 100)
+
+
+def test_noise_scale_table_holds_t_and_delta_fixed_over_n_and_marks_unproved_points(tmp_path):
+    """Bellet's "more data (larger n) → less noise" is at fixed T and δ: the n panel keeps both; the lecture's
+    closed form is the default formula; points whose lemmas do not apply are flagged (drawn hollow)."""
+    from dpsgd_cli.config import FigureSpec
+    from dpsgd_cli.engine.analytic import NOISE_ACCOUNTINGS, noise_scale_table
+    from dpsgd_cli.plots import _noise_scale_figure
+
+    keep = ["closed form (lecture, 16·l)", "advanced composition, 2qε"]
+    skip = [label for label, *_ in NOISE_ACCOUNTINGS if label not in keep]
+    table = noise_scale_table({"epsilon": 1.0, "n": 3000, "epochs": [1, 3], "n_values": [300, 1000, 3000],
+                               "steps_fixed": 3000, "delta_fixed": 1e-7, "skip": skip})
+    by_n = table[table["panel"] == "n"]
+    assert set(by_n["steps"]) == {3000} and set(by_n["delta"]) == {1e-7}
+    for _, line in by_n.groupby("accounting"):
+        assert line["sigma"].is_monotonic_decreasing
+    lecture = by_n[by_n["accounting"] == keep[0]].set_index("n")["sigma"]
+    assert lecture[1000] == pytest.approx(closed_form_sigma(1.0, 1e-7, 1000, 3000, 1.0, "lecture"))
+    assert closed_form_sigma(1.0, 1e-7, 1000, 3000, 1.0) == lecture[1000]  # the lecture's is the default
+    assert table["proved"].any() and not table["proved"].all()
+    fig = _noise_scale_figure(table, FigureSpec(name="n", kind="noise_scale"))
+    hollow = [line for ax in fig.axes for line in ax.lines if line.get_markerfacecolor() == "none"]
+    assert sum(len(line.get_xdata()) for line in hollow) == (~table["proved"]).sum()
+    assert any("hollow" in text.get_text() for ax in fig.axes for text in ax.get_legend().get_texts())
+
+
+def test_formula_defaults_to_the_lecture_and_is_pinned_elsewhere():
+    from dpsgd_cli.algorithms.bassily import BassilyParams
+
+    assert BassilyParams().formula == "lecture"
+    assert BassilyParams(accounting="pld").formula == "paper"  # does nothing there; keeps older run ids
+    assert BassilyParams(accounting="pld", formula="lecture").formula == "lecture"

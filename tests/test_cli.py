@@ -177,6 +177,10 @@ def test_privacy_curve_command(tmp_path):
     # the talk's parameters: saturation α S_g² / (λ σ² n²) = 30·16 / (1·0.02²·5000²) = 0.048
     assert "0.048" in result.output and frame["dynamics"].max() < 0.048
     assert (tmp_path / "privacy_curve.png").stat().st_size > 10_000
+    assert "note" not in result.output
+    other = invoke("privacy-curve", "--out", tmp_path / "lam", "--k-max", "40", "--lam", "0.5")
+    assert other.exit_code == 0 and "note: lower bound omitted" in other.output and "λ = β = 1" in other.output
+    assert pd.read_csv(tmp_path / "lam" / "privacy_curve.csv")["lower_bound"].isna().all()
 
 
 def test_ctrl_c_keeps_finished_runs_and_the_rerun_completes_them(grid_file, tmp_path):
@@ -237,3 +241,31 @@ def test_runs_csv_of_an_older_version_gets_the_new_columns(tmp_path):
     frame = store.read()
     assert list(frame.columns) == COLUMNS and list(frame["run_id"]) == ["a", "b"]
     assert frame["dtype"].tolist()[1] == "float32" and frame["seed"].tolist() == [0, 1]
+
+
+def test_report_command_prints_each_claim_with_its_source(tmp_path, monkeypatch):
+    monkeypatch.setenv("DPSGD_DATA_DIR", str(tmp_path / "cache"))
+    claims = """\
+    claims:
+      - id: grows
+        text: DP-SGD accuracy grows with epsilon
+        quote: 'Somebody 2020, §4: "accuracy [grows] with ε"'
+        check: monotone
+        a: {algorithm: dp_sgd}
+        tolerance: 1
+      - id: mine
+        text: a [/] bracket
+        own: true
+        check: within
+        a: {algorithm: dp_sgd}
+        b: {algorithm: sgd}
+        over: null
+        tolerance: 1
+"""
+    path = tmp_path / "grid.yaml"
+    path.write_text(textwrap.dedent(GRID) + textwrap.indent(textwrap.dedent(claims), "    "))
+    assert invoke("run", path, "--out", tmp_path / "r").exit_code == 0
+    result = invoke("report", tmp_path / "r")
+    assert result.exit_code == 0, result.output
+    assert "2 PASS" in result.output and "[grows]" in result.output and "[/]" in result.output  # markup escaped
+    assert "the project's own check" in (tmp_path / "r" / "report.md").read_text()

@@ -537,3 +537,32 @@ def test_one_hot_and_random_split():
     train, test = pp.random_split(table, 0.3, seed=0, where="test")
     assert (len(train), len(test)) == (7, 3)
     assert sorted(np.concatenate([train.numeric[:, 0], test.numeric[:, 0]]).tolist()) == list(range(0, 20, 2))
+
+
+# ---------------------------------------------------------------- Song et al. 2013's setup (issue 11)
+
+
+def test_split_none_trains_on_every_record():
+    ds = load_dataset(DatasetSpec(name="synthetic", split="none"), cache=False)
+    assert (ds.n, len(ds.y_test), ds.X_test.shape) == (10000, 0, (0, 5))  # "n = 10,000 samples"
+    all_points, _, _ = make_synthetic(n=10000, dim=5, seed=0)
+    np.testing.assert_allclose(ds.X_train, all_points, rtol=1e-12)  # all of them, in order (x/max(1, ‖x‖) rounds)
+
+
+def test_order_ball_then_project_lets_rows_leave_the_ball():
+    """Song et al. §IV-A: unit ball first, then the random projection; rows may leave the ball (and the
+    default order keeps them inside). The projection is the same seeded N(0, 1/k) matrix either way."""
+    from dpsgd_cli.data.preprocess import projection_matrix
+
+    base = dict(name="synthetic", dim=40, n=2000, projection=5, split="none")
+    paper = load_dataset(DatasetSpec(**base, order="ball_then_project"), cache=False)
+    default = load_dataset(DatasetSpec(**base), cache=False)
+    points, _, _ = make_synthetic(n=2000, dim=40, seed=0)
+    np.testing.assert_allclose(paper.X_train, points @ projection_matrix(40, 5, 0), rtol=1e-12)
+    assert row_norms(paper.X_train).max() > 1.2 and row_norms(default.X_train).max() <= 1 + TOL
+
+
+def test_default_order_is_left_out_of_dumps_so_run_ids_stay():
+    spec = DatasetSpec(name="kddcup99", subsample=50000, projection=9)
+    assert "order" not in spec.model_dump() and "order" not in spec.model_dump_json()
+    assert DatasetSpec(name="kddcup99", order="ball_then_project").model_dump()["order"] == "ball_then_project"

@@ -14,7 +14,7 @@ from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import make_model
 from dpsgd_cli.privacy.accounting import epsilon_for
 from dpsgd_cli.privacy.dynamics import (SATURATION_ROOT, calibrate_noisy_gd, composition_rdp, dynamics_rdp,
-                                        noisy_gd_epsilon, privacy_curve, squared_loss_lower_bound)
+                                        minimum_rdp, noisy_gd_epsilon, privacy_curve, squared_loss_lower_bound)
 
 TALK = dict(alpha=30.0, sigma=0.02, sensitivity=4.0, eta=0.02, lam=1.0, n=5000)
 
@@ -250,6 +250,59 @@ def test_guarantee_names_the_failed_assumption(data):
         guarantee(epochs=0.4)
     with pytest.raises(ValidationError):
         ALGORITHMS["noisy_gd"]({"radius": 0})
+
+
+def test_minimum_bound_is_never_above_either_and_equals_the_smaller():
+    K = np.arange(0, 400)
+    for alpha in (2.0, 30.0):
+        d = dyn(K, alpha=alpha)
+        c = comp(K, alpha=alpha)
+        m = minimum_rdp(alpha, K, TALK["eta"], TALK["sigma"], TALK["lam"], TALK["n"], TALK["sensitivity"])
+        assert (m <= d).all() and (m <= c).all()
+        x = TALK["lam"] * TALK["eta"] * K / 2
+        np.testing.assert_array_equal(m[x <= SATURATION_ROOT], c[x <= SATURATION_ROOT])  # composition smaller
+        np.testing.assert_array_equal(m[x > SATURATION_ROOT], d[x > SATURATION_ROOT])  # dynamics smaller
+        assert (x <= SATURATION_ROOT).any() and (x > SATURATION_ROOT).any()
+
+
+@pytest.mark.parametrize("lam, smaller", [(1e-4, "composition"), (0.05, "dynamics")])
+def test_minimum_accountant_calibrates_to_the_smaller_bound(lam, smaller):
+    """The `algorithms` grid's case (λ = 1e-4, η = 3.99, K = 300: ληK/2 = 0.06) gets composition's σ, and a
+    large ληK/2 the dynamics σ; never more noise than either."""
+    n, delta, K, eta, S = 30162, 1 / 30162**2, 300, 3.99, 2.0
+    sigmas = {a: calibrate_noisy_gd(1.0, delta, K, eta, lam, n, S, a).sigma
+              for a in ("dynamics", "composition", "minimum")}
+    assert sigmas["minimum"] == pytest.approx(sigmas[smaller], rel=2e-3)
+    assert sigmas["minimum"] <= min(sigmas["dynamics"], sigmas["composition"]) * (1 + 2e-3)
+
+
+def test_traces_or_minimum_change_the_guarantee(data):
+    """The dynamics bound covers θ_K only: recording intermediate θ (trace_every) is not proved under it; the
+    minimum accountant is proved where it equals composition (ληK/2 ≤ 1.594) even if dynamics' assumptions fail."""
+    X, y = data
+    model = make_model("logreg", 5, 0.05)
+
+    def guarantee(accountant, **kw):
+        algo = ALGORITHMS["noisy_gd"]({"accountant": accountant})
+        return algo.fit(_setting(*X.shape, **kw), model, X, y, ReplicaStreams([0])).guarantee
+
+    assert guarantee("dynamics", trace_every=300).startswith("none: intermediate θ recorded")
+    assert guarantee("composition", trace_every=300) == "proved"
+    assert guarantee("minimum") == "proved"  # λη K/2 = 1.5 ≤ 1.594: composition is the minimum
+    assert guarantee("minimum", trace_every=300) == "proved"
+    assert guarantee("minimum", epochs=200, trace_every=300).startswith("none: intermediate θ recorded")
+    assert guarantee("minimum", epochs=200, lr=4.0).startswith("none: step size")
+
+
+def test_lower_bound_only_for_lambda_one():
+    frame = privacy_curve([1, 10], lam=0.5)
+    assert frame["lower_bound"].isna().all() and "λ = β = 1" in frame.attrs["lower_bound_note"]
+    assert privacy_curve([1, 10])["lower_bound"].notna().all() and "lower_bound_note" not in privacy_curve([1]).attrs
+    # the talk's tightness: dynamics ≤ 4 · lower bound at λ = 1, the ratio 4/(1 + e^{−ηK/2}) tends to 4
+    K = np.array([1, 10, 100, 1000, 10**5])
+    ratio = dyn(K) / low(K)
+    np.testing.assert_allclose(ratio, 4 / (1 + np.exp(-TALK["eta"] * K / 2)), rtol=1e-9)
+    assert (ratio <= 4).all() and ratio[-1] == pytest.approx(4)
 
 
 GRID = """

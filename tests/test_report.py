@@ -144,3 +144,49 @@ def test_claim_needs_a_quote_or_own():
 def test_quantifiers_over_groups(decided, expected):
     for quantifier, holds in expected.items():
         assert quantified(decided, quantifier) is holds
+
+
+def _spread_frame(std_a: float, std_b: float, n: int = 20, seed: int = 0) -> pd.DataFrame:
+    """Two selections whose values over n seeds have exactly the given sample standard deviations."""
+    z = np.random.default_rng(seed).standard_normal(n)
+    z = (z - z.mean()) / z.std(ddof=1)
+    return _runs({"a": {1.0: list(1.0 + std_a * z)}, "b": {1.0: list(1.0 + std_b * z[::-1])}})
+
+
+def test_spread_lower_bound_is_the_one_sided_f_test():
+    from scipy.stats import f as f_dist
+
+    from dpsgd_cli.report import spread_ratio_bounds
+
+    ratio, lower, upper = spread_ratio_bounds(2.0, 20, 1.0, 20, 0.95)
+    assert ratio == pytest.approx(2.0)
+    assert lower == pytest.approx(2.0 / np.sqrt(2.168), rel=1e-4)  # F_0.95(19, 19) = 2.168 (tables)
+    assert lower < ratio < upper
+    # the lower bound exceeds r exactly when the F-test of H0: σ_a/σ_b = r rejects at 5% (one-sided)
+    for s_a, r in [(1.4, 1.0), (1.8, 1.0), (3.0, 2.0), (4.5, 2.0)]:
+        p_value = f_dist.sf((s_a / r) ** 2, 19, 19)
+        assert (spread_ratio_bounds(s_a, 20, 1.0, 20, 0.95)[1] > r) == (p_value < 0.05)
+
+
+def test_spread_passes_and_fails():
+    spec = claim(check="spread", metric="test_accuracy", a={"algorithm": "a"}, b={"algorithm": "b"}, over=None)
+    holds, numbers = _check_group(_spread_frame(3.0, 1.0), spec, None)
+    assert holds is True and "ratio 3" in numbers
+    assert _check_group(_spread_frame(1.2, 1.0), spec, None)[0] is False  # 1.2× over 20 seeds: not significant
+    assert _check_group(_spread_frame(1.0, 3.0), spec, None)[0] is False
+    twice = claim(check="spread", metric="test_accuracy", a={"algorithm": "a"}, b={"algorithm": "b"}, over=None,
+                  tolerance=1.0)  # "dramatically": at least twice the std at 95%
+    assert _check_group(_spread_frame(2.5, 1.0), twice, None)[0] is False  # lower bound 1.70 < 2
+    assert _check_group(_spread_frame(5.0, 1.0), twice, None)[0] is True
+    with pytest.raises(ValueError, match="at least 2 seeds"):
+        _check_group(_runs({"a": {1.0: [0.5]}, "b": {1.0: [0.4, 0.6]}}), spec, None)
+
+
+def test_spread_claims_in_experiments_yaml_carry_quotes():
+    from pathlib import Path
+
+    from dpsgd_cli.config import load_grid_file
+
+    grids = {g.name: g for g in load_grid_file(Path(__file__).parents[1] / "experiments.yaml").grids}
+    spread = [c for name in ("song_fig1", "song_fig3") for c in grids[name].claims if c.check == "spread"]
+    assert len(spread) >= 3 and all(c.quote and not c.own for c in spread)

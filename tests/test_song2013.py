@@ -110,6 +110,24 @@ def test_one_pass_is_pure_alpha_and_unit_ball_data_needs_no_clip(data):
     assert not out.derived["clip_active"] and out.guarantee == "proved"
 
 
+def test_clip_binding_is_recorded():
+    """Rows outside the unit ball (Song et al.'s order: ball, then projection): the share of such rows, and the
+    share of examples whose gradient |r|·‖x‖ at the final θ exceeds the clip at 1, by hand."""
+    X, y = _data(200, 4)
+    X[:50] *= 3.0  # 50 rows with norm in (0.6, 3]
+    model = make_model("logreg", 4, 1e-3)
+    der = PRIVATE().fit(_setting(*X.shape), model, X, y, ReplicaStreams([0, 1])).derived
+    norms = np.linalg.norm(X, axis=1)
+    assert der["rows_outside_unit_ball"] == pytest.approx((norms > 1).mean())
+    assert der["max_row_norm"] == pytest.approx(norms.max())
+    out = PRIVATE().fit(_setting(*X.shape), model, X, y, ReplicaStreams([0, 1]))
+    residual = expit(-y * (out.theta @ X.T))  # |r| = σ(−y θ·x)
+    assert der["clip_binds_at_final"] == pytest.approx(((residual * norms) > 1).sum(axis=1).mean() / 200)
+    assert 0 < der["clip_binds_at_final"] <= der["rows_outside_unit_ball"]
+    inside = PRIVATE().fit(_setting(200, 4), model, *_data(200, 4), ReplicaStreams([0])).derived
+    assert inside["rows_outside_unit_ball"] == 0 and inside["clip_binds_at_final"] == 0
+
+
 def test_advanced_composition_option():
     n, k, eps, delta = 20, 50, 1.0, 1e-5
     X, y = _data(n, 3)

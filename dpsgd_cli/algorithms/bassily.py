@@ -15,7 +15,11 @@ Scale of σ. The paper minimises the SUM L = Σ_i ℓ and steps along n∇ℓ(θ
 
     paper (T = n²):  σ = √32 · l · √(log(n/δ) · log(1/δ)) / ε
     paper, T steps:  σ = √32 · l · √(T · ln(T/(nδ)) · ln(1/δ)) / (n ε)         (formula: paper; = the above at T = n²)
-    lecture:         σ = 16 · l · √(T · ln(2/δ) · ln(2.5T/(δn))) / (n ε)          (formula: lecture; the issue's)
+    lecture:         σ = 16 · l · √(T · ln(2/δ) · ln(2.5T/(δn))) / (n ε)          (formula: lecture, the default)
+
+The lecture's σ (Bellet, lecture 5, "Differentially private SGD: algorithm & privacy guarantees") is the only σ
+in the source texts; the √32 form was written from memory of Bassily et al. and is NOT verified against their
+paper (not among the sources): `formula: paper` is kept for comparison and labelled unverified.
 
 The T-step form of the paper keeps its derivation: per-step δ₀ = nδ/(2T) (→ log(n/δ) at T = n²) and δ' ≈ δ for
 advanced composition. The lecture's constant 16 comes from Gaussian mechanism (sensitivity 2l under replace-one)
@@ -69,13 +73,13 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Iterator, Literal, Optional
+from typing import Any, Iterator, Literal, Optional
 
 import numpy as np
 from dp_accounting import dp_event, get_epsilon_gaussian
 from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
 from dp_accounting.privacy_accountant import NeighboringRelation
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dpsgd_cli.algorithms import kernels
 from dpsgd_cli.algorithms.base import ROW_NORM_TOLERANCE, Algorithm, Outcome, Setting, max_row_norm
@@ -99,7 +103,7 @@ PLD_RHO_BASSILY = 0.04  # see pld_epsilon
 
 
 def closed_form_sigma(epsilon: float, delta: float, n: int, steps: int, lipschitz: float,
-                      formula: Literal["paper", "lecture"] = "paper") -> float:
+                      formula: Literal["paper", "lecture"] = "lecture") -> float:
     """σ on the mean-objective scale (noise added to the single-example gradient ∇ℓ), see the module docstring.
 
     paper:   σ = √32 · l · √(T ln(T/(nδ)) ln(1/δ)) / (n ε)   (BST14 Alg. 1 σ_P² = 32 L² n² log(n/δ) log(1/δ)/ε²,
@@ -232,7 +236,7 @@ class Privacy:
 
 @functools.lru_cache(maxsize=256)
 def calibrate_bassily(epsilon: float, delta: float, n: int, steps: int, lipschitz: float, accounting: str,
-                      formula: str = "paper", amplification: str = "tight") -> Privacy:
+                      formula: str = "lecture", amplification: str = "tight") -> Privacy:
     """σ (on the mean scale) whose ε under `accounting` is the target (within 0.1 % below; exact for closed forms)."""
     context = f" (bassily2014, accounting={accounting}, n={n}, T={steps}, delta={delta:g})"
     if accounting == "closed_form":
@@ -317,7 +321,9 @@ class BassilyParams(BaseModel):
     accounting: Literal["closed_form", "advanced_composition", "rdp", "pld"] = Field(
         "closed_form", description="how σ is calibrated to (ε, δ)")
     formula: Literal["paper", "lecture"] = Field(
-        "paper", description="closed_form only: the paper's constant √32 or the lecture's 16")
+        "lecture", description="closed_form only: the lecture's σ = 16·l·√(T ln(2/δ) ln(2.5T/(δn)))/(nε) (the "
+        "only σ in the sources, the default) or 'paper': √32·l·… recalled from Bassily et al., not verified "
+        "against a source text")
     amplification: Literal["tight", "approx"] = Field(
         "tight", description="advanced_composition only: ln(1 + q(e^ε − 1)) or the lecture's 2qε")
     radius: Optional[float] = Field(None, gt=0, description="radius R of the ball C (default l/λ, or 10 if λ = 0)")
@@ -325,6 +331,15 @@ class BassilyParams(BaseModel):
         "auto", description="γ_t = 2R/(G√t) (convex) or 1/(λt) (strongly convex); auto: the latter if λ > 0")
     backend: kernels.Backend = Field(
         "auto", description="logreg: the numba kernel (auto: when numba is installed) or numpy; same result")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _formula_default(cls, raw: Any) -> Any:
+        """`formula` acts only under closed_form; elsewhere an unset formula is pinned to 'paper', the default
+        before the lecture's became it, so that the run ids of unchanged mechanisms stay as they were."""
+        if isinstance(raw, dict) and "formula" not in raw and raw.get("accounting", "closed_form") != "closed_form":
+            return {**raw, "formula": "paper"}
+        return raw
 
 
 class Bassily2014(Algorithm):

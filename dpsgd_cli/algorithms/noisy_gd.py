@@ -14,14 +14,21 @@ from dpsgd_cli.algorithms.sampling import full_batches
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import Model
-from dpsgd_cli.privacy.dynamics import calibrate_noisy_gd, noisy_gd_epsilon
+from dpsgd_cli.privacy.dynamics import SATURATION_ROOT, calibrate_noisy_gd, noisy_gd_epsilon
+
+
+def composition_is_smaller(K: int, eta: float, lam: float) -> bool:
+    """Whether the composition bound is ≤ the dynamics bound at every order: ληK/2 ≤ x* (both linear in α,
+    1 − e^{−x} ≥ x/2 exactly on [0, x*])."""
+    return lam * eta * K / 2.0 <= SATURATION_ROOT
 
 
 
 class NoisyGDParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    accountant: Literal["dynamics", "composition"] = Field(
-        "dynamics", description="dynamics: Chourasia et al. RDP bound; composition: K-fold RDP of the Gaussian step")
+    accountant: Literal["dynamics", "composition", "minimum"] = Field(
+        "dynamics", description="dynamics: Chourasia et al. RDP bound; composition: K-fold RDP of the Gaussian step; "
+                                "minimum: the smaller of the two at each Rényi order")
     radius: Optional[float] = Field(None, gt=0, allow_inf_nan=False,
                                     description="project onto the L2 ball of this radius (None: no projection)")
 
@@ -43,8 +50,12 @@ class NoisyGD(Algorithm):
         λ-strongly convex and β-smooth with η ≤ 1/β; checked: λ > 0, model convex, rows in the unit ball, clipping inactive
         (C ≥ model.lipschitz(1), so the clipped gradient is ∇ℓ), β = model.smoothness(1) + λ, η ≤ 1/β;
         `guarantee` names the first that fails.
+        The bound covers the release of θ_K only ("assumes hidden intermediate models θ_1, …, θ_{K−1}", the talk):
+        a run that records intermediate θ (`trace_every`) is therefore not `proved` under it.
       * composition: ε(α) = α η K S_g² / (4σ²n²) (K Gaussian mechanisms of sensitivity ηS_g/n, std √(2ησ²));
-        needs only the clipping, so always "proved".
+        needs only the clipping and covers every intermediate θ, so always "proved".
+      * minimum: min(dynamics, composition) at each order α. Proved where the dynamics bound's assumptions hold,
+        or where the minimum is the composition bound at every order (then it is the composition bound).
     See dpsgd_cli/privacy/dynamics.py for how the two bounds compare (composition is smaller for ληK/2 < 1.594).
     """
 
@@ -110,12 +121,15 @@ class NoisyGD(Algorithm):
         sensitivity = 2.0 * setting.clip_norm  # replace-one: ‖clip(∇ℓ(θ; x)) − clip(∇ℓ(θ; x'))‖ ≤ 2C
         accountant = self.params.accountant
         guarantee, beta = self.dynamics_guarantee(setting, model, X)
-        if accountant == "composition":
-            guarantee = "proved"
-        elif not lam > 0:
-            raise UserError(f"noisy_gd with accountant 'dynamics' needs l2 > 0 (λ-strong convexity), got "
+        if guarantee == "proved" and setting.trace_every:
+            guarantee = ("none: intermediate θ recorded (trace_every); the dynamics bound assumes hidden "
+                         "intermediate models")
+        if accountant != "composition" and not lam > 0:
+            raise UserError(f"noisy_gd with accountant {accountant!r} needs l2 > 0 (λ-strong convexity), got "
                             f"l2 = {lam}; set l2 > 0 or use accountant: composition")
         cal = calibrate_noisy_gd(setting.epsilon, setting.delta, K, eta, lam, n, sensitivity, accountant)
+        if accountant == "composition" or (accountant == "minimum" and composition_is_smaller(K, eta, lam)):
+            guarantee = "proved"
         noise_std = np.sqrt(2.0 * cal.sigma**2 / eta)  # on the gradient; × η gives √(2ησ²) on θ
         chain = self.chain(setting, X, y, streams, noise_std, model.n_params)
         theta = chain.run(model, model.init(streams.generators("init")), K)
@@ -123,6 +137,8 @@ class NoisyGD(Algorithm):
             "sigma": cal.sigma, "epsilon_achieved": cal.epsilon, "accountant": accountant, "steps": K,
             "sample_rate": 1.0, "sensitivity": sensitivity, "step_noise_std": float(np.sqrt(2.0 * eta) * cal.sigma),
             "beta": beta, "radius": self.params.radius,
+            "bound_used": (("composition" if composition_is_smaller(K, eta, lam) else "dynamics")
+                           if accountant == "minimum" else accountant),
             "epsilon_dynamics": noisy_gd_epsilon(cal.sigma, setting.delta, K, eta, lam, n, sensitivity, "dynamics")
             if lam > 0 else None,
             "epsilon_composition": noisy_gd_epsilon(cal.sigma, setting.delta, K, eta, lam, n, sensitivity,

@@ -29,7 +29,7 @@ from dpsgd_cli.algorithms.chain import (Checkpoints, GradientChain, Schedule, Tr
 from dpsgd_cli.algorithms.sampling import shuffled_batches
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.errors import UserError
-from dpsgd_cli.models import Model
+from dpsgd_cli.models import Batch, Model
 from dpsgd_cli.privacy.mechanisms import advanced_composition_epsilon_per_step, gamma_norm_noise
 
 GRADIENT_BOUND = 1.0  # the paper's ‖∇ℓ‖ ≤ 1, enforced by clipping each example's gradient to norm 1
@@ -47,6 +47,27 @@ class Song2013Params(BaseModel):
 
 
 NoiseDraw = Callable[[np.random.Generator, int], np.ndarray]  # (generator, K steps) → (K, d) draws of Z_t
+
+
+def clip_binding(model: Model, theta: np.ndarray, X: np.ndarray, y: np.ndarray, clip: float) -> dict:
+    """How often the clip at ‖∇ℓ‖ ≤ 1 can bind: the share of rows with ‖x‖ > 1 (for logistic regression
+    ‖∇ℓ‖ = |r|·‖x‖ < ‖x‖, so only those rows can be clipped, e.g. after `order: ball_then_project`), and the
+    share of examples whose gradient at the final θ exceeds the clip (mean over replicas): a proxy for the
+    binding rate along the pass, which the single-example kernel does not count."""
+    norms = np.sqrt(np.einsum("ij,ij->i", X, X))
+    outside = norms > clip * (1 + 1e-9)
+    out = {"rows_outside_unit_ball": float(outside.mean()), "max_row_norm": float(norms.max(initial=0.0))}
+    if outside.any():
+        rows = np.flatnonzero(outside)
+        batch = Batch(X=np.broadcast_to(X[rows], (theta.shape[0], *X[rows].shape)),
+                      y=np.broadcast_to(y[rows], (theta.shape[0], rows.size)),
+                      weight=np.ones((theta.shape[0], rows.size)),
+                      x_norm=np.broadcast_to(norms[rows], (theta.shape[0], rows.size)))
+        clipped = model.per_example_grad_norms(theta, batch) > clip
+        out["clip_binds_at_final"] = float(clipped.sum(axis=1).mean() / X.shape[0])
+    else:
+        out["clip_binds_at_final"] = 0.0
+    return out
 
 
 class Song2013PrivateParams(Song2013Params):
@@ -136,6 +157,8 @@ class Song2013NonPrivate(Algorithm):
         derived = {"steps": steps, "sample_rate": setting.batch_size / setting.n, "steps_per_pass": per_pass,
                    "passes": passes, "schedule": self.params.schedule, "step_size_first": eta(1),
                    "step_size_last": eta(steps), "radius": self.radius(setting), "backend": backend, **derived}
+        if clip is not None:
+            derived.update(clip_binding(model, theta, X, y, clip))
         return Outcome(theta, derived, guarantee=guarantee, trace=trace)
 
 

@@ -10,6 +10,8 @@ Public API::
     dataset_info(name: str) -> dict
     cache_dir() -> Path
     make_synthetic(n=10_000, dim=5, seed=0, margin=1e-3) -> (X, y, w)
+    FileDatasetSpec, file_spec(options) -> FileDatasetSpec, file_dataset_info(spec) -> dict
+        a local CSV/TSV, Parquet, LIBSVM or .npz file as a dataset (`{name: file, path: ...}`), see `files`
 
 Defaults per dataset (fields of DatasetSpec left at None), see `dataset_info(name)["defaults"]`:
 adult split=official; bank split=random; kddcup99 split=random, no subsample; mnist
@@ -22,6 +24,7 @@ folder serving <dataset>/<file>, used instead of the canonical URLs).
 """
 
 from dpsgd_cli.data.download import cache_dir, fetch, fetch_file
+from dpsgd_cli.data.files import FileDatasetSpec, file_dataset_info, file_spec
 from dpsgd_cli.data.info import dataset_info, list_datasets
 from dpsgd_cli.data.load import PREPROCESSING_VERSION, load_dataset, processed_path, resolve_spec
 from dpsgd_cli.data.readers import read_adult, read_bank, read_idx, read_kddcup99, read_mnist
@@ -34,11 +37,14 @@ __all__ = [
     "REGISTRY",
     "Dataset",
     "DatasetSpec",
+    "FileDatasetSpec",
     "cache_dir",
     "dataset_info",
     "dataset_names",
     "fetch",
     "fetch_file",
+    "file_dataset_info",
+    "file_spec",
     "get_entry",
     "list_datasets",
     "load_dataset",

@@ -5,7 +5,12 @@ Choices (all datasets): labels are -1/+1 float64, features float64; order is
 
 - Split: None means the dataset's default: official for adult and mnist, random for bank,
   kddcup99 and synthetic. kddcup99 `split: official` tests on corrected.gz. With an official
-  split, `subsample` draws from the train file only; with a random split, from all records.
+  split, `subsample` draws from the train file only; with a random split, from all records;
+  `split: none` trains on every record of the pool (after subsample; adult and mnist: the
+  training file) and leaves the test set empty (test metrics are NaN).
+- Order: `project_then_ball` (default) projects, then brings rows into the unit ball;
+  `ball_then_project` (Song et al. 2013) does the unit ball first, so projected rows may
+  have norm > 1 (an algorithm that needs ‖x‖ ≤ 1 must clip gradients, as song2013 does).
 - One-hot categories are the values occurring anywhere in the files read (a schema, not a
   statistic), so train and test share columns and the width does not depend on the seed.
   `one_hot: false` keeps categorical columns as integer codes (sorted category order),
@@ -142,17 +147,12 @@ def build_dataset(spec: DatasetSpec) -> Dataset:
     """
     where = _where(spec)
     tables = _TABLES[spec.name](spec)
-    if spec.split == "official":
-        train = pp.subsample(tables[0], spec.subsample, spec.seed, where)
-        test = tables[1]
-    else:
-        pool = tables[0] if len(tables) == 1 else pp.concat_tables(*tables)
-        pool = pp.subsample(pool, spec.subsample, spec.seed, where)
-        train, test = pp.random_split(pool, spec.test_fraction, spec.seed, where)
+    train, test = pp.train_test(tables, split=spec.split, size=spec.subsample,
+                                test_fraction=spec.test_fraction, seed=spec.seed, where=where)
     use_standardize = spec.standardize and spec.name != "synthetic"
-    X_train, X_test = pp.encode(train, test, use_one_hot=spec.one_hot, use_standardize=use_standardize)
-    X_train, X_test = pp.project(X_train, X_test, spec.projection, spec.seed)
-    X_train, X_test = pp.to_unit_ball(X_train, X_test, spec.unit_ball)
+    X_train, X_test = pp.features(train, test, one_hot=spec.one_hot, standardize=use_standardize,
+                                  projection=spec.projection, unit_ball=spec.unit_ball, seed=spec.seed,
+                                  order=spec.order)
     return Dataset(spec, X_train, train.y, X_test, test.y)
 
 
@@ -204,10 +204,15 @@ def _write_processed(path: Path, key: str, dataset: Dataset) -> None:
 def load_dataset(spec: DatasetSpec, *, cache: bool = True) -> Dataset:
     """The preprocessed dataset of `spec` (features float64, labels in {-1, +1} float64).
 
-    Steps: (subsample) -> split -> one-hot -> standardise (train stats) -> projection -> unit ball.
+    Steps: (subsample) -> split -> one-hot -> standardise (train stats) -> projection -> unit ball
+    (unit ball before projection with `order: ball_then_project`).
     With `cache`, arrays are read from / written to `processed_path(spec)`. The returned
     `Dataset.spec` is `spec` as given; `resolve_spec(spec)` shows the defaults applied.
     """
+    if spec.name == "file":  # a local file: no processed cache (its run id carries the file's sha256)
+        from dpsgd_cli.data.files import load_file_dataset
+
+        return load_file_dataset(spec)
     resolved = resolve_spec(spec)
     path = processed_path(spec) if cache else None
     key = _cache_text(spec)

@@ -1,7 +1,8 @@
 """Preprocessing steps shared by all datasets.
 
 Order (see `load.build_dataset`): subsample -> split -> encode categorical (one-hot)
--> standardise (train statistics) -> Gaussian random projection -> unit ball.
+-> standardise (train statistics) -> Gaussian random projection -> unit ball; with
+`order: ball_then_project` (Song et al. 2013) the unit ball comes before the projection.
 Every random step draws from its own seeded stream (`rng(seed, STREAM_*)`), so e.g.
 changing `subsample` does not change the projection matrix.
 """
@@ -122,6 +123,19 @@ def random_split(table: Table, test_fraction: float, seed: int, where: str) -> t
     return table.take(~is_test), table.take(is_test)
 
 
+def train_test(
+    tables: Sequence[Table], *, split: str, size: Optional[int], test_fraction: float, seed: int, where: str
+) -> tuple[Table, Table]:
+    """(train, test). official (tables = [train, test]): `size` records drawn from train only; none: train on
+    the (sub)sampled training file, or the only pool, with an empty test set (Song et al. 2013 plot the
+    training objective of the whole sample); random: all records concatenated, then a seeded random split."""
+    if split in ("official", "none"):
+        train = subsample(tables[0], size, seed, where)
+        return train, (tables[1] if split == "official" else train.take(np.arange(0)))
+    pool = tables[0] if len(tables) == 1 else concat_tables(*tables)
+    return random_split(subsample(pool, size, seed, where), test_fraction, seed, where)
+
+
 def one_hot(codes: np.ndarray, vocab: tuple[tuple[str, ...], ...]) -> np.ndarray:
     """0/1 float64 indicator columns, vocab[0] first; a code of -1 gives an all-zero block."""
     widths = [len(v) for v in vocab]
@@ -199,6 +213,20 @@ def project(
         return train, test
     matrix = projection_matrix(train.shape[1], k, seed)
     return train @ matrix, test @ matrix
+
+
+def features(
+    train: Table, test: Table, *, one_hot: bool, standardize: bool, projection: Optional[int],
+    unit_ball: str, seed: int, order: str = "project_then_ball",
+) -> tuple[np.ndarray, np.ndarray]:
+    """The pipeline after the split: encode (one-hot, standardise), then projection and unit ball in `order`
+    (`ball_then_project` is Song et al. §IV-A's: normalise, rows to the unit ball, then project)."""
+    X_train, X_test = encode(train, test, use_one_hot=one_hot, use_standardize=standardize)
+    if order == "ball_then_project":
+        X_train, X_test = to_unit_ball(X_train, X_test, unit_ball)
+        return project(X_train, X_test, projection, seed)
+    X_train, X_test = project(X_train, X_test, projection, seed)
+    return to_unit_ball(X_train, X_test, unit_ball)
 
 
 def _clip_rows(X: np.ndarray) -> np.ndarray:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 DatasetName = Literal["adult", "bank", "kddcup99", "mnist", "synthetic"]
 
@@ -30,30 +31,47 @@ class DatasetSpec(BaseModel):
     unit_ball: Literal["row", "max", "none"] = Field(
         "row", description="row: x/max(1,|x|) per row; max: divide by the largest train row norm; none"
     )
-    split: Optional[Literal["official", "random"]] = Field(
-        None, description="official train/test files where they exist, else a seeded random split"
+    split: Optional[Literal["official", "random", "none"]] = Field(
+        None, description="official train/test files where they exist, else a seeded random split; none: train on "
+                          "every record of the pool or training file (after subsample), empty test set (test metrics NaN)"
     )
     test_fraction: float = Field(0.2, gt=0, lt=1, description="test share of a random split")
     seed: int = Field(0, ge=0, description="seed of subsampling, random split, projection and synthetic data")
     n: Optional[int] = Field(None, gt=0, description="synthetic: number of points (default 10,000)")
     dim: Optional[int] = Field(None, gt=0, description="synthetic: dimension (default 5)")
+    order: Literal["project_then_ball", "ball_then_project"] = Field(
+        "project_then_ball", description="project_then_ball: standardise -> projection -> unit ball (rows end in "
+        "the ball); ball_then_project: standardise -> unit ball -> projection, Song et al. 2013 §IV-A's order "
+        "(projected rows may leave the unit ball)")
+
+    @model_serializer(mode="wrap")
+    def _omit_default_order(self, handler):
+        """`order` at its default is left out of dumps, so run ids and cache keys of older specs stay as they were."""
+        data = handler(self)
+        if isinstance(data, dict) and self.order == "project_then_ball":
+            data.pop("order", None)
+        return data
 
 
 @dataclass(frozen=True)
 class Dataset:
     """Preprocessed arrays: features float64 (n, d), labels in {-1, +1} float64 (n,)."""
 
-    spec: DatasetSpec
+    spec: Any  # DatasetSpec or data.files.FileDatasetSpec
     X_train: np.ndarray
     y_train: np.ndarray
     X_test: np.ndarray
     y_test: np.ndarray
+    # preprocessing that used statistics of the training set (not covered by the accountant); file datasets
+    train_statistics: tuple[str, ...] = ()
+    summary: str = ""  # what loading did, in one line (file datasets: rows read, dropped, features)
     X_val: Optional[np.ndarray] = None  # held out of the training set by `with_validation` (never the test set)
     y_val: Optional[np.ndarray] = None
 
     @property
     def name(self) -> str:
-        return self.spec.name
+        """The name in results: the registry name, or a file dataset's `id`."""
+        return getattr(self.spec, "id", None) or self.spec.name
 
     @property
     def n(self) -> int:
@@ -86,6 +104,6 @@ def with_validation(data: Dataset, fraction: Optional[float]) -> Dataset:
     (X_val), seeded by the dataset's seed; the test set is untouched. Without a fraction, `data` itself."""
     if not fraction:
         return data
-    fit, held = validation_split(data.n, fraction, data.spec.seed)
-    return Dataset(data.spec, data.X_train[fit], data.y_train[fit], data.X_test, data.y_test,
-                   data.X_train[held], data.y_train[held])
+    fit, held = validation_split(data.n, fraction, getattr(data.spec, "seed", 0))
+    return dataclasses.replace(data, X_train=data.X_train[fit], y_train=data.y_train[fit],
+                               X_val=data.X_train[held], y_val=data.y_train[held])

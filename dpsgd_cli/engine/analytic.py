@@ -16,12 +16,12 @@ from dpsgd_cli.config import FigureSpec, Grid
 
 # (label, accounting, formula, amplification) of bassily2014 in the noise-scale figure (Bellet's lecture)
 NOISE_ACCOUNTINGS = [
-    ("closed form (paper)", "closed_form", "paper", "tight"),
-    ("closed form (lecture)", "closed_form", "lecture", "tight"),
-    ("advanced composition, 2qε", "advanced_composition", "paper", "approx"),
-    ("advanced composition, tight amplification", "advanced_composition", "paper", "tight"),
-    ("RDP (dp-accounting)", "rdp", "paper", "tight"),
-    ("PLD (dp-accounting)", "pld", "paper", "tight"),
+    ("closed form (lecture, 16·l)", "closed_form", "lecture", "tight"),
+    ("closed form (√32·l, unverified)", "closed_form", "paper", "tight"),
+    ("advanced composition, 2qε", "advanced_composition", "lecture", "approx"),
+    ("advanced composition, tight amplification", "advanced_composition", "lecture", "tight"),
+    ("RDP (dp-accounting)", "rdp", "lecture", "tight"),
+    ("PLD (dp-accounting)", "pld", "lecture", "tight"),
 ]
 
 
@@ -38,26 +38,29 @@ def privacy_curve_table(params: dict[str, Any]) -> pd.DataFrame:
 
 
 def noise_scale_table(params: dict[str, Any]) -> pd.DataFrame:
-    """σ of bassily2014 calibrated to (ε, δ = 1/n²) under each accounting: over T = epochs·n at fixed n
-    (panel "T"), and over n at fixed epochs (panel "n"). Columns panel, accounting, n, steps, sigma."""
+    """σ of bassily2014 calibrated to (ε, δ) under each accounting: over T = epochs·n at fixed n and δ = 1/n²
+    (panel "T"), and over n at fixed T = `steps_fixed` and δ = `delta_fixed` (panel "n": the lecture's "more
+    data (larger n) → less noise" is a statement at fixed T and δ). Columns panel, accounting, n, steps, delta,
+    sigma, proved (False where the accounting's lemmas do not apply, e.g. per-step ε₀ > 1 for 2qε)."""
     from dpsgd_cli.algorithms.bassily import calibrate_bassily
 
     epsilon = float(params.get("epsilon", 1.0))
     n_fixed = int(params.get("n", 30162))
     epochs_axis = [float(e) for e in params.get("epochs", [0.1, 0.3, 1, 3])]
     n_axis = [int(v) for v in params.get("n_values", [1000, 3000, 10000, 30000])]
-    epochs_fixed = float(params.get("epochs_fixed", 1.0))
+    steps_fixed = int(params.get("steps_fixed", n_fixed))
+    delta_fixed = float(params.get("delta_fixed", 1.0 / n_fixed**2))
     skip = set(params.get("skip", []))
-    points = [("T", n_fixed, round(e * n_fixed)) for e in epochs_axis]
-    points += [("n", n, round(epochs_fixed * n)) for n in n_axis]
+    points = [("T", n_fixed, round(e * n_fixed), 1.0 / n_fixed**2) for e in epochs_axis]
+    points += [("n", n, steps_fixed, delta_fixed) for n in n_axis]
     rows = []
     for label, accounting, formula, amplification in NOISE_ACCOUNTINGS:
         if label in skip:
             continue
-        for panel, n, steps in points:
-            privacy = calibrate_bassily(epsilon, 1.0 / n**2, n, steps, 1.0, accounting, formula, amplification)
+        for panel, n, steps, delta in points:
+            privacy = calibrate_bassily(epsilon, delta, n, steps, 1.0, accounting, formula, amplification)
             rows.append({"panel": panel, "accounting": label, "n": n, "steps": steps, "epsilon": epsilon,
-                         "delta": 1.0 / n**2, "sigma": privacy.sigma})
+                         "delta": delta, "sigma": privacy.sigma, "proved": privacy.proved})
     return pd.DataFrame(rows)
 
 

@@ -107,6 +107,8 @@ def run_task(task: Task, single_thread: bool = False) -> TaskResult:
     derived = dict(outcome.derived)
     if task.optimum_method:
         derived.setdefault("optimum_method", task.optimum_method)
+    if data.train_statistics:  # preprocessing outside the accountant (file datasets), as one string
+        derived.setdefault("train_statistics", ", ".join(data.train_statistics))
     # a derived list with one value per replica (e.g. pidp_sgd's noiseless_fraction) belongs to each seed's row
     per_replica = {k: derived.pop(k) for k in list(derived)
                    if isinstance(derived[k], (list, np.ndarray)) and len(derived[k]) == len(task.seeds)}
@@ -153,14 +155,21 @@ def _metrics(model, theta: np.ndarray, data: Dataset, optimal: float) -> dict[st
     with np.errstate(all="ignore"):
         train_objective = model.objective(theta, data.X_train, data.y_train)
         return {
-            "test_accuracy": model.accuracy(theta, data.X_test, data.y_test),
-            "test_loss": model.data_loss(theta, data.X_test, data.y_test),
+            **_test_metrics(model, theta, data),
             "train_accuracy": model.accuracy(theta, data.X_train, data.y_train),
             "train_objective": train_objective,
             "optimality_gap": train_objective - optimal,
             **({} if data.X_val is None else {"val_accuracy": model.accuracy(theta, data.X_val, data.y_val),
                                               "val_objective": model.objective(theta, data.X_val, data.y_val)}),
         }
+
+
+def _test_metrics(model, theta: np.ndarray, data: Dataset) -> dict[str, np.ndarray]:
+    """Test accuracy and loss; NaN without a test set (`split: none`)."""
+    if data.X_test.shape[0] == 0:
+        return {"test_accuracy": np.full(theta.shape[0], np.nan), "test_loss": np.full(theta.shape[0], np.nan)}
+    return {"test_accuracy": model.accuracy(theta, data.X_test, data.y_test),
+            "test_loss": model.data_loss(theta, data.X_test, data.y_test)}
 
 
 def _short_traceback(exc: Exception) -> str:
@@ -196,7 +205,7 @@ def plan_grid(grid: Grid, out_root: Path, resume: bool = True, dry_run: bool = F
         for cell in cells:
             if (cell.dataset, cell.validation) == (spec, validation) and cell.batch_size is not None and cell.batch_size > n:
                 raise UserError(
-                    f"grid {grid.name!r}: batch_size = {cell.batch_size} for {cell.algorithm.name} on {spec.name} "
+                    f"grid {grid.name!r}: batch_size = {cell.batch_size} for {cell.algorithm.name} on {getattr(spec, 'id', None) or spec.name} "
                     f"exceeds the n = {n} training records; use 1 ≤ batch_size ≤ {n}")
     store = ResultStore(Path(out_root) / grid.name)
     if dry_run:

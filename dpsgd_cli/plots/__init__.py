@@ -191,18 +191,34 @@ def _draw_panel(ax, panel: pd.DataFrame, x: str, spec: FigureSpec) -> None:
 
 
 def _noise_scale_figure(table: pd.DataFrame, spec: FigureSpec):
-    """σ of bassily2014 under each accounting: over T (n fixed) and over n (T = epochs·n)."""
+    """σ of bassily2014 under each accounting: over T (n and δ = 1/n² fixed) and over n (T and δ fixed).
+    Points whose accounting is not proved there (per-step ε₀ beyond what its lemmas need) are hollow."""
+    from matplotlib.lines import Line2D
+
+    proved = table["proved"].astype(bool) if "proved" in table else pd.Series(True, index=table.index)
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), squeeze=False)
     for ax, (panel, x, xlabel) in zip(axes[0], [("T", "steps", "steps T"), ("n", "n", "records n")]):
         part = table[table["panel"] == panel]
         for label, line in part.groupby("accounting", sort=False):
-            ax.plot(line[x], line["sigma"], marker="o", ms=3.5, label=label)
-        fixed = (f"n = {part['n'].iloc[0]:,}" if panel == "T" else f"T = {part['steps'].iloc[0] / part['n'].iloc[0]:g}·n"
-                 ) if len(part) else ""
+            (drawn,) = ax.plot(line[x], line["sigma"], lw=1.2, label=label)
+            ok = proved[line.index]
+            ax.plot(line[x][ok], line["sigma"][ok], "o", ms=4, color=drawn.get_color())
+            ax.plot(line[x][~ok], line["sigma"][~ok], "o", ms=5, mfc="none", color=drawn.get_color())
+        handles, _ = ax.get_legend_handles_labels()
+        if (~proved[part.index]).any():
+            handles.append(Line2D([], [], ls="none", marker="o", mfc="none", color="0.3",
+                                  label="hollow: not proved (per-step ε₀ beyond its lemmas, or ε not certified)"))
+        if not len(part):
+            fixed = ""
+        elif panel == "T":
+            fixed = f"n = {part['n'].iloc[0]:,}, δ = 1/n²"
+        else:
+            fixed = f"T = {part['steps'].iloc[0]:,}, δ = {part['delta'].iloc[0]:.2g}" if "delta" in part else \
+                f"T = {part['steps'].iloc[0]:,}"
         ax.set(xscale="log", yscale="log", xlabel=xlabel, ylabel="noise σ (per-step, on ∇ℓ)",
-               title=f"σ over {xlabel.split()[-1]} ({fixed}, ε = {table['epsilon'].iloc[0]:g}, δ = 1/n²)")
+               title=f"σ over {xlabel.split()[-1]} ({fixed}, ε = {table['epsilon'].iloc[0]:g})")
         ax.grid(True, which="both", alpha=0.25)
-        ax.legend(fontsize=7)
+        ax.legend(handles=handles, fontsize=7)
     if spec.title:
         fig.suptitle(textwrap.fill(spec.title, 90 if fig.get_figwidth() > 8 else 55))
     return fig
