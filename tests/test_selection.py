@@ -231,3 +231,19 @@ def _yaml(text: str) -> dict:
     import yaml
 
     return yaml.safe_load(text)
+
+
+def test_plots_and_claims_read_the_chosen_runs(run_grid):
+    from dpsgd_cli.config import ClaimSpec
+    from dpsgd_cli.engine.summary import results_frame
+    from dpsgd_cli.report import claim_frame
+
+    run_grid(GRID + "validation: 0.1\nselect: [{candidates: [lr]}, "
+                    "{name: optimistic, candidates: [lr], score: test_accuracy}]\n")
+    frame = results_frame(run_grid.folder)
+    assert set(frame["selection"]) == {"validation", "optimistic"}
+    assert frame.groupby(["selection", "algorithm"])["lr"].nunique().eq(1).all()  # one candidate per group
+    claim = ClaimSpec(id="c", text="t", own=True, check="monotone")
+    assert set(claim_frame(run_grid.folder, claim, [])["selection"]) == {"validation"}  # the grid's first
+    named = ClaimSpec(id="c", text="t", own=True, check="monotone", where={"selection": "optimistic"})
+    assert set(claim_frame(run_grid.folder, named, [])["selection"]) == {"validation", "optimistic"}
