@@ -247,3 +247,15 @@ def test_plots_and_claims_read_the_chosen_runs(run_grid):
     assert set(claim_frame(run_grid.folder, claim, [])["selection"]) == {"validation"}  # the grid's first
     named = ClaimSpec(id="c", text="t", own=True, check="monotone", where={"selection": "optimistic"})
     assert set(claim_frame(run_grid.folder, named, [])["selection"]) == {"validation", "optimistic"}
+
+
+def test_grids_without_validation_keep_their_run_ids():
+    """The smoke grid's run ids as computed before `validation:`/`select:` existed (commit c7f44b5)."""
+    import hashlib
+    from pathlib import Path
+
+    from dpsgd_cli.config import load_grid_file
+
+    smoke = next(g for g in load_grid_file(Path(__file__).parents[1] / "experiments.yaml").grids if g.name == "smoke")
+    ids = sorted(c.run_id(s) for c in expand(smoke) for s in c.seeds)
+    assert hashlib.sha256(",".join(ids).encode()).hexdigest()[:16] == "210a69850133b0fd"
