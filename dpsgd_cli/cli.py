@@ -106,7 +106,8 @@ def _plan_table(plan) -> Table:
     pending = {t.cell.cell_id: len(t.seeds) for t in plan.tasks}
     for c in plan.cells:
         name = getattr(c.dataset, "id", None) or c.dataset.name  # a file dataset shows its id
-        table.add_row(name, c.model.name, _algo_label(c.algorithm.name, c.algorithm.params),
+        tuned = f" [for {c.tuning['tag']}]" if c.tuning else ""
+        table.add_row(name, c.model.name, _algo_label(c.algorithm.name, c.algorithm.params) + tuned,
                       *(_fmt(v) for v in (c.epsilon, c.batch_size, c.lr, c.epochs, c.l2, c.clip_norm)),
                       f"{pending.get(c.cell_id, 0)}/{len(c.seeds)}")
     return table
@@ -166,6 +167,28 @@ def report(
     console.print(table)
     counts = {s: sum(v.status == s for v in verdicts) for s in colours}
     console.print(f"{counts['PASS']} PASS, {counts['FAIL']} FAIL, {counts['NO DATA']} NO DATA → {path}")
+
+
+# --- select --------------------------------------------------------------------------------------------
+@app.command("select")
+def select_command(
+    results_dir: Path = typer.Argument(Path("results"), help="A grid's results folder, or the results root."),
+) -> None:
+    """Print the hyperparameters each group's `select:` chose (and its privacy); write selection.csv."""
+    from rich.markup import escape
+
+    from dpsgd_cli.engine.selection import write_selection_tables
+
+    for folder, table in write_selection_tables(results_dir):
+        shown = Table("selection", "group", "chosen", "score", "test accuracy", "runs", "ε", "ε total (δ)", "privacy",
+                      title=f"{folder.name}: hyperparameter selection → {folder / 'selection.csv'}", show_lines=True)
+        for _, r in table.iterrows():
+            total = "–" if r["epsilon_total"] != r["epsilon_total"] else f"{r['epsilon_total']:.4g} ({r['delta']:.3g})"
+            shown.add_row(r["selection"], escape(r["group"]), escape(r["chosen"]),
+                          f"{r['score']} {r['score_mean']:.4f}", f"{r['test_accuracy_mean']:.4f} ± "
+                          f"{r['test_accuracy_std']:.4f}", str(r["runs"]), _fmt(r["epsilon"]), total,
+                          escape(r["privacy"]))
+        console.print(shown)
 
 
 # --- datasets --------------------------------------------------------------------------------------

@@ -213,6 +213,68 @@ class ClaimSpec(_Strict):
         return self
 
 
+SELECT_GROUPS = ["dataset", "model", "algorithm", "epsilon"]
+PRIVATE_SELECTION = {"papernot_steinke": frozenset({"dp_sgd", "dp_lssgd"}), "liu_talwar": frozenset({"song2013"})}
+"""The algorithms whose base mechanism each private selection can account (DP-SGD's subsampled Gaussian; the
+pure ε-DP song2013 with basic composition)."""
+
+
+class SelectSpec(_Strict):
+    """How hyperparameters are chosen after the runs (`dpsgd select`, and the runs `plot`/`report` use).
+
+    Per group (`group_by`), the candidate (values of `candidates`: axes or algorithm parameters) with the best
+    `score`: `non_private` takes the best mean over seeds (the choice looks at the data outside any accountant);
+    `papernot_steinke` / `liu_talwar` is random search with a random number K of trials (K ~ `distribution`
+    with mean `mean`), simulated `searches` times over the grid's runs, whose privacy cost is accounted; with
+    `calibrate`, those candidates are trained at a smaller ε so that tuning + training meets the grid's ε.
+    """
+
+    name: str = Field("validation", pattern=r"^[A-Za-z0-9_.-]+$", description="the selection's name (a line label)")
+    candidates: list[str] = Field(min_length=1, description="columns whose values are the candidates (lr, epochs, ...)")
+    score: Literal["val_accuracy", "val_objective", "test_accuracy"] = Field(
+        "val_accuracy", description="val_accuracy (higher is better), val_objective (lower), or test_accuracy "
+        "(optimistic: tuned on the test set; non_private only, labelled so)")
+    group_by: list[str] = Field(SELECT_GROUPS, description="the best is taken within each group")
+    privacy: Literal["non_private", "papernot_steinke", "liu_talwar"] = "non_private"
+    distribution: Literal["poisson", "geometric", "logarithmic", "truncated_negative_binomial"] = "poisson"
+    mean: float = Field(10.0, gt=0, description="E[K], the expected number of trials")
+    eta: float = Field(1.0, gt=-1, description="shape η of the truncated negative binomial (Papernot & Steinke)")
+    calibrate: bool = Field(True, description="private: train the candidates so that tuning + training meets ε")
+    searches: int = Field(200, ge=1, le=100_000, description="simulated private searches (their spread is plotted)")
+
+    @field_validator("candidates", "group_by", mode="before")
+    @classmethod
+    def _listify(cls, value: Any) -> Any:
+        return _as_list(value)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "SelectSpec":
+        if self.score == "test_accuracy" and self.privacy != "non_private":
+            raise ValueError(f"select {self.name}: score test_accuracy (tuning on the test set) is only a "
+                             "non_private, optimistic reference; use val_accuracy or val_objective")
+        if self.privacy != "non_private" and self.score != "val_accuracy":
+            raise ValueError(f"select {self.name}: a private selection scores by val_accuracy (a noisy count of "
+                             "correct predictions, sensitivity 1); the objective's sensitivity is unbounded")
+        if self.privacy == "liu_talwar" and self.distribution != "geometric":
+            raise ValueError(f"select {self.name}: liu_talwar is geometric stopping; set distribution: geometric")
+        if set(self.candidates) & set(self.group_by):
+            raise ValueError(f"select {self.name}: {sorted(set(self.candidates) & set(self.group_by))} cannot be "
+                             "both candidates and group_by")
+        return self
+
+    def tuning_tag(self) -> str:
+        """What the candidates of a calibrated private selection are trained for (runs.csv's `tuning` column);
+        not the name, so that renaming a selection keeps its runs."""
+        return f"{self.privacy} {self.distribution} mean={self.mean:g} eta={self.trials().eta:g}"
+
+    def trials(self):
+        """The distribution of the number of trials (privacy/tuning.py)."""
+        from dpsgd_cli.privacy.tuning import Trials
+
+        eta = {"geometric": 1.0, "logarithmic": 0.0}.get(self.distribution, self.eta)
+        return Trials(self.distribution, self.mean, eta)
+
+
 class Grid(Axes):
     """One named grid: datasets × models × algorithms × axes × seeds."""
 
@@ -226,6 +288,10 @@ class Grid(Axes):
     dtype: Literal["float64", "float32"] = Field(
         "float64", description="training precision; float32 applies to sgd, dp_sgd, dp_lssgd with logreg (the "
         "accounting does not depend on it), the others train in float64; the CSV's dtype column says which")
+    validation: Optional[float] = Field(
+        None, gt=0, lt=0.5, description="share of the training set held out (seeded) for validation metrics; "
+        "the test set is never used for selection")
+    select: list[SelectSpec] = Field(default_factory=list, description="hyperparameter selection (post-processing)")
     description: str = ""
     figures: list[FigureSpec] = Field(default_factory=list, description="the paper's figures drawn from this grid")
     claims: list[ClaimSpec] = Field(default_factory=list, description="the paper's findings, checked by the report")
@@ -235,10 +301,40 @@ class Grid(Axes):
     def _dataset_names(cls, value: Any) -> Any:
         return [{"name": v} if isinstance(v, str) else v for v in _as_list(value)]
 
-    @field_validator("models", "algorithms", mode="before")
+    @field_validator("models", "algorithms", "select", mode="before")
     @classmethod
     def _listify_entries(cls, value: Any) -> Any:
         return _as_list(value)
+
+    @model_validator(mode="after")
+    def _selectable(self) -> "Grid":
+        names = [s.name for s in self.select]
+        if len(set(names)) < len(names):
+            raise ValueError(f"select: names must be unique, got {names}; give each a `name:`")
+        params = {k for a in self.algorithms for k in a.params}
+        for spec in self.select:
+            for column in spec.candidates:
+                if column not in AXES and column not in params:
+                    raise ValueError(f"select {spec.name}: candidate {column!r} is neither an axis nor a parameter of "
+                                     f"the grid's algorithms{_closest(column, [*AXES, *params])}")
+            for axis in AXES:
+                if len(getattr(self, axis)) > 1 and axis not in spec.candidates + spec.group_by:
+                    raise ValueError(f"select {spec.name}: axis {axis} varies but is neither a candidate nor in "
+                                     f"group_by; add it to one of them")
+            if spec.score.startswith("val_") and not self.validation:
+                raise ValueError(f"select {spec.name}: score {spec.score} needs a validation split; add "
+                                 "`validation: 0.1` to the grid")
+            if spec.privacy != "non_private":
+                spec.trials()  # validates mean and eta
+                allowed = PRIVATE_SELECTION[spec.privacy]
+                for algo in self.algorithms:
+                    pure = algo.name != "song2013" or algo.params.get("composition", "basic") == "basic"
+                    if ALGORITHMS[algo.name].private and (algo.name not in allowed or not pure):
+                        raise ValueError(
+                            f"select {spec.name}: {spec.privacy} cannot account the selection of {algo.name} "
+                            f"(supported: {', '.join(sorted(allowed))}{' with basic composition' * (spec.privacy == 'liu_talwar')}); "
+                            "use privacy: non_private or another grid")
+        return self
 
     @field_validator("delta", mode="before")
     @classmethod
@@ -284,6 +380,8 @@ class Cell(_Strict):
     seeds: tuple[int, ...]
     trace_every: Optional[int] = None
     dtype: Literal["float64", "float32"] = "float64"
+    validation: Optional[float] = None  # held-out share of the training set (the model trains on the rest)
+    tuning: Optional[dict[str, Any]] = None  # private selection this cell is calibrated for (see tuning_cells)
 
     def key(self) -> dict[str, Any]:
         """Everything that determines a run except its seed (and the grid's name and what it records)."""
@@ -293,8 +391,9 @@ class Cell(_Strict):
         data["algorithm"].pop("overrides")
         for name in ALGORITHMS[self.algorithm.name].execution_params:
             data["algorithm"]["params"].pop(name, None)
-        if data["dtype"] == "float64":  # the default keeps the run ids results had before dtype existed
-            data.pop("dtype")
+        for name, default in (("dtype", "float64"), ("validation", None), ("tuning", None)):
+            if data[name] == default:  # the default keeps the run ids results had before the key existed
+                data.pop(name)
         return data
 
     @property
@@ -323,9 +422,44 @@ def expand(grid: Grid) -> list[Cell]:
             float32 = ALGORITHMS[algo.name].supports_float32 and model.name == "logreg"
             cell = Cell(grid=grid.name, dataset=dataset, model=model, algorithm=algo, delta=grid.delta,
                         seeds=tuple(range(grid.seeds)), trace_every=grid.trace_every,
-                        dtype=grid.dtype if float32 else "float64", **dict(zip(axes, values)))
+                        dtype=grid.dtype if float32 else "float64", validation=grid.validation,
+                        **dict(zip(axes, values)))
+            cells.setdefault(cell.cell_id, cell)
+    plain = list(cells.values())
+    for spec in grid.select:
+        for cell in tuning_cells(spec, plain):
             cells.setdefault(cell.cell_id, cell)
     return list(cells.values())
+
+
+def cell_value(cell: Cell, column: str) -> Any:
+    """The value a results column takes for this cell (dataset and model by name, algorithm parameters too)."""
+    if column in ("dataset", "model", "algorithm"):
+        return getattr(cell, column).name
+    if column in cell.algorithm.params:
+        return cell.algorithm.params[column]
+    return getattr(cell, column, None)
+
+
+def tuning_cells(spec: SelectSpec, cells: list[Cell]) -> list[Cell]:
+    """The candidates of a calibrated private selection: each private cell again, marked with the selection's
+    privacy and its group's privacy-relevant candidates (batch size, epochs, accountant), so that σ can be
+    calibrated for tuning + training to meet the cell's ε (run ids differ from the plain cells': the mechanism
+    differs)."""
+    if spec.privacy == "non_private" or not spec.calibrate:
+        return []
+    private = [c for c in cells if ALGORITHMS[c.algorithm.name].private]
+    groups: dict[str, list[Cell]] = {}
+    for cell in private:
+        groups.setdefault(json.dumps([str(cell_value(cell, g)) for g in spec.group_by]), []).append(cell)
+    out = []
+    for members in groups.values():
+        candidates = sorted({(c.batch_size, c.epochs, c.algorithm.params.get("accountant", "rdp")) for c in members},
+                            key=str)
+        tuning = {"tag": spec.tuning_tag(), "privacy": spec.privacy, "distribution": spec.distribution,
+                  "mean": spec.mean, "eta": spec.trials().eta, "candidates": [list(c) for c in candidates]}
+        out += [c.model_copy(update={"tuning": tuning}) for c in members]
+    return out
 
 
 def load_grid_file(path: Path) -> GridFile:

@@ -34,7 +34,11 @@ def claim_frame(folder: Path, claim: ClaimSpec, figures: list[FigureSpec]) -> pd
         if figure is None:
             raise KeyError(f"claim {claim.id}: source {claim.source!r} is neither runs, traces nor a figure of the grid")
         return analytic_table(folder, figure)
-    return results_frame(folder, traces=claim.source == "traces")
+    frame = results_frame(folder, traces=claim.source == "traces")
+    named = any("selection" in sel for sel in (claim.where, claim.a, claim.b))
+    if "selection" in frame and frame["selection"].nunique() > 1 and not named:  # one protocol, the grid's first
+        frame = frame[frame["selection"] == frame["selection"].iloc[0]]
+    return frame
 
 
 def _stats(frame: pd.DataFrame, metric: str, over: Optional[str]) -> pd.DataFrame:

@@ -29,7 +29,7 @@ from dpsgd_cli.data.info import dataset_info, list_datasets
 from dpsgd_cli.data.load import PREPROCESSING_VERSION, load_dataset, processed_path, resolve_spec
 from dpsgd_cli.data.readers import read_adult, read_bank, read_idx, read_kddcup99, read_mnist
 from dpsgd_cli.data.registry import REGISTRY, dataset_names, get_entry
-from dpsgd_cli.data.spec import Dataset, DatasetSpec
+from dpsgd_cli.data.spec import Dataset, DatasetSpec, validation_split, with_validation
 from dpsgd_cli.data.synthetic import make_synthetic
 
 __all__ = [
@@ -56,4 +56,6 @@ __all__ = [
     "read_kddcup99",
     "read_mnist",
     "resolve_spec",
+    "validation_split",
+    "with_validation",
 ]

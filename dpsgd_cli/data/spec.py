@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
@@ -64,6 +65,8 @@ class Dataset:
     # preprocessing that used statistics of the training set (not covered by the accountant); file datasets
     train_statistics: tuple[str, ...] = ()
     summary: str = ""  # what loading did, in one line (file datasets: rows read, dropped, features)
+    X_val: Optional[np.ndarray] = None  # held out of the training set by `with_validation` (never the test set)
+    y_val: Optional[np.ndarray] = None
 
     @property
     def name(self) -> str:
@@ -77,3 +80,30 @@ class Dataset:
     @property
     def d(self) -> int:
         return self.X_train.shape[1]
+
+
+VALIDATION_STREAM = 0x5A11D  # a seed stream of its own: the split does not depend on any other draw
+
+
+def validation_split(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(fit, validation) row indices of a training set of n rows, both sorted, together 0..n-1: row i is held
+    out iff the i-th uniform draw of a seeded stream is below `fraction`. Each row's assignment is its own
+    (another row's presence does not change it), which the private selection's accounting relies on
+    (privacy/tuning.py); about fraction·n rows are held out."""
+    if not 0 < fraction < 1:
+        raise ValueError(f"validation = {fraction:g} must be in (0, 1)")
+    held = np.random.default_rng([seed, VALIDATION_STREAM]).random(n) < fraction
+    if held.all() or not held.any():
+        raise ValueError(f"validation = {fraction:g} leaves no row for {'fitting' if held.all() else 'validation'} "
+                         f"in a training set of n = {n}; use a larger dataset or another fraction")
+    return np.flatnonzero(~held), np.flatnonzero(held)
+
+
+def with_validation(data: Dataset, fraction: Optional[float]) -> Dataset:
+    """`data` whose training set is split into the rows used for fitting (X_train) and a validation set
+    (X_val), seeded by the dataset's seed; the test set is untouched. Without a fraction, `data` itself."""
+    if not fraction:
+        return data
+    fit, held = validation_split(data.n, fraction, getattr(data.spec, "seed", 0))
+    return dataclasses.replace(data, X_train=data.X_train[fit], y_train=data.y_train[fit],
+                               X_val=data.X_train[held], y_val=data.y_train[held])

@@ -18,17 +18,19 @@ from dpsgd_cli.algorithms import ALGORITHMS, Setting
 from dpsgd_cli.algorithms.erm import reference_minimum
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.config import DELTA_RULE, Cell, Grid, expand
-from dpsgd_cli.data import Dataset, DatasetSpec, load_dataset
+from dpsgd_cli.data import Dataset, DatasetSpec, load_dataset, with_validation
 from dpsgd_cli.engine.analytic import write_analytic_tables
 from dpsgd_cli.engine.results import COLUMNS, ResultStore, now
+from dpsgd_cli.engine.selection import base_epsilon
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import make_model
 
 
 @functools.lru_cache(maxsize=8)
-def dataset(spec: DatasetSpec) -> Dataset:
-    """Loaded once per process (workers included); the data layer caches processed arrays on disk too."""
-    return load_dataset(spec)
+def dataset(spec: DatasetSpec, validation: Optional[float] = None) -> Dataset:
+    """Loaded once per process (workers included); the data layer caches processed arrays on disk too. With
+    `validation`, X_train holds only the rows used for fitting and X_val the held-out rows."""
+    return with_validation(load_dataset(spec), validation)
 
 
 def resolve_delta(delta: Any, n: int) -> float:
@@ -37,16 +39,21 @@ def resolve_delta(delta: Any, n: int) -> float:
 
 
 def setting_of(cell: Cell, data: Dataset) -> Setting:
-    return Setting(n=data.n, d=data.d, delta=resolve_delta(cell.delta, data.n), l2=cell.l2, epsilon=cell.epsilon,
+    """The algorithm's setting; a candidate of a calibrated private selection trains at its base ε."""
+    delta = resolve_delta(cell.delta, data.n)
+    epsilon = base_epsilon(cell.tuning, cell.epsilon, data.n, delta) if cell.tuning else cell.epsilon
+    return Setting(n=data.n, d=data.d, delta=delta, l2=cell.l2, epsilon=epsilon,
                    batch_size=cell.batch_size, lr=cell.lr, epochs=cell.epochs, clip_norm=cell.clip_norm,
                    trace_every=cell.trace_every)
 
 
 @functools.lru_cache(maxsize=64)
-def reference_optimum(spec: DatasetSpec, model_name: str, model_options: str, l2: float) -> tuple[float, str]:
-    """(L*, how it was obtained): min F on the training set by `reference_minimum` — the exact minimiser for a
-    convex model ("lbfgs"), the best of several L-BFGS starts for a non-convex one ("lbfgs_best_of_3", capped)."""
-    data = dataset(spec)
+def reference_optimum(spec: DatasetSpec, model_name: str, model_options: str, l2: float,
+                      validation: Optional[float] = None) -> tuple[float, str]:
+    """(L*, how it was obtained): min F on the training set (the rows used for fitting) by `reference_minimum` —
+    the exact minimiser for a convex model ("lbfgs"), the best of several L-BFGS starts for a non-convex one
+    ("lbfgs_best_of_3", capped)."""
+    data = dataset(spec, validation)
     model = make_model(model_name, data.d, l2, json.loads(model_options))
     _, objective, info = reference_minimum(model, data.X_train, data.y_train)
     return objective, info["optimum_method"]
@@ -79,7 +86,7 @@ def run_task(task: Task, single_thread: bool = False) -> TaskResult:
         with threadpool_limits(1):
             return run_task(task)
     cell = task.cell
-    data = dataset(cell.dataset)
+    data = dataset(cell.dataset, cell.validation)
     setting = setting_of(cell, data)
     base = _base_row(cell, data, setting, task.optimal_objective)
     start = time.perf_counter()
@@ -138,6 +145,9 @@ def _base_row(cell: Cell, data: Dataset, setting: Setting, optimal: float) -> di
         "accountant_library": None, "sigma": None, "batch_size": cell.batch_size, "lr": cell.lr,
         "epochs": cell.epochs, "steps": None, "sample_rate": None, "l2": cell.l2, "clip_norm": cell.clip_norm,
         "optimal_objective": optimal, "version": __version__, "dtype": cell.dtype,
+        "n_val": 0 if data.X_val is None else len(data.X_val),
+        "epsilon_base": setting.epsilon if cell.tuning else None,
+        "tuning": cell.tuning["tag"] if cell.tuning else None,
     }
 
 
@@ -149,6 +159,8 @@ def _metrics(model, theta: np.ndarray, data: Dataset, optimal: float) -> dict[st
             "train_accuracy": model.accuracy(theta, data.X_train, data.y_train),
             "train_objective": train_objective,
             "optimality_gap": train_objective - optimal,
+            **({} if data.X_val is None else {"val_accuracy": model.accuracy(theta, data.X_val, data.y_val),
+                                              "val_objective": model.objective(theta, data.X_val, data.y_val)}),
         }
 
 
@@ -188,10 +200,10 @@ class GridRun:
 def plan_grid(grid: Grid, out_root: Path, resume: bool = True, dry_run: bool = False) -> GridRun:
     """Expand the grid, check it against the data (batch size ≤ n), and list what is still to run."""
     cells = expand(grid)
-    for spec in {c.dataset for c in cells}:
-        n = dataset(spec).n
+    for spec, validation in {(c.dataset, c.validation) for c in cells}:
+        n = dataset(spec, validation).n
         for cell in cells:
-            if cell.dataset == spec and cell.batch_size is not None and cell.batch_size > n:
+            if (cell.dataset, cell.validation) == (spec, validation) and cell.batch_size is not None and cell.batch_size > n:
                 raise UserError(
                     f"grid {grid.name!r}: batch_size = {cell.batch_size} for {cell.algorithm.name} on {getattr(spec, 'id', None) or spec.name} "
                     f"exceeds the n = {n} training records; use 1 ≤ batch_size ≤ {n}")
@@ -208,7 +220,8 @@ def plan_grid(grid: Grid, out_root: Path, resume: bool = True, dry_run: bool = F
             run.tasks.append(Task(cell, seeds, float("nan"), "not computed (dry run)"))
         elif seeds:
             optimal, method = reference_optimum(cell.dataset, cell.model.name,
-                                                json.dumps(cell.model.options, sort_keys=True), cell.l2)
+                                                json.dumps(cell.model.options, sort_keys=True), cell.l2,
+                                                cell.validation)
             run.tasks.append(Task(cell, seeds, optimal, method))
     return run
 

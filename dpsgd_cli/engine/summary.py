@@ -8,6 +8,7 @@ from pathlib import Path
 import pandas as pd
 
 from dpsgd_cli.engine.results import ResultStore
+from dpsgd_cli.engine.selection import apply_selections
 
 HYPER = ["batch_size", "lr", "epochs", "l2", "clip_norm"]
 CELL_COLUMNS = ["dataset", "model", "algorithm", "label", "epsilon", "batch_size", "lr", "epochs", "l2", "clip_norm"]
@@ -41,7 +42,9 @@ def summary_frame(folder: Path) -> pd.DataFrame:
     frame = ResultStore(folder).read()
     if frame.empty:
         return pd.DataFrame(columns=[*CELL_COLUMNS, "runs", "ok", "acc_mean", "acc_std", "gap_mean", "gap_std"])
-    frame = frame.assign(label=algorithm_label(frame))
+    tuned = frame["tuning"].map(lambda t: f" [for {t}]" if isinstance(t, str) and t else "") \
+        if "tuning" in frame else ""
+    frame = frame.assign(label=algorithm_label(frame) + tuned)
     ok = frame[frame["status"] == "ok"]
     keys = [c for c in CELL_COLUMNS]
     grouped = frame.groupby(keys, dropna=False)
@@ -97,13 +100,21 @@ def current_run_ids(folder: Path, fallback: pd.Series) -> set[str]:
     return {cell.run_id(seed) for cell in expand(grid) for seed in cell.seeds}
 
 
-def results_frame(folder: Path, traces: bool = False) -> pd.DataFrame:
-    """The ok runs of a results folder with their line label and parameter columns; with `traces`, their
-    checkpoints (one row per run and checkpoint) joined with those run columns."""
+def _manifest_grid(folder: Path) -> dict:
+    manifest = Path(folder) / "manifest.json"
+    return json.loads(manifest.read_text()).get("grid", {}) if manifest.exists() else {}
+
+
+def results_frame(folder: Path, traces: bool = False, select: bool = True) -> pd.DataFrame:
+    """The ok runs of a results folder with their line label and parameter columns (with `select` and a grid
+    `select:`, only the chosen candidates' runs); with `traces`, their checkpoints (one row per run and
+    checkpoint) joined with those run columns."""
     store = ResultStore(folder)
     runs = store.read()
     runs = runs[(runs["status"] == "ok") & runs["run_id"].isin(current_run_ids(folder, runs["run_id"]))]
     runs = with_params(runs.assign(label=line_labels(runs))) if len(runs) else runs.assign(label=[])
+    if select:  # a grid's `select:`: the chosen candidates' runs
+        runs = apply_selections(runs, _manifest_grid(folder))
     if traces:
         checkpoints = store.read_traces()
         keep = [c for c in runs.columns if c not in checkpoints.columns or c == "run_id"]

@@ -90,8 +90,10 @@ def draw_figure(folder: Path, spec: FigureSpec, fmt: str) -> list[Path]:
         fig = _noise_scale_figure(frame, spec)
     else:
         fig = _panel_figure(frame, spec)
-    fig.text(0.01, 0.005, _caption(folder, frame), fontsize=8, ha="left", va="bottom")
-    fig.tight_layout(rect=(0, 0.04, 1, 0.93 if spec.title else 1))
+    caption = "\n".join(textwrap.fill(line, int(fig.get_figwidth() * 15)) for line in _caption(folder, frame).split("\n"))
+    fig.text(0.01, 0.005, caption, fontsize=8, ha="left", va="bottom")
+    bottom = max(0.04, min(0.35, (caption.count("\n") + 1) * 0.15 / fig.get_figheight()))  # ~0.15 in per line
+    fig.tight_layout(rect=(0, bottom, 1, 0.93 if spec.title else 1))
     out = folder / "figures" / f"{spec.name}.{fmt}"
     out.parent.mkdir(parents=True, exist_ok=True)
     paths = [out]
@@ -227,4 +229,6 @@ def _caption(folder: Path, frame: pd.DataFrame) -> str:
     seeds = grid.get("seeds", frame["seed"].nunique() if "seed" in frame else "?")
     delta = grid.get("delta", "")
     delta = "1/n² (n = training records)" if delta == "1/n^2" else delta
-    return f"grid {folder.name}; mean ± 1 std over {seeds} seeds; δ = {delta}"
+    from dpsgd_cli.engine.selection import caption_of
+
+    return f"grid {folder.name}; mean ± 1 std over {seeds} seeds; δ = {delta}" + caption_of(grid)

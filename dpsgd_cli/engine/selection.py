@@ -1,0 +1,266 @@
+"""Hyperparameter selection after the runs (a grid's `select:`): which candidate each group uses, and what
+choosing it cost in privacy.
+
+`non_private`: per group, the candidate with the best mean score over seeds; its runs (their test metrics) are
+what plots and claims use. The choice looks at the validation set outside any accountant (or, for the
+optimistic reference `score: test_accuracy`, at the test set) and the table says so.
+
+`papernot_steinke` / `liu_talwar`: random search with a random number of trials K (privacy/tuning.py). Its
+output is simulated `searches` times from the grid's runs: K drawn, then K trials, each a uniformly drawn
+candidate and one of its runs (drawn with replacement) scored by its noisy validation accuracy (fresh noise
+per trial, see privacy/tuning.py `score_sigma`), the best released. These runs are the
+candidates trained for the selection (`tuning` column, σ calibrated so that tuning + training meets the cell's
+ε; see `base_epsilon`), or with `calibrate: false` the plain runs, whose total ε is then larger than their own.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import zlib
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import pandas as pd
+
+from dpsgd_cli.algorithms import Setting
+from dpsgd_cli.config import SelectSpec
+from dpsgd_cli.errors import UserError
+from dpsgd_cli.privacy.accounting import calibrate, calibrate_sigma
+from dpsgd_cli.privacy.tuning import (TUNING_ORDERS, Trials, dpsgd_rdp, liu_talwar_epsilon, score_laplace_scale,
+                                      score_sigma, tuned_epsilon)
+
+TABLE_COLUMNS = ["selection", "privacy", "group", "chosen", "score", "score_mean", "test_accuracy_mean",
+                 "test_accuracy_std", "runs", "epsilon", "epsilon_total", "delta", "expected_trials", "score_noise"]
+
+
+def selections(grid: dict) -> list[SelectSpec]:
+    """The `select:` entries of a grid as recorded in its manifest."""
+    return [SelectSpec(**s) for s in grid.get("select", [])]
+
+
+# ------------------------------------------------------------------------------ calibration of the candidates
+
+
+def base_epsilon(tuning: dict[str, Any], target: float, n: int, delta: float) -> float:
+    """The ε each candidate of a calibrated private selection is trained at, so that tuning + training is
+    (target, δ)-DP: Liu & Talwar: target/3; Papernot & Steinke: the largest common base ε whose candidates'
+    σ (calibrated to it by their own accountant) give a tuned mechanism within 0.1% below the target."""
+    return _base_epsilon(json.dumps(tuning, sort_keys=True), float(target), int(n), float(delta))
+
+
+@functools.lru_cache(maxsize=256)
+def _base_epsilon(tuning_json: str, target: float, n: int, delta: float) -> float:
+    tuning = json.loads(tuning_json)
+    if tuning["privacy"] == "liu_talwar":
+        return target / 3.0
+    trials = Trials(tuning["distribution"], tuning["mean"], tuning["eta"])
+    candidates = [_event_of(n, batch_size, epochs) + (accountant,) for batch_size, epochs, accountant in
+                  tuning["candidates"]]
+
+    def total(x: float) -> float:  # x = 1/ε_base: more "noise", less ε
+        try:
+            curves = [dpsgd_rdp(calibrate_sigma(1.0 / x, delta, q, steps, accountant).sigma, q, steps)
+                      for q, steps, accountant in candidates]
+        except Exception:  # ε_base below what the accountant certifies: never chosen
+            return float("inf")
+        return tuned_epsilon(TUNING_ORDERS, curves, trials, delta)
+
+    point = calibrate(total, target, sigma_min=1.0 / target, sigma_max=1e4, sigma_guess=2.0 / target,
+                      context=f" (base ε of a {tuning['privacy']} selection at ε = {target:g})")
+    return 1.0 / point.sigma
+
+
+def _event_of(n: int, batch_size: int, epochs: float) -> tuple[float, int]:
+    setting = Setting(n=n, d=1, delta=0.5, l2=0.0, batch_size=batch_size, epochs=epochs)
+    return setting.sample_rate, setting.steps
+
+
+# ------------------------------------------------------------------------------ choosing
+
+
+def apply_selections(runs: pd.DataFrame, grid: dict) -> pd.DataFrame:
+    """The runs plots and claims use: per selection and group the chosen candidate's runs (or the simulated
+    private searches' outputs), with columns `selection`, `selection_privacy`, `epsilon_total`. A grid without
+    `select:` keeps all its runs."""
+    specs = selections(grid)
+    if not specs or runs.empty:
+        return runs
+    chosen = [choose(runs, spec)[0] for spec in specs]
+    out = pd.concat(chosen, ignore_index=True)
+    if len(specs) > 1:  # each selection is a line of its own
+        out["label"] = out["label"] + " · " + out["selection"]
+    return out
+
+
+def caption_of(grid: dict) -> str:
+    """How the figure's hyperparameters were chosen, for its caption ('' without `select:`)."""
+    parts = []
+    for spec in selections(grid):
+        if spec.score == "test_accuracy":
+            how = "on the TEST set (optimistic)"
+        elif spec.privacy == "non_private":
+            how = f"on validation ({spec.score}), choice not accounted"
+        else:
+            how = (f"private random search on validation ({spec.privacy}, {spec.distribution} E[K] = {spec.mean:g}; "
+                   f"± std over {spec.searches} searches), "
+                   + ("ε = tuning + training" if spec.calibrate else "ε axis = total ε"))
+        parts.append(f"{spec.name}: {', '.join(spec.candidates)} {how}")
+    return ("\ntuned per " + " × ".join(selections(grid)[0].group_by) + ". " + "; ".join(parts)) if parts else ""
+
+
+def selection_table(runs: pd.DataFrame, grid: dict) -> pd.DataFrame:
+    """One row per selection and group: the choice, its score, the test metric of the chosen runs, the privacy."""
+    tables = [choose(runs, spec)[1] for spec in selections(grid)]
+    return pd.concat(tables, ignore_index=True) if tables else pd.DataFrame(columns=TABLE_COLUMNS)
+
+
+def choose(runs: pd.DataFrame, spec: SelectSpec) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(the chosen runs, the table of choices) of one selection."""
+    private = spec.privacy != "non_private"
+    tuned = runs["tuning"].astype(object).fillna("").astype(str) if "tuning" in runs else \
+        pd.Series("", index=runs.index)
+    wanted = spec.tuning_tag() if private and spec.calibrate else ""
+    pool = runs[(tuned == wanted) | ((tuned == "") & runs["epsilon"].isna())]  # non-private references stay
+    pool = pool.assign(_cand=_key(pool, spec.candidates), _group=_key(pool, spec.group_by))
+    picked, table = [], []
+    for group_key, group in pool.groupby("_group", sort=True):
+        if private and group["epsilon"].notna().any():
+            rows, row = _private_search(group, spec, group_key)
+        else:
+            rows, row = _best_mean(group, spec)
+        picked.append(rows)
+        table.append({"selection": spec.name, "group": _readable(group_key, spec.group_by), **row})
+    chosen = pd.concat(picked, ignore_index=True) if picked else pool.iloc[:0]
+    chosen = chosen.drop(columns=["_cand", "_group"]).assign(selection=spec.name)
+    chosen["label"] = _strip(chosen["label"], spec.candidates)
+    return chosen, pd.DataFrame(table, columns=TABLE_COLUMNS)
+
+
+def _best_mean(group: pd.DataFrame, spec: SelectSpec) -> tuple[pd.DataFrame, dict]:
+    """Non-private: the candidate with the best mean score over its seeds (the first on ties)."""
+    means = group.groupby("_cand", sort=True)[spec.score].mean()
+    best = (means.idxmin() if spec.score == "val_objective" else means.idxmax()) if means.notna().any() \
+        else means.index[0]
+    rows = group[group["_cand"] == best]
+    if group["epsilon"].isna().all():
+        privacy = "n/a: non-private algorithm"
+    elif spec.score == "test_accuracy":
+        privacy = "non-private, optimistic: chosen on the TEST set"
+    else:
+        privacy = "non-private: chosen on validation outside any accountant"
+    rows = rows.assign(selection_privacy=privacy, epsilon_total=np.nan)
+    return rows, _row(spec, privacy, _readable(best, spec.candidates), means[best], rows, rows["epsilon"].iloc[0],
+                      np.nan, rows["delta"].max(), None)
+
+
+def _private_search(group: pd.DataFrame, spec: SelectSpec, group_key: str) -> tuple[pd.DataFrame, dict]:
+    """Random search with K ~ spec's distribution trials, simulated spec.searches times (seeded by the group)."""
+    trials = spec.trials()
+    rng = np.random.default_rng(zlib.crc32(f"{spec.name}|{group_key}".encode()))
+    group = group.assign(_noise=_score_noise(group, spec))
+    runs = [part for _, part in group.groupby("_cand", sort=True)]
+    outputs = []
+    for search, k in enumerate(trials.sample(rng, spec.searches)):
+        if k == 0:  # a Poisson search may run no trial: it releases nothing
+            continue
+        which = rng.integers(len(runs), size=k)
+        tried = [runs[c].iloc[rng.integers(len(runs[c]))] for c in which]
+        scores = [t[spec.score] + _draw(rng, spec, t["_noise"]) / t["n_val"] for t in tried]
+        best = int(np.argmax(scores))  # the first on ties
+        outputs.append(tried[best].to_frame().T.assign(seed=search))
+    chosen = pd.concat(outputs, ignore_index=True).infer_objects().drop(columns="_noise")
+    total, delta = _total_epsilon(group, spec, trials)
+    privacy = (f"{spec.privacy} ({spec.distribution}, E[K] = {spec.mean:g}): ({total:.4g}, {delta:.3g})-DP for "
+               f"tuning + training" + ("" if spec.calibrate else " (not calibrated: above the candidates' ε)"))
+    if not spec.calibrate:
+        chosen["epsilon"] = total
+    chosen = chosen.assign(selection_privacy=privacy, epsilon_total=total)
+    counts = chosen["_cand"].value_counts()
+    top = f"{_readable(counts.index[0], spec.candidates)} in {counts.iloc[0] / len(chosen):.0%} of searches"
+    row = _row(spec, privacy, top, chosen[spec.score].mean(), chosen, group["epsilon"].iloc[0], total, delta,
+               trials.mean)
+    kind = "Laplace scale" if spec.privacy == "liu_talwar" else "Gaussian σ"
+    row["score_noise"] = (f"{kind} {group['_noise'].min():.3g}–{group['_noise'].max():.3g} correct predictions "
+                          f"of {int(group['n_val'].iloc[0])}")
+    return chosen, row
+
+
+def _total_epsilon(group: pd.DataFrame, spec: SelectSpec, trials: Trials) -> tuple[float, float]:
+    """(ε, δ) of tuning + training, from the runs' own noise (σ, q, T) or, for pure ε-DP runs, their ε."""
+    delta = float(group["delta"].max())
+    if spec.privacy == "liu_talwar":
+        return liu_talwar_epsilon(float(group["epsilon_achieved"].max())), 0.0
+    events = group[["sigma", "sample_rate", "steps"]].drop_duplicates()
+    curves = [dpsgd_rdp(float(s), float(q), int(t)) for s, q, t in events.itertuples(index=False)]
+    return tuned_epsilon(TUNING_ORDERS, curves, trials, delta), delta
+
+
+def _score_noise(group: pd.DataFrame, spec: SelectSpec) -> pd.Series:
+    """Per run, the noise scale (in counts) of its released validation score."""
+    if spec.privacy == "liu_talwar":
+        return group["epsilon_achieved"].map(score_laplace_scale)
+    return pd.Series([score_sigma(dpsgd_rdp(float(s), float(q), int(t))) for s, q, t in
+                      group[["sigma", "sample_rate", "steps"]].itertuples(index=False)], index=group.index)
+
+
+def _draw(rng: np.random.Generator, spec: SelectSpec, scale: float) -> float:
+    return rng.laplace(0.0, scale) if spec.privacy == "liu_talwar" else rng.normal(0.0, scale)
+
+
+def _row(spec: SelectSpec, privacy: str, chosen: str, score: float, rows: pd.DataFrame, epsilon: float,
+         total: float, delta: float, expected: Optional[float]) -> dict:
+    return {"privacy": privacy, "chosen": chosen, "score": spec.score, "score_mean": score,
+            "test_accuracy_mean": rows["test_accuracy"].mean(), "test_accuracy_std": rows["test_accuracy"].std(),
+            "runs": len(rows), "epsilon": epsilon, "epsilon_total": total, "delta": delta,
+            "expected_trials": expected, "score_noise": ""}
+
+
+def _key(frame: pd.DataFrame, columns: list[str]) -> pd.Series:
+    """One JSON string per row of the values of `columns` (missing → null), usable as a group key."""
+    if frame.empty:
+        return pd.Series([], dtype=str, index=frame.index)
+    missing = [c for c in columns if c not in frame.columns]
+    if missing:
+        raise KeyError(f"select: no column {missing[0]!r} in the results")
+    values = frame[columns].astype(object).where(frame[columns].notna(), None)
+    return pd.Series([json.dumps([_plain(v) for v in row]) for row in values.itertuples(index=False)],
+                     index=frame.index)
+
+
+def _plain(value: Any) -> Any:
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def _readable(key: str, columns: list[str]) -> str:
+    return ", ".join(f"{c}={'–' if v is None else (f'{v:g}' if isinstance(v, float) else v)}"
+                     for c, v in zip(columns, json.loads(key)))
+
+
+def _strip(labels: pd.Series, candidates: list[str]) -> pd.Series:
+    """Line labels without the candidate values (a tuned line's candidate may differ from one ε to the next)."""
+    pattern = re.compile(r" (?:" + "|".join(map(re.escape, candidates)) + r")=\S+")
+    return labels.astype(str).map(lambda s: pattern.sub("", s))
+
+
+def write_selection_tables(path) -> list[tuple[Path, pd.DataFrame]]:
+    """For each results folder under `path` whose grid has `select:`: its table of choices, also written to
+    `selection.csv` there. A UserError when none has one."""
+    from dpsgd_cli.engine.summary import results_frame
+    from dpsgd_cli.plots import grid_of, result_folders
+
+    out = []
+    for folder in result_folders(path):
+        grid = grid_of(folder)
+        if not grid.get("select"):
+            continue
+        runs = results_frame(folder, select=False)
+        table = selection_table(runs, grid)
+        table.to_csv(folder / "selection.csv", index=False)
+        out.append((folder, table))
+    if not out:
+        raise UserError(f"{path}: no grid here has `select:`; add one (see README, Hyperparameters) and rerun "
+                        "`dpsgd run` (selection changes no run)")
+    return out
