@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import fcntl
+import functools
 import io
 import json
 import os
@@ -63,6 +64,7 @@ def note(message: str) -> None:
     print(f"note: {message}", file=sys.stderr)
 
 
+@functools.lru_cache(maxsize=1)
 def library_versions() -> dict[str, str]:
     versions = {}
     for name in LIBRARIES:
@@ -374,7 +376,7 @@ class ResultStore:
             "grid_hash": grid_hash,
             "started": _iso(started),
             "finished": _iso(finished) if finished else None,
-            "libraries": library_versions(),
+            "libraries": dict(library_versions()),
             "machine": {"platform": platform.platform(), "python": platform.python_version(),
                         "processor": platform.processor() or platform.machine(), "cpus": os.cpu_count()},
             **extra,
