@@ -58,6 +58,8 @@ def run(
     from dpsgd_cli.algorithms.kernels import backend_description
     from dpsgd_cli.config import load_grid_file, select
     from dpsgd_cli.engine import execute, plan_grid, summary_frame
+    from dpsgd_cli.engine.results import note
+    from dpsgd_cli.engine.summary import read_results
 
     grids = select(load_grid_file(grid_file), only)
     plans = [plan_grid(g, out, resume=not no_resume, dry_run=dry_run) for g in grids]
@@ -86,6 +88,8 @@ def run(
                            f"run the same command again to resume", err=True)
                 raise typer.Exit(130)
     for plan in plans:
+        for line in read_results(plan.folder).notes():  # rows the table leaves out, and why
+            note(line)
         console.print(_summary_table(summary_frame(plan.folder), plan.grid.name))
     failures = [row for plan in plans for row in plan.failures]
     if failures:
