@@ -59,6 +59,8 @@ def run(
     from dpsgd_cli.algorithms.kernels import backend_description
     from dpsgd_cli.config import load_grid_file, select
     from dpsgd_cli.engine import execute, plan_grid, summary_frame
+    from dpsgd_cli.engine.results import note
+    from dpsgd_cli.engine.summary import read_results
 
     grids = select(load_grid_file(grid_file), only)
     plans = [plan_grid(g, out, resume=not no_resume, dry_run=dry_run) for g in grids]
@@ -88,7 +90,27 @@ def run(
                            f"run the same command again to resume", err=True)
                 raise typer.Exit(130)
     for plan in plans:
+        for line in read_results(plan.folder).notes():  # rows the table leaves out, and why
+            note(line)
         console.print(_summary_table(summary_frame(plan.folder), plan.grid.name))
+    failures = [row for plan in plans for row in plan.failures]
+    if failures:
+        _print_failures(failures)
+        raise typer.Exit(1)
+
+
+def _print_failures(rows: list[dict]) -> None:
+    """The failed runs' messages, most frequent first, each with the cells it hit (exit code 1 follows)."""
+    groups: dict[str, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(row.get("message") or "(no message)", []).append(row)
+    typer.echo(f"error: {len(rows)} run(s) failed (recorded as `failed` in runs.csv and tried again when the "
+               f"same command is rerun):", err=True)
+    for message, group in sorted(groups.items(), key=lambda item: -len(item[1])):
+        cells = sorted({f"{r['grid']}: {r['algorithm']} on {r['dataset']}"
+                        + (f" ε={_fmt(r['epsilon'])}" if r.get("epsilon") is not None else "") for r in group})
+        shown = ", ".join(cells[:3]) + (f", … ({len(cells)} cells)" if len(cells) > 3 else "")
+        typer.echo(f"  {len(group)}× {message}  [{shown}]", err=True)
 
 
 def _print_file_dataset_notes(plans) -> None:
@@ -113,13 +135,27 @@ def _plan_table(plan) -> Table:
     return table
 
 
+SUMMARY_AXES = [("ε", "epsilon"), ("B", "batch_size"), ("lr", "lr"), ("epochs", "epochs"), ("λ", "l2"),
+                ("C", "clip_norm"), ("dtype", "dtype")]
+
+
 def _summary_table(frame, name: str) -> Table:
-    table = Table("dataset", "model", "algorithm", "ε", "B", "lr", "runs", "test accuracy", "optimality gap",
-                  title=f"{name}: mean ± std over seeds")
+    """A row per cell; a column for ε and for every other axis that varies (the fixed ones go in the title);
+    a deterministic cell (every seed gave the same numbers, e.g. erm) is shown once, without ± 0."""
+    shown = [(h, c) for h, c in SUMMARY_AXES if c == "epsilon" or frame[c].nunique(dropna=True) > 1]
+    fixed = [f"{h} = {_fmt(frame[c].dropna().iloc[0])}" for h, c in SUMMARY_AXES
+             if (h, c) not in shown and c != "dtype" and frame[c].nunique(dropna=True) == 1]
+    title = f"{name}: mean ± std over seeds" + (f" ({', '.join(fixed)})" if fixed else "")
+    caption = "no ± : every seed gave the same result (deterministic)" if frame["identical"].any() else None
+    table = Table("dataset", "model", "algorithm", *(h for h, _ in shown), "runs", "test accuracy",
+                  "optimality gap", title=title, caption=caption)
     for _, r in frame.iterrows():
-        table.add_row(r["dataset"], r["model"], r["label"], _fmt(r["epsilon"]), _fmt(r["batch_size"]), _fmt(r["lr"]),
-                      f"{r['ok']}/{r['runs']}", f"{r['acc_mean']:.4f} ± {r['acc_std']:.4f}",
-                      f"{r['gap_mean']:.3g} ± {r['gap_std']:.2g}")
+        if r["identical"]:
+            numbers = [f"{r['ok']}/{r['runs']}", f"{r['acc_mean']:.4f}", f"{r['gap_mean']:.3g}"]
+        else:
+            numbers = [f"{r['ok']}/{r['runs']}", f"{r['acc_mean']:.4f} ± {r['acc_std']:.4f}",
+                       f"{r['gap_mean']:.3g} ± {r['gap_std']:.2g}"]
+        table.add_row(r["dataset"], r["model"], r["label"], *(_fmt(r[c]) for _, c in shown), *numbers)
     return table
 
 
@@ -145,8 +181,12 @@ def plot(
     """Draw the grid's paper figures, or a metric over ε (a panel per dataset and model, a line per algorithm)."""
     from dpsgd_cli.plots import plot_results
 
-    for path in plot_results(results_dir, metric=metric, fmt=fmt.value):
+    paths = plot_results(results_dir, metric=metric, fmt=fmt.value)
+    for path in paths:
         console.print(str(path))
+    if not paths:  # the notes above say why
+        typer.echo(f"error: nothing drawn from {results_dir}", err=True)
+        raise typer.Exit(1)
 
 
 # --- report --------------------------------------------------------------------------------------------
@@ -155,6 +195,8 @@ def report(
     results_dir: Path = typer.Argument(Path("results"), help="A grid's results folder, or the results root."),
 ) -> None:
     """Check the papers' claims listed in the grids against the results; print PASS/FAIL and write report.md."""
+    from rich.markup import escape
+
     from dpsgd_cli.report import build_report
 
     verdicts, path = build_report(results_dir)
@@ -167,6 +209,11 @@ def report(
     console.print(table)
     counts = {s: sum(v.status == s for v in verdicts) for s in colours}
     console.print(f"{counts['PASS']} PASS, {counts['FAIL']} FAIL, {counts['NO DATA']} NO DATA → {path}")
+    if not verdicts:
+        console.print(f"nothing to check: no grid under {results_dir} lists claims", highlight=False, markup=False)
+    elif not counts["PASS"] + counts["FAIL"]:  # each NO DATA row says why
+        typer.echo(f"error: no claim could be checked against the results in {results_dir}", err=True)
+        raise typer.Exit(1)
 
 
 # --- select --------------------------------------------------------------------------------------------

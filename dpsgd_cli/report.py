@@ -15,7 +15,8 @@ import pandas as pd
 
 from dpsgd_cli.config import ClaimSpec, FigureSpec
 from dpsgd_cli.engine.analytic import analytic_table
-from dpsgd_cli.engine.summary import results_frame, select
+from dpsgd_cli.engine.results import note
+from dpsgd_cli.engine.summary import read_results, results_frame, select
 from dpsgd_cli.plots import grid_of, result_folders
 
 
@@ -136,6 +137,9 @@ def evaluate(folder: Path, claim: ClaimSpec, figures: list[FigureSpec]) -> Verdi
     grid = Path(folder).name
     try:
         frame = claim_frame(folder, claim, figures)
+        if frame.empty and claim.source in ("runs", "traces"):
+            reason = read_results(folder).why_empty() or f"no {claim.source} rows"
+            return Verdict(grid, claim, "NO DATA", reason)
         limit = _limit(claim, figures)
         groups = list(frame.groupby(claim.group_by, sort=True)) if claim.group_by else [((), frame)]
         results = []
@@ -183,6 +187,8 @@ def build_report(path: Path) -> tuple[list[Verdict], Path]:
                 "twice the standard error of the difference; `spread` a one-sided F-test lower bound on the ratio "
                 "of standard deviations above 1 + tolerance).", ""]
     for folder in result_folders(path):
+        for line in read_results(folder).notes():
+            note(line)
         grid = grid_of(folder)
         figures = [FigureSpec(**f) for f in grid.get("figures", [])]
         claims = [ClaimSpec(**c) for c in grid.get("claims", [])]

@@ -1,18 +1,35 @@
-"""The results folder of a grid: `runs.csv` (one row per run, appended as runs finish) and `manifest.json`."""
+"""The results folder of a grid: `runs.csv` (one row per run, appended as runs finish), `traces.csv`,
+`manifest.json`, and `runs.lock` (held by the one process writing the folder).
+
+Crash safety: a task's rows go to disk in one write(2) that ends in a newline, then fsync; so a file whose
+last line has no newline was cut mid-write (disk full, OOM kill, power loss) and that line is moved aside to
+`<file>.rejected` when a writer next opens the file. Every rewrite copies the text of the rows it keeps
+verbatim (values, number formats, columns a user added), and replaces the file atomically.
+"""
 
 from __future__ import annotations
 
+import csv
+import fcntl
+import functools
+import io
 import json
 import os
 import platform
 import shutil
+import socket
+import sys
 import time
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Optional
 
+import numpy as np
 import pandas as pd
+
+from dpsgd_cli.errors import UserError
 
 COLUMNS = [
     "run_id", "cell_id", "grid", "dataset", "dataset_options", "n_train", "n_test", "d",
@@ -24,9 +41,31 @@ COLUMNS = [
     "n_val", "val_accuracy", "val_objective", "epsilon_base", "tuning",
 ]
 TRACE_COLUMNS = ["run_id", "cell_id", "seed", "examples", "train_objective", "optimality_gap", "train_accuracy"]
+NUMERIC = {
+    "n_train", "n_test", "d", "seed", "epsilon", "epsilon_achieved", "delta", "sigma", "batch_size", "lr", "epochs",
+    "steps", "sample_rate", "l2", "clip_norm", "test_accuracy", "test_loss", "train_accuracy", "train_objective",
+    "optimal_objective", "optimality_gap", "noiseless_fraction", "wall_time", "examples",
+}
+STATUSES = {"ok", "diverged", "failed"}
+FINAL = ("ok", "diverged")  # final results; `failed` runs are tried again when the grid resumes
 LIBRARIES = ["dpsgd", "numpy", "scipy", "pandas", "scikit-learn", "dp-accounting", "pydantic", "joblib"]
+LOCK_NAME = "runs.lock"
 
 
+class ResultsWriteError(UserError):
+    """The results folder could not be written (disk full, read-only, ...): the message says what is saved."""
+
+
+class FolderLocked(UserError):
+    """Another process is writing the results folder."""
+
+
+def note(message: str) -> None:
+    """One line on stderr for something the user should know but that is not an error."""
+    print(f"note: {message}", file=sys.stderr)
+
+
+@functools.lru_cache(maxsize=1)
 def library_versions() -> dict[str, str]:
     versions = {}
     for name in LIBRARIES:
@@ -37,6 +76,295 @@ def library_versions() -> dict[str, str]:
     return versions
 
 
+# --- reading a CSV line by line ----------------------------------------------------------------------------
+@dataclass
+class CsvScan:
+    """A results CSV split into its header, its valid rows (raw text and fields), its malformed complete
+    lines (wrong number of fields, a non-number in a numeric column, no run id, unknown status) and an
+    incomplete last line (no newline: cut mid-write)."""
+
+    header: list[str] = field(default_factory=list)
+    header_text: str = ""
+    rows: list[list[str]] = field(default_factory=list)
+    lines: list[str] = field(default_factory=list)  # raw text of each valid row, ending in "\n"
+    bad: list[str] = field(default_factory=list)
+    partial: bytes = b""
+
+    def frame(self) -> pd.DataFrame:
+        """The valid rows as pandas reads them (numbers parsed back exactly)."""
+        if not self.header:
+            return pd.DataFrame()
+        text = self.header_text + "".join(self.lines)
+        strings = {c: str for c in ("run_id", "cell_id", "grid", "status", "message") if c in self.header}
+        return pd.read_csv(io.StringIO(text), dtype=strings)
+
+
+def scan_csv(path: Path) -> CsvScan:
+    """Read a results CSV tolerantly (see `CsvScan`); a missing or empty file is an empty scan."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return CsvScan()
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    cut = data.rfind(b"\n") + 1
+    scan = CsvScan(partial=data[cut:])
+    records, raws = _records([p + "\n" for p in data[:cut].decode("utf-8", errors="surrogateescape").split("\n")[:-1]])
+    if not records:
+        return scan
+    scan.header, scan.header_text = records[0], raws[0]
+    if "run_id" not in scan.header or len(set(scan.header)) < len(scan.header):
+        raise UserError(f"{path}: the first line is not a results header (no run_id column, or a column twice); "
+                        f"move the file away and rerun")
+    valid = _valid(records[1:], raws[1:], scan.header)
+    scan.rows = [r for r, ok in zip(records[1:], valid) if ok]
+    scan.lines = [r for r, ok in zip(raws[1:], valid) if ok]
+    scan.bad = [r for r, ok in zip(raws[1:], valid) if not ok]
+    return scan
+
+
+def _records(pieces: list[str]) -> tuple[list[list[str]], list[str]]:
+    """The CSV records of the lines and the raw text of each (a quoted field may span lines)."""
+    try:
+        records = list(csv.reader(pieces))
+        if len(records) == len(pieces):  # one record per line: the common case
+            return records, pieces
+    except csv.Error:
+        pass
+    records, raws, used = [], [], 0
+    reader = csv.reader(iter(pieces))
+    try:
+        for fields in reader:
+            records.append(fields)
+            raws.append("".join(pieces[used:reader.line_num]))
+            used = reader.line_num
+    except csv.Error:  # an unbalanced quote swallowed the rest of the file: one bad record
+        records.append([])
+        raws.append("".join(pieces[used:]))
+    return records, raws
+
+
+def _valid(records: list[list[str]], raws: list[str], header: list[str]) -> np.ndarray:
+    """Per record: the header's number of fields, a run id, a known status, numbers in numeric columns,
+    UTF-8 text (column-wise: traces.csv can have 10⁵ rows)."""
+    valid = np.fromiter((len(r) == len(header) for r in records), bool, len(records))
+    complete = [r for r, ok in zip(records, valid) if ok]
+    if complete:
+        columns = dict(zip(header, map(np.array, zip(*complete))))
+        ok = columns["run_id"] != ""
+        if "status" in columns:
+            ok &= np.isin(columns["status"], sorted(STATUSES))
+        for column in NUMERIC.intersection(header):
+            ok &= _numbers(columns[column])
+        valid[np.flatnonzero(valid)] = ok
+    if not all(map(str.isascii, raws)):  # bytes that were not UTF-8 were decoded to lone surrogates
+        valid &= [not any("\udc80" <= ch <= "\udcff" for ch in raw) for raw in raws]
+    return valid
+
+
+def _numbers(cells: np.ndarray) -> np.ndarray:
+    """Whether each cell is empty or a number as Python's float() reads it ("nan" and "inf" included)."""
+    try:
+        np.where(cells == "", "nan", cells).astype(float)
+        return np.ones(len(cells), bool)
+    except ValueError:
+        return np.array([cell == "" or _is_float(cell) for cell in cells], dtype=bool)
+
+
+def _is_float(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+# --- writing ------------------------------------------------------------------------------------------------
+def _text(value: Any) -> str:
+    """A cell: numbers with repr precision (they read back bit-identical), NaN/None empty, one line."""
+    if value is None:
+        return ""
+    if isinstance(value, (bool, np.bool_)):
+        return str(bool(value))
+    if isinstance(value, (int, np.integer)):
+        return str(int(value))
+    if isinstance(value, (float, np.floating)):
+        number = float(value)
+        return "" if number != number else repr(number)
+    return " ".join(str(value).splitlines())  # a row is one line: a newline only ever ends a row
+
+
+def _csv_lines(rows: Iterable[list[str]]) -> str:
+    buffer = io.StringIO()
+    csv.writer(buffer, lineterminator="\n").writerows(rows)
+    return buffer.getvalue()
+
+
+def _append_bytes(path: Path, data: bytes) -> None:
+    """One write of whole rows, then fsync; on failure the file is cut back to where it was."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        except OSError:
+            try:
+                os.ftruncate(fd, size)  # leave no half row behind
+            except OSError:
+                pass
+            raise
+    finally:
+        os.close(fd)
+
+
+def _replace(path: Path, text: str) -> None:
+    """Replace `path` atomically (a crash leaves the old or the new file, never half of one)."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8", errors="surrogateescape", newline="") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _set_aside(path: Path, lines: list[str], partial: bytes) -> Path:
+    side = path.with_name(path.name + ".rejected")
+    data = "".join(lines).encode("utf-8", errors="surrogateescape") + (partial + b"\n" if partial else b"")
+    _append_bytes(side, data)
+    return side
+
+
+_FRAMES: dict[tuple, pd.DataFrame] = {}
+
+
+class CsvFile:
+    """An append-only results CSV (runs.csv or traces.csv) with crash recovery."""
+
+    def __init__(self, path: Path, columns: list[str]):
+        self.path = Path(path)
+        self.columns = columns
+
+    def read(self) -> pd.DataFrame:
+        """The valid rows (cached while the file is unchanged: figures and claims read it many times)."""
+        try:
+            stat = self.path.stat()
+        except OSError:
+            return pd.DataFrame(columns=self.columns)
+        key = (str(self.path.resolve()), stat.st_mtime_ns, stat.st_size)
+        if key not in _FRAMES:
+            frame = scan_csv(self.path).frame()
+            _FRAMES.clear()  # one file at a time is enough
+            _FRAMES[key] = frame if len(frame.columns) else pd.DataFrame(columns=self.columns)
+        return _FRAMES[key].copy()
+
+    def recover(self, keep: Optional[Callable[[dict[str, str]], bool]] = None) -> list[dict[str, str]]:
+        """Writers only (under the folder's lock): set aside an incomplete last line and malformed lines,
+        add missing columns, drop the rows `keep` rejects; rewrite only if something changed. Returns the
+        kept rows (as text)."""
+        scan = scan_csv(self.path)
+        if not scan.header_text:  # missing, empty, or only a cut header
+            if scan.partial or scan.bad:
+                side = _set_aside(self.path, scan.bad, scan.partial)
+                self.path.unlink()
+                note(f"{self.path}: had no complete header (cut mid-write); moved its content to {side}")
+            return []
+        missing = [c for c in self.columns if c not in scan.header]  # written by an older version
+        header = self.columns + [c for c in scan.header if c not in self.columns] if missing else scan.header
+        records = [dict(zip(scan.header, row)) for row in scan.rows]
+        kept = [i for i, r in enumerate(records) if keep is None or keep(r)]
+        if not scan.partial and not scan.bad and header == scan.header and len(kept) == len(records):
+            return records
+        if scan.partial or scan.bad:
+            side = _set_aside(self.path, scan.bad, scan.partial)
+            what = [f"{len(scan.bad)} malformed row(s)"] if scan.bad else []
+            what += [f"an incomplete last row ({len(scan.partial)} bytes, cut mid-write)"] if scan.partial else []
+            note(f"{self.path}: moved {' and '.join(what)} to {side}; those runs will be redone")
+        if header == scan.header:
+            body = "".join(scan.lines[i] for i in kept)  # verbatim
+        else:
+            body = _csv_lines([records[i].get(c, "") for c in header] for i in kept)
+        _replace(self.path, _csv_lines([header]) + body)
+        return [records[i] for i in kept]
+
+    def append(self, rows: Iterable[dict[str, Any]]) -> None:
+        rows = list(rows)
+        if not rows:
+            return
+        header = self._header()
+        if header is None or not set(self.columns) <= set(header) or not self._ends_with_newline():
+            self.recover()
+            header = self._header()
+        text = "" if header else _csv_lines([self.columns])
+        header = header or self.columns
+        text += _csv_lines([_text(row.get(c)) for c in header] for row in rows)
+        _append_bytes(self.path, text.encode("utf-8", errors="surrogateescape"))
+
+    def _header(self) -> Optional[list[str]]:
+        try:
+            with open(self.path, newline="", encoding="utf-8", errors="surrogateescape") as fh:
+                first = fh.readline()
+        except FileNotFoundError:
+            return None
+        return next(csv.reader([first])) if first.endswith("\n") else None
+
+    def _ends_with_newline(self) -> bool:
+        with open(self.path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            if fh.tell() == 0:
+                return True
+            fh.seek(-1, os.SEEK_END)
+            return fh.read(1) == b"\n"
+
+
+# --- the lock -----------------------------------------------------------------------------------------------
+_HELD: dict[str, int] = {}  # folder → fd of its lock file, for the folders this process writes
+
+
+def acquire_lock(folder: Path) -> None:
+    """Take the folder's writer lock (an flock on `runs.lock`, released by the OS when the process dies, so
+    it is never stale); raise FolderLocked naming the holder (pid, host, start, command) if another has it."""
+    key = os.path.realpath(folder)
+    if key in _HELD:
+        return
+    path = Path(folder) / LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 4096, 0).decode("utf-8", errors="replace").strip() or "a process (details not yet written)"
+        os.close(fd)
+        raise FolderLocked(f"{folder}: another dpsgd process is writing this results folder: {holder}; wait for "
+                           f"it to finish (or stop it), or use another --out") from None
+    except OSError:
+        os.close(fd)
+        raise
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    command = " ".join(["dpsgd", *sys.argv[1:]])[:300]
+    info = f"pid {os.getpid()} on host {socket.gethostname()} since {started} ({command})\n"
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, info.encode(), 0)
+    _HELD[key] = fd
+
+
+def release_lock(folder: Path) -> None:
+    fd = _HELD.pop(os.path.realpath(folder), None)
+    if fd is not None:
+        try:
+            os.ftruncate(fd, 0)
+        except OSError:
+            pass
+        os.close(fd)  # closing the last descriptor releases the flock
+
+
+# --- the store ----------------------------------------------------------------------------------------------
 class ResultStore:
     """Append-only CSV of finished runs. Runs with status `ok` or `diverged` are final (diverging is a
     deterministic result); `failed` runs are dropped when a grid resumes, so they are tried again."""
@@ -45,43 +373,44 @@ class ResultStore:
         self.folder = Path(folder)
         self.csv = self.folder / "runs.csv"
         self.traces_csv = self.folder / "traces.csv"
+        self.runs_file = CsvFile(self.csv, COLUMNS)
+        self.traces_file = CsvFile(self.traces_csv, TRACE_COLUMNS)
 
     def read(self) -> pd.DataFrame:
-        if not self.csv.exists() or self.csv.stat().st_size == 0:
-            return pd.DataFrame(columns=COLUMNS)
-        return pd.read_csv(self.csv, dtype={"run_id": str, "cell_id": str})
+        """The valid rows of runs.csv (every status; see `summary.read_results` for what readers show)."""
+        return self.runs_file.read()
+
+    def read_traces(self) -> pd.DataFrame:
+        return self.traces_file.read()
 
     def start(self, resume: bool) -> set[str]:
-        """Prepare the folder; return the run ids already final. Without resume, the old CSV is kept as a backup."""
-        self.folder.mkdir(parents=True, exist_ok=True)
-        if not resume:
-            stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-            for path in (self.csv, self.traces_csv):
-                if path.exists():
-                    shutil.move(path, path.with_name(f"{path.stem}.{stamp}.csv.bak"))
-        frame = self.read()
-        final = frame[frame["status"].isin(["ok", "diverged"])]
-        if len(final) < len(frame):  # rewrite without the failed rows, atomically
-            self._write(final.drop_duplicates("run_id", keep="last"))
-        done = set(final["run_id"].astype(str))
-        traces = self.read_traces()
-        if len(traces) and not traces["run_id"].isin(done).all():  # checkpoints of runs that never finished
-            _write_csv(self.traces_csv, traces[traces["run_id"].isin(done)], TRACE_COLUMNS)
+        """Take the folder's lock, recover the files from any crash, and return the run ids already final.
+        Without resume, the old CSVs are kept as backups."""
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            acquire_lock(self.folder)
+            if not resume:
+                stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+                for path in (self.csv, self.traces_csv):
+                    if path.exists():
+                        shutil.move(path, path.with_name(f"{path.stem}.{stamp}.csv.bak"))
+            seen: set[str] = set()  # a run id counts once (the first final row)
+            final = self.runs_file.recover(
+                keep=lambda row: row.get("status") in FINAL and not (row["run_id"] in seen or seen.add(row["run_id"])))
+            done = {row["run_id"] for row in final}
+            # checkpoints of runs that never finished go, so that a run in runs.csv has exactly its traces
+            self.traces_file.recover(keep=lambda row: row["run_id"] in done)
+        except OSError as exc:
+            raise ResultsWriteError(f"{self.folder}: cannot write the results folder ({_reason(exc)}); nothing "
+                                    f"was run and the files there are unchanged; fix it (free space, "
+                                    f"permissions) or use another --out") from None
         return done
 
     def append(self, rows: Iterable[dict[str, Any]]) -> None:
-        _append_csv(self.csv, rows, COLUMNS)
+        self.runs_file.append(rows)
 
     def append_traces(self, rows: Iterable[dict[str, Any]]) -> None:
-        _append_csv(self.traces_csv, rows, TRACE_COLUMNS)
-
-    def read_traces(self) -> pd.DataFrame:
-        if not self.traces_csv.exists():
-            return pd.DataFrame(columns=TRACE_COLUMNS)
-        return pd.read_csv(self.traces_csv, dtype={"run_id": str, "cell_id": str})
-
-    def _write(self, frame: pd.DataFrame) -> None:
-        _write_csv(self.csv, frame, COLUMNS)
+        self.traces_file.append(rows)
 
     def write_manifest(self, grid: dict[str, Any], grid_hash: str, started: float, finished: float | None,
                        **extra: Any) -> None:
@@ -90,37 +419,32 @@ class ResultStore:
             "grid_hash": grid_hash,
             "started": _iso(started),
             "finished": _iso(finished) if finished else None,
-            "libraries": library_versions(),
+            "libraries": dict(library_versions()),
             "machine": {"platform": platform.platform(), "python": platform.python_version(),
                         "processor": platform.processor() or platform.machine(), "cpus": os.cpu_count()},
             **extra,
         }
-        tmp = self.folder / "manifest.json.tmp"
-        tmp.write_text(json.dumps(manifest, indent=2, default=str))
-        os.replace(tmp, self.folder / "manifest.json")
+        _replace(self.folder / "manifest.json", json.dumps(manifest, indent=2, default=str))
 
 
-def _append_csv(path: Path, rows: Iterable[dict[str, Any]], columns: list[str]) -> None:
-    rows = list(rows)
-    if not rows:
-        return
-    if path.exists() and path.stat().st_size:
-        with open(path) as fh:
-            existing = fh.readline().rstrip("\r\n").split(",")
-        if existing != columns:  # written by an older version with other columns: rewrite it once
-            _write_csv(path, pd.read_csv(path, dtype={"run_id": str, "cell_id": str}), columns)
-    header = not path.exists() or path.stat().st_size == 0
-    with open(path, "a", newline="") as fh:
-        pd.DataFrame(rows).reindex(columns=columns).to_csv(fh, header=header, index=False)
-        fh.flush()
-        os.fsync(fh.fileno())
+def read_manifest(folder: Path) -> Optional[dict]:
+    """The folder's manifest, None if there is none; a corrupt one is a one-line UserError."""
+    path = Path(folder) / "manifest.json"
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{path}: corrupt manifest ({exc}); rerun `dpsgd run` on its grid to rewrite it, or "
+                        f"delete it (every row of runs.csv then counts)") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("grid", {}), dict):
+        raise UserError(f"{path}: corrupt manifest (not an object with a `grid` object); rerun `dpsgd run` on "
+                        f"its grid to rewrite it, or delete it")
+    return manifest
 
 
-def _write_csv(path: Path, frame: pd.DataFrame, columns: list[str]) -> None:
-    """Replace `path` atomically (a crash leaves the old or the new file, never half of one)."""
-    tmp = path.with_suffix(".csv.tmp")
-    frame.reindex(columns=columns).to_csv(tmp, index=False)
-    os.replace(tmp, path)
+def _reason(exc: OSError) -> str:
+    return f"{exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else "")
 
 
 def _iso(stamp: float) -> str:

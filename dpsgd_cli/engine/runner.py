@@ -5,6 +5,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
+import signal
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -20,7 +23,7 @@ from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.config import DELTA_RULE, Cell, Grid, expand
 from dpsgd_cli.data import Dataset, DatasetSpec, load_dataset, with_validation
 from dpsgd_cli.engine.analytic import write_analytic_tables
-from dpsgd_cli.engine.results import COLUMNS, ResultStore, now
+from dpsgd_cli.engine.results import COLUMNS, ResultStore, ResultsWriteError, now, release_lock
 from dpsgd_cli.engine.selection import base_epsilon
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import make_model
@@ -187,6 +190,7 @@ class GridRun:
     cells: list[Cell]
     tasks: list[Task] = field(default_factory=list)
     done_before: int = 0
+    failures: list[dict[str, Any]] = field(default_factory=list)  # the rows of this session's failed runs
 
     @property
     def total_runs(self) -> int:
@@ -231,21 +235,33 @@ def grid_hash(grid: Grid) -> str:
 
 
 def execute(run: GridRun, jobs: int = 1, on_rows: Optional[Callable[[list[dict]], None]] = None) -> int:
-    """Run the pending tasks, appending each task's rows to runs.csv (and traces.csv) as it finishes."""
+    """Run the pending tasks, appending each task's rows to runs.csv (and traces.csv) as it finishes; the
+    failed runs' rows are collected in `run.failures`. Releases the folder's lock at the end."""
     store = ResultStore(run.folder)
     started = now()
-    store.write_manifest(run.grid.model_dump(mode="json"), grid_hash(run.grid), started, None,
-                         cells=len(run.cells), runs=run.total_runs)
-    write_analytic_tables(run.grid, run.folder)
-    done = 0
-    for result in _results(run.tasks, jobs):
-        store.append_traces(result.traces)  # first: a run in runs.csv always has its traces
-        store.append(result.rows)
-        done += len(result.rows)
-        if on_rows:
-            on_rows(result.rows)
-    store.write_manifest(run.grid.model_dump(mode="json"), grid_hash(run.grid), started, now(),
-                         cells=len(run.cells), runs=run.total_runs)
+    done, writing = 0, []
+    manifest = lambda finished: store.write_manifest(run.grid.model_dump(mode="json"), grid_hash(run.grid), started,
+                                                     finished, cells=len(run.cells), runs=run.total_runs)
+    try:
+        manifest(None)
+        write_analytic_tables(run.grid, run.folder)
+        for result in _results(run.tasks, jobs):
+            writing = result.rows
+            store.append_traces(result.traces)  # first: a run in runs.csv always has its traces
+            store.append(result.rows)
+            writing, done = [], done + len(result.rows)
+            run.failures += [row for row in result.rows if row["status"] == "failed"]
+            if on_rows:
+                on_rows(result.rows)
+        manifest(now())
+    except OSError as exc:
+        lost = f"; the {len(writing)} run(s) being written were not saved" if writing else ""
+        raise ResultsWriteError(
+            f"{run.folder}: cannot write ({exc.strerror or exc}); {run.done_before + done} of the grid's "
+            f"{run.total_runs} runs are saved in runs.csv ({done} from this session){lost}; fix it (free space, "
+            f"permissions) and run the same command again to resume") from None
+    finally:
+        release_lock(run.folder)
     return done
 
 
@@ -255,5 +271,26 @@ def _results(tasks: list[Task], jobs: int) -> Iterator[TaskResult]:
         return
     from joblib import Parallel, delayed
 
-    parallel = Parallel(n_jobs=jobs, return_as="generator_unordered")
+    parallel = Parallel(n_jobs=jobs, return_as="generator_unordered", initializer=die_with_parent,
+                        initargs=(os.getpid(),))
     yield from parallel(delayed(run_task)(task, single_thread=True) for task in tasks)
+
+
+def die_with_parent(parent: int) -> None:
+    """Worker initializer: end this worker when the `dpsgd run` process dies, even by kill -9 (loky workers
+    would otherwise finish their task and idle for minutes). Linux: the kernel sends SIGKILL on the parent's
+    death (prctl PR_SET_PDEATHSIG), whatever the worker is doing; elsewhere a thread watches the parent pid."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    if os.getppid() != parent:  # it died before the signal was armed
+        os._exit(1)
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import difflib
 import textwrap
-import json
 from pathlib import Path
 from typing import Optional
 
@@ -21,7 +20,8 @@ import pandas as pd  # noqa: E402
 
 from dpsgd_cli.config import FigureSpec  # noqa: E402
 from dpsgd_cli.engine.analytic import analytic_table  # noqa: E402
-from dpsgd_cli.engine.summary import results_frame, select  # noqa: E402
+from dpsgd_cli.engine.results import note, read_manifest  # noqa: E402
+from dpsgd_cli.engine.summary import read_results, results_frame, select  # noqa: E402
 from dpsgd_cli.errors import UserError  # noqa: E402
 
 METRICS = {
@@ -51,8 +51,8 @@ def result_folders(path: Path) -> list[Path]:
 
 def grid_of(folder: Path) -> dict:
     """The grid as recorded in the folder's manifest (its figures and claims included)."""
-    manifest = Path(folder) / "manifest.json"
-    return json.loads(manifest.read_text()).get("grid", {}) if manifest.exists() else {}
+    manifest = read_manifest(folder)
+    return manifest.get("grid", {}) if manifest else {}
 
 
 def plot_results(path: Path, metric: Optional[str] = None, fmt: str = "png") -> list[Path]:
@@ -63,6 +63,8 @@ def plot_results(path: Path, metric: Optional[str] = None, fmt: str = "png") -> 
         raise UserError(f"--metric {metric}: unknown metric{hint}; choose one of {', '.join(METRICS)}")
     paths: list[Path] = []
     for folder in result_folders(path):
+        for line in read_results(folder).notes():
+            note(line)
         figures = [FigureSpec(**f) for f in grid_of(folder).get("figures", [])] if metric is None else []
         if not figures:
             column = METRICS[metric or "accuracy"][0]
@@ -85,6 +87,7 @@ def draw_figure(folder: Path, spec: FigureSpec, fmt: str) -> list[Path]:
         return paths
     frame = _frame_for(folder, spec)
     if frame.empty:
+        note(f"{folder}: figure {spec.name!r} not drawn: {_why_empty(folder, spec)}")
         return []
     if spec.kind == "noise_scale":
         fig = _noise_scale_figure(frame, spec)
@@ -109,7 +112,21 @@ def _frame_for(folder: Path, spec: FigureSpec) -> pd.DataFrame:
     if spec.kind == "noise_scale":
         return analytic_table(folder, spec)
     runs = results_frame(folder, traces=spec.kind == "traces")
-    return select(runs, spec.where) if len(runs) else runs
+    try:
+        return select(runs, spec.where) if len(runs) else runs
+    except KeyError as exc:
+        raise UserError(f"{folder}: figure {spec.name!r}: `where` {str(exc).strip(chr(34) + chr(39))}") from None
+
+
+def _why_empty(folder: Path, spec: FigureSpec) -> str:
+    if spec.kind == "noise_scale":
+        return "its analytic table is empty"
+    reason = read_results(folder).why_empty()
+    if reason:
+        return reason
+    if spec.kind == "traces":
+        return "no checkpoint in traces.csv matches its runs (set `trace_every` in the grid and rerun)"
+    return f"no ok run matches its `where: {spec.where}`" if spec.where else "no ok run to draw"
 
 
 def _panel_figure(frame: pd.DataFrame, spec: FigureSpec):
