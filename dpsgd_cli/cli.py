@@ -58,8 +58,10 @@ def run(
     from dpsgd_cli.algorithms.kernels import backend_description
     from dpsgd_cli.config import load_grid_file, select
     from dpsgd_cli.engine import execute, plan_grid, summary_frame
+    from dpsgd_cli.engine.checks import check_grids
 
     grids = select(load_grid_file(grid_file), only)
+    check_grids(grids)  # every figure, claim and limit, before any work
     plans = [plan_grid(g, out, resume=not no_resume, dry_run=dry_run) for g in grids]
     console.print(backend_description(), highlight=False, markup=False)
     for plan in plans:

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import pandas as pd
 
-from dpsgd_cli.config import FigureSpec, Grid
+from dpsgd_cli.config import FigureSpec, Grid, NoiseScaleParams, PrivacyCurveParams
 
 # (label, accounting, formula, amplification) of bassily2014 in the noise-scale figure (Bellet's lecture)
 NOISE_ACCOUNTINGS = [
@@ -31,9 +31,9 @@ def privacy_curve_table(params: dict[str, Any]) -> pd.DataFrame:
     from dpsgd_cli.plots.privacy_curve import k_values
     from dpsgd_cli.privacy.dynamics import privacy_curve
 
-    params = dict(params)
-    ks = k_values(int(params.pop("k_max", 1000)), int(params.pop("points", 200)), log=bool(params.pop("log_x", False)))
-    wide = privacy_curve(ks, **params)
+    p = PrivacyCurveParams.model_validate(params)
+    curve = p.model_dump(exclude={"k_max", "points", "log_x"})
+    wide = privacy_curve(k_values(p.k_max, p.points, log=p.log_x), **curve)
     return wide.melt(id_vars="K", var_name="bound", value_name="rdp_epsilon")
 
 
@@ -42,24 +42,27 @@ def noise_scale_table(params: dict[str, Any]) -> pd.DataFrame:
     (panel "T"), and over n at fixed epochs (panel "n"). Columns panel, accounting, n, steps, sigma."""
     from dpsgd_cli.algorithms.bassily import calibrate_bassily
 
-    epsilon = float(params.get("epsilon", 1.0))
-    n_fixed = int(params.get("n", 30162))
-    epochs_axis = [float(e) for e in params.get("epochs", [0.1, 0.3, 1, 3])]
-    n_axis = [int(v) for v in params.get("n_values", [1000, 3000, 10000, 30000])]
-    epochs_fixed = float(params.get("epochs_fixed", 1.0))
-    skip = set(params.get("skip", []))
-    points = [("T", n_fixed, round(e * n_fixed)) for e in epochs_axis]
-    points += [("n", n, round(epochs_fixed * n)) for n in n_axis]
+    p = NoiseScaleParams.model_validate(params)
+    points = [("T", p.n, max(1, round(e * p.n))) for e in p.epochs]
+    points += [("n", n, max(1, round(p.epochs_fixed * n))) for n in p.n_values]
     rows = []
     for label, accounting, formula, amplification in NOISE_ACCOUNTINGS:
-        if label in skip:
+        if label in p.skip:
             continue
         for panel, n, steps in points:
-            privacy = calibrate_bassily(epsilon, 1.0 / n**2, n, steps, 1.0, accounting, formula, amplification)
-            rows.append({"panel": panel, "accounting": label, "n": n, "steps": steps, "epsilon": epsilon,
+            privacy = calibrate_bassily(p.epsilon, 1.0 / n**2, n, steps, 1.0, accounting, formula,
+                                        amplification)
+            rows.append({"panel": panel, "accounting": label, "n": n, "steps": steps, "epsilon": p.epsilon,
                          "delta": 1.0 / n**2, "sigma": privacy.sigma})
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows, columns=TABLE_COLUMNS["noise_scale"])
 
+
+# the columns of each analytic table (what claims on it may name; checked by `dpsgd run`)
+TABLE_COLUMNS = {
+    "privacy_curve": ["K", "bound", "rdp_epsilon"],
+    "noise_scale": ["panel", "accounting", "n", "steps", "epsilon", "delta", "sigma"],
+}
+NUMERIC_TABLE_COLUMNS = {"K", "rdp_epsilon", "n", "steps", "epsilon", "delta", "sigma"}
 
 ANALYTIC: dict[str, Callable[[dict[str, Any]], pd.DataFrame]] = {
     "privacy_curve": privacy_curve_table,
