@@ -19,6 +19,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dpsgd_cli.algorithms import ALGORITHMS, AXES
+from dpsgd_cli.analytic_params import EPSILON_RANGE, NoiseScaleParams, PrivacyCurveParams
 from dpsgd_cli.data.spec import DatasetSpec
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import MODELS
@@ -112,7 +113,6 @@ class Axes(_Strict):
         return values
 
 
-EPSILON_RANGE = (1e-3, 1e3)  # outside it no noise scale is both representable and meaningful
 STEP_SIZE_MAX = 1e6  # lr, clip_norm, l2 beyond this overflow float64 within a few steps
 
 
@@ -165,32 +165,6 @@ def _safe_name(value: str) -> str:
 
 SafeName = Annotated[str, AfterValidator(_safe_name)]
 Selection = dict[str, Any]  # column → value, list of values, or a comparison string like ">=1"
-
-
-class PrivacyCurveParams(_Strict):
-    """Parameters of the privacy curve (`kind: privacy_curve` figures and `dpsgd privacy-curve`); the defaults
-    are the parameters of Chourasia et al.'s talk. The bounds are what both accept."""
-
-    alpha: float = Field(30.0, gt=1, le=1e6, description="Rényi order α")
-    sigma: float = Field(0.02, gt=0, le=1e6, description="noise σ of the update's √(2ησ²) N(0, I)")
-    sensitivity: float = Field(4.0, ge=0, le=1e6, description="gradient sensitivity S_g")
-    eta: float = Field(0.02, gt=0, le=1e3, description="step size η")
-    lam: float = Field(1.0, gt=0, le=1e6, description="strong convexity λ")
-    n: int = Field(5000, ge=1, le=10**12, description="number of records n")
-    k_max: int = Field(1000, ge=1, le=10**9, description="largest number of steps K")
-    points: int = Field(200, ge=2, le=100_000, description="number of K values")
-    log_x: bool = Field(False, description="K values spread on a log scale")
-
-
-class NoiseScaleParams(_Strict):
-    """Parameters of a `noise_scale` figure: σ of bassily2014 over T = epochs·n (n fixed) and over n."""
-
-    epsilon: float = Field(1.0, ge=EPSILON_RANGE[0], le=EPSILON_RANGE[1])
-    n: int = Field(30162, ge=2, le=10**7, description="records of the T panel")
-    epochs: list[Annotated[float, Field(gt=0, le=100)]] = Field([0.1, 0.3, 1, 3], min_length=1)
-    n_values: list[Annotated[int, Field(ge=2, le=10**7)]] = Field([1000, 3000, 10000, 30000], min_length=1)
-    epochs_fixed: float = Field(1.0, gt=0, le=100)
-    skip: list[str] = Field(default_factory=list, description="accountings left out, by label")
 
 
 ANALYTIC_PARAMS: dict[str, type[BaseModel]] = {"privacy_curve": PrivacyCurveParams, "noise_scale": NoiseScaleParams}

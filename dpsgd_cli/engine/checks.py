@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from dpsgd_cli.algorithms import ALGORITHMS, AXES
@@ -151,6 +152,22 @@ def _check_claim(grid: Grid, claim: ClaimSpec, where: str) -> None:
         _name(column, "group_by", columns, where)
     for key in ("where", "a", "b"):
         _selection(grid, getattr(claim, key), key, columns, where)
+
+
+# --- paths -------------------------------------------------------------------------------------------------------
+def out_root(value: str, option: str = "--out") -> Path:
+    """The results root given on the command line, checked before any work: not empty, not a file (nor under
+    one), and writable where it exists or would be created."""
+    if not value.strip():
+        raise UserError(f"{option} is empty; give a folder for the results (default: results)")
+    path = Path(value).expanduser()
+    existing = next(p for p in [path, *path.parents] if p.exists() or p == Path(p.anchor or "."))
+    if existing.exists() and not existing.is_dir():
+        raise UserError(f"{option} {value}: {existing} is a file, not a folder; give a folder for the results")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{option} {value}: {existing} is not writable (read-only or permission denied); "
+                        f"give a writable folder")
+    return path
 
 
 # --- work --------------------------------------------------------------------------------------------------------
