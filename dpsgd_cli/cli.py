@@ -205,7 +205,7 @@ def datasets_list() -> None:
 
     table = Table("name", "records", "cached", "size", "source", "licence")
     for info in list_datasets():
-        table.add_row(info["name"], str(info.get("records", "")), "yes" if info.get("cached") else "no",
+        table.add_row(info["name"], str(info.get("records", "")), info["cache_state"],
                       _size(info.get("size_bytes", 0)), str(info.get("source", "")), str(info.get("license", "")))
     console.print(table)
 
@@ -225,8 +225,28 @@ def datasets_info(name: str = typer.Argument(..., metavar="NAME", help="Dataset 
     """Everything known about one dataset: files, checksums, source, licence, default options."""
     from dpsgd_cli.data import dataset_info
 
-    for key, value in dataset_info(name).items():
-        console.print(f"[bold]{key}[/]: {value}")
+    info = dataset_info(name)
+    console.print(f"[bold]{escape(info['name'])}[/]: {escape(info['description'])}")
+    detail = ", ".join(f"{k} {v:,}" for k, v in info["records_detail"].items() if k != "total")
+    fields = [
+        ("records", f"{info['records']:,}" + (f" ({detail})" if detail else "")),
+        ("source", info["source"]), ("licence", info["license"]), ("reference", info["reference"]),
+        ("notes", info["notes"]),
+        ("cache", f"{info['cache_dir']} (cached: {info['cache_state']}, {_size(info['size_bytes'])})"),
+        ("mirror", info["mirror"] or f"none (set {'DPSGD_DATA_MIRROR'} to fetch from one)"),
+        ("defaults", ", ".join(f"{k}={v}" for k, v in info["defaults"].items() if v is not None)),
+    ]
+    table = Table(show_header=False, box=None, pad_edge=False)
+    for key, value in fields:
+        if value:
+            table.add_row(f"[bold]{key}[/]", escape(str(value)))
+    console.print(table)
+    for f in info["file_details"]:
+        console.print(f"[bold]file {escape(f['name'])}[/]: {escape(f['description'])}; {_size(f['size'])}, "
+                      f"{f['records']:,} records; cached {'yes' if f['cached'] else 'no'}, verified "
+                      f"{'yes' if f['verified'] else 'no'}", soft_wrap=True)
+        console.print(f"  sha256 {f['sha256']}\n  url    {f['fetch_url']}\n  path   {f['path']}",
+                      soft_wrap=True, markup=False, highlight=False)
 
 
 def _size(n: float) -> str:
