@@ -25,6 +25,7 @@ from dpsgd_cli.engine.results import COLUMNS
 from dpsgd_cli.engine.summary import frame_columns
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models.mlp import BLOCK_ELEMENTS as MLP_BLOCK
+from dpsgd_cli.privacy.accounting import PLD_MAX_COMPOSITIONS
 
 MAX_RUNS = 100_000  # runs of one grid (cells × seeds); the largest paper grid has 594
 MAX_STEPS = 10**8  # optimiser steps of one run (the paper grids: at most ~10^6)
@@ -238,6 +239,11 @@ def check_work(cell: Cell, where: str) -> None:
         raise UserError(f"{where}: epochs = {cell.epochs:g} on {cell.dataset.name} (about {records(cell.dataset):,} "
                         f"records, batch size {cell.batch_size or 1}) is {steps:.3g} steps / {examples:.3g} examples "
                         f"per run, beyond the limit of {limit}; lower epochs")
+    params = cell.algorithm.params
+    if "pld" in (params.get("accountant"), params.get("accounting")) and steps > PLD_MAX_COMPOSITIONS:
+        raise UserError(f"{where}: {cell.algorithm.name} with the PLD accountant on {cell.dataset.name} would compose "
+                        f"{steps:.3g} steps, beyond the PLD limit of {PLD_MAX_COMPOSITIONS:.0e}; lower epochs, raise "
+                        f"batch_size, or use accountant rdp")
     k, d = cell.dataset.projection, features(cell.dataset)
     if k and k > d:
         raise UserError(f"{where}: datasets[].projection = {k:,} is larger than the {d} features of "
