@@ -392,3 +392,17 @@ def test_report_prints_markup_like_text_literally(tmp_path, capsys, monkeypatch)
     code, _, err = dpsgd(capsys, monkeypatch, "plot", tmp_path / "out" / "tiny")
     assert code == 0, err
     assert (tmp_path / "out" / "tiny" / "figures" / "f.png").exists()
+
+
+def test_quick_start_scripts_and_ci():
+    """The README's two commands exist, are executable, and .ci/run runs the test one (in a fresh venv)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    for script in ("scripts/smoke", "scripts/test", ".ci/run"):
+        assert os.access(root / script, os.X_OK), script
+    assert "scripts/test" in (root / ".ci/run").read_text()
+    readme = (root / "README.md").read_text()
+    quick = readme[readme.index("## Install, run, test"):readme.index("## Commands")]
+    block = quick[quick.index("```bash") + 7:quick.index("```", quick.index("```bash") + 7)]
+    assert [line.split()[0] for line in block.strip().splitlines()] == ["scripts/smoke", "scripts/test"]

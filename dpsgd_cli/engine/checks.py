@@ -22,7 +22,7 @@ from dpsgd_cli.data.registry import get_entry
 from dpsgd_cli.data.spec import DatasetSpec
 from dpsgd_cli.engine.analytic import ANALYTIC, NOISE_ACCOUNTINGS, NUMERIC_TABLE_COLUMNS, TABLE_COLUMNS
 from dpsgd_cli.engine.results import COLUMNS
-from dpsgd_cli.engine.summary import frame_columns
+from dpsgd_cli.engine.summary import comparison, frame_columns
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models.mlp import BLOCK_ELEMENTS as MLP_BLOCK
 from dpsgd_cli.privacy.accounting import PLD_MAX_COMPOSITIONS
@@ -98,8 +98,6 @@ def _name(value: Optional[str], key: str, columns: list[str], where: str, numeri
 
 
 def _selection(grid: Grid, selection: dict[str, Any], key: str, columns: list[str], where: str) -> None:
-    from dpsgd_cli.engine.summary import comparison
-
     for column, wanted in selection.items():
         _name(column, f"{key}.{column}", columns, where)
         values = wanted if isinstance(wanted, list) else [wanted]
@@ -116,7 +114,7 @@ def _selection(grid: Grid, selection: dict[str, Any], key: str, columns: list[st
 
 def _check_figure(grid: Grid, figure: FigureSpec, where: str) -> None:
     if figure.kind in ANALYTIC:
-        skip = getattr(figure, "params", {}).get("skip", []) if figure.kind == "noise_scale" else []
+        skip = figure.params.get("skip", []) if figure.kind == "noise_scale" else []
         labels = [label for label, *_ in NOISE_ACCOUNTINGS]
         for label in skip:
             if label not in labels:
