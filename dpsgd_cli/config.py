@@ -86,7 +86,8 @@ class AlgorithmEntry(_Strict):
             if key not in ALGORITHMS[name].Params.model_fields:
                 valid = [*ALGORITHMS[name].Params.model_fields, *AXES]
                 raise ValueError(f"unknown key {key!r} for algorithm {name}{_closest(key, valid)}")
-        return {"name": name, "params": ALGORITHMS[name].Params.model_validate(raw, strict=True).model_dump(), "overrides": overrides}
+        params = ALGORITHMS[name].Params.model_validate(raw, strict=True).model_dump()
+        return {"name": name, "params": params, "overrides": overrides}
 
 
 class Axes(_Strict):
@@ -103,12 +104,6 @@ class Axes(_Strict):
     @classmethod
     def _listify(cls, value: Any, info: Any) -> Any:
         values = _as_list(value)
-        check_axes({info.field_name: values})
-        return values
-
-    @field_validator(*AXES, mode="after")
-    @classmethod
-    def _in_range(cls, values: list[Any], info: Any) -> list[Any]:
         check_axes({info.field_name: values})
         return values
 
