@@ -90,6 +90,8 @@ def no_data_loaded(monkeypatch):
     ("claims: [{id: c, text: t, own: true, check: better, a: {acountant: pld}}]", "did you mean 'accountant'"),
     ("claims: [{id: c, text: t, own: true, check: better, b: {epsilon: '>=one'}}]", "not a number"),
     ("claims: [{id: c, text: t, own: true, check: within, where: {model: mlpp}}]", "not among the grid's models"),
+    ("claims: [{id: c, text: t, own: true, check: better, a: {epsilon: one}}]", "epsilon holds numbers"),
+    ("figures: [{name: f, where: {batch_size: [32, big]}}]", "batch_size holds numbers"),
     ("claims: [{id: c, text: t, own: true, check: monotone, source: figure1}]", "neither runs, traces"),
     ("claims: [{id: c, text: t, own: true, check: saturates}]", "privacy_curve"),
 ])

@@ -97,7 +97,8 @@ def _name(value: Optional[str], key: str, columns: list[str], where: str, numeri
                         f"{_closest(value, sorted(numeric))}")
 
 
-def _selection(grid: Grid, selection: dict[str, Any], key: str, columns: list[str], where: str) -> None:
+def _selection(grid: Grid, selection: dict[str, Any], key: str, columns: list[str], where: str,
+               numeric: set[str]) -> None:
     for column, wanted in selection.items():
         _name(column, f"{key}.{column}", columns, where)
         values = wanted if isinstance(wanted, list) else [wanted]
@@ -106,6 +107,9 @@ def _selection(grid: Grid, selection: dict[str, Any], key: str, columns: list[st
                 comparison(value)
             except ValueError as exc:
                 raise UserError(f"{where}: {key}.{column}: {exc}") from None
+            if column in numeric and isinstance(value, str) and comparison(value) is None:
+                raise UserError(f"{where}: {key}.{column} = {value!r}: {column} holds numbers; give a number, a "
+                                f"list of numbers or a comparison such as '>=1'")
             known = _NAMED[column](grid) if column in _NAMED else None
             if known is not None and comparison(value) is None and value not in known:
                 raise UserError(f"{where}: {key}.{column} = {value!r} is not among the grid's {column}s"
@@ -129,7 +133,7 @@ def _check_figure(grid: Grid, figure: FigureSpec, where: str) -> None:
     _name(figure.cols, "cols", columns, where)
     for column in figure.lines:
         _name(column, "lines", columns, where)
-    _selection(grid, figure.where, "where", columns, where)
+    _selection(grid, figure.where, "where", columns, where, numeric)
 
 
 def _check_claim(grid: Grid, claim: ClaimSpec, where: str) -> None:
@@ -150,7 +154,7 @@ def _check_claim(grid: Grid, claim: ClaimSpec, where: str) -> None:
     for column in claim.group_by:
         _name(column, "group_by", columns, where)
     for key in ("where", "a", "b"):
-        _selection(grid, getattr(claim, key), key, columns, where)
+        _selection(grid, getattr(claim, key), key, columns, where, numeric)
 
 
 # --- paths -------------------------------------------------------------------------------------------------------
