@@ -16,6 +16,23 @@ from rich.table import Table
 from dpsgd_cli import __version__
 from dpsgd_cli.errors import UserError
 
+def _hide_flag_types() -> None:
+    """Show flags as `--dry-run`, not `--dry-run <bool>` (which suggests they take a value): typer's rich help
+    prints a type for every option; a flag (and `--help`) has none."""
+    from typer.core import TyperOption
+
+    shown = TyperOption.display_type_rich
+    if getattr(shown, "_flags_hidden", False):
+        return
+
+    def display_type_rich(self, ctx):  # noqa: ANN001
+        return None if getattr(self, "is_flag", False) and self.metavar is None else shown(self, ctx)
+
+    display_type_rich._flags_hidden = True
+    TyperOption.display_type_rich = display_type_rich
+
+
+_hide_flag_types()
 app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 datasets_app = typer.Typer(help="List, fetch and describe the datasets.", no_args_is_help=True)
 app.add_typer(datasets_app, name="datasets")
@@ -48,21 +65,33 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 # --- run -------------------------------------------------------------------------------------------
 @app.command()
 def run(
-    grid_file: Path = typer.Argument(..., help="YAML file with one or more named grids."),
-    only: Optional[list[str]] = typer.Option(None, "--only", help="Run only this grid (repeatable)."),
-    out: Path = typer.Option(Path("results"), "--out", help="Results root; grid G writes to OUT/G/."),
-    jobs: int = typer.Option(1, "--jobs", min=1, help="Worker processes (one BLAS thread each)."),
+    grid_file: Path = typer.Argument(..., metavar="GRID.yaml", help="YAML file with one or more named grids."),
+    only: Optional[list[str]] = typer.Option(None, "--only", metavar="NAME",
+                                             help="Run only this grid (repeatable: --only a --only b)."),
+    out: str = typer.Option("results", "--out", metavar="DIR", help="Results root; grid G writes to DIR/G/."),
+    jobs: int = typer.Option(1, "--jobs", min=1, metavar="N",
+                             help="Worker processes (one BLAS thread each); capped at the number of cores."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Validate and show what would run, then stop."),
     no_resume: bool = typer.Option(False, "--no-resume", help="Start over (the old runs.csv is kept as a backup)."),
 ) -> None:
-    """Run every cell of the grid(s), appending each finished run to OUT/<grid>/runs.csv."""
+    """Run every cell of the grid(s), appending each finished run to DIR/<grid>/runs.csv.
+
+    Everything is checked before any work (keys, ranges, the columns figures and claims name, runs, steps and
+    memory). Resume: runs already in runs.csv (same run id) are skipped, so rerunning the same command after an
+    interruption (Ctrl-C, a crash) continues where it stopped; --no-resume starts over. Data: datasets are
+    downloaded (sha256-verified) into $DPSGD_DATA_DIR (default ./datasets); set DPSGD_DATA_MIRROR to a URL or
+    folder serving <dataset>/<file> to fetch from a mirror instead of the canonical URLs."""
     from dpsgd_cli.algorithms.kernels import backend_description
     from dpsgd_cli.config import load_grid_file, select
     from dpsgd_cli.engine import execute, plan_grid, summary_frame
     from dpsgd_cli.engine.results import note
     from dpsgd_cli.engine.summary import read_results
+    from dpsgd_cli.engine.checks import check_grids, out_root
 
     grids = select(load_grid_file(grid_file), only)
+    out = out_root(out)
+    check_grids(grids)  # every figure, claim and limit, before any work
+    jobs = _cap_jobs(jobs)
     plans = [plan_grid(g, out, resume=not no_resume, dry_run=dry_run) for g in grids]
     console.print(backend_description(), highlight=False, markup=False)
     _print_file_dataset_notes(plans)
@@ -123,13 +152,23 @@ def _print_file_dataset_notes(plans) -> None:
         console.print(line, highlight=False, markup=False)
 
 
+def _cap_jobs(jobs: int) -> int:
+    """At most one worker per core available to this process: more only thrash (and multiply memory)."""
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if jobs > cores:
+        typer.echo(f"--jobs {jobs}: capped at {cores}, the number of cores available", err=True)
+    return min(jobs, cores)
+
+
 def _plan_table(plan) -> Table:
     table = Table("dataset", "model", "algorithm", "ε", "B", "lr", "epochs", "λ", "C", "to run", title=plan.grid.name)
     pending = {t.cell.cell_id: len(t.seeds) for t in plan.tasks}
     for c in plan.cells:
         name = getattr(c.dataset, "id", None) or c.dataset.name  # a file dataset shows its id
         tuned = f" [for {c.tuning['tag']}]" if c.tuning else ""
-        table.add_row(name, c.model.name, _algo_label(c.algorithm.name, c.algorithm.params) + tuned,
+        table.add_row(escape(name), c.model.name, escape(_algo_label(c.algorithm.name, c.algorithm.params) + tuned),
                       *(_fmt(v) for v in (c.epsilon, c.batch_size, c.lr, c.epochs, c.l2, c.clip_norm)),
                       f"{pending.get(c.cell_id, 0)}/{len(c.seeds)}")
     return table
@@ -172,9 +211,10 @@ def _fmt(value: Any) -> str:
 # --- plot ------------------------------------------------------------------------------------------
 @app.command()
 def plot(
-    results_dir: Path = typer.Argument(Path("results"), help="A grid's results folder, or the results root."),
+    results_dir: Path = typer.Argument(Path("results"), metavar="RESULTS_DIR",
+                                       help="A grid's results folder, or the results root."),
     metric: Optional[str] = typer.Option(
-        None, "--metric", help="accuracy | optimality_gap | test_loss | train_objective | train_accuracy "
+        None, "--metric", metavar="METRIC", help="accuracy | optimality_gap | test_loss | train_objective | train_accuracy "
         "(default: the grid's paper figures, or accuracy)"),
     fmt: ImageFormat = typer.Option(ImageFormat.png, "--format", help="Image format (png also writes a PDF)."),
 ) -> None:
@@ -192,7 +232,8 @@ def plot(
 # --- report --------------------------------------------------------------------------------------------
 @app.command()
 def report(
-    results_dir: Path = typer.Argument(Path("results"), help="A grid's results folder, or the results root."),
+    results_dir: Path = typer.Argument(Path("results"), metavar="RESULTS_DIR",
+                                       help="A grid's results folder, or the results root."),
 ) -> None:
     """Check the papers' claims listed in the grids against the results; print PASS/FAIL and write report.md."""
     from rich.markup import escape
@@ -246,13 +287,13 @@ def datasets_list() -> None:
 
     table = Table("name", "records", "cached", "size", "source", "licence")
     for info in list_datasets():
-        table.add_row(info["name"], str(info.get("records", "")), "yes" if info.get("cached") else "no",
+        table.add_row(info["name"], str(info.get("records", "")), info["cache_state"],
                       _size(info.get("size_bytes", 0)), str(info.get("source", "")), str(info.get("license", "")))
     console.print(table)
 
 
 @datasets_app.command("fetch")
-def datasets_fetch(names: list[str] = typer.Argument(..., help="Dataset names (see `dpsgd datasets list`).")) -> None:
+def datasets_fetch(names: list[str] = typer.Argument(..., metavar="NAME...", help="Dataset names (see `dpsgd datasets list`).")) -> None:
     """Download and verify (sha256) the files of each dataset into the cache."""
     from dpsgd_cli.data import fetch
 
@@ -275,15 +316,13 @@ def datasets_info(
 ) -> None:
     """Everything known about one dataset: files, checksums, source, licence, default options; with --path,
     what a file dataset's loader produces (rows read and dropped, features after encoding, label balance)."""
-    from dpsgd_cli.data import dataset_info
-
     if path is not None:
         info = _file_info(path, label=label, positive=positive, drop=drop, categorical=categorical,
                           test_path=test_path, missing=missing, options=options)
     elif name is None or name == "file":
         raise UserError("datasets info: give a dataset name, or --path FILE [--label COLUMN ...] for a file")
     else:
-        info = dataset_info(name)
+        return _print_dataset_info(name)
     for key, value in info.items():
         console.print(f"[bold]{key}[/]: {escape(str(value))}")
 
@@ -304,6 +343,34 @@ def _file_info(path: Path, **given: Any) -> dict[str, Any]:
     return file_dataset_info(file_spec(raw))
 
 
+def _print_dataset_info(name: str) -> None:
+    """A built-in dataset: files, checksums, source, licence, default options."""
+    from dpsgd_cli.data import dataset_info
+
+    info = dataset_info(name)
+    console.print(f"[bold]{escape(info['name'])}[/]: {escape(info['description'])}")
+    detail = ", ".join(f"{k} {v:,}" for k, v in info["records_detail"].items() if k != "total")
+    fields = [
+        ("records", f"{info['records']:,}" + (f" ({detail})" if detail else "")),
+        ("source", info["source"]), ("licence", info["license"]), ("reference", info["reference"]),
+        ("notes", info["notes"]),
+        ("cache", f"{info['cache_dir']} (cached: {info['cache_state']}, {_size(info['size_bytes'])})"),
+        ("mirror", info["mirror"] or f"none (set {'DPSGD_DATA_MIRROR'} to fetch from one)"),
+        ("defaults", ", ".join(f"{k}={v}" for k, v in info["defaults"].items() if v is not None)),
+    ]
+    table = Table(show_header=False, box=None, pad_edge=False)
+    for key, value in fields:
+        if value:
+            table.add_row(f"[bold]{key}[/]", escape(str(value)))
+    console.print(table)
+    for f in info["file_details"]:
+        console.print(f"[bold]file {escape(f['name'])}[/]: {escape(f['description'])}; {_size(f['size'])}, "
+                      f"{f['records']:,} records; cached {'yes' if f['cached'] else 'no'}, verified "
+                      f"{'yes' if f['verified'] else 'no'}", soft_wrap=True)
+        console.print(f"  sha256 {f['sha256']}\n  url    {f['fetch_url']}\n  path   {f['path']}",
+                      soft_wrap=True, markup=False, highlight=False)
+
+
 def _size(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1024:
@@ -313,13 +380,21 @@ def _size(n: float) -> str:
 
 
 # --- privacy calculators ---------------------------------------------------------------------------
+_SIGMA_HELP = "Noise multiplier σ (noise std / clipping norm), in [1e-3, 1e6]; the PLD accountant needs σ ≥ 0.05."
+_Q_HELP = "Poisson sampling rate q = B/n (each record joins a step with probability q), in (0, 1]."
+_STEPS_HELP = "Number of steps T (≥ 1; at most 1e6 with the PLD accountant, 1e12 with RDP)."
+_DELTA_HELP = "δ of the (ε, δ)-DP guarantee, in (0, 1); choose δ ≪ 1/n (e.g. 1/n², n = training records)."
+_ACCOUNTANT_HELP = ("How ε is computed over the T steps (both dp-accounting, both valid upper bounds): rdp = Rényi "
+                    "DP converted to (ε, δ) (fast, slightly looser); pld = privacy loss distributions (tighter, slower).")
+
+
 @app.command()
 def epsilon(
-    sigma: float = typer.Option(..., "--sigma", help="Noise multiplier σ (noise std / clipping norm)."),
-    sample_rate: float = typer.Option(..., "--sample-rate", help="Poisson sampling rate q = B/n."),
-    steps: int = typer.Option(..., "--steps", help="Number of steps T."),
-    delta: float = typer.Option(..., "--delta", help="δ."),
-    accountant: Accountant = typer.Option(Accountant.rdp, "--accountant"),
+    sigma: float = typer.Option(..., "--sigma", metavar="S", help=_SIGMA_HELP),
+    sample_rate: float = typer.Option(..., "--sample-rate", metavar="Q", help=_Q_HELP),
+    steps: int = typer.Option(..., "--steps", metavar="T", help=_STEPS_HELP),
+    delta: float = typer.Option(..., "--delta", metavar="D", help=_DELTA_HELP),
+    accountant: Accountant = typer.Option(Accountant.rdp, "--accountant", help=_ACCOUNTANT_HELP),
 ) -> None:
     """ε of DP-SGD (Poisson-subsampled Gaussian, T steps) at the given δ."""
     from dpsgd_cli.privacy.accounting import dpsgd_epsilon
@@ -331,11 +406,11 @@ def epsilon(
 
 @app.command()
 def sigma(
-    epsilon: float = typer.Option(..., "--epsilon", help="Target ε."),
-    sample_rate: float = typer.Option(..., "--sample-rate", help="Poisson sampling rate q = B/n."),
-    steps: int = typer.Option(..., "--steps", help="Number of steps T."),
-    delta: float = typer.Option(..., "--delta", help="δ."),
-    accountant: Accountant = typer.Option(Accountant.rdp, "--accountant"),
+    epsilon: float = typer.Option(..., "--epsilon", metavar="E", help="Target ε (> 0)."),
+    sample_rate: float = typer.Option(..., "--sample-rate", metavar="Q", help=_Q_HELP),
+    steps: int = typer.Option(..., "--steps", metavar="T", help=_STEPS_HELP),
+    delta: float = typer.Option(..., "--delta", metavar="D", help=_DELTA_HELP),
+    accountant: Accountant = typer.Option(Accountant.rdp, "--accountant", help=_ACCOUNTANT_HELP),
 ) -> None:
     """The smallest noise multiplier σ giving ε ≤ target (within 0.1%) for DP-SGD."""
     from dpsgd_cli.privacy.accounting import calibrate_sigma
@@ -345,32 +420,40 @@ def sigma(
                   f"T = {steps}, δ = {delta:g}, {cal.accountant} accountant, {cal.library})")
 
 
+def _curve_help(field: str, text: str) -> str:
+    from dpsgd_cli.analytic_params import PrivacyCurveParams, bounds
+
+    return f"{text}, {bounds(PrivacyCurveParams, field)}."
+
+
 @app.command("privacy-curve")
 def privacy_curve(
-    alpha: float = typer.Option(30.0, "--alpha", min=1.0, help="Rényi order α (> 1)."),
-    sigma: float = typer.Option(0.02, "--sigma", min=0.0, help="Noise σ of the update's √(2ησ²) N(0, I)."),
-    sensitivity: float = typer.Option(4.0, "--sensitivity", min=0.0, help="Gradient sensitivity S_g."),
-    eta: float = typer.Option(0.02, "--eta", min=0.0, help="Step size η."),
-    lam: float = typer.Option(1.0, "--lam", min=0.0, help="Strong convexity λ (the lower bound is drawn only "
-                              "for λ = 1, the squared loss ‖θ − x‖²/2 it is exact for)."),
-    n: int = typer.Option(5000, "--n", min=1, help="Number of records n."),
-    k_max: int = typer.Option(1000, "--k-max", min=1, help="Largest number of steps K."),
-    points: int = typer.Option(200, "--points", min=2, help="Number of K values."),
+    alpha: float = typer.Option(30.0, "--alpha", metavar="A", help=_curve_help("alpha", "Rényi order α")),
+    sigma: float = typer.Option(0.02, "--sigma", metavar="S",
+                                help=_curve_help("sigma", "Noise σ of the update's √(2ησ²) N(0, I)")),
+    sensitivity: float = typer.Option(4.0, "--sensitivity", metavar="S_G",
+                                      help=_curve_help("sensitivity", "Gradient sensitivity S_g")),
+    eta: float = typer.Option(0.02, "--eta", metavar="ETA", help=_curve_help("eta", "Step size η")),
+    lam: float = typer.Option(1.0, "--lam", metavar="LAMBDA", help=_curve_help("lam", "Strong convexity λ (the lower bound is drawn only for λ = 1, the squared loss ‖θ − x‖²/2 it is exact for)")),
+    n: int = typer.Option(5000, "--n", metavar="N", help=_curve_help("n", "Number of records n")),
+    k_max: int = typer.Option(1000, "--k-max", metavar="K", help=_curve_help("k_max", "Largest number of steps K")),
+    points: int = typer.Option(200, "--points", metavar="P", help=_curve_help("points", "Number of K values")),
     log_x: bool = typer.Option(False, "--log-x/--no-log-x", help="Logarithmic K axis."),
     log_y: bool = typer.Option(False, "--log-y/--no-log-y", help="Logarithmic ε axis."),
-    out: Path = typer.Option(Path("results/privacy_curve"), "--out", help="Folder for the figure and CSV."),
+    out: str = typer.Option("results/privacy_curve", "--out", metavar="DIR", help="Folder for the figure and CSV."),
     fmt: ImageFormat = typer.Option(ImageFormat.png, "--format", help="Image format."),
 ) -> None:
     """Rényi privacy of noisy GD over K steps: the dynamics bound vs composition, and the squared-loss lower
     bound (Chourasia, Ye, Shokri, NeurIPS 2021); defaults are the parameters of their talk."""
+    from dpsgd_cli.engine.checks import out_root
     from dpsgd_cli.plots.privacy_curve import k_values, plot_privacy_curve
     from dpsgd_cli.privacy.dynamics import SATURATION_ROOT
     from dpsgd_cli.privacy.dynamics import privacy_curve as curve
 
-    if sigma <= 0 or eta <= 0 or lam <= 0 or alpha <= 1:
-        raise UserError("privacy-curve: --sigma, --eta and --lam must be > 0 and --alpha > 1")
-    frame = curve(k_values(k_max, points, log=log_x), alpha=alpha, sigma=sigma, sensitivity=sensitivity,
-                  eta=eta, lam=lam, n=n)
+    p = _curve_params(alpha=alpha, sigma=sigma, sensitivity=sensitivity, eta=eta, lam=lam, n=n, k_max=k_max,
+                      points=points, log_x=log_x)
+    out = out_root(out)
+    frame = curve(k_values(p.k_max, p.points, log=p.log_x), **p.model_dump(exclude={"k_max", "points", "log_x"}))
     out.mkdir(parents=True, exist_ok=True)
     frame.to_csv(out / "privacy_curve.csv", index=False)
     figure = plot_privacy_curve(frame, out / f"privacy_curve.{fmt.value}", log_x=log_x, log_y=log_y)
@@ -381,6 +464,20 @@ def privacy_curve(
         console.print(f"note: {frame.attrs['lower_bound_note']} (use --lam 1)")
     console.print(str(out / "privacy_curve.csv"))
     console.print(str(figure))
+
+
+def _curve_params(**values: Any):
+    """The privacy-curve parameters, checked by the same model (and bounds) as a grid's privacy_curve figure."""
+    from pydantic import ValidationError
+
+    from dpsgd_cli.analytic_params import PrivacyCurveParams, bounds
+
+    try:
+        return PrivacyCurveParams(**values)
+    except ValidationError as exc:
+        field = str(exc.errors()[0]["loc"][0])
+        raise UserError(f"--{field.replace('_', '-')} = {values[field]!r} must be "
+                        f"{bounds(PrivacyCurveParams, field)}") from None
 
 
 def main() -> None:

@@ -9,14 +9,18 @@ import difflib
 import hashlib
 import itertools
 import json
+import math
+import re
 import typing
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError,
+                      field_validator, model_validator)
 
 from dpsgd_cli.algorithms import ALGORITHMS, AXES
+from dpsgd_cli.analytic_params import EPSILON_RANGE, NoiseScaleParams, PrivacyCurveParams
 from dpsgd_cli.data.files import FileDatasetSpec
 from dpsgd_cli.data.spec import DatasetSpec
 from dpsgd_cli.errors import UserError
@@ -67,7 +71,7 @@ class ModelEntry(_Strict):
         name = raw.pop("name", None)
         if name not in MODELS:
             raise ValueError(f"unknown model {name!r}{_closest(str(name), MODELS)}; known: {', '.join(MODELS)}")
-        return {"name": name, "options": MODELS[name].Options(**raw).model_dump()}
+        return {"name": name, "options": MODELS[name].Options.model_validate(raw, strict=True).model_dump()}
 
 
 class AlgorithmEntry(_Strict):
@@ -97,7 +101,8 @@ class AlgorithmEntry(_Strict):
             if key not in ALGORITHMS[name].Params.model_fields:
                 valid = [*ALGORITHMS[name].Params.model_fields, *AXES]
                 raise ValueError(f"unknown key {key!r} for algorithm {name}{_closest(key, valid)}")
-        return {"name": name, "params": ALGORITHMS[name].Params(**raw).model_dump(), "overrides": overrides}
+        params = ALGORITHMS[name].Params.model_validate(raw, strict=True).model_dump()
+        return {"name": name, "params": params, "overrides": overrides}
 
 
 class Axes(_Strict):
@@ -112,38 +117,67 @@ class Axes(_Strict):
 
     @field_validator(*AXES, mode="before")
     @classmethod
-    def _listify(cls, value: Any) -> Any:
-        return _as_list(value)
-
-    @field_validator(*AXES, mode="after")
-    @classmethod
-    def _in_range(cls, values: list[Any], info: Any) -> list[Any]:
+    def _listify(cls, value: Any, info: Any) -> Any:
+        values = _as_list(value)
         check_axes({info.field_name: values})
         return values
 
 
+STEP_SIZE_MAX = 1e6  # lr, clip_norm, l2 beyond this overflow float64 within a few steps
+
+
+def _finite_in(low: float, high: float, low_open: bool = False) -> Any:
+    return lambda v: math.isfinite(v) and (v > low if low_open else v >= low) and v <= high
+
+
 _AXIS_RULES = {
-    "epsilon": (lambda v: v > 0, "must be > 0"),
-    "batch_size": (lambda v: v >= 1, "must be an integer ≥ 1"),
-    "lr": (lambda v: v > 0, "must be > 0"),
-    "epochs": (lambda v: v > 0, "must be > 0"),
-    "l2": (lambda v: v >= 0, "must be ≥ 0"),
-    "clip_norm": (lambda v: v > 0, "must be > 0"),
+    "epsilon": (_finite_in(*EPSILON_RANGE), f"must be in [{EPSILON_RANGE[0]:g}, {EPSILON_RANGE[1]:g}]"),
+    "batch_size": (lambda v: v >= 1 and float(v).is_integer(), "must be an integer ≥ 1"),
+    "lr": (_finite_in(0, STEP_SIZE_MAX, low_open=True), f"must be in (0, {STEP_SIZE_MAX:g}]"),
+    "epochs": (_finite_in(0, 1e9, low_open=True), "must be > 0 and finite"),
+    "l2": (_finite_in(0, STEP_SIZE_MAX), f"must be in [0, {STEP_SIZE_MAX:g}]"),
+    "clip_norm": (_finite_in(0, STEP_SIZE_MAX, low_open=True), f"must be in (0, {STEP_SIZE_MAX:g}]"),
 }
 assert set(_AXIS_RULES) == set(AXES) == set(Axes.model_fields)
 
 
 def check_axes(values: dict[str, list[Any]]) -> None:
-    """Raise ValueError naming the first axis value outside its allowed range."""
+    """Raise ValueError naming the first axis value that is not a number (a bool is not one) in its range, or
+    an empty axis (it would expand to zero runs)."""
     for axis, items in values.items():
         ok, rule = _AXIS_RULES[axis]
+        if not items:
+            raise ValueError(f"{axis} is an empty list (the grid would have no runs); give at least one value")
         for item in items:
-            if not isinstance(item, (int, float)) or isinstance(item, bool) or not ok(item):
+            if not isinstance(item, (int, float)) or isinstance(item, bool) or not _holds(ok, item):
                 shown = f"{item:g}" if isinstance(item, (int, float)) and not isinstance(item, bool) else repr(item)
                 raise ValueError(f"{axis} = {shown} {rule}")
 
 
+def _holds(rule: Any, value: Any) -> bool:
+    try:
+        return bool(rule(value))
+    except OverflowError:  # an integer too large for a float
+        return False
+
+
+NAME_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}")
+
+
+def _safe_name(value: str) -> str:
+    """A name that is also a file or folder name: one path component, never `.` or `..`, at most 100 chars."""
+    if not NAME_PATTERN.fullmatch(value):
+        shown = value if len(value) <= 40 else value[:37] + "..."
+        raise ValueError(f"name {shown!r} must be 1–100 letters, digits, '_', '.' or '-', not starting with '.' "
+                         f"or '-' (it names a file or folder)")
+    return value
+
+
+SafeName = Annotated[str, AfterValidator(_safe_name)]
 Selection = dict[str, Any]  # column → value, list of values, or a comparison string like ">=1"
+
+
+ANALYTIC_PARAMS: dict[str, type[BaseModel]] = {"privacy_curve": PrivacyCurveParams, "noise_scale": NoiseScaleParams}
 
 
 class FigureSpec(_Strict):
@@ -154,7 +188,7 @@ class FigureSpec(_Strict):
     `privacy_curve`, `noise_scale`: analytic tables computed by `dpsgd run` (see engine/analytic.py).
     """
 
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="file name of the figure")
+    name: SafeName = Field(description="file name of the figure")
     kind: Literal["sweep", "traces", "privacy_curve", "noise_scale"] = "sweep"
     title: str = ""
     paper: str = Field("", description="what the paper's figure shows, in one line (for the report)")
@@ -167,6 +201,24 @@ class FigureSpec(_Strict):
     log_x: bool = True
     log_y: bool = False
     params: dict[str, Any] = Field(default_factory=dict, description="parameters of an analytic figure")
+
+    @model_validator(mode="after")
+    def _analytic_params(self) -> "FigureSpec":
+        """An analytic figure's params are checked now (by `dpsgd run`), not when its table is computed."""
+        model = ANALYTIC_PARAMS.get(self.kind)
+        if model is None and self.params:
+            raise ValueError(f"figure {self.name}: params apply only to analytic figures (kind privacy_curve or "
+                             f"noise_scale), not to kind {self.kind}")
+        if model is not None:
+            try:
+                model.model_validate(self.params, strict=True)
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                key = ".".join(str(p) for p in err["loc"])
+                hint = _closest(key, model.model_fields) if err["type"] == "extra_forbidden" else ""
+                got = f" (got {err['input']!r})" if err["type"] != "extra_forbidden" else ""
+                raise ValueError(f"figure {self.name}: params.{key}: {err['msg']}{hint}{got}") from None
+        return self
 
 
 class ClaimSpec(_Strict):
@@ -185,7 +237,7 @@ class ClaimSpec(_Strict):
     at the same confidence (lower and upper together: a 90% interval at 95%).
     """
 
-    id: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    id: SafeName
     text: str = Field(description="what is checked, in one line")
     quote: str = Field("", description="the source sentence the claim tests, verbatim, with its place "
                        "(e.g. 'Kang et al. §5.2: \"...\"'); required unless `own`")
@@ -278,7 +330,7 @@ class SelectSpec(_Strict):
 class Grid(Axes):
     """One named grid: datasets × models × algorithms × axes × seeds."""
 
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="also the results folder name")
+    name: SafeName = Field(description="also the results folder name")
     datasets: list[AnyDatasetSpec] = Field(min_length=1)
     models: list[ModelEntry] = Field([ModelEntry(name="logreg")], min_length=1)
     algorithms: list[AlgorithmEntry] = Field(min_length=1)
@@ -408,15 +460,18 @@ def _digest(data: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def axis_values(grid: Grid, algo: AlgorithmEntry) -> dict[str, list[Any]]:
+    """The values of each axis for one algorithm: its override, else the grid's; [None] for an unused axis."""
+    uses = ALGORITHMS[algo.name].uses
+    return {axis: (algo.overrides.get(axis, getattr(grid, axis)) if axis in uses or axis == "l2" else [None])
+            for axis in AXES}
+
+
 def expand(grid: Grid) -> list[Cell]:
     """The Cartesian product of the grid; axes an algorithm does not use are set to None and merged."""
     cells: dict[str, Cell] = {}
     for dataset, model, algo in itertools.product(grid.datasets, grid.models, grid.algorithms):
-        uses = ALGORITHMS[algo.name].uses
-        axes = {
-            axis: (algo.overrides.get(axis, getattr(grid, axis)) if axis in uses or axis == "l2" else [None])
-            for axis in AXES
-        }
+        axes = axis_values(grid, algo)
         for values in itertools.product(*axes.values()):
             # like an unused axis, dtype applies where it is supported (float32 chains with logreg)
             float32 = ALGORITHMS[algo.name].supports_float32 and model.name == "logreg"
@@ -462,22 +517,108 @@ def tuning_cells(spec: SelectSpec, cells: list[Cell]) -> list[Cell]:
     return out
 
 
-def load_grid_file(path: Path) -> GridFile:
-    """Parse and validate a grid file; every problem becomes one UserError line naming the path.
+MAX_GRID_FILE_BYTES = 1 << 20  # grid files are hand-written: 1 MiB is far more than any paper needs
+MAX_YAML_NODES = 100_000  # nodes of the document with every alias expanded (an alias bomb has billions)
 
-    A file dataset's relative `path` is resolved against the grid file's folder."""
+
+class GridLoader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate keys, refuses documents whose aliases expand beyond MAX_YAML_NODES,
+    and reads `1e-3` as a number (YAML 1.1 wants `1.0e-3`; users write the former)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first at line {seen[key]}); keep one of them",
+                    key_node.start_mark)
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+GridLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))
+
+
+def _expanded_nodes(root: yaml.Node) -> int:
+    """Nodes of the document with every alias expanded, counted without expanding (memoised per node)."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()  # nodes whose children are being counted: an alias to one is a cycle
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        children = ([c for pair in node.value for c in pair] if isinstance(node, yaml.MappingNode)
+                    else list(node.value) if isinstance(node, yaml.SequenceNode) else [])
+        if children_done:
+            open_nodes.discard(id(node))
+            sizes[id(node)] = min(1 + sum(sizes[id(c)] for c in children), 1 << 62)
+        elif id(node) in open_nodes:
+            return 1 << 62  # a recursive structure expands forever
+        elif id(node) not in sizes:
+            open_nodes.add(id(node))
+            stack.append((node, True))
+            stack.extend((c, False) for c in children)
+    return sizes[id(root)]
+
+
+def read_yaml(path: Path) -> Any:
+    """The YAML document of a grid file, or one UserError line: missing, a folder, too large, binary, not UTF-8,
+    invalid YAML, a duplicate key, or aliases expanding beyond MAX_YAML_NODES."""
+    path = Path(path)
     try:
-        raw = yaml.safe_load(Path(path).read_text())
+        if path.is_dir():
+            raise UserError(f"{path}: is a folder; pass the path of a grid YAML file (e.g. experiments.yaml)")
+        size = path.stat().st_size
+        if size > MAX_GRID_FILE_BYTES:
+            raise UserError(f"{path}: {size:,} bytes is larger than the {MAX_GRID_FILE_BYTES:,} bytes a grid file "
+                            f"may have; is it really a grid YAML file?")
+        data = path.read_bytes()
     except FileNotFoundError:
         raise UserError(f"{path}: no such file; pass the path of a grid YAML file (e.g. experiments.yaml)") from None
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read ({exc.strerror or exc}); pass a readable grid YAML file") from None
+    if b"\0" in data:
+        raise UserError(f"{path}: binary file (NUL bytes); pass a grid YAML file (text)")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise UserError(f"{path}: not UTF-8 text (byte {exc.start}, line {line}); save the file as UTF-8") from None
+    loader = GridLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        nodes = _expanded_nodes(node)
+        if nodes > MAX_YAML_NODES:
+            raise UserError(f"{path}: the YAML document expands to more than {MAX_YAML_NODES:,} nodes (an alias "
+                            f"bomb or a recursive alias?); write the grid without nested aliases")
+        return loader.construct_document(node)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise UserError(f"{path}: invalid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+    except RecursionError:
+        raise UserError(f"{path}: the YAML document is nested too deeply; flatten it") from None
+    finally:
+        loader.dispose()
+
+
+def load_grid_file(path: Path) -> GridFile:
+    """Parse and validate a grid file; every problem becomes one UserError line naming the path.
+
+    Validation is strict: a bool or a quoted number where a number is expected is an error (`batch_size: true`
+    is not 1). A file dataset's relative `path` is resolved against the grid file's folder."""
+    raw = read_yaml(path)
     if isinstance(raw, dict) and "grids" not in raw and "name" in raw:
         raw = {"grids": [raw]}  # a file holding a single grid
     try:
-        return GridFile.model_validate(raw, context={"grid_dir": Path(path).resolve().parent})
+        return GridFile.model_validate(raw, strict=True, context={"grid_dir": Path(path).resolve().parent})
     except ValidationError as exc:
         raise UserError(f"{path}: {describe_validation_error(exc, raw)}") from None
 

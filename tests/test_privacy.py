@@ -326,7 +326,7 @@ INVALID_CALLS = [
     (lambda: acc.calibrate_sigma(1.0, 1e-5, 0.01, 0), "steps", ">= 1"),
     (lambda: acc.calibrate_sigma(1.0, 1e-5, 0.01, 2.5), "steps", "2.5"),
     (lambda: acc.calibrate_sigma(1.0, 1e-5, 0.01, 100, "moments"), "accountant", "moments"),
-    (lambda: acc.dpsgd_epsilon(0.0, 0.01, 100, 1e-5), "sigma", "(0, inf)"),
+    (lambda: acc.dpsgd_epsilon(0.0, 0.01, 100, 1e-5), "sigma", "[0.001, 1e+06]"),
     (lambda: acc.dpsgd_epsilon(1.0, 0.01, 100, 2.0), "delta", "2.0"),
     (lambda: acc.dpsgd_event(-1.0, 0.01, 100), "noise_multiplier", "-1.0"),
     (lambda: acc.epsilon_for(acc.dpsgd_event(1.0, 0.1, 1), 1e-5, "gdp"), "accountant", "gdp"),

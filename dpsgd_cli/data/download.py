@@ -146,6 +146,19 @@ def _fixes(dest: Path, remote: RemoteFile) -> str:
     )
 
 
+def check_cache_folder(folder: Path) -> None:
+    """DataError naming the fix when the cache folder (or a folder above it) is a file: DPSGD_DATA_DIR must be a
+    folder (a mirror or a place for files is another matter)."""
+    for path in [folder, *folder.parents]:
+        if path.exists() and not path.is_dir():
+            where = (f"{DATA_DIR_ENV}={os.environ[DATA_DIR_ENV]}" if os.environ.get(DATA_DIR_ENV)
+                     else f"the default cache folder {cache_dir()}")
+            raise DataError(f"{where}: {path} is a file, not a folder; set {DATA_DIR_ENV} to a folder for the "
+                            f"dataset cache (it is created if missing), or move the file away")
+        if path.exists():
+            return
+
+
 def fetch_file(dataset: str, filename: str) -> Path:
     """Path of a verified cached copy of one raw file, downloading it if needed.
 
@@ -156,6 +169,7 @@ def fetch_file(dataset: str, filename: str) -> Path:
     remote = entry.file(filename)
     dest = file_path(dataset, filename)
     url = file_url(dataset, remote)
+    check_cache_folder(dest.parent)
     before = dest.stat().st_ino if dest.exists() else None
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)

@@ -140,8 +140,8 @@ class FileDatasetSpec(BaseModel):
 
     @field_validator("drop", "categorical", mode="before")
     @classmethod
-    def _listify(cls, value: Any) -> Any:
-        return [value] if isinstance(value, str) else value
+    def _listify(cls, value: Any) -> Any:  # a tuple even under strict validation (YAML gives lists)
+        return (value,) if isinstance(value, str) else tuple(value) if isinstance(value, list) else value
 
     def identity(self) -> dict[str, Any]:
         """What enters the run id: every option and the files' sha256, not where the files are."""

@@ -29,14 +29,23 @@ def _summary(entry: DatasetEntry) -> dict[str, Any]:
         "records": entry.total_records,
         "files": [f.name for f in entry.files],
         "cached": all(present),
+        "cache_state": _cache_state(present),
         "size_bytes": size,
         "source": entry.source,
         "license": entry.licence,
     }
 
 
+def _cache_state(present: list[bool]) -> str:
+    """yes (every file cached), partial (some), no (none), or generated (no files: synthetic)."""
+    if not present:
+        return "generated"
+    return "yes" if all(present) else "partial" if any(present) else "no"
+
+
 def list_datasets() -> list[dict[str, Any]]:
-    """One dict per dataset: name, description, records, files, cached (all files present),
+    """One dict per dataset: name, description, records, files, cached (all files present), cache_state
+    (yes / partial / no / generated),
     size_bytes (bytes of cached raw files), source (homepage URL), license."""
     return [_summary(entry) for entry in REGISTRY.values()]
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import tempfile
 import zipfile
 from pathlib import Path
@@ -173,27 +174,45 @@ def processed_path(spec: DatasetSpec) -> Path:
     return cache_dir() / "processed" / f"{spec.name}-{cache_key(spec)}.npz"
 
 
-def _read_processed(path: Path, key: str) -> Optional[dict[str, np.ndarray]]:
-    """The arrays of a processed cache file, or None if absent, unreadable or for another key."""
+def arrays_sha256(arrays: dict[str, np.ndarray]) -> str:
+    """sha256 over the dtype, shape and bytes of each array (in ARRAYS order): what the cache file must hold."""
+    digest = hashlib.sha256()
+    for name in ARRAYS:
+        array = np.ascontiguousarray(arrays[name])
+        digest.update(f"{name}|{array.dtype.str}|{array.shape}|".encode())
+        digest.update(memoryview(array).cast("B"))
+    return digest.hexdigest()
+
+
+def _read_processed(path: Path, key: str) -> tuple[Optional[dict[str, np.ndarray]], str]:
+    """(arrays, "") of a processed cache file; (None, why) if absent, unreadable, for another key, or if its
+    arrays do not match the checksum stored with them (tampered or corrupt)."""
     try:
         with np.load(path, allow_pickle=False) as npz:
             if str(npz["key"]) != key:
-                return None
-            return {name: npz[name] for name in ARRAYS}
+                return None, "written for another spec"
+            arrays = {name: npz[name] for name in ARRAYS}
+            stored = str(npz["sha256"]) if "sha256" in npz.files else ""
     except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile):
-        return None
+        return None, "unreadable"
+    if not stored:
+        return None, "has no checksum (written by an older version)"
+    if arrays_sha256(arrays) != stored:
+        return None, "does not match its checksum (modified or corrupt)"
+    return arrays, ""
 
 
 def _write_processed(path: Path, key: str, dataset: Dataset) -> None:
-    """Write the arrays atomically (temp file in the same folder + os.replace); best effort."""
+    """Write the arrays and their sha256 atomically (temp file in the same folder + os.replace); best effort."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".tmp", dir=path.parent)
     except OSError:
         return  # read-only cache: work without it
+    arrays = {name: getattr(dataset, name) for name in ARRAYS}
     try:
         with os.fdopen(fd, "wb") as fh:
-            np.savez(fh, key=np.array(key), **{name: getattr(dataset, name) for name in ARRAYS})
+            np.savez(fh, key=np.array(key), sha256=np.array(arrays_sha256(arrays)), **arrays)
         make_readable(Path(tmp))
         os.replace(tmp, path)
     except BaseException:
@@ -217,9 +236,11 @@ def load_dataset(spec: DatasetSpec, *, cache: bool = True) -> Dataset:
     path = processed_path(spec) if cache else None
     key = _cache_text(spec)
     if path is not None and path.exists():
-        arrays = _read_processed(path, key)
+        arrays, why = _read_processed(path, key)
         if arrays is not None:
             return Dataset(spec, **arrays)
+        print(f"dataset {spec.name}: the processed cache {path} {why}; rebuilding it from the raw files",
+              file=sys.stderr)
     built = build_dataset(resolved)
     dataset = Dataset(spec, built.X_train, built.y_train, built.X_test, built.y_test)
     if path is not None:

@@ -211,6 +211,9 @@ def project(
     """Gaussian random projection of train and test to `k` columns (None: unchanged)."""
     if k is None:
         return train, test
+    if k > train.shape[1]:  # a projection reduces the dimension; a larger k only adds correlated copies
+        raise DataError(f"projection = {k} is larger than the d = {train.shape[1]} features of the data; "
+                        f"use projection ≤ {train.shape[1]} or leave it out")
     matrix = projection_matrix(train.shape[1], k, seed)
     return train @ matrix, test @ matrix
 

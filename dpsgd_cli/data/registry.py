@@ -44,6 +44,8 @@ class DatasetEntry:
     defaults: dict[str, object]
     notes: str = ""
     reference: str = ""
+    # columns after encoding with one-hot (the most any option gives), before projection: sizes memory estimates
+    features: int = 0
     # files read by the default (and official) split; see `files_for_split`
     official_only: tuple[str, ...] = field(default_factory=tuple)
 
@@ -85,6 +87,7 @@ ADULT = DatasetEntry(
         ),
     ),
     records={"train": 30162, "test": 15060, "total": 45222},
+    features=104,
     official_split=True,
     defaults={"split": "official", "standardize": True},
     notes=(
@@ -110,6 +113,7 @@ BANK = DatasetEntry(
         ),
     ),
     records={"total": 41188},
+    features=63,
     official_split=False,
     defaults={"split": "random", "standardize": True},
     notes=(
@@ -142,6 +146,7 @@ KDDCUP99 = DatasetEntry(
         ),
     ),
     records={"total": 494021, "official_test": 311029},
+    features=119,
     official_split=True,
     defaults={"split": "random", "subsample": None, "standardize": True},
     notes=(
@@ -193,6 +198,7 @@ MNIST = DatasetEntry(
         ),
     ),
     records={"train": 60000, "test": 10000, "total": 70000},
+    features=784,
     official_split=True,
     defaults={"split": "official", "positive_digit": 1, "standardize": False},
     notes=(
@@ -208,6 +214,7 @@ SYNTHETIC = DatasetEntry(
     licence="n/a",
     files=(),
     records={"total": 10000},
+    features=5,
     official_split=False,
     defaults={"split": "random", "n": 10000, "dim": 5, "standardize": False},
     notes="points with margin |w.x| < 0.001 are redrawn; standardize is ignored (rows already unit norm)",

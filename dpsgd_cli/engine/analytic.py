@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import pandas as pd
 
-from dpsgd_cli.config import FigureSpec, Grid
+from dpsgd_cli.config import FigureSpec, Grid, NoiseScaleParams, PrivacyCurveParams
 
 # (label, accounting, formula, amplification) of bassily2014 in the noise-scale figure (Bellet's lecture)
 NOISE_ACCOUNTINGS = [
@@ -31,9 +31,9 @@ def privacy_curve_table(params: dict[str, Any]) -> pd.DataFrame:
     from dpsgd_cli.plots.privacy_curve import k_values
     from dpsgd_cli.privacy.dynamics import privacy_curve
 
-    params = dict(params)
-    ks = k_values(int(params.pop("k_max", 1000)), int(params.pop("points", 200)), log=bool(params.pop("log_x", False)))
-    wide = privacy_curve(ks, **params)
+    p = PrivacyCurveParams.model_validate(params)
+    curve = p.model_dump(exclude={"k_max", "points", "log_x"})
+    wide = privacy_curve(k_values(p.k_max, p.points, log=p.log_x), **curve)
     return wide.melt(id_vars="K", var_name="bound", value_name="rdp_epsilon")
 
 
@@ -44,25 +44,28 @@ def noise_scale_table(params: dict[str, Any]) -> pd.DataFrame:
     sigma, proved (False where the accounting's lemmas do not apply, e.g. per-step ε₀ > 1 for 2qε)."""
     from dpsgd_cli.algorithms.bassily import calibrate_bassily
 
-    epsilon = float(params.get("epsilon", 1.0))
-    n_fixed = int(params.get("n", 30162))
-    epochs_axis = [float(e) for e in params.get("epochs", [0.1, 0.3, 1, 3])]
-    n_axis = [int(v) for v in params.get("n_values", [1000, 3000, 10000, 30000])]
-    steps_fixed = int(params.get("steps_fixed", n_fixed))
-    delta_fixed = float(params.get("delta_fixed", 1.0 / n_fixed**2))
-    skip = set(params.get("skip", []))
-    points = [("T", n_fixed, round(e * n_fixed), 1.0 / n_fixed**2) for e in epochs_axis]
-    points += [("n", n, steps_fixed, delta_fixed) for n in n_axis]
+    p = NoiseScaleParams.model_validate(params)
+    steps_fixed = p.steps_fixed or p.n
+    delta_fixed = p.delta_fixed or 1.0 / p.n**2
+    points = [("T", p.n, max(1, round(e * p.n)), 1.0 / p.n**2) for e in p.epochs]
+    points += [("n", n, steps_fixed, delta_fixed) for n in p.n_values]
     rows = []
     for label, accounting, formula, amplification in NOISE_ACCOUNTINGS:
-        if label in skip:
+        if label in p.skip:
             continue
         for panel, n, steps, delta in points:
-            privacy = calibrate_bassily(epsilon, delta, n, steps, 1.0, accounting, formula, amplification)
-            rows.append({"panel": panel, "accounting": label, "n": n, "steps": steps, "epsilon": epsilon,
+            privacy = calibrate_bassily(p.epsilon, delta, n, steps, 1.0, accounting, formula, amplification)
+            rows.append({"panel": panel, "accounting": label, "n": n, "steps": steps, "epsilon": p.epsilon,
                          "delta": delta, "sigma": privacy.sigma, "proved": privacy.proved})
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows, columns=TABLE_COLUMNS["noise_scale"])
 
+
+# the columns of each analytic table (what claims on it may name; checked by `dpsgd run`)
+TABLE_COLUMNS = {
+    "privacy_curve": ["K", "bound", "rdp_epsilon"],
+    "noise_scale": ["panel", "accounting", "n", "steps", "epsilon", "delta", "sigma", "proved"],
+}
+NUMERIC_TABLE_COLUMNS = {"K", "rdp_epsilon", "n", "steps", "epsilon", "delta", "sigma"}
 
 ANALYTIC: dict[str, Callable[[dict[str, Any]], pd.DataFrame]] = {
     "privacy_curve": privacy_curve_table,

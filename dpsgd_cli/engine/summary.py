@@ -6,10 +6,11 @@ import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import pandas as pd
 
-from dpsgd_cli.engine.results import COLUMNS, FINAL, ResultStore, note, read_manifest, scan_csv
+from dpsgd_cli.engine.results import COLUMNS, FINAL, TRACE_COLUMNS, ResultStore, note, read_manifest, scan_csv
 from dpsgd_cli.engine.selection import apply_selections
 
 HYPER = ["batch_size", "lr", "epochs", "l2", "clip_norm"]
@@ -82,6 +83,21 @@ def _options_label(frame: pd.DataFrame, name: str, options: str) -> pd.Series:
 _COMPARISONS = {">=": "ge", "<=": "le", "!=": "ne", ">": "gt", "<": "lt", "==": "eq"}
 
 
+def comparison(wanted: object) -> Optional[tuple[str, float]]:
+    """(operator, number) of a selection value such as ">=1", None for a plain value; ValueError when it starts
+    like a comparison but the rest is not a number (">=one")."""
+    if not isinstance(wanted, str):
+        return None
+    op = next((op for op in _COMPARISONS if wanted.startswith(op)), None)
+    if op is None:
+        return None
+    try:
+        return op, float(wanted[len(op):])
+    except ValueError:
+        raise ValueError(f"{wanted!r} compares with {wanted[len(op):].strip()!r}, which is not a number; "
+                         f"write e.g. '{op}1'") from None
+
+
 def select(frame: pd.DataFrame, selection: dict) -> pd.DataFrame:
     """Rows matching every `column: value` of the selection: a value, a list of values, or a comparison
     string such as ">=1" (numbers) — the filter language of figures and claims in experiments.yaml."""
@@ -90,11 +106,11 @@ def select(frame: pd.DataFrame, selection: dict) -> pd.DataFrame:
         if column not in frame.columns:
             raise KeyError(f"no column {column!r} in the results (columns: {', '.join(frame.columns)})")
         values = frame[column]
+        compare = comparison(wanted)
         if isinstance(wanted, list):
             mask &= values.isin(wanted)
-        elif isinstance(wanted, str) and wanted[:2].rstrip("0123456789.-+ ") in _COMPARISONS:
-            op = wanted[:2] if wanted[:2] in _COMPARISONS else wanted[:1]
-            mask &= getattr(pd.to_numeric(values, errors="coerce"), _COMPARISONS[op])(float(wanted[len(op):]))
+        elif compare is not None:
+            mask &= getattr(pd.to_numeric(values, errors="coerce"), _COMPARISONS[compare[0]])(compare[1])
         else:
             mask &= values == wanted
     return frame[mask]
@@ -108,6 +124,17 @@ def line_labels(frame: pd.DataFrame) -> pd.Series:
         varying = frame.groupby(labels)[col].transform(lambda s: s.nunique(dropna=True) > 1)
         extra += frame[col].map(lambda v, c=col: f" {c}={v:g}" if v == v else "").where(varying, "")
     return labels + extra
+
+
+ADDED_COLUMNS = ["label"]  # what `results_frame` adds to runs.csv's columns, besides the algorithm parameters
+
+
+def frame_columns(grid, traces: bool = False) -> list[str]:
+    """The columns `results_frame` gives for `grid`'s results — runs.csv's, the line label, each parameter of
+    the grid's algorithms — so that `dpsgd run` can check the names figures and claims use before any work."""
+    params = sorted({k for algo in grid.algorithms for k in algo.params} - set(COLUMNS))
+    runs = [*COLUMNS, *ADDED_COLUMNS, *params]
+    return [*TRACE_COLUMNS, *(c for c in runs if c not in TRACE_COLUMNS)] if traces else runs
 
 
 @functools.lru_cache(maxsize=16)
@@ -221,7 +248,7 @@ def results_frame(folder: Path, traces: bool = False, select: bool = True) -> pd
     `select` and a grid `select:`, only the chosen candidates' runs); with `traces`, their checkpoints (one row
     per run and checkpoint) joined with those run columns."""
     runs = read_results(folder).ok
-    runs = with_params(runs.assign(label=line_labels(runs))) if len(runs) else runs.assign(label=[])
+    runs = with_params(runs.assign(label=line_labels(runs))) if len(runs) else runs.assign(**{c: [] for c in ADDED_COLUMNS})
     if select:  # a grid's `select:`: the chosen candidates' runs
         runs = apply_selections(runs, _manifest_grid(folder))
     if traces:

@@ -14,6 +14,9 @@ from typing import Optional
 import matplotlib
 
 matplotlib.use("Agg")
+# titles, labels and legends come from grid files and results: a `$` in them is a dollar sign, not mathtext
+# (an unbalanced or invalid `$...$` would make savefig raise)
+matplotlib.rcParams["text.parse_math"] = False
 import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
 import pandas as pd  # noqa: E402

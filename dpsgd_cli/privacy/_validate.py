@@ -59,8 +59,19 @@ def sample_rate(name: str, value: object) -> float:
     return x
 
 
-def count(name: str, value: object) -> int:
-    """An integer >= 1 (an integral float such as ``590.0`` is accepted)."""
+SIGMA_RANGE = (1e-3, 1e6)  # noise multipliers the accountants evaluate without overflow (calibration: [1e-2, 1e6])
+
+
+def noise_multiplier(name: str, value: object) -> float:
+    """A noise multiplier in SIGMA_RANGE: outside it the RDP and PLD computations overflow or divide by zero."""
+    x = _as_float(name, value)
+    if not (SIGMA_RANGE[0] <= x <= SIGMA_RANGE[1]):
+        raise UserError(f"{name} must be in [{SIGMA_RANGE[0]:g}, {SIGMA_RANGE[1]:g}], got {value!r}")
+    return x
+
+
+def count(name: str, value: object, maximum: int | None = None) -> int:
+    """An integer >= 1 (an integral float such as ``590.0`` is accepted), at most `maximum` if given."""
     if isinstance(value, bool):
         raise UserError(f"{name} must be an integer >= 1, got {value!r}")
     if isinstance(value, numbers.Integral):
@@ -71,4 +82,6 @@ def count(name: str, value: object) -> int:
         raise UserError(f"{name} must be an integer >= 1, got {value!r}")
     if n < 1:
         raise UserError(f"{name} must be an integer >= 1, got {value!r}")
+    if maximum is not None and n > maximum:
+        raise UserError(f"{name} must be at most {maximum:g}, got {value!r}")
     return n

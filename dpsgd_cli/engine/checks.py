@@ -1,0 +1,287 @@
+"""Checks of a grid before any work (`dpsgd run`, `--dry-run` included): what later commands read must exist,
+and the work must be bounded.
+
+- Names: every column a figure or claim names (metric, x, rows, cols, lines, over, group_by, selections) is
+  one the grid's results will have (`summary.frame_columns`, the same function the readers' columns follow),
+  with the closest valid name in the message; selection values name algorithms, datasets and models of the grid.
+- Work: at most MAX_RUNS runs (counted before expanding), at most MAX_STEPS steps and MAX_EXAMPLES examples
+  processed per run, and arrays (data, projection, model) that fit in the available memory — estimated from
+  the registry's record and feature counts, before anything is loaded.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+from dpsgd_cli.algorithms import ALGORITHMS, AXES
+from dpsgd_cli.config import Cell, ClaimSpec, FigureSpec, Grid, _closest, axis_values, expand
+from dpsgd_cli.data.registry import get_entry
+from dpsgd_cli.data.spec import DatasetSpec
+from dpsgd_cli.engine.analytic import ANALYTIC, NOISE_ACCOUNTINGS, NUMERIC_TABLE_COLUMNS, TABLE_COLUMNS
+from dpsgd_cli.engine.results import COLUMNS
+from dpsgd_cli.engine.summary import comparison, frame_columns
+from dpsgd_cli.errors import UserError
+from dpsgd_cli.models.mlp import BLOCK_ELEMENTS as MLP_BLOCK
+from dpsgd_cli.privacy.accounting import PLD_MAX_COMPOSITIONS
+
+MAX_RUNS = 100_000  # runs of one grid (cells × seeds); the largest paper grid has 594
+MAX_STEPS = 10**8  # optimiser steps of one run (the paper grids: at most ~10^6)
+MAX_EXAMPLES = 10**10  # examples processed by one run, epochs × n (hours of work even for logistic regression)
+MEMORY_SHARE = 0.8  # of the memory available now, what one run may plan to use
+# runs.csv columns holding text (the others are numbers a metric or an x axis may use)
+TEXT_COLUMNS = {"run_id", "cell_id", "grid", "dataset", "dataset_options", "model", "model_options", "algorithm",
+                "algorithm_params", "accountant", "accountant_library", "guarantee", "derived", "status",
+                "message", "version", "dtype", "label"}
+# selection values that must name something of the grid
+_NAMED = {"algorithm": lambda g: [a.name for a in g.algorithms], "dataset": lambda g: [getattr(d, "id", None) or d.name for d in g.datasets],
+          "model": lambda g: [m.name for m in g.models]}
+
+
+def check_grids(grids: Iterable[Grid]) -> None:
+    """Every check of this module on every grid, before any of them runs; the first problem is a UserError."""
+    for grid in grids:
+        check_grid(grid)
+
+
+def check_grid(grid: Grid) -> list[Cell]:
+    """The grid's cells, after checking its size, names and work (UserError naming the grid and the key)."""
+    runs = count_runs(grid)
+    if runs > MAX_RUNS:
+        raise UserError(f"grid {grid.name!r}: {runs:,} runs (cells × seeds) exceed the limit of {MAX_RUNS:,}; "
+                        f"split it into several grids or sweep fewer values")
+    cells = expand(grid)
+    if not cells:
+        raise UserError(f"grid {grid.name!r}: expands to zero runs; give every axis at least one value")
+    for i, figure in enumerate(grid.figures):
+        _check_figure(grid, figure, f"grid {grid.name!r}: figures[{i}] ({figure.name})")
+    for i, claim in enumerate(grid.claims):
+        _check_claim(grid, claim, f"grid {grid.name!r}: claims[{i}] ({claim.id})")
+    for cell in cells:
+        check_work(cell, f"grid {grid.name!r}")
+    return cells
+
+
+def count_runs(grid: Grid) -> int:
+    """Runs of the grid before merging duplicate cells (an upper bound), computed without expanding it."""
+    cells = sum(math.prod(len(v) for v in axis_values(grid, algo).values()) for algo in grid.algorithms)
+    return cells * len(grid.datasets) * len(grid.models) * grid.seeds
+
+
+# --- names -------------------------------------------------------------------------------------------------------
+def _columns(grid: Grid, source: str) -> tuple[list[str], set[str]]:
+    """(columns, numeric columns) of the frame a figure or claim reads: runs, traces or an analytic table."""
+    if source in TABLE_COLUMNS:
+        return TABLE_COLUMNS[source], NUMERIC_TABLE_COLUMNS & set(TABLE_COLUMNS[source])
+    columns = frame_columns(grid, traces=source == "traces")
+    numeric = {c for c in columns if c not in TEXT_COLUMNS and (c in COLUMNS or c in ("examples",)
+                                                                 or _numeric_param(grid, c))}
+    return columns, numeric
+
+
+def _numeric_param(grid: Grid, column: str) -> bool:
+    return any(isinstance(a.params.get(column), (int, float)) and not isinstance(a.params.get(column), bool)
+               for a in grid.algorithms)
+
+
+def _name(value: Optional[str], key: str, columns: list[str], where: str, numeric: Optional[set[str]] = None) -> None:
+    if value is None:
+        return
+    if value not in columns:
+        hint = _closest(value, columns) or f" (columns: {', '.join(columns)})"
+        raise UserError(f"{where}: {key} = {value!r} is not a column of the results{hint}")
+    if numeric is not None and value not in numeric:
+        raise UserError(f"{where}: {key} = {value!r} is a text column; use a numeric one"
+                        f"{_closest(value, sorted(numeric))}")
+
+
+def _selection(grid: Grid, selection: dict[str, Any], key: str, columns: list[str], where: str,
+               numeric: set[str]) -> None:
+    for column, wanted in selection.items():
+        _name(column, f"{key}.{column}", columns, where)
+        values = wanted if isinstance(wanted, list) else [wanted]
+        for value in values:
+            try:
+                comparison(value)
+            except ValueError as exc:
+                raise UserError(f"{where}: {key}.{column}: {exc}") from None
+            if column in numeric and isinstance(value, str) and comparison(value) is None:
+                raise UserError(f"{where}: {key}.{column} = {value!r}: {column} holds numbers; give a number, a "
+                                f"list of numbers or a comparison such as '>=1'")
+            known = _NAMED[column](grid) if column in _NAMED else None
+            if known is not None and comparison(value) is None and value not in known:
+                raise UserError(f"{where}: {key}.{column} = {value!r} is not among the grid's {column}s"
+                                f"{_closest(str(value), known)}; the grid has {', '.join(known)}")
+
+
+def _check_figure(grid: Grid, figure: FigureSpec, where: str) -> None:
+    if figure.kind in ANALYTIC:
+        skip = figure.params.get("skip", []) if figure.kind == "noise_scale" else []
+        labels = [label for label, *_ in NOISE_ACCOUNTINGS]
+        for label in skip:
+            if label not in labels:
+                raise UserError(f"{where}: params.skip: {label!r} is not an accounting{_closest(label, labels)}; "
+                                f"known: {', '.join(labels)}")
+        return
+    columns, numeric = _columns(grid, figure.kind)
+    _name(figure.metric, "metric", columns, where, numeric)
+    if figure.kind == "sweep":
+        _name(figure.x, "x", columns, where, numeric)
+    _name(figure.rows, "rows", columns, where)
+    _name(figure.cols, "cols", columns, where)
+    for column in figure.lines:
+        _name(column, "lines", columns, where)
+    _selection(grid, figure.where, "where", columns, where, numeric)
+
+
+def _check_claim(grid: Grid, claim: ClaimSpec, where: str) -> None:
+    figures = {f.name: f for f in grid.figures}
+    if claim.source in ("runs", "traces"):
+        source = claim.source
+    elif claim.source in figures and figures[claim.source].kind in ANALYTIC:
+        source = figures[claim.source].kind
+    else:
+        valid = ["runs", "traces", *(f.name for f in grid.figures if f.kind in ANALYTIC)]
+        raise UserError(f"{where}: source = {claim.source!r} is neither runs, traces nor an analytic figure of the "
+                        f"grid{_closest(claim.source, valid)}; valid: {', '.join(valid)}")
+    if claim.check == "saturates" and source != "privacy_curve":
+        raise UserError(f"{where}: check saturates needs source = a privacy_curve figure of the grid")
+    columns, numeric = _columns(grid, source)
+    _name(claim.metric, "metric", columns, where, numeric)
+    _name(claim.over, "over", columns, where)
+    for column in claim.group_by:
+        _name(column, "group_by", columns, where)
+    for key in ("where", "a", "b"):
+        _selection(grid, getattr(claim, key), key, columns, where, numeric)
+
+
+# --- paths -------------------------------------------------------------------------------------------------------
+def out_root(value: str, option: str = "--out") -> Path:
+    """The results root given on the command line, checked before any work: not empty, not a file (nor under
+    one), and writable where it exists or would be created."""
+    if not value.strip():
+        raise UserError(f"{option} is empty; give a folder for the results (default: results)")
+    path = Path(value).expanduser()
+    existing = next(p for p in [path, *path.parents] if p.exists() or p == Path(p.anchor or "."))
+    if existing.exists() and not existing.is_dir():
+        raise UserError(f"{option} {value}: {existing} is a file, not a folder; give a folder for the results")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{option} {value}: {existing} is not writable (read-only or permission denied); "
+                        f"give a writable folder")
+    return path
+
+
+# --- work --------------------------------------------------------------------------------------------------------
+def available_memory() -> int:
+    """Bytes of memory available now (MemAvailable on Linux; else physical memory)."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 40
+
+
+def _loaded_file(spec) -> tuple[int, int]:
+    """(records, features) of a file dataset: its loader bounds its own memory (files.MAX_DENSE_BYTES), so it is
+    loaded (once per process, the run reuses it) instead of estimated from a registry entry it does not have."""
+    from dpsgd_cli.engine.runner import dataset
+
+    data = dataset(spec)
+    return len(data.y_train) + len(data.y_test), data.X_train.shape[1]
+
+
+def records(spec: DatasetSpec) -> int:
+    """Records the dataset spec loads (before the train/test split), from the registry: an upper bound."""
+    if spec.name == "file":
+        return _loaded_file(spec)[0]
+    entry = get_entry(spec.name)
+    total = spec.n if spec.name == "synthetic" and spec.n else entry.total_records
+    if spec.name == "kddcup99" and spec.split == "official":
+        total += entry.records.get("official_test", 0)
+    return min(total, spec.subsample) if spec.subsample else total
+
+
+def features(spec: DatasetSpec) -> int:
+    """Columns after encoding, before projection (the registry's count with one-hot encoding: an upper bound;
+    a file dataset's columns after its whole pipeline)."""
+    if spec.name == "file":
+        return _loaded_file(spec)[1]
+    if spec.name == "synthetic":
+        return spec.dim or get_entry("synthetic").defaults["dim"]
+    return get_entry(spec.name).features
+
+
+def memory_estimate(cell: Cell) -> dict[str, float]:
+    """Bytes the arrays of one run need, by the key that sizes them: the data (raw, encoded, the split copies),
+    the projection (its d × k matrix and the projected data) and the model (θ, gradients and state per seed,
+    and the hidden layer's activations on a block of the data)."""
+    n, d = records(cell.dataset), features(cell.dataset)
+    k = cell.dataset.projection
+    width = k or d
+    replicas = len(cell.seeds)
+    hidden = cell.model.options.get("hidden") or width if cell.model.name == "mlp" else 0
+    params = width * hidden + 2 * hidden + 1 if hidden else width + 1
+    batch = min(cell.batch_size or 1, n)
+    return {
+        "dataset": 8.0 * n * d * 4,
+        "projection": 8.0 * (d * k + 2 * n * k) if k else 0.0,
+        "model": 8.0 * replicas * (8 * params + batch * hidden) + (8.0 * 2 * MLP_BLOCK if hidden else 0.0),
+    }
+
+
+def steps_estimate(cell: Cell) -> tuple[float, float]:
+    """(steps, examples processed) of one run, from the registry's record count: T = epochs·n/B with a batch
+    size, else epochs·n (one record per step, bassily2014) — noisy_gd's K = epochs is counted as epochs·n too."""
+    if cell.epochs is None:
+        return 0.0, 0.0
+    n = records(cell.dataset)
+    examples = cell.epochs * n
+    return (examples / cell.batch_size if cell.batch_size else examples), examples
+
+
+def check_work(cell: Cell, where: str) -> None:
+    """UserError naming the key and the limit when one run would take too many steps or too much memory."""
+    steps, examples = steps_estimate(cell)
+    if steps > MAX_STEPS or examples > MAX_EXAMPLES:
+        limit = f"{MAX_STEPS:.0e} steps" if steps > MAX_STEPS else f"{MAX_EXAMPLES:.0e} examples processed"
+        raise UserError(f"{where}: epochs = {cell.epochs:g} on {cell.dataset.name} (about {records(cell.dataset):,} "
+                        f"records, batch size {cell.batch_size or 1}) is {steps:.3g} steps / {examples:.3g} examples "
+                        f"per run, beyond the limit of {limit}; lower epochs")
+    params = cell.algorithm.params
+    if "pld" in (params.get("accountant"), params.get("accounting")) and steps > PLD_MAX_COMPOSITIONS:
+        raise UserError(f"{where}: {cell.algorithm.name} with the PLD accountant on {cell.dataset.name} would compose "
+                        f"{steps:.3g} steps, beyond the PLD limit of {PLD_MAX_COMPOSITIONS:.0e}; lower epochs, raise "
+                        f"batch_size, or use accountant rdp")
+    k, d = cell.dataset.projection, features(cell.dataset)
+    if k and k > d:
+        raise UserError(f"{where}: datasets[].projection = {k:,} is larger than the {d} features of "
+                        f"{cell.dataset.name}; a projection reduces the dimension: use projection ≤ {d}")
+    need = memory_estimate(cell)
+    have = MEMORY_SHARE * available_memory()
+    if sum(need.values()) > have:
+        key = max(need, key=need.get)
+        if key == "projection":
+            what = f"datasets[].projection = {cell.dataset.projection:,}"
+        elif key == "model":
+            what = f"models[].hidden = {cell.model.options.get('hidden') or features(cell.dataset):,} of {cell.model.name}"
+        else:
+            what = (f"dataset {cell.dataset.name} ({records(cell.dataset):,} records × {features(cell.dataset):,} "
+                    f"features; see subsample, n, dim)")
+        raise UserError(f"{where}: {what} needs about {_bytes(sum(need.values()))} of memory, more than the "
+                        f"{_bytes(have)} available ({MEMORY_SHARE:.0%} of what is free now); make it smaller")
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024:
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} PiB"
