@@ -47,12 +47,17 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 # --- run -------------------------------------------------------------------------------------------
 @app.command()
 def run(
+    ctx: typer.Context,
     grid_file: Path = typer.Argument(..., help="YAML file with one or more named grids."),
     only: Optional[list[str]] = typer.Option(None, "--only", help="Run only this grid (repeatable)."),
     out: Path = typer.Option(Path("results"), "--out", help="Results root; grid G writes to OUT/G/."),
     jobs: int = typer.Option(1, "--jobs", min=1, help="Worker processes (one BLAS thread each)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Validate and show what would run, then stop."),
     no_resume: bool = typer.Option(False, "--no-resume", help="Start over (the old runs.csv is kept as a backup)."),
+    scheduler: Optional[str] = typer.Option(
+        None, "--scheduler", envvar="DPSGD_SCHEDULER", show_envvar=True,
+        help="Run the tasks on a Dask cluster: its scheduler's address (tcp://HOST:PORT) or local:N (a LocalCluster "
+             "of N worker processes on this machine); needs the `dask` extra."),
 ) -> None:
     """Run every cell of the grid(s), appending each finished run to OUT/<grid>/runs.csv."""
     from dpsgd_cli.algorithms.kernels import backend_description
@@ -60,6 +65,14 @@ def run(
     from dpsgd_cli.engine import execute, plan_grid, summary_frame
 
     grids = select(load_grid_file(grid_file), only)
+    if scheduler and jobs > 1:
+        raise UserError(f"--jobs {jobs} and --scheduler {scheduler}: choose one (the Dask workers are the processes)")
+    backend = None
+    if scheduler and not dry_run:  # connected first: an unreachable scheduler fails before anything is touched
+        from dpsgd_cli.engine.distributed import dask_backend
+
+        backend = ctx.with_resource(dask_backend(scheduler))
+        console.print(backend.describe(), highlight=False, markup=False)
     plans = [plan_grid(g, out, resume=not no_resume, dry_run=dry_run) for g in grids]
     console.print(backend_description(), highlight=False, markup=False)
     for plan in plans:
@@ -72,14 +85,14 @@ def run(
         return
     for plan in plans:
         if not plan.tasks:  # nothing to train; the manifest and analytic tables are still refreshed
-            execute(plan, jobs=jobs)
+            execute(plan, jobs=jobs, backend=backend)
             continue
         columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("runs"),
                    TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
         with Progress(*columns, console=console, transient=False) as progress:
             bar = progress.add_task(plan.grid.name, total=plan.pending_runs)
             try:
-                execute(plan, jobs=jobs, on_rows=lambda rows: progress.advance(bar, len(rows)))
+                execute(plan, jobs=jobs, backend=backend, on_rows=lambda rows: progress.advance(bar, len(rows)))
             except KeyboardInterrupt:
                 progress.stop()
                 typer.echo(f"interrupted: finished runs are saved in {plan.folder / 'runs.csv'}; "
