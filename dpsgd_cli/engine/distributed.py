@@ -14,7 +14,7 @@ import logging
 import os
 import uuid
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from dpsgd_cli.data.download import DATA_DIR_ENV, MIRROR_ENV, cache_dir
 from dpsgd_cli.engine.runner import Task, TaskResult, failed_result, run_task
@@ -68,7 +68,7 @@ def dask_backend(scheduler: str, cells_per_task: int = CELLS_PER_TASK) -> Iterat
         raise UserError(f"--scheduler needs Dask's `distributed`, which is not installed: {INSTALL_HINT}") from None
     address, workers = parse_scheduler(scheduler)
     cluster = None
-    logging.getLogger("distributed").setLevel(logging.ERROR)  # its reconnect chatter would bury our one line
+    quiet = _silence_dask_logs()  # its reconnect tracebacks would bury our one-line errors
     try:
         if workers is not None:
             cluster = distributed.LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
@@ -79,6 +79,7 @@ def dask_backend(scheduler: str, cells_per_task: int = CELLS_PER_TASK) -> Iterat
     except BaseException:
         if cluster is not None:
             cluster.close()
+        quiet()
         raise
     try:
         yield DaskBackend(client, address, cells_per_task)
@@ -86,6 +87,22 @@ def dask_backend(scheduler: str, cells_per_task: int = CELLS_PER_TASK) -> Iterat
         client.close(timeout=5)
         if cluster is not None:
             cluster.close(timeout=5)
+        quiet()
+
+
+def _silence_dask_logs() -> Callable[[], None]:
+    """Raise every `distributed` logger to CRITICAL in the driver; return the function restoring them. The
+    driver reports what matters (lost scheduler, unreachable address, failed tasks) itself, in one line."""
+    names = ["distributed"] + [n for n in logging.root.manager.loggerDict if n.startswith("distributed.")]
+    levels = {name: logging.getLogger(name).level for name in names}
+    for name in names:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+    def restore() -> None:
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
+
+    return restore
 
 
 class DaskBackend:
