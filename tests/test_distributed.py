@@ -148,6 +148,12 @@ def test_malformed_scheduler_is_a_user_error(value):
         parse_scheduler(value)
 
 
+def test_scheduler_values():
+    assert parse_scheduler("local:3") == ("local", 3)
+    assert parse_scheduler("localhost:8786") == ("localhost:8786", None)  # an address, not local:N
+    assert parse_scheduler(" tcp://10.0.0.5:8786 ") == ("tcp://10.0.0.5:8786", None)
+
+
 def test_without_distributed_the_flag_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "distributed", None)  # `import distributed` raises ImportError
     with pytest.raises(UserError, match=r"pip install .*\[dask\]"):

@@ -20,11 +20,11 @@ from dpsgd_cli.data.download import DATA_DIR_ENV, MIRROR_ENV, cache_dir
 from dpsgd_cli.engine.runner import Task, TaskResult, failed_result, run_task
 from dpsgd_cli.errors import UserError
 
-SCHEDULER_ENV = "DPSGD_SCHEDULER"
 TIMEOUT_ENV = "DPSGD_SCHEDULER_TIMEOUT"  # seconds to wait for the scheduler when connecting
 CONNECT_TIMEOUT = 10.0
 INSTALL_HINT = "pip install 'dpsgd[dask]' (from a clone: pip install -e '.[dask]')"
 CELLS_PER_TASK = 1  # a cell's seeds already train together; grouping cells gained nothing on kang_lr (README)
+
 
 class SchedulerLost(UserError):
     """The connection to the scheduler broke mid-grid (what was received is saved)."""
@@ -33,7 +33,7 @@ class SchedulerLost(UserError):
 def parse_scheduler(value: str) -> tuple[str, Optional[int]]:
     """("local", N) for `local:N`, else (address, None); a malformed value is a UserError."""
     value = value.strip()
-    if value.startswith("local"):
+    if value == "local" or value.startswith("local:"):
         _, _, count = value.partition(":")
         if not count.isdigit() or int(count) < 1:
             raise UserError(f"--scheduler {value}: use local:N with N ≥ 1 worker processes (e.g. local:2), "
@@ -59,7 +59,7 @@ def run_tasks(tasks: list[Task], env: dict[str, str]) -> list[TaskResult]:
 
 
 @contextmanager
-def dask_backend(scheduler: str, cells_per_task: int = CELLS_PER_TASK) -> Iterator[Backend]:
+def dask_backend(scheduler: str, cells_per_task: int = CELLS_PER_TASK) -> Iterator["DaskBackend"]:
     """Connect to the scheduler (or start a LocalCluster) and yield a function tasks → results as they finish.
     Unreachable scheduler, missing `distributed`: a UserError (one line, exit code 2)."""
     try:
@@ -135,6 +135,8 @@ def _results(client: Any, address: str, tasks: list[Task], cells_per_task: int) 
     """Submit the tasks in groups of `cells_per_task`; yield each group's results as it finishes."""
     from distributed import as_completed
 
+    if not tasks:
+        return
     env = worker_environment()
     chunks = [tasks[i:i + cells_per_task] for i in range(0, len(tasks), cells_per_task)]
     tag = uuid.uuid4().hex[:8]
