@@ -36,7 +36,7 @@ def _trial(mode: str, out: str) -> None:
     planned = time.perf_counter()
     if mode.startswith("jobs"):
         runs = execute(plan, jobs=int(mode[4:]))
-        started = planned
+        started, done, cpu = planned, time.perf_counter(), _cpu_seconds()
     else:
         from dpsgd_cli.engine.distributed import dask_backend
 
@@ -44,9 +44,24 @@ def _trial(mode: str, out: str) -> None:
         with dask_backend(f"local:{workers}", cells_per_task=int(per_task or 1)) as backend:
             started = time.perf_counter()
             runs = execute(plan, backend=backend)
-    done = time.perf_counter()
+            done, cpu = time.perf_counter(), _cpu_seconds()  # before the workers exit
     print(json.dumps({"runs": runs, "plan_s": planned - start, "startup_s": started - planned,
-                      "execute_s": done - started}))
+                      "execute_s": done - started, "cpu_s": cpu}))
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and its workers (loky's or Dask's, all children of this process)."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+            total += times.user + times.system
+        except psutil.Error:
+            pass
+    return total
 
 
 def _frame(folder: Path):
@@ -88,11 +103,14 @@ def main() -> None:
                       + ", ".join(f"{k} {v:.1f} s" for k, v in parts[mode][-1].items() if k.endswith("_s")),
                       flush=True)
     base = statistics.median(walls[modes[0]])
+    base_cpu = statistics.median(p["cpu_s"] for p in parts[modes[0]])
     print(f"\n{GRID}: {len(reference)} runs, identical in every trial; median of {args.reps} interleaved rounds")
     for mode in modes:
         med = statistics.median(walls[mode])
         execute = statistics.median(p["execute_s"] for p in parts[mode])
-        print(f"{mode:>9}: wall {med:6.1f} s ({base / med:.2f}× {modes[0]}), execute {execute:5.1f} s, "
+        cpu = statistics.median(p["cpu_s"] for p in parts[mode])
+        print(f"{mode:>9}: wall {med:6.1f} s ({base / med:.2f}× {modes[0]}), CPU {cpu:5.1f} s "
+              f"({cpu / base_cpu:.2f}× {modes[0]}), execute {execute:5.1f} s, "
               f"cluster start {statistics.median(p['startup_s'] for p in parts[mode]):4.1f} s, "
               f"load {min(loads[mode]):.1f}–{max(loads[mode]):.1f}")
 

@@ -18,23 +18,12 @@ distributed = pytest.importorskip("distributed")
 from dpsgd_cli.cli import app, main  # noqa: E402
 from dpsgd_cli.config import load_grid_file  # noqa: E402
 from dpsgd_cli.engine import execute, plan_grid  # noqa: E402
-from dpsgd_cli.engine.distributed import SchedulerLost, dask_backend, parse_scheduler  # noqa: E402
+from dpsgd_cli.engine.distributed import SchedulerLost, dask_backend, local_cluster, parse_scheduler  # noqa: E402
 from dpsgd_cli.errors import UserError  # noqa: E402
+from tests.test_cli import GRID, grid_file  # noqa: E402,F401 - the CLI tests' grid (4 cells × 2 seeds)
 
-GRID = """
-grids:
-  - name: tiny
-    datasets: [{name: synthetic, n: 600}]
-    algorithms: [erm, sgd, dp_sgd]
-    epsilon: [0.5, 2]
-    batch_size: [32]
-    lr: [0.5]
-    seeds: 2
-    epochs: 2
-    trace_every: 300
-"""
-# tasks of ~0.3 s (n = 2000, 20 epochs): a worker killed as soon as it holds one is mid-task
-SLOW = GRID.replace("n: 600", "n: 2000").replace("epochs: 2", "epochs: 20")
+# tasks of ~0.3 s (n = 2000, 20 epochs): a worker killed as soon as it holds one is mid-task; with traces
+SLOW = GRID.replace("n: 600", "n: 2000").replace("epochs: 2", "epochs: 20") + "    trace_every: 4000\n"
 
 
 def _frame(path):
@@ -42,19 +31,10 @@ def _frame(path):
     return frame.sort_values([c for c in ("run_id", "examples") if c in frame]).reset_index(drop=True)
 
 
-@pytest.fixture
-def grid_file(tmp_path, monkeypatch):
-    monkeypatch.setenv("DPSGD_DATA_DIR", str(tmp_path / "cache"))
-    path = tmp_path / "grid.yaml"
-    path.write_text(textwrap.dedent(GRID))
-    return path
-
-
 @pytest.fixture(scope="module")
 def cluster():
     """Two worker processes on 127.0.0.1 (each restarted by its nanny if killed), shared by the tests."""
-    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
-                                  dashboard_address=None, silence_logs=40) as local:
+    with local_cluster(2) as local:  # what `--scheduler local:2` starts
         yield local
 
 
@@ -64,10 +44,9 @@ def test_cluster_gives_the_runs_of_one_process(cluster, grid_file, tmp_path):
                                     "--scheduler", cluster.scheduler_address])
     assert one.exit_code == 0 and dask.exit_code == 0, dask.output
     assert "2 workers" in dask.output and "mean ± std" in dask.output
-    for name in ("runs.csv", "traces.csv"):  # same run ids, identical numbers (wall time aside)
-        a, b = _frame(tmp_path / "one" / "tiny" / name), _frame(tmp_path / "dask" / "tiny" / name)
-        assert len(a) > 0 and b["run_id"].value_counts().max() == a["run_id"].value_counts().max()
-        pd.testing.assert_frame_equal(a, b)
+    # same run ids, identical numbers (wall time aside)
+    pd.testing.assert_frame_equal(_frame(tmp_path / "one" / "tiny" / "runs.csv"),
+                                  _frame(tmp_path / "dask" / "tiny" / "runs.csv"))
 
 
 def test_a_worker_killed_mid_task_loses_nothing_and_duplicates_nothing(cluster, tmp_path, monkeypatch):
@@ -98,8 +77,9 @@ def test_a_worker_killed_mid_task_loses_nothing_and_duplicates_nothing(cluster, 
     runs = _frame(tmp_path / "dask" / "tiny" / "runs.csv")
     assert len(runs) == 8 and runs["run_id"].is_unique and set(runs["status"]) == {"ok"}
     pd.testing.assert_frame_equal(_frame(tmp_path / "one" / "tiny" / "runs.csv"), runs)
-    traces = _frame(tmp_path / "dask" / "tiny" / "traces.csv")
-    assert not traces.duplicated(["run_id", "examples"]).any()
+    traces = _frame(tmp_path / "dask" / "tiny" / "traces.csv")  # checkpoints of the killed attempt: none
+    assert len(traces) and not traces.duplicated(["run_id", "examples"]).any()
+    pd.testing.assert_frame_equal(_frame(tmp_path / "one" / "tiny" / "traces.csv"), traces)
 
 
 def test_resume_after_an_interrupted_distributed_run_runs_only_what_is_missing(cluster, grid_file, tmp_path):
