@@ -108,7 +108,7 @@ def _silence_dask_logs() -> Callable[[], None]:
 def local_cluster(workers: int) -> Any:
     """A LocalCluster of `workers` single-threaded processes on 127.0.0.1, without the nanny's
     MALLOC_TRIM_THRESHOLD_ = 65536: it fixes glibc's mmap threshold at 128 KiB, so every per-step temporary
-    (a batch of kddcup99 rows is 240 KiB) is mmapped and zero-filled afresh: 2-3× the CPU per task (README)."""
+    (a batch of kddcup99 rows is 240 KiB) is mmapped and zero-filled afresh: about 2× the CPU per task (README)."""
     import dask
     import distributed
 
