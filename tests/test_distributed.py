@@ -145,7 +145,7 @@ def test_a_lost_scheduler_stops_the_driver_and_keeps_what_was_received(grid_file
     grid = load_grid_file(grid_file).grids[0]
     out = tmp_path / "results"
     local = distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=False, protocol="tcp",
-                                     host="127.0.0.1", dashboard_address=None, silence_logs=40)
+                                     host="127.0.0.1", dashboard_address="127.0.0.1:0", silence_logs=40)
     received = []
 
     def stop_scheduler(rows):
@@ -161,3 +161,10 @@ def test_a_lost_scheduler_stops_the_driver_and_keeps_what_was_received(grid_file
         local.close()
     saved = pd.read_csv(out / "tiny" / "runs.csv", dtype={"run_id": str})
     assert set(saved["run_id"]) == {r["run_id"] for r in received} and len(saved) < 8
+
+
+def test_jobs_and_scheduler_exclude_each_other(grid_file, tmp_path):
+    result = CliRunner().invoke(app, ["run", str(grid_file), "--out", str(tmp_path / "r"), "--jobs", "2",
+                                      "--scheduler", "local:2"])
+    assert isinstance(result.exception, UserError) and "choose one" in str(result.exception)
+    assert not (tmp_path / "r").exists()

@@ -116,8 +116,9 @@ def local_cluster(workers: int) -> Any:
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None  # inherited by the workers:
     try:  # Ctrl-C (sent to the whole process group) is the driver's to handle, and it closes the cluster
         with dask.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}):
-            return distributed.LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
-                                            host="127.0.0.1", dashboard_address=None, silence_logs=logging.CRITICAL)
+            return distributed.LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, host="127.0.0.1",
+                                            dashboard_address="127.0.0.1:0",  # any free port: never "8787 in use"
+                                            silence_logs=logging.CRITICAL)
     finally:
         if main:
             signal.signal(signal.SIGINT, previous)
