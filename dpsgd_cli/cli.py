@@ -65,6 +65,7 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 # --- run -------------------------------------------------------------------------------------------
 @app.command()
 def run(
+    ctx: typer.Context,
     grid_file: Path = typer.Argument(..., metavar="GRID.yaml", help="YAML file with one or more named grids."),
     only: Optional[list[str]] = typer.Option(None, "--only", metavar="NAME",
                                              help="Run only this grid (repeatable: --only a --only b)."),
@@ -73,6 +74,10 @@ def run(
                              help="Worker processes (one BLAS thread each); capped at the number of cores."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Validate and show what would run, then stop."),
     no_resume: bool = typer.Option(False, "--no-resume", help="Start over (the old runs.csv is kept as a backup)."),
+    scheduler: Optional[str] = typer.Option(
+        None, "--scheduler", envvar="DPSGD_SCHEDULER", show_envvar=True,
+        help="Run the tasks on a Dask cluster: its scheduler's address (tcp://HOST:PORT) or local:N (a LocalCluster "
+             "of N worker processes on this machine); needs the `dask` extra."),
 ) -> None:
     """Run every cell of the grid(s), appending each finished run to DIR/<grid>/runs.csv.
 
@@ -92,6 +97,14 @@ def run(
     out = out_root(out)
     check_grids(grids)  # every figure, claim and limit, before any work
     jobs = _cap_jobs(jobs)
+    if scheduler and jobs > 1:
+        raise UserError(f"--jobs {jobs} and --scheduler {scheduler}: choose one (the Dask workers are the processes)")
+    backend = None
+    if scheduler and not dry_run:  # connected first: an unreachable scheduler fails before anything is touched
+        from dpsgd_cli.engine.distributed import dask_backend
+
+        backend = ctx.with_resource(dask_backend(scheduler))
+        console.print(backend.describe(), highlight=False, markup=False)
     plans = [plan_grid(g, out, resume=not no_resume, dry_run=dry_run) for g in grids]
     console.print(backend_description(), highlight=False, markup=False)
     _print_file_dataset_notes(plans)
@@ -105,14 +118,14 @@ def run(
         return
     for plan in plans:
         if not plan.tasks:  # nothing to train; the manifest and analytic tables are still refreshed
-            execute(plan, jobs=jobs)
+            execute(plan, jobs=jobs, backend=backend)
             continue
         columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("runs"),
                    TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
         with Progress(*columns, console=console, transient=False) as progress:
             bar = progress.add_task(plan.grid.name, total=plan.pending_runs)
             try:
-                execute(plan, jobs=jobs, on_rows=lambda rows: progress.advance(bar, len(rows)))
+                execute(plan, jobs=jobs, backend=backend, on_rows=lambda rows: progress.advance(bar, len(rows)))
             except KeyboardInterrupt:
                 progress.stop()
                 typer.echo(f"interrupted: finished runs are saved in {plan.folder / 'runs.csv'}; "

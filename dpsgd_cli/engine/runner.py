@@ -102,9 +102,7 @@ def run_task(task: Task, single_thread: bool = False) -> TaskResult:
         outcome = algorithm.fit(setting, model, X, y, ReplicaStreams(task.seeds))
     except Exception as exc:  # recorded, and the grid goes on
         message = f"{type(exc).__name__}: {exc}" if isinstance(exc, UserError) else _short_traceback(exc)
-        elapsed = (time.perf_counter() - start) / len(task.seeds)
-        return TaskResult([{**base, "run_id": cell.run_id(s), "seed": s, "status": "failed", "message": message,
-                            "wall_time": elapsed} for s in task.seeds])
+        return failed_result(task, message, (time.perf_counter() - start) / len(task.seeds))
     elapsed = (time.perf_counter() - start) / len(task.seeds)
     metrics = _metrics(model, outcome.theta, data, task.optimal_objective)
     derived = dict(outcome.derived)
@@ -128,6 +126,14 @@ def run_task(task: Task, single_thread: bool = False) -> TaskResult:
         row["status"], row["message"] = ("ok", "") if finite else ("diverged", "non-finite parameters or objective")
         rows.append(row)
     return TaskResult(rows, _trace_rows(cell, task, outcome.trace))
+
+
+def failed_result(task: Task, message: str, wall_time: Optional[float] = None) -> TaskResult:
+    """The task's runs as `failed` rows (retried on resume), with what is known of them before training."""
+    data = dataset(task.cell.dataset)
+    base = _base_row(task.cell, data, setting_of(task.cell, data), task.optimal_objective)
+    return TaskResult([{**base, "run_id": task.cell.run_id(s), "seed": s, "status": "failed", "message": message,
+                        "wall_time": wall_time} for s in task.seeds])
 
 
 def _trace_rows(cell: Cell, task: Task, trace: list) -> list[dict[str, Any]]:
@@ -234,9 +240,11 @@ def grid_hash(grid: Grid) -> str:
     return hashlib.sha256(grid.model_dump_json().encode()).hexdigest()[:16]
 
 
-def execute(run: GridRun, jobs: int = 1, on_rows: Optional[Callable[[list[dict]], None]] = None) -> int:
-    """Run the pending tasks, appending each task's rows to runs.csv (and traces.csv) as it finishes; the
-    failed runs' rows are collected in `run.failures`. Releases the folder's lock at the end."""
+def execute(run: GridRun, jobs: int = 1, on_rows: Optional[Callable[[list[dict]], None]] = None,
+            backend: Optional[Callable[[list[Task]], Iterator[TaskResult]]] = None) -> int:
+    """Run the pending tasks, appending each task's rows to runs.csv (and traces.csv) as it finishes; `backend`
+    (e.g. `distributed.dask_backend`) runs them elsewhere instead of in `jobs` local processes. The failed
+    runs' rows are collected in `run.failures`. Releases the folder's lock at the end."""
     store = ResultStore(run.folder)
     started = now()
     done, writing = 0, []
@@ -245,7 +253,7 @@ def execute(run: GridRun, jobs: int = 1, on_rows: Optional[Callable[[list[dict]]
     try:
         manifest(None)
         write_analytic_tables(run.grid, run.folder)
-        for result in _results(run.tasks, jobs):
+        for result in (backend(run.tasks) if backend else _results(run.tasks, jobs)):
             writing = result.rows
             store.append_traces(result.traces)  # first: a run in runs.csv always has its traces
             store.append(result.rows)

@@ -1,0 +1,181 @@
+"""Run a grid's tasks on a Dask cluster (`dpsgd run --scheduler ADDRESS|local:N`).
+
+The driver stays the only writer: workers run `run_task` and return rows; the driver appends them as they
+arrive (`execute`), exactly as with `--jobs`. What crosses the network per task is the cells' specs and L*
+(computed once by the driver in `plan_grid`); workers load the data themselves through the registry and cache
+(`DPSGD_DATA_DIR` / `DPSGD_DATA_MIRROR` are sent with each task), once per worker process (`runner.dataset`
+is cached per process). A worker that dies mid-task has its task rerun elsewhere by the scheduler; the driver
+receives each task's rows once, so runs.csv holds every run once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import uuid
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
+
+from dpsgd_cli.data.download import DATA_DIR_ENV, MIRROR_ENV, cache_dir
+from dpsgd_cli.engine.runner import Task, TaskResult, failed_result, run_task
+from dpsgd_cli.errors import UserError
+
+TIMEOUT_ENV = "DPSGD_SCHEDULER_TIMEOUT"  # seconds to wait for the scheduler when connecting
+CONNECT_TIMEOUT = 10.0
+INSTALL_HINT = "pip install 'dpsgd[dask]' (from a clone: pip install -e '.[dask]')"
+CELLS_PER_TASK = 1  # a cell's seeds already train together; grouping cells gained nothing on kang_lr (README)
+
+
+class SchedulerLost(UserError):
+    """The connection to the scheduler broke mid-grid (what was received is saved)."""
+
+
+def parse_scheduler(value: str) -> tuple[str, Optional[int]]:
+    """("local", N) for `local:N`, else (address, None); a malformed value is a UserError."""
+    value = value.strip()
+    if value == "local" or value.startswith("local:"):
+        _, _, count = value.partition(":")
+        if not count.isdigit() or int(count) < 1:
+            raise UserError(f"--scheduler {value}: use local:N with N ≥ 1 worker processes (e.g. local:2), "
+                            f"or a scheduler address such as tcp://10.0.0.5:8786")
+        return "local", int(count)
+    if not value:
+        raise UserError("--scheduler: empty address; give tcp://HOST:PORT or local:N")
+    return value, None
+
+
+def worker_environment() -> dict[str, str]:
+    """The data settings workers need to find the same files: the cache root (absolute) and the mirror."""
+    env = {DATA_DIR_ENV: str(cache_dir())}
+    if os.environ.get(MIRROR_ENV):
+        env[MIRROR_ENV] = os.environ[MIRROR_ENV]
+    return env
+
+
+def run_tasks(tasks: list[Task], env: dict[str, str]) -> list[TaskResult]:
+    """What a worker runs: the tasks, one BLAS thread, the data found through the driver's settings."""
+    os.environ.update(env)
+    return [run_task(task, single_thread=True) for task in tasks]
+
+
+@contextmanager
+def dask_backend(scheduler: str, cells_per_task: int = CELLS_PER_TASK) -> Iterator["DaskBackend"]:
+    """Connect to the scheduler (or start a LocalCluster), yield the backend (tasks → results as they finish),
+    close both at the end. Unreachable scheduler, missing `distributed`: a UserError (one line, exit code 2)."""
+    try:
+        import distributed
+    except ImportError:
+        raise UserError(f"--scheduler needs Dask's `distributed`, which is not installed: {INSTALL_HINT}") from None
+    address, workers = parse_scheduler(scheduler)
+    cluster = None
+    quiet = _silence_dask_logs()  # its reconnect tracebacks would bury our one-line errors
+    try:
+        if workers is not None:
+            cluster = local_cluster(workers)
+            address = cluster.scheduler_address
+        client = _connect(distributed, address)
+    except BaseException:
+        if cluster is not None:
+            cluster.close()
+        quiet()
+        raise
+    try:
+        yield DaskBackend(client, address, cells_per_task)
+    finally:
+        client.close(timeout=5)
+        if cluster is not None:
+            cluster.close(timeout=5)
+        quiet()
+
+
+def _silence_dask_logs() -> Callable[[], None]:
+    """Raise every `distributed` logger to CRITICAL in the driver; return the function restoring them. The
+    driver reports what matters (lost scheduler, unreachable address, failed tasks) itself, in one line."""
+    names = ["distributed"] + [n for n in logging.root.manager.loggerDict if n.startswith("distributed.")]
+    levels = {name: logging.getLogger(name).level for name in names}
+    for name in names:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+    def restore() -> None:
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
+
+    return restore
+
+
+def local_cluster(workers: int) -> Any:
+    """A LocalCluster of `workers` single-threaded processes on 127.0.0.1, without the nanny's
+    MALLOC_TRIM_THRESHOLD_ = 65536: it fixes glibc's mmap threshold at 128 KiB, so every per-step temporary
+    (a batch of kddcup99 rows is 240 KiB) is mmapped and zero-filled afresh: about 2× the CPU per task (README)."""
+    import dask
+    import distributed
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None  # inherited by the workers:
+    try:  # Ctrl-C (sent to the whole process group) is the driver's to handle, and it closes the cluster
+        with dask.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}):
+            return distributed.LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, host="127.0.0.1",
+                                            dashboard_address="127.0.0.1:0",  # any free port: never "8787 in use"
+                                            silence_logs=logging.CRITICAL)
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, previous)
+
+
+class DaskBackend:
+    """Called with a grid's tasks, yields their results as they finish (for `execute(..., backend=)`)."""
+
+    def __init__(self, client: Any, address: str, cells_per_task: int):
+        self.client, self.address, self.cells_per_task = client, address, cells_per_task
+
+    def __call__(self, tasks: list[Task]) -> Iterator[TaskResult]:
+        return _results(self.client, self.address, tasks, self.cells_per_task)
+
+    def describe(self) -> str:
+        workers = self.client.scheduler_info(n_workers=-1)["workers"].values()
+        threads = sum(w["nthreads"] for w in workers)
+        return f"Dask scheduler {self.address}: {len(workers)} workers, {threads} threads"
+
+
+def _connect(distributed: Any, address: str) -> Any:
+    timeout = float(os.environ.get(TIMEOUT_ENV) or CONNECT_TIMEOUT)
+    try:
+        return distributed.Client(address, timeout=timeout, set_as_default=False)
+    except (OSError, TimeoutError, ValueError, TypeError) as exc:
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        raise UserError(f"--scheduler {address}: cannot reach the Dask scheduler within {timeout:g} s ({reason}); "
+                        f"check the address (tcp://HOST:PORT, as printed by `dask scheduler`) and that it runs, "
+                        f"or use local:N") from None
+
+
+def _results(client: Any, address: str, tasks: list[Task], cells_per_task: int) -> Iterator[TaskResult]:
+    """Submit the tasks in groups of `cells_per_task`; yield each group's results as it finishes."""
+    from distributed import as_completed
+
+    if not tasks:
+        return
+    env = worker_environment()
+    chunks = [tasks[i:i + cells_per_task] for i in range(0, len(tasks), cells_per_task)]
+    tag = uuid.uuid4().hex[:8]
+    futures = {client.submit(run_tasks, chunk, env, key=f"dpsgd-{chunk[0].cell.grid}-{i}-{tag}", retries=1): chunk
+               for i, chunk in enumerate(chunks)}
+    try:
+        for future in as_completed(futures, loop=client.loop):
+            chunk = futures[future]
+            if future.cancelled() or client.status != "running":
+                raise SchedulerLost(f"lost the Dask scheduler at {address} mid-grid; the runs received so far are "
+                                    f"saved; run the same command again (with a running scheduler) to resume")
+            exc = future.exception()
+            if exc is None:
+                yield from future.result()
+            elif isinstance(exc, UserError):  # e.g. a worker cannot find the data: stop, with its message
+                raise UserError(f"on a Dask worker: {exc}")
+            else:  # the task killed its workers repeatedly (KilledWorker), ...: failed rows, retried on resume
+                message = " ".join(f"{type(exc).__name__}: {exc}".split())
+                yield from (failed_result(task, message) for task in chunk)
+            del futures[future]  # released: the cluster keeps no result the driver has written
+    finally:
+        if client.status == "running":
+            client.cancel(list(futures))  # Ctrl-C, a lost scheduler, a worker error: stop what is still queued
