@@ -530,6 +530,7 @@ CALIBRATION_VERSION: str = "1"
 part of the on-disk cache key, so bump it whenever a change could alter a calibrated sigma."""
 
 CACHE_DIR_ENV = "DPSGD_CACHE_DIR"
+_SCIPY = importlib.metadata.version("scipy")
 _NEIGHBORING = "add_or_remove_one"  # dpsgd_event's relation (the library default)
 
 
@@ -550,7 +551,7 @@ def _cache_key(target: float, delta: float, q: float, steps: int, accountant: st
     # floats as repr (shortest round-trip string): 1/30162**2 and its neighbours are distinct keys
     return {"target_epsilon": repr(target), "delta": repr(delta), "sample_rate": repr(q), "steps": steps,
             "accountant": accountant, "neighboring_relation": _NEIGHBORING, "library": LIBRARY,
-            "calibration_version": CALIBRATION_VERSION}
+            "scipy": _SCIPY, "calibration_version": CALIBRATION_VERSION}  # scipy's brentq picks the evaluated sigmas
 
 
 def _cache_path(folder: Path, key: dict) -> Path:
