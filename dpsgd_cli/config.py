@@ -338,7 +338,7 @@ class Grid(Axes):
     delta: Union[Literal["1/n^2"], float] = Field(DELTA_RULE, description="δ, a number in (0, 1) or 1/n^2")
     trace_every: Optional[int] = Field(None, ge=1, description="record the objective every k examples (traces.csv)")
     dtype: Literal["float64", "float32"] = Field(
-        "float64", description="training precision; float32 applies to sgd, dp_sgd, dp_lssgd with logreg (the "
+        "float64", description="training precision; float32 applies to sgd, dp_sgd, dp_lssgd with logreg or mlp (the "
         "accounting does not depend on it), the others train in float64; the CSV's dtype column says which")
     validation: Optional[float] = Field(
         None, gt=0, lt=0.5, description="share of the training set held out (seeded) for validation metrics; "
@@ -467,14 +467,17 @@ def axis_values(grid: Grid, algo: AlgorithmEntry) -> dict[str, list[Any]]:
             for axis in AXES}
 
 
+FLOAT32_MODELS = frozenset({"logreg", "mlp"})  # models whose training keeps float32 (dtype-preserving NumPy)
+
+
 def expand(grid: Grid) -> list[Cell]:
     """The Cartesian product of the grid; axes an algorithm does not use are set to None and merged."""
     cells: dict[str, Cell] = {}
     for dataset, model, algo in itertools.product(grid.datasets, grid.models, grid.algorithms):
         axes = axis_values(grid, algo)
         for values in itertools.product(*axes.values()):
-            # like an unused axis, dtype applies where it is supported (float32 chains with logreg)
-            float32 = ALGORITHMS[algo.name].supports_float32 and model.name == "logreg"
+            # like an unused axis, dtype applies where it is supported (float32 chains with logreg or mlp)
+            float32 = ALGORITHMS[algo.name].supports_float32 and model.name in FLOAT32_MODELS
             cell = Cell(grid=grid.name, dataset=dataset, model=model, algorithm=algo, delta=grid.delta,
                         seeds=tuple(range(grid.seeds)), trace_every=grid.trace_every,
                         dtype=grid.dtype if float32 else "float64", validation=grid.validation,

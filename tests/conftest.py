@@ -24,6 +24,11 @@ import numpy as np
 import pytest
 
 from dpsgd_cli.config import load_grid_file
+
+# Hermetic on-disk caches (calibrated sigmas): never a developer's cache, a fresh folder per session.
+import tempfile as _tempfile
+
+os.environ["DPSGD_CACHE_DIR"] = _tempfile.mkdtemp(prefix="dpsgd-test-cache-")
 from dpsgd_cli.engine import execute, plan_grid
 
 

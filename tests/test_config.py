@@ -148,3 +148,14 @@ def test_execution_parameters_do_not_change_run_ids(tmp_path):
     assert ids[0] == ids[1]
     text = BASE.replace("algorithms: [erm, sgd, dp_sgd]", "algorithms: [{name: song2013, schedule: inv_t}]")
     assert [c.run_id(0) for c in expand(grid_of(tmp_path, text))] != ids[0]
+
+
+def test_float32_reaches_the_mlp_and_gives_it_new_run_ids(tmp_path):
+    text = BASE.replace("models: [logreg]", "models: [logreg, mlp]")
+    wide = {(c.model.name, c.algorithm.name, c.epsilon, c.batch_size): c for c in expand(grid_of(tmp_path, text))}
+    cells = expand(grid_of(tmp_path, text.replace("delta: 1/n^2", "delta: 1/n^2\n    dtype: float32")))
+    assert {(c.model.name, c.algorithm.name, c.dtype) for c in cells} == {
+        (m, a, "float32" if a != "erm" else "float64") for m in ("logreg", "mlp") for a in ("erm", "sgd", "dp_sgd")}
+    for c in cells:  # a float32 cell is another run; float64 cells keep the ids they had
+        same = c.run_id(0) == wide[(c.model.name, c.algorithm.name, c.epsilon, c.batch_size)].run_id(0)
+        assert same == (c.dtype == "float64")

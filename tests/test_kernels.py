@@ -207,3 +207,21 @@ def test_cli_run_says_the_backend_once(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     assert result.output.count("backend: ") == 1
     assert kernels.backend_description() in result.output
+
+
+@needs_numba
+def test_noise_drawn_in_the_kernel_equals_the_noise_blocks_bit_for_bit(monkeypatch):
+    """bassily2014's kernel draws its normals from the generators itself: the same numbers as the NumPy blocks,
+    across chunk boundaries (small chunks) and for several replicas, so θ is identical bit for bit."""
+    monkeypatch.setattr(kernels, "CHUNK_ELEMENTS", 64 * 3 * 5)
+    X, y = _data()
+    streams = ReplicaStreams(SEEDS)
+    theta0 = np.zeros((len(SEEDS), X.shape[1]))
+    kw = dict(clip=1.0, l2=1e-2, radius=2.0, noise_std=0.7)
+    run = lambda **noise: kernels.logreg_single_example_sgd(  # noqa: E731
+        theta0, X, y, kernels.uniform_example_index_blocks(X.shape[0], streams), 400, lambda t: 0.5 / t ** 0.5,
+        **kw, **noise)
+    blocks = run(noise=kernels.block_draws(streams, "noise", lambda g, k: g.standard_normal((k, X.shape[1]))))
+    drawn = run(noise_generators=streams.generators("noise"))
+    np.testing.assert_array_equal(drawn, blocks)
+    assert not np.array_equal(run(noise_generators=ReplicaStreams([1, 2, 3]).generators("noise")), blocks)

@@ -256,6 +256,26 @@ def test_calibrate_sigma_hits_the_window_checked_by_fresh_accountant(accountant)
     assert all(a > b for a, b in zip(sigmas, sigmas[1:]))  # larger target -> less noise
 
 
+def test_calibration_disk_cache_is_bit_identical_shared_and_robust(tmp_path, monkeypatch):
+    monkeypatch.setenv(acc.CACHE_DIR_ENV, str(tmp_path))
+    args = (0.7, 1e-5, 0.02, 50, "rdp")
+    cold = acc.calibrate_sigma.__wrapped__(*args)  # computed, then written
+    files = list((tmp_path / "calibration").glob("*.json"))
+    assert len(files) == 1 and not list((tmp_path / "calibration").glob("*.tmp"))
+    warm = acc.calibrate_sigma.__wrapped__(*args)  # read back
+    assert warm == cold and warm.sigma.hex() == cold.sigma.hex()
+    assert acc._calibrate_sigma(0.7, 1e-5, 0.02, 50, "rdp") == cold  # the cache returns what is computed
+    # Another key (delta) is another entry; a stale/foreign entry under our file name is not used.
+    other = acc.calibrate_sigma.__wrapped__(0.7, 2e-5, 0.02, 50, "rdp")
+    assert other.sigma != cold.sigma and len(list((tmp_path / "calibration").glob("*.json"))) == 2
+    for corrupt in ("{not json", '{"key": 1}', files[0].read_text().replace(repr(cold.sigma), "-1.0")):
+        files[0].write_text(corrupt)
+        again = acc.calibrate_sigma.__wrapped__(*args)  # ignored, recomputed, rewritten
+        assert again == cold and acc._cache_read(tmp_path / "calibration", acc._cache_key(*args[:4], "rdp")) == cold
+    monkeypatch.setenv(acc.CACHE_DIR_ENV, "off")
+    assert acc.calibration_cache_dir() is None and acc.calibrate_sigma.__wrapped__(*args) == cold
+
+
 def test_pld_calibration_needs_less_noise_than_rdp():
     for target in (0.1, 1.0):
         rdp = acc.calibrate_sigma(target, 1e-5, 0.01, 1000, "rdp")

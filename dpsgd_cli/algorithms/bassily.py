@@ -409,13 +409,11 @@ class Bassily2014(Algorithm):
         backend = kernels.select_backend(self.params.backend, model, 1)
         if backend == "numba":  # the same draws as `chain` (uniform_example_blocks, streams.normal), in one call
             ckpt = Checkpoints(setting.trace_every, X, y) if setting.trace_every else None
-            d = model.n_params
-            noise = (kernels.block_draws(streams, "noise", lambda g, k: g.standard_normal((k, d)))
-                     if priv.sigma > 0 else None)
+            # the noise's standard normals are drawn inside the kernel from the same generators, in the same order
             theta = kernels.logreg_single_example_sgd(
                 init, X, y, kernels.uniform_example_index_blocks(X.shape[0], streams), steps, schedule,
-                clip=l_used, l2=setting.l2, radius=radius, noise=noise, noise_std=priv.sigma, checkpoints=ckpt,
-                model=model)
+                clip=l_used, l2=setting.l2, radius=radius, noise_std=priv.sigma, checkpoints=ckpt, model=model,
+                noise_generators=streams.generators("noise") if priv.sigma > 0 else None)
             trace = ckpt.rows if ckpt else []
         else:
             chain = self.chain(setting, X, y, streams, model, priv.sigma, l_used, radius, schedule)

@@ -7,7 +7,10 @@ Mini-batch algorithms (`dp_sgd`, `sgd`, `song2013` with b > 1, `pidp_sgd`, ...) 
 
 Same random numbers on both paths: the sampling indices and the noise are drawn with NumPy from the replica
 streams exactly as the NumPy samplers draw them (same generators, same calls, same block sizes: a permutation
-per pass, `integers` / noise draws in blocks of `BLOCK_STEPS` steps) and passed into the kernel, so a seed gives
+per pass, `integers` / noise draws in blocks of `BLOCK_STEPS` steps) and passed into the kernel, or, for standard
+normal noise (`bassily2014`), drawn inside the kernel from the same generators (numba's support for
+`np.random.Generator` runs NumPy's own ziggurat on the same bit generator: the same numbers, in the same order,
+without the 8-byte-per-number buffer; tests/test_kernels.py checks the equality), so a seed gives
 the same run whichever backend trains it (equal up to floating-point summation order, ~1e-15 relative per
 step; tests/test_kernels.py asserts rtol 1e-12).
 
@@ -123,8 +126,8 @@ def uniform_example_index_blocks(n: int, streams: ReplicaStreams) -> Iterator[np
     """(K, R) indices, one uniform example per step and replica, as `bassily.uniform_example_blocks` and
     `sampling.uniform_examples(X, y, streams, 1)` draw them."""
     gens = streams.generators("sampling")
-    while True:
-        yield np.stack([g.integers(0, n, size=(BLOCK_STEPS, 1)) for g in gens], axis=1)[..., 0]
+    while True:  # BLOCK_STEPS per `integers` call as the samplers (its buffering depends on the call), 64 calls per yield
+        yield np.stack([np.concatenate([g.integers(0, n, size=BLOCK_STEPS) for _ in range(64)]) for g in gens], axis=1)
 
 
 class _Reader:
@@ -174,8 +177,8 @@ def _kernels():
                         f"({NUMBA_HINT}) or use backend: numpy") from exc
 
     @numba.njit(cache=True, nogil=True)
-    def sgd1_logreg(theta, X, y, x_norm, idx, noise, noise_std, lrs, l2, clip, radius, batch_scale,
-                    start, stop, do_clip, do_noise, do_project):  # pragma: no cover - compiled
+    def sgd1_logreg(theta, X, y, x_norm, idx, noise, gen, noise_std, lrs, l2, clip, radius, batch_scale,
+                    start, stop, do_clip, do_noise, draw_noise, do_project):  # pragma: no cover - compiled
         R, d = theta.shape
         for r in range(R):
             for t in range(start, stop):
@@ -192,8 +195,9 @@ def _kernels():
                 sq = 0.0
                 for j in range(d):
                     g = a * X[i, j]
-                    if do_noise:
-                        g = g + noise_std * noise[t, r, j]
+                    if do_noise:  # the step's d standard normals, in order: from `noise` or drawn from `gen` now
+                        z = gen.standard_normal() if draw_noise else noise[t, r, j]
+                        g = g + noise_std * z
                     g = g * batch_scale
                     if l2 != 0.0:
                         g = g + l2 * theta[r, j]
@@ -217,8 +221,9 @@ def warm_up() -> float:
     start = time.perf_counter()
     kernel = _kernels()["sgd1_logreg"]
     X, y = np.ones((1, 1)), np.ones(1)
-    kernel(np.zeros((1, 1)), X, y, np.ones(1), np.zeros((1, 1), dtype=np.int64), np.zeros((1, 1, 1)), 0.0,
-           np.ones(1), 0.0, 1.0, 1.0, 1.0, 0, 1, True, True, True)
+    for draw in (False, True):
+        kernel(np.zeros((1, 1)), X, y, np.ones(1), np.zeros((1, 1), dtype=np.int64), np.zeros((1, 1, 1)),
+               np.random.default_rng(0), 0.0, np.ones(1), 0.0, 1.0, 1.0, 1.0, 0, 1, True, True, draw, True)
     return time.perf_counter() - start
 
 
@@ -226,13 +231,20 @@ def logreg_single_example_sgd(theta: np.ndarray, X: np.ndarray, y: np.ndarray, i
                               steps: int, schedule: Callable[[int], float], *, clip: Optional[float], l2: float,
                               radius: Optional[float], noise: Optional[Iterator[np.ndarray]] = None,
                               noise_std: float = 0.0, batch_scale: float = 1.0, checkpoints=None,
-                              model=None) -> np.ndarray:
+                              model=None, noise_generators: Optional[list[np.random.Generator]] = None
+                              ) -> np.ndarray:
     """`steps` single-example steps of projected (noisy, clipped) SGD on logistic regression for every replica,
     by the numba kernel (module docstring). θ (R, d) is not modified; the result is returned.
 
     indices: (K, R) blocks of example indices; noise: (K, R, d) blocks of the noise's standard draws (None: no
-    noise); checkpoints: a `chain.Checkpoints` (one example per step), recorded as `GradientChain.run` does.
+    noise); noise_generators: instead of `noise`, one generator per replica whose standard normals (d per step,
+    in order) the kernel draws itself: the numbers `block_draws(streams, purpose, lambda g, k:
+    g.standard_normal((k, d)))` yields (numba's Generator support runs NumPy's ziggurat on the same bit
+    generator), never materialised (measured ~3× faster than NumPy drawing the blocks); checkpoints: a
+    `chain.Checkpoints` (one example per step), recorded as `GradientChain.run` does.
     """
+    if noise is not None and noise_generators is not None:
+        raise ValueError("give noise blocks or noise generators, not both")
     kernel = _kernels()["sgd1_logreg"]
     theta = np.array(theta, copy=True, order="C")
     X = np.ascontiguousarray(X)
@@ -243,6 +255,10 @@ def logreg_single_example_sgd(theta: np.ndarray, X: np.ndarray, y: np.ndarray, i
     index_reader = _Reader(indices)
     noise_reader = _Reader(noise) if noise is not None else None
     no_noise = np.zeros((1, 1, 1), dtype=np.float64)
+    no_gen = np.random.default_rng(0)  # a placeholder of the kernel's signature, never drawn from
+    draw = noise_generators is not None
+    if draw and len(noise_generators) != R:
+        raise ValueError(f"{len(noise_generators)} noise generators for {R} replicas")
     every = checkpoints.every if checkpoints is not None else None
     done = 0
     while done < steps:
@@ -250,15 +266,22 @@ def logreg_single_example_sgd(theta: np.ndarray, X: np.ndarray, y: np.ndarray, i
         idx = np.ascontiguousarray(index_reader.take(m), dtype=np.int64)
         z = np.ascontiguousarray(noise_reader.take(m)) if noise_reader is not None else no_noise
         lrs = schedule_values(schedule, done + 1, done + m + 1)
+        idx_r = [np.ascontiguousarray(idx[:, r:r + 1]) for r in range(R)] if draw else None
         cuts = [m]
         if every:  # stop after each step t (1-based, global) with t % every == 0, to record a checkpoint
             first = (done // every + 1) * every
             cuts = sorted({*range(first - done, m + 1, every), m}) if first - done <= m else [m]
         lo = 0
         for hi in cuts:
-            kernel(theta, X, y, x_norm, idx, z, float(noise_std), lrs, float(l2 or 0.0),
-                   float(clip) if clip is not None else 1.0, float(radius) if radius is not None else 1.0,
-                   float(batch_scale), lo, hi, clip is not None, noise_reader is not None, radius is not None)
+            scalars = (float(noise_std), lrs, float(l2 or 0.0), float(clip) if clip is not None else 1.0,
+                       float(radius) if radius is not None else 1.0, float(batch_scale), lo, hi, clip is not None)
+            if draw:  # one call per replica: each draws from its own generator, steps in order
+                for r in range(R):
+                    kernel(theta[r:r + 1], X, y, x_norm, idx_r[r], no_noise, noise_generators[r], *scalars, True,
+                           True, radius is not None)
+            else:
+                kernel(theta, X, y, x_norm, idx, z, no_gen, *scalars, noise_reader is not None, False,
+                       radius is not None)
             if checkpoints is not None and hi > lo:
                 checkpoints.maybe_record(model, theta, done + hi - 1, done + hi)
             lo = hi
