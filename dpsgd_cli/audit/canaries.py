@@ -25,8 +25,8 @@ from dpsgd_cli.models import Batch, Model
 
 
 def least_used_direction(X: np.ndarray) -> np.ndarray:
-    """The unit vector v minimising ‖Xv‖ (the right singular vector of the smallest singular value)."""
-    return np.linalg.svd(X, full_matrices=True)[2][-1]
+    """The unit vector v minimising ‖Xv‖: the eigenvector of XᵀX (d × d) with the smallest eigenvalue."""
+    return np.linalg.eigh(X.T @ X)[1][:, 0]
 
 
 def data_gradient_direction(model: Model, theta0: np.ndarray, X: np.ndarray, y: np.ndarray) -> np.ndarray:
