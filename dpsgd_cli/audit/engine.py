@@ -24,9 +24,9 @@ from dpsgd_cli.engine.runner import dataset, setting_of
 from dpsgd_cli.models import Model, make_model
 
 COLUMNS = ["grid", "cell_id", "dataset", "model", "algorithm", "algorithm_params", "epsilon", "epsilon_claimed",
-           "delta", "epsilon_lo", "confidence", "statistic", "threshold", "auc", "tpr_at_fpr_1e-2", "tpr_at_fpr_1e-3",
-           "trials", "canary", "threat_model", "batch_size", "lr", "epochs", "steps", "sigma", "guarantee",
-           "wall_time", "status", "message"]
+           "delta", "epsilon_lo", "epsilon_rdp", "noiseless_fraction", "confidence", "statistic", "threshold", "auc",
+           "tpr_at_fpr_1e-2", "tpr_at_fpr_1e-3", "trials", "canary", "threat_model", "batch_size", "lr", "epochs",
+           "steps", "sigma", "guarantee", "wall_time", "status", "message"]
 THREATS = {"input": ["black-box, last iterate"],
            "gradient": ["white-box, last iterate", "white-box, all iterates"]}
 
@@ -85,6 +85,8 @@ def _derived_columns(worlds: Worlds, cell: Cell, data: Dataset) -> dict[str, Any
     claimed = cell.epsilon if claimed is None else claimed  # a calibration that proves nothing: the target ε
     delta = d.get("delta_achieved", setting_of(cell, data).delta)  # song2013 (basic composition): pure, δ = 0
     return {"epsilon_claimed": claimed, "delta": delta, "steps": d.get("steps"), "sigma": d.get("sigma"),
+            "epsilon_rdp": d.get("epsilon_rdp"),  # bassily2014: what RDP certifies for the σ used
+            "noiseless_fraction": d.get("noiseless_fraction_mean"),  # pidp_sgd: steps that skipped the noise
             "guarantee": worlds.guarantee}
 
 

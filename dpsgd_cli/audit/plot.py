@@ -31,11 +31,11 @@ def plot_audit(frame: pd.DataFrame, folder: Path) -> list[Path]:
             ax.scatter(group["epsilon_claimed"][~refuted], group["epsilon_lo"][~refuted], color=colors[algo],
                        label=algo, s=30)
             ax.scatter(group["epsilon_claimed"][refuted], group["epsilon_lo"][refuted], color=colors[algo],
-                       marker="X", s=110, edgecolor="red", linewidth=1.5,
+                       marker="X", s=110, edgecolor="red", linewidth=1.5, zorder=5,
                        label=f"{algo}: REFUTED" if refuted.any() else None)
         ax.set(xlim=(0, top), ylim=(0, top), xlabel="claimed ε (accountant)", ylabel="audited lower bound ε_lo",
                title=threat)
-        ax.legend(fontsize=7, loc="upper left")
+        ax.legend(fontsize=7, loc="lower right", framealpha=0.9)
     fig.suptitle("Privacy audit: claimed ε vs empirical lower bound", fontsize=11)
     fig.tight_layout()
     folder.mkdir(parents=True, exist_ok=True)
