@@ -193,7 +193,7 @@ def report(
 
 
 def _print_audit_verdicts(results_dir: Path) -> None:
-    from dpsgd_cli.report import audit_frames, audit_verdicts
+    from dpsgd_cli.report import _params, audit_frames, audit_verdicts
 
     found = [v for frame in audit_frames(results_dir) for v in audit_verdicts(frame)]
     if not found:
@@ -201,7 +201,7 @@ def _print_audit_verdicts(results_dir: Path) -> None:
     table = Table("grid", "algorithm", "ε claimed", "audit", "numbers", title="privacy audit (dpsgd audit)")
     for v in found:
         verdict = "[red]REFUTED[/]" if v["verdict"] == "refuted" else "[green]consistent[/]"
-        table.add_row(escape(v["grid"]), escape(f"{v['algorithm']} ({v['dataset']}, {v['model']})"),
+        table.add_row(escape(v["grid"]), escape(f"{v['algorithm']} {_params(v)} ({v['dataset']}, {v['model']})"),
                       _fmt(v["epsilon_claimed"]), verdict, escape(v["numbers"]))
     console.print(table)
 

@@ -6,6 +6,7 @@ a finding, reported as it is. `report.md` gathers every grid's figures and its c
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -202,12 +203,14 @@ def audit_frames(path: Path) -> list[pd.DataFrame]:
 
 
 def audit_verdicts(frame: pd.DataFrame) -> list[dict]:
-    """Per grid, dataset, model, algorithm and claimed ε: the strongest audit (largest ε_lo over the threat models)
+    """Per grid, dataset, model, algorithm (with its parameters) and claimed ε: the strongest audit (largest ε_lo over the threat models)
     and its verdict — `refuted` when ε_lo > ε (a lower bound above the claim: the claim is false, with the audit's
     confidence), else `consistent` (ε_lo ≤ ε: no evidence against it, which is not a proof)."""
     ok = frame[(frame["status"] == "ok") & frame["epsilon_lo"].notna()]
     out = []
-    keys = ["grid", "dataset", "model", "algorithm", "epsilon_claimed"]
+    keys = ["grid", "dataset", "model", "algorithm", "algorithm_params", "epsilon_claimed"]
+    if "algorithm_params" not in ok:
+        ok = ok.assign(algorithm_params="{}")
     for key, group in ok.groupby(keys, sort=True):
         best = group.loc[group["epsilon_lo"].idxmax()]
         refuted = best["epsilon_lo"] > best["epsilon_claimed"]
@@ -230,10 +233,18 @@ def audit_lines(path: Path) -> list[str]:
              "proof of privacy (a last-iterate audit of a sound algorithm is typically far below its ε).", "",
              "| grid | dataset | model | algorithm | ε claimed | verdict | numbers |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {v['grid']} | {v['dataset']} | {v['model']} | {v['algorithm']} | {_fmt(v['epsilon_claimed'])} | "
+    lines += [f"| {v['grid']} | {v['dataset']} | {v['model']} | {v['algorithm']} {_params(v)} | "
+              f"{_fmt(v['epsilon_claimed'])} | "
               f"{'**REFUTED**' if v['verdict'] == 'refuted' else 'consistent'} | {v['numbers']} |" for v in verdicts]
     for folder in sorted({Path(path) / v["grid"] for v in verdicts} | {Path(path)}):
         image = folder / "figures" / "audit.png"
         if image.exists():
             lines += ["", f"![audit]({image.relative_to(path).as_posix()})"]
     return lines + [""]
+
+
+def _params(verdict: dict) -> str:
+    """An algorithm's non-default-looking parameters, compact (`{}` → nothing)."""
+    params = json.loads(verdict.get("algorithm_params") or "{}")
+    shown = ", ".join(f"{k}={v}" for k, v in params.items() if v is not None)
+    return f"({shown})" if shown else ""
