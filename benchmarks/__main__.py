@@ -26,6 +26,7 @@ CASES = {
     "4": "case4_mlp",
     "5": "case5_grid",
     "6": "case6_accountant",
+    "7": "case7_audit",
 }
 
 

@@ -175,6 +175,41 @@ def _cap_jobs(jobs: int) -> int:
     return min(jobs, cores)
 
 
+# --- audit -----------------------------------------------------------------------------------------
+@app.command()
+def audit(
+    grid_file: Path = typer.Argument(..., help="YAML file with one or more named grids (their `audit:` blocks)."),
+    only: Optional[list[str]] = typer.Option(None, "--only", help="Audit only this grid (repeatable)."),
+    out: Path = typer.Option(Path("results"), "--out", help="Results root; grid G writes OUT/G/audit.csv."),
+    trials: Optional[int] = typer.Option(None, "--trials", min=2, help="Trainings with the canary (and as many "
+                                         "without); default: the grid's audit.trials."),
+    confidence: Optional[float] = typer.Option(None, "--confidence", help="Probability that ε_lo is a lower "
+                                               "bound (default: the grid's, 0.95)."),
+) -> None:
+    """Train with and without a canary, attack, and bound each cell's ε from below (ε_lo beside the claimed ε)."""
+    from dpsgd_cli.audit.run import audit_grid
+    from dpsgd_cli.config import load_grid_file, select
+
+    for grid in select(load_grid_file(grid_file), only):
+        table = Table("dataset", "model", "algorithm", "canary", "threat model", "ε claimed", "δ", "ε_lo", "AUC",
+                      "verdict", title=f"{grid.name}: audit")
+
+        def add(rows: list[dict]) -> None:
+            for r in rows:
+                lo = r.get("epsilon_lo")
+                verdict = ("—" if lo is None or r["status"] != "ok" else
+                           "[red]REFUTED[/]" if lo > r["epsilon_claimed"] else "consistent")
+                table.add_row(r["dataset"], r["model"], r["algorithm"], r["canary"], r["threat_model"],
+                              _fmt(r.get("epsilon_claimed")),
+                    _fmt(r.get("delta")), _fmt(lo), _fmt(r.get("auc")), verdict if r["status"] == "ok"
+                    else f"{r['status']}: {r['message']}")
+
+        console.print(f"[bold]{grid.name}[/]: auditing → {out / grid.name / 'audit.csv'}")
+        path = audit_grid(grid, out, trials=trials, confidence=confidence, on_rows=add)
+        console.print(table)
+        console.print(f"wrote {path} and {path.parent / 'figures' / 'audit.png'}", highlight=False)
+
+
 def _plan_table(plan) -> Table:
     table = Table("dataset", "model", "algorithm", "ε", "B", "lr", "epochs", "λ", "C", "to run", title=plan.grid.name)
     pending = {t.cell.cell_id: len(t.seeds) for t in plan.tasks}
@@ -262,6 +297,7 @@ def report(
                       f"[{colours[v.status]}]{v.status}[/]", escape(v.numbers))
     console.print(table)
     counts = {s: sum(v.status == s for v in verdicts) for s in colours}
+    _print_audit_verdicts(results_dir)
     console.print(f"{counts['PASS']} PASS, {counts['FAIL']} FAIL, {counts['NO DATA']} NO DATA → {path}")
     if not verdicts:
         console.print(f"nothing to check: no grid under {results_dir} lists claims", highlight=False, markup=False)
@@ -290,6 +326,20 @@ def select_command(
                           f"{r['test_accuracy_std']:.4f}", str(r["runs"]), _fmt(r["epsilon"]), total,
                           escape(r["privacy"]))
         console.print(shown)
+
+
+def _print_audit_verdicts(results_dir: Path) -> None:
+    from dpsgd_cli.report import _params, audit_frames, audit_verdicts
+
+    found = [v for frame in audit_frames(results_dir) for v in audit_verdicts(frame)]
+    if not found:
+        return
+    table = Table("grid", "algorithm", "ε claimed", "audit", "numbers", title="privacy audit (dpsgd audit)")
+    for v in found:
+        verdict = "[red]REFUTED[/]" if v["verdict"] == "refuted" else "[green]consistent[/]"
+        table.add_row(escape(v["grid"]), escape(f"{v['algorithm']} {_params(v)} ({v['dataset']}, {v['model']})"),
+                      _fmt(v["epsilon_claimed"]), verdict, escape(v["numbers"]))
+    console.print(table)
 
 
 # --- datasets --------------------------------------------------------------------------------------

@@ -327,6 +327,33 @@ class SelectSpec(_Strict):
         return Trials(self.distribution, self.mean, eta)
 
 
+class AuditSpec(_Strict):
+    """How `dpsgd audit` attacks the grid's cells (see dpsgd_cli/audit)."""
+
+    canaries: list[Literal["input", "gradient"]] = Field(
+        ["input"], min_length=1, description="input: a record, black box (last iterate); gradient: a record whose "
+        "gradient is a fixed vector, white box (last iterate and all iterates)")
+    trials: int = Field(500, ge=2, description="trainings with the canary (and as many without)")
+    confidence: float = Field(0.95, gt=0.5, lt=1, description="probability that ε_lo is a lower bound")
+    statistic: Literal["clopper_pearson", "one_run"] = Field(
+        "clopper_pearson", description="Clopper–Pearson on FPR/FNR over trials, or Steinke et al.'s one-run bound")
+    threshold: Literal["bonferroni", "split"] = Field("bonferroni", description="how the attack's threshold is chosen")
+    m_canaries: int = Field(1000, ge=2, description="one_run: canaries per training, each in with probability 1/2")
+    direction: Literal["unused", "against_data"] = Field(
+        "unused", description="gradient canary: the data's least-used direction (random for the MLP), or against "
+        "the data's gradient at θ₀ (the worst case for clipping a batch's sum)")
+    raw_norm: Optional[float] = Field(None, gt=0, description="gradient canary's norm before clipping (default "
+                                      "2(n+1)·max(C, 1) + C: it dominates any batch sum)")
+    chunk: int = Field(32, ge=1, description="replicas per vectorised fit (32: fastest per replica-step on adult; "
+                       "larger chunks pay in memory traffic)")
+    seed: int = Field(0, ge=0, description="seed of the canary directions and one-run inclusion coins")
+
+    @field_validator("canaries", mode="before")
+    @classmethod
+    def _listify(cls, value: Any) -> Any:
+        return _as_list(value)
+
+
 class Grid(Axes):
     """One named grid: datasets × models × algorithms × axes × seeds."""
 
@@ -347,6 +374,7 @@ class Grid(Axes):
     description: str = ""
     figures: list[FigureSpec] = Field(default_factory=list, description="the paper's figures drawn from this grid")
     claims: list[ClaimSpec] = Field(default_factory=list, description="the paper's findings, checked by the report")
+    audit: Optional[AuditSpec] = Field(None, description="canaries and statistics of `dpsgd audit` for this grid")
 
     @field_validator("datasets", mode="before")
     @classmethod

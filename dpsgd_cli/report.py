@@ -6,6 +6,7 @@ a finding, reported as it is. `report.md` gathers every grid's figures and its c
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from dpsgd_cli.config import ClaimSpec, FigureSpec
 from dpsgd_cli.engine.analytic import analytic_table
 from dpsgd_cli.engine.results import note
 from dpsgd_cli.engine.summary import read_results, results_frame, select
+from dpsgd_cli.errors import UserError
 from dpsgd_cli.plots import grid_of, result_folders
 
 
@@ -186,7 +188,14 @@ def build_report(path: Path) -> tuple[list[Verdict], Path]:
                 "numbers behind it (mean ± std over seeds; `better` needs a gain larger than the tolerance plus "
                 "twice the standard error of the difference; `spread` a one-sided F-test lower bound on the ratio "
                 "of standard deviations above 1 + tolerance).", ""]
-    for folder in result_folders(path):
+    audits = audit_lines(path)
+    try:
+        folders = result_folders(path)
+    except UserError:
+        if not audits:
+            raise
+        folders = []  # an audit alone is worth a report
+    for folder in folders:
         for line in read_results(folder).notes():
             note(line)
         grid = grid_of(folder)
@@ -196,7 +205,7 @@ def build_report(path: Path) -> tuple[list[Verdict], Path]:
         verdicts += found
         sections += _section(folder, path, grid, figures, found)
     out = path / "report.md"
-    out.write_text("\n".join(sections) + "\n")
+    out.write_text("\n".join(sections + audits) + "\n")
     return verdicts, out
 
 
@@ -223,3 +232,60 @@ def _section(folder: Path, root: Path, grid: dict, figures: list[FigureSpec], ve
 def _source_of(claim: ClaimSpec) -> str:
     """The quoted source sentence under the claim, or the mark of the project's own check."""
     return "<br>*(the project's own check)*" if claim.own else f"<br>*{claim.quote.replace('|', '/')}*"
+
+
+# --- the audit's verdicts (`dpsgd audit` → audit.csv) ---------------------------------------------------------
+
+def audit_frames(path: Path) -> list[pd.DataFrame]:
+    """Every audit.csv at `path` or in its sub-folders."""
+    path = Path(path)
+    files = [path / "audit.csv"] if (path / "audit.csv").exists() else sorted(path.glob("*/audit.csv"))
+    return [pd.read_csv(f) for f in files]
+
+
+def audit_verdicts(frame: pd.DataFrame) -> list[dict]:
+    """Per grid, dataset, model, algorithm (with its parameters) and claimed ε: the strongest audit (largest ε_lo over the threat models)
+    and its verdict — `refuted` when ε_lo > ε (a lower bound above the claim: the claim is false, with the audit's
+    confidence), else `consistent` (ε_lo ≤ ε: no evidence against it, which is not a proof)."""
+    ok = frame[(frame["status"] == "ok") & frame["epsilon_lo"].notna()]
+    out = []
+    keys = ["grid", "dataset", "model", "algorithm", "algorithm_params", "epsilon_claimed"]
+    if "algorithm_params" not in ok:
+        ok = ok.assign(algorithm_params="{}")
+    for key, group in ok.groupby(keys, sort=True):
+        best = group.loc[group["epsilon_lo"].idxmax()]
+        refuted = best["epsilon_lo"] > best["epsilon_claimed"]
+        sign = ">" if refuted else "≤"
+        out.append({**dict(zip(keys, key)), "verdict": "refuted" if refuted else "consistent",
+                    "numbers": f"ε_lo = {_fmt(best['epsilon_lo'])} {sign} {_fmt(best['epsilon_claimed'])} = ε "
+                               f"(δ = {_fmt(best['delta'])}; {best['canary']} canary, {best['threat_model']}; "
+                               f"{int(best['trials'])} + {int(best['trials'])} trials, confidence "
+                               f"{_fmt(best['confidence'])} per audit; {len(group)} audit(s))"})
+    return out
+
+
+def audit_lines(path: Path) -> list[str]:
+    """The report's audit section (empty without audit.csv)."""
+    verdicts = [v for frame in audit_frames(path) for v in audit_verdicts(frame)]
+    if not verdicts:
+        return []
+    lines = ["## Privacy audit (`dpsgd audit`)", "",
+             "Empirical lower bounds ε_lo beside each claimed ε: refuted when ε_lo > ε. A consistent verdict is no "
+             "proof of privacy (a last-iterate audit of a sound algorithm is typically far below its ε).", "",
+             "| grid | dataset | model | algorithm | ε claimed | verdict | numbers |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {v['grid']} | {v['dataset']} | {v['model']} | {v['algorithm']} {_params(v)} | "
+              f"{_fmt(v['epsilon_claimed'])} | "
+              f"{'**REFUTED**' if v['verdict'] == 'refuted' else 'consistent'} | {v['numbers']} |" for v in verdicts]
+    for folder in sorted({Path(path) / v["grid"] for v in verdicts} | {Path(path)}):
+        image = folder / "figures" / "audit.png"
+        if image.exists():
+            lines += ["", f"![audit]({image.relative_to(path).as_posix()})"]
+    return lines + [""]
+
+
+def _params(verdict: dict) -> str:
+    """An algorithm's non-default-looking parameters, compact (`{}` → nothing)."""
+    params = json.loads(verdict.get("algorithm_params") or "{}")
+    shown = ", ".join(f"{k}={v}" for k, v in params.items() if v is not None)
+    return f"({shown})" if shown else ""

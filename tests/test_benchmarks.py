@@ -14,7 +14,7 @@ from dpsgd_cli.models import make_model
 
 def test_every_case_module_imports_and_has_run():
     names = [m.name for m in pkgutil.iter_modules(benchmarks.__path__) if m.name.startswith("case")]
-    assert len(names) == 6
+    assert len(names) == 7
     for name in names:
         assert callable(importlib.import_module(f"benchmarks.{name}").run)
 

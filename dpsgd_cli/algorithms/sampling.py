@@ -33,6 +33,9 @@ def poisson_batches(X: np.ndarray, y: np.ndarray, q: float, streams: ReplicaStre
                     width: int | None = None) -> Iterator[Batch]:
     """Poisson-sampled batches (Abadi et al. 2016) of expected size qn, forever (the chain stops after T steps)."""
     n = X.shape[0]
+    if q >= 1:  # every example at every step: the full batch (the gap sampler would walk every row in Python)
+        yield from full_batches(X, y, streams.replicas)
+        return
     if width is None:  # a width the Binomial(n, q) batch size exceeds with probability < 1e-20
         mean = n * q
         width = min(n, math.ceil(mean + 10 * math.sqrt(mean * (1 - q)) + 10))

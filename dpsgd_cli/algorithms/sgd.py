@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import itertools
+from typing import ClassVar, Iterator, Literal, Optional
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from dpsgd_cli.algorithms.base import Algorithm, Outcome, Setting
@@ -59,12 +61,33 @@ class DPSGD(SGD):
     Params = DPSGDParams
     source = "Abadi et al., Deep Learning with Differential Privacy, CCS 2016"
 
+    # Test-only: a deliberately broken mechanism for the audit's tests (`dpsgd audit` must catch it); never set
+    # by a grid. "noise_x0.1": σ/10; "clip_batch": clip the batch's summed gradient, not each example's;
+    # "same_noise": one noise vector reused at every step.
+    _broken: ClassVar[Optional[str]] = None
+
     def fit(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Outcome:
         cal = calibrate_sigma(setting.epsilon, setting.delta, setting.sample_rate, setting.steps,
                               accountant=self.params.accountant)
-        noise = add_noise(cal.sigma * setting.clip_norm, streams.normal("noise", (model.n_params,)))
-        chain = self.chain(setting, X, y, streams, clip=setting.clip_norm, noise=[noise])
+        draws = streams.normal("noise", (model.n_params,))
+        std, clip, pre = cal.sigma * setting.clip_norm, setting.clip_norm, []
+        if self._broken is not None:
+            std, clip, pre, draws = _break(self._broken, std, clip, draws)
+        chain = self.chain(setting, X, y, streams, clip=clip, noise=[*pre, add_noise(std, draws)])
         theta = chain.run(model, model.init(streams.generators("init")).astype(X.dtype, copy=False), setting.steps)
         derived = {"steps": setting.steps, "sample_rate": setting.sample_rate, "sigma": cal.sigma,
                    "epsilon_achieved": cal.epsilon, "accountant": cal.accountant, "accountant_library": cal.library}
         return Outcome(theta, derived, guarantee="proved", trace=chain.checkpoints.rows if chain.checkpoints else [])
+
+
+def _break(kind: str, std: float, clip: float, draws: Iterator[np.ndarray]) -> tuple:
+    """(noise std, per-example clip, transforms before the noise, noise draws) of a broken DP-SGD (tests only)."""
+    if kind == "noise_x0.1":
+        return std / 10, clip, [], draws
+    if kind == "clip_batch":
+        def clip_sum(g, theta):
+            return g * np.minimum(1.0, clip / np.maximum(np.linalg.norm(g, axis=1, keepdims=True), 1e-300))
+        return std, None, [clip_sum], draws
+    if kind == "same_noise":
+        return std, clip, [], itertools.repeat(next(draws))
+    raise ValueError(f"unknown broken variant {kind!r}")

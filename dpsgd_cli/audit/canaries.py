@@ -1,0 +1,119 @@
+"""Canaries and the scores an attacker computes from what it sees.
+
+Two kinds (the worlds "in" and "out" always hold the same number of records, n + m):
+- `input`: a real record (x_c, y_c), ‖x_c‖ = 1 along the direction the training data uses least (the smallest
+  right singular vector of X), y_c the label whose gradient is largest at the non-private optimum. Out: the
+  null record (0, 0), whose loss gradient is 0 for every θ (∇ℓ ∝ y for the logistic loss of both models): for
+  an add/remove algorithm it is the record removed, for a replace-one algorithm a valid replacement.
+  Score (black box, last iterate): the margin y_c f_θ(x_c) of the released model.
+- `gradient`: a record whose per-example gradient is a fixed vector, whatever θ (the worst case of the
+  DP-SGD analysis): `raw_norm`·u before clipping, C·u after it. It sits in X as a marker row with label 0 (zero
+  gradient for the model itself); `with_gradient_canaries` adds the canary's gradient for the replicas in which
+  it is included, so both worlds train side by side as replicas of one chain. Scores (white box): the
+  projection −⟨θ_T, u⟩ of the last iterate, or from every iterate θ_t (`all_iterates`, the adversary of
+  Nasr et al. 2021 who sees each update) the largest jump between consecutive updates' projections.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from dpsgd_cli.models import Batch, Model
+
+
+def least_used_direction(X: np.ndarray) -> np.ndarray:
+    """The unit vector v minimising ‖Xv‖: the eigenvector of XᵀX (d × d) with the smallest eigenvalue."""
+    return np.linalg.eigh(X.T @ X)[1][:, 0]
+
+
+def data_gradient_direction(model: Model, theta0: np.ndarray, X: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """û = −(Σ ∇ℓ_i)/‖·‖ at θ₀: a canary gradient along it points against the data's, the worst case for a
+    mechanism that clips the batch's sum (clip(S + g) − clip(S) reaches 2C instead of C)."""
+    g = model.data_gradient(theta0[:1], X, y)[0]
+    return -g / max(np.linalg.norm(g), 1e-300)
+
+
+@dataclass
+class InputCanary:
+    x: np.ndarray  # (d,), unit norm
+    label: float   # ±1
+
+    def score(self, model: Model, theta: np.ndarray) -> np.ndarray:
+        """Margin y_c f_θ(x_c) per replica (larger when the model has fitted the canary)."""
+        return self.label * model.decision(theta, self.x[None, :])[:, 0]
+
+
+def input_canary(model: Model, X: np.ndarray, y: np.ndarray, reference: Optional[np.ndarray]) -> InputCanary:
+    """The input-space canary; `reference` a non-private model θ (1, P) to choose the label (None: +1)."""
+    x = least_used_direction(X)
+    label = 1.0
+    if reference is not None:  # the gradient norm |σ(−y f(x))|·‖∂f/∂θ‖ is largest for the label f(x) disagrees with
+        label = -1.0 if model.decision(reference, x[None, :])[0, 0] > 0 else 1.0
+    return InputCanary(x, label)
+
+
+class _GradientCanary:
+    """Mixed into a model's own class (so `isinstance`, `convex`, the Lipschitz bounds stay the model's): marker
+    rows (label 0) are canaries j = 0..m−1 whose per-example gradient is raw_norm·U_j (C·U_j after clipping to
+    C), added only for the replicas whose `included[r, j]` is set. Records, at every training step, the
+    projections ⟨θ_t, U_j⟩ of the current iterate (R, m). The full-data paths (L-BFGS, metrics) see marker
+    rows as null records: label 0, zero gradient."""
+
+    U: np.ndarray
+    included: np.ndarray
+    raw_norm: float
+    projections: list
+
+    def clipped_grad_sum(self, theta: np.ndarray, batch: Batch, clip: Optional[float]) -> np.ndarray:
+        g = super().clipped_grad_sum(theta, batch, clip)
+        if theta.shape[0] != self.included.shape[0]:  # a per-example call (pidp_sgd's influence test): as a record
+            return g + self._canary_sum(batch, np.ones((theta.shape[0], self.U.shape[0])), clip)
+        self.projections.append(theta @ self.U.T)
+        return g + self._canary_sum(batch, self.included, clip)
+
+    def _canary_sum(self, batch: Batch, included: np.ndarray, clip: Optional[float]):
+        marker = (batch.y == 0) & (batch.weight > 0)
+        if not marker.any():
+            return 0.0
+        m = self.U.shape[0]
+        j = np.clip(np.rint(batch.x_norm * (m + 1)).astype(int) - 1, 0, m - 1)
+        counts = np.zeros(included.shape)
+        rows, cols = np.nonzero(marker)
+        np.add.at(counts, (rows, j[rows, cols]), batch.weight[rows, cols])
+        norm = self.raw_norm if clip is None else min(self.raw_norm, clip)
+        return norm * (counts * included) @ self.U
+
+
+def marker_rows(m: int, d: int) -> tuple[np.ndarray, np.ndarray]:
+    """m marker rows: x = e₀·(j + 1)/(m + 1) (the norm says which canary), label 0."""
+    X = np.zeros((m, d))
+    X[:, 0] = (np.arange(m) + 1) / (m + 1)
+    return X, np.zeros(m)
+
+
+def with_gradient_canaries(model: Model, directions: np.ndarray, included: np.ndarray, raw_norm: float) -> Model:
+    """A copy of `model` whose marker rows are gradient canaries (see `_GradientCanary`)."""
+    cls = type(f"GradientCanary{type(model).__name__}", (_GradientCanary, type(model)), {})
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update(model.__dict__)
+    wrapped.U, wrapped.included = np.atleast_2d(directions), np.asarray(included, dtype=float)
+    wrapped.raw_norm, wrapped.projections = float(raw_norm), []
+    return wrapped
+
+
+@dataclass
+class GradientScores:
+    last_iterate: np.ndarray                  # (R, m): −⟨θ_T, U_j⟩
+    all_iterates: np.ndarray                  # (R, m): max_t |Δa_t − Δa_{t−1}|, a_t = ⟨θ_t, U_j⟩
+    steps: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def gradient_scores(model: _GradientCanary, theta_final: np.ndarray) -> GradientScores:
+    a = np.stack([*model.projections, theta_final @ model.U.T])  # (T + 1, R, m)
+    updates = np.diff(a, axis=0)
+    jumps = np.abs(np.diff(updates, axis=0)).max(axis=0) if updates.shape[0] >= 2 else np.zeros(a.shape[1:])
+    return GradientScores(-a[-1], jumps, steps=updates.shape[0])
