@@ -155,3 +155,16 @@ def make_logistic_data():
 
     return make
 
+
+@pytest.fixture
+def write_grid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[str], Path]:
+    """Factory `write_grid(yaml_text) -> path`: dedents the text into tmp_path/grid.yaml, with DPSGD_DATA_DIR
+    set to tmp_path/"cache" (CLI tests that run a grid file)."""
+    monkeypatch.setenv("DPSGD_DATA_DIR", str(tmp_path / "cache"))
+
+    def write(yaml_text: str) -> Path:
+        path = tmp_path / "grid.yaml"
+        path.write_text(textwrap.dedent(yaml_text))
+        return path
+
+    return write

@@ -39,11 +39,8 @@ grids:
 
 
 @pytest.fixture
-def grid_file(tmp_path, monkeypatch):
-    monkeypatch.setenv("DPSGD_DATA_DIR", str(tmp_path / "cache"))
-    path = tmp_path / "grid.yaml"
-    path.write_text(textwrap.dedent(GRID))
-    return path
+def grid_file(write_grid):
+    return write_grid(GRID)
 
 
 def cli(*args, cwd=None, **kwargs):

@@ -21,7 +21,6 @@ resumes. Arrays are not kept in the processed cache (they are rebuilt from the f
 from __future__ import annotations
 
 import difflib
-import hashlib
 import re
 from pathlib import Path
 from typing import Any, Iterable, Literal, Optional, Union
@@ -31,6 +30,7 @@ import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from dpsgd_cli.data import preprocess as pp
+from dpsgd_cli.data.download import sha256_of
 from dpsgd_cli.data.spec import Dataset
 from dpsgd_cli.errors import DataError
 
@@ -43,15 +43,6 @@ ARRAY_LABEL = "y"  # the label of libsvm / npz records
 MAX_DENSE_BYTES = 4 * 2**30  # features are trained dense
 CAVEAT = ("privacy: {used} computed on the whole training set (not covered by the accountant); "
           "unit_ball: row and gradient clipping are the private choices")
-
-
-def sha256_of(path: Path) -> str:
-    """Hex sha256 of a file's bytes."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _stem(path: Path) -> tuple[str, str]:
