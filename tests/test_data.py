@@ -550,6 +550,15 @@ def test_split_none_trains_on_every_record():
     np.testing.assert_allclose(ds.X_train, all_points, rtol=1e-12)  # all of them, in order (x/max(1, ‖x‖) rounds)
 
 
+def test_split_none_goes_through_the_processed_cache(tmp_path, monkeypatch):
+    """An empty test set is written to and read back from the checksummed cache (it once crashed the digest)."""
+    monkeypatch.setenv("DPSGD_DATA_DIR", str(tmp_path))
+    spec = DatasetSpec(name="synthetic", split="none", n=500)
+    written, read = load_dataset(spec), load_dataset(spec)
+    assert read.X_test.shape == (0, 5) and list((tmp_path / "processed").glob("*.npz"))
+    np.testing.assert_array_equal(written.X_train, read.X_train)
+
+
 def test_order_ball_then_project_lets_rows_leave_the_ball():
     """Song et al. §IV-A: unit ball first, then the random projection; rows may leave the ball (and the
     default order keeps them inside). The projection is the same seeded N(0, 1/k) matrix either way."""

@@ -127,13 +127,15 @@ def line_labels(frame: pd.DataFrame) -> pd.Series:
 
 
 ADDED_COLUMNS = ["label"]  # what `results_frame` adds to runs.csv's columns, besides the algorithm parameters
+SELECTION_COLUMNS = ["selection", "selection_privacy", "epsilon_total"]  # and, with `select:`, apply_selections
 
 
 def frame_columns(grid, traces: bool = False) -> list[str]:
     """The columns `results_frame` gives for `grid`'s results — runs.csv's, the line label, each parameter of
     the grid's algorithms — so that `dpsgd run` can check the names figures and claims use before any work."""
     params = sorted({k for algo in grid.algorithms for k in algo.params} - set(COLUMNS))
-    runs = [*COLUMNS, *ADDED_COLUMNS, *params]
+    selected = SELECTION_COLUMNS if grid.select else []
+    runs = [*COLUMNS, *ADDED_COLUMNS, *params, *selected]
     return [*TRACE_COLUMNS, *(c for c in runs if c not in TRACE_COLUMNS)] if traces else runs
 
 
