@@ -20,7 +20,7 @@ COLUMNS = [
     "epsilon", "epsilon_achieved", "delta", "accountant", "accountant_library", "sigma",
     "batch_size", "lr", "epochs", "steps", "sample_rate", "l2", "clip_norm",
     "test_accuracy", "test_loss", "train_accuracy", "train_objective", "optimal_objective", "optimality_gap",
-    "guarantee", "noiseless_fraction", "derived", "wall_time", "status", "message", "version", "dtype",
+    "guarantee", "noiseless_fraction", "delta_certified", "derived", "wall_time", "status", "message", "version", "dtype",
 ]
 TRACE_COLUMNS = ["run_id", "cell_id", "seed", "examples", "train_objective", "optimality_gap", "train_accuracy"]
 LIBRARIES = ["dpsgd", "numpy", "scipy", "pandas", "scikit-learn", "dp-accounting", "pydantic", "joblib"]
