@@ -67,7 +67,7 @@ def backend_description() -> str:
     """One line for the CLI: which backend the single-example loops use."""
     version = numba_version()
     if version:
-        return f"backend: numba {version} (single-example loops: song2013 b = 1, bassily2014, pidp_sgd)"
+        return f"backend: numba {version} (single-example loops: song2013, bassily2014, pidp_sgd)"
     return f"backend: numpy ({NUMBA_HINT} for the single-example kernels)"
 
 
