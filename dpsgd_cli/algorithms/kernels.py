@@ -3,7 +3,9 @@
 Only where one example per step is inherent: `song2013` with b = 1 and `bassily2014` (one uniformly drawn example
 per step). Their per-step work is a few d-vectors, so the NumPy chain spends ~25 µs per step in Python and array
 overhead; the kernel runs a whole pass (or a chunk of at most `CHUNK_ELEMENTS` noise numbers) in one call.
-Mini-batch algorithms (`dp_sgd`, `sgd`, `song2013` with b > 1, `pidp_sgd`, ...) stay vectorised NumPy.
+`pidp_sgd` with one example per step (its default) uses the same kernel with a per-step noise mask (its noise
+decisions, computed in NumPy before the round). Mini-batch algorithms (`dp_sgd`, `sgd`, `song2013` with b > 1,
+`pidp_sgd` with Poisson batches, ...) stay vectorised NumPy.
 
 Same random numbers on both paths: the sampling indices and the noise are drawn with NumPy from the replica
 streams exactly as the NumPy samplers draw them (same generators, same calls, same block sizes: a permutation
@@ -50,6 +52,7 @@ def _numba_installed() -> bool:
 
 HAVE_NUMBA: bool = _numba_installed()  # numba itself is imported lazily, by the first kernel call
 NUMBA_HINT = "pip install 'dpsgd[numba]'"
+_NO_MASK = np.zeros((1, 1), dtype=np.bool_)
 CHUNK_ELEMENTS = 1 << 23  # noise numbers per kernel call (64 MB in float64): a whole pass on adult / kddcup99
 
 
@@ -67,7 +70,7 @@ def backend_description() -> str:
     """One line for the CLI: which backend the single-example loops use."""
     version = numba_version()
     if version:
-        return f"backend: numba {version} (single-example loops: song2013 b = 1, bassily2014)"
+        return f"backend: numba {version} (single-example loops: song2013, bassily2014, pidp_sgd)"
     return f"backend: numpy ({NUMBA_HINT} for the single-example kernels)"
 
 
@@ -178,7 +181,7 @@ def _kernels():
 
     @numba.njit(cache=True, nogil=True)
     def sgd1_logreg(theta, X, y, x_norm, idx, noise, gen, noise_std, lrs, l2, clip, radius, batch_scale,
-                    start, stop, do_clip, do_noise, draw_noise, do_project):  # pragma: no cover - compiled
+                    start, stop, do_clip, do_noise, draw_noise, do_project, mask, use_mask):  # pragma: no cover
         R, d = theta.shape
         for r in range(R):
             for t in range(start, stop):
@@ -192,12 +195,14 @@ def _kernels():
                 if do_clip:
                     a = a * clip / max(abs(a) * x_norm[i], clip)
                 eta = lrs[t]
+                noisy = do_noise and (not use_mask or mask[t, r])  # pidp_sgd: the step's noise decision
                 sq = 0.0
                 for j in range(d):
                     g = a * X[i, j]
                     if do_noise:  # the step's d standard normals, in order: from `noise` or drawn from `gen` now
-                        z = gen.standard_normal() if draw_noise else noise[t, r, j]
-                        g = g + noise_std * z
+                        z = gen.standard_normal() if draw_noise else noise[t, r, j]  # drawn even when masked
+                        if noisy:
+                            g = g + noise_std * z
                     g = g * batch_scale
                     if l2 != 0.0:
                         g = g + l2 * theta[r, j]
@@ -223,7 +228,8 @@ def warm_up() -> float:
     X, y = np.ones((1, 1)), np.ones(1)
     for draw in (False, True):
         kernel(np.zeros((1, 1)), X, y, np.ones(1), np.zeros((1, 1), dtype=np.int64), np.zeros((1, 1, 1)),
-               np.random.default_rng(0), 0.0, np.ones(1), 0.0, 1.0, 1.0, 1.0, 0, 1, True, True, draw, True)
+               np.random.default_rng(0), 0.0, np.ones(1), 0.0, 1.0, 1.0, 1.0, 0, 1, True, True, draw, True,
+               _NO_MASK, False)
     return time.perf_counter() - start
 
 
@@ -231,8 +237,8 @@ def logreg_single_example_sgd(theta: np.ndarray, X: np.ndarray, y: np.ndarray, i
                               steps: int, schedule: Callable[[int], float], *, clip: Optional[float], l2: float,
                               radius: Optional[float], noise: Optional[Iterator[np.ndarray]] = None,
                               noise_std: float = 0.0, batch_scale: float = 1.0, checkpoints=None,
-                              model=None, noise_generators: Optional[list[np.random.Generator]] = None
-                              ) -> np.ndarray:
+                              model=None, noise_generators: Optional[list[np.random.Generator]] = None,
+                              noise_mask: Optional[np.ndarray] = None) -> np.ndarray:
     """`steps` single-example steps of projected (noisy, clipped) SGD on logistic regression for every replica,
     by the numba kernel (module docstring). θ (R, d) is not modified; the result is returned.
 
@@ -240,8 +246,9 @@ def logreg_single_example_sgd(theta: np.ndarray, X: np.ndarray, y: np.ndarray, i
     noise); noise_generators: instead of `noise`, one generator per replica whose standard normals (d per step,
     in order) the kernel draws itself: the numbers `block_draws(streams, purpose, lambda g, k:
     g.standard_normal((k, d)))` yields (numba's Generator support runs NumPy's ziggurat on the same bit
-    generator), never materialised (measured ~3× faster than NumPy drawing the blocks); checkpoints: a
-    `chain.Checkpoints` (one example per step), recorded as `GradientChain.run` does.
+    generator), never materialised (measured ~3× faster than NumPy drawing the blocks); noise_mask: (steps, R)
+    bool, noise only on the True steps (pidp_sgd; the draws are consumed on every step either way);
+    checkpoints: a `chain.Checkpoints` (one example per step), recorded as `GradientChain.run` does.
     """
     if noise is not None and noise_generators is not None:
         raise ValueError("give noise blocks or noise generators, not both")
@@ -267,6 +274,8 @@ def logreg_single_example_sgd(theta: np.ndarray, X: np.ndarray, y: np.ndarray, i
         z = np.ascontiguousarray(noise_reader.take(m)) if noise_reader is not None else no_noise
         lrs = schedule_values(schedule, done + 1, done + m + 1)
         idx_r = [np.ascontiguousarray(idx[:, r:r + 1]) for r in range(R)] if draw else None
+        mask = (np.ascontiguousarray(noise_mask[done:done + m], dtype=np.bool_) if noise_mask is not None
+                else _NO_MASK)
         cuts = [m]
         if every:  # stop after each step t (1-based, global) with t % every == 0, to record a checkpoint
             first = (done // every + 1) * every
@@ -275,13 +284,15 @@ def logreg_single_example_sgd(theta: np.ndarray, X: np.ndarray, y: np.ndarray, i
         for hi in cuts:
             scalars = (float(noise_std), lrs, float(l2 or 0.0), float(clip) if clip is not None else 1.0,
                        float(radius) if radius is not None else 1.0, float(batch_scale), lo, hi, clip is not None)
+            masked = noise_mask is not None
             if draw:  # one call per replica: each draws from its own generator, steps in order
                 for r in range(R):
+                    mask_r = np.ascontiguousarray(mask[:, r:r + 1]) if masked else _NO_MASK
                     kernel(theta[r:r + 1], X, y, x_norm, idx_r[r], no_noise, noise_generators[r], *scalars, True,
-                           True, radius is not None)
+                           True, radius is not None, mask_r, masked)
             else:
                 kernel(theta, X, y, x_norm, idx, z, no_gen, *scalars, noise_reader is not None, False,
-                       radius is not None)
+                       radius is not None, mask, masked)
             if checkpoints is not None and hi > lo:
                 checkpoints.maybe_record(model, theta, done + hi - 1, done + hi)
             lo = hi

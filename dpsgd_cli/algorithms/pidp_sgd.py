@@ -1,129 +1,110 @@
-"""PIDP-SGD: DP-SGD that skips the noise for steps whose examples barely move the model (Kang et al.).
+"""PIDP-SGD: DP-SGD that skips the noise on steps whose example barely moves the model (Kang et al.).
 
-Kang, Li, Liu, Wang, "Data Heterogeneity Differential Privacy: From Theory to Algorithm", arXiv:2002.08578v2,
-Algorithm 1 ("Performance Improving" DP-SGD), Theorem 4 (error of the influence-function estimate).
+Kang, Li, Liu, Wang, "Data Heterogeneity Differential Privacy: From Theory to Algorithm" (the text:
+../shared/papers/kang-li-liu-wang-data-heterogeneity-dp.txt; "line k" below is the paper's numbering of
+Algorithm 1, which starts after its "Input:" line), Algorithm 1, Theorems 4-5, §5.3, Remarks 5-8.
 
-Idea: the influence function (Koh & Liang 2017) estimates how much removing example z moves the minimiser of
-F(θ) = (1/n) Σ ℓ(θ; z_i) + (λ/2)‖θ‖²: Δ_z ≈ (1/n) H⁻¹ ∇ℓ(θ, z), H = ∇²F(θ). Theorem 4 bounds the error of
-that estimate by E = (2LG + CG²/ζ) / (ζ² n²) when λ_min(H) ≥ ζ, ℓ is G-Lipschitz, L-smooth and its Hessian is
-C-Lipschitz. An example whose (privately tested) contribution is small is trained on without noise; the
-steps of the others get the Gaussian noise of DP-SGD.
+Algorithm 1 as run by default (R = `rounds`, T_local = `local_steps`, T = R·T_local):
 
-The algorithm as implemented (R = `rounds` global rounds × T_local = `local_steps` local steps, T = R·T_local):
+    for each round k = 0..R-1, at the global model θ_k:                                            (line 4)
+        H = ∇²F(θ_k) (+ζI when λ < ζ, Remark 5), inverted once                                    (line 5)
+        for t = 1..T_local:
+            z_t ~ uniform{1..n}: one example per step                                              (line 6)
+            c_t^(o) = c_{z_t} + E,  c_z = (1/n) H⁻¹ clip_G(∇ℓ(θ_k, z)) ∈ R^m  (eq. 11, Theorem 4's E) (line 7)
+            b^(c) ~ N(0, σ_c² I_m)                                                                 (line 8)
+            c_t = 2 c_t^(o) + b^(c)                                                                 (line 9)
+            noiseless iff no |[c_t]_i| ≥ 2re^{ε₁}δ₁/(e^{ε₁}−1) and, for all i,
+                 ln(2re^{ε₁}δ₁ / (2re^{ε₁}δ₁ − (e^{ε₁}−1) sign([c_t]_i)[c_t]_i)) ≤ 2ε₁               (lines 9-10)
+            noiseless: θ ← θ − α (clip_G(∇ℓ(θ, z_t)) + λθ)                                          (line 11)
+            else:      θ ← θ − α (clip_G(∇ℓ(θ, z_t)) + b + λθ),  b ~ N(0, s² I)                     (lines 13-14)
 
-    for each round k = 1..R, at the global model θ_k (the current iterate):
-        H   = (1/n) Σ_i σ'(y_i θ_k·x_i) x_i x_iᵀ + λ I  (+ ζ I if λ < ζ, see "ζ" below); H⁻¹ computed once
-        for every example z:  v_z = (1/n) H⁻¹ clip_G(∇ℓ(θ_k, z)),   ‖c_z‖ = ‖v_z‖ + E
-                              c̃_z = 2 c_z + N(0, σ_c² I),  σ_c = c' G R √(ln(1.25 R/δ₂)) / (n ζ ε₂),  c' = 2.83
-                              z is "eligible" (no noise needed) iff ‖c̃_z‖ ≤ r
-        for t = 1..T_local:  Poisson batch B_t (rate q = B/n, as `dp_sgd`), g = Σ_{i∈B_t} clip_G(∇ℓ(θ, z_i))
-            if every example of B_t is eligible:  θ ← Π_r(θ − η (g/B + λθ))                 (plain SGD step)
-            else:                                 θ ← Π_r(θ − η ((g + σ G N(0, I))/B + λθ))  (DP-SGD step)
+with ε₁ = 3ε/4, ε₂ = ε/4 (§7: "we set ε₁ = 3ε₂ = 3ε/4"), δ₁ = δ₂ = δ/2, σ_c = c'GR√(log(1.25R/δ₂))/(nζε₂)
+with c' = 2.83 (Theorem 5 and its proof), and s the noise of DP-SGD with one uniformly drawn example per step
+that is (ε₁, δ₁)-DP over T steps under replace-one neighbours (Theorem 5 asks σ ≥ cG√(T log(1/δ₁))/(nε₁) "via
+moments accountant"; the constant is computed: dp-accounting RDP of SampledWithoutReplacement(n, 1, Gaussian),
+or PLD where RDP cannot reach ε₁ (`bassily.calibrate_bassily`, the same single-example mechanism)).
 
-with Π_r the projection onto the parameter ball {‖θ‖ ≤ r}, ε₁ = 3ε/4 (noisy steps), ε₂ = ε/4 (tests),
-δ₁ = δ₂ = δ/2, and σ the smallest noise multiplier for which T Poisson-subsampled Gaussian steps are
-(ε₁, δ₁)-DP (`accountant`). The whole run claims (ε₁ + ε₂, δ₁ + δ₂) = (ε, δ) by basic composition.
+The decision rule (`rule: coordinate`, the paper's). Write a = 2re^{ε₁}δ₁, k = e^{ε₁} − 1, x = |[c_t]_i|
+(sign(c)c = |c|). Stage 1 sends the step to the noisy branch iff some x ≥ a/k. Otherwise a − kx > 0 and
+ln(a/(a − kx)) ≤ 2ε₁ ⇔ a ≤ e^{2ε₁}(a − kx) ⇔ x ≤ a(e^{2ε₁} − 1)/(k e^{2ε₁}) = a(e^{ε₁} + 1)/e^{2ε₁}
+= 2rδ₁(1 + e^{−ε₁}) =: τ. Since (1 + e^{−ε₁})(e^{ε₁} − 1) = e^{ε₁} − e^{−ε₁} < e^{ε₁}, τ < a/k, so stage 1 is
+implied: the step is noiseless iff max_i |[c_t]_i| ≤ τ (`coordinate_threshold`; `paper_two_stage_test` is the
+literal form, tests check both agree). With the grid's δ = 1/n² the threshold is ~1e-8·r against σ_c ~ 0.1-100:
+the noise is skipped only when r is astronomically large (the `kang_sweep` grid measures where).
 
-Constants for logistic regression with ‖x‖ ≤ 1 (the paper's notation: G-Lipschitz, L-smooth):
-G = model.lipschitz(1) = 1 (per-example gradients are clipped to G, a no-op on unit-ball rows),
-L = model.smoothness(1) = 1/4, C = max|σ''| = 1/(6√3) (∇²ℓ = σ'(m) x xᵀ, so
-‖∇²ℓ(θ) − ∇²ℓ(θ')‖ ≤ max|σ''| ‖x‖³ ‖θ − θ'‖).
+Readings of the text (documented choices):
 
-The MLP (`model: mlp`, d → h → 1 logit, P = d·h + 2h + 1; Kang et al.'s panels d-f), param `influence`:
+* "c_{z_t} + E" (line 7) adds the scalar E (Theorem 4 bounds the ℓ2 norm of the estimate's error) to a vector.
+  Read conservatively per coordinate: [c^(o)]_i = sign([c_z]_i)(|[c_z]_i| + E) (sign(0) = +1), which moves every
+  coordinate away from 0, towards the noisy branch; any error of norm ≤ E changes each coordinate by ≤ E.
+* b^(c) (`contribution_noise`): the pseudo-code draws it at every step (line 8); the proof of Theorem 5 counts
+  each example's released contribution "at most R times" ("the contribution c_{z_t} ... is fixed during
+  T_local iterations and the fixed value only derives the privacy loss once"), which is what σ_c's R pays for.
+  `per_round` (default): one b^(c) per example and round, drawn at the round's model, reused by every step of
+  the round that draws the example, so each example's contribution is released R times, as σ_c is calibrated;
+  `per_step`: a fresh b^(c) at every step, as line 8 is written (an example drawn twice in a round is then
+  released more often than σ_c pays for). The default follows the proof because it is the only reading under
+  which σ_c is the calibration the paper states.
+* G: per-example gradients are clipped to G = 1 (a no-op for logistic regression on unit-ball rows; the MLP's
+  gradients have no bound otherwise), so S(c_t) ≤ 2G/(nζ) (the proof of Theorem 5) holds for every model.
+* No projection: Algorithm 1 has none (r appears only in the threshold); `project: true` projects onto
+  ‖θ‖ ≤ r after every step (a non-paper variant; the baselines are not projected).
+* T: §7 chooses T "by cross-validation"; here T = epochs·n single-example steps (fixed by the grid), R =
+  round(epochs) rounds of T_local = n steps unless `rounds` / `local_steps` say otherwise.
 
-* `full`: v_z = (1/n) H⁻¹ clip_G(∇ℓ(θ_k, z)) over all P parameters. H = ∇²F(θ_k) (λ included) is built densely
-  from the P exact Hessian–vector products `model.hvp(θ, X, y, e_j)` (columns in chunks, vectorised over replicas ×
-  columns), symmetrised, and damped by its spectrum: μ = λ_min(H); if μ < ζ, H + (ζ + max(0, −μ)) I. On a positive
-  semi-definite H that is the logreg rule (+ζI); a non-convex model's H is indefinite (it is, already at the
-  initialisation), and +ζI alone would not give λ_min ≥ ζ, which σ_c's sensitivity ‖2c_z‖ ≤ 2G/(nζ) needs.
-  (`hessian_shift`, `hessian_min_eigenvalue`: per replica, max / min over rounds.) Inverted once per round; the
-  per-example clipped gradients (the model's own `clipped_grad_sum`, one example per replica slot) are multiplied
-  by H⁻¹ in blocks. Cost per round and replica ≈ P full-data Hessian–vector products + n·P² (adult, P = 2969:
-  ≈ 2 min): refused above P = FULL_INFLUENCE_MAX_PARAMS = 3000. The dimension of c̃_z is P. For logreg `full` is
-  the closed-form Hessian above (its only layer is its output layer, so every `influence` value means this).
-* `output_layer`: the influence restricted to the output layer's parameters (w₂, b₂), as Koh & Liang (ICML 2017)
-  did for deep networks (influence on the top layer, the rest frozen). f = ã·(w₂, b₂) with ã = [φ(W₁x + b₁), 1], so
-  that block of ∇²F is exactly the logistic-regression Hessian on ã: (1/n) Σ σ'(y f) ã ãᵀ + λI (the same functions
-  as logreg, on per-replica features; `damped`'s rule holds: PSD + λI). The gradient is the output-layer part of
-  ∇ℓ, r·ã, clipped on its own norm to G (so ‖c_z‖ ≤ G/(nζ) and σ_c hold as for logreg). The dimension of c̃_z is
-  h + 1. Cost per round: a forward pass and n·(h + 1)² (adult: 0.35 s for 3 replicas).
-* `auto` (default): `full` for logreg and for an mlp with P ≤ 3000, else `output_layer` (adult, h = d: P = 11025).
+Non-paper variants, kept named and labelled in `derived.deviations`:
 
-Which of Theorem 4's constants transfer to the mlp: none to the whole network (non-convex: no global Lipschitz,
-smoothness or Hessian-Lipschitz constant; `full` uses E = 0 in the test and records no bound). For `output_layer`,
-ℓ as a function of (w₂, b₂) with the hidden layer frozen is logistic regression on ã with ‖ã‖ ≤ A: A = √(h + 1) for
-tanh and sigmoid (|φ| ≤ 1, every θ), A = √(1 + 2‖[W₁ b₁]‖₂²) for relu (‖x‖ ≤ 1; θ_k's hidden layer, per replica
-and round). Its constants are L = A²/4, C = max|σ''| A³ and Lipschitz A; E uses G = the clip bound (the estimate's
-gradients are clipped to G; `influence_error_bound`), and `influence_error_bound_unclipped` uses G = A (the
-loss's own Lipschitz constant, Theorem 4's G): the theorem then bounds the error of the frozen-feature influence, not
-of the network's (adult, h = 104, ζ = 0.01: E = 0.11 with G = 1, 12 with G = A). The guarantee is therefore
-"none: non-convex model" (`privacy_note` says which bounds hold: the test's σ_c does, E does not bound the network).
+* `rule: l2_radius`: the earlier implementation's test ‖2c + N(0, σ_c² I)‖ ≤ r with ‖c‖ = ‖c_z‖ + E, which uses
+  neither ε₁ nor δ₁ and appears nowhere in the paper (sampled exactly through the norm: ‖2c + b‖² =
+  (2‖c‖ + σ_c Z)² + σ_c² χ²_{m−1}).
+* `sampling: poisson`: Poisson mini-batches of expected size B (`batch_size`) and σ of `dp_sgd` (§5.3: "We only
+  use SGD as an example ... and do not focus on the variants (such as Mini-Batch method)"); a step is noiseless
+  iff its batch is non-empty and every example of it passed its round's test (a rule the paper does not give).
+* MLP `influence: output_layer` (the default above P = 3000 parameters): c_z over the output layer only (Koh &
+  Liang 2017); the paper computes c_z over all m parameters. `full`: the dense Hessian of all P parameters,
+  damped to λ_min ≥ ζ (`damped_by_spectrum`), E = 0 (Theorem 4's constants do not exist for the network).
 
-Decisions where the pseudo-code is ambiguous (the paper's text was not available to us; the issue's summary,
-the formulas above and these choices are what is implemented):
-
-* Notation: in E = (2LG + CG²/ζ)/(ζ²n²) L is the smoothness constant and G the Lipschitz constant (the
-  authors' notation, "G-Lipschitz, L-smooth"; it is also the only dimensionally consistent reading: E is a
-  distance in parameter space). The issue calls L the Lipschitz constant; we follow the paper.
-* ζ: added to the Hessian's diagonal only where needed, i.e. when λ < ζ (then λ_min(H + ζI) ≥ ζ); when
-  λ ≥ ζ, H itself has λ_min ≥ ζ. Either way ‖H⁻¹‖ ≤ 1/ζ, the bound σ_c and E use. `hessian_damped` records it.
-* "c_z + E" (a vector plus a scalar): E bounds the *norm* of the estimate's error, so ‖c_z‖ = ‖v_z‖ + E
-  (c_z = v_z extended by E along its own direction). Only ‖c̃_z‖ is used, and ‖2c + N(0, σ_c² I)‖ depends on
-  c only through ‖c‖ (rotation invariance), so it is sampled exactly as √((2‖c‖ + σ_c Z)² + σ_c² χ²_{d−1}).
-* When the contribution is tested: once per round and example, at the round's global model (the point where
-  H is computed, as an influence function requires), with fresh noise; every step of the round reuses that
-  example's outcome. So each example's contribution is released R times, which is the R-fold (basic)
-  composition that σ_c's formula pays for (c' = 2.83 ≈ 2√2: the Gaussian mechanism σ = Δ√(2 ln(1.25/δ))/ε with
-  Δ = ‖2c‖ ≤ 2G/(nζ) at (ε₂/R, δ₂/R) per round).
-* Lines 10-11 (the threshold test, with its "jump to line 10"): read as a two-way branch — the step is noiseless
-  iff the noised contribution lies in the parameter ball's radius, ‖c̃_z‖ ≤ r; otherwise the noisy step.
-  With mini-batches a step is noiseless only if *all* its examples are eligible (the noise protects the whole
-  batch); an empty Poisson batch is thus noiseless too (`empty_step_fraction`: ≈ e^{−1} of the steps when
-  B = 1). The fraction of noiseless steps per replica is recorded (`noiseless_fraction`, and its mean).
-* Rounds: by default one round per epoch (R = round(epochs)) and T_local = round(T_total / R) with
-  T_total = round(epochs·n/B), so a round is one expected pass; `rounds`/`local_steps` override.
-* Sampling and σ: Poisson sampling with rate B/n and the dp-accounting RDP (or PLD) accountant of the
-  subsampled Gaussian over all T steps, i.e. exactly `dp_sgd`'s analysis (the moments-accountant bound
-  σ = c G √(T ln(1/δ))/(nε) of the paper's DP-SGD, with the constant computed), counted as if every step were
-  noisy (the paper's accounting of the noisy steps; see caveat 2). `composition` is the classical alternative:
-  per-step Gaussian mechanism, tight amplification by Poisson subsampling, the better of basic and advanced
-  composition.
-* Defaults ζ = 0.01 (the usual influence-function damping) and r = 10 are ours: the paper's experimental values
-  were not available. They decide the outcome (caveat 3): on adult (n = 30162, d = 104, R = 5) every example
-  passes when σ_c√d ≈ 0.092/(ζε) < r.
-
-Privacy caveats (findings, not choices): (1) the noiseless steps are protected only by the paper's
-influence-function argument, not by any DP accountant; (2) whether a step is noisy depends on which examples it
-sampled, so the accountant's bound for the noisy steps (which assumes every step adds the noise) does not cover
-the mechanism as run: for an ineligible z, a step that samples z adds noise while the same step without z (its
-other examples eligible) releases its update exactly; (3) with these constants ‖2c_z‖ ≤ 2G/(nζ) is tiny next to
-σ_c√d, so eligibility is almost independent of the data: the test mostly decides, at random, whether steps skip
-the noise (≈ all when σ_c√d < r, e.g. large ε or ζ; ≈ none otherwise). Hence `guarantee` is never "proved":
-when the paper's assumptions hold it is `PAPER_CLAIM` (the paper's claim applies; no accountant backs it),
-else the first assumption that fails.
+Privacy (`guarantee`; findings, not choices). Theorem 5's proof does not cover the noiseless steps (it assumes
+the output uniform in a ball and E[A(D′)] = A(D), fixes P[[A(D)]_i ∈ S] to one value, treats per-coordinate DP
+as DP of the vector, composes neither the noiseless steps with each other nor with the noisy ones, measures how
+the optimum moves rather than how the step moves the iterate, and makes the noise schedule data-dependent).
+What is provable: let M′ be the same run with the noise added on every step (DP-SGD with one example per step,
+(ε₁, δ₁)-DP). Coupling both on the same randomness, M and M′ differ only if some step skips the noise, so
+TV(M(D), M′(D)) ≤ T·p when every step skips with probability ≤ p on every dataset; then
+P[M(D) ∈ S] ≤ P[M′(D) ∈ S] + Tp ≤ e^{ε₁}(P[M(D′) ∈ S] + Tp) + δ₁ + Tp, i.e. M is (ε₁, δ₁ + (1 + e^{ε₁})Tp)-DP,
+and a fortiori (ε₁ + ε₂, δ₁ + δ₂ + (1 + e^{ε₁})Tp)-DP, the form recorded (`delta_certified`). p, for every
+dataset: given the round's model and z_t, the step skips with probability Π_i P(|2μ_i + σ_c Z| ≤ τ), μ = c^(o);
+each factor is largest when |μ_i| is smallest, and |μ_i| ≥ E under the reading above (c_z can be 0), so
+p = (Φ((τ − 2E)/σ_c) − Φ((−τ − 2E)/σ_c))^m (`skip_probability_bound`; `l2_radius`: the non-central χ² CDF
+P(χ²_m(λ = (2E/σ_c)²) ≤ (r/σ_c)²), decreasing in λ). The guarantee is "tv-bound: ..." with the certified δ
+when it is < 1, else "none: ..." (a step may skip the noise with probability p on some dataset, T·p ≥ 1: no
+bound). It is never "proved" at the requested (ε, δ) once p > 0.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterator, Literal, Optional
+from typing import Callable, Iterator, Literal, Optional
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
-from scipy.special import expit
+from scipy.special import expit, ndtr
+from scipy.stats import chi2, ncx2
 
-from dpsgd_cli.algorithms.base import Algorithm, Outcome, Setting, unit_ball_violation
+from dpsgd_cli.algorithms import kernels
+from dpsgd_cli.algorithms.base import Algorithm, Outcome, Setting
+from dpsgd_cli.algorithms.bassily import calibrate_bassily
 from dpsgd_cli.algorithms.chain import Checkpoints, GradientChain, Transform, add_l2, constant, project_to_ball, scale
 from dpsgd_cli.algorithms.sampling import gather, poisson_batches, row_norms
-from dpsgd_cli.algorithms.streams import ReplicaStreams
+from dpsgd_cli.algorithms.streams import BLOCK_STEPS, ReplicaStreams
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import MLP, Batch, Model
 from dpsgd_cli.privacy.accounting import calibrate_sigma
 from dpsgd_cli.privacy.mechanisms import advanced_composition_epsilon_per_step
 
-C_PRIME = 2.83  # the paper's constant in σ_c (≈ 2√2)
-EPSILON_1_SHARE = 0.75  # ε₁ = 3ε/4 for the noisy steps, ε₂ = ε/4 for the contribution tests (paper's experiments)
+C_PRIME = 2.83  # the paper's constant in σ_c (proof of Theorem 5: "with c′ = 2.83")
+EPSILON_1_SHARE = 0.75  # ε₁ = 3ε/4 for the training steps, ε₂ = ε/4 for the contributions (§7)
 MAX_ABS_SIGMOID_2ND = 1.0 / (6.0 * math.sqrt(3.0))  # max |σ''| of the logistic sigmoid, at σ = (3 ± √3)/6
 _ROW_CHUNK = 4096  # rows per block when forming H and H⁻¹x for all examples (bounds memory to R·chunk·d)
 GRADIENT_CLIP = 1.0  # G: every per-example gradient is clipped to it (= model.lipschitz(1) for logreg: a no-op)
@@ -132,26 +113,37 @@ GRADIENT_CLIP = 1.0  # G: every per-example gradient is clipped to it (= model.l
 FULL_INFLUENCE_MAX_PARAMS = 3000
 _BLOCK_ELEMENTS = 1 << 21  # numbers per (R, chunk, P) temporary of the dense Hessian / per-example gradients
 
-# The mechanism as run skips noise on data-dependent steps: no accountant covers that (module docstring).
-PAPER_CLAIM = "paper-claimed: data-dependent noise skipping is not covered by an accountant"
-
 
 class PIDPSGDParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     zeta: float = Field(0.01, gt=0, description="ζ: lower bound on λ_min(H); added to H's diagonal when λ < ζ")
-    radius: float = Field(10.0, gt=0, description="r: radius of the parameter ball (projection) and the "
-                                                  "threshold ‖c̃‖ ≤ r of the noiseless branch")
+    radius: float = Field(10.0, gt=0, description="r: the radius of the bounded parameter space in the threshold "
+                                                  "(coordinate: |[c_t]_i| ≤ 2rδ₁(1 + e^{−ε₁}); l2_radius: ‖c̃‖ ≤ r)")
+    rule: Literal["coordinate", "l2_radius"] = Field(
+        "coordinate", description="coordinate: Algorithm 1's per-coordinate test (lines 9-10); l2_radius: the "
+                                  "earlier non-paper test ‖2c + N(0, σ_c² I)‖ ≤ r")
+    sampling: Literal["single", "poisson"] = Field(
+        "single", description="single: one uniformly drawn example per step (line 6; needs batch_size 1); "
+                              "poisson: mini-batches of expected size batch_size (non-paper variant)")
+    contribution_noise: Literal["per_round", "per_step"] = Field(
+        "per_round", description="b^(c) drawn once per example and round (the proof's R releases, default) or at "
+                                 "every step (line 8 as written)")
+    project: bool = Field(False, description="project θ onto ‖θ‖ ≤ r after each step (not in Algorithm 1)")
     rounds: Optional[int] = Field(None, ge=1, description="R global rounds (Hessian recomputed each); "
                                                           "default one per epoch, round(epochs)")
     local_steps: Optional[int] = Field(None, ge=1, description="T_local steps per round; default "
                                                                "round(epochs·n/B / R)")
-    accountant: Literal["rdp", "pld", "composition"] = Field(
-        "rdp", description="σ of the noisy steps for (3ε/4, δ/2) over T = R·T_local Poisson-subsampled steps: "
-                           "dp-accounting RDP or PLD, or classical Gaussian + amplification + composition")
+    accountant: Literal["auto", "rdp", "pld", "composition"] = Field(
+        "auto", description="σ of the noisy steps for (3ε/4, δ/2) over T steps. single: replace-one RDP of one "
+                            "uniformly drawn example (auto: PLD where RDP cannot reach ε₁) or PLD; poisson: "
+                            "dp-accounting RDP (auto) or PLD, or classical Gaussian + amplification + composition")
     influence: Literal["auto", "full", "output_layer"] = Field(
         "auto", description="parameters the influence c_z = (1/n) H⁻¹∇ℓ is computed over: full (dense Hessian of "
                             f"F, P ≤ {FULL_INFLUENCE_MAX_PARAMS}), output_layer (mlp: (w₂, b₂) only, Koh & Liang "
-                            "2017), auto (full for logreg and small networks, else output_layer)")
+                            "2017; a deviation), auto (full for logreg and small networks, else output_layer)")
+    backend: kernels.Backend = Field(
+        "auto", description="sampling single, logreg: the numba kernel (auto: when numba is installed) or numpy; "
+                            "same result")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -161,13 +153,68 @@ class PIDPSGDParams(BaseModel):
 
 def contribution_sigma(G: float, rounds: int, delta_2: float, n: int, zeta: float, epsilon_2: float,
                        c_prime: float = C_PRIME) -> float:
-    """σ_c = c' G R √(ln(1.25 R/δ₂)) / (n ζ ε₂) (Kang et al., Algorithm 1)."""
+    """σ_c = c' G R √(log(1.25 R/δ₂)) / (n ζ ε₂) (Kang et al., Theorem 5)."""
     return c_prime * G * rounds * math.sqrt(math.log(1.25 * rounds / delta_2)) / (n * zeta * epsilon_2)
 
 
 def influence_error_bound(L: float, G: float, C: float, zeta: float, n: int) -> float:
     """E = (2LG + CG²/ζ) / (ζ² n²) (Kang et al., Theorem 4): L smoothness, G Lipschitz, C Hessian-Lipschitz."""
     return (2.0 * L * G + C * G**2 / zeta) / (zeta**2 * n**2)
+
+
+def coordinate_threshold(radius: float, epsilon_1: float, delta_1: float) -> float:
+    """τ = 2rδ₁(1 + e^{−ε₁}): Algorithm 1's two-stage test (lines 9-10) reduced to max_i |[c_t]_i| ≤ τ (module
+    docstring)."""
+    return 2.0 * radius * delta_1 * (1.0 + math.exp(-epsilon_1))
+
+
+def paper_two_stage_test(c: np.ndarray, radius: float, epsilon_1: float, delta_1: float) -> bool:
+    """Algorithm 1 lines 9-10 literally, for one vector c_t: True (noiseless step) iff no |[c_t]_i| ≥
+    2re^{ε₁}δ₁/(e^{ε₁} − 1) and ln(2re^{ε₁}δ₁/(2re^{ε₁}δ₁ − (e^{ε₁} − 1) sign([c_t]_i)[c_t]_i)) ≤ 2ε₁ for all i."""
+    a, k = 2.0 * radius * math.exp(epsilon_1) * delta_1, math.expm1(epsilon_1)
+    c = np.asarray(c, dtype=float)
+    if np.any(np.abs(c) >= a / k):
+        return False  # "jump to line 13": the noisy step
+    return bool(np.all(np.log(a / (a - k * np.sign(c) * c)) <= 2.0 * epsilon_1))
+
+
+def _interval_probability(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """P(lo ≤ Z ≤ hi), Z ~ N(0, 1), without cancellation in the upper tail."""
+    lo, hi = np.asarray(lo, dtype=float), np.asarray(hi, dtype=float)
+    return np.where(lo > 0, ndtr(-lo) - ndtr(-hi), ndtr(hi) - ndtr(lo))
+
+
+def coordinate_pass_probability(mu: np.ndarray, sigma_c: float, tau: float) -> np.ndarray:
+    """P(max_i |2μ_i + b_i| ≤ τ), b ~ N(0, σ_c² I): Π_i P(|2μ_i + σ_c Z| ≤ τ), over the last axis of μ."""
+    mu = np.asarray(mu, dtype=float)
+    factors = _interval_probability((-tau - 2.0 * mu) / sigma_c, (tau - 2.0 * mu) / sigma_c)
+    return np.prod(factors, axis=-1)
+
+
+def skip_probability_bound(rule: str, dim: int, sigma_c: float, threshold: float, E: float) -> float:
+    """p ≥ P(a step skips the noise) on every dataset (module docstring): the pass probability at the smallest
+    contribution the reading of "c_z + E" allows, |[c^(o)]_i| = E (coordinate) or ‖c^(o)‖ = E (l2_radius).
+    `threshold`: τ (coordinate) or r (l2_radius)."""
+    if rule == "coordinate":
+        factor = float(_interval_probability((-threshold - 2.0 * E) / sigma_c, (threshold - 2.0 * E) / sigma_c))
+        return float(math.exp(dim * math.log(factor))) if factor > 0 else 0.0
+    x, nc = (threshold / sigma_c) ** 2, (2.0 * E / sigma_c) ** 2
+    return float(ncx2.cdf(x, dim, nc) if nc > 0 else chi2.cdf(x, dim))
+
+
+def certified_delta(delta: float, epsilon_1: float, steps: int, p: float) -> float:
+    """δ + (1 + e^{ε₁})·T·p: the δ of the total-variation bound (module docstring), for δ = δ₁ + δ₂."""
+    return delta + (1.0 + math.exp(epsilon_1)) * steps * p
+
+
+def tv_guarantee(epsilon: float, delta: float, epsilon_1: float, steps: int, p: float) -> tuple[str, float]:
+    """(guarantee text, certified δ or NaN): the total-variation bound where it is < 1, else "none"."""
+    bound = certified_delta(delta, epsilon_1, steps, p)
+    if bound >= 1.0:
+        return (f"none: a step may skip the noise with probability p = {p:.3g} (T·p = {steps * p:.3g}): "
+                f"no DP bound (Theorem 5's proof does not cover the noiseless steps)", float("nan"))
+    return (f"tv-bound: ({epsilon:.4g}, {bound:.3g})-DP [DP-SGD at (ε₁, δ₁) within total variation T·p, "
+            f"p = {p:.3g} per step on every dataset, T = {steps}]", bound)
 
 
 def _margins(theta: np.ndarray, X: np.ndarray) -> np.ndarray:
@@ -234,32 +281,6 @@ def clipped_residuals(theta: np.ndarray, X: np.ndarray, y: np.ndarray, x_norm: n
     return residual * G / np.maximum(norm, G)
 
 
-def influence_vectors(theta: np.ndarray, X: np.ndarray, y: np.ndarray, H_inv: np.ndarray, n: int,
-                      G: float) -> np.ndarray:
-    """v_z = (1/n) H⁻¹ clip_G(∇ℓ(θ, z)) for the rows of X: (R, m, d)."""
-    a = clipped_residuals(theta, X, y, row_norms(X), G)
-    return np.einsum("rm,rde,me->rmd", a, H_inv, X, optimize=True) / n
-
-
-def influence_norms(theta: np.ndarray, X: np.ndarray, y: np.ndarray, x_norm: np.ndarray, H_inv: np.ndarray,
-                    G: float, features=None) -> np.ndarray:
-    """‖v_z‖ = (1/n) |a_z| ‖H⁻¹ x_z‖ for every example: (R, n), in blocks of rows (H⁻¹ symmetric).
-    With `features` (see `logreg_hessian`), x_z is the example's feature vector and x_norm is ignored."""
-    n = X.shape[0]
-    out = np.empty((theta.shape[0], n))
-    for start in range(0, n, _ROW_CHUNK):
-        sl = slice(start, start + _ROW_CHUNK)
-        if features is None:
-            Xc, xn = X[sl][None], x_norm[sl]
-        else:
-            Xc = features(X[sl])
-            xn = np.sqrt(np.einsum("rmd,rmd->rm", Xc, Xc))
-        hx = np.matmul(Xc, H_inv)  # (R, chunk, d): rows are (H⁻¹ x_i)ᵀ
-        a = clipped_residuals(theta, Xc if features is not None else X[sl], y[sl], xn, G)
-        out[:, sl] = np.abs(a) * np.linalg.norm(hx, axis=-1) / n
-    return out
-
-
 def noised_norms(c_norm: np.ndarray, sigma_c: float, d: int, generators: list[np.random.Generator]) -> np.ndarray:
     """‖2c + N(0, σ_c² I_d)‖ for c of norm `c_norm` (R, n), one generator per replica.
 
@@ -300,20 +321,6 @@ def per_example_clipped_gradients(model: Model, theta: np.ndarray, X: np.ndarray
     return model.clipped_grad_sum(np.repeat(theta, m, axis=0), batch, G).reshape(R, m, P)
 
 
-def full_influence_norms(model: Model, theta: np.ndarray, X: np.ndarray, y: np.ndarray, x_norm: np.ndarray,
-                         H_inv: np.ndarray, G: float) -> np.ndarray:
-    """‖(1/n) H⁻¹ clip_G(∇ℓ(θ, z))‖ for every example: (R, n), per-example gradients in blocks of rows."""
-    n = X.shape[0]
-    R, P = theta.shape
-    rows = max(1, _BLOCK_ELEMENTS // max(1, R * P))
-    out = np.empty((R, n))
-    for start in range(0, n, rows):
-        sl = slice(start, start + rows)
-        g = per_example_clipped_gradients(model, theta, X[sl], y[sl], x_norm[sl], G)
-        out[:, sl] = np.linalg.norm(np.matmul(g, H_inv), axis=-1) / n
-    return out
-
-
 # --- MLP output layer (`influence: output_layer`) ----------------------------------------------------------------
 
 _ACTIVATIONS = {"tanh": np.tanh, "sigmoid": expit, "relu": lambda z: np.maximum(z, 0.0)}
@@ -346,59 +353,130 @@ def output_feature_bound(model: MLP, theta: np.ndarray) -> np.ndarray:
     return np.sqrt(1.0 + 2.0 * spectral**2)
 
 
-# --- one round's influence norms and the private test --------------------------------------------------------
+# --- one round's influence and the private test -------------------------------------------------------------
 
 
 @dataclass
 class RoundInfluence:
-    """‖v_z‖ = ‖(1/n) H⁻¹ clip_G(∇ℓ(θ_k, z))‖ of one round: norms (R, n); dim: the dimension of v_z; damped: ζ was
-    added (bool, or (R,) for `full` on a non-linear model); shift (R,) and min_eigenvalue (R,) of H (full MLP)."""
-    norms: np.ndarray
-    dim: int
+    """One round's influence machinery at the global model: c_z = (1/n) H⁻¹ clip_G(∇ℓ(θ_k, z)) for any rows.
+
+    kind: full (logreg or dense mlp) or output_layer; at: θ_k (R, P) (diverged replicas evaluated at 0); w: the
+    parameters c_z is taken over (θ_k, or the output layer (R, h + 1)); H_inv (R, m, m); dim = m; damped: ζ was
+    added (bool, or (R,) for the dense mlp); shift, min_eigenvalue (R,): the dense mlp's spectral damping."""
+    kind: str
+    model: Optional[Model]
+    at: np.ndarray
+    w: np.ndarray
+    H_inv: np.ndarray
+    n: int
+    G: float
     damped: bool | np.ndarray
-    shift: np.ndarray | None = None
-    min_eigenvalue: np.ndarray | None = None
+    shift: Optional[np.ndarray] = None
+    min_eigenvalue: Optional[np.ndarray] = None
+
+    @property
+    def dim(self) -> int:
+        return self.H_inv.shape[-1]
+
+    @property
+    def rows_per_block(self) -> int:
+        return max(1, min(_ROW_CHUNK, _BLOCK_ELEMENTS // max(1, self.at.shape[0] * self.dim)))
+
+    def vectors(self, X: np.ndarray, y: np.ndarray, x_norm: np.ndarray, replicas: slice = slice(None)) -> np.ndarray:
+        """c_z (without E) for the rows X (k, d) and the chosen replicas: (R', k, m). H⁻¹ is symmetric, so the rows
+        of g H⁻¹ are (H⁻¹ g)ᵀ."""
+        at, w, H_inv = self.at[replicas], self.w[replicas], self.H_inv[replicas]
+        if self.kind == "full" and isinstance(self.model, MLP):
+            g = per_example_clipped_gradients(self.model, at, X, y, x_norm, self.G)
+            return np.matmul(g, H_inv) / self.n
+        if self.kind == "output_layer":
+            F = output_features(self.model, at, X)  # (R', k, h + 1)
+            a = clipped_residuals(w, F, y, np.sqrt(np.einsum("rmd,rmd->rm", F, F)), self.G)
+            return a[..., None] * np.matmul(F, H_inv) / self.n
+        a = clipped_residuals(w, X, y, x_norm, self.G)  # logistic regression
+        return a[..., None] * np.matmul(X[None], H_inv) / self.n
+
+    def blocks(self, X: np.ndarray, y: np.ndarray, x_norm: np.ndarray,
+               replicas: slice = slice(None)) -> Iterator[tuple[slice, np.ndarray]]:
+        for start in range(0, X.shape[0], self.rows_per_block):
+            sl = slice(start, start + self.rows_per_block)
+            yield sl, self.vectors(X[sl], y[sl], x_norm[sl], replicas)
+
+    def norms(self, X: np.ndarray, y: np.ndarray, x_norm: np.ndarray) -> np.ndarray:
+        """‖c_z‖ for every row: (R, n)."""
+        out = np.empty((self.at.shape[0], X.shape[0]))
+        for sl, v in self.blocks(X, y, x_norm):
+            out[:, sl] = np.linalg.norm(v, axis=-1)
+        return out
 
 
 def round_influence(influence: str, model: Model | None, theta: np.ndarray, X: np.ndarray, y: np.ndarray,
                     x_norm: np.ndarray, l2: float, zeta: float, G: float) -> RoundInfluence:
-    """The influence norms at the global model θ (R, P) for `influence` ∈ {full, output_layer}; H inverted once.
-    A diverged replica (non-finite θ) is evaluated at 0 and stays NaN; the others are unaffected."""
+    """The Hessian at the global model θ (R, P) for `influence` ∈ {full, output_layer}, damped and inverted once
+    (line 5). A diverged replica (non-finite θ) is evaluated at 0 and stays NaN; the others are unaffected."""
     at = np.where(np.isfinite(theta).all(axis=1, keepdims=True), theta, 0.0)
+    n = X.shape[0]
     if influence == "full" and (model is None or model.name == "logreg"):
         H, was_damped = damped(logreg_hessian(at, X, y, l2), l2, zeta)
-        return RoundInfluence(influence_norms(at, X, y, x_norm, symmetric_inverse(H), G), X.shape[1], was_damped)
+        return RoundInfluence("full", model, at, at, symmetric_inverse(H), n, G, was_damped)
     if influence == "full":
         H, shift, mu = damped_by_spectrum(dense_hessian(model, at, X, y), zeta)
-        norms = full_influence_norms(model, at, X, y, x_norm, symmetric_inverse(H), G)
-        return RoundInfluence(norms, model.n_params, shift > 0, shift, mu)
+        return RoundInfluence("full", model, at, at, symmetric_inverse(H), n, G, shift > 0, shift, mu)
     if influence == "output_layer":
         w = output_layer_params(model, at)
-
-        def features(rows: np.ndarray) -> np.ndarray:
-            return output_features(model, at, rows)
-
-        H, was_damped = damped(logreg_hessian(w, X, y, l2, features=features), l2, zeta)
-        norms = influence_norms(w, X, y, x_norm, symmetric_inverse(H), G, features=features)
-        return RoundInfluence(norms, w.shape[1], was_damped)
+        H, was_damped = damped(logreg_hessian(w, X, y, l2, features=lambda rows: output_features(model, at, rows)),
+                               l2, zeta)
+        return RoundInfluence("output_layer", model, at, w, symmetric_inverse(H), n, G, was_damped)
     raise ValueError(f"unknown influence {influence!r}")
 
 
-def private_test(influence: RoundInfluence, E, sigma_c: float, radius: float,
-                 generators: list[np.random.Generator]) -> np.ndarray:
-    """eligible (R, n): ‖2c_z + N(0, σ_c² I_dim)‖ ≤ r with ‖c_z‖ = ‖v_z‖ + E (E a number or one per replica (R,))."""
+def with_error(v: np.ndarray, E) -> np.ndarray:
+    """c^(o) = c_z + E read per coordinate: sign([c_z]_i)(|[c_z]_i| + E), sign(0) = +1 (module docstring).
+    v (R', k, m); E a number or one per replica (R',)."""
     E = np.asarray(E, dtype=float)
-    c_norm = influence.norms + (E[:, None] if E.ndim == 1 else E)
-    return noised_norms(c_norm, sigma_c, influence.dim, generators) <= radius
+    E = E[:, None, None] if E.ndim == 1 else E
+    return v + np.where(v >= 0, 1.0, -1.0) * E
 
 
-def contribution_test(theta: np.ndarray, X: np.ndarray, y: np.ndarray, x_norm: np.ndarray, l2: float, zeta: float,
-                      G: float, E: float, sigma_c: float, radius: float,
-                      generators: list[np.random.Generator]) -> tuple[np.ndarray, bool]:
-    """One round's private test of logistic regression at the global model θ (R, d): (eligible (R, n) =
-    ‖2c_z + N(0, σ_c² I)‖ ≤ r with ‖c_z‖ = ‖(1/n) H⁻¹ clip_G(∇ℓ(θ, z))‖ + E, whether ζ was added to H)."""
-    influence = round_influence("full", None, theta, X, y, x_norm, l2, zeta, G)
-    return private_test(influence, E, sigma_c, radius, generators), influence.damped
+@dataclass(frozen=True)
+class DecisionRule:
+    """The private test of one run: rule, σ_c, its threshold (τ for coordinate, r for l2_radius)."""
+    rule: str
+    sigma_c: float
+    threshold: float
+
+    def passes(self, v: np.ndarray, E, generators: list[np.random.Generator]) -> np.ndarray:
+        """(R', k) bool, one generator per replica: coordinate: max_i |2c^(o)_i + b_i| ≤ τ with b ~ N(0, σ_c² I_m)
+        drawn in full (lines 8-10); l2_radius: ‖2c + b‖ ≤ r with ‖c‖ = ‖c_z‖ + E (sampled through the norm)."""
+        k, m = v.shape[1], v.shape[2]
+        if self.rule == "coordinate":
+            b = np.stack([g.standard_normal((k, m)) for g in generators])
+            return np.max(np.abs(2.0 * with_error(v, E) + self.sigma_c * b), axis=-1) <= self.threshold
+        E = np.asarray(E, dtype=float)
+        c_norm = np.linalg.norm(v, axis=-1) + (E[:, None] if E.ndim == 1 else E)
+        return noised_norms(c_norm, self.sigma_c, m, generators) <= self.threshold
+
+
+def round_eligible(inf: RoundInfluence, rule: DecisionRule, E, X: np.ndarray, y: np.ndarray, x_norm: np.ndarray,
+                   generators: list[np.random.Generator]) -> np.ndarray:
+    """`contribution_noise: per_round`: one test per example and replica at the round's model: (R, n) bool."""
+    out = np.empty((inf.at.shape[0], X.shape[0]), dtype=bool)
+    for sl, v in inf.blocks(X, y, x_norm):
+        out[:, sl] = rule.passes(v, E, generators)
+    return out
+
+
+def step_noiseless(inf: RoundInfluence, rule: DecisionRule, E, X: np.ndarray, y: np.ndarray, x_norm: np.ndarray,
+                   idx: np.ndarray, generators: list[np.random.Generator]) -> np.ndarray:
+    """`contribution_noise: per_step`: a fresh test for every step's example idx (T, R): (T, R) bool."""
+    E = np.asarray(E, dtype=float)
+    out = np.empty(idx.shape, dtype=bool)
+    for r, gen in enumerate(generators):
+        rows = idx[:, r]
+        E_r = E[r] if E.ndim == 1 else E
+        for sl, v in inf.blocks(X[rows], y[rows], x_norm[rows], slice(r, r + 1)):
+            out[sl, r] = rule.passes(v, E_r, [gen])[0]
+    return out
 
 
 def resolve_influence(requested: str, model: Model) -> str:
@@ -477,19 +555,15 @@ def round_summary(rounds_info: list) -> dict:
     return out
 
 
-_UNCOVERED = "noiseless steps are not covered by the accountant, whose bound assumes noise on every step"
 PRIVACY_NOTES = {
-    "logreg": "paper's claim: noiseless steps are covered by its influence-function argument, "
-              "not by the accountant, whose bound assumes noise on every step",
-    "full": "no claim: non-convex model (the paper's argument needs convexity). The full Hessian is damped to "
-            "λ_min ≥ ζ, so the test's sensitivity 2G/(nζ) and σ_c hold; Theorem 4's E needs global Lipschitz, "
-            "smoothness and Hessian-Lipschitz constants the mlp lacks: E = 0 is used, not a bound; " + _UNCOVERED,
-    "output_layer": "no claim: non-convex model. Influence restricted to the output layer (Koh & Liang 2017): c_z is "
-                    "the influence in the logistic regression on the frozen hidden features ã = [a(x), 1]; σ_c holds "
-                    "(clipped G, λ_min ≥ ζ); E is Theorem 4's bound for that regression (‖ã‖ ≤ A, L = A²/4, "
-                    "C = max|σ''|A³, G = the clip), not a bound on the error for the whole network; " + _UNCOVERED,
+    "logreg": "Theorem 5's proof does not cover the noiseless steps (see `guarantee` for what is proved)",
+    "full": "non-convex model: the dense Hessian is damped to λ_min ≥ ζ, so σ_c's sensitivity 2G/(nζ) holds; "
+            "Theorem 4's E needs global Lipschitz, smoothness and Hessian-Lipschitz constants the mlp lacks: E = 0 "
+            "is used, not a bound",
+    "output_layer": "deviation: c_z over the output layer only (Koh & Liang 2017), the paper takes all m "
+                    "parameters; E is Theorem 4's bound for the logistic regression on the frozen hidden features "
+                    "(‖ã‖ ≤ A, L = A²/4, C = max|σ''|A³, G = the clip), not for the network",
 }
-
 
 def indexed_poisson_batches(X: np.ndarray, y: np.ndarray, q: float,
                             streams: ReplicaStreams) -> Iterator[tuple[np.ndarray, Batch]]:
@@ -509,7 +583,8 @@ def indexed_poisson_batches(X: np.ndarray, y: np.ndarray, q: float,
 
 @dataclass(frozen=True)
 class NoisyStepCalibration:
-    sigma: float  # noise multiplier: N(0, (σG)² I) on the sum of clipped gradients
+    std: float  # standard deviation of the noise added to the step's (sum of) clipped gradient(s)
+    multiplier: float  # std / G
     epsilon: float  # achieved ε₁ (≤ target)
     accountant: str
     library: str
@@ -517,11 +592,30 @@ class NoisyStepCalibration:
     note: str = ""
 
 
+def calibrate_single_steps(epsilon_1: float, delta_1: float, n: int, steps: int, G: float,
+                           accountant: str) -> NoisyStepCalibration:
+    """One uniformly drawn example per step, replace-one neighbours (the paper's relation, Remark 6): the noise
+    std s on the clipped gradient (sensitivity 2G) for (ε₁, δ₁) over T steps (`bassily.calibrate_bassily`, the
+    same mechanism). auto: RDP, or PLD where no σ reaches ε₁ under RDP's conversion."""
+    if accountant == "composition":
+        raise UserError("pidp_sgd: accountant: composition is for sampling: poisson; use auto, rdp or pld")
+    try:
+        priv = calibrate_bassily(float(epsilon_1), float(delta_1), int(n), int(steps), float(G),
+                                 "pld" if accountant == "pld" else "rdp")
+    except UserError:
+        if accountant != "auto":
+            raise
+        priv = calibrate_bassily(float(epsilon_1), float(delta_1), int(n), int(steps), float(G), "pld")
+    return NoisyStepCalibration(priv.sigma, priv.sigma / G, priv.epsilon, priv.accountant + " (replace-one)",
+                                "dp-accounting")
+
+
 def calibrate_noisy_steps(epsilon_1: float, delta_1: float, q: float, steps: int,
                           accountant: str) -> NoisyStepCalibration:
-    if accountant in ("rdp", "pld"):
-        cal = calibrate_sigma(epsilon_1, delta_1, q, steps, accountant=accountant)
-        return NoisyStepCalibration(cal.sigma, cal.epsilon, cal.accountant, cal.library)
+    """`sampling: poisson`: the noise multiplier of `dp_sgd` (add/remove, Poisson rate q) for (ε₁, δ₁)."""
+    if accountant in ("auto", "rdp", "pld"):
+        cal = calibrate_sigma(epsilon_1, delta_1, q, steps, accountant="pld" if accountant == "pld" else "rdp")
+        return NoisyStepCalibration(cal.sigma, cal.sigma, cal.epsilon, cal.accountant, cal.library)
     # Classical: per-step (ε_s, δ_s) from the better of basic and advanced composition over T steps, then
     # invert tight Poisson amplification ε_s = ln(1 + q(e^{ε₀} − 1)), δ_s = q δ₀, then σ = √(2 ln(1.25/δ₀))/ε₀.
     eps_adv, delta_adv = advanced_composition_epsilon_per_step(epsilon_1, delta_1, steps)
@@ -531,7 +625,7 @@ def calibrate_noisy_steps(epsilon_1: float, delta_1: float, q: float, steps: int
     sigma = math.sqrt(2.0 * math.log(1.25 / delta_0)) / eps_0
     valid = eps_0 < 1.0 and delta_s / q < 1.0
     note = "" if valid else f"per-step ε₀ = {eps_0:.3g} ≥ 1 (classical Gaussian bound valid for ε < 1)"
-    return NoisyStepCalibration(sigma, epsilon_1, "composition", "closed form (dpsgd_cli.privacy.mechanisms)",
+    return NoisyStepCalibration(sigma, sigma, epsilon_1, "composition", "closed form (dpsgd_cli.privacy.mechanisms)",
                                 valid, note)
 
 
@@ -544,23 +638,44 @@ class _OffsetCheckpoints:
     """Checkpoints of a chain run that starts after `offset` examples (a round's chain counts from 0)."""
 
     def __init__(self, inner: Checkpoints, offset: int):
-        self.inner, self.offset = inner, offset
+        self.inner, self.offset, self.every = inner, offset, inner.every
 
     def maybe_record(self, model, theta, before, after):
         self.inner.maybe_record(model, theta, before + self.offset, after + self.offset)
 
 
+def masked_noise(std: float, draws: Iterator[np.ndarray], noiseless: Iterator[np.ndarray]) -> Transform:
+    """g + std·z on the replicas whose step is noisy; z is drawn on every step (so the noise stream does not
+    depend on the decisions)."""
+    return lambda g, theta: g + np.where(next(noiseless), 0.0, std)[:, None] * next(draws)
+
+
+def single_example_batches(X: np.ndarray, y: np.ndarray, x_norm: np.ndarray, idx: np.ndarray) -> Iterator[Batch]:
+    """Batch t holds example idx[t, r] for replica r (idx (T, R))."""
+    ones = np.ones((idx.shape[1], 1))
+    for row in idx:
+        yield Batch(X=X[row][:, None, :], y=y[row][:, None], weight=ones, x_norm=x_norm[row][:, None])
+
+
+def _exact_blocks(reader: "kernels._Reader", steps: int) -> Iterator[np.ndarray]:
+    """The next `steps` numbers of a block reader, in blocks of at most BLOCK_STEPS (nothing read beyond)."""
+    while steps > 0:
+        k = min(BLOCK_STEPS, steps)
+        steps -= k
+        yield reader.take(k)
+
+
 class PIDPSGD(Algorithm):
-    """PIDP-SGD (Kang et al., arXiv:2002.08578, Algorithm 1): DP-SGD whose steps skip the noise when every example
-    of the batch passed the private influence test ‖2c_z + N(0, σ_c² I)‖ ≤ r. Models: logreg, mlp (`influence`:
-    full dense Hessian or output layer). Assumptions, formulas and every reading of the pseudo-code: see the module
-    docstring."""
+    """PIDP-SGD (Kang et al., Algorithm 1): DP-SGD with one example per step whose noise is skipped when the
+    privately tested influence of the example passes the paper's per-coordinate threshold. Models: logreg, mlp.
+    Formulas, readings of the pseudo-code, non-paper variants and the guarantee: see the module docstring."""
 
     name = "pidp_sgd"
     private = True
     uses = frozenset({"epsilon", "batch_size", "lr", "epochs", "l2"})
+    execution_params = frozenset({"backend"})
     Params = PIDPSGDParams
-    source = "Kang, Li, Liu, Wang, Data Heterogeneity Differential Privacy: From Theory to Algorithm, arXiv:2002.08578"
+    source = "Kang, Li, Liu, Wang, Data Heterogeneity Differential Privacy: From Theory to Algorithm"
 
     def schedule(self, setting: Setting) -> tuple[int, int]:
         """(R, T_local)."""
@@ -568,91 +683,170 @@ class PIDPSGD(Algorithm):
         local = self.params.local_steps or max(1, round(setting.steps / rounds))
         return rounds, local
 
+    def deviations(self, influence: str) -> str:
+        """The non-paper choices of this run, '; '-joined ('' when it runs Algorithm 1 as stated)."""
+        p = self.params
+        out = []
+        if p.rule == "l2_radius":
+            out.append("rule l2_radius (not in the paper)")
+        if p.sampling == "poisson":
+            out.append("poisson mini-batches (the paper: one example per step)")
+        if p.project:
+            out.append("projection onto ‖θ‖ ≤ r (not in Algorithm 1)")
+        if influence == "output_layer":
+            out.append("influence over the output layer only (the paper: all m parameters)")
+        return "; ".join(out)
+
     def fit(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Outcome:
         p = self.params
         influence = resolve_influence(p.influence, model)
-        if not 1 <= setting.batch_size <= setting.n:
-            raise UserError(f"pidp_sgd: batch_size = {setting.batch_size} must be in [1, n = {setting.n}]")
-        n, d, B = setting.n, model.n_params, setting.batch_size
+        n, B = setting.n, setting.batch_size
+        if p.sampling == "single" and B != 1:
+            raise UserError(f"pidp_sgd: sampling: single (Algorithm 1 line 6: one example per step) needs "
+                            f"batch_size 1, got {B}: give pidp_sgd batch_size: [1], or sampling: poisson "
+                            f"(the non-paper mini-batch variant)")
+        if not 1 <= B <= n:
+            raise UserError(f"pidp_sgd: batch_size = {B} must be in [1, n = {n}]")
+        if p.sampling == "poisson" and p.contribution_noise == "per_step":
+            raise UserError("pidp_sgd: contribution_noise: per_step needs sampling: single (one example per step)")
         rounds, local = self.schedule(setting)
-        steps, q = rounds * local, setting.sample_rate
+        steps = rounds * local
         eps_1, eps_2 = EPSILON_1_SHARE * setting.epsilon, (1 - EPSILON_1_SHARE) * setting.epsilon
         delta_1 = delta_2 = setting.delta / 2
         G = GRADIENT_CLIP
         sigma_c = contribution_sigma(G, rounds, delta_2, n, p.zeta, eps_2)
-        cal = calibrate_noisy_steps(eps_1, delta_1, q, steps, p.accountant)
+        tau = coordinate_threshold(p.radius, eps_1, delta_1)
+        rule = DecisionRule(p.rule, sigma_c, tau if p.rule == "coordinate" else p.radius)
+        if p.sampling == "single":
+            cal = calibrate_single_steps(eps_1, delta_1, n, steps, G, p.accountant)
+        else:
+            cal = calibrate_noisy_steps(eps_1, delta_1, setting.sample_rate, steps, p.accountant)
 
         x_norm = row_norms(X)
-        batches = indexed_poisson_batches(X, y, q, streams)
-        noise = streams.normal("noise", (d,))
         test_gens = [g.spawn(1)[0] for g in streams.generators("noise")]  # independent of the step noise
         ckpt = Checkpoints(setting.trace_every, X, y) if setting.trace_every else None
-        current = {"idx": None, "eligible": None}
-        noiseless_steps = np.zeros(streams.replicas)
-        empty_steps = np.zeros(streams.replicas)  # Poisson batches with no example: noiseless (vacuously)
-        eligible_share = []
-        rows = np.arange(streams.replicas)[:, None]
-
-        def tracked() -> Iterator[Batch]:
-            for idx, batch in batches:
-                current["idx"] = idx
-                yield batch
-
-        def noise_unless_all_eligible(std: float, draws: Iterator[np.ndarray]) -> Transform:
-            def transform(g, theta):
-                idx = current["idx"]
-                ok = np.where(idx >= 0, current["eligible"][rows, np.maximum(idx, 0)], True).all(axis=1)
-                noiseless_steps[:] += ok
-                empty_steps[:] += (idx < 0).all(axis=1)
-                return g + np.where(ok, 0.0, std)[:, None] * next(draws)
-            return transform
-
-        rounds_info: list[tuple[RoundInfluence, ErrorConstants]] = []
+        backend = kernels.select_backend(p.backend, model, 1) if p.sampling == "single" else "numpy"
+        if backend == "numba" and ckpt is not None and local % ckpt.every:
+            backend = "numpy"  # the kernel's checkpoints are aligned to its call (module kernels)
+        step = (self._single_steps(setting, model, X, y, x_norm, streams, cal, rule, backend, test_gens)
+                if p.sampling == "single" else self._poisson_steps(setting, model, X, y, streams, cal))
+        noiseless = np.zeros(streams.replicas)
+        eligible_share, rounds_info = [], []
         theta = model.init(streams.generators("init"))
         for k in range(rounds):
             constants = error_constants(influence, model, theta, G, p.zeta, n)
-            round_inf = round_influence(influence, model, theta, X, y, x_norm, setting.l2, p.zeta, G)
-            current["eligible"] = private_test(round_inf, constants.E, sigma_c, p.radius, test_gens)
-            rounds_info.append((round_inf, constants))
-            eligible_share.append(current["eligible"].mean(axis=1))
-            chain = GradientChain(
-                batches=tracked(), clip=G,
-                transforms=[noise_unless_all_eligible(cal.sigma * G, noise), scale(1.0 / B), add_l2(setting.l2)],
-                schedule=constant(setting.lr), project=project_to_ball(p.radius),
-                checkpoints=_OffsetCheckpoints(ckpt, round(k * local * B)) if ckpt else None,
-                examples_per_step=B,
-            )
-            theta = chain.run(model, theta, local)
+            inf = round_influence(influence, model, theta, X, y, x_norm, setting.l2, p.zeta, G)
+            eligible = (round_eligible(inf, rule, constants.E, X, y, x_norm, test_gens)
+                        if p.contribution_noise == "per_round" else None)
+            rounds_info.append((inf, constants))
+            if eligible is not None:
+                eligible_share.append(eligible.mean(axis=1))
+            offset = _OffsetCheckpoints(ckpt, round(k * local * B)) if ckpt else None
+            theta, skipped = step(theta, local, inf, constants.E, eligible, offset)
+            noiseless += skipped
 
-        fraction = noiseless_steps / steps
-        guarantee = self.guarantee(model, X, rounds, eps_2, cal)
+        fraction = noiseless / steps
+        p_step = self.skip_bound(rule, rounds_info[0][0].dim, rounds_info, setting, rounds, eps_2)
+        guarantee, delta_cert = (f"none: {cal.note}", float("nan")) if not cal.valid else \
+            tv_guarantee(setting.epsilon, setting.delta, eps_1, steps, p_step)
         derived = {
-            "steps": steps, "sample_rate": q, "sigma": cal.sigma, "epsilon_achieved": cal.epsilon + eps_2,
-            "accountant": cal.accountant, "accountant_library": cal.library,
+            "steps": steps, "sample_rate": setting.sample_rate, "sigma": cal.multiplier,
+            "epsilon_achieved": cal.epsilon + eps_2, "accountant": cal.accountant, "accountant_library": cal.library,
             "rounds": rounds, "local_steps": local, "epsilon_1": eps_1, "epsilon_2": eps_2,
             "delta_1": delta_1, "delta_2": delta_2, "epsilon_1_achieved": cal.epsilon,
-            "noise_std": cal.sigma * G / B, "sigma_c": sigma_c, "c_prime": C_PRIME,
+            "noise_std": cal.std / B, "sigma_c": sigma_c, "c_prime": C_PRIME, "rule": p.rule,
+            "threshold": rule.threshold, "sampling": p.sampling, "contribution_noise": p.contribution_noise,
             "influence": influence, "influence_dim": rounds_info[0][0].dim,
             "lipschitz_G": G, **round_summary(rounds_info),
-            "zeta": p.zeta, "radius": p.radius,
+            "zeta": p.zeta, "radius": p.radius, "backend": backend,
+            "skip_probability_bound": p_step, "delta_certified": delta_cert,
             "noiseless_fraction": [float(f) for f in fraction],
             "noiseless_fraction_mean": float(fraction.mean()),
-            "eligible_fraction": [float(f) for f in np.mean(eligible_share, axis=0)],
-            "empty_step_fraction": [float(f) for f in empty_steps / steps],
+            "deviations": self.deviations(influence),
             "privacy_note": PRIVACY_NOTES["logreg" if model.name == "logreg" else influence],
         }
+        if eligible_share:
+            derived["eligible_fraction"] = [float(f) for f in np.mean(eligible_share, axis=0)]
         return Outcome(theta, derived, guarantee, trace=ckpt.rows if ckpt else [])
 
-    @staticmethod
-    def guarantee(model: Model, X: np.ndarray, rounds: int, eps_2: float, cal: NoisyStepCalibration) -> str:
-        """PAPER_CLAIM when the assumptions of the paper's claim hold, else the first one that fails."""
-        if not model.convex:
-            return "none: non-convex model"
-        if unit_ball_violation(X):
-            return unit_ball_violation(X)
-        if eps_2 / rounds >= 1.0:
-            return (f"none: per-round test budget ε₂/R = {eps_2 / rounds:.3g} ≥ 1 (σ_c uses the classical "
-                    f"Gaussian mechanism, valid for ε < 1)")
-        if not cal.valid:
-            return f"none: {cal.note}"
-        return PAPER_CLAIM
+    def skip_bound(self, rule: DecisionRule, dim: int, rounds_info: list, setting: Setting, rounds: int,
+                   eps_2: float) -> float:
+        """p of the total-variation bound: the largest pass probability over datasets (module docstring), with E
+        the smallest over rounds and replicas (E is data-independent: it depends on n and the model's constants,
+        and, for a relu output layer, on the round's hidden layer, so the minimum is taken). sampling: poisson
+        (add/remove neighbours): the maximum over n − 1, n, n + 1 (σ_c, τ's inputs and E depend on n)."""
+        E = min(float(np.min(c.E)) for _, c in rounds_info)
+        sizes = [setting.n] if self.params.sampling == "single" else [setting.n - 1, setting.n, setting.n + 1]
+        bounds = []
+        for n in sizes:
+            scale_n = setting.n / n  # σ_c ∝ 1/n, E ∝ 1/n² (Theorems 4-5)
+            sigma_c = contribution_sigma(GRADIENT_CLIP, rounds, setting.delta / 2, n, self.params.zeta, eps_2)
+            bounds.append(skip_probability_bound(rule.rule, dim, sigma_c, rule.threshold, E * scale_n**2))
+        return max(bounds)
+
+    def _single_steps(self, setting, model, X, y, x_norm, streams, cal, rule, backend, test_gens) -> Callable:
+        """One uniformly drawn example per step (lines 6-15), NumPy chain or numba kernel on the same draws."""
+        p = self.params
+        index_reader = kernels._Reader(kernels.uniform_example_index_blocks(setting.n, streams))
+        d = model.n_params
+        if backend == "numba":
+            noise_reader = kernels._Reader(kernels.block_draws(streams, "noise",
+                                                               lambda g, k: g.standard_normal((k, d))))
+        else:
+            draws = streams.normal("noise", (d,))
+
+        def run(theta, local, inf, E, eligible, checkpoints):
+            idx = np.ascontiguousarray(index_reader.take(local), dtype=np.int64)  # (T_local, R)
+            if eligible is not None:
+                quiet = eligible[np.arange(idx.shape[1])[None, :], idx]
+            else:
+                quiet = step_noiseless(inf, rule, E, X, y, x_norm, idx, test_gens)
+            if backend == "numba":
+                theta = kernels.logreg_single_example_sgd(
+                    theta, X, y, iter([idx]), local, constant(setting.lr), clip=GRADIENT_CLIP, l2=setting.l2,
+                    radius=p.radius if p.project else None, noise=_exact_blocks(noise_reader, local),
+                    noise_std=cal.std, noise_mask=~quiet, checkpoints=checkpoints, model=model)
+            else:
+                chain = GradientChain(
+                    batches=single_example_batches(X, y, x_norm, idx), clip=GRADIENT_CLIP,
+                    transforms=[masked_noise(cal.std, draws, iter(quiet)), add_l2(setting.l2)],
+                    schedule=constant(setting.lr), project=project_to_ball(p.radius) if p.project else None,
+                    checkpoints=checkpoints, examples_per_step=1)
+                theta = chain.run(model, theta, local)
+            return theta, quiet.sum(axis=0)
+
+        return run
+
+    def _poisson_steps(self, setting, model, X, y, streams, cal) -> Callable:
+        """Poisson mini-batches (non-paper variant): noiseless iff the batch is non-empty and all its examples
+        passed their round's test."""
+        p = self.params
+        B = setting.batch_size
+        batches = indexed_poisson_batches(X, y, setting.sample_rate, streams)
+        draws = streams.normal("noise", (model.n_params,))
+        rows = np.arange(streams.replicas)[:, None]
+        state: dict = {}
+
+        def tracked() -> Iterator[Batch]:
+            for idx, batch in batches:
+                passed = np.where(idx >= 0, state["eligible"][rows, np.maximum(idx, 0)], True).all(axis=1)
+                quiet = passed & (idx >= 0).any(axis=1)
+                state["skipped"] += quiet
+                state["quiet"] = quiet
+                yield batch
+
+        def quiet_flags() -> Iterator[np.ndarray]:
+            while True:
+                yield state["quiet"]
+
+        def run(theta, local, inf, E, eligible, checkpoints):
+            state.update(eligible=eligible, skipped=np.zeros(streams.replicas))
+            chain = GradientChain(
+                batches=tracked(), clip=GRADIENT_CLIP,
+                transforms=[masked_noise(cal.std, draws, quiet_flags()), scale(1.0 / B), add_l2(setting.l2)],
+                schedule=constant(setting.lr), project=project_to_ball(p.radius) if p.project else None,
+                checkpoints=checkpoints, examples_per_step=B)
+            theta = chain.run(model, theta, local)
+            return theta, state["skipped"]
+
+        return run

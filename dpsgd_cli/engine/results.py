@@ -38,13 +38,14 @@ COLUMNS = [
     "batch_size", "lr", "epochs", "steps", "sample_rate", "l2", "clip_norm",
     "test_accuracy", "test_loss", "train_accuracy", "train_objective", "optimal_objective", "optimality_gap",
     "guarantee", "noiseless_fraction", "derived", "wall_time", "status", "message", "version", "dtype",
-    "n_val", "val_accuracy", "val_objective", "epsilon_base", "tuning",
+    "n_val", "val_accuracy", "val_objective", "epsilon_base", "tuning", "delta_certified",
 ]
 TRACE_COLUMNS = ["run_id", "cell_id", "seed", "examples", "train_objective", "optimality_gap", "train_accuracy"]
 NUMERIC = {
     "n_train", "n_test", "d", "seed", "epsilon", "epsilon_achieved", "delta", "sigma", "batch_size", "lr", "epochs",
     "steps", "sample_rate", "l2", "clip_norm", "test_accuracy", "test_loss", "train_accuracy", "train_objective",
-    "optimal_objective", "optimality_gap", "noiseless_fraction", "wall_time", "examples",
+    "optimal_objective", "optimality_gap", "noiseless_fraction", "wall_time", "examples", "delta_certified",
+    "n_val", "val_accuracy", "val_objective", "epsilon_base",
 }
 STATUSES = {"ok", "diverged", "failed"}
 FINAL = ("ok", "diverged")  # final results; `failed` runs are tried again when the grid resumes

@@ -195,7 +195,8 @@ def _draw_panel(ax, panel: pd.DataFrame, x: str, spec: FigureSpec) -> None:
         color, dashes = next(styles)
         if spec.log_y and mean <= 1e-9:  # numerically zero (erm's own optimality gap): no place on a log axis
             continue
-        ax.axhline(mean, ls=dashes, lw=1.2, color=color, label=f"{label} (non-private)")
+        kind = "non-private" if x == "epsilon" else f"no {x}"  # references: the runs without the x value
+        ax.axhline(mean, ls=dashes, lw=1.2, color=color, label=f"{label} ({kind})")
         if std > 0:
             ax.axhspan(mean - std, mean + std, color=color, alpha=0.08, lw=0)
     if spec.log_x:
