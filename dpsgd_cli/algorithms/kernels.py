@@ -53,6 +53,7 @@ def _numba_installed() -> bool:
 HAVE_NUMBA: bool = _numba_installed()  # numba itself is imported lazily, by the first kernel call
 NUMBA_HINT = "pip install 'dpsgd[numba]'"
 _NO_MASK = np.zeros((1, 1), dtype=np.bool_)
+_NO_CANARY = (np.full(1, -1, dtype=np.int64), np.zeros((1, 1, 1)), np.zeros((1, 1)), np.zeros((1, 1, 1)), 0, False)
 CHUNK_ELEMENTS = 1 << 23  # noise numbers per kernel call (64 MB in float64): a whole pass on adult / kddcup99
 
 
@@ -76,11 +77,13 @@ def backend_description() -> str:
 
 def kernel_applies(model, batch_size: Optional[int]) -> bool:
     """The kernel implements logistic regression with one example per step: a `LogisticRegression` whose
-    gradient is not overridden, and batch size 1."""
+    gradient is not overridden (or overridden only by the audit's gradient canaries, `kernel_canaries`), and
+    batch size 1."""
     from dpsgd_cli.models.logreg import LogisticRegression
 
     return (batch_size == 1 and isinstance(model, LogisticRegression)
-            and type(model).clipped_grad_sum is LogisticRegression.clipped_grad_sum)
+            and (type(model).clipped_grad_sum is LogisticRegression.clipped_grad_sum
+                 or hasattr(model, "kernel_canaries")))  # the audit's gradient canaries, which the kernel adds
 
 
 def select_backend(requested: Backend, model, batch_size: Optional[int]) -> str:
@@ -181,11 +184,19 @@ def _kernels():
 
     @numba.njit(cache=True, nogil=True)
     def sgd1_logreg(theta, X, y, x_norm, idx, noise, gen, noise_std, lrs, l2, clip, radius, batch_scale,
-                    start, stop, do_clip, do_noise, draw_noise, do_project, mask, use_mask):  # pragma: no cover
+                    start, stop, do_clip, do_noise, draw_noise, do_project, mask, use_mask,
+                    canary_of, canary_add, U, proj, proj_offset, use_canary):  # pragma: no cover
         R, d = theta.shape
         for r in range(R):
             for t in range(start, stop):
                 i = idx[t, r]
+                c = canary_of[i] if use_canary else -1
+                if use_canary:  # the audit's gradient canaries: ⟨θ_t, U_k⟩ before the step, as the model records it
+                    for k in range(U.shape[0]):
+                        s = 0.0
+                        for j in range(d):
+                            s += theta[r, j] * U[k, j]
+                        proj[r, proj_offset + t, k] = s
                 dot = 0.0
                 for j in range(d):
                     dot += X[i, j] * theta[r, j]
@@ -199,6 +210,8 @@ def _kernels():
                 sq = 0.0
                 for j in range(d):
                     g = a * X[i, j]
+                    if c >= 0:  # a canary row: its fixed gradient, for the replicas that include it
+                        g = g + canary_add[r, c, j]
                     if do_noise:  # the step's d standard normals, in order: from `noise` or drawn from `gen` now
                         z = gen.standard_normal() if draw_noise else noise[t, r, j]  # drawn even when masked
                         if noisy:
@@ -229,7 +242,7 @@ def warm_up() -> float:
     for draw in (False, True):
         kernel(np.zeros((1, 1)), X, y, np.ones(1), np.zeros((1, 1), dtype=np.int64), np.zeros((1, 1, 1)),
                np.random.default_rng(0), 0.0, np.ones(1), 0.0, 1.0, 1.0, 1.0, 0, 1, True, True, draw, True,
-               _NO_MASK, False)
+               _NO_MASK, False, *_NO_CANARY)
     return time.perf_counter() - start
 
 
@@ -248,7 +261,8 @@ def logreg_single_example_sgd(theta: np.ndarray, X: np.ndarray, y: np.ndarray, i
     g.standard_normal((k, d)))` yields (numba's Generator support runs NumPy's ziggurat on the same bit
     generator), never materialised (measured ~3× faster than NumPy drawing the blocks); noise_mask: (steps, R)
     bool, noise only on the True steps (pidp_sgd; the draws are consumed on every step either way);
-    checkpoints: a `chain.Checkpoints` (one example per step), recorded as `GradientChain.run` does.
+    checkpoints: a `chain.Checkpoints` (one example per step), recorded as `GradientChain.run` does; model with
+    `kernel_canaries` (audit.canaries): its gradient canaries are added and the projections it records appended.
     """
     if noise is not None and noise_generators is not None:
         raise ValueError("give noise blocks or noise generators, not both")
@@ -267,6 +281,10 @@ def logreg_single_example_sgd(theta: np.ndarray, X: np.ndarray, y: np.ndarray, i
     if draw and len(noise_generators) != R:
         raise ValueError(f"{len(noise_generators)} noise generators for {R} replicas")
     every = checkpoints.every if checkpoints is not None else None
+    canary = model.kernel_canaries(x_norm, y, clip) if hasattr(model, "kernel_canaries") else None
+    if canary is not None:
+        canary_of, canary_add, U = canary
+        proj = np.empty((R, steps, U.shape[0]))
     done = 0
     while done < steps:
         m = min(chunk, steps - done)
@@ -285,16 +303,24 @@ def logreg_single_example_sgd(theta: np.ndarray, X: np.ndarray, y: np.ndarray, i
             scalars = (float(noise_std), lrs, float(l2 or 0.0), float(clip) if clip is not None else 1.0,
                        float(radius) if radius is not None else 1.0, float(batch_scale), lo, hi, clip is not None)
             masked = noise_mask is not None
+
+            def canaries(rows: slice) -> tuple:
+                if canary is None:
+                    return _NO_CANARY
+                return canary_of, canary_add[rows], U, proj[rows], done, True
+
             if draw:  # one call per replica: each draws from its own generator, steps in order
                 for r in range(R):
                     mask_r = np.ascontiguousarray(mask[:, r:r + 1]) if masked else _NO_MASK
                     kernel(theta[r:r + 1], X, y, x_norm, idx_r[r], no_noise, noise_generators[r], *scalars, True,
-                           True, radius is not None, mask_r, masked)
+                           True, radius is not None, mask_r, masked, *canaries(slice(r, r + 1)))
             else:
                 kernel(theta, X, y, x_norm, idx, z, no_gen, *scalars, noise_reader is not None, False,
-                       radius is not None, mask, masked)
+                       radius is not None, mask, masked, *canaries(slice(None)))
             if checkpoints is not None and hi > lo:
                 checkpoints.maybe_record(model, theta, done + hi - 1, done + hi)
             lo = hi
         done += m
+    if canary is not None:
+        model.projections.append(proj.transpose(1, 0, 2))  # (steps, R, m), one block
     return theta

@@ -78,13 +78,26 @@ class _GradientCanary:
         marker = (batch.y == 0) & (batch.weight > 0)
         if not marker.any():
             return 0.0
-        m = self.U.shape[0]
-        j = np.clip(np.rint(batch.x_norm * (m + 1)).astype(int) - 1, 0, m - 1)
+        j = self._canary_index(batch.x_norm)
         counts = np.zeros(included.shape)
         rows, cols = np.nonzero(marker)
         np.add.at(counts, (rows, j[rows, cols]), batch.weight[rows, cols])
-        norm = self.raw_norm if clip is None else min(self.raw_norm, clip)
-        return norm * (counts * included) @ self.U
+        return self._norm(clip) * (counts * included) @ self.U
+
+    def _canary_index(self, x_norm: np.ndarray) -> np.ndarray:
+        m = self.U.shape[0]
+        return np.clip(np.rint(x_norm * (m + 1)).astype(int) - 1, 0, m - 1)
+
+    def _norm(self, clip: Optional[float]) -> float:
+        return self.raw_norm if clip is None else min(self.raw_norm, clip)
+
+    def kernel_canaries(self, x_norm: np.ndarray, y: np.ndarray, clip: Optional[float]):
+        """What the numba kernel (algorithms/kernels.py) needs to add the canaries as `clipped_grad_sum` does, one
+        example per step (weight 1): per row its canary j (−1: not a marker), per replica and canary the clipped
+        gradient norm·included[r, j]·U_j (R, m, P), and U (m, P)."""
+        rows = np.where(y == 0, self._canary_index(x_norm), -1).astype(np.int64)
+        add = self._norm(clip) * (self.included[:, :, None] * self.U[None, :, :])
+        return rows, np.ascontiguousarray(add), np.ascontiguousarray(self.U, dtype=np.float64)
 
 
 def marker_rows(m: int, d: int) -> tuple[np.ndarray, np.ndarray]:
@@ -113,7 +126,8 @@ class GradientScores:
 
 
 def gradient_scores(model: _GradientCanary, theta_final: np.ndarray) -> GradientScores:
-    a = np.stack([*model.projections, theta_final @ model.U.T])  # (T + 1, R, m)
+    blocks = [*model.projections, theta_final @ model.U.T]  # (R, m) per step, or (k, R, m) from the kernel
+    a = np.concatenate([np.reshape(b, (-1, *b.shape[-2:])) for b in blocks])  # (T + 1, R, m)
     updates = np.diff(a, axis=0)
     jumps = np.abs(np.diff(updates, axis=0)).max(axis=0) if updates.shape[0] >= 2 else np.zeros(a.shape[1:])
     return GradientScores(-a[-1], jumps, steps=updates.shape[0])
