@@ -147,6 +147,36 @@ def test_white_box_one_step_audit_is_nearly_tight():
     assert last["epsilon_claimed"] / 2 <= last["epsilon_lo"] <= last["epsilon_claimed"], last
 
 
+def test_replace_one_audit_uses_the_mirror_record():
+    """Under replace-one the out world holds the canary's mirror (gradient −C·u), not the null record: the two
+    worlds' gradients differ by 2C, the sensitivity noisy GD is calibrated for. One full-batch step at a claimed
+    ε = 2 (δ = 10⁻²; the exact ε of the released Gaussian, 1.66, is below the claim because the RDP conversion is
+    loose): ε_lo reaches half the exact ε with the mirror, a seventh with the null record."""
+    from dpsgd_cli.algorithms.noisy_gd import NoisyGD
+
+    cell = _cells(algorithms=[{"name": "noisy_gd", "accountant": "composition", "lr": [1.0], "epochs": [1]}],
+                  epsilon=[2.0], delta=1e-2)[0]
+    spec = AuditSpec(canaries=["gradient"], trials=5000, chunk=5000)
+    [mirror, _] = audit_cell(cell, spec)
+    n = dataset(cell.dataset).n + 1  # with the canary's row
+    z = np.sqrt(2.0) * mirror["sigma"] / (2.0 / n)  # step noise std √(2η)σ over the step's sensitivity 2C/n, η = 1
+    exact = _gaussian_epsilon(z, 1e-2)
+    assert mirror["neighbours"] == "replace_one" and mirror["steps"] == 1
+    assert exact / 2 <= mirror["epsilon_lo"] <= exact <= mirror["epsilon_claimed"], (mirror, exact)
+    null_out = type("NullOut", (NoisyGD,), {"neighbours": "add_remove"})(cell.algorithm.params)  # test-only
+    [null, _] = audit_cell(cell, spec, algorithm=null_out)
+    assert null["epsilon_lo"] < exact / 2, null
+
+
+def _gaussian_epsilon(noise_multiplier: float, delta: float) -> float:
+    import dp_accounting
+    from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
+
+    accountant = PLDAccountant(value_discretization_interval=1e-4)
+    accountant.compose(dp_accounting.GaussianDpEvent(noise_multiplier))
+    return accountant.get_epsilon(delta)
+
+
 def test_noise_scaled_down_is_caught():
     spec = AuditSpec(canaries=["gradient"], trials=1000, chunk=2000)
     [row, _] = audit_cell(_one_step(1.0, 1e-5), spec, algorithm=_broken("noise_x0.1"))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, Literal, Optional
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
@@ -76,6 +76,12 @@ class Algorithm:
     # parameters that choose how, not what, is computed (e.g. backend): left out of the run id
     execution_params: ClassVar[frozenset[str]] = frozenset()
     supports_float32: ClassVar[bool] = False  # trains correctly on float32 data (grid key dtype)
+    # the neighbouring relation of the privacy claim; the audit's "out" world is the worst-case neighbour under it
+    neighbours: ClassVar[Literal["add_remove", "replace_one"]] = "add_remove"
+
+    def neighbouring(self) -> str:
+        """The neighbouring relation this configuration's privacy claim is stated for."""
+        return self.neighbours
 
     def __init__(self, params: Optional[dict[str, Any]] = None):
         self.params = self.Params(**(params or {}))

@@ -349,6 +349,7 @@ class Bassily2014(Algorithm):
     """
 
     name = "bassily2014"
+    neighbours = "replace_one"
     private = True
     uses = frozenset({"epsilon", "epochs", "l2"})
     execution_params = frozenset({"backend"})

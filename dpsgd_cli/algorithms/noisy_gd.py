@@ -60,6 +60,7 @@ class NoisyGD(Algorithm):
     """
 
     name = "noisy_gd"
+    neighbours = "replace_one"
     private = True
     uses = frozenset({"epsilon", "lr", "epochs", "l2", "clip_norm"})
     Params = NoisyGDParams

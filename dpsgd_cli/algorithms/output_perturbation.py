@@ -126,6 +126,7 @@ class OutputPerturbation(Algorithm):
     """
 
     name = "output_perturbation"
+    neighbours = "replace_one"
     private = True
     uses = frozenset({"epsilon", "l2"})
     Params = OutputNoiseParams
@@ -226,6 +227,7 @@ class BoltOn(Algorithm):
     """
 
     name = "bolt_on"
+    neighbours = "replace_one"
     private = True
     uses = frozenset({"epsilon", "batch_size", "lr", "epochs", "l2"})
     Params = BoltOnParams

@@ -671,11 +671,16 @@ class PIDPSGD(Algorithm):
     Formulas, readings of the pseudo-code, non-paper variants and the guarantee: see the module docstring."""
 
     name = "pidp_sgd"
+    neighbours = "replace_one"
     private = True
     uses = frozenset({"epsilon", "batch_size", "lr", "epochs", "l2"})
     execution_params = frozenset({"backend"})
     Params = PIDPSGDParams
     source = "Kang, Li, Liu, Wang, Data Heterogeneity Differential Privacy: From Theory to Algorithm"
+
+    def neighbouring(self) -> str:
+        """Replace-one for one example per step (Remark 6); add/remove for the Poisson variant (dp_sgd's σ)."""
+        return "add_remove" if self.params.sampling == "poisson" else "replace_one"
 
     def schedule(self, setting: Setting) -> tuple[int, int]:
         """(R, T_local)."""

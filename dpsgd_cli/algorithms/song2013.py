@@ -178,6 +178,7 @@ class Song2013(Song2013NonPrivate):
     """
 
     name = "song2013"
+    neighbours = "replace_one"
     private = True
     uses = frozenset({"epsilon", "batch_size", "lr", "epochs", "l2"})
     Params = Song2013PrivateParams

@@ -9,7 +9,7 @@ Two kinds (the worlds "in" and "out" always hold the same number of records, n +
 - `gradient`: a record whose per-example gradient is a fixed vector, whatever θ (the worst case of the
   DP-SGD analysis): `raw_norm`·u before clipping, C·u after it. It sits in X as a marker row with label 0 (zero
   gradient for the model itself); `with_gradient_canaries` adds the canary's gradient for the replicas in which
-  it is included, so both worlds train side by side as replicas of one chain. Scores (white box): the
+  it is included (and its mirror −C·u in the out world of a replace-one algorithm), so both worlds train side by side as replicas of one chain. Scores (white box): the
   projection −⟨θ_T, u⟩ of the last iterate, or from every iterate θ_t (`all_iterates`, the adversary of
   Nasr et al. 2021 who sees each update) the largest jump between consecutive updates' projections.
 """
@@ -58,7 +58,8 @@ def input_canary(model: Model, X: np.ndarray, y: np.ndarray, reference: Optional
 class _GradientCanary:
     """Mixed into a model's own class (so `isinstance`, `convex`, the Lipschitz bounds stay the model's): marker
     rows (label 0) are canaries j = 0..m−1 whose per-example gradient is raw_norm·U_j (C·U_j after clipping to
-    C), added only for the replicas whose `included[r, j]` is set. Records, at every training step, the
+    C), added with the weight `included[r, j]` per replica (1: in; out: 0 the null record, −1 the replace-one
+    mirror). Records, at every training step, the
     projections ⟨θ_t, U_j⟩ of the current iterate (R, m). The full-data paths (L-BFGS, metrics) see marker
     rows as null records: label 0, zero gradient."""
 

@@ -1,8 +1,13 @@
 """Audit a grid: for every cell, train N replicas with the canary and N without, score them, bound ε from below.
 
-The two worlds differ in one record only (the canary, or the null record in its place), and their replicas are
+The two worlds differ in one record only, and their replicas are
 seeds of one chain: the input canary trains the two worlds as two vectorised fits, the gradient canary as one
 (its inclusion is a per-replica mask). Nothing here changes how an algorithm trains.
+
+The record in the canary's place is the worst-case neighbour of the algorithm's privacy claim
+(`Algorithm.neighbouring`): under add/remove, the null record (zero gradient: the canary removed); under
+replace-one, the canary's mirror image (label flipped; gradient −C·u), so the two worlds' gradients differ by 2C,
+the sensitivity the replace-one accountants are calibrated for.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from dpsgd_cli.models import Model, make_model
 
 COLUMNS = ["grid", "cell_id", "dataset", "model", "algorithm", "algorithm_params", "epsilon", "epsilon_claimed",
            "delta", "epsilon_lo", "epsilon_rdp", "noiseless_fraction", "confidence", "statistic", "threshold", "auc",
-           "tpr_at_fpr_1e-2", "tpr_at_fpr_1e-3", "trials", "canary", "threat_model", "batch_size", "lr", "epochs",
+           "tpr_at_fpr_1e-2", "tpr_at_fpr_1e-3", "trials", "canary", "threat_model", "neighbours", "batch_size", "lr", "epochs",
            "steps", "sigma", "guarantee", "wall_time", "status", "message"]
 THREATS = {"input": ["black-box, last iterate"],
            "gradient": ["white-box, last iterate", "white-box, all iterates"]}
@@ -75,6 +80,7 @@ def _base_row(cell: Cell, data: Dataset, algorithm: Algorithm, trials: int, conf
     return {"grid": cell.grid, "cell_id": cell.cell_id, "dataset": data.name, "model": cell.model.name,
             "algorithm": algorithm.name, "algorithm_params": json.dumps(cell.algorithm.params, sort_keys=True),
             "epsilon": cell.epsilon, "trials": trials, "confidence": confidence, "statistic": spec.statistic,
+            "neighbours": algorithm.neighbouring(),
             "threshold": spec.threshold if spec.statistic == "clopper_pearson" else "bonferroni",
             "batch_size": cell.batch_size, "lr": cell.lr, "epochs": cell.epochs, "status": "ok", "message": ""}
 
@@ -127,7 +133,8 @@ def _fit(algorithm: Algorithm, setting: Setting, model: Model, X, y, seeds: rang
 
 
 def input_worlds(cell: Cell, spec: AuditSpec, algorithm: Algorithm, trials: int, data: Dataset) -> Worlds:
-    """Black box: D ∪ {(x_c, y_c)} against D ∪ {(0, 0)}; score = the released model's margin on the canary."""
+    """Black box: D ∪ {(x_c, y_c)} against D ∪ {(0, 0)} (add/remove) or D ∪ {(x_c, −y_c)} (replace-one); score =
+    the released model's margin on the canary."""
     if spec.statistic == "one_run":
         raise NotApplicable("the one-run statistic is implemented for gradient canaries (canaries: [gradient])")
     model, setting = _setup(cell, data, 1)
@@ -135,8 +142,9 @@ def input_worlds(cell: Cell, spec: AuditSpec, algorithm: Algorithm, trials: int,
     reference = reference_minimum(model, X, y)[0] if model.convex else None
     canary = canaries.input_canary(model, X, y, None if reference is None else np.atleast_2d(reference))
     scores, derived, guarantee = {}, {}, ""
+    mirror = (canary.x, -canary.label) if algorithm.neighbouring() == "replace_one" else (np.zeros(data.d), 0.0)
     for world, (xc, yc), seeds in (("in", (canary.x, canary.label), range(0, trials)),
-                                   ("out", (np.zeros(data.d), 0.0), range(trials, 2 * trials))):
+                                   ("out", mirror, range(trials, 2 * trials))):
         Xw, yw = np.vstack([X, xc[None, :]]), np.append(y, yc)
         parts = []
         for chunk in _chunks(seeds, spec.chunk):
@@ -166,9 +174,11 @@ def gradient_worlds(cell: Cell, spec: AuditSpec, algorithm: Algorithm, trials: i
     else:
         included = np.zeros((2 * trials, 1), dtype=bool)
         included[:trials] = True
+    # the canary's gradient per replica: +1 in, and out the null record (0) or, under replace-one, the mirror (−1)
+    sign = np.where(included, 1.0, -1.0 if algorithm.neighbouring() == "replace_one" else 0.0)
     last, every, derived, guarantee = [], [], {}, ""
     for chunk in _chunks(range(0, included.shape[0]), spec.chunk):
-        wrapped = canaries.with_gradient_canaries(model, U, included[chunk.start:chunk.stop], raw_norm)
+        wrapped = canaries.with_gradient_canaries(model, U, sign[chunk.start:chunk.stop], raw_norm)
         outcome, derived = _fit(algorithm, setting, wrapped, Xw, yw, chunk)
         if not wrapped.projections:
             raise NotApplicable(f"{algorithm.name} does not train by clipped per-example gradients (no chain step "
