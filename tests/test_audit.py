@@ -168,6 +168,20 @@ def test_replace_one_audit_uses_the_mirror_record():
     assert null["epsilon_lo"] < exact / 2, null
 
 
+def test_signed_all_iterates_score_tells_the_canary_from_its_mirror():
+    """Updates with a drift and the canary's −η·C·s at one step (s = +1 in, −1 mirror): |jumps| are equal in both
+    worlds, the signed departure is +η·C·s, at the first, a middle and the last step."""
+    from dpsgd_cli.audit.canaries import _signed_departure
+
+    drift = -0.01 * np.linspace(1.0, 2.0, 8)
+    for t in (0, 3, 7):
+        for s in (1.0, -1.0):
+            updates = drift.copy()
+            updates[t] -= 0.5 * s
+            score = _signed_departure(updates[:, None, None])[0, 0]
+            assert np.sign(score) == s and abs(abs(score) - 0.5) < 0.02, (t, s, score)
+
+
 def _gaussian_epsilon(noise_multiplier: float, delta: float) -> float:
     import dp_accounting
     from dp_accounting.pld.pld_privacy_accountant import PLDAccountant

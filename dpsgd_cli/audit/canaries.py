@@ -121,14 +121,29 @@ def with_gradient_canaries(model: Model, directions: np.ndarray, included: np.nd
 @dataclass
 class GradientScores:
     last_iterate: np.ndarray                  # (R, m): −⟨θ_T, U_j⟩
-    all_iterates: np.ndarray                  # (R, m): max_t |Δa_t − Δa_{t−1}|, a_t = ⟨θ_t, U_j⟩
+    all_iterates: np.ndarray                  # (R, m): max_t |Δa_t − Δa_{t−1}|, a_t = ⟨θ_t, U_j⟩ (or signed)
     steps: int = 0
     extra: dict = field(default_factory=dict)
 
 
-def gradient_scores(model: _GradientCanary, theta_final: np.ndarray) -> GradientScores:
+def gradient_scores(model: _GradientCanary, theta_final: np.ndarray, signed: bool = False) -> GradientScores:
+    """`signed` (the out world holds the mirror −C·u, replace-one): the all-iterates score must tell +C·u from −C·u,
+    which |jumps| cannot: it is −e_t* at the step t* where |e_t| is largest, e_t = Δa_t − (Δa_{t−1} + Δa_{t+1})/2
+    the update's departure from its neighbours' (the canary's step stands out by C·η_t, its neighbours by half)."""
     blocks = [*model.projections, theta_final @ model.U.T]  # (R, m) per step, or (k, R, m) from the kernel
     a = np.concatenate([np.reshape(b, (-1, *b.shape[-2:])) for b in blocks])  # (T + 1, R, m)
     updates = np.diff(a, axis=0)
+    if signed:
+        return GradientScores(-a[-1], _signed_departure(updates), steps=updates.shape[0])
     jumps = np.abs(np.diff(updates, axis=0)).max(axis=0) if updates.shape[0] >= 2 else np.zeros(a.shape[1:])
     return GradientScores(-a[-1], jumps, steps=updates.shape[0])
+
+
+def _signed_departure(updates: np.ndarray) -> np.ndarray:
+    """(R, m): −e_t* (see `gradient_scores`); the ends are compared with their one neighbour (reflection)."""
+    if updates.shape[0] < 2:
+        return -updates.sum(axis=0)
+    padded = np.pad(updates, ((1, 1), (0, 0), (0, 0)), mode="reflect")
+    e = padded[1:-1] - (padded[:-2] + padded[2:]) / 2
+    t = np.abs(e).argmax(axis=0)[None]
+    return -np.take_along_axis(e, t, axis=0)[0]

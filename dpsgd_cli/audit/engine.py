@@ -183,7 +183,7 @@ def gradient_worlds(cell: Cell, spec: AuditSpec, algorithm: Algorithm, trials: i
         if not wrapped.projections:
             raise NotApplicable(f"{algorithm.name} does not train by clipped per-example gradients (no chain step "
                              "saw the canary); use canaries: [input]")
-        s = canaries.gradient_scores(wrapped, outcome.theta)
+        s = canaries.gradient_scores(wrapped, outcome.theta, signed=algorithm.neighbouring() == "replace_one")
         last.append(s.last_iterate)
         every.append(s.all_iterates)
         guarantee = outcome.guarantee
