@@ -345,7 +345,8 @@ def _alive(pid):
 def test_kill_9_of_a_parallel_run_leaves_no_worker_alive(grid_file, tmp_path):
     grid_file.write_text(grid_file.read_text().replace("epsilon: [0.5, 2]", f"epsilon: {[0.1 * k for k in range(1, 31)]}")
                          .replace("epochs: 1", "epochs: 40"))
-    env = {**os.environ, "DPSGD_DATA_DIR": str(tmp_path / "cache")}
+    # one task per cell (fused, the 30 cells would be one task finishing all at once)
+    env = {**os.environ, "DPSGD_DATA_DIR": str(tmp_path / "cache"), "DPSGD_FUSE": "0"}
     proc = subprocess.Popen([sys.executable, "-m", "dpsgd_cli", "run", str(grid_file), "--out", str(tmp_path / "out"),
                              "--jobs", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     csv = tmp_path / "out" / "tiny" / "runs.csv"
