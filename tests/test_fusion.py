@@ -11,8 +11,8 @@ from dpsgd_cli.config import load_grid_file
 from dpsgd_cli.engine import execute, plan_grid
 from dpsgd_cli.engine.runner import FUSE_ENV
 
-# Poisson (B = 40), full batch (B = n = 320 training rows: q = 1), float32 and an MLP, with an ε axis, an lr axis, sgd
-# beside dp_sgd and dp_lssgd, traces on; erm and song2013 (shuffled) stay in tasks of their own.
+# Poisson (B = 40), full batch (B = n = 320 training rows: q = 1), shuffled (song2013, b = 20), float32 and an MLP,
+# with an ε axis, an lr axis, sgd beside dp_sgd and dp_lssgd, traces on; erm stays in tasks of its own.
 GRID = """
 grids:
   - name: fuse
@@ -64,6 +64,8 @@ def test_a_fused_grid_equals_its_cells_run_one_by_one_bit_for_bit(grids, tmp_pat
     grid = grids[which]
     plan = run_grid(grid, tmp_path / "fused", True, monkeypatch)
     assert max(len(t.cells) for t in plan.tasks) >= 3  # cells did train together
+    if which == 0:
+        assert sorted(len(t.cells) for t in plan.tasks) == [1, 2, 10, 10]  # erm; song2013's ε axis; B = 40; B = n
     alone = run_grid(grid, tmp_path / "alone", False, monkeypatch)
     assert all(len(t.cells) == 1 for t in alone.tasks)
     for name in ("runs.csv", "traces.csv")[: 2 if grid.trace_every else 1]:

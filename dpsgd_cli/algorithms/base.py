@@ -78,6 +78,10 @@ class Prepared:
     steps: int
     finish: Callable[[np.ndarray], Outcome]
 
+    def train(self, model: Model) -> Outcome:
+        """Run the chain alone and finish."""
+        return self.finish(self.chain.run(model, self.theta, self.steps))
+
 
 class Algorithm:
     """Base class. `uses` names the grid axes the algorithm reads; the others are left out of its cells."""
@@ -104,4 +108,4 @@ class Algorithm:
         prepared = self.prepare(setting, model, X, y, streams)
         if prepared is None:
             raise NotImplementedError
-        return prepared.finish(prepared.chain.run(model, prepared.theta, prepared.steps))
+        return prepared.train(model)
