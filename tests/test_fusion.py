@@ -128,3 +128,15 @@ def test_run_together_shares_one_batch_per_stream_and_one_noise_draw_per_step():
     solo = GradientChain(batches=poisson_batches(X, y, 0.2, ReplicaStreams([4, 7])), clip=1.0,
                          transforms=[add_l2(0.1)]).run(model, np.zeros((2, 3)), 7)
     assert np.array_equal(thetas[2], solo)
+
+
+def test_spread_splits_fused_tasks_for_idle_workers(grids, monkeypatch, tmp_path):
+    from dpsgd_cli.engine.runner import spread
+
+    monkeypatch.setenv(FUSE_ENV, "1")
+    tasks = plan_grid(grids[0], tmp_path, dry_run=True).tasks
+    fused = [t for t in tasks if len(t.cells) == 10]
+    parts = spread(fused[:1], 3)
+    assert [len(t.cells) for t in parts] == [5, 3, 2]
+    assert sorted(c.cell_id for t in parts for c in t.cells) == sorted(c.cell_id for c in fused[0].cells)
+    assert spread(tasks, 2) == tasks

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -325,8 +326,8 @@ def fuse(tasks: list[Task]) -> list[Task]:
         cell = task.cell
         fusable = ALGORITHMS[cell.algorithm.name].prepare is not Algorithm.prepare
         key = (cell.dataset.model_dump_json(), cell.validation, cell.model.name,
-               json.dumps(cell.model.options, sort_keys=True), cell.l2, cell.dtype, cell.batch_size, task.seeds,
-               task.optimal_objective) if fusable else ("alone", len(groups))
+               json.dumps(cell.model.options, sort_keys=True), cell.l2, cell.dtype, cell.batch_size,
+               task.seeds) if fusable else ("alone", len(groups))  # (so L* is the same too)
         groups.setdefault(key, []).append(task)
     return [group[0] if len(group) == 1 else
             Task(group[0].cell, group[0].seeds, group[0].optimal_objective, group[0].optimum_method,
@@ -375,6 +376,7 @@ def _results(tasks: list[Task], jobs: int) -> Iterator[TaskResult]:
     if jobs <= 1 or len(tasks) <= 1:  # one BLAS thread here too: threads thrash on a shared 2-core machine
         yield from (run_task(task, single_thread=True) for task in tasks)
         return
+    tasks = spread(tasks, jobs)
     if sys.platform == "linux":  # forked workers start with the driver's imports, datasets and L* in memory
         yield from _forked_results(tasks, jobs)
         return
@@ -383,6 +385,19 @@ def _results(tasks: list[Task], jobs: int) -> Iterator[TaskResult]:
     parallel = Parallel(n_jobs=jobs, return_as="generator_unordered", initializer=die_with_parent,
                         initargs=(os.getpid(),))
     yield from parallel(delayed(run_task)(task, single_thread=True) for task in tasks)
+
+
+def spread(tasks: list[Task], workers: int) -> list[Task]:
+    """Split the largest fused tasks in halves (by cells) until there are at least `workers` tasks, so that a
+    grid fused into one or two tasks still keeps every worker busy (a part computes what the whole did)."""
+    tasks = list(tasks)
+    while len(tasks) < workers and max((len(t.cells) for t in tasks), default=1) > 1:
+        big = max(range(len(tasks)), key=lambda i: len(tasks[i].cells))
+        task = tasks.pop(big)
+        half = (len(task.cells) + 1) // 2
+        tasks += [dataclasses.replace(task, cell=part[0], fused=tuple(part[1:]))
+                  for part in (task.cells[:half], task.cells[half:])]
+    return tasks
 
 
 def _forked_results(tasks: list[Task], jobs: int) -> Iterator[TaskResult]:
