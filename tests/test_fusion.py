@@ -140,3 +140,25 @@ def test_spread_splits_fused_tasks_for_idle_workers(grids, monkeypatch, tmp_path
     assert [len(t.cells) for t in parts] == [5, 3, 2]
     assert sorted(c.cell_id for t in parts for c in t.cells) == sorted(c.cell_id for c in fused[0].cells)
     assert spread(tasks, 2) == tasks
+
+
+def test_train_together_equals_fit_alone_for_an_epsilon_axis():
+    from dpsgd_cli.algorithms import ALGORITHMS, Setting
+    from dpsgd_cli.algorithms.chain import train_together
+    from dpsgd_cli.models import make_model
+
+    rng = np.random.default_rng(1)
+    X = rng.standard_normal((300, 4))
+    X /= np.linalg.norm(X, axis=1, keepdims=True)
+    y = np.where(X[:, 0] + 0.3 * rng.standard_normal(300) > 0, 1.0, -1.0)
+    model, seeds = make_model("logreg", 4, 1e-3, {}), [3, 5, 8]
+    settings = [Setting(n=300, d=4, delta=1e-5, l2=1e-3, epsilon=eps, batch_size=30, lr=0.5, epochs=2, clip_norm=1.0)
+                for eps in (0.5, 1.0, 4.0)]
+    streams = SharedStreams(seeds)
+    prepared = [ALGORITHMS["dp_sgd"]().prepare(s, model, X, y, streams) for s in settings]
+    streams.close()
+    together = train_together(model, prepared)
+    for s, outcome in zip(settings, together):
+        alone = ALGORITHMS["dp_sgd"]().fit(s, model, X, y, ReplicaStreams(seeds))
+        assert np.array_equal(outcome.theta, alone.theta) and outcome.derived == alone.derived
+    assert not np.array_equal(together[0].theta, together[2].theta)

@@ -182,3 +182,16 @@ def run_together(model: Model, chains: Sequence[GradientChain], thetas: Sequence
                 if t <= steps[k]:
                     thetas[k] = chain.step(model, thetas[k], t, batch[keys[k]])
     return thetas
+
+
+def train_together(model: Model, prepared: Sequence) -> list:
+    """Train `Algorithm.prepare` results (same model, data and seeds; streams from one `SharedStreams`, closed)
+    in lockstep: their Outcomes, each equal to `fit` alone, bit for bit. E.g. an ε axis of `dp_sgd`:
+
+        streams = SharedStreams(seeds)
+        prepared = [DPSGD().prepare(setting_for(eps), model, X, y, streams) for eps in epsilons]
+        streams.close()
+        outcomes = train_together(model, prepared)
+    """
+    thetas = run_together(model, [p.chain for p in prepared], [p.theta for p in prepared], [p.steps for p in prepared])
+    return [p.finish(theta) for p, theta in zip(prepared, thetas)]

@@ -21,7 +21,7 @@ import numpy as np
 from dpsgd_cli import __version__
 from dpsgd_cli.algorithms import ALGORITHMS, Setting
 from dpsgd_cli.algorithms.base import Algorithm, Prepared
-from dpsgd_cli.algorithms.chain import run_together
+from dpsgd_cli.algorithms.chain import train_together
 from dpsgd_cli.algorithms.erm import reference_minimum
 from dpsgd_cli.algorithms.streams import ReplicaStreams, SharedStreams
 from dpsgd_cli.config import DELTA_RULE, Cell, Grid, expand
@@ -160,10 +160,7 @@ def _run_fused(task: Task) -> TaskResult:
     streams.close()
     trained = [c for c in task.cells if c.cell_id in prepared]
     try:
-        thetas = run_together(model, [prepared[c.cell_id].chain for c in trained],
-                              [prepared[c.cell_id].theta for c in trained], [prepared[c.cell_id].steps for c in trained])
-        for cell, theta in zip(trained, thetas):
-            results[cell.cell_id] = prepared[cell.cell_id].finish(theta)
+        results.update(zip([c.cell_id for c in trained], train_together(model, [prepared[c.cell_id] for c in trained])))
     except Exception as exc:
         results.update({c.cell_id: _failure(exc) for c in trained})
     elapsed = (time.perf_counter() - start) / task.runs  # the task's time, shared evenly by its runs
