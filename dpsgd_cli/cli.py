@@ -212,7 +212,7 @@ def audit(
 
 def _plan_table(plan) -> Table:
     table = Table("dataset", "model", "algorithm", "ε", "B", "lr", "epochs", "λ", "C", "to run", title=plan.grid.name)
-    pending = {t.cell.cell_id: len(t.seeds) for t in plan.tasks}
+    pending = {c.cell_id: len(t.seeds) for t in plan.tasks for c in t.cells}
     for c in plan.cells:
         name = getattr(c.dataset, "id", None) or c.dataset.name  # a file dataset shows its id
         tuned = f" [for {c.tuning['tag']}]" if c.tuning else ""

@@ -66,18 +66,20 @@ def test_a_row_cut_at_every_byte_offset_resumes_to_the_identical_result(grid_fil
 
     monkeypatch.setattr(runner, "run_task", remember)
     reference = tmp_path / "reference"
-    execute(plan_grid(grid, reference))
+    planned = plan_grid(grid, reference)
+    last_runs = planned.tasks[-1].runs  # the two dp_sgd cells (ε axis) fused: one task, one write of 4 rows
+    execute(planned)
     runs, traces = (reference / "tiny" / name for name in ("runs.csv", "traces.csv"))
     runs_ref, traces_ref = runs.read_bytes(), traces.read_bytes()
 
     def replay(task, single_thread=False):
-        picked = [computed[task.cell.run_id(s)] for s in task.seeds]
+        picked = [computed[cell.run_id(s)] for cell in task.cells for s in task.seeds]
         return runner.TaskResult([row for row, _ in picked], [t for _, ts in picked for t in ts])
 
     monkeypatch.setattr(runner, "run_task", replay)
     monkeypatch.setattr(os, "fsync", lambda fd: None)  # durability is not what this loop tests: keep it fast
-    last_write = b"".join(lines(runs)[-2:])  # the last task: one write of its two seeds' rows
-    assert last_write.count(b"\n") == 2 and len(last_write) > 500
+    last_write = b"".join(lines(runs)[-last_runs:])  # the last task: one write of its rows
+    assert last_write.count(b"\n") == last_runs and len(last_write) > 500
     memory = tempfile.mkdtemp(dir="/dev/shm") if os.path.isdir("/dev/shm") else str(tmp_path)  # fast renames
     request.addfinalizer(lambda: shutil.rmtree(memory, ignore_errors=True))
     folder = Path(memory) / "cut" / "tiny"
@@ -88,11 +90,12 @@ def test_a_row_cut_at_every_byte_offset_resumes_to_the_identical_result(grid_fil
         (folder / "traces.csv").write_bytes(traces_ref)
         plan = plan_grid(grid, folder.parent)  # recovery: the cut row is set aside, its run is redone
         whole = last_write[:offset].count(b"\n")
-        assert plan.pending_runs == 2 - whole, offset
+        assert plan.pending_runs == last_runs - whole, offset
         if offset % 64 == 0 or last_write[offset - 1: offset] == b"\n":
             assert (folder / "runs.csv").read_bytes() == runs_ref[: len(runs_ref) - len(last_write)] + \
                 b"".join(last_write.splitlines(keepends=True)[:whole])
-            assert offset in (0, len(last_write.splitlines()[0]) + 1) or (folder / "runs.csv.rejected").exists()
+            at_row_end = offset == 0 or last_write[offset - 1: offset] == b"\n"
+            assert at_row_end or (folder / "runs.csv.rejected").exists()
         execute(plan)
         assert sorted(lines(folder / "runs.csv")) == sorted(lines(runs)), offset  # the same rows, byte for byte
         assert sorted(lines(folder / "traces.csv")) == sorted(lines(traces)), offset
@@ -150,22 +153,22 @@ def test_a_write_failure_says_what_was_saved_and_loses_no_row(grid_file, tmp_pat
     plan = plan_grid(grid, tmp_path)
     real_write, calls = os.write, []
 
-    def disk_full_at_the_third_runs_write(fd, data):
+    def disk_full_at_the_second_runs_write(fd, data):  # erm's task, then the two dp_sgd cells' (fused) task
         if b"dp_sgd" in bytes(data[:2000]) or b"erm" in bytes(data[:2000]):
             calls.append(len(data))
-            if len(calls) == 3:
+            if len(calls) == 2:
                 real_write(fd, bytes(data[:100]))  # half a row reached the disk before the error
                 raise OSError(errno.ENOSPC, "No space left on device")
         return real_write(fd, data)
 
-    monkeypatch.setattr(results.os, "write", disk_full_at_the_third_runs_write)
+    monkeypatch.setattr(results.os, "write", disk_full_at_the_second_runs_write)
     with pytest.raises(ResultsWriteError) as error:
         execute(plan)
     message = str(error.value)
-    assert "No space left on device" in message and "4 of the grid's 6 runs are saved" in message
-    assert "the 2 run(s) being written were not saved" in message and "\n" not in message
+    assert "No space left on device" in message and "2 of the grid's 6 runs are saved" in message
+    assert "the 4 run(s) being written were not saved" in message and "\n" not in message
     saved = ResultStore(tmp_path / "tiny").csv.read_bytes()
-    assert saved.endswith(b"\n") and len(pd.read_csv(tmp_path / "tiny" / "runs.csv")) == 4  # no half row
+    assert saved.endswith(b"\n") and len(pd.read_csv(tmp_path / "tiny" / "runs.csv")) == 2  # no half row
     monkeypatch.setattr(results.os, "write", real_write)
     execute(plan_grid(grid, tmp_path))
     assert len(pd.read_csv(tmp_path / "tiny" / "runs.csv")) == 6
@@ -242,19 +245,19 @@ def test_readers_count_a_run_once_and_ignore_rows_of_another_grid(run_grid, tmp_
 def test_failed_runs_exit_1_with_their_messages_grouped(grid_file, tmp_path, monkeypatch):
     from dpsgd_cli.algorithms import ALGORITHMS
 
-    real_fit = ALGORITHMS["dp_sgd"].fit
+    real_prepare = ALGORITHMS["dp_sgd"].prepare  # what `fit` and a fused task both call
 
-    def fit(self, setting, *args):
+    def prepare(self, setting, *args):
         if setting.epsilon == 2:
             raise FloatingPointError("the noise overflowed")
-        return real_fit(self, setting, *args)
+        return real_prepare(self, setting, *args)
 
-    monkeypatch.setattr(ALGORITHMS["dp_sgd"], "fit", fit)
+    monkeypatch.setattr(ALGORITHMS["dp_sgd"], "prepare", prepare)
     result = CliRunner().invoke(app, ["run", str(grid_file), "--out", str(tmp_path / "out")])
     assert result.exit_code == 1, result.output
     assert "2 run(s) failed" in result.output and "2× FloatingPointError: the noise overflowed" in result.output
     assert "tiny: dp_sgd on synthetic ε=2" in result.output
-    monkeypatch.setattr(ALGORITHMS["dp_sgd"], "fit", real_fit)
+    monkeypatch.setattr(ALGORITHMS["dp_sgd"], "prepare", real_prepare)
     result = CliRunner().invoke(app, ["run", str(grid_file), "--out", str(tmp_path / "out")])
     assert result.exit_code == 0 and "run(s) failed" not in result.output  # rerun: the failed runs are redone
 
@@ -266,7 +269,7 @@ def test_plot_and_report_say_why_they_drew_or_checked_nothing(grid_file, tmp_pat
 
     grid_file.write_text(grid_file.read_text().replace("algorithms: [erm, dp_sgd]", "algorithms: [dp_sgd]")
                          + "    claims:\n      - {id: c, text: t, own: true, check: monotone, a: {algorithm: dp_sgd}}\n")
-    monkeypatch.setattr(ALGORITHMS["dp_sgd"], "fit", lambda *a: 1 / 0)
+    monkeypatch.setattr(ALGORITHMS["dp_sgd"], "prepare", lambda *a: 1 / 0)
     out = tmp_path / "out"
     assert CliRunner().invoke(app, ["run", str(grid_file), "--out", str(out)]).exit_code == 1
     folder = out / "tiny"
@@ -342,7 +345,8 @@ def _alive(pid):
 def test_kill_9_of_a_parallel_run_leaves_no_worker_alive(grid_file, tmp_path):
     grid_file.write_text(grid_file.read_text().replace("epsilon: [0.5, 2]", f"epsilon: {[0.1 * k for k in range(1, 31)]}")
                          .replace("epochs: 1", "epochs: 40"))
-    env = {**os.environ, "DPSGD_DATA_DIR": str(tmp_path / "cache")}
+    # one task per cell (fused, the 30 cells would be one task finishing all at once)
+    env = {**os.environ, "DPSGD_DATA_DIR": str(tmp_path / "cache"), "DPSGD_FUSE": "0"}
     proc = subprocess.Popen([sys.executable, "-m", "dpsgd_cli", "run", str(grid_file), "--out", str(tmp_path / "out"),
                              "--jobs", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     csv = tmp_path / "out" / "tiny" / "runs.csv"

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Optional
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal, Optional
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.models import Model
+
+if TYPE_CHECKING:
+    from dpsgd_cli.algorithms.chain import GradientChain
 
 
 ROW_NORM_TOLERANCE = 1e-9  # preprocessed rows have ‖x‖ = 1 up to rounding (adult: 1.0000000000000002)
@@ -65,6 +68,21 @@ class Outcome:
     trace: list[tuple[int, np.ndarray, np.ndarray]] = field(default_factory=list)
 
 
+@dataclass
+class Prepared:
+    """An iterative algorithm ready to train: its chain, initial θ (R, P), number of steps, and what turns the
+    trained θ into the Outcome. `fit` runs it alone; the engine may run several in lockstep (`run_together`)."""
+
+    chain: "GradientChain"
+    theta: np.ndarray
+    steps: int
+    finish: Callable[[np.ndarray], Outcome]
+
+    def train(self, model: Model) -> Outcome:
+        """Run the chain alone and finish."""
+        return self.finish(self.chain.run(model, self.theta, self.steps))
+
+
 class Algorithm:
     """Base class. `uses` names the grid axes the algorithm reads; the others are left out of its cells."""
 
@@ -86,6 +104,14 @@ class Algorithm:
     def __init__(self, params: Optional[dict[str, Any]] = None):
         self.params = self.Params(**(params or {}))
 
+    def prepare(self, setting: Setting, model: Model, X: np.ndarray, y: np.ndarray,
+                streams: ReplicaStreams) -> Optional[Prepared]:
+        """The training as one gradient chain, or None where it is not one (then only `fit` trains)."""
+        return None
+
     def fit(self, setting: Setting, model: Model, X: np.ndarray, y: np.ndarray,
             streams: ReplicaStreams) -> Outcome:
-        raise NotImplementedError
+        prepared = self.prepare(setting, model, X, y, streams)
+        if prepared is None:
+            raise NotImplementedError
+        return prepared.train(model)

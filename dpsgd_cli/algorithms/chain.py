@@ -8,7 +8,7 @@ the papers differ only in their sampler, clip and transforms.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Hashable, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -135,19 +135,63 @@ class GradientChain:
     project: Optional[Callable[[np.ndarray], np.ndarray]] = None
     checkpoints: Optional[Checkpoints] = None
     examples_per_step: float = 1.0  # (expected) batch size, to count examples processed for checkpoints
+    # What the batches depend on besides the data and the seeds (e.g. ("poisson", q)); chains with equal keys on
+    # the same data and seeds draw identical batches, so `run_together` gathers them once. None: never shared.
+    stream: Optional[Hashable] = None
+
+    def step(self, model: Model, theta: np.ndarray, t: int, batch: Batch) -> np.ndarray:
+        """Update t (1, 2, ...) of θ (R, P), in place where possible, on `batch`; returns the new θ."""
+        g = model.clipped_grad_sum(theta, batch, self.clip)
+        for transform in self.transforms:
+            g = transform(g, theta)
+        theta -= self.schedule(t) * g
+        if self.project is not None:
+            theta = self.project(theta)
+        if self.checkpoints is not None:
+            before, after = round((t - 1) * self.examples_per_step), round(t * self.examples_per_step)
+            self.checkpoints.maybe_record(model, theta, before, after)
+        return theta
 
     def run(self, model: Model, theta: np.ndarray, steps: int) -> np.ndarray:
         """Apply `steps` updates to θ (R, P); a replica that diverges ends as NaN without stopping the others."""
         theta = theta.copy()
         with np.errstate(over="ignore", invalid="ignore"):
             for t in range(1, steps + 1):
-                g = model.clipped_grad_sum(theta, next(self.batches), self.clip)
-                for transform in self.transforms:
-                    g = transform(g, theta)
-                theta -= self.schedule(t) * g
-                if self.project is not None:
-                    theta = self.project(theta)
-                if self.checkpoints is not None:
-                    before, after = round((t - 1) * self.examples_per_step), round(t * self.examples_per_step)
-                    self.checkpoints.maybe_record(model, theta, before, after)
+                theta = self.step(model, theta, t, next(self.batches))
         return theta
+
+
+def run_together(model: Model, chains: Sequence[GradientChain], thetas: Sequence[np.ndarray],
+                 steps: Sequence[int]) -> list[np.ndarray]:
+    """Run several chains (same model, data and seeds) in lockstep; each chain's result equals `chain.run`.
+
+    Chains with the same `stream` key share one batch per step: the first such chain's iterator is drawn,
+    the others' are never started. Each chain keeps its own θ, transforms (noise, σ), schedule and clip, and
+    computes exactly what it would alone (same arrays, same calls), so fused runs are bit for bit the same.
+    """
+    keys = [chain.stream if chain.stream is not None else ("own", k) for k, chain in enumerate(chains)]
+    shared: dict = {}
+    for key, chain in zip(keys, chains):
+        shared.setdefault(key, chain.batches)
+    last = {key: max(s for s, kk in zip(steps, keys) if kk == key) for key in shared}
+    thetas = [theta.copy() for theta in thetas]
+    with np.errstate(over="ignore", invalid="ignore"):
+        for t in range(1, max(steps, default=0) + 1):
+            batch = {key: next(it) for key, it in shared.items() if t <= last[key]}
+            for k, chain in enumerate(chains):
+                if t <= steps[k]:
+                    thetas[k] = chain.step(model, thetas[k], t, batch[keys[k]])
+    return thetas
+
+
+def train_together(model: Model, prepared: Sequence) -> list:
+    """Train `Algorithm.prepare` results (same model, data and seeds; streams from one `SharedStreams`, closed)
+    in lockstep: their Outcomes, each equal to `fit` alone, bit for bit. E.g. an ε axis of `dp_sgd`:
+
+        streams = SharedStreams(seeds)
+        prepared = [DPSGD().prepare(setting_for(eps), model, X, y, streams) for eps in epsilons]
+        streams.close()
+        outcomes = train_together(model, prepared)
+    """
+    thetas = run_together(model, [p.chain for p in prepared], [p.theta for p in prepared], [p.steps for p in prepared])
+    return [p.finish(theta) for p, theta in zip(prepared, thetas)]

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dpsgd_cli.algorithms.base import Outcome, Setting
+from dpsgd_cli.algorithms.base import Prepared, Setting
 from dpsgd_cli.algorithms.chain import GradientChain, laplacian_smoothing, smoothed_noise_variance_factor
 from dpsgd_cli.algorithms.sgd import DPSGD
 from dpsgd_cli.algorithms.streams import ReplicaStreams
@@ -53,9 +53,16 @@ class DPLSSGD(DPSGD):
         chain.transforms = [*chain.transforms, laplacian_smoothing(self.params.smoothing)]
         return chain
 
-    def fit(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Outcome:
-        outcome = super().fit(setting, model, X, y, streams)
-        outcome.derived["smoothing"] = self.params.smoothing
-        outcome.derived["smoothed_noise_variance_factor"] = smoothed_noise_variance_factor(
-            self.params.smoothing, model.n_params)
-        return outcome
+    def prepare(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Prepared:
+        prepared = super().prepare(setting, model, X, y, streams)
+        finish = prepared.finish
+
+        def finish_smoothed(theta):
+            outcome = finish(theta)
+            outcome.derived["smoothing"] = self.params.smoothing
+            outcome.derived["smoothed_noise_variance_factor"] = smoothed_noise_variance_factor(
+                self.params.smoothing, model.n_params)
+            return outcome
+
+        prepared.finish = finish_smoothed
+        return prepared

@@ -8,7 +8,7 @@ from typing import ClassVar, Iterator, Literal, Optional
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from dpsgd_cli.algorithms.base import Algorithm, Outcome, Setting
+from dpsgd_cli.algorithms.base import Algorithm, Outcome, Prepared, Setting
 from dpsgd_cli.algorithms.chain import Checkpoints, GradientChain, add_l2, add_noise, constant, scale
 from dpsgd_cli.algorithms.sampling import poisson_batches
 from dpsgd_cli.algorithms.streams import ReplicaStreams
@@ -36,13 +36,21 @@ class SGD(Algorithm):
             schedule=constant(setting.lr),
             checkpoints=Checkpoints(setting.trace_every, X, y) if setting.trace_every else None,
             examples_per_step=setting.batch_size,
+            stream=("poisson", setting.sample_rate),
         )
 
-    def fit(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Outcome:
+    def prepare(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Prepared:
         chain = self.chain(setting, X, y, streams)
-        theta = chain.run(model, model.init(streams.generators("init")).astype(X.dtype, copy=False), setting.steps)
-        return Outcome(theta, {"steps": setting.steps, "sample_rate": setting.sample_rate}, guarantee="non-private",
-                       trace=chain.checkpoints.rows if chain.checkpoints else [])
+        return self._prepared(setting, model, X, streams, chain, {}, "non-private")
+
+    @staticmethod
+    def _prepared(setting: Setting, model: Model, X, streams: ReplicaStreams, chain: GradientChain, derived: dict,
+                  guarantee: str) -> Prepared:
+        derived = {"steps": setting.steps, "sample_rate": setting.sample_rate, **derived}
+        finish = lambda theta: Outcome(theta, derived, guarantee=guarantee,
+                                       trace=chain.checkpoints.rows if chain.checkpoints else [])
+        return Prepared(chain, model.init(streams.generators("init")).astype(X.dtype, copy=False), setting.steps,
+                        finish)
 
 
 class DPSGDParams(BaseModel):
@@ -66,7 +74,7 @@ class DPSGD(SGD):
     # "same_noise": one noise vector reused at every step.
     _broken: ClassVar[Optional[str]] = None
 
-    def fit(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Outcome:
+    def prepare(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Prepared:
         cal = calibrate_sigma(setting.epsilon, setting.delta, setting.sample_rate, setting.steps,
                               accountant=self.params.accountant)
         draws = streams.normal("noise", (model.n_params,))
@@ -74,10 +82,9 @@ class DPSGD(SGD):
         if self._broken is not None:
             std, clip, pre, draws = _break(self._broken, std, clip, draws)
         chain = self.chain(setting, X, y, streams, clip=clip, noise=[*pre, add_noise(std, draws)])
-        theta = chain.run(model, model.init(streams.generators("init")).astype(X.dtype, copy=False), setting.steps)
-        derived = {"steps": setting.steps, "sample_rate": setting.sample_rate, "sigma": cal.sigma,
-                   "epsilon_achieved": cal.epsilon, "accountant": cal.accountant, "accountant_library": cal.library}
-        return Outcome(theta, derived, guarantee="proved", trace=chain.checkpoints.rows if chain.checkpoints else [])
+        derived = {"sigma": cal.sigma, "epsilon_achieved": cal.epsilon, "accountant": cal.accountant,
+                   "accountant_library": cal.library}
+        return self._prepared(setting, model, X, streams, chain, derived, "proved")
 
 
 def _break(kind: str, std: float, clip: float, draws: Iterator[np.ndarray]) -> tuple:

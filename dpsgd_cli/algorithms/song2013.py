@@ -23,7 +23,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from dpsgd_cli.algorithms import kernels
-from dpsgd_cli.algorithms.base import Algorithm, Outcome, Setting, max_row_norm
+from dpsgd_cli.algorithms.base import Algorithm, Outcome, Prepared, Setting, max_row_norm
 from dpsgd_cli.algorithms.chain import (Checkpoints, GradientChain, Schedule, Transform, add_l2, add_noise, constant,
                                         inverse_sqrt, inverse_time, project_to_ball, scale)
 from dpsgd_cli.algorithms.sampling import shuffled_batches
@@ -127,6 +127,7 @@ class Song2013NonPrivate(Algorithm):
             project=project_to_ball(self.radius(setting)),
             checkpoints=Checkpoints(setting.trace_every, X, y) if setting.trace_every else None,
             examples_per_step=setting.batch_size,
+            stream=("shuffled", setting.batch_size),  # reshuffled every pass
         )
 
     def noise_draw(self, setting: Setting, model: Model, X, passes: int) -> tuple[Optional[NoiseDraw], dict, str]:
@@ -134,26 +135,40 @@ class Song2013NonPrivate(Algorithm):
         for the non-private version."""
         return None, {}, "non-private"
 
+    def prepare(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Optional[Prepared]:
+        """The NumPy chain; None where the numba kernel runs the passes instead (`fit`)."""
+        per_pass, steps, passes = self.steps(setting)
+        if kernels.select_backend(self.params.backend, model, setting.batch_size) == "numba":
+            return None
+        draw, derived, guarantee = self.noise_draw(setting, model, X, passes)
+        clip = GRADIENT_BOUND if draw is not None else None
+        noise = add_noise(1.0, streams.per_step("noise", draw)) if draw else None
+        chain = self.chain(setting, X, y, streams, noise=noise, clip=clip)
+        finish = lambda theta: self._outcome(setting, model, X, y, theta, chain.schedule, "numpy", derived, clip,
+                                             guarantee, chain.checkpoints.rows if chain.checkpoints else [])
+        return Prepared(chain, model.init(streams.generators("init")), steps, finish)
+
     def fit(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Outcome:
+        prepared = self.prepare(setting, model, X, y, streams)
+        if prepared is not None:
+            return prepared.train(model)
+        # numba (b = 1): the whole pass in one kernel call, same draws as the chain
         per_pass, steps, passes = self.steps(setting)
         draw, derived, guarantee = self.noise_draw(setting, model, X, passes)
         clip = GRADIENT_BOUND if draw is not None else None
-        init = model.init(streams.generators("init"))
-        backend = kernels.select_backend(self.params.backend, model, setting.batch_size)
-        if backend == "numba":  # b = 1: the whole pass in one kernel call, same draws as the chain below
-            eta = self.schedule(setting)
-            ckpt = Checkpoints(setting.trace_every, X, y) if setting.trace_every else None
-            theta = kernels.logreg_single_example_sgd(
-                init, X, y, kernels.shuffled_example_blocks(X.shape[0], streams), steps, eta, clip=clip,
-                l2=setting.l2, radius=self.radius(setting),
-                noise=kernels.block_draws(streams, "noise", draw) if draw else None, noise_std=1.0,
-                batch_scale=1.0 / setting.batch_size, checkpoints=ckpt, model=model)
-            trace = ckpt.rows if ckpt else []
-        else:
-            noise = add_noise(1.0, streams.per_step("noise", draw)) if draw else None
-            chain = self.chain(setting, X, y, streams, noise=noise, clip=clip)
-            theta = chain.run(model, init, steps)
-            eta, trace = chain.schedule, chain.checkpoints.rows if chain.checkpoints else []
+        eta = self.schedule(setting)
+        ckpt = Checkpoints(setting.trace_every, X, y) if setting.trace_every else None
+        theta = kernels.logreg_single_example_sgd(
+            model.init(streams.generators("init")), X, y, kernels.shuffled_example_blocks(X.shape[0], streams), steps,
+            eta, clip=clip, l2=setting.l2, radius=self.radius(setting),
+            noise=kernels.block_draws(streams, "noise", draw) if draw else None, noise_std=1.0,
+            batch_scale=1.0 / setting.batch_size, checkpoints=ckpt, model=model)
+        return self._outcome(setting, model, X, y, theta, eta, "numba", derived, clip, guarantee,
+                             ckpt.rows if ckpt else [])
+
+    def _outcome(self, setting: Setting, model: Model, X, y, theta, eta: Schedule, backend: str, derived: dict,
+                 clip: Optional[float], guarantee: str, trace: list) -> Outcome:
+        per_pass, steps, passes = self.steps(setting)
         derived = {"steps": steps, "sample_rate": setting.batch_size / setting.n, "steps_per_pass": per_pass,
                    "passes": passes, "schedule": self.params.schedule, "step_size_first": eta(1),
                    "step_size_last": eta(steps), "radius": self.radius(setting), "backend": backend, **derived}

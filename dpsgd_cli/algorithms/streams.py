@@ -7,6 +7,8 @@ size see the same batches. Drawing K steps at a time keeps the Python loop over 
 
 from __future__ import annotations
 
+import copy
+import itertools
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
@@ -37,3 +39,25 @@ class ReplicaStreams:
     def normal(self, purpose: str, shape: tuple[int, ...]) -> Iterator[np.ndarray]:
         """Standard normal draws of shape (R, *shape), one array per step."""
         return self.per_step(purpose, lambda g, k: g.standard_normal((k, *shape)))
+
+
+class SharedStreams(ReplicaStreams):
+    """Streams for several algorithms training the same seeds together (`run_together`): every `normal` stream
+    of a purpose and shape is drawn once and handed to each caller (the same numbers each would draw alone).
+
+    Callers must consume in lockstep (one draw per step each, as chains do); call `close()` once every caller
+    has its iterator, so that a draw is freed when the last caller has read it.
+    """
+
+    def __init__(self, seeds: Sequence[int]):
+        super().__init__(seeds)
+        self._spares: dict[tuple, Iterator[np.ndarray]] = {}
+
+    def normal(self, purpose: str, shape: tuple[int, ...]) -> Iterator[np.ndarray]:
+        key = (purpose, tuple(shape))
+        if key not in self._spares:
+            self._spares[key] = itertools.tee(super().normal(purpose, shape), 1)[0]
+        return copy.copy(self._spares[key])  # a tee at the start of the shared stream
+
+    def close(self) -> None:
+        self._spares.clear()

@@ -25,7 +25,7 @@ from dpsgd_cli.errors import UserError
 TIMEOUT_ENV = "DPSGD_SCHEDULER_TIMEOUT"  # seconds to wait for the scheduler when connecting
 CONNECT_TIMEOUT = 10.0
 INSTALL_HINT = "pip install 'dpsgd[dask]' (from a clone: pip install -e '.[dask]')"
-CELLS_PER_TASK = 1  # a cell's seeds already train together; grouping cells gained nothing on kang_lr (README)
+CELLS_PER_TASK = 1  # tasks per submission: a task is a cell's seeds, or the cells fused with it (README)
 
 
 class SchedulerLost(UserError):

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -18,8 +20,10 @@ import numpy as np
 
 from dpsgd_cli import __version__
 from dpsgd_cli.algorithms import ALGORITHMS, Setting
+from dpsgd_cli.algorithms.base import Algorithm, Prepared
+from dpsgd_cli.algorithms.chain import train_together
 from dpsgd_cli.algorithms.erm import reference_minimum
-from dpsgd_cli.algorithms.streams import ReplicaStreams
+from dpsgd_cli.algorithms.streams import ReplicaStreams, SharedStreams
 from dpsgd_cli.config import DELTA_RULE, Cell, Grid, expand
 from dpsgd_cli.data import Dataset, DatasetSpec, load_dataset, with_validation
 from dpsgd_cli.engine.analytic import write_analytic_tables
@@ -67,12 +71,28 @@ def optimal_objective(spec: DatasetSpec, model_name: str, model_options: str, l2
     return reference_optimum(spec, model_name, model_options, l2)[0]
 
 
+FUSE_ENV = "DPSGD_FUSE"  # "0": train every cell in its own task (an execution switch: run ids and numbers unchanged)
+
+
+def fusion_enabled() -> bool:
+    return os.environ.get(FUSE_ENV, "1").strip() not in ("0", "false", "no", "off")
+
+
 @dataclass(frozen=True)
 class Task:
     cell: Cell
     seeds: tuple[int, ...]
     optimal_objective: float
     optimum_method: str = ""  # how L* was obtained (recorded in each row's `derived`)
+    fused: tuple[Cell, ...] = ()  # more cells with the same data, model, λ, dtype and seeds, trained with `cell`
+
+    @property
+    def cells(self) -> tuple[Cell, ...]:
+        return (self.cell, *self.fused)
+
+    @property
+    def runs(self) -> int:
+        return len(self.cells) * len(self.seeds)
 
 
 @dataclass(frozen=True)
@@ -82,28 +102,84 @@ class TaskResult:
 
 
 def run_task(task: Task, single_thread: bool = False) -> TaskResult:
-    """Train the task's seeds as replicas; one row per seed, and their checkpoints (never raises)."""
+    """Train the task's seeds as replicas; one row per seed (and cell), and their checkpoints (never raises)."""
     if single_thread:
         from threadpoolctl import threadpool_limits
 
         with threadpool_limits(1):
             return run_task(task)
+    if task.fused:
+        return _run_fused(task)
     cell = task.cell
+    data = dataset(cell.dataset, cell.validation)
+    start = time.perf_counter()
+    try:
+        model, X, y = _training_data(cell, data)
+        outcome = _algorithm(cell).fit(setting_of(cell, data), model, X, y, ReplicaStreams(task.seeds))
+    except Exception as exc:  # recorded, and the grid goes on
+        return failed_result(task, _failure(exc), (time.perf_counter() - start) / len(task.seeds))
+    return _result(task, cell, model, outcome, (time.perf_counter() - start) / len(task.seeds))
+
+
+def _training_data(cell: Cell, data: Dataset):
+    """(model, X, y) a cell trains on."""
+    model = make_model(cell.model.name, data.d, cell.l2, cell.model.options)
+    X, y = data.X_train, data.y_train
+    if cell.dtype == "float32":  # training only: metrics and L* stay float64
+        X, y = X.astype(np.float32), y.astype(np.float32)
+    return model, X, y
+
+
+def _algorithm(cell: Cell):
+    return ALGORITHMS[cell.algorithm.name](cell.algorithm.params)
+
+
+def _failure(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}" if isinstance(exc, UserError) else _short_traceback(exc)
+
+
+def _run_fused(task: Task) -> TaskResult:
+    """Train the task's cells together (one task, one write): each cell's chain is prepared as alone, and the
+    chains run in lockstep, sharing each step's batch among cells with the same batch stream
+    (`chain.run_together`) and each `normal` noise stream among cells with the same seeds (`SharedStreams`).
+    A cell whose algorithm is not one chain trains alone here; a cell that fails to prepare fails alone."""
+    data = dataset(task.cell.dataset, task.cell.validation)
+    start = time.perf_counter()
+    model, X, y = _training_data(task.cell, data)  # the same for every cell of the task (the fusion key)
+    streams = SharedStreams(task.seeds)
+    prepared, results = {}, {}
+    for cell in task.cells:
+        try:
+            p = _algorithm(cell).prepare(setting_of(cell, data), model, X, y, streams)
+            if p is None:
+                p = _algorithm(cell).fit(setting_of(cell, data), model, X, y, ReplicaStreams(task.seeds))
+        except Exception as exc:
+            results[cell.cell_id] = _failure(exc)
+            continue
+        (prepared if isinstance(p, Prepared) else results)[cell.cell_id] = p
+    streams.close()
+    trained = [c for c in task.cells if c.cell_id in prepared]
+    try:
+        results.update(zip([c.cell_id for c in trained], train_together(model, [prepared[c.cell_id] for c in trained])))
+    except Exception as exc:
+        results.update({c.cell_id: _failure(exc) for c in trained})
+    elapsed = (time.perf_counter() - start) / task.runs  # the task's time, shared evenly by its runs
+    out = TaskResult([], [])
+    for cell in task.cells:
+        own = Task(cell, task.seeds, task.optimal_objective, task.optimum_method)
+        outcome = results[cell.cell_id]
+        part = failed_result(own, outcome, elapsed) if isinstance(outcome, str) else \
+            _result(own, cell, model, outcome, elapsed)
+        out.rows.extend(part.rows)
+        out.traces.extend(part.traces)
+    return out
+
+
+def _result(task: Task, cell: Cell, model, outcome, elapsed: float) -> TaskResult:
+    """The rows (one per seed) and checkpoints of one cell's trained replicas."""
     data = dataset(cell.dataset, cell.validation)
     setting = setting_of(cell, data)
     base = _base_row(cell, data, setting, task.optimal_objective)
-    start = time.perf_counter()
-    try:
-        model = make_model(cell.model.name, data.d, cell.l2, cell.model.options)
-        algorithm = ALGORITHMS[cell.algorithm.name](cell.algorithm.params)
-        X, y = data.X_train, data.y_train
-        if cell.dtype == "float32":  # training only: metrics and L* stay float64
-            X, y = X.astype(np.float32), y.astype(np.float32)
-        outcome = algorithm.fit(setting, model, X, y, ReplicaStreams(task.seeds))
-    except Exception as exc:  # recorded, and the grid goes on
-        message = f"{type(exc).__name__}: {exc}" if isinstance(exc, UserError) else _short_traceback(exc)
-        return failed_result(task, message, (time.perf_counter() - start) / len(task.seeds))
-    elapsed = (time.perf_counter() - start) / len(task.seeds)
     metrics = _metrics(model, outcome.theta, data, task.optimal_objective)
     derived = dict(outcome.derived)
     if task.optimum_method:
@@ -131,9 +207,9 @@ def run_task(task: Task, single_thread: bool = False) -> TaskResult:
 def failed_result(task: Task, message: str, wall_time: Optional[float] = None) -> TaskResult:
     """The task's runs as `failed` rows (retried on resume), with what is known of them before training."""
     data = dataset(task.cell.dataset)
-    base = _base_row(task.cell, data, setting_of(task.cell, data), task.optimal_objective)
-    return TaskResult([{**base, "run_id": task.cell.run_id(s), "seed": s, "status": "failed", "message": message,
-                        "wall_time": wall_time} for s in task.seeds])
+    return TaskResult([{**_base_row(cell, data, setting_of(cell, data), task.optimal_objective),
+                        "run_id": cell.run_id(s), "seed": s, "status": "failed", "message": message,
+                        "wall_time": wall_time} for cell in task.cells for s in task.seeds])
 
 
 def _trace_rows(cell: Cell, task: Task, trace: list) -> list[dict[str, Any]]:
@@ -204,7 +280,7 @@ class GridRun:
 
     @property
     def pending_runs(self) -> int:
-        return sum(len(t.seeds) for t in self.tasks)
+        return sum(t.runs for t in self.tasks)
 
 
 def plan_grid(grid: Grid, out_root: Path, resume: bool = True, dry_run: bool = False) -> GridRun:
@@ -233,7 +309,27 @@ def plan_grid(grid: Grid, out_root: Path, resume: bool = True, dry_run: bool = F
                                                 json.dumps(cell.model.options, sort_keys=True), cell.l2,
                                                 cell.validation)
             run.tasks.append(Task(cell, seeds, optimal, method))
+    if fusion_enabled():
+        run.tasks = fuse(run.tasks)
     return run
+
+
+def fuse(tasks: list[Task]) -> list[Task]:
+    """Group the tasks that can train together: cells of chain algorithms (`prepare`) with the same data, model,
+    λ, dtype, batch size and pending seeds (e.g. an ε or lr axis, `sgd` beside `dp_sgd`). Order: first cells
+    first; the other tasks unchanged."""
+    groups: dict[tuple, list[Task]] = {}
+    for task in tasks:
+        cell = task.cell
+        fusable = ALGORITHMS[cell.algorithm.name].prepare is not Algorithm.prepare
+        key = (cell.dataset.model_dump_json(), cell.validation, cell.model.name,
+               json.dumps(cell.model.options, sort_keys=True), cell.l2, cell.dtype, cell.batch_size,
+               task.seeds) if fusable else ("alone", len(groups))  # (so L* is the same too)
+        groups.setdefault(key, []).append(task)
+    return [group[0] if len(group) == 1 else
+            Task(group[0].cell, group[0].seeds, group[0].optimal_objective, group[0].optimum_method,
+                 tuple(t.cell for t in group[1:]))
+            for group in groups.values()]
 
 
 def grid_hash(grid: Grid) -> str:
@@ -277,11 +373,45 @@ def _results(tasks: list[Task], jobs: int) -> Iterator[TaskResult]:
     if jobs <= 1 or len(tasks) <= 1:  # one BLAS thread here too: threads thrash on a shared 2-core machine
         yield from (run_task(task, single_thread=True) for task in tasks)
         return
+    tasks = spread(tasks, jobs)
+    if sys.platform == "linux":  # forked workers start with the driver's imports, datasets and L* in memory
+        yield from _forked_results(tasks, jobs)
+        return
     from joblib import Parallel, delayed
 
     parallel = Parallel(n_jobs=jobs, return_as="generator_unordered", initializer=die_with_parent,
                         initargs=(os.getpid(),))
     yield from parallel(delayed(run_task)(task, single_thread=True) for task in tasks)
+
+
+def spread(tasks: list[Task], workers: int) -> list[Task]:
+    """Split the largest fused tasks in halves (by cells) until there are at least `workers` tasks, so that a
+    grid fused into one or two tasks still keeps every worker busy (a part computes what the whole did)."""
+    tasks = list(tasks)
+    while len(tasks) < workers and max((len(t.cells) for t in tasks), default=1) > 1:
+        big = max(range(len(tasks)), key=lambda i: len(tasks[i].cells))
+        task = tasks.pop(big)
+        half = (len(task.cells) + 1) // 2
+        tasks += [dataclasses.replace(task, cell=part[0], fused=tuple(part[1:]))
+                  for part in (task.cells[:half], task.cells[half:])]
+    return tasks
+
+
+def _forked_results(tasks: list[Task], jobs: int) -> Iterator[TaskResult]:
+    """The tasks in `jobs` processes forked from the driver (copy-on-write): no worker imports the package or
+    loads a dataset again (loky's fresh workers did, ~2 s each on kang_lr: `--jobs 2` was 2× slower than
+    `--jobs 1`). A worker killed mid-task raises BrokenProcessPool here, as loky's TerminatedWorkerError did."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"), initializer=die_with_parent,
+                               initargs=(os.getpid(),))
+    try:
+        futures = [pool.submit(run_task, task, True) for task in tasks]
+        for future in as_completed(futures):
+            yield future.result()
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def die_with_parent(parent: int) -> None:
