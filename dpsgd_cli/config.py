@@ -232,8 +232,9 @@ class ClaimSpec(_Strict):
     `fluctuates`: the mean of `metric` over `over` moves against `direction` between some two consecutive values
     by more than tolerance + twice the standard error of the difference over seeds (a reversal the seed noise does
     not explain; needs ≥ 2 seeds per point); `widens`: the gain of `a` over `b` (a − b, or b − a when not
-    `higher_is_better`) at the largest value of `over` exceeds the gain at the smallest by more than tolerance +
-    twice the standard error of that difference (needs ≥ 2 seeds per point);
+    `higher_is_better`) grows along `over`: its least-squares slope against log(over) (over if some value is ≤ 0),
+    weighted by 1/SE² of each gain over seeds, exceeds tolerance + twice its standard error (needs ≥ 3 values of
+    `over` and ≥ 2 seeds per point);
     `spread`: the spread over seeds of `a` exceeds that of `b` at every value of `over`: the one-sided
     `confidence` (default 95%) lower bound of the ratio of standard deviations s_a/s_b by the variance-ratio
     F-test, √(F / F_conf(n_a − 1, n_b − 1)) with F = s_a²/s_b², must exceed 1 + tolerance (tolerance 0: the

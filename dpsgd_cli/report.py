@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import pandas as pd
 
 from dpsgd_cli.config import ClaimSpec, FigureSpec
@@ -145,20 +146,28 @@ def _fluctuates(stats: pd.DataFrame, claim: ClaimSpec) -> tuple[Optional[bool], 
 
 
 def _widens(a: pd.DataFrame, b: pd.DataFrame, claim: ClaimSpec) -> tuple[Optional[bool], str]:
-    """`widens`: gain(a over b) at the largest `over` − gain at the smallest > tolerance + 2·SE."""
-    if len(a) < 2:
-        return None, f"{len(a)} common value(s) of {claim.over}"
+    """`widens`: the gain g_k = a − b (or b − a) grows along `over`: its weighted least-squares slope against
+    x = log(over) (over itself if some value is ≤ 0), weights 1/SE_k² (the seed noise of each gain), exceeds
+    tolerance + 2·SE(slope), SE(slope)² = 1/Σ w_k (x_k − x̄_w)²."""
+    if len(a) < 3:
+        return None, f"{len(a)} common value(s) of {claim.over} (a slope needs 3)"
     if (why := _few_seeds(a, b)) is not None:
         return None, why
     sign = 1.0 if claim.higher_is_better else -1.0
     gains = sign * (a["mean"] - b["mean"])
-    lo, hi = a.index.min(), a.index.max()
-    growth = gains[hi] - gains[lo]
-    se = math.sqrt(_diff_se(a.loc[lo], b.loc[lo]) ** 2 + _diff_se(a.loc[hi], b.loc[hi]) ** 2)
-    curve = ", ".join(f"{k:g}: {_fmt(g)}" for k, g in gains.items())
-    return bool(growth > claim.tolerance + 2 * se), (
-        f"gain of a over b by {claim.over} ({curve}); from {claim.over}={lo:g} to {hi:g} it grows by "
-        f"{_fmt(growth)} (> {_fmt(claim.tolerance + 2 * se)} = tolerance + 2·SE?)")
+    se = pd.Series([_diff_se(a.loc[k], b.loc[k]) for k in a.index], index=a.index)
+    if (se <= 0).any():
+        return None, f"no seed noise at {claim.over}={se.idxmin():g}: the weights 1/SE² are undefined"
+    keys = np.asarray(a.index, dtype=float)
+    x = np.log(keys) if (keys > 0).all() else keys
+    w = 1.0 / se.to_numpy() ** 2
+    xc = x - np.sum(w * x) / np.sum(w)
+    slope = float(np.sum(w * xc * gains.to_numpy()) / np.sum(w * xc**2))
+    bar = claim.tolerance + 2.0 / math.sqrt(float(np.sum(w * xc**2)))
+    curve = ", ".join(f"{k:g}: {_fmt(g)} ± {_fmt(e)}" for (k, g), e in zip(gains.items(), se))
+    against = f"log {claim.over}" if (keys > 0).all() else claim.over
+    return slope > bar, (f"gain of a over b (± SE) by {claim.over}: {curve}; weighted slope against {against} "
+                         f"{_fmt(slope)} (> {_fmt(bar)} = tolerance + 2·SE?)")
 
 
 def spread_ratio_bounds(s_a: float, n_a: int, s_b: float, n_b: int, confidence: float) -> tuple[float, float, float]:

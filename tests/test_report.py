@@ -214,11 +214,17 @@ def test_widens_needs_the_gain_to_grow_beyond_the_seed_noise():
     growing = _runs({"a": {0.1: [0.70, 0.71, 0.70], 1.0: [0.82, 0.83, 0.82], 3.0: [0.86, 0.87, 0.86]},
                      "b": {0.1: [0.72, 0.73, 0.72], 1.0: [0.82, 0.82, 0.83], 3.0: [0.83, 0.84, 0.83]}})
     holds, numbers = _check_group(growing, spec, None)
-    assert holds is True and "grows by 0.05" in numbers  # gain −0.02 at 0.1, +0.03 at 3
+    assert holds is True and "0.1: -0.02" in numbers and "3: 0.03" in numbers  # gain −0.02 → +0.03
     assert _check_group(growing, claim(check="widens", a={"algorithm": "b"}, b={"algorithm": "a"}),
                         None)[0] is False  # b's gain over a shrinks
+    spread = {"a": [0.0, 0.09, -0.09], "b": [0.06, -0.06, 0.0]}  # the same means, seeds far apart
     noisy = growing.copy()
-    noisy.loc[(noisy["algorithm"] == "a") & (noisy["epsilon"] == 3.0), "test_accuracy"] = [0.95, 0.75, 0.88]
-    assert _check_group(noisy, spec, None)[0] is False  # same mean gain, seed spread too large
-    lower = claim(check="widens", a={"algorithm": "b"}, b={"algorithm": "a"}, higher_is_better=False)
-    assert _check_group(growing, lower, None)[0] is True
+    for algo, offsets in spread.items():
+        for eps in (0.1, 1.0, 3.0):
+            rows = (noisy["algorithm"] == algo) & (noisy["epsilon"] == eps)
+            noisy.loc[rows, "test_accuracy"] = noisy.loc[rows, "test_accuracy"].mean() + np.array(offsets)
+    assert _check_group(noisy, spec, None)[0] is False
+    assert _check_group(growing, claim(check="widens", a={"algorithm": "b"}, b={"algorithm": "a"},
+                                       higher_is_better=False), None)[0] is True
+    two = growing[growing["epsilon"] != 1.0]
+    assert _check_group(two, spec, None)[0] is None  # a slope needs 3 values
