@@ -229,6 +229,12 @@ class ClaimSpec(_Strict):
     `better`: selection `a` beats `b` (by more than `tolerance` and twice the standard error of the
     difference over seeds) at every value of `over`; `within`: |a − b| ≤ tolerance (relative to |b| if
     `relative`) at every value of `over`; `saturates`: an analytic curve reaches (1 − tolerance) of its limit;
+    `fluctuates`: the mean of `metric` over `over` moves against `direction` between some two consecutive values
+    by more than tolerance + twice the standard error of the difference over seeds (a reversal the seed noise does
+    not explain; needs ≥ 2 seeds per point); `widens`: the gain of `a` over `b` (a − b, or b − a when not
+    `higher_is_better`) grows along `over`: its least-squares slope against log(over) (over if some value is ≤ 0),
+    weighted by 1/SE² of each gain over seeds, exceeds tolerance + twice its standard error (needs ≥ 3 values of
+    `over` and ≥ 2 seeds per point);
     `spread`: the spread over seeds of `a` exceeds that of `b` at every value of `over`: the one-sided
     `confidence` (default 95%) lower bound of the ratio of standard deviations s_a/s_b by the variance-ratio
     F-test, √(F / F_conf(n_a − 1, n_b − 1)) with F = s_a²/s_b², must exceed 1 + tolerance (tolerance 0: the
@@ -242,7 +248,7 @@ class ClaimSpec(_Strict):
     quote: str = Field("", description="the source sentence the claim tests, verbatim, with its place "
                        "(e.g. 'Kang et al. §5.2: \"...\"'); required unless `own`")
     own: bool = Field(False, description="the project's own check, not a statement of a source")
-    check: Literal["monotone", "better", "within", "saturates", "spread"]
+    check: Literal["monotone", "better", "within", "saturates", "spread", "fluctuates", "widens"]
     metric: str = "test_accuracy"
     source: str = Field("runs", description="runs, traces, or the name of an analytic figure")
     where: Selection = Field(default_factory=dict)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import pandas as pd
 
 from dpsgd_cli.config import ClaimSpec, FigureSpec
@@ -75,6 +76,8 @@ def _check_group(frame: pd.DataFrame, claim: ClaimSpec, limit: Optional[float]) 
         if len(stats) > 8:
             text += f" ({len(stats)} values; worst step {_fmt(float(steps.min()))} at {claim.over}={steps.idxmin():g})"
         return bool((steps >= -claim.tolerance).all()), text
+    if claim.check == "fluctuates":
+        return _fluctuates(_stats(select(frame, claim.a), claim.metric, claim.over), claim)
     if claim.check == "saturates":
         series = select(frame, claim.a).sort_values(claim.over)[claim.metric]
         if series.empty or limit is None:
@@ -87,6 +90,8 @@ def _check_group(frame: pd.DataFrame, claim: ClaimSpec, limit: Optional[float]) 
     common = a.index.intersection(b.index)
     if common.empty:
         return None, f"a: {len(a)} value(s), b: {len(b)} value(s) of {claim.over}, none in common"
+    if claim.check == "widens":
+        return _widens(a.loc[common], b.loc[common], claim)
     parts, holds = [], True
     for key in common:
         sa, sb = a.loc[key], b.loc[key]
@@ -106,6 +111,63 @@ def _check_group(frame: pd.DataFrame, claim: ClaimSpec, limit: Optional[float]) 
             parts.append(f"{where}a {_cell(sa)} vs b {_cell(sb)}, |a − b| = {_fmt(abs(diff))} (≤ {_fmt(bound)}?)")
         holds &= bool(ok)
     return holds, "; ".join(parts)
+
+
+def _diff_se(s0: pd.Series, s1: pd.Series) -> float:
+    """Standard error of the difference of two means over independent seeds."""
+    return math.sqrt(s0["std"] ** 2 / s0["n"] + s1["std"] ** 2 / s1["n"])
+
+
+def _few_seeds(*stats: pd.DataFrame) -> Optional[str]:
+    """Why a check against the seed noise cannot be decided (fewer than 2 seeds somewhere), else None."""
+    low = min(int(s["n"].min()) for s in stats)
+    return f"{low} seed(s) at some {stats[0].index.name or 'point'}: the seed noise is unknown (needs ≥ 2)" \
+        if low < 2 else None
+
+
+def _fluctuates(stats: pd.DataFrame, claim: ClaimSpec) -> tuple[Optional[bool], str]:
+    """`fluctuates`: some consecutive step of the mean goes against `direction` by more than tolerance + 2·SE."""
+    if len(stats) < 2:
+        return None, f"{len(stats)} value(s) of {claim.over}"
+    if (why := _few_seeds(stats)) is not None:
+        return None, why
+    sign = 1.0 if claim.direction == "increasing" else -1.0
+    keys = list(stats.index)
+    steps = []  # (excess over tolerance + 2·SE, text)
+    for k0, k1 in zip(keys, keys[1:]):
+        s0, s1 = stats.loc[k0], stats.loc[k1]
+        back, bar = -sign * (s1["mean"] - s0["mean"]), claim.tolerance + 2 * _diff_se(s0, s1)
+        steps.append((back - bar, f"{claim.over}={k0:g} → {k1:g}: {_cell(s0)} → {_cell(s1)}, against the "
+                                  f"{claim.direction} trend by {_fmt(back)} (> {_fmt(bar)}?)"))
+    found = [text for excess, text in steps if excess > 0]
+    if found:
+        return True, f"{len(found)} of {len(steps)} steps reverse: " + "; ".join(found[:3])
+    return False, "no step reverses beyond the noise; the closest: " + max(steps)[1]
+
+
+def _widens(a: pd.DataFrame, b: pd.DataFrame, claim: ClaimSpec) -> tuple[Optional[bool], str]:
+    """`widens`: the gain g_k = a − b (or b − a) grows along `over`: its weighted least-squares slope against
+    x = log(over) (over itself if some value is ≤ 0), weights 1/SE_k² (the seed noise of each gain), exceeds
+    tolerance + 2·SE(slope), SE(slope)² = 1/Σ w_k (x_k − x̄_w)²."""
+    if len(a) < 3:
+        return None, f"{len(a)} common value(s) of {claim.over} (a slope needs 3)"
+    if (why := _few_seeds(a, b)) is not None:
+        return None, why
+    sign = 1.0 if claim.higher_is_better else -1.0
+    gains = sign * (a["mean"] - b["mean"])
+    se = pd.Series([_diff_se(a.loc[k], b.loc[k]) for k in a.index], index=a.index)
+    if (se <= 0).any():
+        return None, f"no seed noise at {claim.over}={se.idxmin():g}: the weights 1/SE² are undefined"
+    keys = np.asarray(a.index, dtype=float)
+    x = np.log(keys) if (keys > 0).all() else keys
+    w = 1.0 / se.to_numpy() ** 2
+    xc = x - np.sum(w * x) / np.sum(w)
+    slope = float(np.sum(w * xc * gains.to_numpy()) / np.sum(w * xc**2))
+    bar = claim.tolerance + 2.0 / math.sqrt(float(np.sum(w * xc**2)))
+    curve = ", ".join(f"{k:g}: {_fmt(g)} ± {_fmt(e)}" for (k, g), e in zip(gains.items(), se))
+    against = f"log {claim.over}" if (keys > 0).all() else claim.over
+    return slope > bar, (f"gain of a over b (± SE) by {claim.over}: {curve}; weighted slope against {against} "
+                         f"{_fmt(slope)} (> {_fmt(bar)} = tolerance + 2·SE?)")
 
 
 def spread_ratio_bounds(s_a: float, n_a: int, s_b: float, n_b: int, confidence: float) -> tuple[float, float, float]:

@@ -542,3 +542,47 @@ def test_mlp_replicas_are_independent_and_output_layer_is_a_labelled_deviation()
         deviation = "influence over the output layer only (the paper: all m parameters)"
         assert together.derived["deviations"] == (deviation if influence == "output_layer" else "")
         assert together.guarantee.startswith("none: a step may skip the noise")  # T·p ≥ 1 here
+
+
+# --- the mlp with one example per step: the numba kernel (sgd1_mlp) ----------------------------------------------
+
+
+@needs_numba
+@pytest.mark.parametrize("activation, influence, extra", [
+    ("tanh", "output_layer", {}), ("relu", "full", {"contribution_noise": "per_step"}),
+    ("sigmoid", "output_layer", {"project": True}),
+])
+def test_mlp_numpy_and_numba_give_the_same_run(activation, influence, extra):
+    """Algorithm 1 on the mlp (b = 1): the kernel equals the NumPy chain (same seed → same θ, same decisions),
+    with noisy and noiseless steps mixed, clipping acting (rows up to norm 1, G = 1) and the projection."""
+    model, X, y, _ = _tiny_mlp(activation, n=200)
+    X = X * 3.0  # larger rows: the clip to G = 1 acts on some steps
+    dim = model.n_params if influence == "full" else model.hidden + 1
+    params = {"zeta": 0.05, "radius": 2.0 if extra.get("project") else _half_pass_radius(200, dim), "rounds": 2,
+              "local_steps": 150, "influence": influence, **extra}
+    setting = _setting(200, 3, lr=0.3)
+    runs = [ALGORITHMS["pidp_sgd"]({**params, "backend": b}).fit(setting, model, X, y, ReplicaStreams([0, 4]))
+            for b in ("numpy", "numba")]
+    a, b = runs
+    assert (a.derived.pop("backend"), b.derived.pop("backend")) == ("numpy", "numba")
+    np.testing.assert_allclose(b.theta, a.theta, rtol=1e-12, atol=1e-13)
+    assert repr(a.derived) == repr(b.derived) and a.guarantee == b.guarantee  # repr: NaN == NaN
+    assert not np.allclose(a.theta[0], a.theta[1])
+    if not extra.get("project"):
+        assert all(0 < f < 1 for f in a.derived["noiseless_fraction"])  # both branches ran
+
+
+@needs_numba
+@pytest.mark.parametrize("activation", ["tanh", "sigmoid", "relu"])
+def test_mlp_kernel_step_is_minus_the_gradient_by_finite_differences(activation):
+    """One kernel step with η = 1, no clip, noise or λ moves θ by −∇ℓ(θ; x_i, y_i): central differences of the
+    model's loss on that example."""
+    model, X, y, theta = _tiny_mlp(activation, R=1)
+    for i in (0, 7, 31):
+        step = kernels.single_example_sgd(theta, X, y, iter([np.array([[i]])]), 1, constant(1.0), clip=None,
+                                          l2=0.0, radius=None, model=model)
+        h = 1e-6
+        fd = np.array([(model.data_loss(theta + h * e, X[i:i + 1], y[i:i + 1])
+                        - model.data_loss(theta - h * e, X[i:i + 1], y[i:i + 1]))[0] / (2 * h)
+                       for e in np.eye(model.n_params)])
+        np.testing.assert_allclose(theta[0] - step[0], fd, rtol=1e-6, atol=1e-9)

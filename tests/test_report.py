@@ -190,3 +190,41 @@ def test_spread_claims_in_experiments_yaml_carry_quotes():
     grids = {g.name: g for g in load_grid_file(Path(__file__).parents[1] / "experiments.yaml").grids}
     spread = [c for name in ("song_fig1", "song_fig3") for c in grids[name].claims if c.check == "spread"]
     assert len(spread) >= 3 and all(c.quote and not c.own for c in spread)
+
+
+def test_fluctuates_needs_a_reversal_beyond_the_seed_noise():
+    spec = claim(check="fluctuates", a={"algorithm": "dp"})
+    dip = _runs({"dp": {0.1: [0.80, 0.81, 0.80], 1.0: [0.86, 0.85, 0.86], 3.0: [0.82, 0.83, 0.82]}})
+    holds, numbers = _check_group(dip, spec, None)
+    assert holds is True and "epsilon=1 → 3" in numbers  # falls by 0.033 against 2·SE ≈ 0.01
+    noisy = _runs({"dp": {0.1: [0.80, 0.81, 0.80], 1.0: [0.90, 0.80, 0.86], 3.0: [0.82, 0.83, 0.84]}})
+    assert _check_group(noisy, spec, None)[0] is False  # the same dip within the seed spread
+    rising = _runs({"dp": {0.1: [0.80, 0.81, 0.80], 1.0: [0.83, 0.84, 0.83], 3.0: [0.85, 0.86, 0.85]}})
+    assert _check_group(rising, spec, None)[0] is False
+    assert _check_group(dip, claim(check="fluctuates", a={"algorithm": "dp"}, tolerance=0.05), None)[0] is False
+    gap = dip.assign(test_accuracy=1 - dip["test_accuracy"])  # a decreasing metric that rises at ε = 3
+    assert _check_group(gap, claim(check="fluctuates", a={"algorithm": "dp"}, direction="decreasing"),
+                        None)[0] is True
+    one_seed = _runs({"dp": {0.1: [0.80], 1.0: [0.86], 3.0: [0.82]}})
+    assert _check_group(one_seed, spec, None)[0] is None  # no seed noise to compare against
+
+
+def test_widens_needs_the_gain_to_grow_beyond_the_seed_noise():
+    spec = claim(check="widens", a={"algorithm": "a"}, b={"algorithm": "b"})
+    growing = _runs({"a": {0.1: [0.70, 0.71, 0.70], 1.0: [0.82, 0.83, 0.82], 3.0: [0.86, 0.87, 0.86]},
+                     "b": {0.1: [0.72, 0.73, 0.72], 1.0: [0.82, 0.82, 0.83], 3.0: [0.83, 0.84, 0.83]}})
+    holds, numbers = _check_group(growing, spec, None)
+    assert holds is True and "0.1: -0.02" in numbers and "3: 0.03" in numbers  # gain −0.02 → +0.03
+    assert _check_group(growing, claim(check="widens", a={"algorithm": "b"}, b={"algorithm": "a"}),
+                        None)[0] is False  # b's gain over a shrinks
+    spread = {"a": [0.0, 0.09, -0.09], "b": [0.06, -0.06, 0.0]}  # the same means, seeds far apart
+    noisy = growing.copy()
+    for algo, offsets in spread.items():
+        for eps in (0.1, 1.0, 3.0):
+            rows = (noisy["algorithm"] == algo) & (noisy["epsilon"] == eps)
+            noisy.loc[rows, "test_accuracy"] = noisy.loc[rows, "test_accuracy"].mean() + np.array(offsets)
+    assert _check_group(noisy, spec, None)[0] is False
+    assert _check_group(growing, claim(check="widens", a={"algorithm": "b"}, b={"algorithm": "a"},
+                                       higher_is_better=False), None)[0] is True
+    two = growing[growing["epsilon"] != 1.0]
+    assert _check_group(two, spec, None)[0] is None  # a slope needs 3 values

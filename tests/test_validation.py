@@ -94,6 +94,7 @@ def no_data_loaded(monkeypatch):
     ("figures: [{name: f, where: {batch_size: [32, big]}}]", "batch_size holds numbers"),
     ("claims: [{id: c, text: t, own: true, check: monotone, source: figure1}]", "neither runs, traces"),
     ("claims: [{id: c, text: t, own: true, check: saturates}]", "privacy_curve"),
+    ("claims: [{id: c, text: t, own: true, check: widens, over: null}]", "compares values along `over`"),
 ])
 def test_figures_and_claims_name_real_columns(tmp_path, capsys, monkeypatch, extra, expected):
     no_data_loaded(monkeypatch)

@@ -4,7 +4,9 @@ Only where one example per step is inherent: `song2013` with b = 1 and `bassily2
 per step). Their per-step work is a few d-vectors, so the NumPy chain spends ~25 µs per step in Python and array
 overhead; the kernel runs a whole pass (or a chunk of at most `CHUNK_ELEMENTS` noise numbers) in one call.
 `pidp_sgd` with one example per step (its default) uses the same kernel with a per-step noise mask (its noise
-decisions, computed in NumPy before the round). Mini-batch algorithms (`dp_sgd`, `sgd`, `song2013` with b > 1,
+decisions, computed in NumPy before the round), and on the one-hidden-layer MLP `sgd1_mlp`: the same step on the
+MLP's gradient (models/mlp.py: forward, ∂ℓ/∂f, the per-example norm for the clip, then every parameter updated in
+θ's layout order with its noise draw), where a NumPy step costs ~2 ms for P = 11,025 (adult). Mini-batch algorithms (`dp_sgd`, `sgd`, `song2013` with b > 1,
 `pidp_sgd` with Poisson batches, ...) stay vectorised NumPy.
 
 Same random numbers on both paths: the sampling indices and the noise are drawn with NumPy from the replica
@@ -75,22 +77,26 @@ def backend_description() -> str:
     return f"backend: numpy ({NUMBA_HINT} for the single-example kernels)"
 
 
-def kernel_applies(model, batch_size: Optional[int]) -> bool:
-    """The kernel implements logistic regression with one example per step: a `LogisticRegression` whose
-    gradient is not overridden (or overridden only by the audit's gradient canaries, `kernel_canaries`), and
-    batch size 1."""
+def kernel_applies(model, batch_size: Optional[int], mlp: bool = False) -> bool:
+    """The kernels implement one example per step (batch size 1) on a `LogisticRegression`, or, where the caller
+    allows it (`mlp`: pidp_sgd), an `MLP`, whose gradient is not overridden (logreg: or overridden only by the
+    audit's gradient canaries, `kernel_canaries`, which the logreg kernel adds)."""
     from dpsgd_cli.models.logreg import LogisticRegression
+    from dpsgd_cli.models.mlp import MLP
 
-    return (batch_size == 1 and isinstance(model, LogisticRegression)
-            and (type(model).clipped_grad_sum is LogisticRegression.clipped_grad_sum
-                 or hasattr(model, "kernel_canaries")))  # the audit's gradient canaries, which the kernel adds
+    if batch_size != 1:
+        return False
+    if isinstance(model, LogisticRegression):
+        return (type(model).clipped_grad_sum is LogisticRegression.clipped_grad_sum
+                or hasattr(model, "kernel_canaries"))
+    return mlp and isinstance(model, MLP) and type(model).clipped_grad_sum is MLP.clipped_grad_sum
 
 
-def select_backend(requested: Backend, model, batch_size: Optional[int]) -> str:
+def select_backend(requested: Backend, model, batch_size: Optional[int], mlp: bool = False) -> str:
     """'numba' or 'numpy' for this run.
 
-    auto: numba where the kernel applies (b = 1, logreg) and numba is installed, else numpy;
-    numba: the kernel where it applies (UserError if numba is missing); numpy: never the kernel.
+    auto: numba where a kernel applies (b = 1, logreg; or mlp when the caller allows it) and numba is installed,
+    else numpy; numba: the kernel where it applies (UserError if numba is missing); numpy: never the kernel.
     """
     if requested == "numpy":
         return "numpy"
@@ -98,7 +104,7 @@ def select_backend(requested: Backend, model, batch_size: Optional[int]) -> str:
         raise UserError(f"backend: numba, but numba is not installed: {NUMBA_HINT}, or use backend: auto")
     if requested not in ("auto", "numba"):
         raise UserError(f"backend = {requested!r}: use auto, numpy or numba")
-    if not (HAVE_NUMBA and kernel_applies(model, batch_size)):
+    if not (HAVE_NUMBA and kernel_applies(model, batch_size, mlp)):
         return "numpy"
     try:
         _kernels()  # imports numba and compiles (or loads the cached kernel) once per process
@@ -229,7 +235,85 @@ def _kernels():
                             theta[r, j] = theta[r, j] * f
         return theta
 
-    return {"sgd1_logreg": sgd1_logreg, "version": numba.__version__}
+    @numba.njit(cache=True, nogil=True, inline="always")
+    def _update(theta, r, p, g, t, noise, gen, noisy, do_noise, draw_noise, noise_std, batch_scale, l2,
+                eta):  # pragma: no cover
+        """θ_p ← θ_p − η((g + s z)·scale + λθ_p) as sgd1_logreg's inner loop (z drawn even when masked); returns θ_p²."""
+        if do_noise:
+            z = gen.standard_normal() if draw_noise else noise[t, r, p]
+            if noisy:
+                g = g + noise_std * z
+        g = g * batch_scale
+        if l2 != 0.0:
+            g = g + l2 * theta[r, p]
+        v = theta[r, p] - eta * g
+        theta[r, p] = v
+        return v * v
+
+    @numba.njit(cache=True, nogil=True)
+    def sgd1_mlp(theta, X, y, x_norm, idx, noise, gen, noise_std, lrs, l2, clip, radius, batch_scale,
+                 start, stop, do_clip, do_noise, draw_noise, do_project, mask, use_mask, h, act):  # pragma: no cover
+        # θ = [W₁ (h×d, row-major) | b₁ (h) | w₂ (h) | b₂] (models/mlp.py); act: 0 tanh, 1 sigmoid, 2 relu
+        R, P = theta.shape
+        d = X.shape[1]
+        o_b1, o_w2, o_b2 = h * d, h * d + h, h * d + 2 * h
+        a = np.empty(h)
+        delta = np.empty(h)
+        for r in range(R):
+            for t in range(start, stop):
+                i = idx[t, r]
+                f = theta[r, o_b2]
+                sq_a = 0.0
+                sq_u = 0.0
+                for k in range(h):  # forward: z = W₁x + b₁, a = φ(z); u = w₂ ⊙ φ'(z) kept in `delta`
+                    z = theta[r, o_b1 + k]
+                    for j in range(d):
+                        z += theta[r, k * d + j] * X[i, j]
+                    if act == 0:
+                        ak = np.tanh(z)
+                        dk = 1.0 - ak * ak
+                    elif act == 1:
+                        ak = 1.0 / (1.0 + np.exp(-z))
+                        dk = (1.0 - ak) * ak
+                    else:
+                        ak = z if z > 0.0 else 0.0
+                        dk = 1.0 if z > 0.0 else 0.0
+                    a[k] = ak
+                    f += theta[r, o_w2 + k] * ak
+                    u = dk * theta[r, o_w2 + k]
+                    delta[k] = u
+                    sq_a += ak * ak
+                    sq_u += u * u
+                yi = y[i]
+                res = -yi * (1.0 / (1.0 + np.exp(yi * f)))  # ∂ℓ/∂f = −y σ(−y f)
+                if do_clip:  # ‖∇ℓ‖ = |res| √(1 + ‖a‖² + ‖u‖²(‖x‖² + 1)) (models/mlp.py)
+                    norm = abs(res) * np.sqrt(1.0 + sq_a + sq_u * (x_norm[i] * x_norm[i] + 1.0))
+                    res = res * (clip / max(norm, clip))
+                for k in range(h):
+                    delta[k] = delta[k] * res
+                eta = lrs[t]
+                noisy = do_noise and (not use_mask or mask[t, r])
+                sq = 0.0  # every gradient uses the θ of before the step: the parameters are updated in layout order
+                for k in range(h):
+                    for j in range(d):
+                        sq += _update(theta, r, k * d + j, delta[k] * X[i, j], t, noise, gen, noisy, do_noise,
+                                      draw_noise, noise_std, batch_scale, l2, eta)
+                for k in range(h):
+                    sq += _update(theta, r, o_b1 + k, delta[k], t, noise, gen, noisy, do_noise, draw_noise, noise_std,
+                                  batch_scale, l2, eta)
+                for k in range(h):
+                    sq += _update(theta, r, o_w2 + k, res * a[k], t, noise, gen, noisy, do_noise, draw_noise,
+                                  noise_std, batch_scale, l2, eta)
+                sq += _update(theta, r, o_b2, res, t, noise, gen, noisy, do_noise, draw_noise, noise_std, batch_scale,
+                              l2, eta)
+                if do_project:
+                    fr = radius / max(np.sqrt(sq), 1e-300)
+                    if fr < 1.0:
+                        for p in range(P):
+                            theta[r, p] = theta[r, p] * fr
+        return theta
+
+    return {"sgd1_logreg": sgd1_logreg, "sgd1_mlp": sgd1_mlp, "version": numba.__version__}
 
 
 def warm_up() -> float:
@@ -246,14 +330,16 @@ def warm_up() -> float:
     return time.perf_counter() - start
 
 
-def logreg_single_example_sgd(theta: np.ndarray, X: np.ndarray, y: np.ndarray, indices: Iterator[np.ndarray],
-                              steps: int, schedule: Callable[[int], float], *, clip: Optional[float], l2: float,
-                              radius: Optional[float], noise: Optional[Iterator[np.ndarray]] = None,
-                              noise_std: float = 0.0, batch_scale: float = 1.0, checkpoints=None,
-                              model=None, noise_generators: Optional[list[np.random.Generator]] = None,
-                              noise_mask: Optional[np.ndarray] = None) -> np.ndarray:
-    """`steps` single-example steps of projected (noisy, clipped) SGD on logistic regression for every replica,
-    by the numba kernel (module docstring). θ (R, d) is not modified; the result is returned.
+def single_example_sgd(theta: np.ndarray, X: np.ndarray, y: np.ndarray, indices: Iterator[np.ndarray],
+                       steps: int, schedule: Callable[[int], float], *, clip: Optional[float], l2: float,
+                       radius: Optional[float], noise: Optional[Iterator[np.ndarray]] = None,
+                       noise_std: float = 0.0, batch_scale: float = 1.0, checkpoints=None,
+                       model=None, noise_generators: Optional[list[np.random.Generator]] = None,
+                       noise_mask: Optional[np.ndarray] = None) -> np.ndarray:
+    """`steps` single-example steps of projected (noisy, clipped) SGD for every replica, by the numba kernel
+    (module docstring): logistic regression (θ (R, d)), or the one-hidden-layer `MLP` when `model` is one
+    (θ (R, P), `sgd1_mlp`: the same step on the MLP's gradient, models/mlp.py). θ is not modified; the result is
+    returned.
 
     indices: (K, R) blocks of example indices; noise: (K, R, d) blocks of the noise's standard draws (None: no
     noise); noise_generators: instead of `noise`, one generator per replica whose standard normals (d per step,
@@ -266,7 +352,7 @@ def logreg_single_example_sgd(theta: np.ndarray, X: np.ndarray, y: np.ndarray, i
     """
     if noise is not None and noise_generators is not None:
         raise ValueError("give noise blocks or noise generators, not both")
-    kernel = _kernels()["sgd1_logreg"]
+    kernel, extra = _kernel_for(model)
     theta = np.array(theta, copy=True, order="C")
     X = np.ascontiguousarray(X)
     y = np.ascontiguousarray(y)
@@ -309,14 +395,17 @@ def logreg_single_example_sgd(theta: np.ndarray, X: np.ndarray, y: np.ndarray, i
                     return _NO_CANARY
                 return canary_of, canary_add[rows], U, proj[rows], done, True
 
+            def tail(rows: slice) -> tuple:  # the kernel's trailing arguments: the MLP's shape, or logreg's canaries
+                return extra if extra else canaries(rows)
+
             if draw:  # one call per replica: each draws from its own generator, steps in order
                 for r in range(R):
                     mask_r = np.ascontiguousarray(mask[:, r:r + 1]) if masked else _NO_MASK
                     kernel(theta[r:r + 1], X, y, x_norm, idx_r[r], no_noise, noise_generators[r], *scalars, True,
-                           True, radius is not None, mask_r, masked, *canaries(slice(r, r + 1)))
+                           True, radius is not None, mask_r, masked, *tail(slice(r, r + 1)))
             else:
                 kernel(theta, X, y, x_norm, idx, z, no_gen, *scalars, noise_reader is not None, False,
-                       radius is not None, mask, masked, *canaries(slice(None)))
+                       radius is not None, mask, masked, *tail(slice(None)))
             if checkpoints is not None and hi > lo:
                 checkpoints.maybe_record(model, theta, done + hi - 1, done + hi)
             lo = hi
@@ -324,3 +413,17 @@ def logreg_single_example_sgd(theta: np.ndarray, X: np.ndarray, y: np.ndarray, i
     if canary is not None:
         model.projections.append(proj.transpose(1, 0, 2))  # (steps, R, m), one block
     return theta
+
+
+logreg_single_example_sgd = single_example_sgd  # the name song2013 and bassily2014 call it by (logreg only)
+MLP_ACTIVATIONS = {"tanh": 0, "sigmoid": 1, "relu": 2}  # sgd1_mlp's `act`
+
+
+def _kernel_for(model) -> tuple[Callable, tuple]:
+    """(kernel, its trailing arguments) for the model: sgd1_mlp (h, activation code) for an `MLP`, else
+    sgd1_logreg."""
+    from dpsgd_cli.models.mlp import MLP
+
+    if isinstance(model, MLP):
+        return _kernels()["sgd1_mlp"], (model.hidden, MLP_ACTIVATIONS[model.activation])
+    return _kernels()["sgd1_logreg"], ()

@@ -97,7 +97,7 @@ from dpsgd_cli.algorithms.base import Algorithm, Outcome, Setting
 from dpsgd_cli.algorithms.bassily import calibrate_bassily
 from dpsgd_cli.algorithms.chain import Checkpoints, GradientChain, Transform, add_l2, constant, project_to_ball, scale
 from dpsgd_cli.algorithms.sampling import gather, poisson_batches, row_norms
-from dpsgd_cli.algorithms.streams import BLOCK_STEPS, ReplicaStreams
+from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import MLP, Batch, Model
 from dpsgd_cli.privacy.accounting import calibrate_sigma
@@ -657,14 +657,6 @@ def single_example_batches(X: np.ndarray, y: np.ndarray, x_norm: np.ndarray, idx
         yield Batch(X=X[row][:, None, :], y=y[row][:, None], weight=ones, x_norm=x_norm[row][:, None])
 
 
-def _exact_blocks(reader: "kernels._Reader", steps: int) -> Iterator[np.ndarray]:
-    """The next `steps` numbers of a block reader, in blocks of at most BLOCK_STEPS (nothing read beyond)."""
-    while steps > 0:
-        k = min(BLOCK_STEPS, steps)
-        steps -= k
-        yield reader.take(k)
-
-
 class PIDPSGD(Algorithm):
     """PIDP-SGD (Kang et al., Algorithm 1): DP-SGD with one example per step whose noise is skipped when the
     privately tested influence of the example passes the paper's per-coordinate threshold. Models: logreg, mlp.
@@ -730,7 +722,7 @@ class PIDPSGD(Algorithm):
         x_norm = row_norms(X)
         test_gens = [g.spawn(1)[0] for g in streams.generators("noise")]  # independent of the step noise
         ckpt = Checkpoints(setting.trace_every, X, y) if setting.trace_every else None
-        backend = kernels.select_backend(p.backend, model, 1) if p.sampling == "single" else "numpy"
+        backend = kernels.select_backend(p.backend, model, 1, mlp=True) if p.sampling == "single" else "numpy"
         if backend == "numba" and ckpt is not None and local % ckpt.every:
             backend = "numpy"  # the kernel's checkpoints are aligned to its call (module kernels)
         step = (self._single_steps(setting, model, X, y, x_norm, streams, cal, rule, backend, test_gens)
@@ -793,12 +785,10 @@ class PIDPSGD(Algorithm):
         """One uniformly drawn example per step (lines 6-15), NumPy chain or numba kernel on the same draws."""
         p = self.params
         index_reader = kernels._Reader(kernels.uniform_example_index_blocks(setting.n, streams))
-        d = model.n_params
-        if backend == "numba":
-            noise_reader = kernels._Reader(kernels.block_draws(streams, "noise",
-                                                               lambda g, k: g.standard_normal((k, d))))
+        if backend == "numba":  # the kernel draws the step noise from these generators: the NumPy draws, in order
+            noise_gens = streams.generators("noise")
         else:
-            draws = streams.normal("noise", (d,))
+            draws = streams.normal("noise", (model.n_params,))
 
         def run(theta, local, inf, E, eligible, checkpoints):
             idx = np.ascontiguousarray(index_reader.take(local), dtype=np.int64)  # (T_local, R)
@@ -807,9 +797,9 @@ class PIDPSGD(Algorithm):
             else:
                 quiet = step_noiseless(inf, rule, E, X, y, x_norm, idx, test_gens)
             if backend == "numba":
-                theta = kernels.logreg_single_example_sgd(
+                theta = kernels.single_example_sgd(
                     theta, X, y, iter([idx]), local, constant(setting.lr), clip=GRADIENT_CLIP, l2=setting.l2,
-                    radius=p.radius if p.project else None, noise=_exact_blocks(noise_reader, local),
+                    radius=p.radius if p.project else None, noise_generators=noise_gens,
                     noise_std=cal.std, noise_mask=~quiet, checkpoints=checkpoints, model=model)
             else:
                 chain = GradientChain(

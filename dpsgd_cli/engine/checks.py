@@ -148,6 +148,8 @@ def _check_claim(grid: Grid, claim: ClaimSpec, where: str) -> None:
                         f"grid{_closest(claim.source, valid)}; valid: {', '.join(valid)}")
     if claim.check == "saturates" and source != "privacy_curve":
         raise UserError(f"{where}: check saturates needs source = a privacy_curve figure of the grid")
+    if claim.check in ("fluctuates", "widens") and not claim.over:
+        raise UserError(f"{where}: check {claim.check} compares values along `over`: give over (e.g. over: epsilon)")
     columns, numeric = _columns(grid, source)
     _name(claim.metric, "metric", columns, where, numeric)
     _name(claim.over, "over", columns, where)
