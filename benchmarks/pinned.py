@@ -42,9 +42,14 @@ def pin_prefix() -> list[str]:
     return ["taskset", "-c", str(CORE)] if shutil.which("taskset") else []
 
 
-def side_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
+def side_env(extra: Optional[dict[str, Optional[str]]] = None) -> dict[str, str]:
+    """The driver's environment, one thread everywhere, the repo importable; `extra` sets (None: removes)."""
     env = {**os.environ, **ONE_THREAD, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    env.update(extra or {})
+    for key, value in (extra or {}).items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
     return env
 
 
@@ -52,7 +57,7 @@ class Worker:
     """One side's process; `prepare(kind, **spec)` sets a task up (warm-up and compilation included, their
     seconds reported), `run(name)` times it once inside the worker (only the work, no IPC)."""
 
-    def __init__(self, label: str, python: Optional[str] = None, env: Optional[dict[str, str]] = None):
+    def __init__(self, label: str, python: Optional[str] = None, env: Optional[dict[str, Optional[str]]] = None):
         self.label = label
         self.python = python or sys.executable
         self._err = tempfile.NamedTemporaryFile(prefix=f"dpsgd-bench-{label}-", suffix=".log", delete=False)
@@ -117,7 +122,7 @@ class Command:
     """A side that is a whole command (timed from outside, wall clock), pinned like the workers."""
 
     argv: list[str]
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, Optional[str]] = field(default_factory=dict)
     fresh_dir: bool = True  # an empty temporary folder substituted for "{out}" in argv at each run
 
     def __call__(self) -> dict[str, Any]:

@@ -56,7 +56,7 @@ def ours_fit(spec: dict[str, Any]) -> tuple[Runner, dict[str, Any]]:
         out = ALGORITHMS["dp_sgd"]().fit(setting, model, X, y, ReplicaStreams(range(R)))
         seconds = time.perf_counter() - start
         acc = float(np.mean((model.decision(out.theta.astype(np.float64), data["X_test"]) >= 0) ==
-                            (data["y_test"] > 0))) if spec.get("model", "logreg") == "logreg" else None
+                            (data["y_test"] > 0)))
         return {"seconds": seconds, "replica_steps": R * setting.steps, "test_accuracy": acc}
 
     return run, {"steps": setting.steps, "n_params": model.n_params}
