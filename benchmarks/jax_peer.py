@@ -13,7 +13,8 @@ are counted and reported: none expected). The update is dpsgd's: θ ← θ − �
 
 Two clips: `vmap` materialises the (P, d) per-example gradients (`vmap(grad(loss))`) and clips their norms;
 `closed` uses the closed form of logistic regression, g_i = ℓ'(y_i x_iᵀθ)·y_i x_i, ‖g_i‖ = |ℓ'|·‖x_i‖ with the
-row norms computed once (what dpsgd's core does). float64 (`jax_enable_x64`) or float32. Compilation
+row norms computed once (what dpsgd's core does). `share` = S > 1: each of the R streams trains S models on
+the same batches (the fused grid's work, done the JAX way: the gather is outside the inner vmap). float64 (`jax_enable_x64`) or float32. Compilation
 (`.lower().compile()`) is timed apart from the runs.
 """
 
@@ -48,7 +49,8 @@ def prepare(spec: dict[str, Any]):
     B, lr, l2, C, sigma = spec["batch_size"], spec["lr"], spec["l2"], spec["clip"], spec["sigma"]
     q = B / n
     steps = int(spec.get("steps") or round(n / B))
-    R = int(spec["replicas"])
+    R = int(spec["replicas"])  # batch streams, each shared by S models (S = 1: the usual vmap over replicas)
+    S = int(spec.get("share", 1))
     P = pad_size(n, q, steps)
     X, y = jnp.asarray(X_np, dt), jnp.asarray(y_np, dt)
     x_norm = jnp.sqrt(jnp.sum(X * X, axis=1))
@@ -78,7 +80,9 @@ def prepare(spec: dict[str, Any]):
         idx = jnp.cumsum(jnp.floor(jnp.log(u) / log1mq).astype(jnp.int32) + 1) - 1
         valid = idx < n
         safe = jnp.where(valid, idx, 0)
-        noisy = clipped_sum(theta, safe, valid.astype(dt)) + (sigma * C) * jax.random.normal(k_noise, (d,), dt)
+        # theta is (S, d): the S models sharing this batch stream (vmap leaves the unbatched gather shared)
+        sums = jax.vmap(clipped_sum, in_axes=(0, None, None))(theta, safe, valid.astype(dt))
+        noisy = sums + (sigma * C) * jax.random.normal(k_noise, theta.shape, dt)
         return theta - lr * (noisy / B + l2 * theta), idx[-1] < n  # overflow: the P-th kept index is still < n
 
     def train(theta, key):
@@ -86,7 +90,7 @@ def prepare(spec: dict[str, Any]):
         return theta, jnp.sum(overflow)
 
     epoch = jax.jit(jax.vmap(train))
-    theta0 = jnp.zeros((R, d), dt)
+    theta0 = jnp.zeros((R, S, d), dt)
     keys0 = jax.random.split(jax.random.PRNGKey(0), R)
     start = time.perf_counter()
     compiled = epoch.lower(theta0, keys0).compile()
@@ -101,9 +105,9 @@ def prepare(spec: dict[str, Any]):
         theta, overflow = compiled(theta0, keys)
         theta.block_until_ready()
         seconds = time.perf_counter() - begin
-        w = np.asarray(theta, dtype=np.float64)
+        w = np.asarray(theta, dtype=np.float64).reshape(R * S, d)
         acc = float(np.mean(np.where(w @ X_test.T >= 0, 1.0, -1.0) == y_test))
-        return {"seconds": seconds, "replica_steps": R * steps, "test_accuracy": acc,
+        return {"seconds": seconds, "replica_steps": R * S * steps, "test_accuracy": acc,
                 "overflow_steps": int(np.sum(np.asarray(overflow)))}
 
     return run, {"compile_s": compile_s, "pad": P, "steps": steps, "jax": jax.__version__,
