@@ -7,7 +7,7 @@ gradients of JAX Privacy (per-example gradients, clipped to C, summed, Gaussian 
 whole epoch is one `jax.jit`-compiled `lax.scan` over the steps, and R replicas are a `vmap` over
 (θ, PRNG key). Poisson sampling inside the scan by the Geometric(q) gaps between kept indices (P uniforms per
 step, as dpsgd's sampler, instead of n Bernoulli draws: the first version drew n uniforms and took
-`jnp.nonzero(size=P)`, 4–7× slower per replica-step), the kept indices padded to a fixed P with a mask; P is
+`jnp.nonzero(size=P)`, 3–6× slower per replica-step), the kept indices padded to a fixed P with a mask; P is
 trimmed to the binomial tail bound, the smallest P with P[Binomial(n, q) > P] ≤ 1e-6 / T (overflowing steps
 are counted and reported: none expected). The update is dpsgd's: θ ← θ − η (Σ clip(g_i) + N(0, σ²C²)) / B − η λ θ.
 
