@@ -9,7 +9,7 @@ the load average travels with every ratio. Unit: seconds per replica-step (one s
     Opacus (one model at a time: its per-replica-step time does not depend on R, measured at R = 1) with its
     documented Poisson DataLoader and with batches cut by one Bernoulli mask over the tensors (the DataLoader's
     per-example collate costs more than Opacus's training step on adult; the faster counts for the goals).
-(b) the MLP (adult, h = d, tanh), 20 steps: ours at R = 10 vs Opacus with hooks (both samplers) and with
+(b) the MLP (adult, h = d, tanh), 64 steps: ours at R = 10 vs Opacus with hooks (both samplers) and with
     `grad_sample_mode="ew"`.
 (c) the fused grid's work: `dp_sgd`, 3 seeds × 8 ε of `kang_lr` (adult, 5 epochs = 589 steps): 24 replicas
     whose cells share 3 batch streams when the engine fuses them (`DPSGD_FUSE=0` turns the fusion off; before
@@ -152,7 +152,7 @@ def _logreg(ctx, common, rounds, replica_counts, dtypes) -> list[Row]:
 
 def _mlp(ctx, common, rounds) -> list[Row]:
     rows: list[Row] = []
-    steps = 10 if ctx.quick else 20
+    steps = 64  # one block of noise draws (streams.BLOCK_STEPS): fewer steps would time noise drawn and unused
     workers = {"ours": Worker("ours"), "opacus": _workers_opacus(ctx)}
     try:
         workers["ours"].prepare("mlp", "ours_mlp", replicas=10, steps=steps, data=common["data"])
