@@ -1,7 +1,8 @@
 """The worker process of a pinned side (see pinned.py): `python -m benchmarks.sides`, one JSON request per line.
 
 Requests: {"op": "prepare", "name", "kind", "spec"} builds a task (data from the .npz the driver wrote, warm-up
-and compilation done here, their seconds in the answer); {"op": "run", "name"} times it once; {"op": "quit"}.
+and compilation done here, their seconds in the answer); {"op": "run", "name"} times it (the fastest of the
+repetitions that fit in 0.3 s, at least one); {"op": "quit"}.
 Kinds: `ours_logreg`, `ours_mlp`, `ours_grid` (dpsgd), `jax_logreg` (jax_peer.py), `opacus` (opacus_worker.py);
 each kind's module is imported only when asked for, so a side's interpreter needs only its own libraries.
 """
@@ -104,6 +105,19 @@ def prepare(kind: str, spec: dict[str, Any]) -> tuple[Runner, dict[str, Any]]:
     raise ValueError(f"unknown task kind {kind!r}")
 
 
+def best_run(runner: Runner, budget: float = 0.3, most: int = 20) -> dict[str, Any]:
+    """The fastest of repeated runs within ~`budget` seconds (one run when it takes longer): a 10 ms epoch timed
+    once is at the mercy of one time slice on a shared machine; every side gets the same treatment."""
+    best, spent, count = None, 0.0, 0
+    while count < most and (count == 0 or spent < budget):
+        result = runner()
+        spent += result["seconds"]
+        count += 1
+        if best is None or result["seconds"] < best["seconds"]:
+            best = result
+    return {**best, "repetitions": count}
+
+
 def answer(obj: dict[str, Any]) -> None:
     sys.stdout.write(MARK + json.dumps(obj, default=float) + "\n")
     sys.stdout.flush()
@@ -126,7 +140,7 @@ def main() -> None:
                 tasks[request["name"]] = runner
                 answer({**info, "setup_s": built, "warmup_s": warm["seconds"]})
             elif op == "run":
-                answer(tasks[request["name"]]())
+                answer(best_run(tasks[request["name"]]))
             else:
                 answer({"error": f"unknown op {op!r}"})
         except ImportError as exc:
