@@ -2,8 +2,7 @@
 
 Ours: `DPSGD().fit` (Poisson batches, clip, noise, all replicas in one chain; σ calibrated beforehand, the
 calibration is case 6). Against (b) `numpy_dpsgd` below, a straightforward NumPy DP-SGD that materialises the
-(B, d) per-example gradients and loops over replicas, and (c) Opacus (opacus_worker.py), which trains one model
-at a time. Unit: replica-steps per second (R × 118 steps / best time). Also float32 vs float64 on our chain.
+(B, d) per-example gradients and loops over replicas (Opacus and JAX: case 8, pinned and interleaved). Unit: replica-steps per second (R × 118 steps / best time). Also float32 vs float64 on our chain.
 """
 
 from __future__ import annotations
@@ -12,9 +11,6 @@ import numpy as np
 from scipy.special import expit
 
 from benchmarks.common import Row, Skip, accuracy, best_of, fmt_rate, fmt_time, load, logreg_setting
-
-GOAL_OPACUS = {1: 5.0, 16: 30.0}
-
 
 def numpy_dpsgd(X: np.ndarray, y: np.ndarray, replicas: int, steps: int, q: float, clip: float, sigma: float,
                 lr: float, l2: float, batch_size: int) -> np.ndarray:
@@ -88,8 +84,6 @@ def run(ctx) -> list[Row]:
             data={"replicas": R, "steps": steps, "ours": timing.json(), "baseline": btiming.json(),
                   "ours_replica_steps_per_s": ours_rate, "baseline_replica_steps_per_s": base_rate}))
 
-    rows.extend(_opacus_rows(ctx, data, setting, cal.sigma, ours))
-
     # float32 vs float64: the same chain, float32 data and θ (noise is drawn in float64 and added)
     for R in (1, 16):
         t64, th64 = best_of(lambda: chain_run(data, setting, cal.sigma, R, np.float64), k, warmup=1)
@@ -104,44 +98,4 @@ def run(ctx) -> list[Row]:
                   f"{float(np.max(np.abs(th32 - th64))):.2e}"),
             data={"replicas": R, "float32": t32.json(), "float64": t64.json(), "accuracy_float32": a32,
                   "accuracy_float64": a64}))
-    return rows
-
-
-def _opacus_rows(ctx, data, setting, sigma: float, ours: dict[int, tuple]) -> list[Row]:
-    steps = setting.steps
-    replica_counts = (1,) if ctx.quick else (1, 16)
-    job = dict(batch_size=setting.batch_size, lr=setting.lr, clip=setting.clip_norm, sigma=sigma, l2=setting.l2,
-               k=ctx.k, dtype="float64")
-    try:
-        result = ctx.opacus.run({"train": [{**job, "replicas": R} for R in replica_counts]},
-                                arrays={"X_train": data.X_train, "y_train": data.y_train, "X_test": data.X_test,
-                                        "y_test": data.y_test})
-    except Skip as skip:
-        return [Row(f"1{'cd'[R > 1]}", f"dp_sgd adult R = {R}: ours vs Opacus", goal=f"≥ {GOAL_OPACUS[R]:g}×",
-                    note=f"skipped: {skip}") for R in (1, 16)]
-    ctx.versions.update(result.get("versions", {}))
-    measured = {t["replicas"]: t for t in result["train"]}
-    rows = []
-    for R in (1, 16):
-        timing, acc = ours[R]
-        if R in measured:
-            t = measured[R]
-            o_time, extrapolated = min(t["times_s"]), ""
-            o_steps = t["steps"]
-        else:  # quick mode: Opacus trains replicas one after another, so R runs take R × one run
-            t = measured[1]
-            o_time, o_steps = R * min(t["times_s"]), R * t["steps"]
-            extrapolated = f" (quick: {R} × the R = 1 run)"
-        ours_rate, o_rate = R * steps / timing.min, o_steps / o_time
-        ratio = ours_rate / o_rate
-        rows.append(Row(
-            f"1{'cd'[R > 1]}", f"dp_sgd adult R = {R}: ours vs Opacus {result['versions']['opacus']}",
-            ours=fmt_rate(ours_rate, "replica-steps"),
-            comparison=f"{fmt_rate(o_rate, 'replica-steps')} ({fmt_time(o_time)}){extrapolated}",
-            ratio=ratio, ratio_label="×", goal=f"≥ {GOAL_OPACUS[R]:g}×", met=ratio >= GOAL_OPACUS[R],
-            note=(f"Opacus float64, {ctx.opacus.describe()}, torch threads {result['versions']['torch_threads']}; "
-                  f"test accuracy ours {acc:.4f}, Opacus {float(np.mean(t['test_accuracy'])):.4f}"),
-            data={"replicas": R, "opacus_s": o_time, "opacus_steps": o_steps, "opacus_times_s": t["times_s"],
-                  "ours_replica_steps_per_s": ours_rate, "opacus_replica_steps_per_s": o_rate,
-                  "extrapolated": bool(extrapolated)}))
     return rows

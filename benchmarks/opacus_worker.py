@@ -1,11 +1,10 @@
-"""Opacus side of cases 1 and 6, standalone (numpy, torch and opacus only; never a dependency of dpsgd).
+"""Opacus side of cases 6 and 8, standalone (numpy, torch and opacus only; never a dependency of dpsgd).
 
-Imported by the benchmark when `opacus` is importable in its own interpreter; otherwise run as a script by
-another interpreter that has it (`python -m benchmarks --opacus-python /path/to/venv/bin/python`):
+Case 8 runs `prepare` in a pinned worker (benchmarks.sides, possibly in another interpreter: `python -m
+benchmarks --opacus-python /path/to/venv/bin/python`); case 6's calibration timings go through `run_request`,
+imported when `opacus` is importable here, else run as a script by that interpreter:
 
     python opacus_worker.py REQUEST.json   →   JSON on stdout
-
-The request names an .npz (X_train, y_train, X_test, y_test) and the settings; see `run_request`.
 
 DP-SGD with Opacus as its documentation shows it: nn.Linear(d, 1, bias=False) from zero, BCE-with-logits loss
 (mean), torch.optim.SGD(lr, weight_decay=λ), PrivacyEngine.make_private(noise_multiplier=σ, max_grad_norm=C,
@@ -30,10 +29,13 @@ def versions() -> dict[str, str]:
     return {"torch": torch.__version__, "opacus": opacus.__version__, "torch_threads": str(torch.get_num_threads())}
 
 
-def train_epochs(X, y, X_test, y_test, *, batch_size: int, lr: float, clip: float, sigma: float, l2: float,
-                 replicas: int, k: int, dtype: str = "float64") -> dict[str, Any]:
-    """k trials of `replicas` one-epoch trainings; the seconds of each trial's training loops, the steps done and
-    the test accuracy of every trained model (of the last trial)."""
+def prepare(spec: dict[str, Any]):
+    """A pinned-side task (benchmarks.sides): `replicas` trainings of `steps` steps (default one epoch) of the
+    logistic regression (nn.Linear(d, 1, bias=False)) or of the MLP (Linear(d, h) → tanh → Linear(h, 1), h = d,
+    as dpsgd's), with grad_sample_mode `hooks` (Opacus's default) or `ew` (expanded weights), batches from
+    Opacus's Poisson DataLoader or from a Bernoulli mask over the tensors (`sampler`). One torch thread
+    (torch.set_num_threads(1), as OMP_NUM_THREADS=1 in the worker's environment). Only the training loops are
+    timed; model, optimizer and make_private are set up outside the clock."""
     import logging
     import warnings
 
@@ -42,42 +44,67 @@ def train_epochs(X, y, X_test, y_test, *, batch_size: int, lr: float, clip: floa
     from opacus import PrivacyEngine
     from torch.utils.data import DataLoader, TensorDataset
 
+    torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     logging.getLogger("opacus").setLevel(logging.ERROR)
+    with np.load(spec["data"]) as f:
+        X, y, X_test, y_test = f["X_train"], f["y_train"], f["X_test"], f["y_test"]
+    dtype = spec.get("dtype", "float64")
     tdtype = torch.float64 if dtype == "float64" else torch.float32
     Xt = torch.from_numpy(np.ascontiguousarray(X, dtype=dtype))
     yt = torch.from_numpy((np.asarray(y) > 0).astype(dtype))
-    d = Xt.shape[1]
+    Xtest = torch.from_numpy(np.ascontiguousarray(X_test, dtype=dtype))
+    n, d = Xt.shape
+    B, lr, l2, clip, sigma = spec["batch_size"], spec["lr"], spec["l2"], spec["clip"], spec["sigma"]
+    steps = int(spec.get("steps") or round(n / B))
+    replicas, mode, kind = int(spec.get("replicas", 1)), spec.get("mode", "hooks"), spec.get("model", "logreg")
     loss_fn = torch.nn.BCEWithLogitsLoss()
+    # "dataloader": Opacus's documented Poisson DataLoader (its per-example __getitem__ and collate cost ~1.8 ms
+    # a step on adult, more than the training); "tensor": the same Poisson sampling by one mask over the tensor
+    sampler = spec.get("sampler", "dataloader")
 
-    def setup(seed: int):
+    def tensor_batches(seed: int):
+        g = torch.Generator().manual_seed(seed)
+        while True:
+            chosen = torch.rand(n, generator=g) < B / n
+            yield Xt[chosen], yt[chosen]
+
+    def build(seed: int):
         torch.manual_seed(seed)
-        model = torch.nn.Linear(d, 1, bias=False).to(tdtype)
-        with torch.no_grad():
-            model.weight.zero_()
+        if kind == "mlp":
+            model = torch.nn.Sequential(torch.nn.Linear(d, d), torch.nn.Tanh(), torch.nn.Linear(d, 1)).to(tdtype)
+        else:
+            model = torch.nn.Linear(d, 1, bias=False).to(tdtype)
+            with torch.no_grad():
+                model.weight.zero_()
         optimizer = torch.optim.SGD(model.parameters(), lr=lr, weight_decay=l2)
-        loader = DataLoader(TensorDataset(Xt, yt), batch_size=batch_size)
-        engine = PrivacyEngine(accountant="rdp")
-        return engine.make_private(module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=sigma,
-                                   max_grad_norm=clip, poisson_sampling=True)
+        loader = DataLoader(TensorDataset(Xt, yt), batch_size=B)
+        return PrivacyEngine(accountant="rdp").make_private(
+            module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=sigma, max_grad_norm=clip,
+            poisson_sampling=True, grad_sample_mode=mode)
 
-    trials, steps, accuracies = [], 0, []
-    for _ in range(k):
-        total, steps, accuracies = 0.0, 0, []
+    def run() -> dict[str, Any]:
+        total, done, accuracies = 0.0, 0, []
         for seed in range(replicas):
-            model, optimizer, loader = setup(seed)
+            model, optimizer, loader = build(seed)
             start = time.perf_counter()
-            for xb, yb in loader:
-                optimizer.zero_grad()
-                loss = loss_fn(model(xb).squeeze(-1), yb)
-                loss.backward()
-                optimizer.step()
-                steps += 1
+            taken = 0
+            while taken < steps:
+                for xb, yb in (loader if sampler == "dataloader" else tensor_batches(seed)):
+                    optimizer.zero_grad(set_to_none=True)
+                    loss_fn(model(xb).squeeze(-1), yb).backward()
+                    optimizer.step()
+                    taken += 1
+                    if taken == steps:
+                        break
             total += time.perf_counter() - start
-            w = model._module.weight.detach().cpu().numpy().reshape(-1)
-            accuracies.append(float(np.mean(np.where(X_test @ w >= 0, 1.0, -1.0) == y_test)))
-        trials.append(total)
-    return {"times_s": trials, "steps": steps, "test_accuracy": accuracies, "dtype": dtype, "replicas": replicas}
+            done += taken
+            with torch.no_grad():
+                out = model._module(Xtest).squeeze(-1).numpy()  # the wrapped module (ew forbids a bare forward)
+            accuracies.append(float(np.mean(np.where(out >= 0, 1.0, -1.0) == y_test)))
+        return {"seconds": total, "replica_steps": done, "test_accuracy": float(np.mean(accuracies))}
+
+    return run, {"steps": steps, **versions()}
 
 
 def calibration_times(epsilons: list[float], delta: float, sample_rate: float, steps: int, k: int,
@@ -102,13 +129,7 @@ def calibration_times(epsilons: list[float], delta: float, sample_rate: float, s
 
 
 def run_request(request: dict[str, Any]) -> dict[str, Any]:
-    import numpy as np
-
     out: dict[str, Any] = {"versions": versions()}
-    if "train" in request:
-        data = np.load(request["data"])
-        out["train"] = [train_epochs(data["X_train"], data["y_train"], data["X_test"], data["y_test"], **job)
-                        for job in request["train"]]
     if "calibrate" in request:
         out["calibrate"] = [calibration_times(**job) for job in request["calibrate"]]
     return out
