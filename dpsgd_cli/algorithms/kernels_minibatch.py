@@ -18,8 +18,8 @@ gaps, permutations or the full batch) and the noise from the chain's own `draws`
 `SharedStreams`: float64 blocks), so a seed gives the same run on both paths, equal up to the summation order
 (tests/test_kernels_minibatch.py asserts rtol 1e-12).
 
-Fused = alone, bit for bit, on this path: each chain's dot product θ_c·x_i is summed in a fixed order (four
-interleaved partial sums over the features, then (s0 + s1) + (s2 + s3)) and its g_c adds the rows in batch
+Fused = alone, bit for bit, on this path: each chain's dot product θ_c·x_i is summed in a fixed order (eight
+interleaved partial sums over the features, then a fixed tree) and its g_c adds the rows in batch
 order, whatever the other chains of the call; the row is read from memory once and from the L1 cache by the
 other chains. Chains of one fused task that share a seed's noise stream share the noise block (the same
 draws, `SharedStreams`, detected by identity).
@@ -55,22 +55,31 @@ def _kernel():
                         f"({NUMBA_HINT}) or use backend: numpy") from exc
 
     @numba.njit(cache=True, nogil=True, inline="always")
-    def dot4(X, i, TH, c, r, d):  # pragma: no cover
-        """θ_c·x_i in a fixed order: four interleaved partial sums, then (s0 + s1) + (s2 + s3), then the tail."""
+    def dot8(X, i, V, c, r, d):  # pragma: no cover
+        """Σ_j X[i, j] V[c, r, j] in a fixed order: eight interleaved partial sums (independent chains: the
+        latency of one add no longer bounds the loop), a fixed tree, then the tail."""
         s0 = 0.0
         s1 = 0.0
         s2 = 0.0
         s3 = 0.0
+        s4 = 0.0
+        s5 = 0.0
+        s6 = 0.0
+        s7 = 0.0
         j = 0
-        while j + 4 <= d:
-            s0 += X[i, j] * TH[c, r, j]
-            s1 += X[i, j + 1] * TH[c, r, j + 1]
-            s2 += X[i, j + 2] * TH[c, r, j + 2]
-            s3 += X[i, j + 3] * TH[c, r, j + 3]
-            j += 4
-        s = (s0 + s1) + (s2 + s3)
+        while j + 8 <= d:
+            s0 += X[i, j] * V[c, r, j]
+            s1 += X[i, j + 1] * V[c, r, j + 1]
+            s2 += X[i, j + 2] * V[c, r, j + 2]
+            s3 += X[i, j + 3] * V[c, r, j + 3]
+            s4 += X[i, j + 4] * V[c, r, j + 4]
+            s5 += X[i, j + 5] * V[c, r, j + 5]
+            s6 += X[i, j + 6] * V[c, r, j + 6]
+            s7 += X[i, j + 7] * V[c, r, j + 7]
+            j += 8
+        s = ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
         while j < d:
-            s += X[i, j] * TH[c, r, j]
+            s += X[i, j] * V[c, r, j]
             j += 1
         return s
 
@@ -93,7 +102,7 @@ def _kernel():
                     for c in range(C):
                         if not active[c]:
                             continue
-                        a = -yi * (1.0 / (1.0 + np.exp(yi * dot4(X, i, TH, c, r, d))))  # −y σ(−y θ·x)
+                        a = -yi * (1.0 / (1.0 + np.exp(yi * dot8(X, i, TH, c, r, d))))  # −y σ(−y θ·x)
                         if do_clip[c]:
                             a = a * clip[c] / max(abs(a) * x_norm[i], clip[c])
                         for j in range(d):

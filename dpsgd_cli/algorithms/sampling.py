@@ -62,20 +62,27 @@ class IndexedBatches:
     def __init__(self, X: np.ndarray, y: np.ndarray, blocks: Iterator[np.ndarray] | None, replicas: int,
                  trim: bool = False):
         self.X, self.y, self.replicas = X, y, replicas
-        self.x_norm = row_norms(X)
         self.full = blocks is None
         self._blocks, self._block, self._pos, self._trim = blocks, None, 0, trim
-        if self.full:  # without copying X: the replica axis is a zero-stride broadcast view
-            n = X.shape[0]
-            self._full = Batch(X=np.broadcast_to(X, (replicas, *X.shape)), y=np.broadcast_to(y, (replicas, n)),
-                               weight=np.ones((replicas, n), dtype=X.dtype),
-                               x_norm=np.broadcast_to(self.x_norm, (replicas, n)))
+        self._x_norm, self._full = None, None
+
+    @property
+    def x_norm(self) -> np.ndarray:
+        """‖x_i‖ of every row, computed at the first batch (the compiled step never needs all of them)."""
+        if self._x_norm is None:
+            self._x_norm = row_norms(self.X)
+        return self._x_norm
 
     def __iter__(self) -> "IndexedBatches":
         return self
 
     def __next__(self) -> Batch:
         if self.full:
+            if self._full is None:  # without copying X: the replica axis is a zero-stride broadcast view
+                n, R = self.X.shape[0], self.replicas
+                self._full = Batch(X=np.broadcast_to(self.X, (R, *self.X.shape)), y=np.broadcast_to(self.y, (R, n)),
+                                   weight=np.ones((R, n), dtype=self.X.dtype),
+                                   x_norm=np.broadcast_to(self.x_norm, (R, n)))
             return self._full
         if self._block is None or self._pos == len(self._block):
             self._block, self._pos = next(self._blocks), 0
