@@ -180,3 +180,30 @@ def test_backend_numba_without_numba_is_a_user_error(monkeypatch):
         _train("sgd", {}, _setting(X), X, y, "numba")
     assert _train("sgd", {}, _setting(X), X, y, "auto")[1] == "numpy"
     assert model is not None
+
+
+@needs_numba
+@pytest.mark.parametrize("steps", [(30, 30), (12, 45), (45, 12)])
+def test_a_stream_shared_by_compiled_and_numpy_chains(steps):
+    """dp_lssgd-like (smoothing: NumPy) beside a compiled chain on one Poisson stream: the NumPy chain replays the
+    batches the kernel takes, also past the kernel's last step; each equals its run alone, bit for bit."""
+    from dpsgd_cli.algorithms.chain import run_together
+
+    X, y = _data()
+    model = make_model("logreg", X.shape[1], 0.05)
+    theta0 = np.zeros((len(SEEDS), X.shape[1]))
+
+    def chains(streams):
+        fast, slow = _chain(X, y, streams), _chain(X, y, streams, std=0.1)
+        slow.transforms = [*slow.transforms, laplacian_smoothing(0.5)]
+        fast.stream = slow.stream = ("poisson", 0.1)
+        return fast, slow
+
+    streams = SharedStreams(SEEDS)
+    fast, slow = chains(streams)
+    streams.close()
+    together = run_together(model, [fast, slow], [theta0, theta0], list(steps))
+    assert (fast.ran_on, slow.ran_on) == ("numba", "numpy")
+    for k in range(2):
+        alone = chains(ReplicaStreams(SEEDS))[k]
+        np.testing.assert_array_equal(together[k], alone.run(model, theta0, steps[k]))

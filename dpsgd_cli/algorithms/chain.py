@@ -184,28 +184,31 @@ def run_together(model: Model, chains: Sequence[GradientChain], thetas: Sequence
     the others' are never started. Each chain keeps its own θ, transforms (noise, σ), schedule and clip, and
     computes exactly what it would alone (same arrays, same calls), so fused runs are bit for bit the same.
 
-    Where every chain of a stream has a compiled step (`backend`, kernels_minibatch.applies), those chains run
-    in the numba kernel instead, together (the batch read once per step for all of them; each chain's sums in
-    an order that does not depend on the others, so fused is still bit for bit alone on that path).
+    Chains with a compiled step (`backend`, kernels_minibatch.applies; they take it alone too) run in the numba
+    kernel instead, those of a stream together (the batch read once per step for all of them; each chain's sums
+    in an order that does not depend on the others, so fused is still bit for bit alone); NumPy chains of the
+    same stream replay the batches the kernel takes (`IndexedBatches.replay`).
     """
     keys = [chain.stream if chain.stream is not None else ("own", k) for k, chain in enumerate(chains)]
     thetas = [theta.copy() for theta in thetas]
-    numpy_side = list(range(len(chains)))
+    numpy_side, sources, runs = list(range(len(chains))), {}, []
     if any(chain.backend != "numpy" for chain in chains):
         from dpsgd_cli.algorithms import kernels_minibatch
 
-        numpy_side = []
-        for key in dict.fromkeys(keys):
-            group = [k for k, kk in enumerate(keys) if kk == key]
-            if kernels_minibatch.applies(model, [chains[k] for k in group], [thetas[k] for k in group]):
-                out = kernels_minibatch.run_group(model, [chains[k] for k in group], [thetas[k] for k in group],
-                                                  [steps[k] for k in group])
-                for k, theta in zip(group, out):
-                    thetas[k], chains[k].ran_on = theta, "numba"
-            else:
-                numpy_side += group
-        numpy_side.sort()
-    shared: dict = {}
+        # each chain on the path it takes alone (so fused is alone, bit for bit): the compiled ones of a stream
+        # together, the others on NumPy, replaying the batches the kernel takes
+        compiled = [k for k, chain in enumerate(chains)
+                    if kernels_minibatch.applies(model, [chain], [thetas[k]])]
+        numpy_side = [k for k in range(len(chains)) if k not in compiled]
+        for key in dict.fromkeys(keys[k] for k in compiled):
+            group = [k for k in compiled if keys[k] == key]
+            out: list = []
+            run = kernels_minibatch.group_steps(model, [chains[k] for k in group], [thetas[k] for k in group],
+                                                [steps[k] for k in group], out)
+            runs.append((group, run, out))
+            if any(keys[k] == key for k in numpy_side):
+                sources[key] = chains[group[0]].batches.replay(lambda run=run: next(run, None) is not None)
+    shared: dict = dict(sources)
     for k in numpy_side:
         chains[k].ran_on = "numpy"
         shared.setdefault(keys[k], chains[k].batches)
@@ -216,6 +219,11 @@ def run_together(model: Model, chains: Sequence[GradientChain], thetas: Sequence
             for k in numpy_side:
                 if t <= steps[k]:
                     thetas[k] = chains[k].step(model, thetas[k], t, batch[keys[k]])
+    for group, run, out in runs:
+        for _ in run:  # the rest of the compiled steps
+            pass
+        for k, theta in zip(group, out):
+            thetas[k], chains[k].ran_on = theta, "numba"
     return thetas
 
 

@@ -34,7 +34,7 @@ checkpoints (the kernel stops at each step that records one). Everything else ke
 from __future__ import annotations
 
 import functools
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -207,6 +207,16 @@ def _record_steps(checkpoints, examples_per_step: float, steps: int) -> np.ndarr
 def run_group(model, chains: Sequence, thetas: Sequence[np.ndarray], steps: Sequence[int]) -> list[np.ndarray]:
     """Run chains that share one batch stream (`applies`) for their `steps`, on the kernel; each result equals
     its `chain.run` (NumPy) up to summation order, and is the same bit for bit whatever the other chains."""
+    out: list[np.ndarray] = []
+    for _ in group_steps(model, chains, thetas, steps, out):
+        pass
+    return out
+
+
+def group_steps(model, chains: Sequence, thetas: Sequence[np.ndarray], steps: Sequence[int],
+                out: list) -> Iterator[int]:
+    """`run_group` one kernel call at a time: yields the steps done after each call; the results are appended to
+    `out` at the end (so a NumPy chain on the same stream can replay the batches as they are taken)."""
     batches: IndexedBatches = chains[0].batches
     X, y, x_norm = np.ascontiguousarray(batches.X), np.ascontiguousarray(batches.y), batches.x_norm
     plans = [_plan(chain) for chain in chains]
@@ -243,7 +253,8 @@ def run_group(model, chains: Sequence, thetas: Sequence[np.ndarray], steps: Sequ
                 with np.errstate(all="ignore"):
                     chain.checkpoints.maybe_record(model, TH[c], round((stop - 1) * e), round(stop * e))
         done = stop
-    return [TH[c].astype(theta.dtype, copy=True) for c, theta in enumerate(thetas)]
+        yield done
+    out.extend(TH[c].astype(theta.dtype, copy=True) for c, theta in enumerate(thetas))
 
 
 def _noise(chains, plans, active, m: int) -> tuple[Optional[np.ndarray], np.ndarray]:

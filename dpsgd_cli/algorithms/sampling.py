@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from collections import deque
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -65,6 +66,7 @@ class IndexedBatches:
         self.full = blocks is None
         self._blocks, self._block, self._pos, self._trim = blocks, None, 0, trim
         self._x_norm, self._full = None, None
+        self.taps: list[deque] = []  # queues that receive a copy of every `take` (see `replay`)
 
     @property
     def x_norm(self) -> np.ndarray:
@@ -105,8 +107,31 @@ class IndexedBatches:
             parts.append(part)
             have += len(part)
         width = max(p.shape[2] for p in parts)
-        return np.concatenate([np.pad(p, ((0, 0), (0, 0), (0, width - p.shape[2])), constant_values=-1)
-                               for p in parts]) if len(parts) > 1 else np.ascontiguousarray(parts[0])
+        out = np.concatenate([np.pad(p, ((0, 0), (0, 0), (0, width - p.shape[2])), constant_values=-1)
+                              for p in parts]) if len(parts) > 1 else np.ascontiguousarray(parts[0])
+        for tap in self.taps:
+            tap.append(out)
+        return out
+
+    def replay(self, advance: Callable[[], bool]) -> "IndexedBatches":
+        """Batches equal to these for a second consumer while a first one `take`s: the steps it took are
+        replayed; when none is left, `advance()` makes it take more (False once it is done; then the steps
+        come from these batches directly). The full batch is shared as is."""
+        if self.full:
+            return self
+        queue: deque = deque()
+        self.taps.append(queue)
+
+        def blocks() -> Iterator[np.ndarray]:
+            while True:
+                if queue:
+                    yield queue.popleft()
+                elif not advance():
+                    if queue in self.taps:
+                        self.taps.remove(queue)
+                    if not queue:
+                        yield self.take(BLOCK_STEPS)
+        return IndexedBatches(self.X, self.y, blocks(), self.replicas, trim=self._trim)
 
 
 def row_norms(X: np.ndarray) -> np.ndarray:
