@@ -174,7 +174,7 @@ def test_where_the_kernel_does_not_apply():
 
 def test_backend_numba_without_numba_is_a_user_error(monkeypatch):
     X, y = _data()
-    monkeypatch.setattr(kernels_minibatch, "HAVE_NUMBA", False)
+    monkeypatch.setattr(kernels, "HAVE_NUMBA", False)
     model = make_model("logreg", X.shape[1], 1e-2)
     with pytest.raises(UserError, match="numba is not installed"):
         _train("sgd", {}, _setting(X), X, y, "numba")

@@ -92,7 +92,7 @@ def laplacian_smoothing(sigma_ls: float, P: Optional[int] = None) -> Transform:
     if not (np.isfinite(sigma_ls) and sigma_ls >= 0):
         raise UserError(f"smoothing must be a finite number ≥ 0, got {sigma_ls!r}")
     if sigma_ls == 0:
-        return lambda g, theta: g
+        return _described(lambda g, theta: g, "identity")
     cache: dict[int, np.ndarray] = {}
     if P is not None:
         cache[int(P)] = 1.0 / laplacian_eigenvalues(sigma_ls, int(P))[: int(P) // 2 + 1]

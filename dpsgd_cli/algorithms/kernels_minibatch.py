@@ -27,7 +27,7 @@ draws, `SharedStreams`, detected by identity).
 Applies (`applies`): backend not "numpy"; numba installed (backend "numba" without it: UserError); a
 `LogisticRegression` whose `clipped_grad_sum` is not overridden (not the audit's canary models); float64 data
 and θ; a sampler that is an `IndexedBatches` (Poisson, shuffled, full batch); transforms an ordered subset of
-(noise, scale, l2); the projection none or `project_to_ball`; any schedule (`kernels.schedule_values`);
+(noise, scale, l2) and identities (dp_lssgd's smoothing 0); the projection none or `project_to_ball`; any schedule (`kernels.schedule_values`);
 checkpoints (the kernel stops at each step that records one). Everything else keeps the NumPy chain.
 """
 
@@ -38,7 +38,8 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
-from dpsgd_cli.algorithms.kernels import CHUNK_ELEMENTS, HAVE_NUMBA, NUMBA_HINT, schedule_values
+from dpsgd_cli.algorithms import kernels
+from dpsgd_cli.algorithms.kernels import CHUNK_ELEMENTS, NUMBA_HINT, schedule_values
 from dpsgd_cli.algorithms.sampling import IndexedBatches
 from dpsgd_cli.errors import UserError
 
@@ -152,6 +153,8 @@ def _plan(chain) -> Optional[dict]:
     at = 0
     for transform in chain.transforms:
         compiled = getattr(transform, "compiled", None)
+        if compiled is not None and compiled[0] == "identity":  # e.g. dp_lssgd's smoothing 0
+            continue
         if compiled is None or compiled[0] not in ORDER[at:]:
             return None
         at = ORDER.index(compiled[0]) + 1
@@ -173,7 +176,7 @@ def applies(model, chains: Sequence, thetas: Sequence[np.ndarray]) -> bool:
     if any(chain.backend not in ("auto", "numba") for chain in chains):
         raise UserError(f"backend = {chains[0].backend!r}: use auto, numpy or numba")
     wanted = any(chain.backend == "numba" for chain in chains)
-    if not HAVE_NUMBA:
+    if not kernels.HAVE_NUMBA:  # looked up here: tests switch it off
         if wanted:
             raise UserError(f"backend: numba, but numba is not installed: {NUMBA_HINT}, or use backend: auto")
         return False
