@@ -48,90 +48,13 @@ ORDER = ("noise", "scale", "l2")  # the kernel's order of the transforms
 
 @functools.lru_cache(maxsize=1)
 def _kernel():
-    """Compile (or load from numba's on-disk cache) the kernel; imports numba."""
+    """Compile (or load from numba's on-disk cache) the kernel (`_kernels_minibatch_numba.mb_logreg`); imports numba."""
     try:
-        import numba
+        from dpsgd_cli.algorithms import _kernels_minibatch_numba
     except Exception as exc:  # installed but broken
         raise UserError(f"numba could not be imported ({type(exc).__name__}: {exc}); reinstall it "
                         f"({NUMBA_HINT}) or use backend: numpy") from exc
-
-    @numba.njit(cache=True, nogil=True, inline="always")
-    def dot8(X, i, V, c, r, d):  # pragma: no cover
-        """Σ_j X[i, j] V[c, r, j] in a fixed order: eight interleaved partial sums (independent chains: the
-        latency of one add no longer bounds the loop), a fixed tree, then the tail."""
-        s0 = 0.0
-        s1 = 0.0
-        s2 = 0.0
-        s3 = 0.0
-        s4 = 0.0
-        s5 = 0.0
-        s6 = 0.0
-        s7 = 0.0
-        j = 0
-        while j + 8 <= d:
-            s0 += X[i, j] * V[c, r, j]
-            s1 += X[i, j + 1] * V[c, r, j + 1]
-            s2 += X[i, j + 2] * V[c, r, j + 2]
-            s3 += X[i, j + 3] * V[c, r, j + 3]
-            s4 += X[i, j + 4] * V[c, r, j + 4]
-            s5 += X[i, j + 5] * V[c, r, j + 5]
-            s6 += X[i, j + 6] * V[c, r, j + 6]
-            s7 += X[i, j + 7] * V[c, r, j + 7]
-            j += 8
-        s = ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
-        while j < d:
-            s += X[i, j] * V[c, r, j]
-            j += 1
-        return s
-
-    @numba.njit(cache=True, nogil=True)
-    def mb_logreg(TH, active, X, y, x_norm, idx, full, noise, slot, std, scale, l2, clip, do_clip, lrs, radius,
-                  do_project, g):  # pragma: no cover
-        C, R, d = TH.shape
-        m = lrs.shape[1]
-        M = X.shape[0] if full else idx.shape[2]
-        for r in range(R):
-            for t in range(m):
-                for c in range(C):
-                    for j in range(d):
-                        g[c, j] = 0.0
-                for k in range(M):
-                    i = k if full else idx[t, r, k]
-                    if i < 0:  # kept indices come first: the rest of the row is padding
-                        break
-                    yi = y[i]
-                    for c in range(C):
-                        if not active[c]:
-                            continue
-                        a = -yi * (1.0 / (1.0 + np.exp(yi * dot8(X, i, TH, c, r, d))))  # −y σ(−y θ·x)
-                        if do_clip[c]:
-                            a = a * clip[c] / max(abs(a) * x_norm[i], clip[c])
-                        for j in range(d):
-                            g[c, j] += a * X[i, j]
-                for c in range(C):
-                    if not active[c]:
-                        continue
-                    eta = lrs[c, t]
-                    s = slot[c]
-                    sq = 0.0
-                    for j in range(d):
-                        v = g[c, j]
-                        if s >= 0:
-                            v = v + std[c] * noise[s, t, r, j]
-                        v = v * scale[c]
-                        if l2[c] != 0.0:
-                            v = v + l2[c] * TH[c, r, j]
-                        v = TH[c, r, j] - eta * v
-                        TH[c, r, j] = v
-                        sq += v * v
-                    if do_project[c]:
-                        f = radius[c] / max(np.sqrt(sq), 1e-300)
-                        if f < 1.0:
-                            for j in range(d):
-                                TH[c, r, j] = TH[c, r, j] * f
-        return TH
-
-    return mb_logreg
+    return _kernels_minibatch_numba.mb_logreg
 
 
 def warm_up() -> float:
@@ -221,7 +144,8 @@ def group_steps(model, chains: Sequence, thetas: Sequence[np.ndarray], steps: Se
     """`run_group` one kernel call at a time: yields the steps done after each call; the results are appended to
     `out` at the end (so a NumPy chain on the same stream can replay the batches as they are taken)."""
     batches: IndexedBatches = chains[0].batches
-    X, y, x_norm = np.ascontiguousarray(batches.X), np.ascontiguousarray(batches.y), batches.x_norm
+    X, y = np.ascontiguousarray(batches.X), np.ascontiguousarray(batches.y)
+    x_norm = batches.x_norm if any(c.clip is not None for c in chains) else np.zeros(1)  # only the clip reads it
     plans = [_plan(chain) for chain in chains]
     C, (R, d) = len(chains), thetas[0].shape
     TH = np.ascontiguousarray(np.stack(thetas).astype(np.float64))  # (C, R, d)
