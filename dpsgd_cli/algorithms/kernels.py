@@ -74,8 +74,7 @@ def backend_description() -> str:
     """One line for the CLI: which backend the single-example loops use."""
     version = numba_version()
     if version:
-        return (f"backend: numba {version} (single-example loops: song2013, bassily2014, pidp_sgd; mini-batch steps of "
-                f"logistic regression: sgd, dp_sgd, song2013)")
+        return f"backend: numba {version} (single-example loops; logreg mini-batch steps)"  # fits 80 columns
     return f"backend: numpy ({NUMBA_HINT} for the single-example kernels)"
 
 
