@@ -11,18 +11,15 @@ from dpsgd_cli.algorithms.sampling import poisson_batches, shuffled_batches
 from dpsgd_cli.algorithms.streams import ReplicaStreams, SharedStreams
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import make_model
+from tests.test_kernels import _data as kernel_data
 
 needs_numba = pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="numba not installed (pip install 'dpsgd[numba]')")
 SEEDS = [0, 3, 11]
 
 
-def _data(n=240, d=7, seed=2, max_norm=1.6):
-    """Rows up to norm 1.6, so the clip at 0.5–1 acts on some examples."""
-    rng = np.random.default_rng(seed)
-    X = rng.normal(size=(n, d))
-    X *= max_norm * rng.uniform(0.1, 1.0, size=(n, 1)) / np.linalg.norm(X, axis=1, keepdims=True)
-    y = np.where(X @ rng.normal(size=d) + 0.3 * rng.normal(size=n) > 0, 1.0, -1.0)
-    return X, y
+def _data(n=240, d=7):
+    """test_kernels' data (rows up to norm 1.6, so the clip at 0.5–1 acts on some examples), a bit larger."""
+    return kernel_data(n, d)
 
 
 def _setting(X, **kw):

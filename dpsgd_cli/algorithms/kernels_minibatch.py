@@ -27,8 +27,9 @@ draws, `SharedStreams`, detected by identity).
 Applies (`applies`): backend not "numpy"; numba installed (backend "numba" without it: UserError); a
 `LogisticRegression` whose `clipped_grad_sum` is not overridden (not the audit's canary models); float64 data
 and θ; a sampler that is an `IndexedBatches` (Poisson, shuffled, full batch); transforms an ordered subset of
-(noise, scale, l2) and identities (dp_lssgd's smoothing 0); the projection none or `project_to_ball`; any schedule (`kernels.schedule_values`);
-checkpoints (the kernel stops at each step that records one). Everything else keeps the NumPy chain.
+(noise, scale, l2) and identities (dp_lssgd's smoothing 0); the projection none or `project_to_ball`; any
+schedule (`kernels.schedule_values`); checkpoints (the kernel stops at each step that records one). Everything
+else keeps the NumPy chain.
 """
 
 from __future__ import annotations
@@ -55,19 +56,6 @@ def _kernel():
         raise UserError(f"numba could not be imported ({type(exc).__name__}: {exc}); reinstall it "
                         f"({NUMBA_HINT}) or use backend: numpy") from exc
     return _kernels_minibatch_numba.mb_logreg
-
-
-def warm_up() -> float:
-    """Compile or load the kernel now; returns the seconds it took."""
-    import time
-
-    start = time.perf_counter()
-    f, b = np.zeros(1, dtype=np.bool_), np.ones(1, dtype=np.bool_)
-    for full in (False, True):
-        _kernel()(np.zeros((1, 1, 1)), b, np.ones((1, 1)), np.ones(1), np.ones(1), np.zeros((1, 1, 1), np.int64),
-                  full, np.zeros((1, 1, 1, 1)), np.zeros(1, np.int64), np.ones(1), np.ones(1), np.ones(1),
-                  np.ones(1), b, np.ones((1, 1)), np.ones(1), f, np.zeros((1, 1)))
-    return time.perf_counter() - start
 
 
 def _plan(chain) -> Optional[dict]:
