@@ -44,7 +44,9 @@ def run(ctx) -> list[Row]:
     setting = logreg_setting(data)
     calibrate_sigma(setting.epsilon, setting.delta, setting.sample_rate, setting.steps)
     model = make_model("logreg", data.d, setting.l2)
-    fit = lambda backend: ALGORITHMS["dp_sgd"]({"backend": backend}).fit(setting, model, X, y, ReplicaStreams([0]))
+    def fit(backend: str):
+        return ALGORITHMS["dp_sgd"]({"backend": backend}).fit(setting, model, X, y, ReplicaStreams([0]))
+
     probe = ALGORITHMS["dp_sgd"]().prepare(setting, model, X, y, ReplicaStreams([0]))
     probe.train(model)
     path = probe.chain.ran_on  # what `dpsgd run` takes (backend auto): "numba" = the compiled mini-batch step
