@@ -44,6 +44,7 @@ def run(ctx) -> list[Row]:
     setting = logreg_setting(data)
     calibrate_sigma(setting.epsilon, setting.delta, setting.sample_rate, setting.steps)
     model = make_model("logreg", data.d, setting.l2)
+
     def fit(backend: str):
         return ALGORITHMS["dp_sgd"]({"backend": backend}).fit(setting, model, X, y, ReplicaStreams([0]))
 
