@@ -220,6 +220,9 @@ def run_together(model: Model, chains: Sequence[GradientChain], thetas: Sequence
                 if t <= steps[k]:
                     thetas[k] = chains[k].step(model, thetas[k], t, batch[keys[k]])
     for group, run, out in runs:
+        taps = getattr(chains[group[0]].batches, "taps", None)
+        if taps:  # the NumPy chains are done: stop keeping the kernel's indices for them
+            taps.clear()
         for _ in run:  # the rest of the compiled steps
             pass
         for k, theta in zip(group, out):
