@@ -65,7 +65,8 @@ def test_algorithm_overrides_and_params(tmp_path):
                         "algorithms: [{name: dp_sgd, accountant: pld, lr: [0.1, 0.2], batch_size: 32}]")
     cells = expand(grid_of(tmp_path, text))
     assert {c.lr for c in cells} == {0.1, 0.2} and {c.batch_size for c in cells} == {32}
-    assert all(c.algorithm.params == {"accountant": "pld"} for c in cells)
+    assert all(c.algorithm.params == {"accountant": "pld", "backend": "auto"} for c in cells)
+    assert all("backend" not in c.key()["algorithm"]["params"] for c in cells)  # an execution setting: not in run ids
 
 
 def test_dataset_options_and_scalars(tmp_path):

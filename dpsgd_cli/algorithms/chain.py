@@ -19,19 +19,26 @@ Transform = Callable[[np.ndarray, np.ndarray], np.ndarray]  # (gradient (R, P), 
 Schedule = Callable[[int], float]  # step t = 1, 2, ... → learning rate
 
 
+def _described(fn, kind: str, *params):
+    """Tag a transform with what it computes (`fn.compiled = (kind, *params)`), so a compiled step
+    (kernels_minibatch) can run a chain made of known transforms."""
+    fn.compiled = (kind, *params)
+    return fn
+
+
 def add_noise(std: float, draws: Iterator[np.ndarray]) -> Transform:
     """g + std · z with z from `draws` (one (R, P) standard-normal array per step; float64 draws, so a seed
     gives the same noise whatever the training precision, cast to the gradient's dtype)."""
-    return lambda g, theta: g + (std * next(draws)).astype(g.dtype, copy=False)
+    return _described(lambda g, theta: g + (std * next(draws)).astype(g.dtype, copy=False), "noise", std, draws)
 
 
 def scale(factor: float) -> Transform:
-    return lambda g, theta: g * factor
+    return _described(lambda g, theta: g * factor, "scale", factor)
 
 
 def add_l2(l2: float) -> Transform:
     """Add the regulariser's gradient λθ (data-independent: no privacy cost)."""
-    return lambda g, theta: g + l2 * theta if l2 else g
+    return _described(lambda g, theta: g + l2 * theta if l2 else g, "l2", l2)
 
 
 def constant(lr: float) -> Schedule:
@@ -60,7 +67,7 @@ def project_to_ball(radius: float) -> Callable[[np.ndarray], np.ndarray]:
         norm = np.linalg.norm(theta, axis=1, keepdims=True)
         return theta * np.minimum(1.0, radius / np.maximum(norm, 1e-300))
 
-    return project
+    return _described(project, "ball", radius)
 
 
 def laplacian_eigenvalues(sigma_ls: float, P: int) -> np.ndarray:
@@ -85,7 +92,7 @@ def laplacian_smoothing(sigma_ls: float, P: Optional[int] = None) -> Transform:
     if not (np.isfinite(sigma_ls) and sigma_ls >= 0):
         raise UserError(f"smoothing must be a finite number ≥ 0, got {sigma_ls!r}")
     if sigma_ls == 0:
-        return lambda g, theta: g
+        return _described(lambda g, theta: g, "identity")
     cache: dict[int, np.ndarray] = {}
     if P is not None:
         cache[int(P)] = 1.0 / laplacian_eigenvalues(sigma_ls, int(P))[: int(P) // 2 + 1]
@@ -138,6 +145,11 @@ class GradientChain:
     # What the batches depend on besides the data and the seeds (e.g. ("poisson", q)); chains with equal keys on
     # the same data and seeds draw identical batches, so `run_together` gathers them once. None: never shared.
     stream: Optional[Hashable] = None
+    # "auto"/"numba": run on the compiled mini-batch step where it applies (kernels_minibatch.applies: logistic
+    # regression, known transforms, an indexed sampler); "numpy": never. How, not what: same numbers up to
+    # summation order. `ran_on` says which ran ("numpy" or "numba"), once the chain has run.
+    backend: str = "numpy"
+    ran_on: Optional[str] = None
 
     def step(self, model: Model, theta: np.ndarray, t: int, batch: Batch) -> np.ndarray:
         """Update t (1, 2, ...) of θ (R, P), in place where possible, on `batch`; returns the new θ."""
@@ -154,6 +166,9 @@ class GradientChain:
 
     def run(self, model: Model, theta: np.ndarray, steps: int) -> np.ndarray:
         """Apply `steps` updates to θ (R, P); a replica that diverges ends as NaN without stopping the others."""
+        if self.backend != "numpy":
+            return run_together(model, [self], [theta], [steps])[0]
+        self.ran_on = "numpy"
         theta = theta.copy()
         with np.errstate(over="ignore", invalid="ignore"):
             for t in range(1, steps + 1):
@@ -168,19 +183,50 @@ def run_together(model: Model, chains: Sequence[GradientChain], thetas: Sequence
     Chains with the same `stream` key share one batch per step: the first such chain's iterator is drawn,
     the others' are never started. Each chain keeps its own θ, transforms (noise, σ), schedule and clip, and
     computes exactly what it would alone (same arrays, same calls), so fused runs are bit for bit the same.
+
+    Chains with a compiled step (`backend`, kernels_minibatch.applies; they take it alone too) run in the numba
+    kernel instead, those of a stream together (the batch read once per step for all of them; each chain's sums
+    in an order that does not depend on the others, so fused is still bit for bit alone); NumPy chains of the
+    same stream replay the batches the kernel takes (`IndexedBatches.replay`).
     """
     keys = [chain.stream if chain.stream is not None else ("own", k) for k, chain in enumerate(chains)]
-    shared: dict = {}
-    for key, chain in zip(keys, chains):
-        shared.setdefault(key, chain.batches)
-    last = {key: max(s for s, kk in zip(steps, keys) if kk == key) for key in shared}
     thetas = [theta.copy() for theta in thetas]
+    numpy_side, sources, runs = list(range(len(chains))), {}, []
+    if any(chain.backend != "numpy" for chain in chains):
+        from dpsgd_cli.algorithms import kernels_minibatch
+
+        # each chain on the path it takes alone (so fused is alone, bit for bit): the compiled ones of a stream
+        # together, the others on NumPy, replaying the batches the kernel takes
+        compiled = [k for k, chain in enumerate(chains)
+                    if kernels_minibatch.applies(model, [chain], [thetas[k]])]
+        numpy_side = [k for k in range(len(chains)) if k not in compiled]
+        for key in dict.fromkeys(keys[k] for k in compiled):
+            group = [k for k in compiled if keys[k] == key]
+            out: list = []
+            run = kernels_minibatch.group_steps(model, [chains[k] for k in group], [thetas[k] for k in group],
+                                                [steps[k] for k in group], out)
+            runs.append((group, run, out))
+            if any(keys[k] == key for k in numpy_side):
+                sources[key] = chains[group[0]].batches.replay(lambda run=run: next(run, None) is not None)
+    shared: dict = dict(sources)
+    for k in numpy_side:
+        chains[k].ran_on = "numpy"
+        shared.setdefault(keys[k], chains[k].batches)
+    last = {key: max(steps[k] for k in numpy_side if keys[k] == key) for key in shared}
     with np.errstate(over="ignore", invalid="ignore"):
-        for t in range(1, max(steps, default=0) + 1):
+        for t in range(1, max((steps[k] for k in numpy_side), default=0) + 1):
             batch = {key: next(it) for key, it in shared.items() if t <= last[key]}
-            for k, chain in enumerate(chains):
+            for k in numpy_side:
                 if t <= steps[k]:
-                    thetas[k] = chain.step(model, thetas[k], t, batch[keys[k]])
+                    thetas[k] = chains[k].step(model, thetas[k], t, batch[keys[k]])
+    for group, run, out in runs:
+        taps = getattr(chains[group[0]].batches, "taps", None)
+        if taps:  # the NumPy chains are done: stop keeping the kernel's indices for them
+            taps.clear()
+        for _ in run:  # the rest of the compiled steps
+            pass
+        for k, theta in zip(group, out):
+            thetas[k], chains[k].ran_on = theta, "numba"
     return thetas
 
 

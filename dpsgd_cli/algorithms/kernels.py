@@ -6,8 +6,9 @@ overhead; the kernel runs a whole pass (or a chunk of at most `CHUNK_ELEMENTS` n
 `pidp_sgd` with one example per step (its default) uses the same kernel with a per-step noise mask (its noise
 decisions, computed in NumPy before the round), and on the one-hidden-layer MLP `sgd1_mlp`: the same step on the
 MLP's gradient (models/mlp.py: forward, ∂ℓ/∂f, the per-example norm for the clip, then every parameter updated in
-θ's layout order with its noise draw), where a NumPy step costs ~2 ms for P = 11,025 (adult). Mini-batch algorithms (`dp_sgd`, `sgd`, `song2013` with b > 1,
-`pidp_sgd` with Poisson batches, ...) stay vectorised NumPy.
+θ's layout order with its noise draw), where a NumPy step costs ~2 ms for P = 11,025 (adult). The mini-batch step of
+logistic-regression chains (`dp_sgd`, `sgd`, `song2013` with b > 1) has its own kernel, kernels_minibatch.py;
+`pidp_sgd` with Poisson batches and the MLP's mini-batches stay vectorised NumPy.
 
 Same random numbers on both paths: the sampling indices and the noise are drawn with NumPy from the replica
 streams exactly as the NumPy samplers draw them (same generators, same calls, same block sizes: a permutation
@@ -73,7 +74,7 @@ def backend_description() -> str:
     """One line for the CLI: which backend the single-example loops use."""
     version = numba_version()
     if version:
-        return f"backend: numba {version} (single-example loops: song2013, bassily2014, pidp_sgd)"
+        return f"backend: numba {version} (single-example loops; logreg mini-batch steps)"  # fits 80 columns
     return f"backend: numpy ({NUMBA_HINT} for the single-example kernels)"
 
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from collections import deque
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -30,23 +31,107 @@ def poisson_indices(g: np.random.Generator, n: int, q: float, steps: int, width:
 
 
 def poisson_batches(X: np.ndarray, y: np.ndarray, q: float, streams: ReplicaStreams,
-                    width: int | None = None) -> Iterator[Batch]:
+                    width: int | None = None) -> "IndexedBatches":
     """Poisson-sampled batches (Abadi et al. 2016) of expected size qn, forever (the chain stops after T steps)."""
     n = X.shape[0]
     if q >= 1:  # every example at every step: the full batch (the gap sampler would walk every row in Python)
-        yield from full_batches(X, y, streams.replicas)
-        return
+        return full_batches(X, y, streams.replicas)
     if width is None:  # a width the Binomial(n, q) batch size exceeds with probability < 1e-20
         mean = n * q
         width = min(n, math.ceil(mean + 10 * math.sqrt(mean * (1 - q)) + 10))
-    x_norm = row_norms(X)
+    return IndexedBatches(X, y, _poisson_blocks(n, q, streams, width), streams.replicas, trim=True)
+
+
+def _poisson_blocks(n: int, q: float, streams: ReplicaStreams, width: int) -> Iterator[np.ndarray]:
+    """(BLOCK_STEPS, R, M) indices, −1 = none (kept indices first in each row)."""
     gens = streams.generators("sampling")
     while True:
         draws = [poisson_indices(g, n, q, BLOCK_STEPS, width) for g in gens]
         m = max(a.shape[1] for a in draws)
-        block = np.stack([np.pad(a, ((0, 0), (0, m - a.shape[1])), constant_values=-1) for a in draws], axis=1)
-        for idx in block:  # (R, M); kept indices come first in each row, so trim the common padding
-            yield gather(X, y, x_norm, idx[:, : max(1, int((idx >= 0).sum(axis=1).max()))])
+        yield np.stack([np.pad(a, ((0, 0), (0, m - a.shape[1])), constant_values=-1) for a in draws], axis=1)
+
+
+class IndexedBatches:
+    """The batches of a sampler, one `Batch` per step for all replicas, from blocks of example indices.
+
+    blocks: (K, R, M) index blocks (−1 marks padding, kept indices first), or None for the full batch (every
+    row at every step). Besides iteration (the NumPy chain), `take(m)` hands the next m steps' indices
+    (m, R, M) to a compiled step (kernels_minibatch) that reads the rows itself: the same indices in the same
+    order, whichever way the steps are consumed.
+    """
+
+    def __init__(self, X: np.ndarray, y: np.ndarray, blocks: Iterator[np.ndarray] | None, replicas: int,
+                 trim: bool = False):
+        self.X, self.y, self.replicas = X, y, replicas
+        self.full = blocks is None
+        self._blocks, self._block, self._pos, self._trim = blocks, None, 0, trim
+        self._x_norm, self._full = None, None
+        self.taps: list[deque] = []  # queues that receive a copy of every `take` (see `replay`)
+
+    @property
+    def x_norm(self) -> np.ndarray:
+        """‖x_i‖ of every row, computed at the first batch (the compiled step never needs all of them)."""
+        if self._x_norm is None:
+            self._x_norm = row_norms(self.X)
+        return self._x_norm
+
+    def __iter__(self) -> "IndexedBatches":
+        return self
+
+    def __next__(self) -> Batch:
+        if self.full:
+            if self._full is None:  # without copying X: the replica axis is a zero-stride broadcast view
+                n, R = self.X.shape[0], self.replicas
+                self._full = Batch(X=np.broadcast_to(self.X, (R, *self.X.shape)), y=np.broadcast_to(self.y, (R, n)),
+                                   weight=np.ones((R, n), dtype=self.X.dtype),
+                                   x_norm=np.broadcast_to(self.x_norm, (R, n)))
+            return self._full
+        if self._block is None or self._pos == len(self._block):
+            self._block, self._pos = next(self._blocks), 0
+        idx = self._block[self._pos]  # (R, M)
+        self._pos += 1
+        if self._trim:  # kept indices come first in each row, so trim the common padding
+            idx = idx[:, : max(1, int((idx >= 0).sum(axis=1).max()))]
+        return gather(self.X, self.y, self.x_norm, idx)
+
+    def take(self, m: int) -> np.ndarray:
+        """The next m steps' indices (m, R, M), −1 padded (not for the full batch, which has none)."""
+        if self.full:
+            raise ValueError("the full batch has no indices to take")
+        parts, have = [], 0
+        while have < m:
+            if self._block is None or self._pos == len(self._block):
+                self._block, self._pos = next(self._blocks), 0
+            part = self._block[self._pos:self._pos + m - have]
+            self._pos += len(part)
+            parts.append(part)
+            have += len(part)
+        width = max(p.shape[2] for p in parts)
+        out = np.concatenate([np.pad(p, ((0, 0), (0, 0), (0, width - p.shape[2])), constant_values=-1)
+                              for p in parts]) if len(parts) > 1 else np.ascontiguousarray(parts[0])
+        for tap in self.taps:
+            tap.append(out)
+        return out
+
+    def replay(self, advance: Callable[[], bool]) -> "IndexedBatches":
+        """Batches equal to these for a second consumer while a first one `take`s: the steps it took are
+        replayed; when none is left, `advance()` makes it take more (False once it is done; then the steps
+        come from these batches directly). The full batch is shared as is."""
+        if self.full:
+            return self
+        queue: deque = deque()
+        self.taps.append(queue)
+
+        def blocks() -> Iterator[np.ndarray]:
+            while True:
+                if queue:
+                    yield queue.popleft()
+                elif not advance():
+                    if queue in self.taps:
+                        self.taps.remove(queue)
+                    if not queue:
+                        yield self.take(BLOCK_STEPS)
+        return IndexedBatches(self.X, self.y, blocks(), self.replicas, trim=self._trim)
 
 
 def row_norms(X: np.ndarray) -> np.ndarray:
@@ -72,7 +157,7 @@ def uniform_examples(X: np.ndarray, y: np.ndarray, streams: ReplicaStreams, batc
 
 
 def shuffled_batches(X: np.ndarray, y: np.ndarray, batch_size: int, streams: ReplicaStreams,
-                     reshuffle: bool = True) -> Iterator[Batch]:
+                     reshuffle: bool = True) -> IndexedBatches:
     """Disjoint batches of a random permutation, ⌊n/b⌋ per pass; the last n − b⌊n/b⌋ examples of it are unused.
 
     reshuffle: a fresh permutation every pass (Song et al. 2013); False: one permutation drawn once and walked
@@ -80,22 +165,19 @@ def shuffled_batches(X: np.ndarray, y: np.ndarray, batch_size: int, streams: Rep
     """
     n = X.shape[0]
     per_pass = n // batch_size
-    x_norm = row_norms(X)
-    gens = streams.generators("sampling")
-    perms = None
-    while True:
-        if reshuffle or perms is None:
-            perms = np.stack([g.permutation(n)[: per_pass * batch_size] for g in gens])  # (R, n')
-        for k in range(per_pass):
-            yield gather(X, y, x_norm, perms[:, k * batch_size:(k + 1) * batch_size])
+
+    def passes() -> Iterator[np.ndarray]:  # (⌊n/b⌋, R, b) per pass
+        gens = streams.generators("sampling")
+        perms = None
+        while True:
+            if reshuffle or perms is None:
+                perms = np.stack([g.permutation(n)[: per_pass * batch_size] for g in gens])  # (R, n')
+                perms = perms.reshape(len(gens), per_pass, batch_size).transpose(1, 0, 2)
+            yield perms
+
+    return IndexedBatches(X, y, passes(), streams.replicas)
 
 
-def full_batches(X: np.ndarray, y: np.ndarray, replicas: int) -> Iterator[Batch]:
-    """The whole training set as every step's batch for every replica (full-batch GD), without copying X:
-    the replica axis is a zero-stride broadcast view."""
-    n = X.shape[0]
-    batch = Batch(X=np.broadcast_to(X, (replicas, *X.shape)), y=np.broadcast_to(y, (replicas, n)),
-                  weight=np.ones((replicas, n), dtype=X.dtype),
-                  x_norm=np.broadcast_to(row_norms(X), (replicas, n)))
-    while True:
-        yield batch
+def full_batches(X: np.ndarray, y: np.ndarray, replicas: int) -> IndexedBatches:
+    """The whole training set as every step's batch for every replica (full-batch GD), without copying X."""
+    return IndexedBatches(X, y, None, replicas)

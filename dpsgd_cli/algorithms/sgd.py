@@ -8,12 +8,22 @@ from typing import ClassVar, Iterator, Literal, Optional
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from dpsgd_cli.algorithms import kernels
 from dpsgd_cli.algorithms.base import Algorithm, Outcome, Prepared, Setting
 from dpsgd_cli.algorithms.chain import Checkpoints, GradientChain, add_l2, add_noise, constant, scale
 from dpsgd_cli.algorithms.sampling import poisson_batches
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.models import Model
 from dpsgd_cli.privacy.accounting import calibrate_sigma
+
+
+BACKEND_HELP = ("logistic regression: the compiled mini-batch step (kernels_minibatch; auto: when numba is "
+                "installed) or numpy; same random numbers, same result up to summation order")
+
+
+class SGDParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    backend: kernels.Backend = Field("auto", description=BACKEND_HELP)
 
 
 class SGD(Algorithm):
@@ -27,6 +37,8 @@ class SGD(Algorithm):
     uses = frozenset({"batch_size", "lr", "epochs", "l2"})
     source = "non-private mini-batch SGD"
     supports_float32 = True
+    Params = SGDParams
+    execution_params = frozenset({"backend"})
 
     def chain(self, setting: Setting, X, y, streams: ReplicaStreams, clip=None, noise=()) -> GradientChain:
         return GradientChain(
@@ -37,6 +49,7 @@ class SGD(Algorithm):
             checkpoints=Checkpoints(setting.trace_every, X, y) if setting.trace_every else None,
             examples_per_step=setting.batch_size,
             stream=("poisson", setting.sample_rate),
+            backend=getattr(self.params, "backend", "auto"),
         )
 
     def prepare(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Prepared:
@@ -56,6 +69,7 @@ class SGD(Algorithm):
 class DPSGDParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     accountant: Literal["rdp", "pld"] = Field("rdp", description="dp-accounting accountant used to calibrate σ")
+    backend: kernels.Backend = Field("auto", description=BACKEND_HELP)
 
 
 class DPSGD(SGD):

@@ -42,8 +42,8 @@ class Song2013Params(BaseModel):
         "inv_sqrt", description="η_t = lr/√t (inv_sqrt), 1/(λt) (inv_t: lr unused), or lr (constant)")
     radius: Optional[float] = Field(None, gt=0, description="projection radius (default 1/λ, which holds w*)")
     backend: kernels.Backend = Field(
-        "auto", description="b = 1 with logreg: the numba kernel (auto: when numba is installed) or numpy; "
-                            "same random numbers, same result")
+        "auto", description="logreg: the numba kernels (b = 1: single-example, b > 1: the compiled mini-batch step; "
+                            "auto: when numba is installed) or numpy; same random numbers, same result")
 
 
 NoiseDraw = Callable[[np.random.Generator, int], np.ndarray]  # (generator, K steps) → (K, d) draws of Z_t
@@ -128,6 +128,7 @@ class Song2013NonPrivate(Algorithm):
             checkpoints=Checkpoints(setting.trace_every, X, y) if setting.trace_every else None,
             examples_per_step=setting.batch_size,
             stream=("shuffled", setting.batch_size),  # reshuffled every pass
+            backend=self.params.backend,  # b > 1: the compiled mini-batch step (kernels_minibatch) where it applies
         )
 
     def noise_draw(self, setting: Setting, model: Model, X, passes: int) -> tuple[Optional[NoiseDraw], dict, str]:
@@ -144,7 +145,8 @@ class Song2013NonPrivate(Algorithm):
         clip = GRADIENT_BOUND if draw is not None else None
         noise = add_noise(1.0, streams.per_step("noise", draw)) if draw else None
         chain = self.chain(setting, X, y, streams, noise=noise, clip=clip)
-        finish = lambda theta: self._outcome(setting, model, X, y, theta, chain.schedule, "numpy", derived, clip,
+        finish = lambda theta: self._outcome(setting, model, X, y, theta, chain.schedule, chain.ran_on or "numpy",
+                                             derived, clip,
                                              guarantee, chain.checkpoints.rows if chain.checkpoints else [])
         return Prepared(chain, model.init(streams.generators("init")), steps, finish)
 

@@ -1,0 +1,193 @@
+"""The compiled mini-batch step of logistic-regression chains (numba; optional: `pip install 'dpsgd[numba]'`).
+
+`dp_sgd`, `sgd` and `song2013` with b > 1 on `LogisticRegression` are `GradientChain`s whose NumPy step is
+~15–20 array calls from Python (gather the batch, margins, residual, clip, clipped sum, noise, scale, λθ,
+update, projection): ~60–80 µs a step on adult, ~10× the work. `mb_logreg` runs many steps per call, reading
+the batch rows from X by index (no gather), for every chain that shares the batch stream (a fused task):
+
+    for each replica r and step t:  for each row i of the step's batch, for each chain c:
+        a   = −y σ(−y θ_c·x_i)                                    (∇ℓ = a x, logistic loss)
+        a  ← a · C_c / max(|a|‖x_i‖, C_c)                          (clip; skipped when clip is None)
+        g_c += a x_i
+    then for each chain c:  g = ((g_c + s_c z_c,t) · scale_c) + λ_c θ_c;  θ_c ← θ_c − η_c,t g;  θ_c ← Π_c(θ_c)
+
+operation for operation the chain's `clipped_grad_sum` → `add_noise(s)` → `scale` → `add_l2` → schedule →
+`project_to_ball` (the transforms are tagged with what they compute, chain._described). Same random numbers:
+the batch indices come from the chain's own sampler (`sampling.IndexedBatches.take`: the same blocks, Poisson
+gaps, permutations or the full batch) and the noise from the chain's own `draws` iterator (streams.per_step /
+`SharedStreams`: float64 blocks), so a seed gives the same run on both paths, equal up to the summation order
+(tests/test_kernels_minibatch.py asserts rtol 1e-12).
+
+Fused = alone, bit for bit, on this path: each chain's dot product θ_c·x_i is summed in a fixed order (eight
+interleaved partial sums over the features, then a fixed tree) and its g_c adds the rows in batch
+order, whatever the other chains of the call; the row is read from memory once and from the L1 cache by the
+other chains. Chains of one fused task that share a seed's noise stream share the noise block (the same
+draws, `SharedStreams`, detected by identity).
+
+Applies (`applies`): backend not "numpy"; numba installed (backend "numba" without it: UserError); a
+`LogisticRegression` whose `clipped_grad_sum` is not overridden (not the audit's canary models); float64 data
+and θ; a sampler that is an `IndexedBatches` (Poisson, shuffled, full batch); transforms an ordered subset of
+(noise, scale, l2) and identities (dp_lssgd's smoothing 0); the projection none or `project_to_ball`; any
+schedule (`kernels.schedule_values`); checkpoints (the kernel stops at each step that records one). Everything
+else keeps the NumPy chain.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Iterator, Optional, Sequence
+
+import numpy as np
+
+from dpsgd_cli.algorithms import kernels
+from dpsgd_cli.algorithms.kernels import CHUNK_ELEMENTS, NUMBA_HINT, schedule_values
+from dpsgd_cli.algorithms.sampling import IndexedBatches
+from dpsgd_cli.errors import UserError
+
+ORDER = ("noise", "scale", "l2")  # the kernel's order of the transforms
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel():
+    """Compile (or load from numba's on-disk cache) the kernel (`_kernels_minibatch_numba.mb_logreg`); imports numba."""
+    try:
+        from dpsgd_cli.algorithms import _kernels_minibatch_numba
+    except Exception as exc:  # installed but broken
+        raise UserError(f"numba could not be imported ({type(exc).__name__}: {exc}); reinstall it "
+                        f"({NUMBA_HINT}) or use backend: numpy") from exc
+    return _kernels_minibatch_numba.mb_logreg
+
+
+def _plan(chain) -> Optional[dict]:
+    """The chain's step as the kernel's parameters, or None when it has a part the kernel does not compute."""
+    params = {"noise": None, "scale": 1.0, "l2": 0.0, "radius": None}
+    at = 0
+    for transform in chain.transforms:
+        compiled = getattr(transform, "compiled", None)
+        if compiled is not None and compiled[0] == "identity":  # e.g. dp_lssgd's smoothing 0
+            continue
+        if compiled is None or compiled[0] not in ORDER[at:]:
+            return None
+        at = ORDER.index(compiled[0]) + 1
+        params[compiled[0]] = compiled[1:] if compiled[0] == "noise" else float(compiled[1] or 0.0)
+    if chain.project is not None:
+        compiled = getattr(chain.project, "compiled", None)
+        if compiled is None or compiled[0] != "ball":
+            return None
+        params["radius"] = float(compiled[1])
+    return params
+
+
+def applies(model, chains: Sequence, thetas: Sequence[np.ndarray]) -> bool:
+    """Whether these chains (one batch stream) run on the compiled step (module docstring)."""
+    from dpsgd_cli.models.logreg import LogisticRegression
+
+    if any(chain.backend == "numpy" for chain in chains):
+        return False
+    if any(chain.backend not in ("auto", "numba") for chain in chains):
+        raise UserError(f"backend = {chains[0].backend!r}: use auto, numpy or numba")
+    wanted = any(chain.backend == "numba" for chain in chains)
+    if not kernels.HAVE_NUMBA:  # looked up here: tests switch it off
+        if wanted:
+            raise UserError(f"backend: numba, but numba is not installed: {NUMBA_HINT}, or use backend: auto")
+        return False
+    batches = chains[0].batches
+    if not (isinstance(model, LogisticRegression) and hasattr(model, "d")
+            and type(model).clipped_grad_sum is LogisticRegression.clipped_grad_sum
+            and not hasattr(model, "kernel_canaries")
+            and isinstance(batches, IndexedBatches) and batches.X.dtype == np.float64
+            and all(theta.dtype == np.float64 and theta.ndim == 2 for theta in thetas)
+            and all(_plan(chain) is not None for chain in chains)):
+        return False
+    try:
+        _kernel()
+    except UserError:
+        if wanted:
+            raise
+        return False
+    return True
+
+
+def _record_steps(checkpoints, examples_per_step: float, steps: int) -> np.ndarray:
+    """The steps t (1-based) after which `GradientChain.step` records a checkpoint."""
+    if checkpoints is None:
+        return np.zeros(0, dtype=np.int64)
+    t = np.arange(1, steps + 1)
+    before = np.array([round((s - 1) * examples_per_step) for s in t.tolist()])
+    after = np.array([round(s * examples_per_step) for s in t.tolist()])
+    return t[after // checkpoints.every > before // checkpoints.every]
+
+
+def run_group(model, chains: Sequence, thetas: Sequence[np.ndarray], steps: Sequence[int]) -> list[np.ndarray]:
+    """Run chains that share one batch stream (`applies`) for their `steps`, on the kernel; each result equals
+    its `chain.run` (NumPy) up to summation order, and is the same bit for bit whatever the other chains."""
+    out: list[np.ndarray] = []
+    for _ in group_steps(model, chains, thetas, steps, out):
+        pass
+    return out
+
+
+def group_steps(model, chains: Sequence, thetas: Sequence[np.ndarray], steps: Sequence[int],
+                out: list) -> Iterator[int]:
+    """`run_group` one kernel call at a time: yields the steps done after each call; the results are appended to
+    `out` at the end (so a NumPy chain on the same stream can replay the batches as they are taken)."""
+    batches: IndexedBatches = chains[0].batches
+    X, y = np.ascontiguousarray(batches.X), np.ascontiguousarray(batches.y)
+    x_norm = batches.x_norm if any(c.clip is not None for c in chains) else np.zeros(1)  # only the clip reads it
+    plans = [_plan(chain) for chain in chains]
+    C, (R, d) = len(chains), thetas[0].shape
+    TH = np.ascontiguousarray(np.stack(thetas).astype(np.float64))  # (C, R, d)
+    std = np.array([p["noise"][0] if p["noise"] else 0.0 for p in plans], dtype=np.float64)
+    scale = np.array([p["scale"] for p in plans], dtype=np.float64)
+    l2 = np.array([p["l2"] for p in plans], dtype=np.float64)
+    clip = np.array([c.clip if c.clip is not None else 1.0 for c in chains], dtype=np.float64)
+    do_clip = np.array([c.clip is not None for c in chains])
+    radius = np.array([p["radius"] or 1.0 for p in plans], dtype=np.float64)
+    do_project = np.array([p["radius"] is not None for p in plans])
+    records = [set(_record_steps(c.checkpoints, c.examples_per_step, s).tolist()) for c, s in zip(chains, steps)]
+    stops = sorted({*steps, *(t for rec in records for t in rec)})
+    g = np.zeros((C, d))
+    no_idx, no_noise = np.zeros((1, 1, 1), dtype=np.int64), np.zeros((1, 1, 1, 1))
+    kernel = _kernel()
+    width = 1 if batches.full else max(1, round(float(np.mean([c.examples_per_step for c in chains])) * 2))
+    chunk = max(64, CHUNK_ELEMENTS // max(1, R * (width + d * C)))
+    done = 0
+    while done < max(steps, default=0):
+        stop = min(done + chunk, min(s for s in stops if s > done))
+        m = stop - done
+        active = np.array([s > done for s in steps])
+        idx = no_idx if batches.full else batches.take(m)
+        noise, slot = _noise(chains, plans, active, m)
+        lrs = np.stack([schedule_values(c.schedule, done + 1, stop + 1) if a else np.zeros(m)
+                        for c, a in zip(chains, active)])
+        kernel(TH, active, X, y, x_norm, idx, batches.full, noise if noise is not None else no_noise, slot, std,
+               scale, l2, clip, do_clip, lrs, radius, do_project, g)
+        for c, chain in enumerate(chains):
+            if active[c] and stop in records[c]:  # as `GradientChain.step` records it
+                e = chain.examples_per_step
+                with np.errstate(all="ignore"):
+                    chain.checkpoints.maybe_record(model, TH[c], round((stop - 1) * e), round(stop * e))
+        done = stop
+        yield done
+    out.extend(TH[c].astype(theta.dtype, copy=True) for c, theta in enumerate(thetas))
+
+
+def _noise(chains, plans, active, m: int) -> tuple[Optional[np.ndarray], np.ndarray]:
+    """(S, m, R, d) noise blocks, one per distinct draws iterator (tee copies of one `SharedStreams` stream
+    yield the same arrays: read once), and each chain's slot in it (−1: no noise)."""
+    blocks, firsts, slot = [], [], np.full(len(chains), -1, dtype=np.int64)
+    for c, plan in enumerate(plans):
+        if plan["noise"] is None or not active[c]:
+            continue
+        steps = [next(plan["noise"][1]) for _ in range(m)]
+        for s, seen in enumerate(firsts):
+            if all(a is b for a, b in zip(steps, seen)):
+                slot[c] = s
+                break
+        else:
+            slot[c] = len(blocks)
+            firsts.append(steps)
+            blocks.append(np.stack(steps))
+    if not blocks:
+        return None, slot
+    return np.ascontiguousarray(np.stack(blocks), dtype=np.float64), slot

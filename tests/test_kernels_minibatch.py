@@ -1,0 +1,206 @@
+"""The compiled mini-batch step (algorithms/kernels_minibatch.py): equals the NumPy chain up to summation order,
+fused equals alone bit for bit on it, divergence stays per replica, and it is the path `backend: auto` takes."""
+
+import numpy as np
+import pytest
+
+from dpsgd_cli.algorithms import ALGORITHMS, Setting, kernels, kernels_minibatch
+from dpsgd_cli.algorithms.chain import (Checkpoints, GradientChain, add_l2, add_noise, inverse_sqrt,
+                                        laplacian_smoothing, project_to_ball, scale, train_together)
+from dpsgd_cli.algorithms.sampling import poisson_batches, shuffled_batches
+from dpsgd_cli.algorithms.streams import ReplicaStreams, SharedStreams
+from dpsgd_cli.errors import UserError
+from dpsgd_cli.models import make_model
+from tests.test_kernels import _data as kernel_data
+
+needs_numba = pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="numba not installed (pip install 'dpsgd[numba]')")
+SEEDS = [0, 3, 11]
+
+
+def _data(n=240, d=7):
+    """test_kernels' data (rows up to norm 1.6, so the clip at 0.5–1 acts on some examples), a bit larger."""
+    return kernel_data(n, d)
+
+
+def _setting(X, **kw):
+    n, d = X.shape
+    return Setting(**{**dict(n=n, d=d, delta=1e-5, l2=1e-2, epsilon=2.0, batch_size=20, lr=0.5, epochs=2,
+                             clip_norm=0.7), **kw})
+
+
+def _train(name, params, setting, X, y, backend, seeds=SEEDS):
+    """(Outcome, the backend the chain ran on)."""
+    model = make_model("logreg", X.shape[1], setting.l2)
+    prepared = ALGORITHMS[name]({**params, "backend": backend}).prepare(setting, model, X, y, ReplicaStreams(seeds))
+    outcome = prepared.train(model)
+    return outcome, prepared.chain.ran_on
+
+
+def _assert_close(fast, ref):
+    scale_ = max(1.0, float(np.abs(ref.theta).max()))
+    np.testing.assert_allclose(fast.theta, ref.theta, rtol=1e-12, atol=1e-13 * scale_)
+    assert [row[0] for row in fast.trace] == [row[0] for row in ref.trace]
+    for (_, obj_f, acc_f), (_, obj_r, acc_r) in zip(fast.trace, ref.trace):
+        np.testing.assert_allclose(obj_f, obj_r, rtol=1e-12)
+        np.testing.assert_array_equal(acc_f, acc_r)
+
+
+CASES = [
+    ("dp_sgd", {}, {"trace_every": 50}),  # Poisson, clip, noise, λ, checkpoints between kernel calls
+    ("dp_sgd", {"accountant": "pld"}, {"l2": 0.0, "clip_norm": 2.0, "epochs": 1}),  # λ = 0, clip rarely acts
+    ("sgd", {}, {"batch_size": 240, "epochs": 5}),  # q = 1: the full batch, no clip, no noise
+    ("sgd", {}, {"batch_size": 7, "trace_every": 33, "epochs": 1.5}),  # checkpoints not aligned to steps
+    ("song2013", {}, {"batch_size": 10, "epochs": 2.5}),  # shuffled (a fresh permutation per pass), Z_t, Π
+    ("song2013_nonprivate", {"schedule": "constant", "radius": 0.3}, {"batch_size": 9, "trace_every": 40}),
+]
+
+
+@needs_numba
+@pytest.mark.parametrize("name, params, kw", CASES)
+def test_kernel_equals_the_numpy_chain(name, params, kw):
+    X, y = _data()
+    setting = _setting(X, **kw)
+    ref, ref_path = _train(name, params, setting, X, y, "numpy")
+    fast, fast_path = _train(name, params, setting, X, y, "auto")
+    assert (ref_path, fast_path) == ("numpy", "numba")  # auto takes the kernel: the comparison is not trivial
+    assert ref.derived.pop("backend", "numpy") == "numpy" and fast.derived.pop("backend", "numba") == "numba"
+    assert fast.derived == ref.derived
+    _assert_close(fast, ref)
+    if setting.batch_size < setting.n:  # the replicas differ (full-batch GD without noise is deterministic)
+        assert not np.allclose(ref.theta[0], ref.theta[1])
+
+
+def _chain(X, y, streams, *, radius=0.8, batches=None, l2=0.05, std=0.3, clip=0.6, trace=None):
+    noise = [add_noise(std, streams.normal("noise", (X.shape[1],)))] if std is not None else []
+    return GradientChain(batches=batches if batches is not None else poisson_batches(X, y, 0.1, streams), clip=clip,
+                         transforms=[*noise, scale(1 / 24), add_l2(l2)], schedule=inverse_sqrt(0.8),
+                         project=project_to_ball(radius) if radius else None,
+                         checkpoints=Checkpoints(trace, X, y) if trace else None, examples_per_step=24,
+                         backend="auto")
+
+
+@needs_numba
+@pytest.mark.parametrize("kw", [{}, {"radius": None, "l2": 0.0, "clip": None, "trace": 70},
+                                {"std": None, "radius": 0.2}, {"shuffled": True}])
+def test_chain_on_the_kernel_equals_numpy(kw):
+    """A chain built by hand (projection, schedule c/√t, no clip / no noise / no λ, a permutation walked once)."""
+    X, y = _data()
+    model = make_model("logreg", X.shape[1], 0.05)
+    theta0 = np.random.default_rng(5).normal(size=(len(SEEDS), X.shape[1]))
+    runs = {}
+    for backend in ("numpy", "auto"):
+        streams = ReplicaStreams(SEEDS)
+        options = dict(kw)
+        if options.pop("shuffled", False):
+            options["batches"] = shuffled_batches(X, y, 24, streams, reshuffle=False)
+        chain = _chain(X, y, streams, **options)
+        chain.backend = backend
+        runs[backend] = (chain.run(model, theta0, 37), chain)
+    (ref, ref_chain), (fast, fast_chain) = runs["numpy"], runs["auto"]
+    assert (ref_chain.ran_on, fast_chain.ran_on) == ("numpy", "numba")
+    np.testing.assert_allclose(fast, ref, rtol=1e-12, atol=1e-14)
+    if ref_chain.checkpoints:
+        assert [r[0] for r in fast_chain.checkpoints.rows] == [r[0] for r in ref_chain.checkpoints.rows]
+
+
+@needs_numba
+def test_fused_equals_alone_bit_for_bit_on_the_kernel():
+    """An ε axis of dp_sgd beside sgd (one Poisson stream, shared noise) trained together on the kernel: each cell
+    is exactly its run alone on the kernel (dot products and sums in an order independent of the other cells)."""
+    X, y = _data()
+    model = make_model("logreg", X.shape[1], 1e-2)
+    cells = [("dp_sgd", _setting(X, epsilon=eps, trace_every=60)) for eps in (0.5, 2.0, 8.0)]
+    cells += [("sgd", _setting(X, trace_every=60)), ("dp_sgd", _setting(X, lr=0.1, epochs=1))]
+    streams = SharedStreams(SEEDS)
+    prepared = [ALGORITHMS[name]().prepare(s, model, X, y, streams) for name, s in cells]
+    streams.close()
+    fused = train_together(model, prepared)
+    assert all(p.chain.ran_on == "numba" for p in prepared)
+    for (name, s), together in zip(cells, fused):
+        alone, path = _train(name, {}, s, X, y, "auto")
+        assert path == "numba"
+        np.testing.assert_array_equal(together.theta, alone.theta)
+        assert together.derived == alone.derived
+        for (n_a, obj_a, acc_a), (n_b, obj_b, acc_b) in zip(together.trace, alone.trace, strict=True):
+            assert n_a == n_b
+            np.testing.assert_array_equal(obj_a, obj_b)
+            np.testing.assert_array_equal(acc_a, acc_b)
+
+
+@needs_numba
+def test_a_diverged_replica_ends_nan_without_stopping_the_others():
+    X, y = _data()
+    model = make_model("logreg", X.shape[1], 0.05)
+    theta0 = np.zeros((len(SEEDS), X.shape[1]))
+    theta0[1] = np.nan
+    out = {}
+    for backend in ("numpy", "auto"):
+        chain = _chain(X, y, ReplicaStreams(SEEDS))
+        chain.backend = backend
+        out[backend] = chain.run(model, theta0, 20)
+        assert chain.ran_on == ("numba" if backend == "auto" else "numpy")
+    assert np.isnan(out["auto"][1]).all() and np.isfinite(out["auto"][[0, 2]]).all()
+    np.testing.assert_allclose(out["auto"], out["numpy"], rtol=1e-12, atol=1e-14)  # NaN where NumPy has NaN
+
+
+@needs_numba
+def test_where_the_kernel_does_not_apply():
+    """NumPy stays for: backend numpy, dp_lssgd's smoothing, float32, the MLP; a group mixing both runs NumPy."""
+    X, y = _data()
+    setting = _setting(X)
+    assert _train("dp_sgd", {}, setting, X, y, "numpy")[1] == "numpy"
+    model = make_model("logreg", X.shape[1], setting.l2)
+    lssgd = ALGORITHMS["dp_lssgd"]().prepare(setting, model, X, y, ReplicaStreams(SEEDS))
+    lssgd.train(model)
+    assert lssgd.chain.ran_on == "numpy"
+    X32 = X.astype(np.float32)
+    f32 = ALGORITHMS["sgd"]().prepare(setting, model, X32, y.astype(np.float32), ReplicaStreams(SEEDS))
+    f32.train(model)
+    assert f32.chain.ran_on == "numpy"
+    mlp = make_model("mlp", X.shape[1], setting.l2)
+    p = ALGORITHMS["dp_sgd"]().prepare(setting, mlp, X, y, ReplicaStreams(SEEDS))
+    p.train(mlp)
+    assert p.chain.ran_on == "numpy"
+    streams = ReplicaStreams(SEEDS)
+    mixed = [_chain(X, y, streams), _chain(X, y, streams)]
+    mixed[1].transforms = [*mixed[1].transforms, laplacian_smoothing(1.0)]
+    for c in mixed:
+        c.stream = ("poisson", 0.1)
+    assert not kernels_minibatch.applies(model, mixed, [np.zeros((3, X.shape[1]))] * 2)
+
+
+def test_backend_numba_without_numba_is_a_user_error(monkeypatch):
+    X, y = _data()
+    monkeypatch.setattr(kernels, "HAVE_NUMBA", False)
+    model = make_model("logreg", X.shape[1], 1e-2)
+    with pytest.raises(UserError, match="numba is not installed"):
+        _train("sgd", {}, _setting(X), X, y, "numba")
+    assert _train("sgd", {}, _setting(X), X, y, "auto")[1] == "numpy"
+    assert model is not None
+
+
+@needs_numba
+@pytest.mark.parametrize("steps", [(30, 30), (12, 45), (45, 12)])
+def test_a_stream_shared_by_compiled_and_numpy_chains(steps):
+    """dp_lssgd-like (smoothing: NumPy) beside a compiled chain on one Poisson stream: the NumPy chain replays the
+    batches the kernel takes, also past the kernel's last step; each equals its run alone, bit for bit."""
+    from dpsgd_cli.algorithms.chain import run_together
+
+    X, y = _data()
+    model = make_model("logreg", X.shape[1], 0.05)
+    theta0 = np.zeros((len(SEEDS), X.shape[1]))
+
+    def chains(streams):
+        fast, slow = _chain(X, y, streams), _chain(X, y, streams, std=0.1)
+        slow.transforms = [*slow.transforms, laplacian_smoothing(0.5)]
+        fast.stream = slow.stream = ("poisson", 0.1)
+        return fast, slow
+
+    streams = SharedStreams(SEEDS)
+    fast, slow = chains(streams)
+    streams.close()
+    together = run_together(model, [fast, slow], [theta0, theta0], list(steps))
+    assert (fast.ran_on, slow.ran_on) == ("numba", "numpy")
+    for k in range(2):
+        alone = chains(ReplicaStreams(SEEDS))[k]
+        np.testing.assert_array_equal(together[k], alone.run(model, theta0, steps[k]))
