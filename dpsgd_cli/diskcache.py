@@ -1,4 +1,5 @@
-"""Small JSON entries kept on disk and shared by processes (calibrated σ, the reference optimum L*).
+"""Small JSON entries kept on disk and shared by processes (calibrated σ, the reference optimum L*, bassily2014's
+calibration).
 
 An entry is one file named by the sha256 of its key (a JSON-able dict that names everything the value depends
 on) and holds the key beside the value, so a hash collision or a stale file is recognised and ignored. Writes
@@ -11,13 +12,15 @@ a miss, and the value is recomputed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
+import inspect
 import json
 import logging
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 CACHE_DIR_ENV = "DPSGD_CACHE_DIR"
 
@@ -71,3 +74,35 @@ def write_entry(folder: Path | None, key: dict, field: str, value: Any) -> None:
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+
+
+def on_disk(name: str, versions: dict[str, Any], encode: Callable[[Any], Any] = lambda v: v,
+            decode: Callable[[Any], Any] = lambda v: v) -> Callable:
+    """Decorator: keep a deterministic function's results in the folder `name`, keyed by the function, the repr of
+    its arguments (bound to its signature, defaults applied; floats: shortest round trip) and `versions` (code and
+    library versions that could change the value). `encode` makes the value JSON-able, `decode` rebuilds it (raising TypeError, ValueError or
+    KeyError for an entry that does not fit: then it is recomputed). Exceptions are not cached."""
+
+    def wrap(fn: Callable) -> Callable:
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def cached(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            key = {"function": f"{fn.__module__}.{fn.__qualname__}",
+                   "args": {k: repr(v) for k, v in bound.arguments.items()}, **versions}
+            folder = cache_folder(name)
+            stored = read_entry(folder, key, "value")
+            if stored is not None:
+                try:
+                    return decode(stored)
+                except (TypeError, ValueError, KeyError):
+                    pass
+            value = fn(*args, **kwargs)
+            write_entry(folder, key, "value", encode(value))
+            return value
+
+        return cached
+
+    return wrap

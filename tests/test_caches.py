@@ -99,3 +99,21 @@ def test_off_disables_the_disk_cache(cache, monkeypatch):
     model, X, y = problem()
     erm.reference_minimum(model, X, y)
     assert diskcache.cache_folder("reference") is None and not cache.exists()
+
+
+def test_bassily_calibration_is_kept_on_disk_exactly(cache, monkeypatch):
+    from dpsgd_cli.algorithms import bassily
+
+    args = (1.0, 1e-5, 500, 500, 1.0, "rdp")
+    cold = bassily.calibrate_bassily(*args)
+    eps = bassily._cached_rdp_epsilon(cold.sigma / 2.0, 500, 500, 1e-5)
+    bassily.calibrate_bassily.cache_clear()
+    bassily._cached_rdp_epsilon.cache_clear()
+    monkeypatch.setattr(bassily, "calibrate", no_lbfgs)  # a warm call must not calibrate again
+    monkeypatch.setattr(bassily, "rdp_epsilon", no_lbfgs)
+    assert bassily.calibrate_bassily(*args, formula="lecture") == cold  # same key with the default spelled out
+    assert bassily._cached_rdp_epsilon(cold.sigma / 2.0, 500, 500, 1e-5) == eps
+    (cache.parent / "bassily2014").joinpath("junk.json").write_text("{")  # a stray file is ignored
+    assert len(list((cache.parent / "bassily2014").glob("*.json"))) == 3
+    bassily.calibrate_bassily.cache_clear()
+    bassily._cached_rdp_epsilon.cache_clear()
