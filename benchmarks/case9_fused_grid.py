@@ -145,7 +145,8 @@ def _rows(case: str, what: str, measured: dict, goal: float, goal_id: str, label
             ratio=ratio, goal=f"≥ {goal:g}×" if gid else "–", met=(ratio >= goal) if gid else None, goal_id=gid,
             load=mean_load(ours, base),
             note=(f"{load_text(ours, base)}; best of {len(ours.times)} interleaved round(s) after one untimed run "
-                  f"each; medians {fmt_time(ours.median)} vs {fmt_time(base.median)}"
+                  f"each; medians {fmt_time(ours.median)} vs {fmt_time(base.median)}; CPU time (best) "
+                  f"{fmt_time(min(ours.cpu))} vs {fmt_time(min(base.cpu))}: {min(base.cpu) / min(ours.cpu):.3g}×"
                   + (f"; {label}" if label else "")),
             data={"ours": ours.json(), name: base.json()}))
     return rows
