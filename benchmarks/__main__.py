@@ -36,8 +36,8 @@ CASES = {
 
 # issue 16's goals: (id, text, target); a row with that goal_id carries the measurement
 GOALS = [
-    ("kang_lr", "`kang_lr` end to end, fused vs before (`DPSGD_FUSE=0`)", "≥ 5×"),
-    ("figures", "figure set (`kang`, `song_fig*`, `chourasia`, `bellet`) end to end, fused vs before", "≥ 3×"),
+    ("kang_lr", "`kang_lr` end to end vs the code before issue 16 (eb434a3)", "≥ 5×"),
+    ("figures", "figure set (`kang`, `song_fig*`, `chourasia`, `bellet`) end to end vs the code before issue 16", "≥ 3×"),
     ("fused_opacus", "fused `dp_sgd` (3 seeds × 8 ε, 3 batch streams) vs Opacus, per replica-step", "≥ 100×"),
     ("fused_jax", "fused `dp_sgd` (same work) vs the best JAX peer, per replica-step", "≥ 3×"),
     ("r1_jax", "`dp_sgd` R = 1 vs the best JAX peer (float64), per replica-step", "≥ 1×"),

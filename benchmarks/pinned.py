@@ -128,14 +128,25 @@ class Command:
     def __call__(self) -> dict[str, Any]:
         with tempfile.TemporaryDirectory(prefix="dpsgd-bench-cmd-") as tmp:
             argv = [a.replace("{out}", tmp) for a in self.argv]
+            cpu0 = _children_cpu()
             start = time.perf_counter()
             proc = subprocess.run(pin_prefix() + argv, cwd=REPO, env=side_env(self.env), capture_output=True,
                                   text=True)
             seconds = time.perf_counter() - start
+            cpu = _children_cpu() - cpu0
         if proc.returncode != 0:
             tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
             raise RuntimeError(f"{' '.join(argv[:4])} … failed: {tail[:300]}")
-        return {"seconds": seconds}
+        return {"seconds": seconds, "cpu_seconds": cpu}
+
+
+def _children_cpu() -> float:
+    """User + system CPU seconds of this process's finished children (a command's CPU time: unlike its wall time,
+    not stretched by other processes sharing the core)."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 @dataclass
@@ -145,6 +156,7 @@ class Measured:
     times: list[float]
     loads: list[Optional[float]]
     info: dict[str, Any]
+    cpu: list[float] = field(default_factory=list)  # CPU seconds per round, for sides that report them
 
     @property
     def best(self) -> float:
@@ -156,7 +168,7 @@ class Measured:
 
     def json(self) -> dict[str, Any]:
         return {"best_s": self.best, "median_s": self.median, "times_s": self.times, "load1": self.loads,
-                "info": self.info}
+                "info": self.info, **({"cpu_s": self.cpu} if self.cpu else {})}
 
 
 def interleave(sides: dict[str, Callable[[], dict[str, Any]]], rounds: int) -> dict[str, Measured]:
@@ -169,6 +181,8 @@ def interleave(sides: dict[str, Callable[[], dict[str, Any]]], rounds: int) -> d
             answer = fn()
             m = out[name]
             m.times.append(float(answer.pop("seconds")))
+            if "cpu_seconds" in answer:
+                m.cpu.append(float(answer.pop("cpu_seconds")))
             m.loads.append(None if before is None else round((before + (load1() or before)) / 2, 2))
             m.info = answer
     return out

@@ -79,3 +79,12 @@ def test_goals_table_reports_missing_measurements():
     assert items[0]["met"] is True and items[0]["load"] == 1.5 and items[0]["measured"] == "6×"
     assert all(g["measured"] is None for g in items[1:])
     assert "| 9a | kang_lr |" in markdown(rows, items)
+
+
+def test_case9_unpacks_the_code_before_issue_16_with_its_fix(tmp_path):
+    from benchmarks.case9_fused_grid import BEFORE, before_checkout
+
+    folder = before_checkout(tmp_path / "before")
+    assert not (folder / "dpsgd_cli" / "diskcache.py").exists()  # the old package, not this one
+    assert "if array.size:" in (folder / "dpsgd_cli" / "data" / "load.py").read_text()  # FIXES applied
+    assert len(BEFORE) >= 7

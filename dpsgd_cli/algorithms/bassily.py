@@ -70,17 +70,17 @@ installed (auto; `numpy` forces the chain): the same examples and noise draws, t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import importlib.metadata
 import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Literal, Optional
 
 import numpy as np
-from dp_accounting import dp_event, get_epsilon_gaussian
-from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
-from dp_accounting.privacy_accountant import NeighboringRelation
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from dpsgd_cli import diskcache
 from dpsgd_cli.algorithms import kernels
 from dpsgd_cli.algorithms.base import ROW_NORM_TOLERANCE, Algorithm, Outcome, Setting, max_row_norm
 from dpsgd_cli.algorithms.sampling import row_norms
@@ -88,13 +88,23 @@ from dpsgd_cli.algorithms.chain import (Checkpoints, GradientChain, Schedule, ad
                                         inverse_time, project_to_ball)
 from dpsgd_cli.algorithms.streams import BLOCK_STEPS, ReplicaStreams
 from dpsgd_cli.errors import UserError
+from dpsgd_cli.lazy import LazyModule
 from dpsgd_cli.models import Batch, Model
-from dpsgd_cli.privacy.accounting import (LIBRARY, calibrate, rdp_epsilon_and_order,
+from dpsgd_cli.privacy.accounting import (CALIBRATION_VERSION, LIBRARY, calibrate, rdp_epsilon_and_order,
                                           rdp_epsilon_floor)
 from dpsgd_cli.privacy.mechanisms import (advanced_composition, advanced_composition_epsilon_per_step,
                                           amplify_by_subsampling, analytic_gaussian_sigma, gaussian_sigma)
 
+# dp-accounting (~1 s of imports) on first use: the registry imports this module for every `dpsgd run`
+_dp = LazyModule("dp_accounting")
+dp_event = LazyModule("dp_accounting.dp_event")
+
+
 PLD_RHO_BASSILY = 0.04  # see pld_epsilon
+BASSILY_CALIBRATION_VERSION = "1"  # part of the disk cache key: bump it with any change that could move σ or ε
+# calibrations (1-3 s each with PLD or RDP at T = n steps) are kept on disk like calibrate_sigma's
+_ON_DISK = {"library": LIBRARY, "scipy": importlib.metadata.version("scipy"), "rho": PLD_RHO_BASSILY,
+            "calibration_version": CALIBRATION_VERSION, "bassily_version": BASSILY_CALIBRATION_VERSION}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -151,7 +161,7 @@ def chain_bound(sigma: float, delta: float, n: int, steps: int, lipschitz: float
     if gaussian == "classical":
         eps0 = sensitivity * math.sqrt(2.0 * math.log(1.25 / delta0)) / sigma
     else:
-        eps0 = float(get_epsilon_gaussian(sigma / sensitivity, delta0))
+        eps0 = float(_dp.get_epsilon_gaussian(sigma / sensitivity, delta0))
     reasons = []
     if gaussian == "classical" and not eps0 < 1:
         reasons.append(f"per-step ε₀ = {eps0:.3g} ≥ 1 (classical Gaussian mechanism needs ε₀ < 1)")
@@ -185,10 +195,11 @@ def pld_event(noise_multiplier: float, n: int, steps: int) -> dp_event.DpEvent:
 
 def rdp_epsilon(noise_multiplier: float, n: int, steps: int, delta: float) -> tuple[float, float]:
     """(ε, optimal order) of `rdp_event` under replace-one neighbours, over the shared order grid."""
-    return rdp_epsilon_and_order(rdp_event(noise_multiplier, n, steps), delta, NeighboringRelation.REPLACE_ONE)
+    return rdp_epsilon_and_order(rdp_event(noise_multiplier, n, steps), delta, _dp.NeighboringRelation.REPLACE_ONE)
 
 
 @functools.lru_cache(maxsize=256)
+@diskcache.on_disk("bassily2014", _ON_DISK, decode=float)
 def _cached_rdp_epsilon(noise_multiplier: float, n: int, steps: int, delta: float) -> float:
     return rdp_epsilon(noise_multiplier, n, steps, delta)[0]
 
@@ -203,7 +214,7 @@ def pld_epsilon(noise_multiplier: float, n: int, steps: int, delta: float) -> tu
     event = pld_event(noise_multiplier, n, steps)
 
     def once(h: float) -> float:
-        accountant = PLDAccountant(NeighboringRelation.REPLACE_ONE, value_discretization_interval=h)
+        accountant = _dp.pld.PLDAccountant(_dp.NeighboringRelation.REPLACE_ONE, value_discretization_interval=h)
         accountant.compose(event)
         return float(accountant.get_epsilon(delta))
 
@@ -234,7 +245,15 @@ class Privacy:
     reason: str = ""
 
 
+def _privacy_of(stored: dict) -> Privacy:
+    privacy = Privacy(**stored)
+    if not (isinstance(privacy.sigma, float) and math.isfinite(privacy.sigma) and privacy.sigma > 0):
+        raise ValueError("not a calibrated sigma")
+    return privacy
+
+
 @functools.lru_cache(maxsize=256)
+@diskcache.on_disk("bassily2014", _ON_DISK, encode=dataclasses.asdict, decode=_privacy_of)
 def calibrate_bassily(epsilon: float, delta: float, n: int, steps: int, lipschitz: float, accounting: str,
                       formula: str = "lecture", amplification: str = "tight") -> Privacy:
     """σ (on the mean scale) whose ε under `accounting` is the target (within 0.1 % below; exact for closed forms)."""

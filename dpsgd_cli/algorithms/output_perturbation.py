@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Literal, Optional
 
 import numpy as np
-from dp_accounting import get_epsilon_gaussian
 from pydantic import BaseModel, ConfigDict, Field
 
 from dpsgd_cli.algorithms.base import Algorithm, Outcome, Setting, unit_ball_violation
@@ -77,6 +76,8 @@ def calibrate_output_noise(sensitivity: float, epsilon: float, delta: float, cal
         failure, achieved = None, None
     else:
         raise UserError(f"calibration must be 'classic' or 'analytic', got {calibration!r}")
+    from dp_accounting import get_epsilon_gaussian  # ~1 s of imports: only when this algorithm runs
+
     exact = float(get_epsilon_gaussian(sigma / sensitivity, delta))
     if calibration == "analytic":
         achieved = exact

@@ -237,24 +237,24 @@ def _base_row(cell: Cell, data: Dataset, setting: Setting, optimal: float) -> di
 
 
 def _metrics(model, theta: np.ndarray, data: Dataset, optimal: float) -> dict[str, np.ndarray]:
+    # one forward pass per set (loss and accuracy from it): the numbers of `objective` and `accuracy`
     with np.errstate(all="ignore"):
-        train_objective = model.objective(theta, data.X_train, data.y_train)
-        return {
-            **_test_metrics(model, theta, data),
-            "train_accuracy": model.accuracy(theta, data.X_train, data.y_train),
-            "train_objective": train_objective,
-            "optimality_gap": train_objective - optimal,
-            **({} if data.X_val is None else {"val_accuracy": model.accuracy(theta, data.X_val, data.y_val),
-                                              "val_objective": model.objective(theta, data.X_val, data.y_val)}),
-        }
+        train_loss, train_accuracy = model.data_loss_and_accuracy(theta, data.X_train, data.y_train)
+        train_objective = train_loss + model.penalty(theta)
+        metrics = {**_test_metrics(model, theta, data), "train_accuracy": train_accuracy,
+                   "train_objective": train_objective, "optimality_gap": train_objective - optimal}
+        if data.X_val is not None:
+            val_loss, metrics["val_accuracy"] = model.data_loss_and_accuracy(theta, data.X_val, data.y_val)
+            metrics["val_objective"] = val_loss + model.penalty(theta)
+        return metrics
 
 
 def _test_metrics(model, theta: np.ndarray, data: Dataset) -> dict[str, np.ndarray]:
     """Test accuracy and loss; NaN without a test set (`split: none`)."""
     if data.X_test.shape[0] == 0:
         return {"test_accuracy": np.full(theta.shape[0], np.nan), "test_loss": np.full(theta.shape[0], np.nan)}
-    return {"test_accuracy": model.accuracy(theta, data.X_test, data.y_test),
-            "test_loss": model.data_loss(theta, data.X_test, data.y_test)}
+    test_loss, test_accuracy = model.data_loss_and_accuracy(theta, data.X_test, data.y_test)
+    return {"test_accuracy": test_accuracy, "test_loss": test_loss}
 
 
 def _short_traceback(exc: Exception) -> str:

@@ -80,7 +80,11 @@ class Model:
 
     # Shared by all models -------------------------------------------------------------------------
     def objective(self, theta: np.ndarray, X: np.ndarray, y: np.ndarray) -> np.ndarray:
-        return self.data_loss(theta, X, y) + 0.5 * self.l2 * np.einsum("rp,rp->r", theta, theta)
+        return self.data_loss(theta, X, y) + self.penalty(theta)
+
+    def penalty(self, theta: np.ndarray) -> np.ndarray:
+        """(λ/2)‖θ‖² per replica: F = data_loss + penalty."""
+        return 0.5 * self.l2 * np.einsum("rp,rp->r", theta, theta)
 
     def gradient(self, theta: np.ndarray, X: np.ndarray, y: np.ndarray) -> np.ndarray:
         return self.data_gradient(theta, X, y) + self.l2 * theta
@@ -92,10 +96,16 @@ class Model:
     def objective_and_gradient(self, theta: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(F(θ) (R,), ∇F(θ) (R, P)) in one call (what L-BFGS asks for)."""
         loss, grad = self.data_loss_and_gradient(theta, X, y)
-        return loss + 0.5 * self.l2 * np.einsum("rp,rp->r", theta, theta), grad + self.l2 * theta
+        return loss + self.penalty(theta), grad + self.l2 * theta
 
     def accuracy(self, theta: np.ndarray, X: np.ndarray, y: np.ndarray) -> np.ndarray:
-        return np.mean(np.where(self.decision(theta, X) >= 0, 1.0, -1.0) == y, axis=-1)
+        return accuracy_of(self.decision(theta, X), y)
+
+    def data_loss_and_accuracy(self, theta: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(data_loss (R,), accuracy (R,)) from one forward pass: the numbers of the two calls (the metrics of a row),
+        for a model whose data_loss is `logistic_loss` of its decision (override otherwise)."""
+        decision = self.decision(theta, X)
+        return logistic_loss(decision, y), accuracy_of(decision, y)
 
     def inverse_hvp(self, theta: np.ndarray, X: np.ndarray, y: np.ndarray, v: np.ndarray, damping: float = 0.0,
                     tol: float = 1e-10, max_iter: Optional[int] = None,
@@ -149,3 +159,13 @@ class Model:
         info = {"iterations": iterations, "residual": residual, "converged": (rr <= target) & ~negative,
                 "negative_curvature": negative}
         return x, info
+
+
+def logistic_loss(decision: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Mean log(1 + exp(−y·f(x))) over the examples (last axis), per replica."""
+    return np.mean(np.logaddexp(0.0, -y * decision), axis=-1)
+
+
+def accuracy_of(decision: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Fraction of examples with sign(f(x)) = y (f(x) = 0 counts as +1), per replica."""
+    return np.mean(np.where(decision >= 0, 1.0, -1.0) == y, axis=-1)

@@ -7,7 +7,7 @@ from typing import Optional
 import numpy as np
 from scipy.special import expit
 
-from dpsgd_cli.models.base import Batch, Model
+from dpsgd_cli.models.base import Batch, Model, logistic_loss
 
 
 class LogisticRegression(Model):
@@ -33,7 +33,7 @@ class LogisticRegression(Model):
         return theta @ X.T
 
     def data_loss(self, theta, X, y):
-        return np.mean(np.logaddexp(0.0, -y * self.decision(theta, X)), axis=-1)
+        return logistic_loss(self.decision(theta, X), y)
 
     def data_gradient(self, theta, X, y):
         residual = -y * expit(-y * self.decision(theta, X))  # (R, n): dℓ/d(θ·x)

@@ -26,7 +26,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 from scipy.special import expit
 
-from dpsgd_cli.models.base import Batch, Model
+from dpsgd_cli.models.base import Batch, Model, logistic_loss
 
 Activation = Literal["tanh", "relu", "sigmoid"]
 # Full-data passes are cut into blocks of examples so that an (R, block, h) temporary holds at most this many numbers.
@@ -149,7 +149,7 @@ class MLP(Model):
         return np.concatenate([self._forward(theta, X[..., s, :])[2] for s in self._blocks(X, R)], axis=-1)
 
     def data_loss(self, theta, X, y):
-        return np.mean(np.logaddexp(0.0, -y * self.decision(theta, X)), axis=-1)
+        return logistic_loss(self.decision(theta, X), y)
 
     def _backward(self, theta: np.ndarray, X: np.ndarray, y: np.ndarray, weight,
                   clip: Optional[float], x_norm) -> tuple[np.ndarray, np.ndarray]:

@@ -61,27 +61,32 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import hashlib
 import importlib.metadata
-import json
 import logging
 import math
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Literal, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, Literal, NamedTuple, Sequence
 
 import numpy as np
-from dp_accounting import dp_event
-from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
-from dp_accounting.rdp import rdp_privacy_accountant as _rdp_lib
-from dp_accounting.privacy_accountant import NeighboringRelation
-from dp_accounting.rdp.rdp_privacy_accountant import RdpAccountant
-from scipy import optimize
 
+from dpsgd_cli import diskcache
+from dpsgd_cli.diskcache import CACHE_DIR_ENV
 from dpsgd_cli.errors import UserError
+from dpsgd_cli.lazy import LazyModule
 from dpsgd_cli.privacy import _validate as check
+
+if TYPE_CHECKING:
+    from dp_accounting.privacy_accountant import NeighboringRelation
+
+
+# dp-accounting (with scipy.stats and scipy.signal, ~1 s of imports) only when an accountant runs: a run whose
+# σ all come from the disk cache never imports it
+dp_event = LazyModule("dp_accounting.dp_event")
+_rdp_lib = LazyModule("dp_accounting.rdp.rdp_privacy_accountant")
+_pld_lib = LazyModule("dp_accounting.pld.pld_privacy_accountant")
+_relations = LazyModule("dp_accounting.privacy_accountant")
+optimize = LazyModule("scipy.optimize")
 
 __all__ = [
     "ACCOUNTANTS",
@@ -224,16 +229,16 @@ def _rdp_epsilon(event: dp_event.DpEvent, delta: float) -> tuple[float, float]:
 
 
 def rdp_epsilon_and_order(event: dp_event.DpEvent, delta: float,
-                          relation: NeighboringRelation = NeighboringRelation.ADD_OR_REMOVE_ONE
-                          ) -> tuple[float, float]:
-    """(ε, optimal order) of the RDP accountant under `relation`, over :data:`RDP_ORDERS` (larger orders walked
-    only when the base grid's top order is optimal)."""
+                          relation: NeighboringRelation | None = None) -> tuple[float, float]:
+    """(ε, optimal order) of the RDP accountant under `relation` (default add-or-remove-one), over
+    :data:`RDP_ORDERS` (larger orders walked only when the base grid's top order is optimal)."""
+    relation = _relations.NeighboringRelation.ADD_OR_REMOVE_ONE if relation is None else relation
     with _quiet_rdp():
         return _rdp_epsilon_loud(event, delta, relation)
 
 
 def _rdp_epsilon_loud(event: dp_event.DpEvent, delta: float, relation: NeighboringRelation) -> tuple[float, float]:
-    accountant = RdpAccountant(list(RDP_BASE_ORDERS), relation)
+    accountant = _rdp_lib.RdpAccountant(list(RDP_BASE_ORDERS), relation)
     accountant.compose(event)
     eps, order = accountant.get_epsilon_and_optimal_order(delta)
     eps, order = float(eps), float(order)
@@ -242,7 +247,7 @@ def _rdp_epsilon_loud(event: dp_event.DpEvent, delta: float, relation: Neighbori
     # The optimum is at the top of the base grid: walk the larger orders while epsilon decreases.
     worse = 0
     for alpha in RDP_EXTENSION_ORDERS:
-        single = RdpAccountant([alpha], relation)
+        single = _rdp_lib.RdpAccountant([alpha], relation)
         single.compose(event)
         e = float(single.get_epsilon(delta))
         if e < eps:
@@ -281,7 +286,7 @@ def check_pld_event(event: dp_event.DpEvent) -> None:
 
 def _pld_once(event: dp_event.DpEvent, delta: float, h: float) -> float:
     check_pld_event(event)
-    accountant = PLDAccountant(value_discretization_interval=h)
+    accountant = _pld_lib.PLDAccountant(value_discretization_interval=h)
     accountant.compose(event)
     return float(accountant.get_epsilon(delta))
 
@@ -556,7 +561,6 @@ CALIBRATION_VERSION: str = "1"
 """Version of the calibration code (:func:`calibrate`, :func:`calibrate_sigma`, the order grid, the PLD rule):
 part of the on-disk cache key, so bump it whenever a change could alter a calibrated sigma."""
 
-CACHE_DIR_ENV = "DPSGD_CACHE_DIR"
 _SCIPY = importlib.metadata.version("scipy")
 _NEIGHBORING = "add_or_remove_one"  # dpsgd_event's relation (the library default)
 
@@ -564,14 +568,7 @@ _NEIGHBORING = "add_or_remove_one"  # dpsgd_event's relation (the library defaul
 def calibration_cache_dir() -> Path | None:
     """Where calibrated sigmas are kept: $DPSGD_CACHE_DIR/calibration, else <DPSGD_DATA_DIR>/.cache/calibration;
     None (no disk cache) when DPSGD_CACHE_DIR is ``off``."""
-    root = os.environ.get(CACHE_DIR_ENV, "").strip()
-    if root.lower() == "off":
-        return None
-    if root:
-        return Path(root).expanduser().absolute() / "calibration"
-    from dpsgd_cli.data.download import cache_dir
-
-    return cache_dir() / ".cache" / "calibration"
+    return diskcache.cache_folder("calibration")
 
 
 def _cache_key(target: float, delta: float, q: float, steps: int, accountant: str) -> dict:
@@ -581,46 +578,20 @@ def _cache_key(target: float, delta: float, q: float, steps: int, accountant: st
             "scipy": _SCIPY, "calibration_version": CALIBRATION_VERSION}  # scipy's brentq picks the evaluated sigmas
 
 
-def _cache_path(folder: Path, key: dict) -> Path:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
-    return folder / f"{digest}.json"
-
-
 def _cache_read(folder: Path | None, key: dict) -> Calibration | None:
     """The cached Calibration for `key`, or None when absent, unreadable, corrupt or for another key."""
-    if folder is None:
-        return None
     try:
-        entry = json.loads(_cache_path(folder, key).read_text())
-        if entry["key"] != key:
-            return None
-        cal = Calibration(**entry["calibration"])
+        cal = Calibration(**diskcache.read_entry(folder, key, "calibration"))
         ok = (isinstance(cal.sigma, float) and math.isfinite(cal.sigma) and cal.sigma > 0
               and isinstance(cal.epsilon, float) and 0 <= cal.epsilon <= cal.target_epsilon)
         return cal if ok else None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (TypeError, ValueError, AttributeError):
         return None
 
 
 def _cache_write(folder: Path | None, key: dict, cal: Calibration) -> None:
-    """Atomic (temporary file + os.replace): concurrent workers see an old entry, a new one or none. Best effort."""
-    if folder is None:
-        return
-    tmp = None
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        text = json.dumps({"key": key, "calibration": dataclasses.asdict(cal)}, sort_keys=True)  # floats: repr
-        with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as fh:
-            tmp = fh.name
-            fh.write(text)
-        os.replace(tmp, _cache_path(folder, key))
-        tmp = None
-    except OSError as exc:
-        logging.getLogger(__name__).debug("calibration cache not written: %s", exc)
-    finally:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+    """Atomic; concurrent workers see an old entry, a new one or none. Best effort."""
+    diskcache.write_entry(folder, key, "calibration", dataclasses.asdict(cal))
 
 
 @functools.lru_cache(maxsize=1024)

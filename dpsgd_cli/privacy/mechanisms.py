@@ -12,11 +12,14 @@ import math
 from typing import Union
 
 import numpy as np
-from dp_accounting import get_sigma_gaussian
-from scipy import optimize
 
 from dpsgd_cli.errors import UserError
+from dpsgd_cli.lazy import LazyModule
 from dpsgd_cli.privacy import _validate as check
+
+# imported on first use (dp-accounting ~1 s): the algorithm registry imports this module for every run
+_dp = LazyModule("dp_accounting")
+optimize = LazyModule("scipy.optimize")
 
 __all__ = [
     "advanced_composition",
@@ -93,7 +96,7 @@ def analytic_gaussian_sigma(sensitivity: float, epsilon: float, delta: float) ->
     delta_2 = check.positive("sensitivity", sensitivity)
     eps = check.positive("epsilon", epsilon)
     d = check.open_unit("delta", delta)
-    return delta_2 * float(get_sigma_gaussian(eps, d))
+    return delta_2 * float(_dp.get_sigma_gaussian(eps, d))
 
 
 def gaussian_noise(rng: np.random.Generator, sigma: float, size: Size = None) -> np.ndarray:

@@ -28,12 +28,16 @@ from dataclasses import dataclass
 from typing import Literal, Sequence
 
 import numpy as np
-from dp_accounting.rdp import rdp_privacy_accountant as _rdp_lib
-from scipy import optimize, special
 
 from dpsgd_cli.errors import UserError
+from dpsgd_cli.lazy import LazyModule
 from dpsgd_cli.privacy import _validate as check
 from dpsgd_cli.privacy.accounting import RDP_EXTENSION_ORDERS, _quiet_rdp, dpsgd_event, rdp_curve_to_epsilon
+
+# imported on first use (dp-accounting ~1 s): only a tuned (private selection) cell needs them
+_rdp_lib = LazyModule("dp_accounting.rdp.rdp_privacy_accountant")
+optimize = LazyModule("scipy.optimize")
+special = LazyModule("scipy.special")
 
 TUNING_ORDERS: tuple[float, ...] = (tuple(1 + x / 10 for x in range(1, 101)) + tuple(float(a) for a in range(12, 65))
                                     + tuple(o for o in RDP_EXTENSION_ORDERS if o <= 1024))

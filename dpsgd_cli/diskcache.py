@@ -1,0 +1,108 @@
+"""Small JSON entries kept on disk and shared by processes (calibrated σ, the reference optimum L*, bassily2014's
+calibration).
+
+An entry is one file named by the sha256 of its key (a JSON-able dict that names everything the value depends
+on) and holds the key beside the value, so a hash collision or a stale file is recognised and ignored. Writes
+are atomic (temporary file in the same folder + `os.replace`): two processes filling one folder see an old
+entry, a new one or none, never a torn one. Floats are written with `repr` (JSON's default), so a value read
+back is the float that was computed, bit for bit. Everything is best effort: an unreadable folder or entry is
+a miss, and the value is recomputed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import inspect
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+CACHE_DIR_ENV = "DPSGD_CACHE_DIR"
+
+
+def cache_folder(name: str) -> Path | None:
+    """$DPSGD_CACHE_DIR/<name>, else <DPSGD_DATA_DIR>/.cache/<name>; None (no disk cache) when DPSGD_CACHE_DIR
+    is ``off``."""
+    root = os.environ.get(CACHE_DIR_ENV, "").strip()
+    if root.lower() == "off":
+        return None
+    if root:
+        return Path(root).expanduser().absolute() / name
+    from dpsgd_cli.data.download import cache_dir  # the data layer's root (DPSGD_DATA_DIR)
+
+    return cache_dir() / ".cache" / name
+
+
+def entry_path(folder: Path, key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+    return folder / f"{digest}.json"
+
+
+def read_entry(folder: Path | None, key: dict, field: str) -> Any:
+    """The stored `field` of the entry for `key`; None when absent, unreadable, corrupt or for another key."""
+    if folder is None:
+        return None
+    try:
+        entry = json.loads(entry_path(folder, key).read_text())
+        return entry[field] if entry["key"] == key else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def write_entry(folder: Path | None, key: dict, field: str, value: Any) -> None:
+    """Store {key, field: value} atomically; best effort (a read-only folder only loses the cache)."""
+    if folder is None:
+        return
+    tmp = None
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        # floats: repr, an exact round trip; dicts keep their order (a run's `derived` JSON is written as read)
+        text = json.dumps({"key": key, field: value})
+        with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as fh:
+            tmp = fh.name
+            fh.write(text)
+        os.replace(tmp, entry_path(folder, key))
+        tmp = None
+    except (OSError, TypeError, ValueError) as exc:
+        logging.getLogger(__name__).debug("disk cache entry not written in %s: %s", folder, exc)
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+def on_disk(name: str, versions: dict[str, Any], encode: Callable[[Any], Any] = lambda v: v,
+            decode: Callable[[Any], Any] = lambda v: v) -> Callable:
+    """Decorator: keep a deterministic function's results in the folder `name`, keyed by the function, the repr of
+    its arguments (bound to its signature, defaults applied; floats: shortest round trip) and `versions` (code and
+    library versions that could change the value). `encode` makes the value JSON-able, `decode` rebuilds it (raising TypeError, ValueError or
+    KeyError for an entry that does not fit: then it is recomputed). Exceptions are not cached."""
+
+    def wrap(fn: Callable) -> Callable:
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def cached(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            key = {"function": f"{fn.__module__}.{fn.__qualname__}",
+                   "args": {k: repr(v) for k, v in bound.arguments.items()}, **versions}
+            folder = cache_folder(name)
+            stored = read_entry(folder, key, "value")
+            if stored is not None:
+                try:
+                    return decode(stored)
+                except (TypeError, ValueError, KeyError):
+                    pass
+            value = fn(*args, **kwargs)
+            write_entry(folder, key, "value", encode(value))
+            return value
+
+        return cached
+
+    return wrap

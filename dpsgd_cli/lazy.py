@@ -1,0 +1,20 @@
+"""Modules imported on first use, so `dpsgd run` with warm caches skips imports it does not need."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+
+class LazyModule:
+    """Stands for the module `name` and imports it on the first attribute access (then a dict lookup)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str):
+        module: ModuleType = importlib.import_module(self._name)
+        return getattr(module, attr)
+
+    def __repr__(self) -> str:
+        return f"LazyModule({self._name!r})"
