@@ -162,3 +162,30 @@ def test_train_together_equals_fit_alone_for_an_epsilon_axis():
         alone = ALGORITHMS["dp_sgd"]().fit(s, model, X, y, ReplicaStreams(seeds))
         assert np.array_equal(outcome.theta, alone.theta) and outcome.derived == alone.derived
     assert not np.array_equal(together[0].theta, together[2].theta)
+
+
+@pytest.mark.parametrize("case", ["convex", "strongly_convex"])
+def test_bolt_on_epsilon_and_epochs_axis_trains_once_and_equals_fit_alone(case, monkeypatch):
+    """bolt_on's iterates depend on neither ε nor (beyond a prefix) the number of passes: the longest chain
+    runs, the others take its θ at their last step, each cell's θ and noise equal to `fit` alone."""
+    from dpsgd_cli.algorithms import ALGORITHMS, Setting
+    from dpsgd_cli.algorithms.chain import GradientChain, train_together
+    from dpsgd_cli.models import make_model
+
+    rng = np.random.default_rng(2)
+    X = rng.standard_normal((200, 4))
+    X /= np.linalg.norm(X, axis=1, keepdims=True)
+    y = np.where(X[:, 0] + 0.3 * rng.standard_normal(200) > 0, 1.0, -1.0)
+    model, seeds, algo = make_model("logreg", 4, 1e-2, {}), [3, 5], ALGORITHMS["bolt_on"]({"case": case})
+    settings = [Setting(n=200, d=4, delta=1e-5, l2=1e-2, epsilon=eps, batch_size=16, lr=1.0, epochs=k)
+                for eps in (0.5, 2.0) for k in (1, 3, 2)]
+    steps = []
+    step = GradientChain.step
+    monkeypatch.setattr(GradientChain, "step", lambda self, *a: steps.append(1) or step(self, *a))
+    streams = SharedStreams(seeds)
+    together = train_together(model, [algo.prepare(s, model, X, y, streams) for s in settings])
+    assert len(steps) == 3 * (200 // 16)  # the longest chain only
+    for s, outcome in zip(settings, together):
+        alone = algo.fit(s, model, X, y, ReplicaStreams(seeds))
+        assert np.array_equal(outcome.theta, alone.theta) and outcome.derived == alone.derived
+    assert not np.array_equal(together[0].theta, together[1].theta)

@@ -150,6 +150,10 @@ class GradientChain:
     # summation order. `ran_on` says which ran ("numpy" or "numba"), once the chain has run.
     backend: str = "numpy"
     ran_on: Optional[str] = None
+    # What the iterates depend on besides the stream, θ_0 and t (clip, transforms, schedule), for chains whose
+    # transforms draw nothing: chains with equal keys, stream keys and θ_0 compute the same iterates, so
+    # `run_together` runs only the longest and hands the others its θ at their last step. None: never shared.
+    same_iterates: Optional[Hashable] = None
 
     def step(self, model: Model, theta: np.ndarray, t: int, batch: Batch) -> np.ndarray:
         """Update t (1, 2, ...) of θ (R, P), in place where possible, on `batch`; returns the new θ."""
@@ -213,12 +217,16 @@ def run_together(model: Model, chains: Sequence[GradientChain], thetas: Sequence
         chains[k].ran_on = "numpy"
         shared.setdefault(keys[k], chains[k].batches)
     last = {key: max(steps[k] for k in numpy_side if keys[k] == key) for key in shared}
+    lead = _leaders(chains, keys, thetas, steps, numpy_side)
     with np.errstate(over="ignore", invalid="ignore"):
         for t in range(1, max((steps[k] for k in numpy_side), default=0) + 1):
             batch = {key: next(it) for key, it in shared.items() if t <= last[key]}
             for k in numpy_side:
-                if t <= steps[k]:
+                if t <= steps[k] and lead[k] == k:
                     thetas[k] = chains[k].step(model, thetas[k], t, batch[keys[k]])
+            for k in numpy_side:
+                if t == steps[k] and lead[k] != k:
+                    thetas[k] = thetas[lead[k]].copy()
     for group, run, out in runs:
         taps = getattr(chains[group[0]].batches, "taps", None)
         if taps:  # the NumPy chains are done: stop keeping the kernel's indices for them
@@ -228,6 +236,30 @@ def run_together(model: Model, chains: Sequence[GradientChain], thetas: Sequence
         for k, theta in zip(group, out):
             thetas[k], chains[k].ran_on = theta, "numba"
     return thetas
+
+
+def _leaders(chains: Sequence[GradientChain], keys: list, thetas: list[np.ndarray], steps: Sequence[int],
+             ks: Sequence[int]) -> dict[int, int]:
+    """k → the chain that computes chain k's iterates (k itself, or the longest chain with the same
+    `same_iterates` and stream keys and the same θ_0; chains with checkpoints always run themselves)."""
+    groups: list[list[int]] = []
+    for k in ks:
+        chain = chains[k]
+        if chain.same_iterates is None or chain.stream is None or chain.checkpoints is not None:
+            continue
+        for group in groups:
+            j = group[0]
+            if ((chains[j].same_iterates, keys[j]) == (chain.same_iterates, keys[k])
+                    and thetas[j].dtype == thetas[k].dtype and np.array_equal(thetas[j], thetas[k])):
+                group.append(k)
+                break
+        else:
+            groups.append([k])
+    lead = {k: k for k in ks}
+    for group in groups:
+        longest = max(group, key=lambda k: steps[k])
+        lead.update(dict.fromkeys(group, longest))
+    return lead
 
 
 def train_together(model: Model, prepared: Sequence) -> list:

@@ -22,7 +22,7 @@ from typing import Any, Iterator, Literal, Optional
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from dpsgd_cli.algorithms.base import Algorithm, Outcome, Setting, unit_ball_violation
+from dpsgd_cli.algorithms.base import Algorithm, Outcome, Prepared, Setting, unit_ball_violation
 from dpsgd_cli.algorithms.chain import Checkpoints, GradientChain, Schedule, add_l2, constant, min_inverse_time, scale
 from dpsgd_cli.algorithms.erm import reference_minimum
 from dpsgd_cli.algorithms.sampling import shuffled_batches
@@ -191,6 +191,7 @@ class PSGDPlan:
     step_rule: str
     sensitivity: float
     failure: Optional[str]  # a failed step-size condition, else None
+    schedule_key: tuple = ()  # the schedule's exact parameters (step_rule rounds them for display)
 
     @property
     def steps(self) -> int:
@@ -258,30 +259,40 @@ class BoltOn(Algorithm):
             if eta > 2 / beta:
                 failure = f"none: lr = {eta:g} > 2/β = {2 / beta:.4g} (convex case needs η ≤ 2/β)"
             return PSGDPlan(case, L, beta, 0.0, b, int(passes), per_pass, constant(eta), f"constant {eta:g}",
-                            sensitivity, failure)
+                            sensitivity, failure, ("constant", eta))
         gamma = float(setting.l2)
         sensitivity = strongly_convex_psgd_sensitivity(L, gamma, b, per_pass)
         return PSGDPlan(case, L, beta, gamma, b, int(passes), per_pass, min_inverse_time(beta, gamma),
-                        f"min(1/beta, 1/(gamma t)), beta = {beta:g}, gamma = {gamma:g}", sensitivity, failure)
+                        f"min(1/beta, 1/(gamma t)), beta = {beta:g}, gamma = {gamma:g}", sensitivity, failure,
+                        ("min_inverse_time", beta, gamma))
 
     def chain(self, plan: PSGDPlan, l2: float, batches: Iterator[Batch],
               checkpoints: Optional[Checkpoints] = None) -> GradientChain:
-        """The non-private PSGD: clip each example's gradient to L, average over the batch, add λθ, step."""
+        """The non-private PSGD: clip each example's gradient to L, average over the batch, add λθ, step.
+
+        The iterates do not depend on ε (only the output noise does) and a shorter run is a prefix of a longer one
+        (same permutation, schedule in t): `same_iterates` lets the cells of an ε × epochs axis train once."""
         return GradientChain(batches=batches, clip=plan.lipschitz,
                              transforms=[scale(1.0 / plan.batch_size), add_l2(l2)],
-                             schedule=plan.schedule, checkpoints=checkpoints, examples_per_step=plan.batch_size)
+                             schedule=plan.schedule, checkpoints=checkpoints, examples_per_step=plan.batch_size,
+                             stream=("shuffle_once", plan.batch_size),
+                             same_iterates=("bolt_on", plan.lipschitz, l2, plan.schedule_key))
 
-    def fit(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Outcome:
+    def prepare(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Prepared:
         plan = self.plan(setting, model)
         noise = calibrate_output_noise(plan.sensitivity, setting.epsilon, setting.delta, self.params.calibration)
         checkpoints = Checkpoints(setting.trace_every, X, y) if setting.trace_every else None
-        chain = self.chain(plan, setting.l2, shuffled_batches(X, y, plan.batch_size, streams, reshuffle=False), checkpoints)
-        theta = chain.run(model, model.init(streams.generators("init")), plan.steps)
-        theta = add_output_noise(theta, noise.sigma, streams)
+        chain = self.chain(plan, setting.l2, shuffled_batches(X, y, plan.batch_size, streams, reshuffle=False),
+                           checkpoints)
         guarantee = _assumption_failure(model, X) or plan.failure or noise.failure or "proved"
         derived = {**plan.derived(), **noise.derived(),
                    "examples_unused_per_pass": setting.n - plan.batches_per_pass * plan.batch_size}
-        return Outcome(theta, derived, guarantee=guarantee, trace=checkpoints.rows if checkpoints else [])
+
+        def finish(theta: np.ndarray) -> Outcome:
+            return Outcome(add_output_noise(theta, noise.sigma, streams), derived, guarantee=guarantee,
+                           trace=checkpoints.rows if checkpoints else [])
+
+        return Prepared(chain, model.init(streams.generators("init")), plan.steps, finish)
 
 
 __all__ = ["BoltOn", "OutputPerturbation", "OutputNoise", "PSGDPlan", "add_output_noise", "calibrate_output_noise",
