@@ -100,21 +100,3 @@ def test_accuracy(problem):
     X, y, theta, model = problem
     expected = np.mean(np.sign(X @ theta[0]) == y)
     assert model.accuracy(theta, X, y)[0] == pytest.approx(expected)
-
-
-def test_logreg_full_batch_takes_one_matrix_product_for_all_replicas():
-    """The full batch (a zero-stride view) takes `shared_rows`' gemm path; it equals the per-replica path (the
-    same rows copied) up to summation order."""
-    from dpsgd_cli.algorithms.sampling import full_batches, gather, row_norms
-    from dpsgd_cli.models.logreg import shared_rows
-
-    rng = np.random.default_rng(3)
-    X, y = rng.standard_normal((500, 7)), rng.choice([-1.0, 1.0], 500)
-    theta = rng.standard_normal((4, 7))
-    model = make_model("logreg", 7, 0.1)
-    full = next(full_batches(X, y, 4))
-    copied = gather(X, y, row_norms(X), np.tile(np.arange(500), (4, 1)))
-    assert shared_rows(full) is not None and shared_rows(copied) is None
-    for clip in (None, 0.5):
-        a, b = model.clipped_grad_sum(theta, full, clip), model.clipped_grad_sum(theta, copied, clip)
-        np.testing.assert_allclose(a, b, rtol=1e-12)
