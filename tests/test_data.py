@@ -435,6 +435,31 @@ def test_corrupt_processed_cache_file_is_rebuilt(data_env):
     assert_same_arrays(good, load_dataset(spec))
 
 
+def test_verified_processed_file_is_stamped_and_a_changed_one_is_rehashed(data_env, monkeypatch, capsys):
+    """Once verified, an unchanged file is not rehashed; a rewrite (even in place, same size) moves its stat."""
+    spec = DatasetSpec(name="synthetic", n=300, seed=11)
+    good = load_dataset(spec)
+    path = processed_path(spec)
+    stamp = path.with_name(path.name + ".verified")
+    assert not stamp.exists()  # written just now: too fresh to stamp (coarse timestamps)
+    monkeypatch.setattr(load_module, "STAMP_MIN_AGE_NS", 0)
+    hashed = []
+    real = load_module.arrays_sha256
+    monkeypatch.setattr(load_module, "arrays_sha256", lambda arrays: hashed.append(1) or real(arrays))
+    assert_same_arrays(good, load_dataset(spec))
+    assert stamp.is_file() and len(hashed) == 1
+    assert_same_arrays(good, load_dataset(spec))
+    assert len(hashed) == 1  # trusted by its stamp
+    with np.load(path) as npz:
+        arrays = dict(npz)
+    arrays["X_train"] = arrays["X_train"] + 1e-3  # tampered: same key, same stored checksum, same size
+    with open(path, "r+b") as fh:  # in place: same inode
+        np.savez(fh, **arrays)
+    capsys.readouterr()
+    assert_same_arrays(good, load_dataset(spec))
+    assert "does not match its checksum" in capsys.readouterr().err
+
+
 def test_cache_key_depends_on_version_and_spec(monkeypatch):
     spec = DatasetSpec(name="bank")
     path = processed_path(spec)
