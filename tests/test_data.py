@@ -10,6 +10,7 @@ import hashlib
 import http.server
 import socket
 import threading
+import zipfile
 
 import numpy as np
 import pytest
@@ -458,6 +459,22 @@ def test_verified_processed_file_is_stamped_and_a_changed_one_is_rehashed(data_e
     capsys.readouterr()
     assert_same_arrays(good, load_dataset(spec))
     assert "does not match its checksum" in capsys.readouterr().err
+
+
+def test_stored_arrays_are_read_as_numpy_reads_them(tmp_path):
+    arrays = {"X_train": np.arange(12.0).reshape(4, 3), "y_train": np.array([1.0, -1.0, 1.0, 1.0]),
+              "X_test": np.asfortranarray(np.arange(6.0).reshape(2, 3)), "y_test": np.zeros(0)}
+    np.savez(tmp_path / "a.npz", key=np.array("k"), **arrays)
+    got = load_module._read_stored_arrays(tmp_path / "a.npz")
+    with np.load(tmp_path / "a.npz") as npz:
+        for name in arrays:
+            assert got[name].dtype == npz[name].dtype and np.array_equal(got[name], npz[name])
+    np.savez_compressed(tmp_path / "b.npz", **arrays)
+    with pytest.raises(ValueError, match="compressed"):
+        load_module._read_stored_arrays(tmp_path / "b.npz")
+    (tmp_path / "c.npz").write_bytes((tmp_path / "a.npz").read_bytes()[:-200])
+    with pytest.raises((ValueError, OSError, zipfile.BadZipFile)):
+        load_module._read_stored_arrays(tmp_path / "c.npz")
 
 
 def test_cache_key_depends_on_version_and_spec(monkeypatch):
