@@ -558,9 +558,8 @@ MAX_GRID_FILE_BYTES = 1 << 20  # grid files are hand-written: 1 MiB is far more 
 MAX_YAML_NODES = 100_000  # nodes of the document with every alias expanded (an alias bomb has billions)
 
 
-class GridLoader(yaml.SafeLoader):
-    """SafeLoader that rejects duplicate keys, refuses documents whose aliases expand beyond MAX_YAML_NODES,
-    and reads `1e-3` as a number (YAML 1.1 wants `1.0e-3`; users write the former)."""
+class _GridConstructor(yaml.constructor.SafeConstructor):
+    """SafeConstructor that rejects duplicate keys."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: dict[Any, int] = {}
@@ -576,10 +575,40 @@ class GridLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-GridLoader.add_implicit_resolver(
+class _GridResolver(yaml.resolver.Resolver):
+    """Reads `1e-3` as a number (YAML 1.1 wants `1.0e-3`; users write the former)."""
+
+
+_GridResolver.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
     list("-+0123456789"))
+
+
+class GridLoader(yaml.reader.Reader, yaml.scanner.Scanner, yaml.parser.Parser, yaml.composer.Composer,
+                 _GridConstructor, _GridResolver):
+    """SafeLoader that rejects duplicate keys and reads `1e-3` as a number; `read_yaml` also refuses documents
+    whose aliases expand beyond MAX_YAML_NODES. Pure Python: `FastGridLoader` is the same on libyaml's parser."""
+
+    def __init__(self, stream: Any) -> None:
+        yaml.reader.Reader.__init__(self, stream)
+        yaml.scanner.Scanner.__init__(self)
+        yaml.parser.Parser.__init__(self)
+        yaml.composer.Composer.__init__(self)
+        _GridConstructor.__init__(self)
+        _GridResolver.__init__(self)
+
+
+if getattr(yaml, "__with_libyaml__", False):
+    class FastGridLoader(yaml.cyaml.CParser, _GridConstructor, _GridResolver):
+        """GridLoader on libyaml's parser (~10× faster on experiments.yaml; same constructor and resolver)."""
+
+        def __init__(self, stream: Any) -> None:
+            yaml.cyaml.CParser.__init__(self, stream)
+            _GridConstructor.__init__(self)
+            _GridResolver.__init__(self)
+else:  # PyYAML built without libyaml
+    FastGridLoader = GridLoader
 
 
 def _expanded_nodes(root: yaml.Node) -> int:
@@ -626,8 +655,9 @@ def read_yaml(path: Path) -> Any:
     except UnicodeDecodeError as exc:
         line = data[: exc.start].count(b"\n") + 1
         raise UserError(f"{path}: not UTF-8 text (byte {exc.start}, line {line}); save the file as UTF-8") from None
-    loader = GridLoader(text)
+    loader = None
     try:
+        loader = FastGridLoader(text)  # the pure-Python reader checks the characters here
         node = loader.get_single_node()
         if node is None:
             return None
@@ -639,11 +669,13 @@ def read_yaml(path: Path) -> Any:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise UserError(f"{path}: invalid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]  # a reader error has no mark
+        raise UserError(f"{path}: invalid YAML{where}: {problem}") from None
     except RecursionError:
         raise UserError(f"{path}: the YAML document is nested too deeply; flatten it") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
 
 
 def load_grid_file(path: Path) -> GridFile:

@@ -81,6 +81,22 @@ def test_entry_is_exact_and_keyed_by_what_lstar_depends_on(cache, monkeypatch):
     assert len(calls) == 2 and len(list(cache.glob("*.json"))) == 3
 
 
+def test_read_only_training_data_is_hashed_once_writeable_data_every_time(monkeypatch):
+    _, X, y = problem()
+    digest = erm._data_digest(X, y)
+    hashed = []
+    real = erm.hashlib.sha1
+    monkeypatch.setattr(erm.hashlib, "sha1", lambda: hashed.append(1) or real())
+    X[0, 0] = np.nextafter(X[0, 0], 1.0)  # writeable: an edit is seen
+    assert erm._data_digest(X, y) != digest and len(hashed) == 1
+    X.flags.writeable = y.flags.writeable = False  # the runner's datasets
+    first = erm._data_digest(X, y)
+    assert erm._data_digest(X, y) == first and len(hashed) == 2  # the second call is the memo
+    other = X.copy()
+    other.flags.writeable = False
+    assert erm._data_digest(other, y) == first and len(hashed) == 3  # another array: hashed
+
+
 def test_corrupt_or_foreign_entries_are_recomputed(cache, monkeypatch):
     model, X, y = problem()
     theta, objective, _ = erm.reference_minimum(model, X, y)

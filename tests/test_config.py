@@ -115,6 +115,28 @@ def test_yaml_syntax_error_names_line(tmp_path):
     assert "invalid YAML at line" in error_of(tmp_path, "grids:\n  - name: [unclosed\n")
 
 
+def test_yaml_control_character_is_one_line(tmp_path):
+    message = error_of(tmp_path, "grids:\n  - name: a\x07b\n")
+    assert "invalid YAML" in message and "\n" not in message, message
+
+
+def test_fast_loader_reads_what_the_python_loader_reads(tmp_path):
+    """libyaml's parser (what read_yaml uses) gives the pure-Python loader's document, `1e-3` a float included."""
+    from pathlib import Path
+
+    from dpsgd_cli.config import GridLoader, read_yaml
+
+    text = (Path(__file__).resolve().parents[1] / "experiments.yaml").read_text()
+    text += "extra: {lr: 1e-3, n: 7, s: '1e-3'}\n"
+    loader = GridLoader(text)
+    try:
+        expected = loader.construct_document(loader.get_single_node())
+    finally:
+        loader.dispose()
+    got = read_yaml(write(tmp_path, text))
+    assert got == expected and got["extra"] == {"lr": 1e-3, "n": 7, "s": "1e-3"}
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(UserError, match="no such file"):
         load_grid_file(tmp_path / "absent.yaml")

@@ -10,6 +10,7 @@ import hashlib
 import http.server
 import socket
 import threading
+import zipfile
 
 import numpy as np
 import pytest
@@ -433,6 +434,47 @@ def test_corrupt_processed_cache_file_is_rebuilt(data_env):
     good = load_dataset(spec)
     processed_path(spec).write_bytes(b"garbage")
     assert_same_arrays(good, load_dataset(spec))
+
+
+def test_verified_processed_file_is_stamped_and_a_changed_one_is_rehashed(data_env, monkeypatch, capsys):
+    """Once verified, an unchanged file is not rehashed; a rewrite (even in place, same size) moves its stat."""
+    spec = DatasetSpec(name="synthetic", n=300, seed=11)
+    good = load_dataset(spec)
+    path = processed_path(spec)
+    stamp = path.with_name(path.name + ".verified")
+    assert not stamp.exists()  # written just now: too fresh to stamp (coarse timestamps)
+    monkeypatch.setattr(load_module, "STAMP_MIN_AGE_NS", 0)
+    hashed = []
+    real = load_module.arrays_sha256
+    monkeypatch.setattr(load_module, "arrays_sha256", lambda arrays: hashed.append(1) or real(arrays))
+    assert_same_arrays(good, load_dataset(spec))
+    assert stamp.is_file() and len(hashed) == 1
+    assert_same_arrays(good, load_dataset(spec))
+    assert len(hashed) == 1  # trusted by its stamp
+    with np.load(path) as npz:
+        arrays = dict(npz)
+    arrays["X_train"] = arrays["X_train"] + 1e-3  # tampered: same key, same stored checksum, same size
+    with open(path, "r+b") as fh:  # in place: same inode
+        np.savez(fh, **arrays)
+    capsys.readouterr()
+    assert_same_arrays(good, load_dataset(spec))
+    assert "does not match its checksum" in capsys.readouterr().err
+
+
+def test_stored_arrays_are_read_as_numpy_reads_them(tmp_path):
+    arrays = {"X_train": np.arange(12.0).reshape(4, 3), "y_train": np.array([1.0, -1.0, 1.0, 1.0]),
+              "X_test": np.asfortranarray(np.arange(6.0).reshape(2, 3)), "y_test": np.zeros(0)}
+    np.savez(tmp_path / "a.npz", key=np.array("k"), **arrays)
+    got = load_module._read_stored_arrays(tmp_path / "a.npz")
+    with np.load(tmp_path / "a.npz") as npz:
+        for name in arrays:
+            assert got[name].dtype == npz[name].dtype and np.array_equal(got[name], npz[name])
+    np.savez_compressed(tmp_path / "b.npz", **arrays)
+    with pytest.raises(ValueError, match="compressed"):
+        load_module._read_stored_arrays(tmp_path / "b.npz")
+    (tmp_path / "c.npz").write_bytes((tmp_path / "a.npz").read_bytes()[:-200])
+    with pytest.raises((ValueError, OSError, zipfile.BadZipFile)):
+        load_module._read_stored_arrays(tmp_path / "c.npz")
 
 
 def test_cache_key_depends_on_version_and_spec(monkeypatch):

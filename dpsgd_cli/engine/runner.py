@@ -36,8 +36,13 @@ from dpsgd_cli.models import make_model
 @functools.lru_cache(maxsize=8)
 def dataset(spec: DatasetSpec, validation: Optional[float] = None) -> Dataset:
     """Loaded once per process (workers included); the data layer caches processed arrays on disk too. With
-    `validation`, X_train holds only the rows used for fitting and X_val the held-out rows."""
-    return with_validation(load_dataset(spec), validation)
+    `validation`, X_train holds only the rows used for fitting and X_val the held-out rows. Its arrays are
+    read-only: every task of the process shares them (and L*'s key hashes them once)."""
+    data = with_validation(load_dataset(spec), validation)
+    for array in (data.X_train, data.y_train, data.X_test, data.y_test, data.X_val, data.y_val):
+        if array is not None:
+            array.flags.writeable = False
+    return data
 
 
 def resolve_delta(delta: Any, n: int) -> float:
