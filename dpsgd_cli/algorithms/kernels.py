@@ -189,6 +189,22 @@ def _kernels():
         raise UserError(f"numba could not be imported ({type(exc).__name__}: {exc}); reinstall it "
                         f"({NUMBA_HINT}) or use backend: numpy") from exc
 
+    @numba.njit(cache=True, nogil=True, inline="always")
+    def _update(theta, r, p, g, t, noise, gen, noisy, do_noise, draw_noise, noise_std, batch_scale, l2,
+                eta):  # pragma: no cover
+        """One coordinate of a single-example step (sgd1_logreg, sgd1_mlp): θ_p ← θ_p − η((g + s z)·scale + λθ_p), z drawn even
+        when masked; returns θ_p²."""
+        if do_noise:
+            z = gen.standard_normal() if draw_noise else noise[t, r, p]
+            if noisy:
+                g = g + noise_std * z
+        g = g * batch_scale
+        if l2 != 0.0:
+            g = g + l2 * theta[r, p]
+        v = theta[r, p] - eta * g
+        theta[r, p] = v
+        return v * v
+
     @numba.njit(cache=True, nogil=True)
     def sgd1_logreg(theta, X, y, x_norm, idx, noise, gen, noise_std, lrs, l2, clip, radius, batch_scale,
                     start, stop, do_clip, do_noise, draw_noise, do_project, mask, use_mask,
@@ -219,37 +235,15 @@ def _kernels():
                     g = a * X[i, j]
                     if c >= 0:  # a canary row: its fixed gradient, for the replicas that include it
                         g = g + canary_add[r, c, j]
-                    if do_noise:  # the step's d standard normals, in order: from `noise` or drawn from `gen` now
-                        z = gen.standard_normal() if draw_noise else noise[t, r, j]  # drawn even when masked
-                        if noisy:
-                            g = g + noise_std * z
-                    g = g * batch_scale
-                    if l2 != 0.0:
-                        g = g + l2 * theta[r, j]
-                    v = theta[r, j] - eta * g
-                    theta[r, j] = v
-                    sq += v * v
+                    # the step's d standard normals, in order: from `noise` or drawn from `gen` now
+                    sq += _update(theta, r, j, g, t, noise, gen, noisy, do_noise, draw_noise, noise_std,
+                                  batch_scale, l2, eta)
                 if do_project:
                     f = radius / max(np.sqrt(sq), 1e-300)
                     if f < 1.0:
                         for j in range(d):
                             theta[r, j] = theta[r, j] * f
         return theta
-
-    @numba.njit(cache=True, nogil=True, inline="always")
-    def _update(theta, r, p, g, t, noise, gen, noisy, do_noise, draw_noise, noise_std, batch_scale, l2,
-                eta):  # pragma: no cover
-        """θ_p ← θ_p − η((g + s z)·scale + λθ_p) as sgd1_logreg's inner loop (z drawn even when masked); returns θ_p²."""
-        if do_noise:
-            z = gen.standard_normal() if draw_noise else noise[t, r, p]
-            if noisy:
-                g = g + noise_std * z
-        g = g * batch_scale
-        if l2 != 0.0:
-            g = g + l2 * theta[r, p]
-        v = theta[r, p] - eta * g
-        theta[r, p] = v
-        return v * v
 
     @numba.njit(cache=True, nogil=True)
     def sgd1_mlp(theta, X, y, x_norm, idx, noise, gen, noise_std, lrs, l2, clip, radius, batch_scale,
