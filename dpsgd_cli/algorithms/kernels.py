@@ -93,6 +93,14 @@ def kernel_applies(model, batch_size: Optional[int], mlp: bool = False) -> bool:
     return mlp and isinstance(model, MLP) and type(model).clipped_grad_sum is MLP.clipped_grad_sum
 
 
+def check_backend(requested: str) -> None:
+    """UserError for a backend that is not auto, numpy or numba, or for numba asked for but not installed."""
+    if requested not in ("auto", "numpy", "numba"):
+        raise UserError(f"backend = {requested!r}: use auto, numpy or numba")
+    if requested == "numba" and not HAVE_NUMBA:
+        raise UserError(f"backend: numba, but numba is not installed: {NUMBA_HINT}, or use backend: auto")
+
+
 def select_backend(requested: Backend, model, batch_size: Optional[int], mlp: bool = False) -> str:
     """'numba' or 'numpy' for this run.
 
@@ -101,10 +109,7 @@ def select_backend(requested: Backend, model, batch_size: Optional[int], mlp: bo
     """
     if requested == "numpy":
         return "numpy"
-    if requested == "numba" and not HAVE_NUMBA:
-        raise UserError(f"backend: numba, but numba is not installed: {NUMBA_HINT}, or use backend: auto")
-    if requested not in ("auto", "numba"):
-        raise UserError(f"backend = {requested!r}: use auto, numpy or numba")
+    check_backend(requested)
     if not (HAVE_NUMBA and kernel_applies(model, batch_size, mlp)):
         return "numpy"
     try:

@@ -84,12 +84,10 @@ def applies(model, chains: Sequence, thetas: Sequence[np.ndarray]) -> bool:
 
     if any(chain.backend == "numpy" for chain in chains):
         return False
-    if any(chain.backend not in ("auto", "numba") for chain in chains):
-        raise UserError(f"backend = {chains[0].backend!r}: use auto, numpy or numba")
+    for chain in chains:
+        kernels.check_backend(chain.backend)
     wanted = any(chain.backend == "numba" for chain in chains)
     if not kernels.HAVE_NUMBA:  # looked up here: tests switch it off
-        if wanted:
-            raise UserError(f"backend: numba, but numba is not installed: {NUMBA_HINT}, or use backend: auto")
         return False
     batches = chains[0].batches
     if not (isinstance(model, LogisticRegression) and hasattr(model, "d")
@@ -118,19 +116,12 @@ def _record_steps(checkpoints, examples_per_step: float, steps: int) -> np.ndarr
     return t[after // checkpoints.every > before // checkpoints.every]
 
 
-def run_group(model, chains: Sequence, thetas: Sequence[np.ndarray], steps: Sequence[int]) -> list[np.ndarray]:
-    """Run chains that share one batch stream (`applies`) for their `steps`, on the kernel; each result equals
-    its `chain.run` (NumPy) up to summation order, and is the same bit for bit whatever the other chains."""
-    out: list[np.ndarray] = []
-    for _ in group_steps(model, chains, thetas, steps, out):
-        pass
-    return out
-
-
 def group_steps(model, chains: Sequence, thetas: Sequence[np.ndarray], steps: Sequence[int],
                 out: list) -> Iterator[int]:
-    """`run_group` one kernel call at a time: yields the steps done after each call; the results are appended to
-    `out` at the end (so a NumPy chain on the same stream can replay the batches as they are taken)."""
+    """Run chains that share one batch stream (`applies`) for their `steps` on the kernel, one kernel call at a
+    time: yields the steps done after each call; the results are appended to `out` at the end (so a NumPy chain
+    on the same stream can replay the batches as they are taken). Each result equals its `chain.run` (NumPy) up
+    to summation order, and is the same bit for bit whatever the other chains."""
     batches: IndexedBatches = chains[0].batches
     X, y = np.ascontiguousarray(batches.X), np.ascontiguousarray(batches.y)
     x_norm = batches.x_norm if any(c.clip is not None for c in chains) else np.zeros(1)  # only the clip reads it
