@@ -210,6 +210,14 @@ def _kernels():
         theta[r, p] = v
         return v * v
 
+    @numba.njit(cache=True, nogil=True, inline="always")
+    def _project_row(theta, r, sq, radius):  # pragma: no cover
+        """θ_r ← θ_r · min(1, ρ/‖θ_r‖) given sq = ‖θ_r‖² (the projection onto the ball of radius ρ)."""
+        f = radius / max(np.sqrt(sq), 1e-300)
+        if f < 1.0:
+            for p in range(theta.shape[1]):
+                theta[r, p] = theta[r, p] * f
+
     @numba.njit(cache=True, nogil=True)
     def sgd1_logreg(theta, X, y, x_norm, idx, noise, gen, noise_std, lrs, l2, clip, radius, batch_scale,
                     start, stop, do_clip, do_noise, draw_noise, do_project, mask, use_mask,
@@ -244,10 +252,7 @@ def _kernels():
                     sq += _update(theta, r, j, g, t, noise, gen, noisy, do_noise, draw_noise, noise_std,
                                   batch_scale, l2, eta)
                 if do_project:
-                    f = radius / max(np.sqrt(sq), 1e-300)
-                    if f < 1.0:
-                        for j in range(d):
-                            theta[r, j] = theta[r, j] * f
+                    _project_row(theta, r, sq, radius)
         return theta
 
     @numba.njit(cache=True, nogil=True)
@@ -307,10 +312,7 @@ def _kernels():
                 sq += _update(theta, r, o_b2, res, t, noise, gen, noisy, do_noise, draw_noise, noise_std, batch_scale,
                               l2, eta)
                 if do_project:
-                    fr = radius / max(np.sqrt(sq), 1e-300)
-                    if fr < 1.0:
-                        for p in range(P):
-                            theta[r, p] = theta[r, p] * fr
+                    _project_row(theta, r, sq, radius)
         return theta
 
     return {"sgd1_logreg": sgd1_logreg, "sgd1_mlp": sgd1_mlp, "version": numba.__version__}
