@@ -157,6 +157,8 @@ class GradientChain:
 
     def step(self, model: Model, theta: np.ndarray, t: int, batch: Batch) -> np.ndarray:
         """Update t (1, 2, ...) of θ (R, P), in place where possible, on `batch`; returns the new θ."""
+        if hasattr(batch, "plain") and not self._compiled_rows():  # the model may not take the compiled rows path
+            batch = batch.plain()
         g = model.clipped_grad_sum(theta, batch, self.clip)
         for transform in self.transforms:
             g = transform(g, theta)
@@ -167,6 +169,16 @@ class GradientChain:
             before, after = round((t - 1) * self.examples_per_step), round(t * self.examples_per_step)
             self.checkpoints.maybe_record(model, theta, before, after)
         return theta
+
+    def _compiled_rows(self) -> bool:
+        """Whether the model may read a batch's rows in a compiled product (the MLP's row-sparse kernels, models/
+        _mlp_numba.py): backend auto or numba, and numba installed (looked up here: tests switch it off)."""
+        if self.backend == "numpy":
+            return False
+        from dpsgd_cli.algorithms import kernels
+
+        kernels.check_backend(self.backend)
+        return kernels.HAVE_NUMBA
 
     def run(self, model: Model, theta: np.ndarray, steps: int) -> np.ndarray:
         """Apply `steps` updates to θ (R, P); a replica that diverges ends as NaN without stopping the others."""

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import deque
-from typing import Callable, Iterator
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 
@@ -65,7 +67,7 @@ class IndexedBatches:
         self.X, self.y, self.replicas = X, y, replicas
         self.full = blocks is None
         self._blocks, self._block, self._pos, self._trim = blocks, None, 0, trim
-        self._x_norm, self._full = None, None
+        self._x_norm, self._full, self._nonzeros = None, None, False
         self.taps: list[deque] = []  # queues that receive a copy of every `take` (see `replay`)
 
     @property
@@ -74,6 +76,12 @@ class IndexedBatches:
         if self._x_norm is None:
             self._x_norm = row_norms(self.X)
         return self._x_norm
+
+    def nonzeros(self) -> Optional[RowNonzeros]:
+        """`RowNonzeros.of(X)`, computed at the first call (None: X too dense for row-sparse products to pay)."""
+        if self._nonzeros is False:
+            self._nonzeros = RowNonzeros.of(self.X)
+        return self._nonzeros
 
     def __iter__(self) -> "IndexedBatches":
         return self
@@ -92,7 +100,7 @@ class IndexedBatches:
         self._pos += 1
         if self._trim:  # kept indices come first in each row, so trim the common padding
             idx = idx[:, : max(1, int((idx >= 0).sum(axis=1).max()))]
-        return gather(self.X, self.y, self.x_norm, idx)
+        return gather(self.X, self.y, self.x_norm, idx, self.nonzeros)
 
     def take(self, m: int) -> np.ndarray:
         """The next m steps' indices (m, R, M), −1 padded (not for the full batch, which has none)."""
@@ -139,12 +147,64 @@ def row_norms(X: np.ndarray) -> np.ndarray:
     return np.sqrt(np.einsum("ij,ij->i", X, X))
 
 
-def gather(X: np.ndarray, y: np.ndarray, x_norm: np.ndarray, idx: np.ndarray) -> Batch:
-    """Batch of rows `idx` (R, M) with −1 marking padding."""
+def gather(X: np.ndarray, y: np.ndarray, x_norm: np.ndarray, idx: np.ndarray,
+           nonzeros: Optional[Callable[[], Optional["RowNonzeros"]]] = None) -> "IndexedBatch":
+    """Batch of rows `idx` (R, M) with −1 marking padding (padding reads row 0, with weight 0)."""
     valid = idx >= 0
     safe = np.where(valid, idx, 0)
-    return Batch(X=np.take(X, safe, axis=0), y=np.take(y, safe), weight=valid.astype(X.dtype),
-                 x_norm=np.take(x_norm, safe) * valid)
+    return IndexedBatch(X, safe, y=np.take(y, safe), weight=valid.astype(X.dtype),
+                        x_norm=np.take(x_norm, safe) * valid, nonzeros=nonzeros)
+
+
+class IndexedBatch(Batch):
+    """A `Batch` of the rows `rows` (R, M) of `data` (padding: row 0, weight 0). X is gathered at its first use,
+    so a compiled step that reads the rows where they are (the MLP's, with `nonzeros()`) never copies them."""
+
+    def __init__(self, data: np.ndarray, rows: np.ndarray, y: np.ndarray, weight: np.ndarray, x_norm: np.ndarray,
+                 nonzeros: Optional[Callable[[], Optional["RowNonzeros"]]] = None):
+        for name, value in dict(data=data, rows=rows, y=y, weight=weight, x_norm=x_norm,
+                                nonzeros=nonzeros or (lambda: None)).items():
+            object.__setattr__(self, name, value)  # Batch is frozen
+
+    @functools.cached_property
+    def X(self) -> np.ndarray:  # type: ignore[override]
+        return np.take(self.data, self.rows, axis=0)
+
+    def plain(self) -> Batch:
+        """The same batch as a plain `Batch` (X gathered): what a step that must not use the rows sees."""
+        return Batch(X=self.X, y=self.y, weight=self.weight, x_norm=self.x_norm)
+
+
+@dataclass(frozen=True)
+class RowNonzeros:
+    """The nonzeros of every row of X, in column order, padded with zeros to a multiple of `GROUP` per row:
+    row i's are cols[i, :nnz[i]], vals[i, :nnz[i]] (nnz[i] a multiple of GROUP)."""
+
+    cols: np.ndarray  # (n, K) uint32
+    vals: np.ndarray  # (n, K) X.dtype
+    nnz: np.ndarray  # (n,) uint32
+
+    GROUP = 4  # the MLP's kernel sums a row's nonzeros 4 at a time (models/_mlp_numba.py)
+    # Above this mean share of (padded) nonzeros per row, BLAS on the dense rows is faster (the MLP on adult,
+    # 16 of 104: the kernel ~2× faster in float64; at ~1/4 they break even)
+    MAX_DENSITY = 0.25
+
+    @classmethod
+    def of(cls, X: np.ndarray) -> Optional["RowNonzeros"]:
+        """X's nonzeros, or None when their (padded) mean count per row exceeds MAX_DENSITY · d."""
+        n, d = X.shape
+        mask = X != 0
+        counts = mask.sum(axis=1)
+        padded = -(-counts // cls.GROUP) * cls.GROUP
+        if n == 0 or padded.mean() > cls.MAX_DENSITY * d:
+            return None
+        K = max(int(padded.max()), cls.GROUP)
+        cols, vals = np.zeros((n, K), dtype=np.uint32), np.zeros((n, K), dtype=X.dtype)
+        slot = np.cumsum(mask, axis=1) - 1  # each nonzero's place in its row (column order)
+        r, c = np.nonzero(mask)
+        cols[r, slot[r, c]] = c
+        vals[r, slot[r, c]] = X[r, c]
+        return cls(cols, vals, padded.astype(np.uint32))
 
 
 def uniform_examples(X: np.ndarray, y: np.ndarray, streams: ReplicaStreams, batch_size: int = 1) -> Iterator[Batch]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
@@ -37,8 +38,34 @@ class ReplicaStreams:
             yield from stacked
 
     def normal(self, purpose: str, shape: tuple[int, ...]) -> Iterator[np.ndarray]:
-        """Standard normal draws of shape (R, *shape), one array per step."""
-        return self.per_step(purpose, lambda g, k: g.standard_normal((k, *shape)))
+        """Standard normal draws of shape (R, *shape), one array per step (float64). With numba installed the
+        blocks are filled by `_normals_numba.fill_normals`: the same numbers as `per_step`'s (tested bit for bit)."""
+        fill = _numba_fill()
+        if fill is None:
+            return self.per_step(purpose, lambda g, k: g.standard_normal((k, *shape)))
+        return self._filled(fill, purpose, tuple(shape))
+
+    def _filled(self, fill, purpose: str, shape: tuple[int, ...]) -> Iterator[np.ndarray]:
+        gens = self.generators(purpose)
+        size = math.prod(shape)
+        while True:
+            block = np.empty((BLOCK_STEPS, len(gens), size))
+            for r, g in enumerate(gens):
+                fill(g, block, r)
+            yield from block.reshape(BLOCK_STEPS, len(gens), *shape)
+
+
+def _numba_fill():
+    """`fill_normals`, or None without numba (looked up at each call: tests switch kernels.HAVE_NUMBA off)."""
+    from dpsgd_cli.algorithms import kernels
+
+    if not kernels.HAVE_NUMBA:
+        return None
+    try:
+        from dpsgd_cli.algorithms._normals_numba import fill_normals
+    except Exception:  # numba installed but broken: NumPy draws the same numbers
+        return None
+    return fill_normals
 
 
 class SharedStreams(ReplicaStreams):

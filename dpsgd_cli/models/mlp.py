@@ -140,9 +140,15 @@ class MLP(Model):
         W1, b1, w2, b2 = self.unpack(theta)
         z = np.matmul(X, W1.transpose(0, 2, 1))
         z += b1[:, None, :]
+        return self._head(theta, z)
+
+    def _head(self, theta: np.ndarray, z: np.ndarray, by_row: bool = False):
+        """(a, φ'(z), f) from the hidden pre-activations z (R, M, h) (overwritten with a). by_row: f by einsum,
+        each row's dot in an order fixed by h (BLAS's gemv rounds a row differently with the number of rows M)."""
+        W1, b1, w2, b2 = self.unpack(theta)
         a, da = _activate(self.activation, z)
-        f = np.matmul(a, w2[:, :, None])[..., 0] + b2[:, None]
-        return a, da, f
+        f = np.einsum("rmh,rh->rm", a, w2) if by_row else np.matmul(a, w2[:, :, None])[..., 0]
+        return a, da, f + b2[:, None]
 
     def decision(self, theta: np.ndarray, X: np.ndarray) -> np.ndarray:
         R = theta.shape[0]
@@ -155,35 +161,47 @@ class MLP(Model):
                   clip: Optional[float], x_norm) -> tuple[np.ndarray, np.ndarray]:
         """(Σ_i weight_i · min(1, C/‖∇ℓ_i‖) ∇ℓ_i (no clip when C is None) (R, P), Σ_i weight_i ℓ_i (R,));
         examples in blocks."""
-        W1, b1, w2, b2 = self.unpack(theta)
-        R = theta.shape[0]
         out = np.zeros_like(theta)
-        gW1, gb1, gw2, gb2 = self.unpack(out)  # views: the gradient is accumulated in place
-        loss = np.zeros(R)
-        for k, s in enumerate(self._blocks(X, R)):
+        gW1 = self.unpack(out)[0]
+        loss = np.zeros(theta.shape[0])
+        for k, s in enumerate(self._blocks(X, theta.shape[0])):
             Xs = X[..., s, :]
-            a, u, f = self._forward(theta, Xs)
-            ys = y[..., s]
             w = weight[..., s] if np.ndim(weight) else weight
-            loss += np.sum(w * np.logaddexp(0.0, -ys * f), axis=-1)
-            r = -ys * expit(-ys * f)  # ∂ℓ/∂f, (R, m)
-            u *= w2[:, None, :]  # φ'(z) ⊙ w₂ = ∂f/∂z, (R, m, h)
-            coef = r * w
-            if clip is not None:
-                xn = x_norm[..., s]
-                norm = np.abs(r) * np.sqrt(1.0 + np.einsum("rmh,rmh->rm", a, a)
-                                           + np.einsum("rmh,rmh->rm", u, u) * (xn * xn + 1.0))
-                coef = coef * (clip / np.maximum(norm, clip))  # = min(1, C/‖g‖), safe at ‖g‖ = 0
-            gb2 += coef.sum(axis=-1)
-            gw2 += np.matmul(coef[:, None, :], a)[:, 0, :]
-            delta = u
-            delta *= coef[..., None]  # (R, m, h): each example's clipped, weighted δ
-            gb1 += delta.sum(axis=1)
+            delta, coef, a = self._accumulate(theta, self._forward(theta, Xs), y[..., s], w, clip,
+                                              None if x_norm is None else x_norm[..., s], loss)
+            self._add_sums(delta, coef, a, out)
             if k == 0:  # straight into the output's W₁ block (a strided view; NumPy handles it)
                 np.matmul(delta.transpose(0, 2, 1), Xs, out=gW1)
             else:
                 gW1 += np.matmul(delta.transpose(0, 2, 1), Xs)
         return out, loss
+
+    def _accumulate(self, theta: np.ndarray, forward, y: np.ndarray, w, clip: Optional[float], x_norm,
+                    loss: Optional[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(δ (R, m, h), coef (R, m), a (R, m, h)): each example's clipped, weighted ∂ℓ/∂z and ∂ℓ/∂f, and its
+        activations, whose sums over the examples are the gradient (`_add_sums`, and Σ_i δ_i x_iᵀ for W₁); adds the
+        weighted losses to `loss` unless None."""
+        a, u, f = forward
+        w2 = self.unpack(theta)[2]
+        if loss is not None:
+            loss += np.sum(w * np.logaddexp(0.0, -y * f), axis=-1)
+        r = -y * expit(-y * f)  # ∂ℓ/∂f, (R, m)
+        u *= w2[:, None, :]  # φ'(z) ⊙ w₂ = ∂f/∂z, (R, m, h)
+        coef = r * w
+        if clip is not None:
+            norm = np.abs(r) * np.sqrt(1.0 + np.einsum("rmh,rmh->rm", a, a)
+                                       + np.einsum("rmh,rmh->rm", u, u) * (x_norm * x_norm + 1.0))
+            coef = coef * (clip / np.maximum(norm, clip))  # = min(1, C/‖g‖), safe at ‖g‖ = 0
+        delta = u
+        delta *= coef[..., None]  # (R, m, h): each example's clipped, weighted δ
+        return delta, coef, a
+
+    def _add_sums(self, delta: np.ndarray, coef: np.ndarray, a: np.ndarray, out: np.ndarray) -> None:
+        """Adds the examples' gradients of b₂, w₂, b₁ (Σ coef, Σ coef·a, Σ δ) to `out`."""
+        gW1, gb1, gw2, gb2 = self.unpack(out)
+        gb2 += coef.sum(axis=-1)
+        gw2 += np.matmul(coef[:, None, :], a)[:, 0, :]
+        gb1 += delta.sum(axis=1)
 
     def data_gradient(self, theta, X, y):
         return self._backward(theta, X, y, 1.0 / X.shape[-2], None, None)[0]
@@ -193,7 +211,19 @@ class MLP(Model):
         return loss, grad
 
     def clipped_grad_sum(self, theta, batch: Batch, clip: Optional[float]):
-        return self._backward(theta, batch.X, batch.y, batch.weight, clip, batch.x_norm)[0]
+        sparse = _row_sparse(batch, theta)
+        if sparse is None:
+            return self._backward(theta, batch.X, batch.y, batch.weight, clip, batch.x_norm)[0]
+        kernels, nz = sparse
+        W1, b1 = self.unpack(theta)[:2]
+        rows = batch.rows.astype(np.uint32, copy=False)
+        z = np.empty((*rows.shape, self.hidden), dtype=theta.dtype)
+        kernels.hidden(nz.cols, nz.vals, nz.nnz, rows, W1, b1, z)
+        delta, coef, a = self._accumulate(theta, self._head(theta, z, by_row=True), batch.y, batch.weight, clip,
+                                          batch.x_norm, None)
+        out = np.zeros_like(theta)
+        kernels.backward(nz.cols, nz.vals, nz.nnz, rows, delta, coef, a, *self.unpack(out))
+        return out
 
     def per_example_grad_norms(self, theta, batch: Batch):
         W1, b1, w2, b2 = self.unpack(theta)
@@ -238,3 +268,18 @@ class MLP(Model):
         out /= n
         out += self.l2 * v
         return out
+
+
+def _row_sparse(batch: Batch, theta: np.ndarray):
+    """(the numba kernels, the data's `RowNonzeros`) when the batch may be read row-sparse: cut from a dataset
+    (`sampling.IndexedBatch`; a chain hands its model one only where its backend allows the compiled step) whose
+    rows are sparse enough, θ of the data's dtype, numba importable; else None (the dense NumPy path)."""
+    nonzeros = getattr(batch, "nonzeros", None)
+    nz = nonzeros() if nonzeros is not None else None
+    if nz is None or nz.vals.dtype != theta.dtype:
+        return None
+    try:
+        from dpsgd_cli.models import _mlp_numba
+    except Exception:  # numba missing or broken: the NumPy path gives the same numbers up to summation order
+        return None
+    return _mlp_numba, nz

@@ -1,0 +1,104 @@
+"""The MLP's row-sparse compiled products (models/_mlp_numba.py, used by `sgd`/`dp_sgd` chains with backend auto
+or numba on data whose rows are mostly zeros): the same gradients as the dense NumPy path (rtol 1e-12 in float64)
+and as the naive per-example loop, whole runs equal to backend numpy, and a replica's run independent of the
+others bit for bit. Also the numba fill of the noise streams: the same numbers as NumPy's, bit for bit."""
+
+import numpy as np
+import pytest
+
+from dpsgd_cli.algorithms import ALGORITHMS, kernels
+from dpsgd_cli.algorithms.base import Setting
+from dpsgd_cli.algorithms.sampling import IndexedBatches, RowNonzeros, gather, row_norms
+from dpsgd_cli.algorithms.streams import ReplicaStreams
+from dpsgd_cli.models import make_model
+
+from test_mlp import naive_per_example
+
+pytestmark = pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="numba not installed (pip install 'dpsgd[numba]')")
+
+
+def one_hot_data(n=240, seed=0, dtype=np.float64):
+    """2 continuous columns and 3 one-hot groups of sizes 8, 10, 14 (d = 34, 5 nonzeros per row), rows in the unit
+    ball, as the tabular datasets are."""
+    rng = np.random.default_rng(seed)
+    parts = [rng.uniform(-1, 1, size=(n, 2))]
+    for size in (8, 10, 14):
+        parts.append(np.eye(size)[rng.integers(0, size, n)])
+    X = np.hstack(parts)
+    X /= np.linalg.norm(X, axis=1, keepdims=True)
+    y = np.where(X[:, 0] + X[:, 3] - X[:, 12] + 0.3 * rng.standard_normal(n) > 0, 1.0, -1.0)
+    return X.astype(dtype), y.astype(dtype)
+
+
+def batch_of(X, y, idx):
+    return gather(X, y, row_norms(X), idx, lambda: RowNonzeros.of(X))
+
+
+@pytest.mark.parametrize("activation", ["tanh", "sigmoid", "relu"])
+@pytest.mark.parametrize("clip", [None, 0.2])
+def test_row_sparse_gradient_equals_the_dense_path_and_the_naive_loop(activation, clip):
+    X, y = one_hot_data()
+    model = make_model("mlp", X.shape[1], 1e-3, {"hidden": 37, "activation": activation})  # 37: not a multiple of 32
+    rng = np.random.default_rng(1)
+    theta = rng.normal(size=(3, model.n_params))
+    idx = rng.integers(0, len(X), size=(3, 29))
+    idx[1, 20:] = -1  # padding
+    batch = batch_of(X, y, idx)
+    assert RowNonzeros.of(X) is not None
+    got = model.clipped_grad_sum(theta, batch, clip)
+    dense = model.clipped_grad_sum(theta, batch.plain(), clip)
+    np.testing.assert_allclose(got, dense, rtol=1e-12, atol=1e-14)
+    assert not np.array_equal(got, dense) or activation == "relu"  # really another path (another summation order)
+    if clip is None:  # against the per-example gradients written out from the definition (FD-checked in test_mlp)
+        per = naive_per_example(model, theta, X, y)
+        naive = np.stack([per[r, np.maximum(idx[r], 0)][idx[r] >= 0].sum(axis=0) for r in range(3)])
+        np.testing.assert_allclose(got, naive, rtol=1e-10, atol=1e-12)
+
+
+def test_float32_row_sparse_gradient_is_close_to_float64():
+    X, y = one_hot_data()
+    model = make_model("mlp", X.shape[1], 1e-3, {"hidden": 9})
+    theta = np.random.default_rng(2).normal(size=(2, model.n_params))
+    idx = np.random.default_rng(3).integers(0, len(X), size=(2, 40))
+    g64 = model.clipped_grad_sum(theta, batch_of(X, y, idx), 0.5)
+    g32 = model.clipped_grad_sum(theta.astype(np.float32), batch_of(X.astype(np.float32), y.astype(np.float32), idx),
+                                 0.5)
+    assert g32.dtype == np.float32
+    np.testing.assert_allclose(g32, g64, rtol=1e-4, atol=1e-5)
+
+
+def test_dense_rows_keep_the_blas_path():
+    X = np.random.default_rng(0).normal(size=(50, 8))
+    assert RowNonzeros.of(X) is None
+    X[:, 2:] = 0.0  # 2 of 8 nonzeros, padded to 4: half of d, above MAX_DENSITY
+    assert RowNonzeros.of(X) is None
+    X[:, 1:] = 0.0  # 1 → 4 of 16: at MAX_DENSITY
+    assert RowNonzeros.of(np.hstack([X, np.zeros((50, 8))])) is not None
+
+
+def _setting(n, d, **kw):
+    return Setting(**{**dict(n=n, d=d, delta=1e-5, l2=1e-3, epsilon=2.0, batch_size=24, lr=0.5, epochs=2,
+                             clip_norm=0.5), **kw})
+
+
+@pytest.mark.parametrize("name", ["sgd", "dp_sgd"])
+def test_runs_equal_backend_numpy_and_replicas_are_independent_bit_for_bit(name):
+    X, y = one_hot_data()
+    model = make_model("mlp", X.shape[1], 1e-3, {"hidden": 11})
+    setting = _setting(*X.shape)
+    auto = ALGORITHMS[name]().fit(setting, model, X, y, ReplicaStreams([0, 4, 9])).theta
+    numpy = ALGORITHMS[name]({"backend": "numpy"}).fit(setting, model, X, y, ReplicaStreams([0, 4, 9])).theta
+    np.testing.assert_allclose(auto, numpy, rtol=1e-12, atol=1e-13)
+    assert not np.array_equal(auto, numpy)  # the compiled products ran
+    alone = ALGORITHMS[name]().fit(setting, model, X, y, ReplicaStreams([4])).theta
+    assert np.array_equal(auto[1], alone[0])  # M, the padded batch width, differs: the kernel's sums do not care
+
+
+def test_numba_noise_fill_equals_numpy_draws(monkeypatch):
+    streams = ReplicaStreams([0, 3, 11])
+    fast = streams.normal("noise", (7, 3))
+    got = [next(fast) for _ in range(150)]  # across block boundaries (64 steps a block)
+    monkeypatch.setattr(kernels, "HAVE_NUMBA", False)
+    slow = streams.normal("noise", (7, 3))
+    want = [next(slow) for _ in range(150)]
+    assert all(np.array_equal(a, b) for a, b in zip(got, want)) and got[0].shape == (3, 7, 3)
