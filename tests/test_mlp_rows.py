@@ -102,3 +102,17 @@ def test_numba_noise_fill_equals_numpy_draws(monkeypatch):
     slow = streams.normal("noise", (7, 3))
     want = [next(slow) for _ in range(150)]
     assert all(np.array_equal(a, b) for a, b in zip(got, want)) and got[0].shape == (3, 7, 3)
+
+
+def test_row_nonzeros_numba_equals_numpy(monkeypatch):
+    X, _ = one_hot_data(n=50)
+    X[3] = 0.0  # an empty row
+    X[7, :] = 0.5  # a full row: K = d rounded up to 4
+    fast = RowNonzeros.of(np.hstack([X, np.zeros((50, 150))]))
+    monkeypatch.setattr(kernels, "HAVE_NUMBA", False)
+    slow = RowNonzeros.of(np.hstack([X, np.zeros((50, 150))]))
+    for name in ("cols", "vals", "nnz"):
+        a, b = getattr(fast, name), getattr(slow, name)
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    assert fast.nnz[3] == 0 and fast.nnz[7] == 36 and fast.nnz[0] == 8
+    assert np.array_equal(fast.cols[0, :5], np.flatnonzero(X[0])) and not fast.vals[0, 5:].any()

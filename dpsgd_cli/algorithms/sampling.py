@@ -142,6 +142,19 @@ class IndexedBatches:
         return IndexedBatches(self.X, self.y, blocks(), self.replicas, trim=self._trim)
 
 
+def _sampling_numba():
+    """The numba module of RowNonzeros.of, or None (numba missing or broken: NumPy builds the same arrays)."""
+    from dpsgd_cli.algorithms import kernels
+
+    if not kernels.HAVE_NUMBA:
+        return None
+    try:
+        from dpsgd_cli.algorithms import _sampling_numba as module
+    except Exception:
+        return None
+    return module
+
+
 def row_norms(X: np.ndarray) -> np.ndarray:
     """‖x_i‖ for every row (einsum: a third of the time of np.linalg.norm on adult)."""
     return np.sqrt(np.einsum("ij,ij->i", X, X))
@@ -193,17 +206,20 @@ class RowNonzeros:
     def of(cls, X: np.ndarray) -> Optional["RowNonzeros"]:
         """X's nonzeros, or None when their (padded) mean count per row exceeds MAX_DENSITY · d."""
         n, d = X.shape
-        mask = X != 0
-        counts = mask.sum(axis=1)
+        X = np.ascontiguousarray(X)
+        compiled = _sampling_numba()
+        counts = compiled.count_nonzeros(X) if compiled else np.count_nonzero(X, axis=1)
         padded = -(-counts // cls.GROUP) * cls.GROUP
         if n == 0 or padded.mean() > cls.MAX_DENSITY * d:
             return None
         K = max(int(padded.max()), cls.GROUP)
         cols, vals = np.zeros((n, K), dtype=np.uint32), np.zeros((n, K), dtype=X.dtype)
-        slot = np.cumsum(mask, axis=1) - 1  # each nonzero's place in its row (column order)
-        r, c = np.nonzero(mask)
-        cols[r, slot[r, c]] = c
-        vals[r, slot[r, c]] = X[r, c]
+        if compiled:
+            compiled.fill_nonzeros(X, cols, vals)
+        else:
+            r, c = np.nonzero(X)  # row-major: each row's nonzeros in column order
+            slot = np.arange(r.size) - np.repeat(np.cumsum(counts) - counts, counts)  # place in its row
+            cols[r, slot], vals[r, slot] = c, X[r, c]
         return cls(cols, vals, padded.astype(np.uint32))
 
 

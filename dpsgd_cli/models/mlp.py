@@ -215,14 +215,21 @@ class MLP(Model):
         if sparse is None:
             return self._backward(theta, batch.X, batch.y, batch.weight, clip, batch.x_norm)[0]
         kernels, nz = sparse
-        W1, b1 = self.unpack(theta)[:2]
+        W1, b1, w2, b2 = self.unpack(theta)
         rows = batch.rows.astype(np.uint32, copy=False)
-        z = np.empty((*rows.shape, self.hidden), dtype=theta.dtype)
-        kernels.hidden(nz.cols, nz.vals, nz.nnz, rows, W1, b1, z)
+        R, (M, h, d) = theta.shape[0], (rows.shape[1], self.hidden, self.d)
+        z = np.empty((R, M, h), dtype=theta.dtype)
+        kernels.hidden(nz.cols, nz.vals, nz.nnz, rows, np.ascontiguousarray(W1.transpose(0, 2, 1)),
+                       np.ascontiguousarray(b1), z)
         delta, coef, a = self._accumulate(theta, self._head(theta, z, by_row=True), batch.y, batch.weight, clip,
                                           batch.x_norm, None)
-        out = np.zeros_like(theta)
-        kernels.backward(nz.cols, nz.vals, nz.nnz, rows, delta, coef, a, *self.unpack(out))
+        G, gb1, gw2, gb2 = (np.empty((R, d, h), theta.dtype), np.empty((R, h), theta.dtype),
+                            np.empty((R, h), theta.dtype), np.empty(R, theta.dtype))
+        kernels.backward(nz.cols, nz.vals, nz.nnz, rows, delta, np.ascontiguousarray(coef), a, G, gb1, gw2, gb2)
+        out = np.empty_like(theta)
+        oW1, ob1, ow2, ob2 = self.unpack(out)
+        np.copyto(oW1, G.transpose(0, 2, 1))
+        ob1[...], ow2[...], ob2[...] = gb1, gw2, gb2
         return out
 
     def per_example_grad_norms(self, theta, batch: Batch):
