@@ -197,7 +197,7 @@ class RowNonzeros:
     vals: np.ndarray  # (n, K) X.dtype
     nnz: np.ndarray  # (n,) uint32
 
-    GROUP = 4  # the MLP's kernel sums a row's nonzeros 4 at a time (models/_mlp_numba.py)
+    GROUP = 8  # the MLP's kernel sums a row's nonzeros 8 at a time (models/_mlp_numba.py)
     # Above this mean share of (padded) nonzeros per row, BLAS on the dense rows is faster (the MLP on adult,
     # 16 of 104: the kernel ~2× faster in float64; at ~1/4 they break even)
     MAX_DENSITY = 0.25
