@@ -40,30 +40,59 @@ def hidden(cols, vals, nnz, rows, WT, b1, z):
 
 
 @numba.njit(cache=True, nogil=True)
-def backward(cols, vals, nnz, rows, delta, coef, a, G, gb1, gw2, gb2):
-    """The batch's sums, row by row in batch order (written): W₁ᵀ's Σ_i x_i δ_iᵀ G (R, d, h), b₁'s Σ_i δ_i (R, h),
-    w₂'s Σ_i coef_i a_i (R, h), b₂'s Σ_i coef_i (R,); δ, a (R, M, h), coef (R, M)."""
+def backward(cols, vals, nnz, rows, u, coef, a, G, gb1, gw2, gb2):
+    """The batch's sums, row by row in batch order (written): with δ_i = coef_i u_i, W₁ᵀ's Σ_i x_i δ_iᵀ G (R, d, h),
+    b₁'s Σ_i δ_i (R, h), w₂'s Σ_i coef_i a_i (R, h), b₂'s Σ_i coef_i (R,); u, a (R, M, h), coef (R, M)."""
     R, M = rows.shape
-    h = delta.shape[2]
+    h = u.shape[2]
     G[:] = 0.0
     gb1[:] = 0.0
     gw2[:] = 0.0
     gb2[:] = 0.0
+    dl = np.empty(h, dtype=G.dtype)
     for r in range(R):
         Gr, s1, s2 = G[r], gb1[r], gw2[r]
         for i in range(M):
             row = rows[r, i]
             c = coef[r, i]
             gb2[r] += c
-            dl, ai = delta[r, i], a[r, i]
+            ui, ai = u[r, i], a[r, i]
+            for k in range(h):
+                dl[k] = ui[k] * c
             for k in range(h):
                 s1[k] += dl[k]
             for k in range(h):
                 s2[k] += c * ai[k]
             for s in range(nnz[row]):
                 v = vals[row, s]
-                if v == 0.0:  # a padding slot (a true nonzero is never 0): skip the d-row pass
+                if v == 0.0:  # a padding slot (a true nonzero is never 0): skip the h-row pass
                     continue
                 g = Gr[cols[row, s]]
                 for k in range(h):
                     g[k] += v * dl[k]
+
+
+@numba.njit(cache=True, nogil=True, fastmath={"reassoc"})
+def row_terms(a, u, w2, b2, f, aa, uu):
+    """Per replica r and row i: u ← φ'(z) ⊙ w₂ (in place; u holds φ'(z)), f = a·w₂ + b₂, aa = ‖a‖², uu = ‖u‖².
+    The three dots are LLVM's vectorised reductions (`reassoc` only: no FMA contraction, NaN and ∞ kept): lanes
+    summed in an order fixed by the compiled kernel and h, never by R or M."""
+    R, M, h = a.shape
+    for r in range(R):
+        w = w2[r]
+        for i in range(M):
+            ai, ui = a[r, i], u[r, i]
+            for k in range(h):
+                ui[k] *= w[k]
+            s_f = 0.0 * w[0]
+            s_a = 0.0 * w[0]
+            s_u = 0.0 * w[0]
+            for k in range(h):
+                s_f += ai[k] * w[k]
+            for k in range(h):
+                s_a += ai[k] * ai[k]
+            for k in range(h):
+                s_u += ui[k] * ui[k]
+            f[r, i] = s_f + b2[r]
+            aa[r, i] = s_a
+            uu[r, i] = s_u

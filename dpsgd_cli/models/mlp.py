@@ -142,13 +142,12 @@ class MLP(Model):
         z += b1[:, None, :]
         return self._head(theta, z)
 
-    def _head(self, theta: np.ndarray, z: np.ndarray, by_row: bool = False):
-        """(a, φ'(z), f) from the hidden pre-activations z (R, M, h) (overwritten with a). by_row: f by einsum,
-        each row's dot in an order fixed by h (BLAS's gemv rounds a row differently with the number of rows M)."""
+    def _head(self, theta: np.ndarray, z: np.ndarray):
+        """(a, φ'(z), f) from the hidden pre-activations z (R, M, h) (overwritten with a)."""
         W1, b1, w2, b2 = self.unpack(theta)
         a, da = _activate(self.activation, z)
-        f = np.einsum("rmh,rh->rm", a, w2) if by_row else np.matmul(a, w2[:, :, None])[..., 0]
-        return a, da, f + b2[:, None]
+        f = np.matmul(a, w2[:, :, None])[..., 0] + b2[:, None]
+        return a, da, f
 
     def decision(self, theta: np.ndarray, X: np.ndarray) -> np.ndarray:
         R = theta.shape[0]
@@ -185,13 +184,9 @@ class MLP(Model):
         w2 = self.unpack(theta)[2]
         if loss is not None:
             loss += np.sum(w * np.logaddexp(0.0, -y * f), axis=-1)
-        r = -y * expit(-y * f)  # ∂ℓ/∂f, (R, m)
         u *= w2[:, None, :]  # φ'(z) ⊙ w₂ = ∂f/∂z, (R, m, h)
-        coef = r * w
-        if clip is not None:
-            norm = np.abs(r) * np.sqrt(1.0 + np.einsum("rmh,rmh->rm", a, a)
-                                       + np.einsum("rmh,rmh->rm", u, u) * (x_norm * x_norm + 1.0))
-            coef = coef * (clip / np.maximum(norm, clip))  # = min(1, C/‖g‖), safe at ‖g‖ = 0
+        norms = None if clip is None else (np.einsum("rmh,rmh->rm", a, a), np.einsum("rmh,rmh->rm", u, u))
+        coef = _coefficients(y, f, w, clip, x_norm, norms)
         delta = u
         delta *= coef[..., None]  # (R, m, h): each example's clipped, weighted δ
         return delta, coef, a
@@ -221,11 +216,14 @@ class MLP(Model):
         z = np.empty((R, M, h), dtype=theta.dtype)
         kernels.hidden(nz.cols, nz.vals, nz.nnz, rows, np.ascontiguousarray(W1.transpose(0, 2, 1)),
                        np.ascontiguousarray(b1), z)
-        delta, coef, a = self._accumulate(theta, self._head(theta, z, by_row=True), batch.y, batch.weight, clip,
-                                          batch.x_norm, None)
+        a, u = _activate(self.activation, z)
+        f, aa, uu = (np.empty((R, M), theta.dtype) for _ in range(3))
+        kernels.row_terms(a, u, np.ascontiguousarray(w2), np.ascontiguousarray(b2), f, aa, uu)  # u ← φ'(z) ⊙ w₂
+        coef = _coefficients(batch.y, f, batch.weight, clip, batch.x_norm, (aa, uu))
         G, gb1, gw2, gb2 = (np.empty((R, d, h), theta.dtype), np.empty((R, h), theta.dtype),
                             np.empty((R, h), theta.dtype), np.empty(R, theta.dtype))
-        kernels.backward(nz.cols, nz.vals, nz.nnz, rows, delta, np.ascontiguousarray(coef), a, G, gb1, gw2, gb2)
+        kernels.backward(nz.cols, nz.vals, nz.nnz, rows, u, np.ascontiguousarray(coef, dtype=theta.dtype), a,
+                         G, gb1, gw2, gb2)
         out = np.empty_like(theta)
         oW1, ob1, ow2, ob2 = self.unpack(out)
         np.copyto(oW1, G.transpose(0, 2, 1))
@@ -275,6 +273,18 @@ class MLP(Model):
         out /= n
         out += self.l2 * v
         return out
+
+
+def _coefficients(y: np.ndarray, f: np.ndarray, w, clip: Optional[float], x_norm, norms) -> np.ndarray:
+    """coef (R, m) = weight · ∂ℓ/∂f · min(1, C/‖∇ℓ‖) (no clip when C is None), with
+    ‖∇ℓ‖² = r²(1 + ‖a‖² + ‖u‖²(‖x‖² + 1)) from norms = (‖a‖², ‖u‖²) (R, m)."""
+    r = -y * expit(-y * f)  # ∂ℓ/∂f, (R, m)
+    coef = r * w
+    if clip is not None:
+        aa, uu = norms
+        norm = np.abs(r) * np.sqrt(1.0 + aa + uu * (x_norm * x_norm + 1.0))
+        coef = coef * (clip / np.maximum(norm, clip))  # = min(1, C/‖g‖), safe at ‖g‖ = 0
+    return coef
 
 
 def _row_sparse(batch: Batch, theta: np.ndarray):
