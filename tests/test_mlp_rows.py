@@ -115,3 +115,18 @@ def test_row_nonzeros_numba_equals_numpy(monkeypatch):
         assert a.dtype == b.dtype and np.array_equal(a, b)
     assert fast.nnz[3] == 0 and fast.nnz[7] == 40 and fast.nnz[0] == 8  # 0, 34 and 5 rounded up to 8s
     assert np.array_equal(fast.cols[0, :5], np.flatnonzero(X[0])) and not fast.vals[0, 5:].any()
+
+
+def test_fused_epsilon_axis_equals_each_cell_alone_bit_for_bit():
+    from dpsgd_cli.algorithms.chain import train_together
+    from dpsgd_cli.algorithms.streams import SharedStreams
+
+    X, y = one_hot_data(dtype=np.float32)
+    model, seeds = make_model("mlp", X.shape[1], 1e-3, {"hidden": 7}), [2, 5]
+    settings = [_setting(*X.shape, epsilon=eps) for eps in (0.5, 4.0)]
+    streams = SharedStreams(seeds)
+    prepared = [ALGORITHMS["dp_sgd"]().prepare(s, model, X, y, streams) for s in settings]
+    streams.close()
+    for s, outcome in zip(settings, train_together(model, prepared)):
+        alone = ALGORITHMS["dp_sgd"]().fit(s, model, X, y, ReplicaStreams(seeds))
+        assert outcome.theta.dtype == np.float32 and np.array_equal(outcome.theta, alone.theta)

@@ -72,18 +72,30 @@ def backward(cols, vals, nnz, rows, u, coef, a, G, gb1, gw2, gb2):
                     g[k] += v * dl[k]
 
 
+ACTIVATIONS = {"tanh": 0, "sigmoid": 1, "relu": 2}
+
+
 @numba.njit(cache=True, nogil=True, fastmath={"reassoc"})
-def row_terms(a, u, w2, b2, f, aa, uu):
-    """Per replica r and row i: u ← φ'(z) ⊙ w₂ (in place; u holds φ'(z)), f = a·w₂ + b₂, aa = ‖a‖², uu = ‖u‖².
-    The three dots are LLVM's vectorised reductions (`reassoc` only: no FMA contraction, NaN and ∞ kept): lanes
-    summed in an order fixed by the compiled kernel and h, never by R or M."""
+def row_terms(a, kind, one, w2, b2, u, f, aa, uu):
+    """Per replica r and row i, from the activations a = φ(z): u = φ'(z) ⊙ w₂ (φ' from a as `mlp._activate` computes
+    it: tanh 1 − a², sigmoid (1 − a)·a, relu [a > 0]), f = a·w₂ + b₂, aa = ‖a‖², uu = ‖u‖² (all written). The
+    three dots are LLVM's vectorised reductions (`reassoc` only: no FMA contraction, NaN and ∞ kept): lanes summed
+    in an order fixed by the compiled kernel and h, never by R or M. `one`: 1 in a's dtype (a float literal would
+    compute float32 rows in float64)."""
     R, M, h = a.shape
     for r in range(R):
         w = w2[r]
         for i in range(M):
             ai, ui = a[r, i], u[r, i]
-            for k in range(h):
-                ui[k] *= w[k]
+            if kind == 0:
+                for k in range(h):
+                    ui[k] = (one - ai[k] * ai[k]) * w[k]
+            elif kind == 1:
+                for k in range(h):
+                    ui[k] = ((one - ai[k]) * ai[k]) * w[k]
+            else:
+                for k in range(h):
+                    ui[k] = (one if ai[k] > 0 else one - one) * w[k]
             s_f = 0.0 * w[0]
             s_a = 0.0 * w[0]
             s_u = 0.0 * w[0]

@@ -42,20 +42,24 @@ class MLPOptions(BaseModel):
 # The (R, M, h) arrays are few and updated in place: a fresh multi-megabyte array costs page faults (~1 ms each
 # here, as much as a matmul), and an expression like `1.0 - a * a` also makes NumPy check whether it may elide the
 # temporary (a C backtrace, ~2 ms).
-def _activate(kind: str, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(φ(z), φ'(z)); overwrites z with φ(z)."""
+def _activate(kind: str, z: np.ndarray, derivative: bool = True) -> tuple[np.ndarray, Optional[np.ndarray]]:
+    """(φ(z), φ'(z) or None without `derivative`); overwrites z with φ(z)."""
     if kind == "tanh":
         a = np.tanh(z, out=z)
+        if not derivative:
+            return a, None
         da = np.multiply(a, a)
         np.subtract(1.0, da, out=da)
         return a, da
     if kind == "sigmoid":
         a = expit(z, out=z)
+        if not derivative:
+            return a, None
         da = np.subtract(1.0, a)
         da *= a
         return a, da
     if kind == "relu":
-        da = (z > 0).astype(z.dtype)
+        da = (z > 0).astype(z.dtype) if derivative else None
         return np.maximum(z, 0.0, out=z), da
     raise ValueError(f"unknown activation {kind!r}")
 
@@ -216,9 +220,10 @@ class MLP(Model):
         z = np.empty((R, M, h), dtype=theta.dtype)
         kernels.hidden(nz.cols, nz.vals, nz.nnz, rows, np.ascontiguousarray(W1.transpose(0, 2, 1)),
                        np.ascontiguousarray(b1), z)
-        a, u = _activate(self.activation, z)
+        a, u = _activate(self.activation, z, derivative=False)[0], np.empty_like(z)
         f, aa, uu = (np.empty((R, M), theta.dtype) for _ in range(3))
-        kernels.row_terms(a, u, np.ascontiguousarray(w2), np.ascontiguousarray(b2), f, aa, uu)  # u ← φ'(z) ⊙ w₂
+        kernels.row_terms(a, kernels.ACTIVATIONS[self.activation], theta.dtype.type(1), np.ascontiguousarray(w2),
+                          np.ascontiguousarray(b2), u, f, aa, uu)  # u = φ'(z) ⊙ w₂
         coef = _coefficients(batch.y, f, batch.weight, clip, batch.x_norm, (aa, uu))
         G, gb1, gw2, gb2 = (np.empty((R, d, h), theta.dtype), np.empty((R, h), theta.dtype),
                             np.empty((R, h), theta.dtype), np.empty(R, theta.dtype))
