@@ -16,22 +16,21 @@ import numpy as np
 
 
 @numba.njit(cache=True, nogil=True)
-def hidden(cols, vals, nnz, rows, WT, b1, z):
-    """z[r, i] = W₁[r] x_{rows[r, i]} + b₁[r] for every replica r and batch row i; W₁ᵀ (R, d, h), b₁ (R, h),
-    z (R, M, h) (written)."""
-    R, M = rows.shape
+def hidden(cols, vals, nnz, WT, b1, z):
+    """z[r, i] = W₁[r] x_i + b₁[r] for every replica r and batch row i, x_i's nonzeros cols, vals (R, M, K),
+    nnz (R, M); W₁ᵀ (R, d, h), b₁ (R, h), z (R, M, h) (written)."""
+    R, M = nnz.shape
     h = z.shape[2]
     for r in range(R):
         W, b = WT[r], b1[r]
         for i in range(M):
-            row = rows[r, i]
             out = z[r, i]
             out[:] = 0.0
-            for s in range(0, nnz[row], 8):
-                w0, w1, w2, w3 = W[cols[row, s]], W[cols[row, s + 1]], W[cols[row, s + 2]], W[cols[row, s + 3]]
-                w4, w5, w6, w7 = W[cols[row, s + 4]], W[cols[row, s + 5]], W[cols[row, s + 6]], W[cols[row, s + 7]]
-                v0, v1, v2, v3 = vals[row, s], vals[row, s + 1], vals[row, s + 2], vals[row, s + 3]
-                v4, v5, v6, v7 = vals[row, s + 4], vals[row, s + 5], vals[row, s + 6], vals[row, s + 7]
+            for s in range(0, nnz[r, i], 8):
+                w0, w1, w2, w3 = W[cols[r, i, s]], W[cols[r, i, s + 1]], W[cols[r, i, s + 2]], W[cols[r, i, s + 3]]
+                w4, w5, w6, w7 = W[cols[r, i, s + 4]], W[cols[r, i, s + 5]], W[cols[r, i, s + 6]], W[cols[r, i, s + 7]]
+                v0, v1, v2, v3 = vals[r, i, s], vals[r, i, s + 1], vals[r, i, s + 2], vals[r, i, s + 3]
+                v4, v5, v6, v7 = vals[r, i, s + 4], vals[r, i, s + 5], vals[r, i, s + 6], vals[r, i, s + 7]
                 for k in range(h):
                     out[k] += (((v0 * w0[k] + v1 * w1[k]) + (v2 * w2[k] + v3 * w3[k]))
                                + ((v4 * w4[k] + v5 * w5[k]) + (v6 * w6[k] + v7 * w7[k])))
@@ -40,10 +39,11 @@ def hidden(cols, vals, nnz, rows, WT, b1, z):
 
 
 @numba.njit(cache=True, nogil=True)
-def backward(cols, vals, nnz, rows, u, coef, a, G, gb1, gw2, gb2):
+def backward(cols, vals, nnz, u, coef, a, G, gb1, gw2, gb2):
     """The batch's sums, row by row in batch order (written): with δ_i = coef_i u_i, W₁ᵀ's Σ_i x_i δ_iᵀ G (R, d, h),
-    b₁'s Σ_i δ_i (R, h), w₂'s Σ_i coef_i a_i (R, h), b₂'s Σ_i coef_i (R,); u, a (R, M, h), coef (R, M)."""
-    R, M = rows.shape
+    b₁'s Σ_i δ_i (R, h), w₂'s Σ_i coef_i a_i (R, h), b₂'s Σ_i coef_i (R,); u, a (R, M, h), coef (R, M); the rows'
+    nonzeros as for `hidden`."""
+    R, M = nnz.shape
     h = u.shape[2]
     G[:] = 0.0
     gb1[:] = 0.0
@@ -53,7 +53,6 @@ def backward(cols, vals, nnz, rows, u, coef, a, G, gb1, gw2, gb2):
     for r in range(R):
         Gr, s1, s2 = G[r], gb1[r], gw2[r]
         for i in range(M):
-            row = rows[r, i]
             c = coef[r, i]
             gb2[r] += c
             ui, ai = u[r, i], a[r, i]
@@ -63,11 +62,11 @@ def backward(cols, vals, nnz, rows, u, coef, a, G, gb1, gw2, gb2):
                 s1[k] += dl[k]
             for k in range(h):
                 s2[k] += c * ai[k]
-            for s in range(nnz[row]):
-                v = vals[row, s]
+            for s in range(nnz[r, i]):
+                v = vals[r, i, s]
                 if v == 0.0:  # a padding slot (a true nonzero is never 0): skip the h-row pass
                     continue
-                g = Gr[cols[row, s]]
+                g = Gr[cols[r, i, s]]
                 for k in range(h):
                     g[k] += v * dl[k]
 

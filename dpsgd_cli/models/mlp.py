@@ -215,11 +215,10 @@ class MLP(Model):
             return self._backward(theta, batch.X, batch.y, batch.weight, clip, batch.x_norm)[0]
         kernels, nz = sparse
         W1, b1, w2, b2 = self.unpack(theta)
-        rows = batch.rows.astype(np.uint32, copy=False)
-        R, (M, h, d) = theta.shape[0], (rows.shape[1], self.hidden, self.d)
+        R, (M, h, d) = theta.shape[0], (batch.rows.shape[1], self.hidden, self.d)
+        rows = (np.take(nz.cols, batch.rows, axis=0), np.take(nz.vals, batch.rows, axis=0), np.take(nz.nnz, batch.rows))
         z = np.empty((R, M, h), dtype=theta.dtype)
-        kernels.hidden(nz.cols, nz.vals, nz.nnz, rows, np.ascontiguousarray(W1.transpose(0, 2, 1)),
-                       np.ascontiguousarray(b1), z)
+        kernels.hidden(*rows, np.ascontiguousarray(W1.transpose(0, 2, 1)), np.ascontiguousarray(b1), z)
         a, u = _activate(self.activation, z, derivative=False)[0], np.empty_like(z)
         f, aa, uu = (np.empty((R, M), theta.dtype) for _ in range(3))
         kernels.row_terms(a, kernels.ACTIVATIONS[self.activation], theta.dtype.type(1), np.ascontiguousarray(w2),
@@ -227,8 +226,7 @@ class MLP(Model):
         coef = _coefficients(batch.y, f, batch.weight, clip, batch.x_norm, (aa, uu))
         G, gb1, gw2, gb2 = (np.empty((R, d, h), theta.dtype), np.empty((R, h), theta.dtype),
                             np.empty((R, h), theta.dtype), np.empty(R, theta.dtype))
-        kernels.backward(nz.cols, nz.vals, nz.nnz, rows, u, np.ascontiguousarray(coef, dtype=theta.dtype), a,
-                         G, gb1, gw2, gb2)
+        kernels.backward(*rows, u, np.ascontiguousarray(coef, dtype=theta.dtype), a, G, gb1, gw2, gb2)
         out = np.empty_like(theta)
         oW1, ob1, ow2, ob2 = self.unpack(out)
         np.copyto(oW1, G.transpose(0, 2, 1))
