@@ -1,6 +1,8 @@
 """The numba code of the MLP's row-sparse mini-batch products (models/mlp.py; imported on first use: numba is
-optional). Each batch row is read from the dataset's nonzeros (`sampling.RowNonzeros`: column order, padded with
-zeros to a multiple of 8), so a one-hot row costs its nonzeros, not d (adult: 14 of 104).
+optional). Each batch row is given by its nonzeros (`sampling.RowNonzeros`: column order, padded with zeros to a
+multiple of 8; gathered for the batch by NumPy first, whose copy keeps many random rows in flight: the kernels
+reading them from the dataset themselves took ~1.7× longer in training), so a one-hot row costs its nonzeros,
+not d (adult: 14 of 104).
 
 Every replica's sums run in one fixed order whatever the number of replicas and the batch width M (so a seed's
 run never depends on the seeds trained beside it, bit for bit): z_k = ((v₀w₀ + v₁w₁) + (v₂w₂ + v₃w₃)) +

@@ -12,6 +12,12 @@ Per-example gradients (r = ∂ℓ/∂f = −y σ(−y f), u = w₂ ⊙ φ'(z), �
 and clipping never builds the (R, M, P) tensor: each example's output gradient r is scaled by
 weight · min(1, C/‖∇ℓ‖) and the usual batched backward pass (matrix products) sums the clipped gradients.
 
+On data whose rows are mostly zeros (one-hot tabular data; `sampling.RowNonzeros`), batches a chain cuts by index
+with backend auto/numba and numba installed take `clipped_grad_sum`'s compiled path: the two products with X in
+row-sparse numba kernels (models/_mlp_numba.py), φ' and the per-row dots in one pass; the same numbers as the dense
+NumPy path up to summation order, in an order that depends on neither R nor M (a replica's run is independent of
+the others bit for bit).
+
 Hessian–vector products are exact (Pearlmutter's R-operator, forward-over-reverse by hand): for a direction
 v = (V₁, c₁, v₂, c₂), R{z} = V₁x + c₁, R{a} = φ'(z) ⊙ R{z}, R{f} = v₂·a + w₂·R{a} + c₂, R{r} = ℓ''(f) R{f} with
 ℓ''(f) = σ(f) σ(−f), R{δ} = R{r} u + r (v₂ ⊙ φ'(z) + w₂ ⊙ φ''(z) ⊙ R{z}); then
