@@ -17,6 +17,7 @@ import numpy as np
 
 STREAMS = {"init": 0, "sampling": 1, "noise": 2, "output": 3}
 BLOCK_STEPS = 64
+FILL_STEPS = 8  # steps of normals per block when numba fills it (`_filled`: the numbers do not depend on it)
 
 
 class ReplicaStreams:
@@ -54,10 +55,10 @@ class ReplicaStreams:
             # refill the last block when no step of it is referenced any more (its views hold it: a caller may
             # keep a draw), else a fresh one (a fresh 5–50 MB block costs its page faults, ~20% of the draw)
             if block is None or sys.getrefcount(block) > 2:
-                block = np.empty((BLOCK_STEPS, len(gens), size))
+                block = np.empty((FILL_STEPS, len(gens), size))
             for r, g in enumerate(gens):
                 fill(g, block, r)
-            yield from block.reshape(BLOCK_STEPS, len(gens), *shape)
+            yield from block.reshape(FILL_STEPS, len(gens), *shape)
 
 
 def _numba_fill():
