@@ -222,7 +222,7 @@ class MLP(Model):
         kernels, nz = sparse
         W1, b1, w2, b2 = self.unpack(theta)
         R, (M, h, d) = theta.shape[0], (batch.rows.shape[1], self.hidden, self.d)
-        rows = (np.take(nz.cols, batch.rows, axis=0), np.take(nz.vals, batch.rows, axis=0), np.take(nz.nnz, batch.rows))
+        rows = nz.take(batch.rows)  # the batch's nonzeros, gathered by NumPy (see _mlp_numba)
         z = np.empty((R, M, h), dtype=theta.dtype)
         kernels.hidden(*rows, np.ascontiguousarray(W1.transpose(0, 2, 1)), np.ascontiguousarray(b1), z)
         a, u = _activate(self.activation, z, derivative=False)[0], np.empty_like(z)
@@ -302,7 +302,7 @@ def _row_sparse(batch: Batch, theta: np.ndarray):
     rows are sparse enough, θ of the data's dtype, numba importable; else None (the dense NumPy path)."""
     nonzeros = getattr(batch, "nonzeros", None)
     nz = nonzeros() if nonzeros is not None else None
-    if nz is None or nz.vals.dtype != theta.dtype:
+    if nz is None or nz.dtype != theta.dtype:
         return None
     try:
         from dpsgd_cli.models import _mlp_numba
