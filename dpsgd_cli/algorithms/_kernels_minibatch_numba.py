@@ -27,34 +27,51 @@ def prefetch(typingctx, arr, i, j):
     return types.void(arr, i, j), codegen
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
-def dot8(X, i, V, c, r, d):  # pragma: no cover
-    """Σ_j X[i, j] V[c, r, j] in a fixed order: eight interleaved partial sums (independent chains: the
-    latency of one add no longer bounds the loop), a fixed tree, then the tail."""
-    s0 = 0.0
-    s1 = 0.0
-    s2 = 0.0
-    s3 = 0.0
-    s4 = 0.0
-    s5 = 0.0
-    s6 = 0.0
-    s7 = 0.0
-    j = 0
-    while j + 8 <= d:
-        s0 += X[i, j] * V[c, r, j]
-        s1 += X[i, j + 1] * V[c, r, j + 1]
-        s2 += X[i, j + 2] * V[c, r, j + 2]
-        s3 += X[i, j + 3] * V[c, r, j + 3]
-        s4 += X[i, j + 4] * V[c, r, j + 4]
-        s5 += X[i, j + 5] * V[c, r, j + 5]
-        s6 += X[i, j + 6] * V[c, r, j + 6]
-        s7 += X[i, j + 7] * V[c, r, j + 7]
-        j += 8
-    s = ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
-    while j < d:
-        s += X[i, j] * V[c, r, j]
-        j += 1
-    return s
+@intrinsic
+def dot8(typingctx, X, i, V, c, r, d):
+    """dot8(X, i, V, c, r, d) = Σ_j X[i, j] V[c, r, j] in a fixed order: lane p of one 8-wide vector accumulator
+    sums the j ≡ p (mod 8) of the whole blocks of 8 (eight independent chains, one vector add each per block), then a
+    fixed tree ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)), then the tail j ≥ 8⌊d/8⌋ one by one. Written in
+    LLVM's vector type because the loop vectorizer may not reassociate a reduction (no fast-math here: none is
+    wanted) and the SLP vectorizer did not pack the eight scalar chains. Plain fmul and fadd, no FMA contraction:
+    each lane's sum is the scalar sequence s_p += x·v, whatever the machine's vector width."""
+    if not (isinstance(X, types.Array) and isinstance(V, types.Array) and X.ndim == 2 and V.ndim == 3
+            and X.layout == "C" and V.layout == "C" and X.dtype == types.float64 and V.dtype == types.float64):
+        return None
+
+    def codegen(context, builder, signature, args):
+        xty, _, vty, _, _, _ = signature.args
+        x_arr, i, v_arr, c, r, d = args
+        i64, f64 = ir.IntType(64), ir.DoubleType()
+        vec = ir.VectorType(f64, 8)
+        i, c, r, d = (context.cast(builder, v, t, types.int64) for v, t in
+                      zip((i, c, r, d), (signature.args[1], signature.args[3], signature.args[4], signature.args[5])))
+        zero = ir.Constant(i64, 0)
+        xa, va = context.make_array(xty)(context, builder, x_arr), context.make_array(vty)(context, builder, v_arr)
+        px = cgutils.get_item_pointer(context, builder, xty, xa, [i, zero], wraparound=False)
+        pv = cgutils.get_item_pointer(context, builder, vty, va, [c, r, zero], wraparound=False)
+        acc = cgutils.alloca_once_value(builder, ir.Constant(vec, [0.0] * 8))
+        blocks = builder.sdiv(d, ir.Constant(i64, 8))
+        with cgutils.for_range(builder, blocks) as loop:
+            j = builder.mul(loop.index, ir.Constant(i64, 8))
+            xv = builder.load(builder.bitcast(builder.gep(px, [j]), vec.as_pointer()), align=8)
+            vv = builder.load(builder.bitcast(builder.gep(pv, [j]), vec.as_pointer()), align=8)
+            builder.store(builder.fadd(builder.load(acc), builder.fmul(xv, vv)), acc)
+        v = builder.load(acc)
+        lane = [builder.extract_element(v, ir.Constant(ir.IntType(32), k)) for k in range(8)]
+        s = builder.fadd(builder.fadd(builder.fadd(lane[0], lane[1]), builder.fadd(lane[2], lane[3])),
+                         builder.fadd(builder.fadd(lane[4], lane[5]), builder.fadd(lane[6], lane[7])))
+        total = cgutils.alloca_once_value(builder, s)
+        start = builder.mul(blocks, ir.Constant(i64, 8))
+        with cgutils.for_range(builder, builder.sub(d, start)) as loop:
+            j = builder.add(start, loop.index)
+            x = builder.load(builder.gep(px, [j]))
+            y = builder.load(builder.gep(pv, [j]))
+            builder.store(builder.fadd(builder.load(total), builder.fmul(x, y)), total)
+        return builder.load(total)
+
+    return types.float64(X, i, V, c, r, d), codegen
+
 
 @numba.njit(cache=True, nogil=True)
 def mb_logreg(TH, active, X, y, x_norm, idx, full, noise, slot, std, scale, l2, clip, do_clip, lrs, radius,
