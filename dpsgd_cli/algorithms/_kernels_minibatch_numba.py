@@ -90,6 +90,137 @@ def dots8(typingctx, X, rows, V, cells, r, d, out):
     return types.void(X, rows, V, cells, r, d, out), codegen
 
 
+def _vec8(builder, ptr):
+    """The 8 doubles at ptr as one LLVM vector (unaligned load)."""
+    return builder.load(builder.bitcast(ptr, ir.VectorType(ir.DoubleType(), 8).as_pointer()), align=8)
+
+
+def _splat8(builder, x):
+    """x in all 8 lanes."""
+    vec = ir.VectorType(ir.DoubleType(), 8)
+    one = builder.insert_element(ir.Constant(vec, ir.Undefined), x, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(one, ir.Constant(vec, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), 8), [0] * 8))
+
+
+def _lane_args(context, builder, signature, args, names):
+    """Each argument as a C array struct or an int64 value, by name."""
+    out = {}
+    for name, ty, val in zip(names, signature.args, args):
+        out[name] = (context.make_array(ty)(context, builder, val), ty) if isinstance(ty, types.Array) \
+            else context.cast(builder, val, ty, types.int64)
+    return out
+
+
+def _ptr(context, builder, arr, *index):
+    a, ty = arr
+    i64 = ir.IntType(64)
+    return cgutils.get_item_pointer(context, builder, ty, a, [v if isinstance(v, ir.Value) else ir.Constant(i64, v)
+                                                               for v in index], wraparound=False)
+
+
+def _c_float_arrays(*arrays):
+    return all(isinstance(a, types.Array) and a.layout == "C" and a.dtype == types.float64 for a in arrays)
+
+
+@intrinsic
+def lane_dots2(typingctx, X, i0, i1, TT, cb, d, Z):
+    """lane_dots2(X, i0, i1, TT, cb, d, Z): Z[q, cb + l] = Σ_j X[i_q, j] TT[j, cb + l] for the rows i0, i1 (q = 0, 1)
+    and the 8 cells (lanes) l of the block at column cb of TT (θ by feature × cell). Each lane's sum in dot8's order
+    (`dots8`): partial sums s_p over the j ≡ p (mod 8) of the whole blocks of 8, the tree ((s0 + s1) + (s2 + s3))
+    + ((s4 + s5) + (s6 + s7)), then the tail one by one — so a cell's number is the same in a lane of any block
+    as on the pair path. Plain fmul and fadd (no FMA contraction)."""
+    if not (_c_float_arrays(X, TT, Z) and X.ndim == 2 and TT.ndim == 2 and Z.ndim == 2):
+        return None
+
+    def codegen(context, builder, signature, args):
+        a = _lane_args(context, builder, signature, args, ("X", "i0", "i1", "TT", "cb", "d", "Z"))
+        i64 = ir.IntType(64)
+        vec = ir.VectorType(ir.DoubleType(), 8)
+        width = cgutils.unpack_tuple(builder, a["TT"][0].shape, 2)[1]
+        pt = _ptr(context, builder, a["TT"], 0, a["cb"])
+        px = [_ptr(context, builder, a["X"], a["i0"], 0), _ptr(context, builder, a["X"], a["i1"], 0)]
+        acc = [[cgutils.alloca_once_value(builder, ir.Constant(vec, [0.0] * 8)) for _ in range(8)] for _ in range(2)]
+        blocks = builder.sdiv(a["d"], ir.Constant(i64, 8))
+        with cgutils.for_range(builder, blocks) as loop:
+            j = builder.mul(loop.index, ir.Constant(i64, 8))
+            for p in range(8):
+                jp = builder.add(j, ir.Constant(i64, p))
+                t = _vec8(builder, builder.gep(pt, [builder.mul(jp, width)]))
+                for q in range(2):
+                    x = _splat8(builder, builder.load(builder.gep(px[q], [jp])))
+                    builder.store(builder.fadd(builder.load(acc[q][p]), builder.fmul(x, t)), acc[q][p])
+        tot = []
+        for q in range(2):
+            s = [builder.load(acc[q][p]) for p in range(8)]
+            tot.append(cgutils.alloca_once_value(builder, builder.fadd(
+                builder.fadd(builder.fadd(s[0], s[1]), builder.fadd(s[2], s[3])),
+                builder.fadd(builder.fadd(s[4], s[5]), builder.fadd(s[6], s[7])))))
+        start = builder.mul(blocks, ir.Constant(i64, 8))
+        with cgutils.for_range(builder, builder.sub(a["d"], start)) as loop:
+            j = builder.add(start, loop.index)
+            t = _vec8(builder, builder.gep(pt, [builder.mul(j, width)]))
+            for q in range(2):
+                x = _splat8(builder, builder.load(builder.gep(px[q], [j])))
+                builder.store(builder.fadd(builder.load(tot[q]), builder.fmul(x, t)), tot[q])
+        for q in range(2):
+            builder.store(builder.load(tot[q]), builder.bitcast(_ptr(context, builder, a["Z"], q, a["cb"]),
+                                                               vec.as_pointer()), align=8)
+        return context.get_dummy_value()
+
+    return types.void(X, i0, i1, TT, cb, d, Z), codegen
+
+
+@intrinsic
+def lane_axpy2(typingctx, G, X, i0, i1, A, cb, d, two):
+    """lane_axpy2(G, X, i0, i1, A, cb, d, two): G[j, cb + l] += A[0, cb + l] X[i0, j], then (when two) += A[1, cb + l]
+    X[i1, j], for every feature j and the 8 lanes l of the block at cb: the rows added in batch order, one read and
+    one write of G for both. Plain fmul and fadd."""
+    if not (_c_float_arrays(G, X, A) and G.ndim == 2 and X.ndim == 2 and A.ndim == 2):
+        return None
+
+    def codegen(context, builder, signature, args):
+        a = _lane_args(context, builder, signature, args, ("G", "X", "i0", "i1", "A", "cb", "d", "two"))
+        vec = ir.VectorType(ir.DoubleType(), 8)
+        width = cgutils.unpack_tuple(builder, a["G"][0].shape, 2)[1]
+        pg = _ptr(context, builder, a["G"], 0, a["cb"])
+        px = [_ptr(context, builder, a["X"], a["i0"], 0), _ptr(context, builder, a["X"], a["i1"], 0)]
+        av = [_vec8(builder, _ptr(context, builder, a["A"], q, a["cb"])) for q in range(2)]
+        is_two = builder.icmp_signed("!=", a["two"], ir.Constant(ir.IntType(64), 0))
+        with builder.if_else(is_two) as (then, otherwise):
+            for rows in ((then, 2), (otherwise, 1)):
+                with rows[0]:
+                    with cgutils.for_range(builder, a["d"]) as loop:
+                        j = loop.index
+                        gp = builder.bitcast(builder.gep(pg, [builder.mul(j, width)]), vec.as_pointer())
+                        g = builder.load(gp, align=8)
+                        for q in range(rows[1]):
+                            x = _splat8(builder, builder.load(builder.gep(px[q], [j])))
+                            g = builder.fadd(g, builder.fmul(av[q], x))
+                        builder.store(g, gp, align=8)
+        return context.get_dummy_value()
+
+    return types.void(G, X, i0, i1, A, cb, d, two), codegen
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _lanes(TT, active, X, y, x_norm, clip, do_clip, C, d, i0, i1, two, Z, A, G):  # pragma: no cover
+    """Rows i0 (and i1 when two) for every cell, 8 cells a block: dots, a = −y σ(−y θ_c·x_i) clipped, G += a x."""
+    CP = TT.shape[1]
+    for cb in range(0, CP, 8):
+        lane_dots2(X, i0, i1, TT, cb, d, Z)
+        for q in range(2 if two else 1):
+            i = i0 if q == 0 else i1
+            yi = y[i]
+            for c in range(cb, cb + 8):
+                a = 0.0
+                if c < C and active[c]:
+                    a = -yi * (1.0 / (1.0 + np.exp(yi * Z[q, c])))  # −y σ(−y θ·x)
+                    if do_clip[c]:
+                        a = a * clip[c] / max(abs(a) * x_norm[i], clip[c])
+                A[q, c] = a
+        lane_axpy2(G, X, i0, i1, A, cb, d, 1 if two else 0)
+
+
 @numba.njit(cache=True, nogil=True, inline="always")
 def _pairs(TH, active, X, y, x_norm, clip, do_clip, r, d, rows, cells, n, z, g):  # pragma: no cover
     """The first n of the PAIRS pending (row, cell) pairs, in order: a = −y σ(−y θ_c·x_i), clipped, g_c += a x_i."""
@@ -104,21 +235,58 @@ def _pairs(TH, active, X, y, x_norm, clip, do_clip, r, d, rows, cells, n, z, g):
             g[c, j] += a * X[i, j]
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _update(theta, gc, noise, s, t, r, std, scale, l2, eta, radius, do_project):  # pragma: no cover
+    """One cell's step from its clipped sum gc: g = ((gc + std z) · scale) + λθ; θ ← θ − η g; θ ← Π(θ)."""
+    sq = 0.0
+    for j in range(theta.shape[0]):
+        v = gc[j]
+        if s >= 0:
+            v = v + std * noise[s, t, r, j]
+        v = v * scale
+        if l2 != 0.0:
+            v = v + l2 * theta[j]
+        v = theta[j] - eta * v
+        theta[j] = v
+        sq += v * v
+    if do_project:
+        f = radius / max(np.sqrt(sq), 1e-300)
+        if f < 1.0:
+            for j in range(theta.shape[0]):
+                theta[j] = theta[j] * f
+
+
 @numba.njit(cache=True, nogil=True)
 def mb_logreg(TH, active, X, y, x_norm, idx, full, noise, slot, std, scale, l2, clip, do_clip, lrs, radius,
-              do_project, g):  # pragma: no cover
+              do_project, lanes):  # pragma: no cover
+    """Steps of every cell (TH: cell × replica × feature) on the batches idx (or the full batch). lanes: the
+    cells are vector lanes, 8 a block (θ by feature × cell, two rows at a time: `lane_dots2`, `lane_axpy2`);
+    otherwise (few cells) PAIRS (row, cell) pairs at a time (`dots8`). Both compute each cell's numbers in the
+    same order: which one runs changes nothing but the time."""
     C, R, d = TH.shape
     m = lrs.shape[1]
     M = X.shape[0] if full else idx.shape[2]
     rows = np.zeros(PAIRS, dtype=np.int64)
     cells = np.zeros(PAIRS, dtype=np.int64)
     z = np.empty(PAIRS)
-    n = 0
+    CP = 8 * ((C + 7) // 8) if lanes else 0
+    TT = np.zeros((d, CP))  # lanes: θ of replica r by feature × cell (padding cells 0), G its clipped sums
+    G = np.empty((d, CP))
+    Z = np.empty((2, CP))
+    A = np.empty((2, CP))
+    g = np.empty((C, d))
     for r in range(R):
-        for t in range(m):
+        if lanes:
             for c in range(C):
                 for j in range(d):
-                    g[c, j] = 0.0
+                    TT[j, c] = TH[c, r, j]
+        for t in range(m):
+            if lanes:
+                G[:, :] = 0.0
+            else:
+                g[:, :] = 0.0
+            n = 0
+            pending = -1  # lanes: a row waiting for its partner
             for k in range(M):
                 i = k if full else idx[t, r, k]
                 if i < 0:  # kept indices come first: the rest of the row is padding
@@ -128,6 +296,13 @@ def mb_logreg(TH, active, X, y, x_norm, idx, full, noise, slot, std, scale, l2, 
                     if ahead >= 0:
                         for j in range(0, d, 8):
                             prefetch(X, ahead, j)
+                if lanes:
+                    if pending < 0:
+                        pending = i
+                    else:
+                        _lanes(TT, active, X, y, x_norm, clip, do_clip, C, d, pending, i, True, Z, A, G)
+                        pending = -1
+                    continue
                 for c in range(C):
                     if not active[c]:
                         continue
@@ -137,31 +312,23 @@ def mb_logreg(TH, active, X, y, x_norm, idx, full, noise, slot, std, scale, l2, 
                     if n == PAIRS:
                         _pairs(TH, active, X, y, x_norm, clip, do_clip, r, d, rows, cells, n, z, g)
                         n = 0
+            if pending >= 0:
+                _lanes(TT, active, X, y, x_norm, clip, do_clip, C, d, pending, pending, False, Z, A, G)
             if n > 0:  # the last pairs of the step; the unused slots repeat a pair (computed, not applied)
                 for k in range(n, PAIRS):
                     rows[k] = rows[0]
                     cells[k] = cells[0]
                 _pairs(TH, active, X, y, x_norm, clip, do_clip, r, d, rows, cells, n, z, g)
-                n = 0
             for c in range(C):
-                if not active[c]:
-                    continue
-                eta = lrs[c, t]
-                s = slot[c]
-                sq = 0.0
+                if active[c]:
+                    if lanes:
+                        _update(TT[:, c], G[:, c], noise, slot[c], t, r, std[c], scale[c], l2[c], lrs[c, t],
+                                radius[c], do_project[c])
+                    else:
+                        _update(TH[c, r], g[c], noise, slot[c], t, r, std[c], scale[c], l2[c], lrs[c, t],
+                                radius[c], do_project[c])
+        if lanes:
+            for c in range(C):
                 for j in range(d):
-                    v = g[c, j]
-                    if s >= 0:
-                        v = v + std[c] * noise[s, t, r, j]
-                    v = v * scale[c]
-                    if l2[c] != 0.0:
-                        v = v + l2[c] * TH[c, r, j]
-                    v = TH[c, r, j] - eta * v
-                    TH[c, r, j] = v
-                    sq += v * v
-                if do_project[c]:
-                    f = radius[c] / max(np.sqrt(sq), 1e-300)
-                    if f < 1.0:
-                        for j in range(d):
-                            TH[c, r, j] = TH[c, r, j] * f
+                    TH[c, r, j] = TT[j, c]
     return TH

@@ -45,6 +45,7 @@ from dpsgd_cli.algorithms.sampling import IndexedBatches
 from dpsgd_cli.errors import UserError
 
 ORDER = ("noise", "scale", "l2")  # the kernel's order of the transforms
+LANES_FROM = 3  # from this many cells on one batch stream, they are the kernel's vector lanes (measured: 2 → 3 faster)
 
 
 @functools.lru_cache(maxsize=1)
@@ -137,7 +138,7 @@ def group_steps(model, chains: Sequence, thetas: Sequence[np.ndarray], steps: Se
     do_project = np.array([p["radius"] is not None for p in plans])
     records = [set(_record_steps(c.checkpoints, c.examples_per_step, s).tolist()) for c, s in zip(chains, steps)]
     stops = sorted({*steps, *(t for rec in records for t in rec)})
-    g = np.zeros((C, d))
+    lanes = C >= LANES_FROM
     no_idx, no_noise = np.zeros((1, 1, 1), dtype=np.int64), np.zeros((1, 1, 1, 1))
     kernel = _kernel()
     width = 1 if batches.full else max(1, round(float(np.mean([c.examples_per_step for c in chains])) * 2))
@@ -152,7 +153,7 @@ def group_steps(model, chains: Sequence, thetas: Sequence[np.ndarray], steps: Se
         lrs = np.stack([schedule_values(c.schedule, done + 1, stop + 1) if a else np.zeros(m)
                         for c, a in zip(chains, active)])
         kernel(TH, active, X, y, x_norm, idx, batches.full, noise if noise is not None else no_noise, slot, std,
-               scale, l2, clip, do_clip, lrs, radius, do_project, g)
+               scale, l2, clip, do_clip, lrs, radius, do_project, lanes)
         for c, chain in enumerate(chains):
             if active[c] and stop in records[c]:  # as `GradientChain.step` records it
                 e = chain.examples_per_step
