@@ -202,35 +202,81 @@ def lane_axpy2(typingctx, G, X, i0, i1, A, cb, d, two):
     return types.void(G, X, i0, i1, A, cb, d, two), codegen
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
+@intrinsic
+def _double_from_bits(typingctx, bits):
+    """The float64 whose IEEE bits are the int64 `bits`."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(context.cast(builder, args[0], signature.args[0], types.int64), ir.DoubleType())
+
+    return types.float64(bits), codegen
+
+
+LN2_HI, LN2_LO = 6.93147180369123816490e-01, 1.90821492927058770002e-10  # fdlibm's split of ln 2 (k·LN2_HI exact)
+INV_LN2 = 1.44269504088896338700e+00
+
+
+@numba.njit(cache=True, nogil=True, inline="always", error_model="numpy")
+def exp_fixed(x):  # pragma: no cover
+    """eˣ from +, −, ×, floor and a bit cast only (so LLVM can run it in vector lanes, and a lane's result is the same
+    in any lane and in scalar code): x = k ln 2 + r (Cody–Waite, |r| ≤ ln 2 / 2), Taylor to r¹³ by Horner (error
+    below 1e-17 relative), times 2ᵏ; x clamped to [−708, 709] (eˣ then 3e−308 … 8e307 where libm gives 0 or inf:
+    σ's 1/(1 + eˣ) moves by < 1e−307); NaN stays NaN. Within ~2 ulp of libm's exp."""
+    xc = min(max(x, -708.0), 709.0)
+    k = np.floor(xc * INV_LN2 + 0.5)
+    r = (xc - k * LN2_HI) - k * LN2_LO
+    p = 1.0 / 6227020800.0
+    p = p * r + 1.0 / 479001600.0
+    p = p * r + 1.0 / 39916800.0
+    p = p * r + 1.0 / 3628800.0
+    p = p * r + 1.0 / 362880.0
+    p = p * r + 1.0 / 40320.0
+    p = p * r + 1.0 / 5040.0
+    p = p * r + 1.0 / 720.0
+    p = p * r + 1.0 / 120.0
+    p = p * r + 1.0 / 24.0
+    p = p * r + 1.0 / 6.0
+    p = p * r + 0.5
+    p = p * r + 1.0
+    p = p * r + 1.0
+    e = p * _double_from_bits((np.int64(k) + 1023) << 52)
+    return e if x == x else x
+
+
+@numba.njit(cache=True, nogil=True, inline="always", error_model="numpy")
+def residual(yi, z, clip, do_clip, xn):  # pragma: no cover
+    """a = −y σ(−y z), the logistic loss's ∇ = a x; clipped to ‖a x‖ ≤ clip when do_clip (branch-free: vector lanes)."""
+    a = -yi * (1.0 / (1.0 + exp_fixed(yi * z)))
+    return a * clip / max(abs(a) * xn, clip) if do_clip else a
+
+
+@numba.njit(cache=True, nogil=True, inline="always", error_model="numpy")
 def _lanes(TT, active, X, y, x_norm, clip, do_clip, C, d, i0, i1, two, Z, A, G):  # pragma: no cover
-    """Rows i0 (and i1 when two) for every cell, 8 cells a block: dots, a = −y σ(−y θ_c·x_i) clipped, G += a x."""
+    """Rows i0 (and i1 when two) for every cell (lanes; active, clip, do_clip padded to them, padding inactive):
+    dots 8 cells a block, a = −y σ(−y θ_c·x_i) clipped, G += a x 8 cells a block."""
     CP = TT.shape[1]
     for cb in range(0, CP, 8):
         lane_dots2(X, i0, i1, TT, cb, d, Z)
-        for q in range(2 if two else 1):
-            i = i0 if q == 0 else i1
-            yi = y[i]
-            for c in range(cb, cb + 8):
-                a = 0.0
-                if c < C and active[c]:
-                    a = -yi * (1.0 / (1.0 + np.exp(yi * Z[q, c])))  # −y σ(−y θ·x)
-                    if do_clip[c]:
-                        a = a * clip[c] / max(abs(a) * x_norm[i], clip[c])
-                A[q, c] = a
+    for q in range(2 if two else 1):
+        i = i0 if q == 0 else i1
+        yi, xn = y[i], x_norm[i]
+        zq, aq = Z[q], A[q]
+        for c in range(CP):  # one loop over all lanes, 1-D: LLVM vectorizes it (exp_fixed included)
+            a = residual(yi, zq[c], clip[c], do_clip[c], xn)
+            aq[c] = a if active[c] else 0.0
+    for cb in range(0, CP, 8):
         lane_axpy2(G, X, i0, i1, A, cb, d, 1 if two else 0)
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
+@numba.njit(cache=True, nogil=True, inline="always", error_model="numpy")
 def _pairs(TH, active, X, y, x_norm, clip, do_clip, r, d, rows, cells, n, z, g):  # pragma: no cover
     """The first n of the PAIRS pending (row, cell) pairs, in order: a = −y σ(−y θ_c·x_i), clipped, g_c += a x_i."""
     dots8(X, rows, TH, cells, r, d, z)
     for k in range(n):
         i, c = rows[k], cells[k]
-        yi = y[i]
-        a = -yi * (1.0 / (1.0 + np.exp(yi * z[k])))  # −y σ(−y θ·x)
-        if do_clip[c]:
-            a = a * clip[c] / max(abs(a) * x_norm[i], clip[c])
+        a = residual(y[i], z[k], clip[c], do_clip[c], x_norm[i])
         for j in range(d):
             g[c, j] += a * X[i, j]
 
@@ -256,7 +302,7 @@ def _update(theta, gc, noise, s, t, r, std, scale, l2, eta, radius, do_project):
                 theta[j] = theta[j] * f
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, error_model="numpy")
 def mb_logreg(TH, active, X, y, x_norm, idx, full, noise, slot, std, scale, l2, clip, do_clip, lrs, radius,
               do_project, lanes):  # pragma: no cover
     """Steps of every cell (TH: cell × replica × feature) on the batches idx (or the full batch). lanes: the
@@ -275,6 +321,11 @@ def mb_logreg(TH, active, X, y, x_norm, idx, full, noise, slot, std, scale, l2, 
     Z = np.empty((2, CP))
     A = np.empty((2, CP))
     g = np.empty((C, d))
+    active_l, clip_l, do_clip_l = np.zeros(CP, dtype=np.bool_), np.ones(CP), np.zeros(CP, dtype=np.bool_)
+    if lanes:  # the per-cell settings the lanes read, padded (padding lanes inactive)
+        active_l[:C] = active
+        clip_l[:C] = clip
+        do_clip_l[:C] = do_clip
     for r in range(R):
         if lanes:
             for c in range(C):
@@ -300,7 +351,7 @@ def mb_logreg(TH, active, X, y, x_norm, idx, full, noise, slot, std, scale, l2, 
                     if pending < 0:
                         pending = i
                     else:
-                        _lanes(TT, active, X, y, x_norm, clip, do_clip, C, d, pending, i, True, Z, A, G)
+                        _lanes(TT, active_l, X, y, x_norm, clip_l, do_clip_l, C, d, pending, i, True, Z, A, G)
                         pending = -1
                     continue
                 for c in range(C):
@@ -313,7 +364,7 @@ def mb_logreg(TH, active, X, y, x_norm, idx, full, noise, slot, std, scale, l2, 
                         _pairs(TH, active, X, y, x_norm, clip, do_clip, r, d, rows, cells, n, z, g)
                         n = 0
             if pending >= 0:
-                _lanes(TT, active, X, y, x_norm, clip, do_clip, C, d, pending, pending, False, Z, A, G)
+                _lanes(TT, active_l, X, y, x_norm, clip_l, do_clip_l, C, d, pending, pending, False, Z, A, G)
             if n > 0:  # the last pairs of the step; the unused slots repeat a pair (computed, not applied)
                 for k in range(n, PAIRS):
                     rows[k] = rows[0]
