@@ -9,7 +9,7 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 PAIRS = 8  # (row, cell) dot products the pair path computes together (measured at 1 cell: 8 ≥ 4 > 2 > 1)
-AHEAD = 4  # mb_logreg prefetches the batch row this many places ahead (random rows: measured 35 → 16 µs a step of dots)
+AHEAD = 4  # the batch row prefetched this many places ahead (random rows: measured 35 → 16 µs a step of dots)
 
 
 @intrinsic
@@ -28,68 +28,6 @@ def prefetch(typingctx, arr, i, j):
     return types.void(arr, i, j), codegen
 
 
-@intrinsic
-def dots8(typingctx, X, rows, V, cells, r, d, out):
-    """dots8(X, rows, V, cells, r, d, out): out[k] = Σ_j X[rows[k], j] V[cells[k], r, j] for the PAIRS pairs k, each
-    in a fixed order: lane p of an 8-wide vector accumulator sums the j ≡ p (mod 8) of the whole blocks of 8, then
-    a fixed tree ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)), then the tail j ≥ 8⌊d/8⌋ one by one. The pairs'
-    accumulators advance together (independent chains in flight: one pair's sum alone is bound by the add's
-    latency). LLVM's vector type because the loop vectorizer may not reassociate a reduction (no fast-math here)
-    and the SLP vectorizer did not pack the scalar chains; plain fmul and fadd, no FMA contraction: each lane's sum
-    is the scalar sequence s_p += x·v whatever the vector width, and out[k] does not depend on the other pairs."""
-    ok = (isinstance(X, types.Array) and isinstance(V, types.Array) and X.ndim == 2 and V.ndim == 3
-          and X.layout == "C" and V.layout == "C" and X.dtype == types.float64 and V.dtype == types.float64
-          and isinstance(out, types.Array) and out.dtype == types.float64 and out.layout == "C"
-          and all(isinstance(a, types.Array) and a.dtype == types.int64 and a.layout == "C" for a in (rows, cells)))
-    if not ok:
-        return None
-
-    def codegen(context, builder, signature, args):
-        xty, rty, vty, cty, r_ty, d_ty, oty = signature.args
-        x_arr, rows_arr, v_arr, cells_arr, r, d, out_arr = args
-        i64, i32, f64 = ir.IntType(64), ir.IntType(32), ir.DoubleType()
-        vec = ir.VectorType(f64, 8)
-        r, d = context.cast(builder, r, r_ty, types.int64), context.cast(builder, d, d_ty, types.int64)
-        zero = ir.Constant(i64, 0)
-        xa, va = context.make_array(xty)(context, builder, x_arr), context.make_array(vty)(context, builder, v_arr)
-        ra, ca = context.make_array(rty)(context, builder, rows_arr), context.make_array(cty)(context, builder, cells_arr)
-        oa = context.make_array(oty)(context, builder, out_arr)
-        px, pv = [], []
-        for k in range(PAIRS):
-            kk = ir.Constant(i64, k)
-            i = builder.load(cgutils.get_item_pointer(context, builder, rty, ra, [kk], wraparound=False))
-            c = builder.load(cgutils.get_item_pointer(context, builder, cty, ca, [kk], wraparound=False))
-            px.append(cgutils.get_item_pointer(context, builder, xty, xa, [i, zero], wraparound=False))
-            pv.append(cgutils.get_item_pointer(context, builder, vty, va, [c, r, zero], wraparound=False))
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(vec, [0.0] * 8)) for _ in range(PAIRS)]
-        blocks = builder.sdiv(d, ir.Constant(i64, 8))
-        with cgutils.for_range(builder, blocks) as loop:
-            j = builder.mul(loop.index, ir.Constant(i64, 8))
-            for k in range(PAIRS):
-                xv = builder.load(builder.bitcast(builder.gep(px[k], [j]), vec.as_pointer()), align=8)
-                vv = builder.load(builder.bitcast(builder.gep(pv[k], [j]), vec.as_pointer()), align=8)
-                builder.store(builder.fadd(builder.load(accs[k]), builder.fmul(xv, vv)), accs[k])
-        start = builder.mul(blocks, ir.Constant(i64, 8))
-        totals = []
-        for k in range(PAIRS):
-            v = builder.load(accs[k])
-            lane = [builder.extract_element(v, ir.Constant(i32, p)) for p in range(8)]
-            s = builder.fadd(builder.fadd(builder.fadd(lane[0], lane[1]), builder.fadd(lane[2], lane[3])),
-                             builder.fadd(builder.fadd(lane[4], lane[5]), builder.fadd(lane[6], lane[7])))
-            totals.append(cgutils.alloca_once_value(builder, s))
-        with cgutils.for_range(builder, builder.sub(d, start)) as loop:
-            j = builder.add(start, loop.index)
-            for k in range(PAIRS):
-                x, v = builder.load(builder.gep(px[k], [j])), builder.load(builder.gep(pv[k], [j]))
-                builder.store(builder.fadd(builder.load(totals[k]), builder.fmul(x, v)), totals[k])
-        for k in range(PAIRS):
-            builder.store(builder.load(totals[k]),
-                          cgutils.get_item_pointer(context, builder, oty, oa, [ir.Constant(i64, k)], wraparound=False))
-        return context.get_dummy_value()
-
-    return types.void(X, rows, V, cells, r, d, out), codegen
-
-
 def _vec8(builder, ptr):
     """The 8 doubles at ptr as one LLVM vector (unaligned load)."""
     return builder.load(builder.bitcast(ptr, ir.VectorType(ir.DoubleType(), 8).as_pointer()), align=8)
@@ -99,7 +37,8 @@ def _splat8(builder, x):
     """x in all 8 lanes."""
     vec = ir.VectorType(ir.DoubleType(), 8)
     one = builder.insert_element(ir.Constant(vec, ir.Undefined), x, ir.Constant(ir.IntType(32), 0))
-    return builder.shuffle_vector(one, ir.Constant(vec, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), 8), [0] * 8))
+    zeros = ir.Constant(ir.VectorType(ir.IntType(32), 8), [0] * 8)
+    return builder.shuffle_vector(one, ir.Constant(vec, ir.Undefined), zeros)
 
 
 def _lane_args(context, builder, signature, args, names):
@@ -118,8 +57,63 @@ def _ptr(context, builder, arr, *index):
                                                                for v in index], wraparound=False)
 
 
+def _tree8(builder, s):
+    """((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)): the fixed tree over the eight partial sums."""
+    return builder.fadd(builder.fadd(builder.fadd(s[0], s[1]), builder.fadd(s[2], s[3])),
+                        builder.fadd(builder.fadd(s[4], s[5]), builder.fadd(s[6], s[7])))
+
+
 def _c_float_arrays(*arrays):
     return all(isinstance(a, types.Array) and a.layout == "C" and a.dtype == types.float64 for a in arrays)
+
+
+@intrinsic
+def dots8(typingctx, X, rows, V, cells, r, d, out):
+    """dots8(X, rows, V, cells, r, d, out): out[k] = Σ_j X[rows[k], j] V[cells[k], r, j] for the PAIRS pairs k, each
+    in a fixed order: lane p of an 8-wide vector accumulator sums the j ≡ p (mod 8) of the whole blocks of 8,
+    then a fixed tree ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)), then the tail j ≥ 8⌊d/8⌋ one by one. The pairs'
+    accumulators advance together (independent chains in flight: one pair's sum alone is bound by the add's
+    latency). LLVM's vector type because the loop vectorizer may not reassociate a reduction (no fast-math here)
+    and the SLP vectorizer did not pack the scalar chains; plain fmul and fadd, no FMA contraction: each lane's sum
+    is the scalar sequence s_p += x·v whatever the vector width, and out[k] does not depend on the other pairs."""
+    ok = (isinstance(X, types.Array) and isinstance(V, types.Array) and X.ndim == 2 and V.ndim == 3
+          and X.layout == "C" and V.layout == "C" and X.dtype == types.float64 and V.dtype == types.float64
+          and isinstance(out, types.Array) and out.dtype == types.float64 and out.layout == "C"
+          and all(isinstance(a, types.Array) and a.dtype == types.int64 and a.layout == "C" for a in (rows, cells)))
+    if not ok:
+        return None
+
+    def codegen(context, builder, signature, args):
+        a = _lane_args(context, builder, signature, args, ("X", "rows", "V", "cells", "r", "d", "out"))
+        i64, i32 = ir.IntType(64), ir.IntType(32)
+        vec = ir.VectorType(ir.DoubleType(), 8)
+        px = [_ptr(context, builder, a["X"], builder.load(_ptr(context, builder, a["rows"], k)), 0)
+              for k in range(PAIRS)]
+        pv = [_ptr(context, builder, a["V"], builder.load(_ptr(context, builder, a["cells"], k)), a["r"], 0)
+              for k in range(PAIRS)]
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(vec, [0.0] * 8)) for _ in range(PAIRS)]
+        blocks = builder.sdiv(a["d"], ir.Constant(i64, 8))
+        with cgutils.for_range(builder, blocks) as loop:
+            j = builder.mul(loop.index, ir.Constant(i64, 8))
+            for k in range(PAIRS):
+                product = builder.fmul(_vec8(builder, builder.gep(px[k], [j])), _vec8(builder, builder.gep(pv[k], [j])))
+                builder.store(builder.fadd(builder.load(accs[k]), product), accs[k])
+        totals = []
+        for k in range(PAIRS):
+            v = builder.load(accs[k])
+            totals.append(cgutils.alloca_once_value(builder, _tree8(builder, [
+                builder.extract_element(v, ir.Constant(i32, p)) for p in range(8)])))
+        start = builder.mul(blocks, ir.Constant(i64, 8))
+        with cgutils.for_range(builder, builder.sub(a["d"], start)) as loop:
+            j = builder.add(start, loop.index)
+            for k in range(PAIRS):
+                x, v = builder.load(builder.gep(px[k], [j])), builder.load(builder.gep(pv[k], [j]))
+                builder.store(builder.fadd(builder.load(totals[k]), builder.fmul(x, v)), totals[k])
+        for k in range(PAIRS):
+            builder.store(builder.load(totals[k]), _ptr(context, builder, a["out"], k))
+        return context.get_dummy_value()
+
+    return types.void(X, rows, V, cells, r, d, out), codegen
 
 
 @intrinsic
@@ -152,9 +146,7 @@ def lane_dots2(typingctx, X, i0, i1, TT, cb, d, Z):
         tot = []
         for q in range(2):
             s = [builder.load(acc[q][p]) for p in range(8)]
-            tot.append(cgutils.alloca_once_value(builder, builder.fadd(
-                builder.fadd(builder.fadd(s[0], s[1]), builder.fadd(s[2], s[3])),
-                builder.fadd(builder.fadd(s[4], s[5]), builder.fadd(s[6], s[7])))))
+            tot.append(cgutils.alloca_once_value(builder, _tree8(builder, s)))
         start = builder.mul(blocks, ir.Constant(i64, 8))
         with cgutils.for_range(builder, builder.sub(a["d"], start)) as loop:
             j = builder.add(start, loop.index)
@@ -247,7 +239,7 @@ def exp_fixed(x):  # pragma: no cover
 
 @numba.njit(cache=True, nogil=True, inline="always", error_model="numpy")
 def residual(yi, z, clip, do_clip, xn):  # pragma: no cover
-    """a = −y σ(−y z), the logistic loss's ∇ = a x; clipped to ‖a x‖ ≤ clip when do_clip (branch-free: vector lanes)."""
+    """a = −y σ(−y z), the logistic loss's ∇ = a x; clipped to ‖a x‖ ≤ clip when do_clip (branch-free: lanes)."""
     a = -yi * (1.0 / (1.0 + exp_fixed(yi * z)))
     return a * clip / max(abs(a) * xn, clip) if do_clip else a
 
@@ -272,7 +264,7 @@ def _lanes(TT, active, X, y, x_norm, clip, do_clip, C, d, i0, i1, two, Z, A, G):
 
 @numba.njit(cache=True, nogil=True, inline="always", error_model="numpy")
 def _pairs(TH, active, X, y, x_norm, clip, do_clip, r, d, rows, cells, n, z, g):  # pragma: no cover
-    """The first n of the PAIRS pending (row, cell) pairs, in order: a = −y σ(−y θ_c·x_i), clipped, g_c += a x_i."""
+    """The first n of the PAIRS pending (row, cell) pairs in order: a = −y σ(−y θ_c·x_i), clipped; g_c += a x_i."""
     dots8(X, rows, TH, cells, r, d, z)
     for k in range(n):
         i, c = rows[k], cells[k]

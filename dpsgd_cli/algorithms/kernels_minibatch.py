@@ -16,13 +16,18 @@ operation for operation the chain's `clipped_grad_sum` → `add_noise(s)` → `s
 the batch indices come from the chain's own sampler (`sampling.IndexedBatches.take`: the same blocks, Poisson
 gaps, permutations or the full batch) and the noise from the chain's own `draws` iterator (streams.per_step /
 `SharedStreams`: float64 blocks), so a seed gives the same run on both paths, equal up to the summation order
-(tests/test_kernels_minibatch.py asserts rtol 1e-12).
+and the exp (tests/test_kernels_minibatch.py asserts rtol 1e-12).
 
 Fused = alone, bit for bit, on this path: each chain's dot product θ_c·x_i is summed in a fixed order (eight
-interleaved partial sums over the features, then a fixed tree) and its g_c adds the rows in batch
-order, whatever the other chains of the call; the row is read from memory once and from the L1 cache by the
-other chains. Chains of one fused task that share a seed's noise stream share the noise block (the same
-draws, `SharedStreams`, detected by identity).
+interleaved partial sums over the features, lane p of one 8-wide vector summing the j ≡ p mod 8, then a fixed
+tree, then the tail), its residual uses `exp_fixed` (+, ×, floor and a bit cast only: the same bits in a vector
+lane as in scalar code, ≤ 1 ulp from libm's exp) and its g_c adds the rows in batch order, whatever the other
+chains of the call. From LANES_FROM chains on a stream the chains are the kernel's vector lanes (θ held as
+feature × chain, 8 chains a block, two rows at a time: each X[i, j] read once for all of them); fewer take the
+pair path (PAIRS (row, chain) dot products together). Both compute each chain's numbers in the same order, so the
+path changes only the time (tests/test_kernels_minibatch.py: every cell alone = among 3 … 17 cells, both paths).
+Chains of one fused task that share a seed's noise stream share the noise block (the same draws,
+`SharedStreams`, detected by identity).
 
 Applies (`applies`): backend not "numpy"; numba installed (backend "numba" without it: UserError); a
 `LogisticRegression` whose `clipped_grad_sum` is not overridden (not the audit's canary models); float64 data
