@@ -221,10 +221,11 @@ def _cells_args(C, R, d, steps, rng):
 @needs_numba
 @pytest.mark.parametrize("d", [21, 16, 5])  # whole blocks of 8 and a tail, whole blocks only, the tail only
 def test_each_cell_is_the_same_whatever_shares_its_call(d):
-    """The kernel itself: a cell's θ is bit for bit the same alone (the pair path) and among C = 3, 5, 8, 9, 17
-    cells (vector lanes: remainder lanes, several blocks of 8), on either path, with an odd number of rows in
-    some steps (the lanes take rows two at a time), the full batch, and a NaN replica."""
-    from dpsgd_cli.algorithms.kernels_minibatch import _kernel
+    """The kernel itself: a cell's θ is bit for bit the same alone (pair path or one lane) and among C = 3, 5, 8,
+    9, 17 cells, whichever of them are vector lanes (all: remainder lanes, several blocks of 8; what group_steps
+    takes; a few; none), with an odd number of rows in some steps (the lanes take rows two at a time), the full
+    batch, and a NaN replica."""
+    from dpsgd_cli.algorithms.kernels_minibatch import _kernel, lane_cells
     from dpsgd_cli.algorithms.sampling import row_norms
 
     kernel = _kernel()
@@ -245,21 +246,22 @@ def test_each_cell_is_the_same_whatever_shares_its_call(d):
             TH0 = rng.normal(size=(C, R, d)) * 0.3
             TH0[1, 2] = np.nan  # one diverged replica of one cell
             runs = {}
-            for lanes in (True, False):
+            for lanes in sorted({C, lane_cells(C), 3, 0}):
                 TH = TH0.copy()
                 kernel(TH, args["active"], X, y, x_norm, idx, full, noise, args["slot"], args["std"], args["scale"],
                        args["l2"], args["clip"], args["do_clip"], args["lrs"], args["radius"], args["do_project"],
                        lanes)
                 runs[lanes] = TH
-            np.testing.assert_array_equal(runs[True], runs[False])
-            assert np.isnan(runs[True][1, 2]).all() and np.isfinite(np.delete(runs[True][1], 2, axis=0)).all()
-            assert not np.array_equal(runs[True][0], TH0[0]) and np.array_equal(runs[True][-1], TH0[-1])
-            for c in range(C):
+            for lanes in runs:
+                np.testing.assert_array_equal(runs[lanes], runs[0])
+            assert np.isnan(runs[0][1, 2]).all() and np.isfinite(np.delete(runs[0][1], 2, axis=0)).all()
+            assert not np.array_equal(runs[0][0], TH0[0]) and np.array_equal(runs[0][-1], TH0[-1])
+            for c, lanes in zip(range(C), [0, 1] * C):
                 one = {k: v[c:c + 1] for k, v in args.items()}
                 TH = TH0[c:c + 1].copy()
                 kernel(TH, one["active"], X, y, x_norm, idx, full, noise, one["slot"], one["std"], one["scale"],
-                       one["l2"], one["clip"], one["do_clip"], one["lrs"], one["radius"], one["do_project"], False)
-                np.testing.assert_array_equal(TH[0], runs[True][c])
+                       one["l2"], one["clip"], one["do_clip"], one["lrs"], one["radius"], one["do_project"], lanes)
+                np.testing.assert_array_equal(TH[0], runs[0][c])
 
 
 @needs_numba

@@ -245,7 +245,7 @@ def residual(yi, z, clip, do_clip, xn):  # pragma: no cover
 
 
 @numba.njit(cache=True, nogil=True, inline="always", error_model="numpy")
-def _lanes(TT, active, X, y, x_norm, clip, do_clip, C, d, i0, i1, two, Z, A, G):  # pragma: no cover
+def _lanes(TT, active, X, y, x_norm, clip, do_clip, d, i0, i1, two, Z, A, G):  # pragma: no cover
     """Rows i0 (and i1 when two) for every cell (lanes; active, clip, do_clip padded to them, padding inactive):
     dots 8 cells a block, a = −y σ(−y θ_c·x_i) clipped, G += a x 8 cells a block."""
     CP = TT.shape[1]
@@ -263,7 +263,7 @@ def _lanes(TT, active, X, y, x_norm, clip, do_clip, C, d, i0, i1, two, Z, A, G):
 
 
 @numba.njit(cache=True, nogil=True, inline="always", error_model="numpy")
-def _pairs(TH, active, X, y, x_norm, clip, do_clip, r, d, rows, cells, n, z, g):  # pragma: no cover
+def _pairs(TH, X, y, x_norm, clip, do_clip, r, d, rows, cells, n, z, g):  # pragma: no cover
     """The first n of the PAIRS pending (row, cell) pairs in order: a = −y σ(−y θ_c·x_i), clipped; g_c += a x_i."""
     dots8(X, rows, TH, cells, r, d, z)
     for k in range(n):
@@ -297,37 +297,34 @@ def _update(theta, gc, noise, s, t, r, std, scale, l2, eta, radius, do_project):
 @numba.njit(cache=True, nogil=True, error_model="numpy")
 def mb_logreg(TH, active, X, y, x_norm, idx, full, noise, slot, std, scale, l2, clip, do_clip, lrs, radius,
               do_project, lanes):  # pragma: no cover
-    """Steps of every cell (TH: cell × replica × feature) on the batches idx (or the full batch). lanes: the
-    cells are vector lanes, 8 a block (θ by feature × cell, two rows at a time: `lane_dots2`, `lane_axpy2`);
-    otherwise (few cells) PAIRS (row, cell) pairs at a time (`dots8`). Both compute each cell's numbers in the
-    same order: which one runs changes nothing but the time."""
+    """Steps of every cell (TH: cell × replica × feature) on the batches idx (or the full batch). The first
+    `lanes` cells are vector lanes, 8 a block (θ by feature × cell, two rows at a time: `lane_dots2`,
+    `lane_axpy2`); the others take the pair path, PAIRS (row, cell) pairs at a time (`dots8`). Both compute each
+    cell's numbers in the same order: which cell takes which path changes nothing but the time."""
     C, R, d = TH.shape
     m = lrs.shape[1]
     M = X.shape[0] if full else idx.shape[2]
     rows = np.zeros(PAIRS, dtype=np.int64)
     cells = np.zeros(PAIRS, dtype=np.int64)
     z = np.empty(PAIRS)
-    CP = 8 * ((C + 7) // 8) if lanes else 0
-    TT = np.zeros((d, CP))  # lanes: θ of replica r by feature × cell (padding cells 0), G its clipped sums
+    CL = lanes
+    CP = 8 * ((CL + 7) // 8)
+    TT = np.zeros((d, CP))  # θ of the lane cells of replica r by feature × cell (padding cells 0); G their sums
     G = np.empty((d, CP))
     Z = np.empty((2, CP))
     A = np.empty((2, CP))
-    g = np.empty((C, d))
+    g = np.empty((C, d))  # the pair cells' sums
     active_l, clip_l, do_clip_l = np.zeros(CP, dtype=np.bool_), np.ones(CP), np.zeros(CP, dtype=np.bool_)
-    if lanes:  # the per-cell settings the lanes read, padded (padding lanes inactive)
-        active_l[:C] = active
-        clip_l[:C] = clip
-        do_clip_l[:C] = do_clip
+    active_l[:CL] = active[:CL]  # the settings the lanes read, padded (padding lanes inactive)
+    clip_l[:CL] = clip[:CL]
+    do_clip_l[:CL] = do_clip[:CL]
     for r in range(R):
-        if lanes:
-            for c in range(C):
-                for j in range(d):
-                    TT[j, c] = TH[c, r, j]
+        for c in range(CL):
+            for j in range(d):
+                TT[j, c] = TH[c, r, j]
         for t in range(m):
-            if lanes:
-                G[:, :] = 0.0
-            else:
-                g[:, :] = 0.0
+            G[:, :] = 0.0
+            g[:, :] = 0.0
             n = 0
             pending = -1  # lanes: a row waiting for its partner
             for k in range(M):
@@ -339,39 +336,37 @@ def mb_logreg(TH, active, X, y, x_norm, idx, full, noise, slot, std, scale, l2, 
                     if ahead >= 0:
                         for j in range(0, d, 8):
                             prefetch(X, ahead, j)
-                if lanes:
+                if CL > 0:
                     if pending < 0:
                         pending = i
                     else:
-                        _lanes(TT, active_l, X, y, x_norm, clip_l, do_clip_l, C, d, pending, i, True, Z, A, G)
+                        _lanes(TT, active_l, X, y, x_norm, clip_l, do_clip_l, d, pending, i, True, Z, A, G)
                         pending = -1
-                    continue
-                for c in range(C):
+                for c in range(CL, C):
                     if not active[c]:
                         continue
                     rows[n] = i
                     cells[n] = c
                     n += 1
                     if n == PAIRS:
-                        _pairs(TH, active, X, y, x_norm, clip, do_clip, r, d, rows, cells, n, z, g)
+                        _pairs(TH, X, y, x_norm, clip, do_clip, r, d, rows, cells, n, z, g)
                         n = 0
             if pending >= 0:
-                _lanes(TT, active_l, X, y, x_norm, clip_l, do_clip_l, C, d, pending, pending, False, Z, A, G)
+                _lanes(TT, active_l, X, y, x_norm, clip_l, do_clip_l, d, pending, pending, False, Z, A, G)
             if n > 0:  # the last pairs of the step; the unused slots repeat a pair (computed, not applied)
                 for k in range(n, PAIRS):
                     rows[k] = rows[0]
                     cells[k] = cells[0]
-                _pairs(TH, active, X, y, x_norm, clip, do_clip, r, d, rows, cells, n, z, g)
+                _pairs(TH, X, y, x_norm, clip, do_clip, r, d, rows, cells, n, z, g)
             for c in range(C):
                 if active[c]:
-                    if lanes:
+                    if c < CL:
                         _update(TT[:, c], G[:, c], noise, slot[c], t, r, std[c], scale[c], l2[c], lrs[c, t],
                                 radius[c], do_project[c])
                     else:
                         _update(TH[c, r], g[c], noise, slot[c], t, r, std[c], scale[c], l2[c], lrs[c, t],
                                 radius[c], do_project[c])
-        if lanes:
-            for c in range(C):
-                for j in range(d):
-                    TH[c, r, j] = TT[j, c]
+        for c in range(CL):
+            for j in range(d):
+                TH[c, r, j] = TT[j, c]
     return TH

@@ -53,6 +53,15 @@ ORDER = ("noise", "scale", "l2")  # the kernel's order of the transforms
 LANES_FROM = 3  # from this many cells on one batch stream, they are the kernel's vector lanes (measured: 2 → 3 faster)
 
 
+def lane_cells(C: int) -> int:
+    """How many of C cells on one stream the kernel runs as vector lanes (8 a block): all from LANES_FROM on, but
+    fewer than LANES_FROM left over a whole block take the pair path (a block costs about 2–3 cells' pairs)."""
+    if C < LANES_FROM:
+        return 0
+    rest = C % 8
+    return C - rest if rest < LANES_FROM else C
+
+
 @functools.lru_cache(maxsize=1)
 def _kernel():
     """Compile (or load from numba's on-disk cache) the kernel (`_kernels_minibatch_numba.mb_logreg`); imports numba."""
@@ -143,7 +152,7 @@ def group_steps(model, chains: Sequence, thetas: Sequence[np.ndarray], steps: Se
     do_project = np.array([p["radius"] is not None for p in plans])
     records = [set(_record_steps(c.checkpoints, c.examples_per_step, s).tolist()) for c, s in zip(chains, steps)]
     stops = sorted({*steps, *(t for rec in records for t in rec)})
-    lanes = C >= LANES_FROM
+    lanes = lane_cells(C)
     no_idx, no_noise = np.zeros((1, 1, 1), dtype=np.int64), np.zeros((1, 1, 1, 1))
     kernel = _kernel()
     width = 1 if batches.full else max(1, round(float(np.mean([c.examples_per_step for c in chains])) * 2))
