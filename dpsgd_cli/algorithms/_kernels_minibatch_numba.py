@@ -51,6 +51,7 @@ def _lane_args(context, builder, signature, args, names):
 
 
 def _ptr(context, builder, arr, *index):
+    """The address of arr[index] (an `_lane_args` array; indices LLVM values or Python ints; no bounds check)."""
     a, ty = arr
     i64 = ir.IntType(64)
     return cgutils.get_item_pointer(context, builder, ty, a, [v if isinstance(v, ir.Value) else ir.Constant(i64, v)
@@ -64,6 +65,7 @@ def _tree8(builder, s):
 
 
 def _c_float_arrays(*arrays):
+    """Whether all are C-contiguous float64 arrays (what the intrinsics' pointer arithmetic assumes)."""
     return all(isinstance(a, types.Array) and a.layout == "C" and a.dtype == types.float64 for a in arrays)
 
 
@@ -76,11 +78,8 @@ def dots8(typingctx, X, rows, V, cells, r, d, out):
     latency). LLVM's vector type because the loop vectorizer may not reassociate a reduction (no fast-math here)
     and the SLP vectorizer did not pack the scalar chains; plain fmul and fadd, no FMA contraction: each lane's sum
     is the scalar sequence s_p += x·v whatever the vector width, and out[k] does not depend on the other pairs."""
-    ok = (isinstance(X, types.Array) and isinstance(V, types.Array) and X.ndim == 2 and V.ndim == 3
-          and X.layout == "C" and V.layout == "C" and X.dtype == types.float64 and V.dtype == types.float64
-          and isinstance(out, types.Array) and out.dtype == types.float64 and out.layout == "C"
-          and all(isinstance(a, types.Array) and a.dtype == types.int64 and a.layout == "C" for a in (rows, cells)))
-    if not ok:
+    if not (_c_float_arrays(X, V, out) and X.ndim == 2 and V.ndim == 3
+            and all(isinstance(a, types.Array) and a.dtype == types.int64 and a.layout == "C" for a in (rows, cells))):
         return None
 
     def codegen(context, builder, signature, args):
