@@ -139,7 +139,8 @@ def group_steps(model, chains: Sequence, thetas: Sequence[np.ndarray], steps: Se
     to summation order, and is the same bit for bit whatever the other chains."""
     batches: IndexedBatches = chains[0].batches
     X, y = np.ascontiguousarray(batches.X), np.ascontiguousarray(batches.y)
-    x_norm = batches.x_norm if any(c.clip is not None for c in chains) else np.zeros(1)  # only the clip reads it
+    # only the clip reads ‖x_i‖, but the kernel's branch-free residual indexes it for every row: full length
+    x_norm = batches.x_norm if any(c.clip is not None for c in chains) else np.zeros(X.shape[0])
     plans = [_plan(chain) for chain in chains]
     C, (R, d) = len(chains), thetas[0].shape
     TH = np.ascontiguousarray(np.stack(thetas).astype(np.float64))  # (C, R, d)
