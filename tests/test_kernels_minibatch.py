@@ -204,3 +204,89 @@ def test_a_stream_shared_by_compiled_and_numpy_chains(steps):
     for k in range(2):
         alone = chains(ReplicaStreams(SEEDS))[k]
         np.testing.assert_array_equal(together[k], alone.run(model, theta0, steps[k]))
+
+
+def _cells_args(C, R, d, steps, rng):
+    """The kernel's per-cell arguments for C cells that differ in everything a cell sets (clip or not, σ and its
+    noise slot, scale, λ, learning rates, projection), the last one inactive when C > 2."""
+    active = np.ones(C, dtype=bool)
+    if C > 2:
+        active[-1] = False
+    return dict(active=active, slot=rng.integers(-1, 2, size=C), std=rng.uniform(0.1, 2.0, C),
+                scale=rng.uniform(0.02, 0.1, C), l2=np.where(rng.random(C) < 0.3, 0.0, rng.uniform(0, 0.1, C)),
+                clip=rng.uniform(0.2, 1.5, C), do_clip=rng.random(C) < 0.7, lrs=rng.uniform(0.1, 2.0, (C, steps)),
+                radius=rng.uniform(0.5, 3.0, C), do_project=rng.random(C) < 0.5)
+
+
+@needs_numba
+@pytest.mark.parametrize("d", [21, 16, 5])  # whole blocks of 8 and a tail, whole blocks only, the tail only
+def test_each_cell_is_the_same_whatever_shares_its_call(d):
+    """The kernel itself: a cell's θ is bit for bit the same alone (pair path or one lane) and among C = 3, 5, 8,
+    9, 17 cells, whichever of them are vector lanes (all: remainder lanes, several blocks of 8; what group_steps
+    takes; a few; none), with an odd number of rows in some steps (the lanes take rows two at a time), the full
+    batch, and a NaN replica."""
+    from dpsgd_cli.algorithms.kernels_minibatch import _kernel, lane_cells
+    from dpsgd_cli.algorithms.sampling import row_norms
+
+    kernel = _kernel()
+    rng = np.random.default_rng(7)
+    n, R, steps = 60, 3, 9
+    X = rng.normal(size=(n, d)) * rng.uniform(0.1, 1.0, size=(n, 1))
+    y = np.where(rng.random(n) < 0.5, -1.0, 1.0)
+    x_norm = row_norms(X)
+    idx = np.full((steps, R, 13), -1, dtype=np.int64)
+    for t in range(steps):
+        for r in range(R):
+            k = rng.integers(4, 14)  # odd and even batch sizes
+            idx[t, r, :k] = rng.choice(n, size=k, replace=False)
+    noise = rng.normal(size=(2, steps, R, d))
+    for full in (False, True):
+        for C in (3, 5, 8, 9, 17):
+            args = _cells_args(C, R, d, steps, rng)
+            TH0 = rng.normal(size=(C, R, d)) * 0.3
+            TH0[1, 2] = np.nan  # one diverged replica of one cell
+            runs = {}
+            for lanes in sorted({C, lane_cells(C), 3, 0}):
+                TH = TH0.copy()
+                kernel(TH, args["active"], X, y, x_norm, idx, full, noise, args["slot"], args["std"], args["scale"],
+                       args["l2"], args["clip"], args["do_clip"], args["lrs"], args["radius"], args["do_project"],
+                       lanes)
+                runs[lanes] = TH
+            for lanes in runs:
+                np.testing.assert_array_equal(runs[lanes], runs[0])
+            assert np.isnan(runs[0][1, 2]).all() and np.isfinite(np.delete(runs[0][1], 2, axis=0)).all()
+            assert not np.array_equal(runs[0][0], TH0[0]) and np.array_equal(runs[0][-1], TH0[-1])
+            for c, lanes in zip(range(C), [0, 1] * C):
+                one = {k: v[c:c + 1] for k, v in args.items()}
+                TH = TH0[c:c + 1].copy()
+                kernel(TH, one["active"], X, y, x_norm, idx, full, noise, one["slot"], one["std"], one["scale"],
+                       one["l2"], one["clip"], one["do_clip"], one["lrs"], one["radius"], one["do_project"], lanes)
+                np.testing.assert_array_equal(TH[0], runs[0][c])
+
+
+@needs_numba
+def test_exp_fixed_is_within_one_ulp_of_libm():
+    """The kernel's exp (arithmetic only, so it runs in vector lanes): ≤ 1 ulp from np.exp on [−708, 709], NaN
+    stays NaN, and the clamp outside (σ's 1/(1 + eˣ) moves by < 1e−307 there)."""
+    import numba
+
+    from dpsgd_cli.algorithms._kernels_minibatch_numba import exp_fixed
+
+    @numba.njit
+    def many(x, out):
+        for k in range(x.shape[0]):
+            out[k] = exp_fixed(x[k])
+
+    rng = np.random.default_rng(3)
+    x = np.concatenate([rng.uniform(-40, 40, 200_000), rng.uniform(-708, 709, 20_000), [0.0, -0.0, 1e-300, 709.0,
+                                                                                        -708.0, np.log(2.0)]])
+    out = np.empty_like(x)
+    many(x, out)
+    ref = np.exp(x)
+    ulps = np.abs(out - ref) / np.spacing(ref)
+    assert ulps.max() <= 1.0 and (ulps == 0).mean() > 0.8
+    edge = np.array([np.nan, 710.0, np.inf, -709.0, -np.inf])
+    out = np.empty_like(edge)
+    many(edge, out)
+    assert np.isnan(out[0]) and out[1] == out[2] == exp_fixed(709.0) and out[3] == out[4] == exp_fixed(-708.0)
+    assert 1.0 / (1.0 + out[1]) < 1e-307 and 1.0 / (1.0 + out[3]) == 1.0

@@ -8,7 +8,8 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-AHEAD = 4  # mb_logreg prefetches the batch row this many places ahead (random rows: measured 35 → 16 µs a step of dots)
+PAIRS = 8  # (row, cell) dot products the pair path computes together (measured at 1 cell: 8 ≥ 4 > 2 > 1)
+AHEAD = 4  # the batch row prefetched this many places ahead (random rows: measured 35 → 16 µs a step of dots)
 
 
 @intrinsic
@@ -27,46 +28,304 @@ def prefetch(typingctx, arr, i, j):
     return types.void(arr, i, j), codegen
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
-def dot8(X, i, V, c, r, d):  # pragma: no cover
-    """Σ_j X[i, j] V[c, r, j] in a fixed order: eight interleaved partial sums (independent chains: the
-    latency of one add no longer bounds the loop), a fixed tree, then the tail."""
-    s0 = 0.0
-    s1 = 0.0
-    s2 = 0.0
-    s3 = 0.0
-    s4 = 0.0
-    s5 = 0.0
-    s6 = 0.0
-    s7 = 0.0
-    j = 0
-    while j + 8 <= d:
-        s0 += X[i, j] * V[c, r, j]
-        s1 += X[i, j + 1] * V[c, r, j + 1]
-        s2 += X[i, j + 2] * V[c, r, j + 2]
-        s3 += X[i, j + 3] * V[c, r, j + 3]
-        s4 += X[i, j + 4] * V[c, r, j + 4]
-        s5 += X[i, j + 5] * V[c, r, j + 5]
-        s6 += X[i, j + 6] * V[c, r, j + 6]
-        s7 += X[i, j + 7] * V[c, r, j + 7]
-        j += 8
-    s = ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
-    while j < d:
-        s += X[i, j] * V[c, r, j]
-        j += 1
-    return s
+def _vec8(builder, ptr):
+    """The 8 doubles at ptr as one LLVM vector (unaligned load)."""
+    return builder.load(builder.bitcast(ptr, ir.VectorType(ir.DoubleType(), 8).as_pointer()), align=8)
 
-@numba.njit(cache=True, nogil=True)
+
+def _splat8(builder, x):
+    """x in all 8 lanes."""
+    vec = ir.VectorType(ir.DoubleType(), 8)
+    one = builder.insert_element(ir.Constant(vec, ir.Undefined), x, ir.Constant(ir.IntType(32), 0))
+    zeros = ir.Constant(ir.VectorType(ir.IntType(32), 8), [0] * 8)
+    return builder.shuffle_vector(one, ir.Constant(vec, ir.Undefined), zeros)
+
+
+def _lane_args(context, builder, signature, args, names):
+    """Each argument as a C array struct or an int64 value, by name."""
+    out = {}
+    for name, ty, val in zip(names, signature.args, args):
+        out[name] = (context.make_array(ty)(context, builder, val), ty) if isinstance(ty, types.Array) \
+            else context.cast(builder, val, ty, types.int64)
+    return out
+
+
+def _ptr(context, builder, arr, *index):
+    """The address of arr[index] (an `_lane_args` array; indices LLVM values or Python ints; no bounds check)."""
+    a, ty = arr
+    i64 = ir.IntType(64)
+    return cgutils.get_item_pointer(context, builder, ty, a, [v if isinstance(v, ir.Value) else ir.Constant(i64, v)
+                                                               for v in index], wraparound=False)
+
+
+def _tree8(builder, s):
+    """((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)): the fixed tree over the eight partial sums."""
+    return builder.fadd(builder.fadd(builder.fadd(s[0], s[1]), builder.fadd(s[2], s[3])),
+                        builder.fadd(builder.fadd(s[4], s[5]), builder.fadd(s[6], s[7])))
+
+
+def _c_float_arrays(*arrays):
+    """Whether all are C-contiguous float64 arrays (what the intrinsics' pointer arithmetic assumes)."""
+    return all(isinstance(a, types.Array) and a.layout == "C" and a.dtype == types.float64 for a in arrays)
+
+
+@intrinsic
+def dots8(typingctx, X, rows, V, cells, r, d, out):
+    """dots8(X, rows, V, cells, r, d, out): out[k] = Σ_j X[rows[k], j] V[cells[k], r, j] for the PAIRS pairs k, each
+    in a fixed order: lane p of an 8-wide vector accumulator sums the j ≡ p (mod 8) of the whole blocks of 8,
+    then a fixed tree ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)), then the tail j ≥ 8⌊d/8⌋ one by one. The pairs'
+    accumulators advance together (independent chains in flight: one pair's sum alone is bound by the add's
+    latency). LLVM's vector type because the loop vectorizer may not reassociate a reduction (no fast-math here)
+    and the SLP vectorizer did not pack the scalar chains; plain fmul and fadd, no FMA contraction: each lane's sum
+    is the scalar sequence s_p += x·v whatever the vector width, and out[k] does not depend on the other pairs."""
+    if not (_c_float_arrays(X, V, out) and X.ndim == 2 and V.ndim == 3
+            and all(isinstance(a, types.Array) and a.dtype == types.int64 and a.layout == "C" for a in (rows, cells))):
+        return None
+
+    def codegen(context, builder, signature, args):
+        a = _lane_args(context, builder, signature, args, ("X", "rows", "V", "cells", "r", "d", "out"))
+        i64, i32 = ir.IntType(64), ir.IntType(32)
+        vec = ir.VectorType(ir.DoubleType(), 8)
+        px = [_ptr(context, builder, a["X"], builder.load(_ptr(context, builder, a["rows"], k)), 0)
+              for k in range(PAIRS)]
+        pv = [_ptr(context, builder, a["V"], builder.load(_ptr(context, builder, a["cells"], k)), a["r"], 0)
+              for k in range(PAIRS)]
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(vec, [0.0] * 8)) for _ in range(PAIRS)]
+        blocks = builder.sdiv(a["d"], ir.Constant(i64, 8))
+        with cgutils.for_range(builder, blocks) as loop:
+            j = builder.mul(loop.index, ir.Constant(i64, 8))
+            for k in range(PAIRS):
+                product = builder.fmul(_vec8(builder, builder.gep(px[k], [j])), _vec8(builder, builder.gep(pv[k], [j])))
+                builder.store(builder.fadd(builder.load(accs[k]), product), accs[k])
+        totals = []
+        for k in range(PAIRS):
+            v = builder.load(accs[k])
+            totals.append(cgutils.alloca_once_value(builder, _tree8(builder, [
+                builder.extract_element(v, ir.Constant(i32, p)) for p in range(8)])))
+        start = builder.mul(blocks, ir.Constant(i64, 8))
+        with cgutils.for_range(builder, builder.sub(a["d"], start)) as loop:
+            j = builder.add(start, loop.index)
+            for k in range(PAIRS):
+                x, v = builder.load(builder.gep(px[k], [j])), builder.load(builder.gep(pv[k], [j]))
+                builder.store(builder.fadd(builder.load(totals[k]), builder.fmul(x, v)), totals[k])
+        for k in range(PAIRS):
+            builder.store(builder.load(totals[k]), _ptr(context, builder, a["out"], k))
+        return context.get_dummy_value()
+
+    return types.void(X, rows, V, cells, r, d, out), codegen
+
+
+@intrinsic
+def lane_dots2(typingctx, X, i0, i1, TT, cb, d, Z):
+    """lane_dots2(X, i0, i1, TT, cb, d, Z): Z[q, cb + l] = Σ_j X[i_q, j] TT[j, cb + l] for the rows i0, i1 (q = 0, 1)
+    and the 8 cells (lanes) l of the block at column cb of TT (θ by feature × cell). Each lane's sum in dot8's order
+    (`dots8`): partial sums s_p over the j ≡ p (mod 8) of the whole blocks of 8, the tree ((s0 + s1) + (s2 + s3))
+    + ((s4 + s5) + (s6 + s7)), then the tail one by one — so a cell's number is the same in a lane of any block
+    as on the pair path. Plain fmul and fadd (no FMA contraction)."""
+    if not (_c_float_arrays(X, TT, Z) and X.ndim == 2 and TT.ndim == 2 and Z.ndim == 2):
+        return None
+
+    def codegen(context, builder, signature, args):
+        a = _lane_args(context, builder, signature, args, ("X", "i0", "i1", "TT", "cb", "d", "Z"))
+        i64 = ir.IntType(64)
+        vec = ir.VectorType(ir.DoubleType(), 8)
+        width = cgutils.unpack_tuple(builder, a["TT"][0].shape, 2)[1]
+        pt = _ptr(context, builder, a["TT"], 0, a["cb"])
+        px = [_ptr(context, builder, a["X"], a["i0"], 0), _ptr(context, builder, a["X"], a["i1"], 0)]
+        acc = [[cgutils.alloca_once_value(builder, ir.Constant(vec, [0.0] * 8)) for _ in range(8)] for _ in range(2)]
+        blocks = builder.sdiv(a["d"], ir.Constant(i64, 8))
+        with cgutils.for_range(builder, blocks) as loop:
+            j = builder.mul(loop.index, ir.Constant(i64, 8))
+            for p in range(8):
+                jp = builder.add(j, ir.Constant(i64, p))
+                t = _vec8(builder, builder.gep(pt, [builder.mul(jp, width)]))
+                for q in range(2):
+                    x = _splat8(builder, builder.load(builder.gep(px[q], [jp])))
+                    builder.store(builder.fadd(builder.load(acc[q][p]), builder.fmul(x, t)), acc[q][p])
+        tot = []
+        for q in range(2):
+            s = [builder.load(acc[q][p]) for p in range(8)]
+            tot.append(cgutils.alloca_once_value(builder, _tree8(builder, s)))
+        start = builder.mul(blocks, ir.Constant(i64, 8))
+        with cgutils.for_range(builder, builder.sub(a["d"], start)) as loop:
+            j = builder.add(start, loop.index)
+            t = _vec8(builder, builder.gep(pt, [builder.mul(j, width)]))
+            for q in range(2):
+                x = _splat8(builder, builder.load(builder.gep(px[q], [j])))
+                builder.store(builder.fadd(builder.load(tot[q]), builder.fmul(x, t)), tot[q])
+        for q in range(2):
+            builder.store(builder.load(tot[q]), builder.bitcast(_ptr(context, builder, a["Z"], q, a["cb"]),
+                                                               vec.as_pointer()), align=8)
+        return context.get_dummy_value()
+
+    return types.void(X, i0, i1, TT, cb, d, Z), codegen
+
+
+@intrinsic
+def lane_axpy2(typingctx, G, X, i0, i1, A, cb, d, two):
+    """lane_axpy2(G, X, i0, i1, A, cb, d, two): G[j, cb + l] += A[0, cb + l] X[i0, j], then (when two) += A[1, cb + l]
+    X[i1, j], for every feature j and the 8 lanes l of the block at cb: the rows added in batch order, one read and
+    one write of G for both. Plain fmul and fadd."""
+    if not (_c_float_arrays(G, X, A) and G.ndim == 2 and X.ndim == 2 and A.ndim == 2):
+        return None
+
+    def codegen(context, builder, signature, args):
+        a = _lane_args(context, builder, signature, args, ("G", "X", "i0", "i1", "A", "cb", "d", "two"))
+        vec = ir.VectorType(ir.DoubleType(), 8)
+        width = cgutils.unpack_tuple(builder, a["G"][0].shape, 2)[1]
+        pg = _ptr(context, builder, a["G"], 0, a["cb"])
+        px = [_ptr(context, builder, a["X"], a["i0"], 0), _ptr(context, builder, a["X"], a["i1"], 0)]
+        av = [_vec8(builder, _ptr(context, builder, a["A"], q, a["cb"])) for q in range(2)]
+        is_two = builder.icmp_signed("!=", a["two"], ir.Constant(ir.IntType(64), 0))
+        with builder.if_else(is_two) as (then, otherwise):
+            for rows in ((then, 2), (otherwise, 1)):
+                with rows[0]:
+                    with cgutils.for_range(builder, a["d"]) as loop:
+                        j = loop.index
+                        gp = builder.bitcast(builder.gep(pg, [builder.mul(j, width)]), vec.as_pointer())
+                        g = builder.load(gp, align=8)
+                        for q in range(rows[1]):
+                            x = _splat8(builder, builder.load(builder.gep(px[q], [j])))
+                            g = builder.fadd(g, builder.fmul(av[q], x))
+                        builder.store(g, gp, align=8)
+        return context.get_dummy_value()
+
+    return types.void(G, X, i0, i1, A, cb, d, two), codegen
+
+
+@intrinsic
+def _double_from_bits(typingctx, bits):
+    """The float64 whose IEEE bits are the int64 `bits`."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(context.cast(builder, args[0], signature.args[0], types.int64), ir.DoubleType())
+
+    return types.float64(bits), codegen
+
+
+LN2_HI, LN2_LO = 6.93147180369123816490e-01, 1.90821492927058770002e-10  # fdlibm's split of ln 2 (k·LN2_HI exact)
+INV_LN2 = 1.44269504088896338700e+00
+
+
+@numba.njit(cache=True, nogil=True, inline="always", error_model="numpy")
+def exp_fixed(x):  # pragma: no cover
+    """eˣ from +, −, ×, floor and a bit cast only (so LLVM can run it in vector lanes, and a lane's result is the same
+    in any lane and in scalar code): x = k ln 2 + r (Cody–Waite, |r| ≤ ln 2 / 2), Taylor to r¹³ by Horner (error
+    below 1e-17 relative), times 2ᵏ; x clamped to [−708, 709] (eˣ then 3e−308 … 8e307 where libm gives 0 or inf:
+    σ's 1/(1 + eˣ) moves by < 1e−307); NaN stays NaN. Within ~2 ulp of libm's exp."""
+    xc = min(max(x, -708.0), 709.0)
+    k = np.floor(xc * INV_LN2 + 0.5)
+    r = (xc - k * LN2_HI) - k * LN2_LO
+    p = 1.0 / 6227020800.0
+    p = p * r + 1.0 / 479001600.0
+    p = p * r + 1.0 / 39916800.0
+    p = p * r + 1.0 / 3628800.0
+    p = p * r + 1.0 / 362880.0
+    p = p * r + 1.0 / 40320.0
+    p = p * r + 1.0 / 5040.0
+    p = p * r + 1.0 / 720.0
+    p = p * r + 1.0 / 120.0
+    p = p * r + 1.0 / 24.0
+    p = p * r + 1.0 / 6.0
+    p = p * r + 0.5
+    p = p * r + 1.0
+    p = p * r + 1.0
+    e = p * _double_from_bits((np.int64(k) + 1023) << 52)
+    return e if x == x else x
+
+
+@numba.njit(cache=True, nogil=True, inline="always", error_model="numpy")
+def residual(yi, z, clip, do_clip, xn):  # pragma: no cover
+    """a = −y σ(−y z), the logistic loss's ∇ = a x; clipped to ‖a x‖ ≤ clip when do_clip (branch-free: lanes)."""
+    a = -yi * (1.0 / (1.0 + exp_fixed(yi * z)))
+    return a * clip / max(abs(a) * xn, clip) if do_clip else a
+
+
+@numba.njit(cache=True, nogil=True, inline="always", error_model="numpy")
+def _lanes(TT, active, X, y, x_norm, clip, do_clip, d, i0, i1, two, Z, A, G):  # pragma: no cover
+    """Rows i0 (and i1 when two) for every cell (lanes; active, clip, do_clip padded to them, padding inactive):
+    dots 8 cells a block, a = −y σ(−y θ_c·x_i) clipped, G += a x 8 cells a block."""
+    CP = TT.shape[1]
+    for cb in range(0, CP, 8):
+        lane_dots2(X, i0, i1, TT, cb, d, Z)
+    for q in range(2 if two else 1):
+        i = i0 if q == 0 else i1
+        yi, xn = y[i], x_norm[i]
+        zq, aq = Z[q], A[q]
+        for c in range(CP):  # one loop over all lanes, 1-D: LLVM vectorizes it (exp_fixed included)
+            a = residual(yi, zq[c], clip[c], do_clip[c], xn)
+            aq[c] = a if active[c] else 0.0
+    for cb in range(0, CP, 8):
+        lane_axpy2(G, X, i0, i1, A, cb, d, 1 if two else 0)
+
+
+@numba.njit(cache=True, nogil=True, inline="always", error_model="numpy")
+def _pairs(TH, X, y, x_norm, clip, do_clip, r, d, rows, cells, n, z, g):  # pragma: no cover
+    """The first n of the PAIRS pending (row, cell) pairs in order: a = −y σ(−y θ_c·x_i), clipped; g_c += a x_i."""
+    dots8(X, rows, TH, cells, r, d, z)
+    for k in range(n):
+        i, c = rows[k], cells[k]
+        a = residual(y[i], z[k], clip[c], do_clip[c], x_norm[i])
+        for j in range(d):
+            g[c, j] += a * X[i, j]
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _update(theta, gc, noise, s, t, r, std, scale, l2, eta, radius, do_project):  # pragma: no cover
+    """One cell's step from its clipped sum gc: g = ((gc + std z) · scale) + λθ; θ ← θ − η g; θ ← Π(θ)."""
+    sq = 0.0
+    for j in range(theta.shape[0]):
+        v = gc[j]
+        if s >= 0:
+            v = v + std * noise[s, t, r, j]
+        v = v * scale
+        if l2 != 0.0:
+            v = v + l2 * theta[j]
+        v = theta[j] - eta * v
+        theta[j] = v
+        sq += v * v
+    if do_project:
+        f = radius / max(np.sqrt(sq), 1e-300)
+        if f < 1.0:
+            for j in range(theta.shape[0]):
+                theta[j] = theta[j] * f
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
 def mb_logreg(TH, active, X, y, x_norm, idx, full, noise, slot, std, scale, l2, clip, do_clip, lrs, radius,
-              do_project, g):  # pragma: no cover
+              do_project, lanes):  # pragma: no cover
+    """Steps of every cell (TH: cell × replica × feature) on the batches idx (or the full batch). The first
+    `lanes` cells are vector lanes, 8 a block (θ by feature × cell, two rows at a time: `lane_dots2`,
+    `lane_axpy2`); the others take the pair path, PAIRS (row, cell) pairs at a time (`dots8`). Both compute each
+    cell's numbers in the same order: which cell takes which path changes nothing but the time."""
     C, R, d = TH.shape
     m = lrs.shape[1]
     M = X.shape[0] if full else idx.shape[2]
+    rows = np.zeros(PAIRS, dtype=np.int64)
+    cells = np.zeros(PAIRS, dtype=np.int64)
+    z = np.empty(PAIRS)
+    CL = lanes
+    CP = 8 * ((CL + 7) // 8)
+    TT = np.zeros((d, CP))  # θ of the lane cells of replica r by feature × cell (padding cells 0); G their sums
+    G = np.empty((d, CP))
+    Z = np.empty((2, CP))
+    A = np.empty((2, CP))
+    g = np.empty((C, d))  # the pair cells' sums
+    active_l, clip_l, do_clip_l = np.zeros(CP, dtype=np.bool_), np.ones(CP), np.zeros(CP, dtype=np.bool_)
+    active_l[:CL] = active[:CL]  # the settings the lanes read, padded (padding lanes inactive)
+    clip_l[:CL] = clip[:CL]
+    do_clip_l[:CL] = do_clip[:CL]
     for r in range(R):
+        for c in range(CL):
+            for j in range(d):
+                TT[j, c] = TH[c, r, j]
         for t in range(m):
-            for c in range(C):
-                for j in range(d):
-                    g[c, j] = 0.0
+            G[:, :] = 0.0
+            g[:, :] = 0.0
+            n = 0
+            pending = -1  # lanes: a row waiting for its partner
             for k in range(M):
                 i = k if full else idx[t, r, k]
                 if i < 0:  # kept indices come first: the rest of the row is padding
@@ -76,34 +335,37 @@ def mb_logreg(TH, active, X, y, x_norm, idx, full, noise, slot, std, scale, l2, 
                     if ahead >= 0:
                         for j in range(0, d, 8):
                             prefetch(X, ahead, j)
-                yi = y[i]
-                for c in range(C):
+                if CL > 0:
+                    if pending < 0:
+                        pending = i
+                    else:
+                        _lanes(TT, active_l, X, y, x_norm, clip_l, do_clip_l, d, pending, i, True, Z, A, G)
+                        pending = -1
+                for c in range(CL, C):
                     if not active[c]:
                         continue
-                    a = -yi * (1.0 / (1.0 + np.exp(yi * dot8(X, i, TH, c, r, d))))  # −y σ(−y θ·x)
-                    if do_clip[c]:
-                        a = a * clip[c] / max(abs(a) * x_norm[i], clip[c])
-                    for j in range(d):
-                        g[c, j] += a * X[i, j]
+                    rows[n] = i
+                    cells[n] = c
+                    n += 1
+                    if n == PAIRS:
+                        _pairs(TH, X, y, x_norm, clip, do_clip, r, d, rows, cells, n, z, g)
+                        n = 0
+            if pending >= 0:
+                _lanes(TT, active_l, X, y, x_norm, clip_l, do_clip_l, d, pending, pending, False, Z, A, G)
+            if n > 0:  # the last pairs of the step; the unused slots repeat a pair (computed, not applied)
+                for k in range(n, PAIRS):
+                    rows[k] = rows[0]
+                    cells[k] = cells[0]
+                _pairs(TH, X, y, x_norm, clip, do_clip, r, d, rows, cells, n, z, g)
             for c in range(C):
-                if not active[c]:
-                    continue
-                eta = lrs[c, t]
-                s = slot[c]
-                sq = 0.0
-                for j in range(d):
-                    v = g[c, j]
-                    if s >= 0:
-                        v = v + std[c] * noise[s, t, r, j]
-                    v = v * scale[c]
-                    if l2[c] != 0.0:
-                        v = v + l2[c] * TH[c, r, j]
-                    v = TH[c, r, j] - eta * v
-                    TH[c, r, j] = v
-                    sq += v * v
-                if do_project[c]:
-                    f = radius[c] / max(np.sqrt(sq), 1e-300)
-                    if f < 1.0:
-                        for j in range(d):
-                            TH[c, r, j] = TH[c, r, j] * f
+                if active[c]:
+                    if c < CL:
+                        _update(TT[:, c], G[:, c], noise, slot[c], t, r, std[c], scale[c], l2[c], lrs[c, t],
+                                radius[c], do_project[c])
+                    else:
+                        _update(TH[c, r], g[c], noise, slot[c], t, r, std[c], scale[c], l2[c], lrs[c, t],
+                                radius[c], do_project[c])
+        for c in range(CL):
+            for j in range(d):
+                TH[c, r, j] = TT[j, c]
     return TH

@@ -16,13 +16,18 @@ operation for operation the chain's `clipped_grad_sum` → `add_noise(s)` → `s
 the batch indices come from the chain's own sampler (`sampling.IndexedBatches.take`: the same blocks, Poisson
 gaps, permutations or the full batch) and the noise from the chain's own `draws` iterator (streams.per_step /
 `SharedStreams`: float64 blocks), so a seed gives the same run on both paths, equal up to the summation order
-(tests/test_kernels_minibatch.py asserts rtol 1e-12).
+and the exp (tests/test_kernels_minibatch.py asserts rtol 1e-12).
 
 Fused = alone, bit for bit, on this path: each chain's dot product θ_c·x_i is summed in a fixed order (eight
-interleaved partial sums over the features, then a fixed tree) and its g_c adds the rows in batch
-order, whatever the other chains of the call; the row is read from memory once and from the L1 cache by the
-other chains. Chains of one fused task that share a seed's noise stream share the noise block (the same
-draws, `SharedStreams`, detected by identity).
+interleaved partial sums over the features, lane p of one 8-wide vector summing the j ≡ p mod 8, then a fixed
+tree, then the tail), its residual uses `exp_fixed` (+, ×, floor and a bit cast only: the same bits in a vector
+lane as in scalar code, ≤ 1 ulp from libm's exp) and its g_c adds the rows in batch order, whatever the other
+chains of the call. From LANES_FROM chains on a stream the chains are the kernel's vector lanes (θ held as
+feature × chain, 8 chains a block, two rows at a time: each X[i, j] read once for all of them); fewer take the
+pair path (PAIRS (row, chain) dot products together). Both compute each chain's numbers in the same order, so the
+path changes only the time (tests/test_kernels_minibatch.py: every cell alone = among 3 … 17 cells, both paths).
+Chains of one fused task that share a seed's noise stream share the noise block (the same draws,
+`SharedStreams`, detected by identity).
 
 Applies (`applies`): backend not "numpy"; numba installed (backend "numba" without it: UserError); a
 `LogisticRegression` whose `clipped_grad_sum` is not overridden (not the audit's canary models); float64 data
@@ -45,6 +50,16 @@ from dpsgd_cli.algorithms.sampling import IndexedBatches
 from dpsgd_cli.errors import UserError
 
 ORDER = ("noise", "scale", "l2")  # the kernel's order of the transforms
+LANES_FROM = 3  # from this many cells on one batch stream, they are the kernel's vector lanes (measured: 2 → 3 faster)
+
+
+def lane_cells(C: int) -> int:
+    """How many of C cells on one stream the kernel runs as vector lanes (8 a block): all from LANES_FROM on, but
+    fewer than LANES_FROM left over a whole block take the pair path (a block costs about 2–3 cells' pairs)."""
+    if C < LANES_FROM:
+        return 0
+    rest = C % 8
+    return C - rest if rest < LANES_FROM else C
 
 
 @functools.lru_cache(maxsize=1)
@@ -124,7 +139,8 @@ def group_steps(model, chains: Sequence, thetas: Sequence[np.ndarray], steps: Se
     to summation order, and is the same bit for bit whatever the other chains."""
     batches: IndexedBatches = chains[0].batches
     X, y = np.ascontiguousarray(batches.X), np.ascontiguousarray(batches.y)
-    x_norm = batches.x_norm if any(c.clip is not None for c in chains) else np.zeros(1)  # only the clip reads it
+    # only the clip reads ‖x_i‖, but the kernel's branch-free residual indexes it for every row: full length
+    x_norm = batches.x_norm if any(c.clip is not None for c in chains) else np.zeros(X.shape[0])
     plans = [_plan(chain) for chain in chains]
     C, (R, d) = len(chains), thetas[0].shape
     TH = np.ascontiguousarray(np.stack(thetas).astype(np.float64))  # (C, R, d)
@@ -137,7 +153,7 @@ def group_steps(model, chains: Sequence, thetas: Sequence[np.ndarray], steps: Se
     do_project = np.array([p["radius"] is not None for p in plans])
     records = [set(_record_steps(c.checkpoints, c.examples_per_step, s).tolist()) for c, s in zip(chains, steps)]
     stops = sorted({*steps, *(t for rec in records for t in rec)})
-    g = np.zeros((C, d))
+    lanes = lane_cells(C)
     no_idx, no_noise = np.zeros((1, 1, 1), dtype=np.int64), np.zeros((1, 1, 1, 1))
     kernel = _kernel()
     width = 1 if batches.full else max(1, round(float(np.mean([c.examples_per_step for c in chains])) * 2))
@@ -152,7 +168,7 @@ def group_steps(model, chains: Sequence, thetas: Sequence[np.ndarray], steps: Se
         lrs = np.stack([schedule_values(c.schedule, done + 1, stop + 1) if a else np.zeros(m)
                         for c, a in zip(chains, active)])
         kernel(TH, active, X, y, x_norm, idx, batches.full, noise if noise is not None else no_noise, slot, std,
-               scale, l2, clip, do_clip, lrs, radius, do_project, g)
+               scale, l2, clip, do_clip, lrs, radius, do_project, lanes)
         for c, chain in enumerate(chains):
             if active[c] and stop in records[c]:  # as `GradientChain.step` records it
                 e = chain.examples_per_step
