@@ -344,7 +344,7 @@ def single_example_sgd(theta: np.ndarray, X: np.ndarray, y: np.ndarray, indices:
                        radius: Optional[float], noise: Optional[Iterator[np.ndarray]] = None,
                        noise_std: float = 0.0, batch_scale: float = 1.0, checkpoints=None,
                        model=None, noise_generators: Optional[list[np.random.Generator]] = None,
-                       noise_mask: Optional[np.ndarray] = None) -> np.ndarray:
+                       noise_mask: Optional[np.ndarray] = None, x_norm: Optional[np.ndarray] = None) -> np.ndarray:
     """`steps` single-example steps of projected (noisy, clipped) SGD for every replica, by the numba kernel
     (module docstring): logistic regression (θ (R, d)), or the one-hidden-layer `MLP` when `model` is one
     (θ (R, P), `sgd1_mlp`: the same step on the MLP's gradient, models/mlp.py). θ is not modified; the result is
@@ -357,7 +357,8 @@ def single_example_sgd(theta: np.ndarray, X: np.ndarray, y: np.ndarray, indices:
     generator), never materialised (measured ~3× faster than NumPy drawing the blocks); noise_mask: (steps, R)
     bool, noise only on the True steps (pidp_sgd; the draws are consumed on every step either way);
     checkpoints: a `chain.Checkpoints` (one example per step), recorded as `GradientChain.run` does; model with
-    `kernel_canaries` (audit.canaries): its gradient canaries are added and the projections it records appended.
+    `kernel_canaries` (audit.canaries): its gradient canaries are added and the projections it records appended;
+    x_norm: ‖x_i‖ of every row (`sampling.row_norms(X)`) when the caller has it already.
     """
     if noise is not None and noise_generators is not None:
         raise ValueError("give noise blocks or noise generators, not both")
@@ -365,7 +366,7 @@ def single_example_sgd(theta: np.ndarray, X: np.ndarray, y: np.ndarray, indices:
     theta = np.array(theta, copy=True, order="C")
     X = np.ascontiguousarray(X)
     y = np.ascontiguousarray(y)
-    x_norm = row_norms(X)
+    x_norm = row_norms(X) if x_norm is None else np.ascontiguousarray(x_norm)
     R, d = theta.shape
     chunk = max(BLOCK_STEPS, (CHUNK_ELEMENTS // max(1, R * d)) // BLOCK_STEPS * BLOCK_STEPS)
     index_reader = _Reader(indices)
