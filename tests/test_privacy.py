@@ -544,3 +544,16 @@ def test_gamma_norm_noise_shapes():
     assert mech.gamma_norm_noise(rng, 1.0, 3).shape == (3,)
     assert mech.gamma_norm_noise(rng, 1.0, 3, 7).shape == (7, 3)
     assert mech.gamma_norm_noise(rng, 1.0, 3, (2, 4)).shape == (2, 4, 3)
+
+
+@pytest.mark.parametrize("d", [1, 9, 104])
+def test_gamma_norm_noise_draws_the_numbers_of_its_definition(d):
+    """Norm ~ Gamma(d, 2/α) times a normalised Gaussian direction, drawn in that order, ‖·‖ as np.linalg.norm:
+    the same bits as written out here (song2013's runs must not change with the sampler's speed-ups)."""
+    got = mech.gamma_norm_noise(np.random.default_rng(7), 0.37, d, (5, 64))
+    rng = np.random.default_rng(7)
+    norms = rng.gamma(shape=float(d), scale=2.0 / 0.37, size=(5, 64))
+    directions = rng.standard_normal((5, 64, d))
+    directions /= np.linalg.norm(directions, axis=-1, keepdims=True)
+    np.testing.assert_array_equal(got, norms[..., None] * directions)
+    np.testing.assert_array_equal(mech.gamma_norm_draws(np.random.default_rng(7), 2.0 / 0.37, d, (5, 64)), got)

@@ -82,7 +82,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dpsgd_cli import diskcache
 from dpsgd_cli.algorithms import kernels
-from dpsgd_cli.algorithms.base import ROW_NORM_TOLERANCE, Algorithm, Outcome, Setting, max_row_norm
+from dpsgd_cli.algorithms.base import ROW_NORM_TOLERANCE, Algorithm, Outcome, Setting
 from dpsgd_cli.algorithms.sampling import row_norms
 from dpsgd_cli.algorithms.chain import (Checkpoints, GradientChain, Schedule, add_l2, add_noise, inverse_sqrt,
                                         inverse_time, project_to_ball)
@@ -426,6 +426,7 @@ class Bassily2014(Algorithm):
         radius = self.radius(setting, l_used)
         schedule, step_info = self.schedule(setting, priv.sigma, l_used, radius, model.n_params)
         init = model.init(streams.generators("init"))
+        x_norm = row_norms(X)  # once: the kernel's clip and max_row_norm (‖x‖ over a pass of 25 MB on adult)
         backend = kernels.select_backend(self.params.backend, model, 1)
         if backend == "numba":  # the same draws as `chain` (uniform_example_blocks, streams.normal), in one call
             ckpt = Checkpoints(setting.trace_every, X, y) if setting.trace_every else None
@@ -433,13 +434,13 @@ class Bassily2014(Algorithm):
             theta = kernels.logreg_single_example_sgd(
                 init, X, y, kernels.uniform_example_index_blocks(X.shape[0], streams), steps, schedule,
                 clip=l_used, l2=setting.l2, radius=radius, noise_std=priv.sigma, checkpoints=ckpt, model=model,
-                noise_generators=streams.generators("noise") if priv.sigma > 0 else None)
+                noise_generators=streams.generators("noise") if priv.sigma > 0 else None, x_norm=x_norm)
             trace = ckpt.rows if ckpt else []
         else:
             chain = self.chain(setting, X, y, streams, model, priv.sigma, l_used, radius, schedule)
             theta = chain.run(model, init, steps)
             trace = chain.checkpoints.rows if chain.checkpoints else []
-        max_norm = max_row_norm(X)
+        max_norm = float(x_norm.max()) if len(X) else 0.0  # = max_row_norm(X): √ is monotone, correctly rounded
         derived = {"steps": steps, "sample_rate": 1.0 / setting.n, "sigma": priv.sigma,
                    "epsilon_achieved": priv.epsilon, "accountant": priv.accountant, "accountant_library": LIBRARY,
                    "lipschitz": l_used, "sensitivity": 2.0 * l_used, "radius": radius, "max_row_norm": max_norm,

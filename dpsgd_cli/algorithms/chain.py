@@ -126,11 +126,18 @@ class Checkpoints:
     y: np.ndarray
     rows: list[tuple[int, np.ndarray, np.ndarray]] = field(default_factory=list)
 
+    def record_steps(self, examples_per_step: float, steps: int) -> np.ndarray:
+        """The steps t (1-based) after which `GradientChain.step` records a checkpoint (for compiled steps)."""
+        t = np.arange(1, steps + 1)
+        before = np.array([round((s - 1) * examples_per_step) for s in t.tolist()])
+        after = np.array([round(s * examples_per_step) for s in t.tolist()])
+        return t[after // self.every > before // self.every]
+
     def maybe_record(self, model: Model, theta: np.ndarray, before: int, after: int) -> None:
         if after // self.every > before // self.every:
-            with np.errstate(all="ignore"):
-                self.rows.append((after, model.objective(theta, self.X, self.y),
-                                  model.accuracy(theta, self.X, self.y)))
+            with np.errstate(all="ignore"):  # one forward pass: the numbers of `objective` and `accuracy`
+                loss, accuracy = model.data_loss_and_accuracy(theta, self.X, self.y)
+                self.rows.append((after, loss + model.penalty(theta), accuracy))
 
 
 @dataclass
@@ -146,8 +153,9 @@ class GradientChain:
     # the same data and seeds draw identical batches, so `run_together` gathers them once. None: never shared.
     stream: Optional[Hashable] = None
     # "auto"/"numba": run on the compiled mini-batch step where it applies (kernels_minibatch.applies: logistic
-    # regression, known transforms, an indexed sampler); "numpy": never. How, not what: same numbers up to
-    # summation order. `ran_on` says which ran ("numpy" or "numba"), once the chain has run.
+    # regression, known transforms, an indexed sampler), else on the compiled full-batch step where that applies
+    # (kernels_fullbatch.applies: the full batch, transforms in any order); "numpy": never. How, not what: same
+    # numbers up to summation order. `ran_on` says which ran ("numpy" or "numba"), once the chain has run.
     backend: str = "numpy"
     ran_on: Optional[str] = None
     # What the iterates depend on besides the stream, θ_0 and t (clip, transforms, schedule), for chains whose
@@ -203,7 +211,10 @@ def run_together(model: Model, chains: Sequence[GradientChain], thetas: Sequence
     Chains with a compiled step (`backend`, kernels_minibatch.applies; they take it alone too) run in the numba
     kernel instead, those of a stream together (the batch read once per step for all of them; each chain's sums
     in an order that does not depend on the others, so fused is still bit for bit alone); NumPy chains of the
-    same stream replay the batches the kernel takes (`IndexedBatches.replay`).
+    same stream replay the batches the kernel takes (`IndexedBatches.replay`). Full-batch chains that kernel does
+    not take (e.g. `noisy_gd`'s order scale → λθ → noise) run on the compiled full-batch step where it applies
+    (kernels_fullbatch), all in one call (X read once a step for all of them; again each chain's sums in an order
+    independent of the others).
     """
     keys = [chain.stream if chain.stream is not None else ("own", k) for k, chain in enumerate(chains)]
     thetas = [theta.copy() for theta in thetas]
@@ -224,6 +235,15 @@ def run_together(model: Model, chains: Sequence[GradientChain], thetas: Sequence
             runs.append((group, run, out))
             if any(keys[k] == key for k in numpy_side):
                 sources[key] = chains[group[0]].batches.replay(lambda run=run: next(run, None) is not None)
+    if any(chains[k].backend != "numpy" for k in numpy_side):  # full-batch chains: the compiled full-batch step
+        from dpsgd_cli.algorithms import kernels_fullbatch
+
+        full = [k for k in numpy_side if kernels_fullbatch.applies(model, chains[k], thetas[k])]
+        numpy_side = [k for k in numpy_side if k not in full]
+        if full:
+            for k, theta in zip(full, kernels_fullbatch.run(model, [chains[k] for k in full],
+                                                            [thetas[k] for k in full], [steps[k] for k in full])):
+                thetas[k], chains[k].ran_on = theta, "numba"
     shared: dict = dict(sources)
     for k in numpy_side:
         chains[k].ran_on = "numpy"

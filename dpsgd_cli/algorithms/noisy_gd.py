@@ -7,7 +7,8 @@ from typing import Literal, Optional
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from dpsgd_cli.algorithms.base import Algorithm, Outcome, Setting, unit_ball_violation
+from dpsgd_cli.algorithms import kernels
+from dpsgd_cli.algorithms.base import Algorithm, Outcome, Prepared, Setting, unit_ball_violation
 from dpsgd_cli.algorithms.chain import (Checkpoints, GradientChain, add_l2, add_noise, constant, project_to_ball,
                                         scale)
 from dpsgd_cli.algorithms.sampling import full_batches
@@ -31,6 +32,9 @@ class NoisyGDParams(BaseModel):
                                 "minimum: the smaller of the two at each Rényi order")
     radius: Optional[float] = Field(None, gt=0, allow_inf_nan=False,
                                     description="project onto the L2 ball of this radius (None: no projection)")
+    backend: kernels.Backend = Field(
+        "auto", description="logreg: the compiled full-batch step (kernels_fullbatch; auto: when numba is installed) "
+                            "or numpy; same random numbers, same result up to summation order")
 
 
 class NoisyGD(Algorithm):
@@ -64,6 +68,7 @@ class NoisyGD(Algorithm):
     private = True
     uses = frozenset({"epsilon", "lr", "epochs", "l2", "clip_norm"})
     Params = NoisyGDParams
+    execution_params = frozenset({"backend"})
     source = ("Chourasia, Ye, Shokri, Differential Privacy Dynamics of Langevin Diffusion and Noisy Gradient "
               "Descent, NeurIPS 2021")
 
@@ -115,9 +120,13 @@ class NoisyGD(Algorithm):
             project=project_to_ball(radius) if radius is not None else None,
             checkpoints=Checkpoints(setting.trace_every, X, y) if setting.trace_every else None,
             examples_per_step=setting.n,
+            stream=("full",),
+            backend=self.params.backend,
         )
 
-    def fit(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Outcome:
+    def prepare(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Prepared:
+        """One full-batch chain (so the cells of a grid train together: `run_together` runs them in one call of
+        the compiled full-batch step, X read once a step for every cell and seed)."""
         K, eta, n, lam = self.steps(setting), setting.lr, setting.n, setting.l2
         sensitivity = 2.0 * setting.clip_norm  # replace-one: ‖clip(∇ℓ(θ; x)) − clip(∇ℓ(θ; x'))‖ ≤ 2C
         accountant = self.params.accountant
@@ -133,7 +142,6 @@ class NoisyGD(Algorithm):
             guarantee = "proved"
         noise_std = np.sqrt(2.0 * cal.sigma**2 / eta)  # on the gradient; × η gives √(2ησ²) on θ
         chain = self.chain(setting, X, y, streams, noise_std, model.n_params)
-        theta = chain.run(model, model.init(streams.generators("init")), K)
         derived = {
             "sigma": cal.sigma, "epsilon_achieved": cal.epsilon, "accountant": accountant, "steps": K,
             "sample_rate": 1.0, "sensitivity": sensitivity, "step_noise_std": float(np.sqrt(2.0 * eta) * cal.sigma),
@@ -145,5 +153,6 @@ class NoisyGD(Algorithm):
             "epsilon_composition": noisy_gd_epsilon(cal.sigma, setting.delta, K, eta, lam, n, sensitivity,
                                                     "composition"),
         }
-        return Outcome(theta, derived, guarantee=guarantee,
-                       trace=chain.checkpoints.rows if chain.checkpoints else [])
+        finish = lambda theta: Outcome(theta, {**derived, "backend": chain.ran_on or "numpy"}, guarantee=guarantee,
+                                       trace=chain.checkpoints.rows if chain.checkpoints else [])
+        return Prepared(chain, model.init(streams.generators("init")), K, finish)

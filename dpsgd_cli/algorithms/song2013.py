@@ -30,7 +30,8 @@ from dpsgd_cli.algorithms.sampling import shuffled_batches
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import Batch, Model
-from dpsgd_cli.privacy.mechanisms import advanced_composition_epsilon_per_step, gamma_norm_noise
+from dpsgd_cli.privacy import _validate as check
+from dpsgd_cli.privacy.mechanisms import advanced_composition_epsilon_per_step, gamma_norm_draws
 
 GRADIENT_BOUND = 1.0  # the paper's ‖∇ℓ‖ ≤ 1, enforced by clipping each example's gradient to norm 1
 SENSITIVITY = 2.0 * GRADIENT_BOUND  # L2 sensitivity of Σ_{i∈B_t} ∇ℓ_i when one example is replaced
@@ -218,4 +219,6 @@ class Song2013(Song2013NonPrivate):
             "gradient_bound_without_clip": bound, "clip_active": bound is None or bound > GRADIENT_BOUND,
         }
         # Z_t (K steps at a time, in blocks of 64) goes on the batch SUM, i.e. Z_t/b on the mean after scale(1/b)
-        return (lambda g, k: gamma_norm_noise(g, alpha, d, size=k)), derived, "proved"
+        # checked once (as gamma_norm_noise checks them), then every block drawn unchecked: the same numbers
+        scale_, dim = 2.0 / check.positive("alpha", alpha), check.count("d", d)
+        return (lambda g, k: gamma_norm_draws(g, scale_, dim, (k,))), derived, "proved"

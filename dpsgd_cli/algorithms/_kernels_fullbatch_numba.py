@@ -1,0 +1,112 @@
+"""The numba code of kernels_fullbatch (imported on first use: numba is optional). Module-level functions, so
+numba's on-disk cache finds them again.
+
+Columns are the (chain, replica) pairs of one call, padded to a multiple of LANES. Every column's numbers are
+computed by the same sequence of IEEE operations whatever its position and the number of columns: its dot
+product is a plain sum over the features in order, its gradient a plain sum over the rows in order, and the loops
+across columns are elementwise (vectorised across columns by LLVM without reassociating anything; no fast-math,
+so no contraction of a multiply and an add either). Hence a replica's run does not depend on what shares the call.
+"""
+
+import numba
+import numpy as np
+
+LANES = 8  # the columns are padded to a multiple of this (whole vectors)
+ROWS = 4  # rows per block of the gradient (written out below: G[j, k] + a_0 x_0 + … + a_3 x_3, left to right)
+NOISE, SCALE, L2 = 1, 2, 3  # op codes of the transforms (0: none)
+
+
+@numba.njit(cache=True, nogil=True)
+def _dots(TH, X, i, S):  # pragma: no cover
+    """S_k = Σ_j X[i, j] TH[j, k], each column's sum in feature order (the loop across columns is elementwise)."""
+    d, K = TH.shape
+    for k in range(K):
+        S[k] = 0.0
+    for j in range(d):
+        xj = X[i, j]
+        for k in range(K):
+            S[k] += xj * TH[j, k]
+
+
+@numba.njit(cache=True, nogil=True)
+def _add_rows4(G, A, X, i):  # pragma: no cover
+    """G[:, k] += A[q, k] X[i + q] for q = 0..3, added one after the other (as four `_add_row`), G read once."""
+    d, K = G.shape
+    for j in range(d):
+        x0 = X[i, j]
+        x1 = X[i + 1, j]
+        x2 = X[i + 2, j]
+        x3 = X[i + 3, j]
+        for k in range(K):
+            G[j, k] = (((G[j, k] + A[0, k] * x0) + A[1, k] * x1) + A[2, k] * x2) + A[3, k] * x3
+
+
+@numba.njit(cache=True, nogil=True)
+def _add_row(G, A, q, X, i):  # pragma: no cover
+    d, K = G.shape
+    for j in range(d):
+        xj = X[i, j]
+        for k in range(K):
+            G[j, k] += A[q, k] * xj
+
+
+@numba.njit(cache=True, nogil=True)
+def gd_logreg(TH, X, y, x_norm, clip, do_clip, ops, vals, slot, rep, noise, lrs, radius, do_project, active,
+              G, S, A):  # pragma: no cover
+    """m full-batch steps (m = lrs.shape[1]) of every column of TH (d, K), K a multiple of LANES, in place:
+
+        for each row i (in order):  s_k = Σ_j x_ij θ_jk (j in order);  a_k = −y_i σ(−y_i s_k);
+                                    a_k ← a_k C_k / max(|a_k|‖x_i‖, C_k) (if do_clip_k);  g_jk += a_k x_ij
+        then per column: g ← the ops in order (NOISE: g + v z, SCALE: g · v, L2: g + v θ, skipped at v = 0),
+        θ ← θ − η_k,t g, and θ ← θ · min(1, ρ_k/‖θ‖) if do_project_k.
+    z = noise[slot_k, t, rep_k, :]. G (d, K), S (K,) and A (ROWS, K) are scratch."""
+    d, K = TH.shape
+    n = X.shape[0]
+    m = lrs.shape[1]
+    L = ops.shape[1]
+    for t in range(m):
+        for j in range(d):
+            for k in range(K):
+                G[j, k] = 0.0
+        i = 0
+        while i < n:  # blocks of ROWS rows: their dot products, then their gradient (G read once a block)
+            rows = min(ROWS, n - i)
+            for q in range(rows):
+                _dots(TH, X, i + q, S)
+                yi = y[i + q]
+                xn = x_norm[i + q]
+                for k in range(K):
+                    a = -yi * (1.0 / (1.0 + np.exp(yi * S[k])))  # −y σ(−y θ·x), σ(−m) = 1/(1 + e^m) as expit
+                    if do_clip[k]:
+                        a = a * clip[k] / max(abs(a) * xn, clip[k])
+                    A[q, k] = a
+            if rows == ROWS:
+                _add_rows4(G, A, X, i)
+            else:
+                for q in range(rows):
+                    _add_row(G, A, q, X, i + q)
+            i += rows
+        for k in range(K):
+            if not active[k]:
+                continue
+            eta = lrs[k, t]
+            sq = 0.0
+            for j in range(d):
+                v = G[j, k]
+                for o in range(L):
+                    op = ops[k, o]
+                    if op == NOISE:
+                        v = v + vals[k, o] * noise[slot[k], t, rep[k], j]
+                    elif op == SCALE:
+                        v = v * vals[k, o]
+                    elif op == L2 and vals[k, o] != 0.0:
+                        v = v + vals[k, o] * TH[j, k]
+                v = TH[j, k] - eta * v
+                TH[j, k] = v
+                sq += v * v
+            if do_project[k]:
+                f = radius[k] / max(np.sqrt(sq), 1e-300)
+                if f < 1.0:
+                    for j in range(d):
+                        TH[j, k] = TH[j, k] * f
+    return TH

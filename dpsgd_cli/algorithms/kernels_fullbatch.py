@@ -1,0 +1,165 @@
+"""The compiled full-batch step of logistic-regression chains (numba; optional: `pip install 'dpsgd[numba]'`).
+
+`noisy_gd` is full-batch gradient descent: every step reads all of X for every replica (and, fused, every cell).
+The NumPy chain does a gemv per replica and step (X read R times a step, memory-bound: ~5 ms a replica-step on
+adult); one gemm over the replicas would read it once but OpenBLAS rounds a row of a gemm differently with the
+number of rows (README "bolt_on and noisy_gd"). `gd_logreg` (_kernels_fullbatch_numba.py) reads each row of X once
+a step for all the (chain, replica) columns of the call, and computes each column's numbers in an order that does
+not depend on the others (a plain sum over the features for θ·x, over the rows for the gradient; the loops across
+columns are elementwise, vectorised without reassociation):
+
+    for each row i:  for each column k:  a_k = −y σ(−y θ_k·x_i);  a_k ← a_k C / max(|a_k|‖x_i‖, C);  g_k += a_k x_i
+    then for each column: g ← the chain's transforms in its order (noise, scale, λθ: any order, e.g. noisy_gd's
+    scale → λθ → noise); θ ← θ − η_t g; θ ← Π(θ)
+
+Same random numbers as the NumPy chain: the noise from the chain's own `draws` iterator (shared draws of a fused
+task, `SharedStreams`, read once), the full batch has none. So a seed's run equals the NumPy chain up to summation
+order (tests/test_kernels_fullbatch.py: rtol 1e-12) and is the same bit for bit whatever else shares the call.
+
+Applies (`applies`), to chains the mini-batch kernel (kernels_minibatch) does not take: backend not "numpy";
+numba installed (backend "numba" without it: UserError); a `LogisticRegression` whose `clipped_grad_sum` is not
+overridden; float64 data and θ; the full batch (`IndexedBatches.full`); transforms tagged noise/scale/l2/identity
+(chain._described) in any order; the projection none or `project_to_ball`; any schedule; checkpoints (the kernel
+stops at each step that records one).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional, Sequence
+
+import numpy as np
+
+from dpsgd_cli.algorithms import kernels
+from dpsgd_cli.algorithms.kernels import CHUNK_ELEMENTS, NUMBA_HINT, schedule_values
+from dpsgd_cli.algorithms.sampling import IndexedBatches
+from dpsgd_cli.errors import UserError
+
+CODES = {"noise": 1, "scale": 2, "l2": 3}  # _kernels_fullbatch_numba's op codes
+
+
+@functools.lru_cache(maxsize=1)
+def _module():
+    """Import (compile or load from numba's on-disk cache) the kernel module; imports numba."""
+    try:
+        from dpsgd_cli.algorithms import _kernels_fullbatch_numba
+    except Exception as exc:  # installed but broken
+        raise UserError(f"numba could not be imported ({type(exc).__name__}: {exc}); reinstall it "
+                        f"({NUMBA_HINT}) or use backend: numpy") from exc
+    return _kernels_fullbatch_numba
+
+
+def _ops(chain) -> Optional[list[tuple]]:
+    """The chain's transforms as (kind, *params), identities dropped, or None if one is not a known transform."""
+    ops = []
+    for transform in chain.transforms:
+        compiled = getattr(transform, "compiled", None)
+        if compiled is not None and compiled[0] == "identity":
+            continue
+        if compiled is None or compiled[0] not in CODES:
+            return None
+        ops.append(compiled)
+    return ops if sum(op[0] == "noise" for op in ops) <= 1 else None
+
+
+def _radius(chain) -> Optional[float]:
+    return float(chain.project.compiled[1]) if chain.project is not None else None
+
+
+def applies(model, chain, theta: np.ndarray) -> bool:
+    """Whether this chain runs on the compiled full-batch step (module docstring)."""
+    from dpsgd_cli.models.logreg import LogisticRegression
+
+    if chain.backend == "numpy":
+        return False
+    kernels.check_backend(chain.backend)
+    batches = chain.batches
+    if not (kernels.HAVE_NUMBA and isinstance(model, LogisticRegression) and hasattr(model, "d")
+            and type(model).clipped_grad_sum is LogisticRegression.clipped_grad_sum
+            and not hasattr(model, "kernel_canaries")
+            and isinstance(batches, IndexedBatches) and batches.full and batches.X.dtype == np.float64
+            and theta.dtype == np.float64 and theta.ndim == 2 and _ops(chain) is not None
+            and (chain.project is None or getattr(chain.project, "compiled", ("",))[0] == "ball")):
+        return False
+    try:
+        _module()
+    except UserError:
+        if chain.backend == "numba":
+            raise
+        return False
+    return True
+
+
+def run(model, chains: Sequence, thetas: Sequence[np.ndarray], steps: Sequence[int]) -> list[np.ndarray]:
+    """Run full-batch chains (`applies`; same X and y) for their `steps` in one kernel call per chunk: their θ,
+    each equal to its `chain.run` (NumPy) up to summation order, bit for bit the same whatever the other chains."""
+    nb = _module()
+    batches: IndexedBatches = chains[0].batches
+    X, y = np.ascontiguousarray(batches.X), np.ascontiguousarray(batches.y)
+    x_norm = batches.x_norm
+    R, d = thetas[0].shape
+    cols = [(c, r) for c in range(len(chains)) for r in range(R)]
+    K = -(-len(cols) // nb.LANES) * nb.LANES  # padded: the extra columns stay 0 and are never updated
+    col_chain = np.array([c for c, _ in cols] + [0] * (K - len(cols)), dtype=np.int64)
+    real = np.arange(K) < len(cols)
+    TH = np.zeros((d, K))
+    for k, (c, r) in enumerate(cols):
+        TH[:, k] = thetas[c][r]
+    ops = [_ops(chain) for chain in chains]
+    L = max(1, max(len(o) for o in ops))
+    code = np.zeros((len(chains), L), dtype=np.int64)
+    val = np.zeros((len(chains), L))
+    for c, chain_ops in enumerate(ops):
+        for o, (kind, *params) in enumerate(chain_ops):
+            code[c, o], val[c, o] = CODES[kind], float(params[0] or 0.0)
+    clip = np.array([ch.clip if ch.clip is not None else 1.0 for ch in chains], dtype=np.float64)[col_chain]
+    do_clip = np.array([ch.clip is not None for ch in chains])[col_chain]
+    radius = np.array([_radius(ch) or 1.0 for ch in chains])[col_chain]
+    do_project = np.array([ch.project is not None for ch in chains])[col_chain]
+    rep = np.array([r for _, r in cols] + [0] * (K - len(cols)), dtype=np.int64)
+    records = [set(ch.checkpoints.record_steps(ch.examples_per_step, s).tolist()) if ch.checkpoints else set()
+               for ch, s in zip(chains, steps)]
+    stops = sorted({*steps, *(t for rec in records for t in rec)})
+    chunk = max(1, CHUNK_ELEMENTS // max(1, len(chains) * R * d))
+    G, S, A = np.zeros((d, K)), np.zeros(K), np.zeros((nb.ROWS, K))
+    done = 0
+    while done < max(steps, default=0):
+        stop = min(done + chunk, min(s for s in stops if s > done))
+        m = stop - done
+        running = np.array([s > done for s in steps])
+        noise, slot = _noise(ops, running, m)
+        lrs = np.stack([schedule_values(ch.schedule, done + 1, stop + 1) if a else np.zeros(m)
+                        for ch, a in zip(chains, running)])
+        nb.gd_logreg(TH, X, y, x_norm, clip, do_clip, code[col_chain], val[col_chain], slot[col_chain], rep, noise,
+                     np.ascontiguousarray(lrs[col_chain]), radius, do_project, real & running[col_chain], G, S, A)
+        for c, chain in enumerate(chains):
+            if running[c] and stop in records[c]:  # as `GradientChain.step` records it
+                e = chain.examples_per_step
+                theta = np.ascontiguousarray(TH[:, c * R:(c + 1) * R].T)
+                with np.errstate(all="ignore"):
+                    chain.checkpoints.maybe_record(model, theta, round((stop - 1) * e), round(stop * e))
+        done = stop
+    return [np.ascontiguousarray(TH[:, c * R:(c + 1) * R].T).astype(theta.dtype, copy=False)
+            for c, theta in enumerate(thetas)]
+
+
+def _noise(ops: list[list[tuple]], running: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """(S, m, R, d) noise blocks, one per distinct draws iterator (the tees of one `SharedStreams` stream yield
+    the same arrays: stacked once), and each chain's slot in it (0 where it has no noise: never read)."""
+    blocks, firsts, slot = [], [], np.zeros(len(ops), dtype=np.int64)
+    for c, chain_ops in enumerate(ops):
+        draws = [p[2] for p in chain_ops if p[0] == "noise"]
+        if not draws or not running[c]:
+            continue
+        steps = [next(draws[0]) for _ in range(m)]
+        for s, seen in enumerate(firsts):
+            if all(a is b for a, b in zip(steps, seen)):
+                slot[c] = s
+                break
+        else:
+            slot[c] = len(blocks)
+            firsts.append(steps)
+            blocks.append(np.stack(steps))
+    if not blocks:
+        return np.zeros((1, 1, 1, 1)), slot
+    return np.ascontiguousarray(np.stack(blocks), dtype=np.float64), slot
