@@ -185,6 +185,18 @@ def schedule_values(schedule: Callable[[int], float], start: int, stop: int) -> 
 # --- the kernel ---------------------------------------------------------------------------------------------------
 
 
+def import_compiled(module: str):
+    """Import the numba module `dpsgd_cli.algorithms.<module>` (compiling its kernels or loading them from numba's
+    on-disk cache); a broken numba install is a UserError (one line, how to fix)."""
+    import importlib
+
+    try:
+        return importlib.import_module(f"dpsgd_cli.algorithms.{module}")
+    except Exception as exc:  # installed but broken (e.g. a NumPy it does not support)
+        raise UserError(f"numba could not be imported ({type(exc).__name__}: {exc}); reinstall it "
+                        f"({NUMBA_HINT}) or use backend: numpy") from exc
+
+
 @functools.lru_cache(maxsize=1)
 def _kernels():
     """Compile (or load from numba's on-disk cache) the kernels; imports numba."""

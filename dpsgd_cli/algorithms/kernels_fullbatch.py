@@ -31,7 +31,8 @@ from typing import Optional, Sequence
 import numpy as np
 
 from dpsgd_cli.algorithms import kernels
-from dpsgd_cli.algorithms.kernels import CHUNK_ELEMENTS, NUMBA_HINT, schedule_values
+from dpsgd_cli.algorithms.kernels import CHUNK_ELEMENTS, schedule_values
+from dpsgd_cli.algorithms.kernels_minibatch import noise_blocks
 from dpsgd_cli.algorithms.sampling import IndexedBatches
 from dpsgd_cli.errors import UserError
 
@@ -41,12 +42,7 @@ CODES = {"noise": 1, "scale": 2, "l2": 3}  # _kernels_fullbatch_numba's op codes
 @functools.lru_cache(maxsize=1)
 def _module():
     """Import (compile or load from numba's on-disk cache) the kernel module; imports numba."""
-    try:
-        from dpsgd_cli.algorithms import _kernels_fullbatch_numba
-    except Exception as exc:  # installed but broken
-        raise UserError(f"numba could not be imported ({type(exc).__name__}: {exc}); reinstall it "
-                        f"({NUMBA_HINT}) or use backend: numpy") from exc
-    return _kernels_fullbatch_numba
+    return kernels.import_compiled("_kernels_fullbatch_numba")
 
 
 def _ops(chain) -> Optional[list[tuple]]:
@@ -127,7 +123,10 @@ def run(model, chains: Sequence, thetas: Sequence[np.ndarray], steps: Sequence[i
         stop = min(done + chunk, min(s for s in stops if s > done))
         m = stop - done
         running = np.array([s > done for s in steps])
-        noise, slot = _noise(ops, running, m)
+        noise, slot = noise_blocks([next((op[2] for op in chain_ops if op[0] == "noise"), None) if run else None
+                                    for chain_ops, run in zip(ops, running)], m)
+        slot = np.maximum(slot, 0)  # a chain without noise never reads its slot
+        noise = noise if noise is not None else np.zeros((1, 1, 1, 1))
         lrs = np.stack([schedule_values(ch.schedule, done + 1, stop + 1) if a else np.zeros(m)
                         for ch, a in zip(chains, running)])
         nb.gd_logreg(TH, X, y, x_norm, clip, do_clip, code[col_chain], val[col_chain], slot[col_chain], rep, noise,
@@ -141,25 +140,3 @@ def run(model, chains: Sequence, thetas: Sequence[np.ndarray], steps: Sequence[i
         done = stop
     return [np.ascontiguousarray(TH[:, c * R:(c + 1) * R].T).astype(theta.dtype, copy=False)
             for c, theta in enumerate(thetas)]
-
-
-def _noise(ops: list[list[tuple]], running: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
-    """(S, m, R, d) noise blocks, one per distinct draws iterator (the tees of one `SharedStreams` stream yield
-    the same arrays: stacked once), and each chain's slot in it (0 where it has no noise: never read)."""
-    blocks, firsts, slot = [], [], np.zeros(len(ops), dtype=np.int64)
-    for c, chain_ops in enumerate(ops):
-        draws = [p[2] for p in chain_ops if p[0] == "noise"]
-        if not draws or not running[c]:
-            continue
-        steps = [next(draws[0]) for _ in range(m)]
-        for s, seen in enumerate(firsts):
-            if all(a is b for a, b in zip(steps, seen)):
-                slot[c] = s
-                break
-        else:
-            slot[c] = len(blocks)
-            firsts.append(steps)
-            blocks.append(np.stack(steps))
-    if not blocks:
-        return np.zeros((1, 1, 1, 1)), slot
-    return np.ascontiguousarray(np.stack(blocks), dtype=np.float64), slot

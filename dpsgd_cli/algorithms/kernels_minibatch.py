@@ -45,7 +45,7 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 
 from dpsgd_cli.algorithms import kernels
-from dpsgd_cli.algorithms.kernels import CHUNK_ELEMENTS, NUMBA_HINT, schedule_values
+from dpsgd_cli.algorithms.kernels import CHUNK_ELEMENTS, schedule_values
 from dpsgd_cli.algorithms.sampling import IndexedBatches
 from dpsgd_cli.errors import UserError
 
@@ -65,12 +65,7 @@ def lane_cells(C: int) -> int:
 @functools.lru_cache(maxsize=1)
 def _kernel():
     """Compile (or load from numba's on-disk cache) the kernel (`_kernels_minibatch_numba.mb_logreg`); imports numba."""
-    try:
-        from dpsgd_cli.algorithms import _kernels_minibatch_numba
-    except Exception as exc:  # installed but broken
-        raise UserError(f"numba could not be imported ({type(exc).__name__}: {exc}); reinstall it "
-                        f"({NUMBA_HINT}) or use backend: numpy") from exc
-    return _kernels_minibatch_numba.mb_logreg
+    return kernels.import_compiled("_kernels_minibatch_numba").mb_logreg
 
 
 def _plan(chain) -> Optional[dict]:
@@ -121,16 +116,6 @@ def applies(model, chains: Sequence, thetas: Sequence[np.ndarray]) -> bool:
     return True
 
 
-def _record_steps(checkpoints, examples_per_step: float, steps: int) -> np.ndarray:
-    """The steps t (1-based) after which `GradientChain.step` records a checkpoint."""
-    if checkpoints is None:
-        return np.zeros(0, dtype=np.int64)
-    t = np.arange(1, steps + 1)
-    before = np.array([round((s - 1) * examples_per_step) for s in t.tolist()])
-    after = np.array([round(s * examples_per_step) for s in t.tolist()])
-    return t[after // checkpoints.every > before // checkpoints.every]
-
-
 def group_steps(model, chains: Sequence, thetas: Sequence[np.ndarray], steps: Sequence[int],
                 out: list) -> Iterator[int]:
     """Run chains that share one batch stream (`applies`) for their `steps` on the kernel, one kernel call at a
@@ -151,7 +136,8 @@ def group_steps(model, chains: Sequence, thetas: Sequence[np.ndarray], steps: Se
     do_clip = np.array([c.clip is not None for c in chains])
     radius = np.array([p["radius"] or 1.0 for p in plans], dtype=np.float64)
     do_project = np.array([p["radius"] is not None for p in plans])
-    records = [set(_record_steps(c.checkpoints, c.examples_per_step, s).tolist()) for c, s in zip(chains, steps)]
+    records = [set(c.checkpoints.record_steps(c.examples_per_step, s).tolist()) if c.checkpoints else set()
+               for c, s in zip(chains, steps)]
     stops = sorted({*steps, *(t for rec in records for t in rec)})
     lanes = lane_cells(C)
     no_idx, no_noise = np.zeros((1, 1, 1), dtype=np.int64), np.zeros((1, 1, 1, 1))
@@ -164,7 +150,7 @@ def group_steps(model, chains: Sequence, thetas: Sequence[np.ndarray], steps: Se
         m = stop - done
         active = np.array([s > done for s in steps])
         idx = no_idx if batches.full else batches.take(m)
-        noise, slot = _noise(chains, plans, active, m)
+        noise, slot = noise_blocks([p["noise"][1] if p["noise"] and a else None for p, a in zip(plans, active)], m)
         lrs = np.stack([schedule_values(c.schedule, done + 1, stop + 1) if a else np.zeros(m)
                         for c, a in zip(chains, active)])
         kernel(TH, active, X, y, x_norm, idx, batches.full, noise if noise is not None else no_noise, slot, std,
@@ -179,14 +165,15 @@ def group_steps(model, chains: Sequence, thetas: Sequence[np.ndarray], steps: Se
     out.extend(TH[c].astype(theta.dtype, copy=True) for c, theta in enumerate(thetas))
 
 
-def _noise(chains, plans, active, m: int) -> tuple[Optional[np.ndarray], np.ndarray]:
-    """(S, m, R, d) noise blocks, one per distinct draws iterator (tee copies of one `SharedStreams` stream
-    yield the same arrays: read once), and each chain's slot in it (−1: no noise)."""
-    blocks, firsts, slot = [], [], np.full(len(chains), -1, dtype=np.int64)
-    for c, plan in enumerate(plans):
-        if plan["noise"] is None or not active[c]:
+def noise_blocks(draws: Sequence[Optional[Iterator]], m: int) -> tuple[Optional[np.ndarray], np.ndarray]:
+    """(S, m, R, d) noise blocks of the next m steps, one per distinct draws iterator (tee copies of one
+    `SharedStreams` stream yield the same arrays: read once), and each chain's slot in it (−1: `draws[c]` is
+    None, no noise). Shared by the mini-batch and full-batch compiled steps."""
+    blocks, firsts, slot = [], [], np.full(len(draws), -1, dtype=np.int64)
+    for c, chain_draws in enumerate(draws):
+        if chain_draws is None:
             continue
-        steps = [next(plan["noise"][1]) for _ in range(m)]
+        steps = [next(chain_draws) for _ in range(m)]
         for s, seen in enumerate(firsts):
             if all(a is b for a, b in zip(steps, seen)):
                 slot[c] = s
