@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import importlib.util
-from typing import Callable, Iterator, Literal, Optional
+from typing import Callable, Iterator, Literal, Optional, Sequence
 
 import numpy as np
 
@@ -99,6 +99,51 @@ def check_backend(requested: str) -> None:
         raise UserError(f"backend = {requested!r}: use auto, numpy or numba")
     if requested == "numba" and not HAVE_NUMBA:
         raise UserError(f"backend: numba, but numba is not installed: {NUMBA_HINT}, or use backend: auto")
+
+
+def plain_logreg_float64(model, batches, thetas) -> bool:
+    """Whether the compiled logistic-regression steps can take this model and data: a plain `LogisticRegression`
+    (its `clipped_grad_sum` not overridden, not the audit's canary models), batches cut by index from float64 X,
+    2-D float64 θs."""
+    from dpsgd_cli.algorithms.sampling import IndexedBatches
+    from dpsgd_cli.models.logreg import LogisticRegression
+
+    return (isinstance(model, LogisticRegression) and hasattr(model, "d")
+            and type(model).clipped_grad_sum is LogisticRegression.clipped_grad_sum
+            and not hasattr(model, "kernel_canaries")
+            and isinstance(batches, IndexedBatches) and batches.X.dtype == np.float64
+            and all(theta.dtype == np.float64 and theta.ndim == 2 for theta in thetas))
+
+
+def loads(load: Callable[[], object], wanted: bool) -> bool:
+    """Whether the compiled module `load` imports (numba compiles or reads its cache); its UserError is raised
+    when the kernel was asked for (backend: numba), else the NumPy path runs."""
+    try:
+        load()
+    except UserError:
+        if wanted:
+            raise
+        return False
+    return True
+
+
+def checkpoint_stops(chains: Sequence, steps: Sequence[int]) -> tuple[list[set], list[int]]:
+    """Each chain's steps after which `GradientChain.step` records a checkpoint, and every step at which a compiled
+    call must stop (a chain's end or one of those records)."""
+    records = [set(c.checkpoints.record_steps(c.examples_per_step, s).tolist()) if c.checkpoints else set()
+               for c, s in zip(chains, steps)]
+    return records, sorted({*steps, *(t for rec in records for t in rec)})
+
+
+def record_checkpoints(model, chains: Sequence, running, records: list[set], stop: int,
+                       theta_of: Callable[[int], np.ndarray]) -> None:
+    """After a compiled call that ended at step `stop`: record each running chain's checkpoint due there, from its
+    θ `theta_of(c)`, as `GradientChain.step` records it."""
+    for c, chain in enumerate(chains):
+        if running[c] and stop in records[c]:
+            e = chain.examples_per_step
+            with np.errstate(all="ignore"):
+                chain.checkpoints.maybe_record(model, theta_of(c), round((stop - 1) * e), round(stop * e))
 
 
 def select_backend(requested: Backend, model, batch_size: Optional[int], mlp: bool = False) -> str:

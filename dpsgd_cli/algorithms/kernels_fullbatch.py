@@ -34,7 +34,6 @@ from dpsgd_cli.algorithms import kernels
 from dpsgd_cli.algorithms.kernels import CHUNK_ELEMENTS, schedule_values
 from dpsgd_cli.algorithms.kernels_minibatch import noise_blocks
 from dpsgd_cli.algorithms.sampling import IndexedBatches
-from dpsgd_cli.errors import UserError
 
 CODES = {"noise": 1, "scale": 2, "l2": 3}  # _kernels_fullbatch_numba's op codes
 
@@ -64,26 +63,15 @@ def _radius(chain) -> Optional[float]:
 
 def applies(model, chain, theta: np.ndarray) -> bool:
     """Whether this chain runs on the compiled full-batch step (module docstring)."""
-    from dpsgd_cli.models.logreg import LogisticRegression
-
     if chain.backend == "numpy":
         return False
     kernels.check_backend(chain.backend)
     batches = chain.batches
-    if not (kernels.HAVE_NUMBA and isinstance(model, LogisticRegression) and hasattr(model, "d")
-            and type(model).clipped_grad_sum is LogisticRegression.clipped_grad_sum
-            and not hasattr(model, "kernel_canaries")
-            and isinstance(batches, IndexedBatches) and batches.full and batches.X.dtype == np.float64
-            and theta.dtype == np.float64 and theta.ndim == 2 and _ops(chain) is not None
+    if not (kernels.HAVE_NUMBA and kernels.plain_logreg_float64(model, batches, [theta]) and batches.full
+            and _ops(chain) is not None
             and (chain.project is None or getattr(chain.project, "compiled", ("",))[0] == "ball")):
         return False
-    try:
-        _module()
-    except UserError:
-        if chain.backend == "numba":
-            raise
-        return False
-    return True
+    return kernels.loads(_module, chain.backend == "numba")
 
 
 def run(model, chains: Sequence, thetas: Sequence[np.ndarray], steps: Sequence[int]) -> list[np.ndarray]:
@@ -113,9 +101,7 @@ def run(model, chains: Sequence, thetas: Sequence[np.ndarray], steps: Sequence[i
     radius = np.array([_radius(ch) or 1.0 for ch in chains])[col_chain]
     do_project = np.array([ch.project is not None for ch in chains])[col_chain]
     rep = np.array([r for _, r in cols] + [0] * (K - len(cols)), dtype=np.int64)
-    records = [set(ch.checkpoints.record_steps(ch.examples_per_step, s).tolist()) if ch.checkpoints else set()
-               for ch, s in zip(chains, steps)]
-    stops = sorted({*steps, *(t for rec in records for t in rec)})
+    records, stops = kernels.checkpoint_stops(chains, steps)
     chunk = max(1, CHUNK_ELEMENTS // max(1, len(chains) * R * d))
     G, S, A = np.zeros((d, K)), np.zeros(K), np.zeros((nb.ROWS, K))
     done = 0
@@ -131,12 +117,8 @@ def run(model, chains: Sequence, thetas: Sequence[np.ndarray], steps: Sequence[i
                         for ch, a in zip(chains, running)])
         nb.gd_logreg(TH, X, y, x_norm, clip, do_clip, code[col_chain], val[col_chain], slot[col_chain], rep, noise,
                      np.ascontiguousarray(lrs[col_chain]), radius, do_project, real & running[col_chain], G, S, A)
-        for c, chain in enumerate(chains):
-            if running[c] and stop in records[c]:  # as `GradientChain.step` records it
-                e = chain.examples_per_step
-                theta = np.ascontiguousarray(TH[:, c * R:(c + 1) * R].T)
-                with np.errstate(all="ignore"):
-                    chain.checkpoints.maybe_record(model, theta, round((stop - 1) * e), round(stop * e))
+        kernels.record_checkpoints(model, chains, running, records, stop,
+                                   lambda c: np.ascontiguousarray(TH[:, c * R:(c + 1) * R].T))
         done = stop
     return [np.ascontiguousarray(TH[:, c * R:(c + 1) * R].T).astype(theta.dtype, copy=False)
             for c, theta in enumerate(thetas)]

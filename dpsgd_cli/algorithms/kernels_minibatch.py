@@ -47,7 +47,6 @@ import numpy as np
 from dpsgd_cli.algorithms import kernels
 from dpsgd_cli.algorithms.kernels import CHUNK_ELEMENTS, schedule_values
 from dpsgd_cli.algorithms.sampling import IndexedBatches
-from dpsgd_cli.errors import UserError
 
 ORDER = ("noise", "scale", "l2")  # the kernel's order of the transforms
 LANES_FROM = 3  # from this many cells on one batch stream, they are the kernel's vector lanes (measured: 2 → 3 faster)
@@ -90,8 +89,6 @@ def _plan(chain) -> Optional[dict]:
 
 def applies(model, chains: Sequence, thetas: Sequence[np.ndarray]) -> bool:
     """Whether these chains (one batch stream) run on the compiled step (module docstring)."""
-    from dpsgd_cli.models.logreg import LogisticRegression
-
     if any(chain.backend == "numpy" for chain in chains):
         return False
     for chain in chains:
@@ -99,21 +96,10 @@ def applies(model, chains: Sequence, thetas: Sequence[np.ndarray]) -> bool:
     wanted = any(chain.backend == "numba" for chain in chains)
     if not kernels.HAVE_NUMBA:  # looked up here: tests switch it off
         return False
-    batches = chains[0].batches
-    if not (isinstance(model, LogisticRegression) and hasattr(model, "d")
-            and type(model).clipped_grad_sum is LogisticRegression.clipped_grad_sum
-            and not hasattr(model, "kernel_canaries")
-            and isinstance(batches, IndexedBatches) and batches.X.dtype == np.float64
-            and all(theta.dtype == np.float64 and theta.ndim == 2 for theta in thetas)
+    if not (kernels.plain_logreg_float64(model, chains[0].batches, thetas)
             and all(_plan(chain) is not None for chain in chains)):
         return False
-    try:
-        _kernel()
-    except UserError:
-        if wanted:
-            raise
-        return False
-    return True
+    return kernels.loads(_kernel, wanted)
 
 
 def group_steps(model, chains: Sequence, thetas: Sequence[np.ndarray], steps: Sequence[int],
@@ -136,9 +122,7 @@ def group_steps(model, chains: Sequence, thetas: Sequence[np.ndarray], steps: Se
     do_clip = np.array([c.clip is not None for c in chains])
     radius = np.array([p["radius"] or 1.0 for p in plans], dtype=np.float64)
     do_project = np.array([p["radius"] is not None for p in plans])
-    records = [set(c.checkpoints.record_steps(c.examples_per_step, s).tolist()) if c.checkpoints else set()
-               for c, s in zip(chains, steps)]
-    stops = sorted({*steps, *(t for rec in records for t in rec)})
+    records, stops = kernels.checkpoint_stops(chains, steps)
     lanes = lane_cells(C)
     no_idx, no_noise = np.zeros((1, 1, 1), dtype=np.int64), np.zeros((1, 1, 1, 1))
     kernel = _kernel()
@@ -155,11 +139,7 @@ def group_steps(model, chains: Sequence, thetas: Sequence[np.ndarray], steps: Se
                         for c, a in zip(chains, active)])
         kernel(TH, active, X, y, x_norm, idx, batches.full, noise if noise is not None else no_noise, slot, std,
                scale, l2, clip, do_clip, lrs, radius, do_project, lanes)
-        for c, chain in enumerate(chains):
-            if active[c] and stop in records[c]:  # as `GradientChain.step` records it
-                e = chain.examples_per_step
-                with np.errstate(all="ignore"):
-                    chain.checkpoints.maybe_record(model, TH[c], round((stop - 1) * e), round(stop * e))
+        kernels.record_checkpoints(model, chains, active, records, stop, lambda c: TH[c])
         done = stop
         yield done
     out.extend(TH[c].astype(theta.dtype, copy=True) for c, theta in enumerate(thetas))
