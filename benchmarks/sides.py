@@ -3,7 +3,7 @@
 Requests: {"op": "prepare", "name", "kind", "spec"} builds a task (data from the .npz the driver wrote, warm-up
 and compilation done here, their seconds in the answer); {"op": "run", "name"} times it (the fastest of the
 repetitions that fit in 0.3 s, at least one); {"op": "quit"}.
-Kinds: `ours_logreg`, `ours_mlp`, `ours_grid` (dpsgd), `jax_logreg` (jax_peer.py), `opacus` (opacus_worker.py);
+Kinds: `ours_logreg`, `ours_mlp`, `ours_grid`, `ours_fused_fit` (dpsgd), `jax_logreg` (jax_peer.py), `opacus` (opacus_worker.py);
 each kind's module is imported only when asked for, so a side's interpreter needs only its own libraries.
 """
 
@@ -89,11 +89,45 @@ def ours_grid(spec: dict[str, Any]) -> tuple[Runner, dict[str, Any]]:
     return run, {}
 
 
+def ours_fused_fit(spec: dict[str, Any]) -> tuple[Runner, dict[str, Any]]:
+    """The fused grid's training alone, the work the JAX peer times: dp_sgd prepared for each ε of the axis on one
+    `SharedStreams` of the seeds and trained by `train_together` (what `execute` runs for a fused task, without
+    the final metrics and rows). σ is calibrated in the warm-up run (cached: not in the clock after it)."""
+    import numpy as np
+
+    from dpsgd_cli.algorithms import ALGORITHMS
+    from dpsgd_cli.algorithms.chain import train_together
+    from dpsgd_cli.algorithms.streams import SharedStreams
+    from dpsgd_cli.models import make_model
+
+    data = _data(spec["data"])
+    X, y = data["X_train"], data["y_train"]
+    n, d = X.shape
+    seeds = list(range(int(spec["seeds"])))
+    settings = [_setting(n, d, epsilon=eps, epochs=spec.get("epochs", 5)) for eps in spec["epsilons"]]
+    model = make_model("logreg", d, settings[0].l2)
+
+    def run() -> dict[str, Any]:
+        start = time.perf_counter()
+        streams = SharedStreams(seeds)
+        prepared = [ALGORITHMS["dp_sgd"]().prepare(s, model, X, y, streams) for s in settings]
+        streams.close()
+        outcomes = train_together(model, prepared)
+        seconds = time.perf_counter() - start
+        finite = all(np.isfinite(o.theta).all() for o in outcomes)
+        return {"seconds": seconds, "replica_steps": len(seeds) * len(settings) * settings[0].steps,
+                "finite": finite}
+
+    return run, {"steps": settings[0].steps}
+
+
 def prepare(kind: str, spec: dict[str, Any]) -> tuple[Runner, dict[str, Any]]:
     if kind in ("ours_logreg", "ours_mlp"):
         return ours_fit({**spec, "model": "mlp" if kind == "ours_mlp" else "logreg"})
     if kind == "ours_grid":
         return ours_grid(spec)
+    if kind == "ours_fused_fit":
+        return ours_fused_fit(spec)
     if kind == "jax_logreg":
         from benchmarks import jax_peer
 
