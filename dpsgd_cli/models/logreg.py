@@ -119,7 +119,7 @@ def _numpy_metrics(theta: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[np.
         return logistic_loss(margin, y), accuracy_of(margin, y)
 
 
-_CHUNK_ROWS = 2048
+_CHUNK_ROWS = 8192  # rows per chunk: 2× faster than 2048 on adult (K = 24)
 
 
 def _compiled():
