@@ -81,7 +81,7 @@ def logistic_metrics(theta: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[n
     compensated): a θ's numbers are the same bit for bit whatever θs it is stacked with (a fused task's cells equal
     the cells run alone) and whether X is read by its nonzeros or densely. With numba, one pass over X for the whole
     stack, read by its nonzeros (`sampling.RowNonzeros`) when X is read-only and sparse enough; without, the same
-    margins in NumPy, the means by NumPy's pairwise sum (≤ ~1e-16 relative apart from the compiled ones).
+    margins in NumPy, the means by NumPy's pairwise sum (≤ ~1e-15 relative from the compiled ones).
     """
     theta = np.asarray(theta, dtype=np.float64)
     X = np.asarray(X)
