@@ -28,18 +28,21 @@ def _log1p_exp(z):  # pragma: no cover
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _add_row(margin, y, hi, lo, correct):  # pragma: no cover
+def _add_row(margin, y, hi, lo, correct, terms):  # pragma: no cover
     """Add row i's terms for every θ_k: loss log(1 + exp(−y m)) into (hi, lo) by TwoSum (Knuth, TAOCP 2 §4.2.2,
     Thm B; Ogita, Rump & Oishi 2005, Alg. 4.4 `Sum2`: the sum as if in twice the working precision, then rounded),
-    and 1 into `correct` when sign(m) = y (m = 0 counts as +1, as `base.accuracy_of`)."""
-    for k in range(margin.shape[0]):
-        m = margin[k]
-        term = _log1p_exp(-y * m)
+    and 1 into `correct` when sign(m) = y (m = 0 counts as +1, as `base.accuracy_of`). `terms` (K,) is scratch:
+    the libm calls apart from the sums let LLVM vectorise the sums (adult, K = 24: 11.7 → 10.1 ms a pass)."""
+    K = margin.shape[0]
+    for k in range(K):  # scalar libm calls
+        terms[k] = _log1p_exp(-y * margin[k])
+    for k in range(K):
+        term = terms[k]
         s = hi[k] + term
         b = s - hi[k]
         lo[k] += (hi[k] - (s - b)) + (term - b)
         hi[k] = s
-        correct[k] += 1 if (1.0 if m >= 0.0 else -1.0) == y else 0
+        correct[k] += 1 if (1.0 if margin[k] >= 0.0 else -1.0) == y else 0
 
 
 @numba.njit(cache=True, nogil=True)
@@ -47,7 +50,7 @@ def dense_metrics(thetaT, X, y, hi, lo, correct):  # pragma: no cover
     """Accumulate every θ's loss sum and correct count over the rows of X (n, d); θᵀ (d, K) C-contiguous; hi, lo
     (K,) float64 and correct (K,) int64, zeroed by the caller."""
     n, d = X.shape
-    margin = np.empty(thetaT.shape[1])
+    margin, terms = np.empty(thetaT.shape[1]), np.empty(thetaT.shape[1])
     for i in range(n):
         margin[:] = 0.0
         for j in range(d):
@@ -55,14 +58,14 @@ def dense_metrics(thetaT, X, y, hi, lo, correct):  # pragma: no cover
             w = thetaT[j]
             for k in range(margin.shape[0]):
                 margin[k] += w[k] * x
-        _add_row(margin, y[i], hi, lo, correct)
+        _add_row(margin, y[i], hi, lo, correct, terms)
 
 
 @numba.njit(cache=True, nogil=True)
 def sparse_metrics(thetaT, cols, vals, nnz, y, hi, lo, correct):  # pragma: no cover
     """As `dense_metrics`, each row i given by its nonzeros cols[i, :nnz[i]], vals[i, :nnz[i]] in column order."""
     n = nnz.shape[0]
-    margin = np.empty(thetaT.shape[1])
+    margin, terms = np.empty(thetaT.shape[1]), np.empty(thetaT.shape[1])
     for i in range(n):
         margin[:] = 0.0
         for s in range(nnz[i]):
@@ -70,4 +73,4 @@ def sparse_metrics(thetaT, cols, vals, nnz, y, hi, lo, correct):  # pragma: no c
             w = thetaT[cols[i, s]]
             for k in range(margin.shape[0]):
                 margin[k] += w[k] * x
-        _add_row(margin, y[i], hi, lo, correct)
+        _add_row(margin, y[i], hi, lo, correct, terms)
