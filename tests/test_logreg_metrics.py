@@ -110,3 +110,24 @@ def test_bad_shapes_are_refused():
         logreg.logistic_metrics(np.zeros((2, 12)), X, y)
     with pytest.raises(ValueError, match="y"):
         logreg.logistic_metrics(np.zeros((2, 11)), X, y[:5])
+
+
+def test_erm_rows_have_an_optimality_gap_of_exactly_zero(write_grid, tmp_path):
+    """L* is F(θ*) evaluated as the rows' objectives are, so erm (θ = θ*) has gap 0, not ±1 ulp of F."""
+    import pandas as pd
+
+    from dpsgd_cli.config import load_grid_file
+    from dpsgd_cli.engine import execute, plan_grid
+
+    grid = load_grid_file(write_grid("""
+        grids:
+          - name: gap
+            datasets: [{name: synthetic, n: 1000, dim: 3}]
+            models: [logreg]
+            algorithms: [erm]
+            l2: [0.001, 0.01]  # 0.01: L-BFGS's F(θ*) is 1 ulp above the rows' (found by trying)
+            seeds: 2
+        """)).grids[0]
+    execute(plan_grid(grid, tmp_path / "out"))
+    rows = pd.read_csv(tmp_path / "out" / "gap" / "runs.csv")
+    assert len(rows) == 4 and (rows["optimality_gap"] == 0.0).all()
