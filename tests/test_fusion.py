@@ -4,12 +4,14 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from dpsgd_cli.algorithms import kernels
 from dpsgd_cli.algorithms.chain import run_together
-from dpsgd_cli.algorithms.sampling import poisson_batches
+from dpsgd_cli.algorithms.sampling import RowNonzeros, poisson_batches
 from dpsgd_cli.algorithms.streams import ReplicaStreams, SharedStreams
 from dpsgd_cli.config import load_grid_file
 from dpsgd_cli.engine import execute, plan_grid
 from dpsgd_cli.engine.runner import FUSE_ENV
+from dpsgd_cli.models import logreg
 
 # Poisson (B = 40), full batch (B = n = 320 training rows: q = 1), shuffled (song2013, b = 20), float32 and an MLP,
 # with an ε axis, an lr axis, sgd beside dp_sgd and dp_lssgd, traces on; erm stays in tasks of its own.
@@ -59,9 +61,17 @@ def grids(write_grid):
     return load_grid_file(write_grid(GRID)).grids
 
 
-@pytest.mark.parametrize("which", [0, 1])
-def test_a_fused_grid_equals_its_cells_run_one_by_one_bit_for_bit(grids, tmp_path, monkeypatch, which):
+@pytest.mark.parametrize("which, sparse", [(0, False), (1, False), (0, True)])
+def test_a_fused_grid_equals_its_cells_run_one_by_one_bit_for_bit(grids, tmp_path, monkeypatch, which, sparse):
+    """sparse: the rows' metrics read X by its nonzeros (`logreg.logistic_metrics`, numba), not densely."""
     grid = grids[which]
+    if sparse:
+        if not kernels.HAVE_NUMBA:
+            pytest.skip("numba not installed")
+        monkeypatch.setattr(RowNonzeros, "MAX_DENSITY", 2.0)  # the synthetic rows (6 nonzeros, padded to 8)
+        monkeypatch.setattr(logreg, "_NONZEROS", {})  # the loaded datasets' nonzeros, found too dense before
+        read = []
+        monkeypatch.setattr(logreg, "_row_nonzeros", lambda X, own=logreg._row_nonzeros: read.append(own(X)) or read[-1])
     plan = run_grid(grid, tmp_path / "fused", True, monkeypatch)
     assert max(len(t.cells) for t in plan.tasks) >= 3  # cells did train together
     if which == 0:
@@ -74,6 +84,7 @@ def test_a_fused_grid_equals_its_cells_run_one_by_one_bit_for_bit(grids, tmp_pat
         pd.testing.assert_frame_equal(a, b, check_exact=True)  # every number, to the last bit
     runs = table(tmp_path / "fused" / grid.name)
     assert set(runs["status"]) == {"ok"}
+    assert not sparse or (read and all(nz is not None for nz in read))
 
 
 def test_resume_after_a_partial_fused_grid_gives_the_same_rows(grids, tmp_path, monkeypatch):

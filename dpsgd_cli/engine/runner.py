@@ -64,11 +64,14 @@ def reference_optimum(spec: DatasetSpec, model_name: str, model_options: str, l2
                       validation: Optional[float] = None) -> tuple[float, str]:
     """(L*, how it was obtained): min F on the training set (the rows used for fitting) by `reference_minimum` —
     the exact minimiser for a convex model ("lbfgs"), the best of several L-BFGS starts for a non-convex one
-    ("lbfgs_best_of_3", capped)."""
+    ("lbfgs_best_of_3", capped). F(θ*) is evaluated as the rows' objectives are (`_metrics`), so an optimality
+    gap measures θ, not two summation orders (erm's rows: exactly 0, not ±1 ulp of F)."""
     data = dataset(spec, validation)
     model = make_model(model_name, data.d, l2, json.loads(model_options))
-    _, objective, info = reference_minimum(model, data.X_train, data.y_train)
-    return objective, info["optimum_method"]
+    theta, _, info = reference_minimum(model, data.X_train, data.y_train)
+    with np.errstate(all="ignore"):
+        loss, _ = model.data_loss_and_accuracy(theta[None], data.X_train, data.y_train)
+        return float(loss[0] + model.penalty(theta[None])[0]), info["optimum_method"]
 
 
 def optimal_objective(spec: DatasetSpec, model_name: str, model_options: str, l2: float) -> float:
@@ -169,23 +172,40 @@ def _run_fused(task: Task) -> TaskResult:
     except Exception as exc:
         results.update({c.cell_id: _failure(exc) for c in trained})
     elapsed = (time.perf_counter() - start) / task.runs  # the task's time, shared evenly by its runs
+    metrics = _stacked_metrics(model, data, task.optimal_objective,
+                               {c: o.theta for c, o in results.items() if not isinstance(o, str)})
     out = TaskResult([], [])
     for cell in task.cells:
         own = Task(cell, task.seeds, task.optimal_objective, task.optimum_method)
         outcome = results[cell.cell_id]
         part = failed_result(own, outcome, elapsed) if isinstance(outcome, str) else \
-            _result(own, cell, model, outcome, elapsed)
+            _result(own, cell, model, outcome, elapsed, metrics.get(cell.cell_id))
         out.rows.extend(part.rows)
         out.traces.extend(part.traces)
     return out
 
 
-def _result(task: Task, cell: Cell, model, outcome, elapsed: float) -> TaskResult:
-    """The rows (one per seed) and checkpoints of one cell's trained replicas."""
+def _stacked_metrics(model, data: Dataset, optimal: float, thetas: dict[str, np.ndarray]) -> dict[str, dict]:
+    """Each cell's metrics (by cell id) from one `_metrics` call on all the task's θs stacked, where the model's
+    metrics of a θ do not depend on the θs beside it (`Model.stacked_metrics`: logistic regression reads each set
+    once for the whole task instead of once per cell); else {} (each cell's own call, in `_result`)."""
+    if not model.stacked_metrics or len(thetas) < 2:
+        return {}
+    stacked = _metrics(model, np.concatenate(list(thetas.values())), data, optimal)
+    bounds = np.cumsum([0] + [len(theta) for theta in thetas.values()])
+    return {cell_id: {k: v[a:b] for k, v in stacked.items()}
+            for cell_id, a, b in zip(thetas, bounds[:-1], bounds[1:])}
+
+
+def _result(task: Task, cell: Cell, model, outcome, elapsed: float,
+            metrics: Optional[dict[str, np.ndarray]] = None) -> TaskResult:
+    """The rows (one per seed) and checkpoints of one cell's trained replicas; `metrics` when already computed
+    (`_stacked_metrics`)."""
     data = dataset(cell.dataset, cell.validation)
     setting = setting_of(cell, data)
     base = _base_row(cell, data, setting, task.optimal_objective)
-    metrics = _metrics(model, outcome.theta, data, task.optimal_objective)
+    if metrics is None:
+        metrics = _metrics(model, outcome.theta, data, task.optimal_objective)
     derived = dict(outcome.derived)
     if task.optimum_method:
         derived.setdefault("optimum_method", task.optimum_method)

@@ -33,6 +33,10 @@ class Model:
     name: ClassVar[str]
     Options: ClassVar[type[BaseModel]] = NoOptions
     convex: ClassVar[bool] = False  # is ℓ(·; x, y) convex in θ (the private ERM proofs need it)?
+    # does `data_loss_and_accuracy` on float64 data give each θ of a stack the numbers it gets alone, bit for bit
+    # (so the engine may compute a fused task's metrics in one call)? BLAS products may not: their order of
+    # summation can depend on the shape of the call.
+    stacked_metrics: ClassVar[bool] = False
 
     def __init__(self, d: int, l2: float):
         self.d = d

@@ -1,0 +1,76 @@
+"""The numba code of logistic regression's metrics (`models/logreg.py::logistic_metrics`; imported on first use: numba
+is optional). One pass over the rows of X serves every θ of a stack (K, the cells × replicas of a fused task), so X
+is read once, not K/R times.
+
+Fixed order, whatever K and the other θs: a margin θ_k·x_i is summed over x_i's columns in increasing order, one
+product at a time (m ← m + θ_kj x_ij, no fused multiply-add: numba's default keeps IEEE mul and add), and a mean over
+the rows in row order. The loop over k only runs these K independent sums side by side (LLVM vectorises it; every
+lane does the same IEEE operations as K = 1). A row read by its nonzeros (`sampling.RowNonzeros`: column order, zeros
+padded) gives the same margin bit for bit as the dense row: the skipped terms are ±0, and m + (±0) = m for an m that
+starts at +0 (round to nearest never makes −0 from a sum with a +0 operand) — for finite θ.
+"""
+
+import math
+
+import numba
+import numpy as np
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _log1p_exp(z):  # pragma: no cover
+    """log(1 + eᶻ) = max(z, 0) + log1p(e^−|z|) without overflow (as NumPy's `logaddexp(0, z)`), with log1p(u) =
+    log(w)·u/(w − 1), w = 1 + u (Goldberg 1991, "What every computer scientist should know about floating-point
+    arithmetic", Thm 4: relative error ≤ 5ε; measured ≤ 2 ulp from NumPy's): glibc's log1p took 1.5× the time."""
+    u = math.exp(-abs(z))
+    w = 1.0 + u
+    log1p = u if w == 1.0 else math.log(w) * (u / (w - 1.0))
+    return log1p + (z if z > 0.0 else 0.0)  # NaN stays NaN (log1p is NaN)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _add_row(margin, y, hi, lo, correct, terms):  # pragma: no cover
+    """Add row i's terms for every θ_k: loss log(1 + exp(−y m)) into (hi, lo) by TwoSum (Knuth, TAOCP 2 §4.2.2,
+    Thm B; Ogita, Rump & Oishi 2005, Alg. 4.4 `Sum2`: the sum as if in twice the working precision, then rounded),
+    and 1 into `correct` when sign(m) = y (m = 0 counts as +1, as `base.accuracy_of`). `terms` (K,) is scratch:
+    the libm calls apart from the sums let LLVM vectorise the sums (adult, K = 24: 11.7 → 10.1 ms a pass)."""
+    K = margin.shape[0]
+    for k in range(K):  # scalar libm calls
+        terms[k] = _log1p_exp(-y * margin[k])
+    for k in range(K):
+        term = terms[k]
+        s = hi[k] + term
+        b = s - hi[k]
+        lo[k] += (hi[k] - (s - b)) + (term - b)
+        hi[k] = s
+        correct[k] += 1 if (1.0 if margin[k] >= 0.0 else -1.0) == y else 0
+
+
+@numba.njit(cache=True, nogil=True)
+def dense_metrics(thetaT, X, y, hi, lo, correct):  # pragma: no cover
+    """Accumulate every θ's loss sum and correct count over the rows of X (n, d); θᵀ (d, K) C-contiguous; hi, lo
+    (K,) float64 and correct (K,) int64, zeroed by the caller."""
+    n, d = X.shape
+    margin, terms = np.empty(thetaT.shape[1]), np.empty(thetaT.shape[1])
+    for i in range(n):
+        margin[:] = 0.0
+        for j in range(d):
+            x = X[i, j]
+            w = thetaT[j]
+            for k in range(margin.shape[0]):
+                margin[k] += w[k] * x
+        _add_row(margin, y[i], hi, lo, correct, terms)
+
+
+@numba.njit(cache=True, nogil=True)
+def sparse_metrics(thetaT, cols, vals, nnz, y, hi, lo, correct):  # pragma: no cover
+    """As `dense_metrics`, each row i given by its nonzeros cols[i, :nnz[i]], vals[i, :nnz[i]] in column order."""
+    n = nnz.shape[0]
+    margin, terms = np.empty(thetaT.shape[1]), np.empty(thetaT.shape[1])
+    for i in range(n):
+        margin[:] = 0.0
+        for s in range(nnz[i]):
+            x = vals[i, s]
+            w = thetaT[cols[i, s]]
+            for k in range(margin.shape[0]):
+                margin[k] += w[k] * x
+        _add_row(margin, y[i], hi, lo, correct, terms)
