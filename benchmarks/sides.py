@@ -21,10 +21,15 @@ Runner = Callable[[], dict[str, Any]]
 
 
 def _data(path: str):
+    """The arrays, read-only as the engine holds its datasets (so per-dataset work, e.g. row norms and the
+    nonzeros' layout, is done once per process, not per fit: `sampling.per_array`)."""
     import numpy as np
 
     with np.load(path) as f:
-        return {k: f[k] for k in f.files}
+        data = {k: f[k] for k in f.files}
+    for array in data.values():
+        array.flags.writeable = False
+    return data
 
 
 def _setting(n: int, d: int, **kw):
@@ -45,7 +50,7 @@ def ours_fit(spec: dict[str, Any]) -> tuple[Runner, dict[str, Any]]:
 
     data = _data(spec["data"])
     dtype = np.dtype(spec.get("dtype", "float64"))
-    X, y = data["X_train"].astype(dtype), data["y_train"].astype(dtype)
+    X, y = (data[k] if data[k].dtype == dtype else data[k].astype(dtype) for k in ("X_train", "y_train"))
     n, d = X.shape
     steps = spec.get("steps")
     setting = _setting(n, d, **({"epochs": steps * 256 / n} if steps else {}))

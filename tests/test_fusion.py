@@ -4,7 +4,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dpsgd_cli.algorithms import kernels
+from dpsgd_cli.algorithms import kernels, sampling
 from dpsgd_cli.algorithms.chain import run_together
 from dpsgd_cli.algorithms.sampling import RowNonzeros, poisson_batches
 from dpsgd_cli.algorithms.streams import ReplicaStreams, SharedStreams
@@ -63,13 +63,14 @@ def grids(write_grid):
 
 @pytest.mark.parametrize("which, sparse", [(0, False), (1, False), (0, True)])
 def test_a_fused_grid_equals_its_cells_run_one_by_one_bit_for_bit(grids, tmp_path, monkeypatch, which, sparse):
-    """sparse: the rows' metrics read X by its nonzeros (`logreg.logistic_metrics`, numba), not densely."""
+    """sparse: the rows' metrics (`logreg.logistic_metrics`) and the compiled mini-batch steps read X by its
+    nonzeros (numba), not densely."""
     grid = grids[which]
     if sparse:
         if not kernels.HAVE_NUMBA:
             pytest.skip("numba not installed")
         monkeypatch.setattr(RowNonzeros, "MAX_DENSITY", 2.0)  # the synthetic rows (6 nonzeros, padded to 8)
-        monkeypatch.setattr(logreg, "_NONZEROS", {})  # the loaded datasets' nonzeros, found too dense before
+        monkeypatch.setattr(sampling, "_PER_ARRAY", {})  # the loaded datasets' nonzeros, found too dense before
         read = []
         monkeypatch.setattr(logreg, "_row_nonzeros", lambda X, own=logreg._row_nonzeros: read.append(own(X)) or read[-1])
     plan = run_grid(grid, tmp_path / "fused", True, monkeypatch)

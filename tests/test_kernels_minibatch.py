@@ -219,19 +219,25 @@ def _cells_args(C, R, d, steps, rng):
 
 
 @needs_numba
-@pytest.mark.parametrize("d", [21, 16, 5])  # whole blocks of 8 and a tail, whole blocks only, the tail only
-def test_each_cell_is_the_same_whatever_shares_its_call(d):
+@pytest.mark.parametrize("d, density", [(21, 1.0), (16, 1.0), (5, 1.0), (21, 0.2), (16, 0.3), (5, 0.4)])
+def test_each_cell_is_the_same_whatever_shares_its_call(d, density):
     """The kernel itself: a cell's θ is bit for bit the same alone (pair path or one lane) and among C = 3, 5, 8,
     9, 17 cells, whichever of them are vector lanes (all: remainder lanes, several blocks of 8; what group_steps
     takes; a few; none), with an odd number of rows in some steps (the lanes take rows two at a time), the full
-    batch, and a NaN replica."""
+    batch, and a NaN replica; d with whole blocks of 8 and a tail, whole blocks only, the tail only. And the rows
+    read by their nonzeros (`RowNonzeros`; sparse X with an all-zero and an all-nonzero row) give the same bits
+    as the dense rows, on every path."""
     from dpsgd_cli.algorithms.kernels_minibatch import _kernel, lane_cells
-    from dpsgd_cli.algorithms.sampling import row_norms
+    from dpsgd_cli.algorithms.sampling import RowNonzeros, row_norms
 
     kernel = _kernel()
     rng = np.random.default_rng(7)
     n, R, steps = 60, 3, 9
     X = rng.normal(size=(n, d)) * rng.uniform(0.1, 1.0, size=(n, 1))
+    if density < 1:
+        X *= rng.random((n, d)) < density
+        X[0], X[1] = 0.0, rng.normal(size=d)  # a row with no nonzero, one with every column
+    layouts = {"dense": np.zeros((0, 0), dtype=np.uint64), "sparse": RowNonzeros.of(X, max_density=2.0).packed}
     y = np.where(rng.random(n) < 0.5, -1.0, 1.0)
     x_norm = row_norms(X)
     idx = np.full((steps, R, 13), -1, dtype=np.int64)
@@ -247,21 +253,25 @@ def test_each_cell_is_the_same_whatever_shares_its_call(d):
             TH0[1, 2] = np.nan  # one diverged replica of one cell
             runs = {}
             for lanes in sorted({C, lane_cells(C), 3, 0}):
-                TH = TH0.copy()
-                kernel(TH, args["active"], X, y, x_norm, idx, full, noise, args["slot"], args["std"], args["scale"],
-                       args["l2"], args["clip"], args["do_clip"], args["lrs"], args["radius"], args["do_project"],
-                       lanes)
-                runs[lanes] = TH
-            for lanes in runs:
-                np.testing.assert_array_equal(runs[lanes], runs[0])
+                for layout, P in layouts.items():
+                    TH = TH0.copy()
+                    kernel(TH, args["active"], X, P, y, x_norm, idx, full, noise, args["slot"], args["std"],
+                           args["scale"], args["l2"], args["clip"], args["do_clip"], args["lrs"], args["radius"],
+                           args["do_project"], lanes)
+                    runs[lanes, layout] = TH
+            for key in runs:
+                np.testing.assert_array_equal(runs[key], runs[0, "dense"])
+            runs[0] = runs[0, "dense"]
             assert np.isnan(runs[0][1, 2]).all() and np.isfinite(np.delete(runs[0][1], 2, axis=0)).all()
             assert not np.array_equal(runs[0][0], TH0[0]) and np.array_equal(runs[0][-1], TH0[-1])
             for c, lanes in zip(range(C), [0, 1] * C):
                 one = {k: v[c:c + 1] for k, v in args.items()}
-                TH = TH0[c:c + 1].copy()
-                kernel(TH, one["active"], X, y, x_norm, idx, full, noise, one["slot"], one["std"], one["scale"],
-                       one["l2"], one["clip"], one["do_clip"], one["lrs"], one["radius"], one["do_project"], lanes)
-                np.testing.assert_array_equal(TH[0], runs[0][c])
+                for P in layouts.values():
+                    TH = TH0[c:c + 1].copy()
+                    kernel(TH, one["active"], X, P, y, x_norm, idx, full, noise, one["slot"], one["std"],
+                           one["scale"], one["l2"], one["clip"], one["do_clip"], one["lrs"], one["radius"],
+                           one["do_project"], lanes)
+                    np.testing.assert_array_equal(TH[0], runs[0][c])
 
 
 @needs_numba

@@ -193,6 +193,92 @@ def lane_axpy2(typingctx, G, X, i0, i1, A, cb, d, two):
     return types.void(G, X, i0, i1, A, cb, d, two), codegen
 
 
+def _nonzeros_row(context, builder, a, i):
+    """(the address of row i of a `RowNonzeros.packed` (n, 2K + 1) uint64 array, K, the row's count) for an
+    intrinsic: columns at [0, K), the values' bits at [K, 2K), the (padded) count at 2K."""
+    row = _ptr(context, builder, a["P"], i, 0)
+    K = builder.sdiv(cgutils.unpack_tuple(builder, a["P"][0].shape, 2)[1], ir.Constant(ir.IntType(64), 2))
+    return row, K, builder.load(builder.gep(row, [builder.add(K, K)]))
+
+
+def _nonzero(builder, row, K, k):
+    """(column j, value x) of slot k of a `_nonzeros_row`."""
+    return builder.load(builder.gep(row, [k])), builder.bitcast(builder.load(builder.gep(row, [builder.add(K, k)])),
+                                                               ir.DoubleType())
+
+
+def _is_row_nonzeros(P):
+    return isinstance(P, types.Array) and P.ndim == 2 and P.layout == "C" and P.dtype == types.uint64
+
+
+@intrinsic
+def sparse_lane_dots(typingctx, P, i, whole, TT, cb, Z):
+    """sparse_lane_dots(P, i, whole, TT, cb, Z): Z[cb + l] = Σ_j x_ij TT[j, cb + l] for the 8 lanes l of the block at
+    cb, from row i's nonzeros (`RowNonzeros.packed` P: column order, zero-padded) in `lane_dots2`'s order: the
+    partial sum s_p (8 wide) of the columns j ≡ p (mod 8) below `whole` = 8⌊d/8⌋ in increasing j (a slot's sum
+    picked by its column: no branch on the row's pattern), the tree ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 +
+    s7)), then the columns j ≥ whole one by one. The skipped and padded terms x θ are ±0, and a partial sum that
+    starts at +0 never becomes −0: the dense kernel's bits, for finite θ. Plain fmul and fadd."""
+    if not (_is_row_nonzeros(P) and _c_float_arrays(TT, Z) and TT.ndim == 2 and Z.ndim == 1):
+        return None
+
+    def codegen(context, builder, signature, args):
+        a = _lane_args(context, builder, signature, args, ("P", "i", "whole", "TT", "cb", "Z"))
+        i64 = ir.IntType(64)
+        vec = ir.VectorType(ir.DoubleType(), 8)
+        width = cgutils.unpack_tuple(builder, a["TT"][0].shape, 2)[1]
+        pt = _ptr(context, builder, a["TT"], 0, a["cb"])
+        row, K, count = _nonzeros_row(context, builder, a, a["i"])
+        sums = cgutils.alloca_once(builder, vec, size=ir.Constant(i64, 9))  # s_0 … s_7, and 8: the tail's (unused)
+        for p in range(9):
+            builder.store(ir.Constant(vec, [0.0] * 8), builder.gep(sums, [ir.Constant(i64, p)]))
+
+        def term(k):
+            j, x = _nonzero(builder, row, K, k)
+            return j, builder.fmul(_splat8(builder, x), _vec8(builder, builder.gep(pt, [builder.mul(j, width)])))
+
+        with cgutils.for_range(builder, count) as loop:
+            j, product = term(loop.index)
+            head = builder.icmp_unsigned("<", j, a["whole"])
+            slot = builder.gep(sums, [builder.select(head, builder.and_(j, ir.Constant(i64, 7)), ir.Constant(i64, 8))])
+            builder.store(builder.fadd(builder.load(slot), product), slot)
+        total = cgutils.alloca_once_value(builder, _tree8(builder, [
+            builder.load(builder.gep(sums, [ir.Constant(i64, p)])) for p in range(8)]))
+        with cgutils.for_range(builder, count) as loop:  # the tail (j ≥ whole: the row's last nonzeros)
+            j, product = term(loop.index)
+            with builder.if_then(builder.icmp_unsigned(">=", j, a["whole"])):
+                builder.store(builder.fadd(builder.load(total), product), total)
+        builder.store(builder.load(total), builder.bitcast(_ptr(context, builder, a["Z"], a["cb"]), vec.as_pointer()),
+                      align=8)
+        return context.get_dummy_value()
+
+    return types.void(P, i, whole, TT, cb, Z), codegen
+
+
+@intrinsic
+def sparse_lane_axpy(typingctx, G, P, i, A, cb):
+    """sparse_lane_axpy(G, P, i, A, cb): G[j, cb + l] += A[cb + l] x_ij over row i's nonzeros (`RowNonzeros.packed`
+    P) for the 8 lanes of the block at cb (a padded slot adds A·0 = ±0: no change for finite A; NaN A: the step's
+    poison). Plain fmul and fadd, the same operations as `lane_axpy2` on the nonzero columns."""
+    if not (_is_row_nonzeros(P) and _c_float_arrays(G, A) and G.ndim == 2 and A.ndim == 1):
+        return None
+
+    def codegen(context, builder, signature, args):
+        a = _lane_args(context, builder, signature, args, ("G", "P", "i", "A", "cb"))
+        vec = ir.VectorType(ir.DoubleType(), 8)
+        width = cgutils.unpack_tuple(builder, a["G"][0].shape, 2)[1]
+        pg = _ptr(context, builder, a["G"], 0, a["cb"])
+        av = _vec8(builder, _ptr(context, builder, a["A"], a["cb"]))
+        row, K, count = _nonzeros_row(context, builder, {"P": a["P"]}, a["i"])
+        with cgutils.for_range(builder, count) as loop:
+            j, x = _nonzero(builder, row, K, loop.index)
+            gp = builder.bitcast(builder.gep(pg, [builder.mul(j, width)]), vec.as_pointer())
+            builder.store(builder.fadd(builder.load(gp, align=8), builder.fmul(av, _splat8(builder, x))), gp, align=8)
+        return context.get_dummy_value()
+
+    return types.void(G, P, i, A, cb), codegen
+
+
 @intrinsic
 def _double_from_bits(typingctx, bits):
     """The float64 whose IEEE bits are the int64 `bits`."""
@@ -244,40 +330,102 @@ def residual(yi, z, clip, do_clip, xn):  # pragma: no cover
 
 
 @numba.njit(cache=True, nogil=True, inline="always", error_model="numpy")
-def _lanes(TT, active, X, y, x_norm, clip, do_clip, d, i0, i1, two, Z, A, G):  # pragma: no cover
+def _lanes(TT, active, X, P, whole, y, x_norm, clip, do_clip, d, i0, i1, two, Z, A, G, bad,
+           poison):  # pragma: no cover
     """Rows i0 (and i1 when two) for every cell (lanes; active, clip, do_clip padded to them, padding inactive):
-    dots 8 cells a block, a = −y σ(−y θ_c·x_i) clipped, G += a x 8 cells a block."""
+    dots 8 cells a block, a = −y σ(−y θ_c·x_i) clipped, G += a x 8 cells a block. Rows read densely from X or,
+    when P has rows, by their nonzeros (`sparse_lane_dots`, `sparse_lane_axpy`: the same bits), where a lane whose
+    θ is not finite (`bad`) gets the NaN dot the dense rows give. `poison`: an active lane's residual was NaN (its
+    sum is then NaN in every column, as densely a·0 = NaN)."""
     CP = TT.shape[1]
+    sparse = P.shape[0] > 0
     for cb in range(0, CP, 8):
-        lane_dots2(X, i0, i1, TT, cb, d, Z)
+        if sparse:
+            sparse_lane_dots(P, i0, whole, TT, cb, Z[0])
+            if two:
+                sparse_lane_dots(P, i1, whole, TT, cb, Z[1])
+        else:
+            lane_dots2(X, i0, i1, TT, cb, d, Z)
     for q in range(2 if two else 1):
         i = i0 if q == 0 else i1
         yi, xn = y[i], x_norm[i]
         zq, aq = Z[q], A[q]
         for c in range(CP):  # one loop over all lanes, 1-D: LLVM vectorizes it (exp_fixed included)
-            a = residual(yi, zq[c], clip[c], do_clip[c], xn)
+            a = residual(yi, np.nan if bad[c] else zq[c], clip[c], do_clip[c], xn)
             aq[c] = a if active[c] else 0.0
+            poison[c] |= active[c] and a != a
     for cb in range(0, CP, 8):
-        lane_axpy2(G, X, i0, i1, A, cb, d, 1 if two else 0)
+        if sparse:
+            sparse_lane_axpy(G, P, i0, A[0], cb)
+            if two:
+                sparse_lane_axpy(G, P, i1, A[1], cb)
+        else:
+            lane_axpy2(G, X, i0, i1, A, cb, d, 1 if two else 0)
 
 
 @numba.njit(cache=True, nogil=True, inline="always", error_model="numpy")
-def _pairs(TH, X, y, x_norm, clip, do_clip, r, d, rows, cells, n, z, g):  # pragma: no cover
-    """The first n of the PAIRS pending (row, cell) pairs in order: a = −y σ(−y θ_c·x_i), clipped; g_c += a x_i."""
-    dots8(X, rows, TH, cells, r, d, z)
+def _pairs(TH, X, P, whole, y, x_norm, clip, do_clip, r, d, rows, cells, n, z, g, s9, bad, poison,
+           scratch):  # pragma: no cover
+    """The first n of the PAIRS pending (row, cell) pairs in order: a = −y σ(−y θ_c·x_i), clipped; g_c += a x_i.
+    Rows dense or by their nonzeros (`_sparse_dot`; `bad`, `poison` as in `_lanes`)."""
+    sparse = P.shape[0] > 0
+    if sparse:
+        for k in range(PAIRS):  # the unused slots repeat pair 0 (computed, not applied)
+            z[k] = np.nan if bad[cells[k]] else _sparse_dot(P, rows[k], whole, TH[cells[k], r], s9)
+    else:
+        dots8(X, rows, TH, cells, r, d, z)
+    yk, xk, ck, dk, ak = scratch[0], scratch[1], scratch[2], scratch[3], scratch[4]
+    for k in range(PAIRS):  # gathered apart, so that the residuals below run in vector lanes (exp_fixed's latency
+        i, c = rows[k], cells[k]  # once per PAIRS rows, not per row); the same bits in any lane
+        yk[k], xk[k], ck[k], dk[k] = y[i], x_norm[i], clip[c], 1.0 if do_clip[c] else 0.0
+    for k in range(PAIRS):
+        ak[k] = residual(yk[k], z[k], ck[k], dk[k] != 0.0, xk[k])
+    K = (P.shape[1] - 1) // 2
     for k in range(n):
-        i, c = rows[k], cells[k]
-        a = residual(y[i], z[k], clip[c], do_clip[c], x_norm[i])
-        for j in range(d):
-            g[c, j] += a * X[i, j]
+        i, c, a = rows[k], cells[k], ak[k]
+        poison[c] |= a != a
+        if sparse:
+            for e in range(int(P[i, 2 * K])):
+                g[c, int(P[i, e])] += a * _double_from_bits(P[i, K + e])
+        else:
+            for j in range(d):
+                g[c, j] += a * X[i, j]
+
+
+@numba.njit(cache=True, nogil=True, inline="always", error_model="numpy")
+def _sparse_dot(P, i, whole, theta, s):  # pragma: no cover
+    """θ·x_i from row i's nonzeros in `dots8`'s order, as `sparse_lane_dots` for one θ (s: 9 scratch sums)."""
+    K = (P.shape[1] - 1) // 2
+    count = int(P[i, 2 * K])
+    s[:] = 0.0
+    for k in range(count):
+        j = int(P[i, k])
+        s[j & 7 if j < whole else 8] += _double_from_bits(P[i, K + k]) * theta[j]
+    total = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]))
+    if whole < theta.shape[0]:
+        for k in range(count):
+            j = int(P[i, k])
+            if j >= whole:
+                total += _double_from_bits(P[i, K + k]) * theta[j]
+    return total
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _update(theta, gc, noise, s, t, r, std, scale, l2, eta, radius, do_project):  # pragma: no cover
-    """One cell's step from its clipped sum gc: g = ((gc + std z) · scale) + λθ; θ ← θ − η g; θ ← Π(θ)."""
+def _finite(theta):  # pragma: no cover
+    """Whether every entry of θ is finite (v − v is 0 for finite v, NaN for ±inf and NaN)."""
+    ok = True
+    for j in range(theta.shape[0]):
+        ok &= theta[j] - theta[j] == 0.0
+    return ok
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _update(theta, gc, noise, s, t, r, std, scale, l2, eta, radius, do_project, poison):  # pragma: no cover
+    """One cell's step from its clipped sum gc: g = ((gc + std z) · scale) + λθ; θ ← θ − η g; θ ← Π(θ). poison:
+    the sum is NaN (a sparse step's NaN residual, which the dense sum spreads to every coordinate)."""
     sq = 0.0
     for j in range(theta.shape[0]):
-        v = gc[j]
+        v = np.nan if poison else gc[j]
         if s >= 0:
             v = v + std * noise[s, t, r, j]
         v = v * scale
@@ -294,15 +442,21 @@ def _update(theta, gc, noise, s, t, r, std, scale, l2, eta, radius, do_project):
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def mb_logreg(TH, active, X, y, x_norm, idx, full, noise, slot, std, scale, l2, clip, do_clip, lrs, radius,
+def mb_logreg(TH, active, X, P, y, x_norm, idx, full, noise, slot, std, scale, l2, clip, do_clip, lrs, radius,
               do_project, lanes):  # pragma: no cover
     """Steps of every cell (TH: cell × replica × feature) on the batches idx (or the full batch). The first
     `lanes` cells are vector lanes, 8 a block (θ by feature × cell, two rows at a time: `lane_dots2`,
     `lane_axpy2`); the others take the pair path, PAIRS (row, cell) pairs at a time (`dots8`). Both compute each
-    cell's numbers in the same order: which cell takes which path changes nothing but the time."""
+    cell's numbers in the same order: which cell takes which path changes nothing but the time. P: X's
+    `RowNonzeros.packed` (then the rows are read by their nonzeros, the same bits: `_lanes`, `_pairs`), or an
+    empty (0, 0) uint64 array (dense rows)."""
     C, R, d = TH.shape
     m = lrs.shape[1]
     M = X.shape[0] if full else idx.shape[2]
+    sparse = P.shape[0] > 0
+    whole = 8 * (d // 8)
+    s9 = np.zeros(9)  # a sparse dot's partial sums
+    scratch = np.zeros((5, PAIRS))  # the pairs' gathered y, ‖x‖, clip, do_clip and residuals
     rows = np.zeros(PAIRS, dtype=np.int64)
     cells = np.zeros(PAIRS, dtype=np.int64)
     z = np.empty(PAIRS)
@@ -317,13 +471,19 @@ def mb_logreg(TH, active, X, y, x_norm, idx, full, noise, slot, std, scale, l2, 
     active_l[:CL] = active[:CL]  # the settings the lanes read, padded (padding lanes inactive)
     clip_l[:CL] = clip[:CL]
     do_clip_l[:CL] = do_clip[:CL]
+    bad = np.zeros(max(C, CP), dtype=np.bool_)  # sparse: θ not finite (lanes: lane c = cell c < CL)
+    poison = np.zeros(max(C, CP), dtype=np.bool_)  # sparse: a NaN residual this step
     for r in range(R):
         for c in range(CL):
             for j in range(d):
                 TT[j, c] = TH[c, r, j]
+        if sparse:
+            for c in range(C):
+                bad[c] = not _finite(TH[c, r])
         for t in range(m):
             G[:, :] = 0.0
             g[:, :] = 0.0
+            poison[:] = False
             n = 0
             pending = -1  # lanes: a row waiting for its partner
             for k in range(M):
@@ -333,13 +493,18 @@ def mb_logreg(TH, active, X, y, x_norm, idx, full, noise, slot, std, scale, l2, 
                 if not full and k + AHEAD < M:  # random rows: ask for a later row now (latency-bound otherwise)
                     ahead = idx[t, r, k + AHEAD]
                     if ahead >= 0:
-                        for j in range(0, d, 8):
-                            prefetch(X, ahead, j)
+                        if sparse:
+                            for j in range(0, P.shape[1], 8):
+                                prefetch(P, ahead, j)
+                        else:
+                            for j in range(0, d, 8):
+                                prefetch(X, ahead, j)
                 if CL > 0:
                     if pending < 0:
                         pending = i
                     else:
-                        _lanes(TT, active_l, X, y, x_norm, clip_l, do_clip_l, d, pending, i, True, Z, A, G)
+                        _lanes(TT, active_l, X, P, whole, y, x_norm, clip_l, do_clip_l, d, pending, i, True, Z, A, G, bad,
+                               poison)
                         pending = -1
                 for c in range(CL, C):
                     if not active[c]:
@@ -348,23 +513,28 @@ def mb_logreg(TH, active, X, y, x_norm, idx, full, noise, slot, std, scale, l2, 
                     cells[n] = c
                     n += 1
                     if n == PAIRS:
-                        _pairs(TH, X, y, x_norm, clip, do_clip, r, d, rows, cells, n, z, g)
+                        _pairs(TH, X, P, whole, y, x_norm, clip, do_clip, r, d, rows, cells, n, z, g, s9, bad, poison,
+                               scratch)
                         n = 0
             if pending >= 0:
-                _lanes(TT, active_l, X, y, x_norm, clip_l, do_clip_l, d, pending, pending, False, Z, A, G)
+                _lanes(TT, active_l, X, P, whole, y, x_norm, clip_l, do_clip_l, d, pending, pending, False, Z, A, G,
+                       bad, poison)
             if n > 0:  # the last pairs of the step; the unused slots repeat a pair (computed, not applied)
                 for k in range(n, PAIRS):
                     rows[k] = rows[0]
                     cells[k] = cells[0]
-                _pairs(TH, X, y, x_norm, clip, do_clip, r, d, rows, cells, n, z, g)
+                _pairs(TH, X, P, whole, y, x_norm, clip, do_clip, r, d, rows, cells, n, z, g, s9, bad, poison,
+                               scratch)
             for c in range(C):
                 if active[c]:
                     if c < CL:
                         _update(TT[:, c], G[:, c], noise, slot[c], t, r, std[c], scale[c], l2[c], lrs[c, t],
-                                radius[c], do_project[c])
+                                radius[c], do_project[c], poison[c])
+                        bad[c] = sparse and not _finite(TT[:, c])
                     else:
                         _update(TH[c, r], g[c], noise, slot[c], t, r, std[c], scale[c], l2[c], lrs[c, t],
-                                radius[c], do_project[c])
+                                radius[c], do_project[c], poison[c])
+                        bad[c] = sparse and not _finite(TH[c, r])
         for c in range(CL):
             for j in range(d):
                 TH[c, r, j] = TT[j, c]

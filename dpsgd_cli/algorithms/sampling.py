@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
@@ -116,13 +117,13 @@ class IndexedBatches:
     def x_norm(self) -> np.ndarray:
         """‖x_i‖ of every row, computed at the first batch (the compiled step never needs all of them)."""
         if self._x_norm is None:
-            self._x_norm = row_norms(self.X)
+            self._x_norm = cached_row_norms(self.X)
         return self._x_norm
 
     def nonzeros(self) -> Optional[RowNonzeros]:
         """`RowNonzeros.of(X)`, computed at the first call (None: X too dense for row-sparse products to pay)."""
         if self._nonzeros is False:
-            self._nonzeros = RowNonzeros.of(self.X)
+            self._nonzeros = per_array(self.X, "RowNonzeros", RowNonzeros.of)
         return self._nonzeros
 
     def __iter__(self) -> "IndexedBatches":
@@ -200,6 +201,33 @@ def row_norms(X: np.ndarray) -> np.ndarray:
     return np.sqrt(np.einsum("ij,ij->i", X, X))
 
 
+def cached_row_norms(X: np.ndarray) -> np.ndarray:
+    """`row_norms(X)`, computed once per read-only X (`per_array`): every fit on a dataset reuses them."""
+    return per_array(X, "row_norms", row_norms)
+
+
+_PER_ARRAY: dict[tuple[int, str], tuple[weakref.ref, object]] = {}
+
+
+def per_array(X: np.ndarray, what: str, build: Callable[[np.ndarray], object]) -> object:
+    """`build(X)`, kept while X lives when X is read-only (the datasets the engine loads: every fit, row and
+    checkpoint on them reuses it); a writeable X may change between calls, so it is built again each time."""
+    if X.flags.writeable:
+        return build(X)
+    key = (id(X), what)
+    hit = _PER_ARRAY.get(key)
+    if hit is not None and hit[0]() is X:
+        return hit[1]
+
+    def forget(ref: weakref.ref) -> None:
+        if _PER_ARRAY.get(key, (None,))[0] is ref:
+            del _PER_ARRAY[key]
+
+    value = build(X)
+    _PER_ARRAY[key] = (weakref.ref(X, forget), value)
+    return value
+
+
 def gather(X: np.ndarray, y: np.ndarray, x_norm: np.ndarray, idx: np.ndarray,
            nonzeros: Optional[Callable[[], Optional["RowNonzeros"]]] = None) -> "IndexedBatch":
     """Batch of rows `idx` (R, M) with −1 marking padding (padding reads row 0, with weight 0)."""
@@ -269,14 +297,15 @@ class RowNonzeros:
         return self.split(np.take(self.packed, rows, axis=0))
 
     @classmethod
-    def of(cls, X: np.ndarray) -> Optional["RowNonzeros"]:
-        """X's nonzeros, or None when their (padded) mean count per row exceeds MAX_DENSITY · d."""
+    def of(cls, X: np.ndarray, max_density: Optional[float] = None) -> Optional["RowNonzeros"]:
+        """X's nonzeros, or None when their (padded) mean count per row exceeds max_density · d (default
+        MAX_DENSITY)."""
         n, d = X.shape
         X = np.ascontiguousarray(X)
         compiled = _sampling_numba()
         counts = compiled.count_nonzeros(X) if compiled else np.count_nonzero(X, axis=1)
         padded = -(-counts // cls.GROUP) * cls.GROUP
-        if n == 0 or padded.mean() > cls.MAX_DENSITY * d:
+        if n == 0 or padded.mean() > (cls.MAX_DENSITY if max_density is None else max_density) * d:
             return None
         K = max(int(padded.max()), cls.GROUP)
         out = cls(np.zeros((n, 2 * K + 1), dtype=f"u{X.dtype.itemsize}"), X.dtype)

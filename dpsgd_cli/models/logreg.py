@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
 from typing import Optional
 
 import numpy as np
@@ -135,26 +134,12 @@ def _compiled():
     return _logreg_numba
 
 
-_NONZEROS: dict[int, tuple[weakref.ref, object]] = {}
-
-
 def _row_nonzeros(X: np.ndarray):
-    """`RowNonzeros.of(X)` (None: too dense), kept while X lives when X is read-only (the datasets the engine
-    loads: every row's and checkpoint's metrics reuse it); a writeable X may change between calls and is read
-    densely (the same numbers)."""
-    from dpsgd_cli.algorithms.sampling import RowNonzeros
+    """`RowNonzeros.of(X)` (None: too dense) for float64 X, kept per read-only X (`sampling.per_array`: the
+    datasets the engine loads, so every row's and checkpoint's metrics reuse it); a writeable X may change between
+    calls and is read densely (the same numbers)."""
+    from dpsgd_cli.algorithms.sampling import RowNonzeros, per_array
 
     if X.flags.writeable or X.dtype != np.float64:
         return None
-    key = id(X)
-    hit = _NONZEROS.get(key)
-    if hit is not None and hit[0]() is X:
-        return hit[1]
-
-    def forget(ref: weakref.ref) -> None:
-        if _NONZEROS.get(key, (None,))[0] is ref:
-            del _NONZEROS[key]
-
-    nonzeros = RowNonzeros.of(X)
-    _NONZEROS[key] = (weakref.ref(X, forget), nonzeros)
-    return nonzeros
+    return per_array(X, "RowNonzeros", RowNonzeros.of)
