@@ -1,0 +1,57 @@
+"""Findings of the correctness review of the issue-16 performance changes (branch `review`).
+
+xfail(strict=True) marks a proven defect (the test passes once it is fixed, and then the mark must go); the
+other tests are guards for hazards the review found no defect in on this interpreter."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from dpsgd_cli.algorithms import ALGORITHMS, kernels
+from dpsgd_cli.algorithms.base import Setting
+from dpsgd_cli.algorithms.streams import ReplicaStreams
+from dpsgd_cli.models import make_model
+
+
+def _dense_data(n=240, d=30, seed=1):
+    rng = np.random.default_rng(seed)
+    X = rng.standard_normal((n, d))
+    X /= np.linalg.norm(X, axis=1, keepdims=True)
+    return X, np.where(X[:, 0] + 0.1 > 0, 1.0, -1.0)
+
+
+@pytest.mark.xfail(strict=True, reason="review finding: on the NumPy path a Poisson batch is trimmed to the widest "
+                                       "replica's size, and the (R, 1, M) @ (R, M, d) sum's rounding depends on M, so "
+                                       "a seed's run depends on the seeds trained beside it (README 'Reproducibility')")
+@pytest.mark.parametrize("model_name, options", [("logreg", {}), ("mlp", {"hidden": 11})])
+def test_numpy_path_seed_alone_equals_seed_among_others_bit_for_bit(model_name, options):
+    X, y = _dense_data()
+    model = make_model(model_name, X.shape[1], 1e-3, options)
+    setting = Setting(n=X.shape[0], d=X.shape[1], delta=1e-5, l2=1e-3, epsilon=2.0, batch_size=24, lr=0.5, epochs=2,
+                      clip_norm=0.5)
+    algorithm = ALGORITHMS["dp_sgd"]({"backend": "numpy"})
+    many = algorithm.fit(setting, model, X, y, ReplicaStreams([0, 4, 9])).theta
+    alone = algorithm.fit(setting, model, X, y, ReplicaStreams([4])).theta
+    assert np.array_equal(many[1], alone[0])
+
+
+@pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="numba not installed")
+def test_noise_block_is_not_refilled_while_one_step_of_it_is_held():
+    """`ReplicaStreams._filled` refills its block in place when sys.getrefcount says no step of it is alive. Hold
+    exactly one step per block (the hazardous case: one outstanding view, e.g. a lagging tee of a fused task) and
+    check it is never overwritten. Guards the refcount threshold, which depends on the interpreter (CPython 3.14
+    borrows references on the operand stack, so getrefcount may report one less than on 3.11)."""
+    streams = ReplicaStreams([0, 3])
+    draws = streams.normal("noise", (5,))
+    held, copies = [], []
+    for k in range(40):
+        step = next(draws)
+        if k % 8 == 7:  # the last step of each 8-step block: the only view left when the next block is filled
+            held = [step]
+            copies = [step.copy()]
+        del step
+        assert all(np.array_equal(h, c) for h, c in zip(held, copies)), f"held draw overwritten at step {k}"
+    want = list(itertools.islice(ReplicaStreams([0, 3]).per_step(
+        "noise", lambda g, k: g.standard_normal((k, 5))), 40))
+    assert np.array_equal(held[0], want[39])
