@@ -50,12 +50,15 @@ class ReplicaStreams:
     def _filled(self, fill, purpose: str, shape: tuple[int, ...]) -> Iterator[np.ndarray]:
         gens = self.generators(purpose)
         size = math.prod(shape)
-        block = None
+        block, unreferenced = None, 0
         while True:
             # refill the last block when no step of it is referenced any more (its views hold it: a caller may
-            # keep a draw), else a fresh one (a fresh 5–50 MB block costs its page faults, ~20% of the draw)
-            if block is None or sys.getrefcount(block) > 2:
+            # keep a draw), else a fresh one (a fresh 5–50 MB block costs its page faults, ~20% of the draw). The
+            # count of a block nobody else holds is read here, just after allocating it, not assumed: it depends on
+            # the interpreter (CPython 3.14 borrows references that 3.11 counts)
+            if block is None or sys.getrefcount(block) > unreferenced:
                 block = np.empty((FILL_STEPS, len(gens), size))
+                unreferenced = sys.getrefcount(block)
             for r, g in enumerate(gens):
                 fill(g, block, r)
             yield from block.reshape(FILL_STEPS, len(gens), *shape)
