@@ -74,12 +74,15 @@ def config() -> dict[str, str]:
 
 
 def load(spec_kwargs: dict[str, Any]):
-    """The dataset, or Skip with the fix (the data layer downloads into DPSGD_DATA_DIR on first use)."""
-    from dpsgd_cli.data import DatasetSpec, load_dataset
+    """The dataset as `dpsgd run` holds it (`engine.runner.dataset`: loaded once per process, arrays read-only, so
+    per-dataset work such as row norms is done once, not per fit), or Skip with the fix (the data layer downloads
+    into DPSGD_DATA_DIR on first use)."""
+    from dpsgd_cli.data import DatasetSpec
+    from dpsgd_cli.engine.runner import dataset
 
     spec = DatasetSpec(**spec_kwargs)
     try:
-        return load_dataset(spec)
+        return dataset(spec)
     except Exception as exc:  # DataError (no network, no mirror, bad checksum) or anything else while loading
         raise Skip(f"{spec.name} not available ({type(exc).__name__}: {str(exc).splitlines()[0][:300]}); fix: "
                    f"`dpsgd datasets fetch {spec.name}` with network access, or set DPSGD_DATA_MIRROR to a folder "
