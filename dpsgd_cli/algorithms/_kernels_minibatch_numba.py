@@ -193,11 +193,11 @@ def lane_axpy2(typingctx, G, X, i0, i1, A, cb, d, two):
     return types.void(G, X, i0, i1, A, cb, d, two), codegen
 
 
-def _nonzeros_row(context, builder, a, i):
-    """(the address of row i of a `RowNonzeros.packed` (n, 2K + 1) uint64 array, K, the row's count) for an
-    intrinsic: columns at [0, K), the values' bits at [K, 2K), the (padded) count at 2K."""
-    row = _ptr(context, builder, a["P"], i, 0)
-    K = builder.sdiv(cgutils.unpack_tuple(builder, a["P"][0].shape, 2)[1], ir.Constant(ir.IntType(64), 2))
+def _nonzeros_row(context, builder, P, i):
+    """(the address of row i of a `RowNonzeros.packed` (n, 2K + 1) uint64 array P (an `_lane_args` array), K, the
+    row's count) for an intrinsic: columns at [0, K), the values' bits at [K, 2K), the (padded) count at 2K."""
+    row = _ptr(context, builder, P, i, 0)
+    K = builder.sdiv(cgutils.unpack_tuple(builder, P[0].shape, 2)[1], ir.Constant(ir.IntType(64), 2))
     return row, K, builder.load(builder.gep(row, [builder.add(K, K)]))
 
 
@@ -228,7 +228,7 @@ def sparse_lane_dots(typingctx, P, i, whole, TT, cb, Z):
         vec = ir.VectorType(ir.DoubleType(), 8)
         width = cgutils.unpack_tuple(builder, a["TT"][0].shape, 2)[1]
         pt = _ptr(context, builder, a["TT"], 0, a["cb"])
-        row, K, count = _nonzeros_row(context, builder, a, a["i"])
+        row, K, count = _nonzeros_row(context, builder, a["P"], a["i"])
         sums = cgutils.alloca_once(builder, vec, size=ir.Constant(i64, 9))  # s_0 … s_7, and 8: the tail's (unused)
         for p in range(9):
             builder.store(ir.Constant(vec, [0.0] * 8), builder.gep(sums, [ir.Constant(i64, p)]))
@@ -269,7 +269,7 @@ def sparse_lane_axpy(typingctx, G, P, i, A, cb):
         width = cgutils.unpack_tuple(builder, a["G"][0].shape, 2)[1]
         pg = _ptr(context, builder, a["G"], 0, a["cb"])
         av = _vec8(builder, _ptr(context, builder, a["A"], a["cb"]))
-        row, K, count = _nonzeros_row(context, builder, {"P": a["P"]}, a["i"])
+        row, K, count = _nonzeros_row(context, builder, a["P"], a["i"])
         with cgutils.for_range(builder, count) as loop:
             j, x = _nonzero(builder, row, K, loop.index)
             gp = builder.bitcast(builder.gep(pg, [builder.mul(j, width)]), vec.as_pointer())
@@ -380,23 +380,29 @@ def _pairs(TH, X, P, whole, y, x_norm, clip, do_clip, r, d, rows, cells, n, z, g
         yk[k], xk[k], ck[k], dk[k] = y[i], x_norm[i], clip[c], 1.0 if do_clip[c] else 0.0
     for k in range(PAIRS):
         ak[k] = residual(yk[k], z[k], ck[k], dk[k] != 0.0, xk[k])
-    K = (P.shape[1] - 1) // 2
     for k in range(n):
         i, c, a = rows[k], cells[k], ak[k]
         poison[c] |= a != a
         if sparse:
-            for e in range(int(P[i, 2 * K])):
+            K, count = _slots(P, i)
+            for e in range(count):
                 g[c, int(P[i, e])] += a * _double_from_bits(P[i, K + e])
         else:
             for j in range(d):
                 g[c, j] += a * X[i, j]
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _slots(P, i):  # pragma: no cover
+    """(K, row i's padded count) of a `RowNonzeros.packed` P: slot k's column P[i, k], its value's bits P[i, K + k]."""
+    K = (P.shape[1] - 1) // 2
+    return K, int(P[i, 2 * K])
+
+
 @numba.njit(cache=True, nogil=True, inline="always", error_model="numpy")
 def _sparse_dot(P, i, whole, theta, s):  # pragma: no cover
     """θ·x_i from row i's nonzeros in `dots8`'s order, as `sparse_lane_dots` for one θ (s: 9 scratch sums)."""
-    K = (P.shape[1] - 1) // 2
-    count = int(P[i, 2 * K])
+    K, count = _slots(P, i)
     s[:] = 0.0
     for k in range(count):
         j = int(P[i, k])
@@ -503,8 +509,8 @@ def mb_logreg(TH, active, X, P, y, x_norm, idx, full, noise, slot, std, scale, l
                     if pending < 0:
                         pending = i
                     else:
-                        _lanes(TT, active_l, X, P, whole, y, x_norm, clip_l, do_clip_l, d, pending, i, True, Z, A, G, bad,
-                               poison)
+                        _lanes(TT, active_l, X, P, whole, y, x_norm, clip_l, do_clip_l, d, pending, i, True, Z, A, G,
+                               bad, poison)
                         pending = -1
                 for c in range(CL, C):
                     if not active[c]:

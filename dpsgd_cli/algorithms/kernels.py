@@ -33,6 +33,7 @@ which is, operation for operation, `GradientChain` with `clipped_grad_sum` → `
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.metadata
 import importlib.util
 from typing import Callable, Iterator, Literal, Optional, Sequence
@@ -233,13 +234,22 @@ def schedule_values(schedule: Callable[[int], float], start: int, stop: int) -> 
 def import_compiled(module: str):
     """Import the numba module `dpsgd_cli.algorithms.<module>` (compiling its kernels or loading them from numba's
     on-disk cache); a broken numba install is a UserError (one line, how to fix)."""
-    import importlib
-
     try:
         return importlib.import_module(f"dpsgd_cli.algorithms.{module}")
     except Exception as exc:  # installed but broken (e.g. a NumPy it does not support)
         raise UserError(f"numba could not be imported ({type(exc).__name__}: {exc}); reinstall it "
                         f"({NUMBA_HINT}) or use backend: numpy") from exc
+
+
+def optional_compiled(module: str):
+    """The numba module `dpsgd_cli.<module>`, or None without numba or with a broken one (the callers then compute
+    the same numbers with NumPy). Looked up at each call: tests switch HAVE_NUMBA off."""
+    if not HAVE_NUMBA:
+        return None
+    try:
+        return importlib.import_module(f"dpsgd_cli.{module}")
+    except Exception:  # installed but broken (e.g. a NumPy it does not support)
+        return None
 
 
 @functools.lru_cache(maxsize=1)

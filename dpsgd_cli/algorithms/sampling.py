@@ -123,7 +123,7 @@ class IndexedBatches:
     def nonzeros(self) -> Optional[RowNonzeros]:
         """`RowNonzeros.of(X)`, computed at the first call (None: X too dense for row-sparse products to pay)."""
         if self._nonzeros is False:
-            self._nonzeros = per_array(self.X, "RowNonzeros", RowNonzeros.of)
+            self._nonzeros = cached_nonzeros(self.X)
         return self._nonzeros
 
     def __iter__(self) -> "IndexedBatches":
@@ -187,13 +187,7 @@ def _sampling_numba():
     """The numba module of RowNonzeros.of, or None (numba missing or broken: NumPy builds the same arrays)."""
     from dpsgd_cli.algorithms import kernels
 
-    if not kernels.HAVE_NUMBA:
-        return None
-    try:
-        from dpsgd_cli.algorithms import _sampling_numba as module
-    except Exception:
-        return None
-    return module
+    return kernels.optional_compiled("algorithms._sampling_numba")
 
 
 def row_norms(X: np.ndarray) -> np.ndarray:
@@ -204,6 +198,12 @@ def row_norms(X: np.ndarray) -> np.ndarray:
 def cached_row_norms(X: np.ndarray) -> np.ndarray:
     """`row_norms(X)`, computed once per read-only X (`per_array`): every fit on a dataset reuses them."""
     return per_array(X, "row_norms", row_norms)
+
+
+def cached_nonzeros(X: np.ndarray) -> Optional["RowNonzeros"]:
+    """`RowNonzeros.of(X)` (None: too dense), computed once per read-only X (`per_array`): the training steps,
+    rows and checkpoints on a dataset share it."""
+    return per_array(X, "RowNonzeros", RowNonzeros.of)
 
 
 _PER_ARRAY: dict[tuple[int, str], tuple[weakref.ref, object]] = {}

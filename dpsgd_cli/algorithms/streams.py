@@ -68,13 +68,8 @@ def _numba_fill():
     """`fill_normals`, or None without numba (looked up at each call: tests switch kernels.HAVE_NUMBA off)."""
     from dpsgd_cli.algorithms import kernels
 
-    if not kernels.HAVE_NUMBA:
-        return None
-    try:
-        from dpsgd_cli.algorithms._normals_numba import fill_normals
-    except Exception:  # numba installed but broken: NumPy draws the same numbers
-        return None
-    return fill_normals
+    module = kernels.optional_compiled("algorithms._normals_numba")  # broken numba: NumPy draws the same numbers
+    return module.fill_normals if module is not None else None
 
 
 class SharedStreams(ReplicaStreams):

@@ -125,21 +125,15 @@ def _compiled():
     """The numba module of `logistic_metrics`, or None (numba missing or broken: the NumPy path runs)."""
     from dpsgd_cli.algorithms import kernels
 
-    if not kernels.HAVE_NUMBA:
-        return None
-    try:
-        from dpsgd_cli.models import _logreg_numba
-    except Exception:
-        return None
-    return _logreg_numba
+    return kernels.optional_compiled("models._logreg_numba")
 
 
 def _row_nonzeros(X: np.ndarray):
     """`RowNonzeros.of(X)` (None: too dense) for float64 X, kept per read-only X (`sampling.per_array`: the
     datasets the engine loads, so every row's and checkpoint's metrics reuse it); a writeable X may change between
     calls and is read densely (the same numbers)."""
-    from dpsgd_cli.algorithms.sampling import RowNonzeros, per_array
+    from dpsgd_cli.algorithms.sampling import cached_nonzeros
 
     if X.flags.writeable or X.dtype != np.float64:
         return None
-    return per_array(X, "RowNonzeros", RowNonzeros.of)
+    return cached_nonzeros(X)
