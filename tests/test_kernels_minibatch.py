@@ -224,9 +224,9 @@ def test_each_cell_is_the_same_whatever_shares_its_call(d, density):
     """The kernel itself: a cell's θ is bit for bit the same alone (pair path or one lane) and among C = 3, 5, 8,
     9, 17 cells, whichever of them are vector lanes (all: remainder lanes, several blocks of 8; what group_steps
     takes; a few; none), with an odd number of rows in some steps (the lanes take rows two at a time), the full
-    batch, and a NaN replica; d with whole blocks of 8 and a tail, whole blocks only, the tail only. And the rows
-    read by their nonzeros (`RowNonzeros`; sparse X with an all-zero and an all-nonzero row) give the same bits
-    as the dense rows, on every path."""
+    batch, and a NaN replica; d with whole blocks of 8 and a tail, whole blocks only, the tail only; rows read
+    densely and by their nonzeros (`RowNonzeros`; sparse X with an all-zero and an all-nonzero row), each layout
+    with its own order: bit for bit within a layout, to 1e-12 between them (the same NaN replica)."""
     from dpsgd_cli.algorithms.kernels_minibatch import _kernel, lane_cells
     from dpsgd_cli.algorithms.sampling import RowNonzeros, row_norms
 
@@ -259,19 +259,22 @@ def test_each_cell_is_the_same_whatever_shares_its_call(d, density):
                            args["scale"], args["l2"], args["clip"], args["do_clip"], args["lrs"], args["radius"],
                            args["do_project"], lanes)
                     runs[lanes, layout] = TH
-            for key in runs:
-                np.testing.assert_array_equal(runs[key], runs[0, "dense"])
-            runs[0] = runs[0, "dense"]
-            assert np.isnan(runs[0][1, 2]).all() and np.isfinite(np.delete(runs[0][1], 2, axis=0)).all()
-            assert not np.array_equal(runs[0][0], TH0[0]) and np.array_equal(runs[0][-1], TH0[-1])
+            for lanes, layout in runs:
+                np.testing.assert_array_equal(runs[lanes, layout], runs[0, layout])
+            np.testing.assert_allclose(runs[0, "sparse"], runs[0, "dense"], rtol=1e-12, atol=1e-14)
+            for layout in layouts:
+                assert np.isnan(runs[0, layout][1, 2]).all()
+                assert np.isfinite(np.delete(runs[0, layout][1], 2, axis=0)).all()
+                assert not np.array_equal(runs[0, layout][0], TH0[0])
+                assert np.array_equal(runs[0, layout][-1], TH0[-1])
             for c, lanes in zip(range(C), [0, 1] * C):
                 one = {k: v[c:c + 1] for k, v in args.items()}
-                for P in layouts.values():
+                for layout, P in layouts.items():
                     TH = TH0[c:c + 1].copy()
                     kernel(TH, one["active"], X, P, y, x_norm, idx, full, noise, one["slot"], one["std"],
                            one["scale"], one["l2"], one["clip"], one["do_clip"], one["lrs"], one["radius"],
                            one["do_project"], lanes)
-                    np.testing.assert_array_equal(TH[0], runs[0][c])
+                    np.testing.assert_array_equal(TH[0], runs[0, layout][c])
 
 
 @needs_numba

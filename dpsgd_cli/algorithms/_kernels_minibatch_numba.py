@@ -212,47 +212,30 @@ def _is_row_nonzeros(P):
 
 
 @intrinsic
-def sparse_lane_dots(typingctx, P, i, whole, TT, cb, Z):
-    """sparse_lane_dots(P, i, whole, TT, cb, Z): Z[cb + l] = Σ_j x_ij TT[j, cb + l] for the 8 lanes l of the block at
-    cb, from row i's nonzeros (`RowNonzeros.packed` P: column order, zero-padded) in `lane_dots2`'s order: the
-    partial sum s_p (8 wide) of the columns j ≡ p (mod 8) below `whole` = 8⌊d/8⌋ in increasing j (a slot's sum
-    picked by its column: no branch on the row's pattern), the tree ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 +
-    s7)), then the columns j ≥ whole one by one. The skipped and padded terms x θ are ±0, and a partial sum that
-    starts at +0 never becomes −0: the dense kernel's bits, for finite θ. Plain fmul and fadd."""
+def sparse_lane_dots(typingctx, P, i, TT, cb, Z):
+    """sparse_lane_dots(P, i, TT, cb, Z): Z[cb + l] = Σ_j x_ij TT[j, cb + l] for the 8 lanes l of the block at cb,
+    from row i's nonzeros (`RowNonzeros.packed` P: column order, zero-padded), summed one after the other in column
+    order (`_sparse_dot`'s order: one accumulator, in a register; the row's padded slots add x·θ = ±0 to a sum that
+    starts at +0, which changes nothing). Plain fmul and fadd (no FMA contraction)."""
     if not (_is_row_nonzeros(P) and _c_float_arrays(TT, Z) and TT.ndim == 2 and Z.ndim == 1):
         return None
 
     def codegen(context, builder, signature, args):
-        a = _lane_args(context, builder, signature, args, ("P", "i", "whole", "TT", "cb", "Z"))
-        i64 = ir.IntType(64)
+        a = _lane_args(context, builder, signature, args, ("P", "i", "TT", "cb", "Z"))
         vec = ir.VectorType(ir.DoubleType(), 8)
         width = cgutils.unpack_tuple(builder, a["TT"][0].shape, 2)[1]
         pt = _ptr(context, builder, a["TT"], 0, a["cb"])
         row, K, count = _nonzeros_row(context, builder, a["P"], a["i"])
-        sums = cgutils.alloca_once(builder, vec, size=ir.Constant(i64, 9))  # s_0 … s_7, and 8: the tail's (unused)
-        for p in range(9):
-            builder.store(ir.Constant(vec, [0.0] * 8), builder.gep(sums, [ir.Constant(i64, p)]))
-
-        def term(k):
-            j, x = _nonzero(builder, row, K, k)
-            return j, builder.fmul(_splat8(builder, x), _vec8(builder, builder.gep(pt, [builder.mul(j, width)])))
-
+        total = cgutils.alloca_once_value(builder, ir.Constant(vec, [0.0] * 8))
         with cgutils.for_range(builder, count) as loop:
-            j, product = term(loop.index)
-            head = builder.icmp_unsigned("<", j, a["whole"])
-            slot = builder.gep(sums, [builder.select(head, builder.and_(j, ir.Constant(i64, 7)), ir.Constant(i64, 8))])
-            builder.store(builder.fadd(builder.load(slot), product), slot)
-        total = cgutils.alloca_once_value(builder, _tree8(builder, [
-            builder.load(builder.gep(sums, [ir.Constant(i64, p)])) for p in range(8)]))
-        with cgutils.for_range(builder, count) as loop:  # the tail (j ≥ whole: the row's last nonzeros)
-            j, product = term(loop.index)
-            with builder.if_then(builder.icmp_unsigned(">=", j, a["whole"])):
-                builder.store(builder.fadd(builder.load(total), product), total)
+            j, x = _nonzero(builder, row, K, loop.index)
+            product = builder.fmul(_splat8(builder, x), _vec8(builder, builder.gep(pt, [builder.mul(j, width)])))
+            builder.store(builder.fadd(builder.load(total), product), total)
         builder.store(builder.load(total), builder.bitcast(_ptr(context, builder, a["Z"], a["cb"]), vec.as_pointer()),
                       align=8)
         return context.get_dummy_value()
 
-    return types.void(P, i, whole, TT, cb, Z), codegen
+    return types.void(P, i, TT, cb, Z), codegen
 
 
 @intrinsic
@@ -330,20 +313,20 @@ def residual(yi, z, clip, do_clip, xn):  # pragma: no cover
 
 
 @numba.njit(cache=True, nogil=True, inline="always", error_model="numpy")
-def _lanes(TT, active, X, P, whole, y, x_norm, clip, do_clip, d, i0, i1, two, Z, A, G, bad,
+def _lanes(TT, active, X, P, y, x_norm, clip, do_clip, d, i0, i1, two, Z, A, G, bad,
            poison):  # pragma: no cover
     """Rows i0 (and i1 when two) for every cell (lanes; active, clip, do_clip padded to them, padding inactive):
     dots 8 cells a block, a = −y σ(−y θ_c·x_i) clipped, G += a x 8 cells a block. Rows read densely from X or,
-    when P has rows, by their nonzeros (`sparse_lane_dots`, `sparse_lane_axpy`: the same bits), where a lane whose
-    θ is not finite (`bad`) gets the NaN dot the dense rows give. `poison`: an active lane's residual was NaN (its
+    when P has rows, by their nonzeros (`sparse_lane_dots`, `sparse_lane_axpy`: the dot in the nonzeros' column
+    order), where a lane whose θ is not finite (`bad`) gets the NaN dot the dense rows give. `poison`: an active lane's residual was NaN (its
     sum is then NaN in every column, as densely a·0 = NaN)."""
     CP = TT.shape[1]
     sparse = P.shape[0] > 0
     for cb in range(0, CP, 8):
         if sparse:
-            sparse_lane_dots(P, i0, whole, TT, cb, Z[0])
+            sparse_lane_dots(P, i0, TT, cb, Z[0])
             if two:
-                sparse_lane_dots(P, i1, whole, TT, cb, Z[1])
+                sparse_lane_dots(P, i1, TT, cb, Z[1])
         else:
             lane_dots2(X, i0, i1, TT, cb, d, Z)
     for q in range(2 if two else 1):
@@ -364,14 +347,14 @@ def _lanes(TT, active, X, P, whole, y, x_norm, clip, do_clip, d, i0, i1, two, Z,
 
 
 @numba.njit(cache=True, nogil=True, inline="always", error_model="numpy")
-def _pairs(TH, X, P, whole, y, x_norm, clip, do_clip, r, d, rows, cells, n, z, g, s9, bad, poison,
+def _pairs(TH, X, P, y, x_norm, clip, do_clip, r, d, rows, cells, n, z, g, bad, poison,
            scratch):  # pragma: no cover
     """The first n of the PAIRS pending (row, cell) pairs in order: a = −y σ(−y θ_c·x_i), clipped; g_c += a x_i.
     Rows dense or by their nonzeros (`_sparse_dot`; `bad`, `poison` as in `_lanes`)."""
     sparse = P.shape[0] > 0
     if sparse:
         for k in range(PAIRS):  # the unused slots repeat pair 0 (computed, not applied)
-            z[k] = np.nan if bad[cells[k]] else _sparse_dot(P, rows[k], whole, TH[cells[k], r], s9)
+            z[k] = np.nan if bad[cells[k]] else _sparse_dot(P, rows[k], TH[cells[k], r])
     else:
         dots8(X, rows, TH, cells, r, d, z)
     yk, xk, ck, dk, ak = scratch[0], scratch[1], scratch[2], scratch[3], scratch[4]
@@ -400,19 +383,13 @@ def _slots(P, i):  # pragma: no cover
 
 
 @numba.njit(cache=True, nogil=True, inline="always", error_model="numpy")
-def _sparse_dot(P, i, whole, theta, s):  # pragma: no cover
-    """θ·x_i from row i's nonzeros in `dots8`'s order, as `sparse_lane_dots` for one θ (s: 9 scratch sums)."""
+def _sparse_dot(P, i, theta):  # pragma: no cover
+    """θ·x_i from row i's nonzeros, summed one after the other in column order (a sparse row's order on every path:
+    `sparse_lane_dots` is the same sum for 8 cells at once)."""
     K, count = _slots(P, i)
-    s[:] = 0.0
+    total = 0.0
     for k in range(count):
-        j = int(P[i, k])
-        s[j & 7 if j < whole else 8] += _double_from_bits(P[i, K + k]) * theta[j]
-    total = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]))
-    if whole < theta.shape[0]:
-        for k in range(count):
-            j = int(P[i, k])
-            if j >= whole:
-                total += _double_from_bits(P[i, K + k]) * theta[j]
+        total += _double_from_bits(P[i, K + k]) * theta[int(P[i, k])]
     return total
 
 
@@ -454,14 +431,13 @@ def mb_logreg(TH, active, X, P, y, x_norm, idx, full, noise, slot, std, scale, l
     `lanes` cells are vector lanes, 8 a block (θ by feature × cell, two rows at a time: `lane_dots2`,
     `lane_axpy2`); the others take the pair path, PAIRS (row, cell) pairs at a time (`dots8`). Both compute each
     cell's numbers in the same order: which cell takes which path changes nothing but the time. P: X's
-    `RowNonzeros.packed` (then the rows are read by their nonzeros, the same bits: `_lanes`, `_pairs`), or an
-    empty (0, 0) uint64 array (dense rows)."""
+    `RowNonzeros.packed` (then the rows are read by their nonzeros and a dot sums them in column order, the same on
+    both paths: `_lanes`, `_pairs`; within ~1e-16 relative of the dense rows' order), or an empty (0, 0) uint64
+    array (dense rows)."""
     C, R, d = TH.shape
     m = lrs.shape[1]
     M = X.shape[0] if full else idx.shape[2]
     sparse = P.shape[0] > 0
-    whole = 8 * (d // 8)
-    s9 = np.zeros(9)  # a sparse dot's partial sums
     scratch = np.zeros((5, PAIRS))  # the pairs' gathered y, ‖x‖, clip, do_clip and residuals
     rows = np.zeros(PAIRS, dtype=np.int64)
     cells = np.zeros(PAIRS, dtype=np.int64)
@@ -509,7 +485,7 @@ def mb_logreg(TH, active, X, P, y, x_norm, idx, full, noise, slot, std, scale, l
                     if pending < 0:
                         pending = i
                     else:
-                        _lanes(TT, active_l, X, P, whole, y, x_norm, clip_l, do_clip_l, d, pending, i, True, Z, A, G,
+                        _lanes(TT, active_l, X, P, y, x_norm, clip_l, do_clip_l, d, pending, i, True, Z, A, G,
                                bad, poison)
                         pending = -1
                 for c in range(CL, C):
@@ -519,17 +495,17 @@ def mb_logreg(TH, active, X, P, y, x_norm, idx, full, noise, slot, std, scale, l
                     cells[n] = c
                     n += 1
                     if n == PAIRS:
-                        _pairs(TH, X, P, whole, y, x_norm, clip, do_clip, r, d, rows, cells, n, z, g, s9, bad, poison,
+                        _pairs(TH, X, P, y, x_norm, clip, do_clip, r, d, rows, cells, n, z, g, bad, poison,
                                scratch)
                         n = 0
             if pending >= 0:
-                _lanes(TT, active_l, X, P, whole, y, x_norm, clip_l, do_clip_l, d, pending, pending, False, Z, A, G,
+                _lanes(TT, active_l, X, P, y, x_norm, clip_l, do_clip_l, d, pending, pending, False, Z, A, G,
                        bad, poison)
             if n > 0:  # the last pairs of the step; the unused slots repeat a pair (computed, not applied)
                 for k in range(n, PAIRS):
                     rows[k] = rows[0]
                     cells[k] = cells[0]
-                _pairs(TH, X, P, whole, y, x_norm, clip, do_clip, r, d, rows, cells, n, z, g, s9, bad, poison,
+                _pairs(TH, X, P, y, x_norm, clip, do_clip, r, d, rows, cells, n, z, g, bad, poison,
                                scratch)
             for c in range(C):
                 if active[c]:

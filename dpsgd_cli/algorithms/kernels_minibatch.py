@@ -18,9 +18,10 @@ gaps, permutations or the full batch) and the noise from the chain's own `draws`
 `SharedStreams`: float64 blocks), so a seed gives the same run on both paths, equal up to the summation order
 and the exp (tests/test_kernels_minibatch.py asserts rtol 1e-12).
 
-Fused = alone, bit for bit, on this path: each chain's dot product θ_c·x_i is summed in a fixed order (eight
-interleaved partial sums over the features, lane p of one 8-wide vector summing the j ≡ p mod 8, then a fixed
-tree, then the tail), its residual uses `exp_fixed` (+, ×, floor and a bit cast only: the same bits in a vector
+Fused = alone, bit for bit, on this path: each chain's dot product θ_c·x_i is summed in a fixed order (dense
+rows: eight interleaved partial sums over the features, lane p of one 8-wide vector summing the j ≡ p mod 8, then
+a fixed tree, then the tail; rows read by their nonzeros: the nonzeros one after the other in column order), its
+residual uses `exp_fixed` (+, ×, floor and a bit cast only: the same bits in a vector
 lane as in scalar code, ≤ 1 ulp from libm's exp) and its g_c adds the rows in batch order, whatever the other
 chains of the call. From LANES_FROM chains on a stream the chains are the kernel's vector lanes (θ held as
 feature × chain, 8 chains a block, two rows at a time: each X[i, j] read once for all of them); fewer take the
@@ -112,7 +113,7 @@ def group_steps(model, chains: Sequence, thetas: Sequence[np.ndarray], steps: Se
     X, y = np.ascontiguousarray(batches.X), np.ascontiguousarray(batches.y)
     # only the clip reads ‖x_i‖, but the kernel's branch-free residual indexes it for every row: full length
     x_norm = batches.x_norm if any(c.clip is not None for c in chains) else np.zeros(X.shape[0])
-    nonzeros = batches.nonzeros()  # rows read by their nonzeros when X is sparse: the same bits, less work
+    nonzeros = batches.nonzeros()  # rows read by their nonzeros when X is sparse (their own fixed order), less work
     P = nonzeros.packed if nonzeros is not None else np.zeros((0, 0), dtype=np.uint64)
     plans = [_plan(chain) for chain in chains]
     C, (R, d) = len(chains), thetas[0].shape
