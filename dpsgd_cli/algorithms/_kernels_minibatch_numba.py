@@ -8,7 +8,11 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-PAIRS = 8  # (row, cell) dot products the pair path computes together (measured at 1 cell: 8 ≥ 4 > 2 > 1)
+# (row, cell) pairs the pair path takes together: their dots 8 at a time (`dots8`, `sparse_dots8`: 8 chains of adds
+# in flight), then their residuals in vector lanes (exp_fixed's latency once per PAIRS pairs, not per 8). Measured
+# at 1 cell, R = 1 on adult: 16 (1.56×) ≈ 32 (1.58×) > 64 (1.46×) > 8 (1.21×, session 6's) than session 6's
+# one-at-a-time sparse dots; on dense rows 8 dots at a time ≥ 4 > 2 > 1.
+PAIRS = 16
 AHEAD = 4  # the batch row prefetched this many places ahead (random rows: measured 35 → 16 µs a step of dots)
 
 
@@ -70,8 +74,9 @@ def _c_float_arrays(*arrays):
 
 
 @intrinsic
-def dots8(typingctx, X, rows, V, cells, r, d, out):
-    """dots8(X, rows, V, cells, r, d, out): out[k] = Σ_j X[rows[k], j] V[cells[k], r, j] for the PAIRS pairs k, each
+def dots8(typingctx, X, rows, V, cells, r, d, b, out):
+    """dots8(X, rows, V, cells, r, d, b, out): out[k] = Σ_j X[rows[k], j] V[cells[k], r, j] for the 8 pairs k = b …
+    b + 7, each
     in a fixed order: lane p of an 8-wide vector accumulator sums the j ≡ p (mod 8) of the whole blocks of 8,
     then a fixed tree ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)), then the tail j ≥ 8⌊d/8⌋ one by one. The pairs'
     accumulators advance together (independent chains in flight: one pair's sum alone is bound by the add's
@@ -83,36 +88,37 @@ def dots8(typingctx, X, rows, V, cells, r, d, out):
         return None
 
     def codegen(context, builder, signature, args):
-        a = _lane_args(context, builder, signature, args, ("X", "rows", "V", "cells", "r", "d", "out"))
+        a = _lane_args(context, builder, signature, args, ("X", "rows", "V", "cells", "r", "d", "b", "out"))
+        pairs = [builder.add(a["b"], ir.Constant(ir.IntType(64), k)) for k in range(8)]
         i64, i32 = ir.IntType(64), ir.IntType(32)
         vec = ir.VectorType(ir.DoubleType(), 8)
-        px = [_ptr(context, builder, a["X"], builder.load(_ptr(context, builder, a["rows"], k)), 0)
-              for k in range(PAIRS)]
-        pv = [_ptr(context, builder, a["V"], builder.load(_ptr(context, builder, a["cells"], k)), a["r"], 0)
-              for k in range(PAIRS)]
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(vec, [0.0] * 8)) for _ in range(PAIRS)]
+        px = [_ptr(context, builder, a["X"], builder.load(_ptr(context, builder, a["rows"], pairs[k])), 0)
+              for k in range(8)]
+        pv = [_ptr(context, builder, a["V"], builder.load(_ptr(context, builder, a["cells"], pairs[k])), a["r"], 0)
+              for k in range(8)]
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(vec, [0.0] * 8)) for _ in range(8)]
         blocks = builder.sdiv(a["d"], ir.Constant(i64, 8))
         with cgutils.for_range(builder, blocks) as loop:
             j = builder.mul(loop.index, ir.Constant(i64, 8))
-            for k in range(PAIRS):
+            for k in range(8):
                 product = builder.fmul(_vec8(builder, builder.gep(px[k], [j])), _vec8(builder, builder.gep(pv[k], [j])))
                 builder.store(builder.fadd(builder.load(accs[k]), product), accs[k])
         totals = []
-        for k in range(PAIRS):
+        for k in range(8):
             v = builder.load(accs[k])
             totals.append(cgutils.alloca_once_value(builder, _tree8(builder, [
                 builder.extract_element(v, ir.Constant(i32, p)) for p in range(8)])))
         start = builder.mul(blocks, ir.Constant(i64, 8))
         with cgutils.for_range(builder, builder.sub(a["d"], start)) as loop:
             j = builder.add(start, loop.index)
-            for k in range(PAIRS):
+            for k in range(8):
                 x, v = builder.load(builder.gep(px[k], [j])), builder.load(builder.gep(pv[k], [j]))
                 builder.store(builder.fadd(builder.load(totals[k]), builder.fmul(x, v)), totals[k])
-        for k in range(PAIRS):
-            builder.store(builder.load(totals[k]), _ptr(context, builder, a["out"], k))
+        for k in range(8):
+            builder.store(builder.load(totals[k]), _ptr(context, builder, a["out"], pairs[k]))
         return context.get_dummy_value()
 
-    return types.void(X, rows, V, cells, r, d, out), codegen
+    return types.void(X, rows, V, cells, r, d, b, out), codegen
 
 
 @intrinsic
@@ -215,7 +221,7 @@ def _is_row_nonzeros(P):
 def sparse_lane_dots(typingctx, P, i, TT, cb, Z):
     """sparse_lane_dots(P, i, TT, cb, Z): Z[cb + l] = Σ_j x_ij TT[j, cb + l] for the 8 lanes l of the block at cb,
     from row i's nonzeros (`RowNonzeros.packed` P: column order, zero-padded), summed one after the other in column
-    order (`_sparse_dot`'s order: one accumulator, in a register; the row's padded slots add x·θ = ±0 to a sum that
+    order (`sparse_dots8`'s order for one θ: one accumulator, in a register; the row's padded slots add x·θ = ±0 to a sum that
     starts at +0, which changes nothing). Plain fmul and fadd (no FMA contraction)."""
     if not (_is_row_nonzeros(P) and _c_float_arrays(TT, Z) and TT.ndim == 2 and Z.ndim == 1):
         return None
@@ -236,6 +242,42 @@ def sparse_lane_dots(typingctx, P, i, TT, cb, Z):
         return context.get_dummy_value()
 
     return types.void(P, i, TT, cb, Z), codegen
+
+
+@intrinsic
+def sparse_dots8(typingctx, P, rows, V, cells, r, b, out):
+    """sparse_dots8(P, rows, V, cells, r, b, out): out[b + k] = θ·x for the 8 pairs k (x row rows[b + k] of
+    `RowNonzeros.packed` P, θ = V[cells[b + k], r]), each summed from 0 over the row's slots one after the other,
+    in column order (`sparse_lane_dots`' order); the 8 sums advance together, slot by slot, up to the longest of the 8 rows (a shorter row's
+    slots beyond its count are zero padding: x θ = ±0, no change), so that 8 chains of adds are in flight, not one.
+    Plain fmul and fadd."""
+    if not (_is_row_nonzeros(P) and _c_float_arrays(V, out) and V.ndim == 3 and out.ndim == 1
+            and all(isinstance(a, types.Array) and a.dtype == types.int64 and a.layout == "C" for a in (rows, cells))):
+        return None
+
+    def codegen(context, builder, signature, args):
+        a = _lane_args(context, builder, signature, args, ("P", "rows", "V", "cells", "r", "b", "out"))
+        i64 = ir.IntType(64)
+        pairs = [builder.add(a["b"], ir.Constant(i64, k)) for k in range(8)]
+        heads, longest = [], ir.Constant(i64, 0)
+        for k in range(8):
+            row, K, count = _nonzeros_row(context, builder, a["P"], builder.load(_ptr(context, builder, a["rows"],
+                                                                                    pairs[k])))
+            heads.append(row)
+            longest = builder.select(builder.icmp_unsigned(">", count, longest), count, longest)
+        thetas = [_ptr(context, builder, a["V"], builder.load(_ptr(context, builder, a["cells"], pairs[k])), a["r"], 0)
+                  for k in range(8)]
+        sums = [cgutils.alloca_once_value(builder, ir.Constant(ir.DoubleType(), 0.0)) for _ in range(8)]
+        with cgutils.for_range(builder, longest) as loop:
+            for k in range(8):
+                j, x = _nonzero(builder, heads[k], K, loop.index)
+                term = builder.fmul(x, builder.load(builder.gep(thetas[k], [j])))
+                builder.store(builder.fadd(builder.load(sums[k]), term), sums[k])
+        for k in range(8):
+            builder.store(builder.load(sums[k]), _ptr(context, builder, a["out"], pairs[k]))
+        return context.get_dummy_value()
+
+    return types.void(P, rows, V, cells, r, b, out), codegen
 
 
 @intrinsic
@@ -350,18 +392,22 @@ def _lanes(TT, active, X, P, y, x_norm, clip, do_clip, d, i0, i1, two, Z, A, G, 
 def _pairs(TH, X, P, y, x_norm, clip, do_clip, r, d, rows, cells, n, z, g, bad, poison,
            scratch):  # pragma: no cover
     """The first n of the PAIRS pending (row, cell) pairs in order: a = −y σ(−y θ_c·x_i), clipped; g_c += a x_i.
-    Rows dense or by their nonzeros (`_sparse_dot`; `bad`, `poison` as in `_lanes`)."""
+    Rows dense or by their nonzeros (`sparse_dots8`; `bad`, `poison` as in `_lanes`)."""
     sparse = P.shape[0] > 0
-    if sparse:
-        for k in range(PAIRS):  # the unused slots repeat pair 0 (computed, not applied)
-            z[k] = np.nan if bad[cells[k]] else _sparse_dot(P, rows[k], TH[cells[k], r])
-    else:
-        dots8(X, rows, TH, cells, r, d, z)
+    m = 8 * ((n + 7) // 8)
+    for b in range(0, m, 8):  # the unused slots up to a multiple of 8 repeat pair 0 (computed, not applied)
+        if sparse:
+            sparse_dots8(P, rows, TH, cells, r, b, z)
+            for k in range(b, b + 8):
+                if bad[cells[k]]:
+                    z[k] = np.nan
+        else:
+            dots8(X, rows, TH, cells, r, d, b, z)
     yk, xk, ck, dk, ak = scratch[0], scratch[1], scratch[2], scratch[3], scratch[4]
-    for k in range(PAIRS):  # gathered apart, so that the residuals below run in vector lanes (exp_fixed's latency
+    for k in range(m):  # gathered apart, so that the residuals below run in vector lanes (exp_fixed's latency
         i, c = rows[k], cells[k]  # once per PAIRS rows, not per row); the same bits in any lane
         yk[k], xk[k], ck[k], dk[k] = y[i], x_norm[i], clip[c], 1.0 if do_clip[c] else 0.0
-    for k in range(PAIRS):
+    for k in range(m):
         ak[k] = residual(yk[k], z[k], ck[k], dk[k] != 0.0, xk[k])
     for k in range(n):
         i, c, a = rows[k], cells[k], ak[k]
@@ -380,17 +426,6 @@ def _slots(P, i):  # pragma: no cover
     """(K, row i's padded count) of a `RowNonzeros.packed` P: slot k's column P[i, k], its value's bits P[i, K + k]."""
     K = (P.shape[1] - 1) // 2
     return K, int(P[i, 2 * K])
-
-
-@numba.njit(cache=True, nogil=True, inline="always", error_model="numpy")
-def _sparse_dot(P, i, theta):  # pragma: no cover
-    """θ·x_i from row i's nonzeros, summed one after the other in column order (a sparse row's order on every path:
-    `sparse_lane_dots` is the same sum for 8 cells at once)."""
-    K, count = _slots(P, i)
-    total = 0.0
-    for k in range(count):
-        total += _double_from_bits(P[i, K + k]) * theta[int(P[i, k])]
-    return total
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
