@@ -2,7 +2,8 @@
 
 Any full epoch of a linear model reads the training data at least for the margins X θ and for the gradient
 Xᵀ r: the floor is the time of one X @ v plus one X.T @ u (BLAS, best of k each, with the default thread count
-and with one thread: the faster counts). dp_sgd's epoch (case 1's setting, R = 1) is measured in the same run, as `dpsgd run` trains it (backend auto: the
+and with one thread: the faster counts). dp_sgd's epoch (case 1's setting, R = 1) is measured in rounds interleaved with
+the floor's passes (the same load for both), as `dpsgd run` trains it (backend auto: the
 compiled mini-batch step when numba is installed) and with backend numpy.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from benchmarks.common import Row, Skip, best_of, fmt_time, load, logreg_setting
+from benchmarks.common import Row, Skip, best_of, fmt_time, interleaved_best, load, logreg_setting
 from benchmarks.pinned import load1
 
 GOAL = 3.0
@@ -30,17 +31,6 @@ def run(ctx) -> list[Row]:
     X, y = data.X_train, data.y_train
     k = max(ctx.k, 10)  # millisecond measurements: more repetitions
     v, u = np.ones(X.shape[1]), np.ones(X.shape[0])
-    # BLAS with 2 threads on a machine shared with other jobs waits for a time slice (bimodal: 0.2 ms or 8 ms for
-    # the same X @ v): each pass is the best of the default thread count and one thread
-    passes = {}
-    for name, fn in (("x_v", lambda: X @ v), ("xt_u", lambda: X.T @ u)):
-        options = []
-        for threads in (None, 1):
-            with threadpool_limits(threads):
-                options.append((best_of(fn, k, warmup=1)[0], threads or "default"))
-        passes[name] = min(options, key=lambda o: o[0].min)
-    (t_xv, th_xv), (t_xtu, th_xtu) = passes["x_v"], passes["xt_u"]
-    floor = t_xv.min + t_xtu.min
     setting = logreg_setting(data)
     calibrate_sigma(setting.epsilon, setting.delta, setting.sample_rate, setting.steps)
     model = make_model("logreg", data.d, setting.l2)
@@ -51,7 +41,19 @@ def run(ctx) -> list[Row]:
     probe = ALGORITHMS["dp_sgd"]().prepare(setting, model, X, y, ReplicaStreams([0]))
     probe.train(model)
     path = probe.chain.ran_on  # what `dpsgd run` takes (backend auto): "numba" = the compiled mini-batch step
-    epoch, _ = best_of(lambda: fit("auto"), k, warmup=1)
+    # BLAS with 2 threads on a machine shared with other jobs waits for a time slice (bimodal: 0.2 ms or 8 ms for
+    # the same X @ v): each pass is the best of the default thread count and one thread. The passes and our epoch
+    # are measured in interleaved rounds, so that the floor and the epoch see the same load.
+    passes_fns = {"x_v": lambda: X @ v, "xt_u": lambda: X.T @ u}
+    sides = {(name, threads): fn for name, fn in passes_fns.items() for threads in ("default", 1)}
+    limits = {key: (lambda th: lambda: threadpool_limits(None if th == "default" else th))(key[1]) for key in sides}
+    sides["epoch"] = lambda: fit("auto")
+    timed = interleaved_best(sides, rounds=k, contexts=limits)
+    epoch = timed.pop("epoch")
+    passes = {name: min(((t, th) for (nm, th), t in timed.items() if nm == name), key=lambda o: o[0].min)
+              for name in ("x_v", "xt_u")}
+    (t_xv, th_xv), (t_xtu, th_xtu) = passes["x_v"], passes["xt_u"]
+    floor = t_xv.min + t_xtu.min
     epoch_numpy, _ = best_of(lambda: fit("numpy"), k, warmup=1)
     ratio = epoch.min / floor
     gb = X.nbytes / 2**30

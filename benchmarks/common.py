@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import contextlib
 import statistics
 import subprocess
 import sys
@@ -42,6 +43,24 @@ def best_of(fn: Callable[[], Any], k: int, warmup: int = 0) -> tuple[Timing, Any
         times.append(time.perf_counter() - start)
     return Timing(min(times), statistics.median(times), len(times), times), result
 
+
+
+def interleaved_best(fns: dict[Any, Callable[[], Any]], rounds: int, reps: int = 3,
+                     contexts: Optional[dict[Any, Callable[[], Any]]] = None) -> dict[Any, Timing]:
+    """Each fn once untimed, then `rounds` rounds, each running every fn `reps` times in turn (A A A B B B A A A …):
+    the fns see the same moments of a shared machine, so their ratio is not one side's lucky time slice.
+    contexts[name]() (e.g. a thread limit, slow to enter) is entered around a fn's reps, outside the clock."""
+    contexts = contexts or {}
+    times: dict[Any, list[float]] = {name: [] for name in fns}
+    for r in range(max(1, rounds) + 1):
+        for name, fn in fns.items():
+            with contexts.get(name, contextlib.nullcontext)():
+                for _ in range(reps if r else 1):
+                    start = time.perf_counter()
+                    fn()
+                    if r:
+                        times[name].append(time.perf_counter() - start)
+    return {name: Timing(min(t), statistics.median(t), len(t), t) for name, t in times.items()}
 
 @dataclass
 class Row:
