@@ -44,3 +44,20 @@ def test_normal_stream_equals_per_replica_standard_normal(monkeypatch, numba):
     want = list(itertools.islice(ReplicaStreams([0, 3, 11]).per_step(
         "noise", lambda g, k: g.standard_normal((k, 2, 7))), 70))
     assert all(np.array_equal(a, b) for a, b in zip(got, want))
+
+
+def test_float32_training_copy_is_made_once_per_read_only_dataset():
+    from dpsgd_cli.algorithms.sampling import cached_astype, cached_nonzeros
+
+    X = np.random.default_rng(0).normal(size=(50, 4))
+    assert cached_astype(X, np.float32) is not cached_astype(X, np.float32)  # writeable: may change between calls
+    X.flags.writeable = False
+    a = cached_astype(X, np.float32)
+    assert a is cached_astype(X, "float32") and a.dtype == np.float32 and not a.flags.writeable
+    assert np.array_equal(a, X.astype(np.float32))
+    assert cached_astype(X, np.float64) is X
+    X0 = np.zeros((40, 100), dtype=np.float64)
+    X0[:, 0] = 1.0
+    X0.flags.writeable = False
+    copy = cached_astype(X0, np.float32)
+    assert cached_nonzeros(copy) is cached_nonzeros(cached_astype(X0, np.float32))  # so its nonzeros are reused
