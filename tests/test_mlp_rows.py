@@ -130,3 +130,42 @@ def test_fused_epsilon_axis_equals_each_cell_alone_bit_for_bit():
     for s, outcome in zip(settings, train_together(model, prepared)):
         alone = ALGORITHMS["dp_sgd"]().fit(s, model, X, y, ReplicaStreams(seeds))
         assert outcome.theta.dtype == np.float32 and np.array_equal(outcome.theta, alone.theta)
+
+
+def test_kernels_sum_in_the_documented_order_bit_for_bit():
+    """hidden: z_k = ((0 + group₀) + group₁ + …) + b_k, each group ((v₀w₀ + v₁w₁) + (v₂w₂ + v₃w₃)) + ((…) + (…));
+    backward: row by row in batch order from 0, δ_i = u_i · coef_i; all in float32 (rows of 0, 1, 2 and 3 groups)."""
+    from dpsgd_cli.models import _mlp_numba as compiled
+
+    f = np.float32
+    rng = np.random.default_rng(3)
+    n, d, h, R, M = 12, 30, 3, 2, 6
+    X = np.zeros((n, d), f)
+    for i, k in enumerate([0, 3, 8, 9, 17, 20] * 2):
+        X[i, rng.choice(d, k, replace=False)] = rng.normal(size=k)
+    rows = RowNonzeros.of(X, max_density=1.0).take(rng.permutation(n)[: R * M].reshape(R, M))
+    cols, vals, nnz = rows
+    WT, b1 = rng.normal(size=(R, d, h)).astype(f), rng.normal(size=(R, h)).astype(f)
+    u, a, coef = (rng.normal(size=s).astype(f) for s in ((R, M, h), (R, M, h), (R, M)))
+    z = np.empty((R, M, h), f)
+    compiled.hidden(*rows, WT, b1, z)
+    G, gb1, gw2, gb2 = np.empty((R, d, h), f), np.empty((R, h), f), np.empty((R, h), f), np.empty(R, f)
+    compiled.backward(*rows, u, coef, a, G, gb1, gw2, gb2)
+    for r in range(R):
+        want_G, want_b1, want_w2, want_b2 = np.zeros((d, h), f), np.zeros(h, f), np.zeros(h, f), f(0)
+        for i in range(M):
+            for k in range(h):
+                acc = f(0)
+                for s in range(0, int(nnz[r, i]), 8):
+                    p = [vals[r, i, s + j] * WT[r, cols[r, i, s + j], k] for j in range(8)]
+                    acc = acc + (((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7])))
+                assert (acc + b1[r, k]).tobytes() == z[r, i, k].tobytes()
+            c = coef[r, i]
+            delta = u[r, i] * c
+            want_b2 = want_b2 + c
+            want_b1, want_w2 = want_b1 + delta, want_w2 + c * a[r, i]
+            for s in range(int(nnz[r, i])):
+                if vals[r, i, s] != 0:
+                    want_G[cols[r, i, s]] += vals[r, i, s] * delta
+        assert np.array_equal(G[r], want_G) and np.array_equal(gb1[r], want_b1)
+        assert np.array_equal(gw2[r], want_w2) and want_b2.tobytes() == gb2[r].tobytes()
