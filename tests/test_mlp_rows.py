@@ -169,3 +169,21 @@ def test_kernels_sum_in_the_documented_order_bit_for_bit():
                     want_G[cols[r, i, s]] += vals[r, i, s] * delta
         assert np.array_equal(G[r], want_G) and np.array_equal(gb1[r], want_b1)
         assert np.array_equal(gw2[r], want_w2) and want_b2.tobytes() == gb2[r].tobytes()
+
+
+def test_scratch_is_reused_per_name_and_thread_and_grows():
+    import threading
+
+    from dpsgd_cli.models.mlp import _scratch
+
+    a = _scratch("test", (2, 3), np.float32)
+    b = _scratch("test", (3, 2), np.float32)
+    assert b.shape == (3, 2) and b.flags.c_contiguous and np.shares_memory(a, b)
+    assert not np.shares_memory(a, _scratch("test", (2, 3), np.float64))  # per dtype
+    big = _scratch("test", (50, 50), np.float32)
+    assert big.shape == (50, 50) and not np.shares_memory(a, big)
+    other = []
+    thread = threading.Thread(target=lambda: other.append(_scratch("test", (50, 50), np.float32)))
+    thread.start()
+    thread.join()
+    assert not np.shares_memory(big, other[0])
