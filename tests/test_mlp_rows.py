@@ -187,3 +187,29 @@ def test_scratch_is_reused_per_name_and_thread_and_grows():
     thread.start()
     thread.join()
     assert not np.shares_memory(big, other[0])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_compiled_clip_coefficients_equal_numpys(dtype):
+    """`_mlp_numba.clipped_coefficients` (after scipy's expit) gives `mlp._coefficients`' numbers, zeros' signs
+    included, and NaN where it has NaN (diverged replicas: NaN and ±inf logits and norms)."""
+    from scipy.special import expit
+
+    from dpsgd_cli.models import _mlp_numba as compiled
+    from dpsgd_cli.models.mlp import _coefficients
+
+    rng = np.random.default_rng(1)
+    R, M = 4, 500
+    y = np.where(rng.random((R, M)) > 0.5, 1.0, -1.0).astype(dtype)
+    f = (rng.normal(size=(R, M)) * 6).astype(dtype)
+    w = (rng.random((R, M)) > 0.1).astype(dtype)  # padding rows: weight 0
+    x_norm, aa, uu = (rng.random((R, M)) * s for s in (2, 50, 3))
+    f[0, :4], uu[1, :2], aa[2, :2] = [np.nan, np.inf, -np.inf, 200], [np.inf, np.nan], [np.inf, 0]
+    x_norm, aa, uu = (v.astype(dtype) for v in (x_norm, aa, uu))
+    for clip in (0.1, 1.0, 3.7):
+        want = _coefficients(y, f, w, clip, x_norm, (aa, uu))
+        got = np.empty_like(f)
+        compiled.clipped_coefficients(-y, expit(-y * f), w, x_norm, aa, uu, dtype(1), dtype(clip), got)
+        assert np.array_equal(np.isnan(got), np.isnan(want)) and np.isnan(want).any()
+        ok = ~np.isnan(want)
+        assert np.array_equal(got[ok], want[ok]) and np.array_equal(np.signbit(got[ok]), np.signbit(want[ok]))

@@ -138,3 +138,18 @@ def row_terms(a, kind, one, w2, b2, u, f, aa, uu):
             f[r, i] = s_f + b2[r]
             aa[r, i] = s_a
             uu[r, i] = s_u
+
+
+@numba.njit(cache=True, nogil=True)
+def clipped_coefficients(minus_y, e, w, x_norm, aa, uu, one, clip, coef):
+    """coef = r·w·(C / max(‖∇ℓ‖, C)) with r = (−y)·e, e = σ(−y f) (from NumPy: `mlp._coefficients` computes it with
+    scipy's expit), ‖∇ℓ‖ = |r| √((1 + ‖a‖²) + ‖u‖²(‖x‖² + 1)): `_coefficients`' operations in its order, each rounded
+    to the arrays' dtype (one, clip given in it), max as NumPy's (a NaN norm gives NaN); all (R, M) (coef written)."""
+    R, M = coef.shape
+    for r_ in range(R):
+        for i in range(M):
+            r = minus_y[r_, i] * e[r_, i]
+            xn = x_norm[r_, i]
+            norm = abs(r) * np.sqrt((one + aa[r_, i]) + uu[r_, i] * (xn * xn + one))
+            m = clip if norm < clip else norm
+            coef[r_, i] = (r * w[r_, i]) * (clip / m)

@@ -233,7 +233,13 @@ class MLP(Model):
         f, aa, uu = (np.empty((R, M), theta.dtype) for _ in range(3))
         kernels.row_terms(a, kernels.ACTIVATIONS[self.activation], theta.dtype.type(1), np.ascontiguousarray(w2),
                           np.ascontiguousarray(b2), u, f, aa, uu)  # u = φ'(z) ⊙ w₂
-        coef = _coefficients(batch.y, f, batch.weight, clip, batch.x_norm, (aa, uu))
+        if clip is None or theta.dtype != f.dtype:
+            coef = _coefficients(batch.y, f, batch.weight, clip, batch.x_norm, (aa, uu))
+        else:  # _coefficients' operations after expit in one compiled pass, the same numbers
+            minus_y = np.negative(batch.y)
+            coef = np.empty_like(f)
+            kernels.clipped_coefficients(minus_y, expit(minus_y * f), batch.weight, batch.x_norm, aa, uu,
+                                         theta.dtype.type(1), theta.dtype.type(clip), coef)
         G, gb1, gw2, gb2 = (_scratch("G", (R, d, h), theta.dtype), np.empty((R, h), theta.dtype),
                             np.empty((R, h), theta.dtype), np.empty(R, theta.dtype))
         kernels.backward(*rows, u, np.ascontiguousarray(coef, dtype=theta.dtype), a, G, gb1, gw2, gb2)
