@@ -61,3 +61,23 @@ def test_float32_training_copy_is_made_once_per_read_only_dataset():
     X0.flags.writeable = False
     copy = cached_astype(X0, np.float32)
     assert cached_nonzeros(copy) is cached_nonzeros(cached_astype(X0, np.float32))  # so its nonzeros are reused
+
+
+@needs_numba
+def test_a_pcg64_path_that_fails_its_check_falls_back_to_the_generator_path(monkeypatch):
+    from dpsgd_cli.algorithms import _normals_numba as compiled
+
+    def broken(state, out, r):
+        raise RuntimeError("cannot compile")
+
+    monkeypatch.setattr(compiled, "fill_normals_pcg64", broken)
+    compiled.pcg64_matches.cache_clear()
+    try:
+        assert not compiled.pcg64_matches()
+        assert compiled.pcg64_state(np.random.default_rng(0)) is None
+        got = list(itertools.islice(ReplicaStreams([2, 9]).normal("noise", (5,)), 12))
+        want = list(itertools.islice(ReplicaStreams([2, 9]).per_step(
+            "noise", lambda g, k: g.standard_normal((k, 5))), 12))
+        assert all(np.array_equal(a, b) for a, b in zip(got, want))
+    finally:
+        compiled.pcg64_matches.cache_clear()

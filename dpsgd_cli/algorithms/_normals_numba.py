@@ -127,7 +127,10 @@ def pcg64_matches() -> bool:
         want = np.random.default_rng([seed, 2]).standard_normal((2, 20_000))
         state = _state_array(np.random.default_rng([seed, 2]))
         got = np.empty((2, 1, 20_000))
-        fill_normals_pcg64(state, got, 0)
+        try:
+            fill_normals_pcg64(state, got, 0)
+        except Exception:  # e.g. a numba that cannot compile the 128-bit intrinsic: the Generator path
+            return False
         if not np.array_equal(got[:, 0], want):
             return False
     return True

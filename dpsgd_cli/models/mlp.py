@@ -233,9 +233,9 @@ class MLP(Model):
         f, aa, uu = (np.empty((R, M), theta.dtype) for _ in range(3))
         kernels.row_terms(a, kernels.ACTIVATIONS[self.activation], theta.dtype.type(1), np.ascontiguousarray(w2),
                           np.ascontiguousarray(b2), u, f, aa, uu)  # u = φ'(z) ⊙ w₂
-        if clip is None or theta.dtype != f.dtype:
+        if clip is None or any(np.asarray(v).dtype != theta.dtype for v in (batch.y, batch.weight, batch.x_norm)):
             coef = _coefficients(batch.y, f, batch.weight, clip, batch.x_norm, (aa, uu))
-        else:  # _coefficients' operations after expit in one compiled pass, the same numbers
+        else:  # _coefficients' operations after expit in one compiled pass, the same numbers (all in θ's dtype)
             minus_y = np.negative(batch.y)
             coef = np.empty_like(f)
             kernels.clipped_coefficients(minus_y, expit(minus_y * f), batch.weight, batch.x_norm, aa, uu,
