@@ -45,12 +45,13 @@ def ours_fit(spec: dict[str, Any]) -> tuple[Runner, dict[str, Any]]:
     import numpy as np
 
     from dpsgd_cli.algorithms import ALGORITHMS
+    from dpsgd_cli.algorithms.sampling import cached_astype
     from dpsgd_cli.algorithms.streams import ReplicaStreams
     from dpsgd_cli.models import make_model
 
     data = _data(spec["data"])
     dtype = np.dtype(spec.get("dtype", "float64"))
-    X, y = (data[k] if data[k].dtype == dtype else data[k].astype(dtype) for k in ("X_train", "y_train"))
+    X, y = (cached_astype(data[k], dtype) for k in ("X_train", "y_train"))  # as the engine holds them
     n, d = X.shape
     steps = spec.get("steps")
     setting = _setting(n, d, **({"epochs": steps * 256 / n} if steps else {}))

@@ -130,3 +130,86 @@ def test_fused_epsilon_axis_equals_each_cell_alone_bit_for_bit():
     for s, outcome in zip(settings, train_together(model, prepared)):
         alone = ALGORITHMS["dp_sgd"]().fit(s, model, X, y, ReplicaStreams(seeds))
         assert outcome.theta.dtype == np.float32 and np.array_equal(outcome.theta, alone.theta)
+
+
+def test_kernels_sum_in_the_documented_order_bit_for_bit():
+    """hidden: z_k = ((0 + group₀) + group₁ + …) + b_k, each group ((v₀w₀ + v₁w₁) + (v₂w₂ + v₃w₃)) + ((…) + (…));
+    backward: row by row in batch order from 0, δ_i = u_i · coef_i; all in float32 (rows of 0, 1, 2 and 3 groups)."""
+    from dpsgd_cli.models import _mlp_numba as compiled
+
+    f = np.float32
+    rng = np.random.default_rng(3)
+    n, d, h, R, M = 12, 30, 3, 2, 6
+    X = np.zeros((n, d), f)
+    for i, k in enumerate([0, 3, 8, 9, 17, 20] * 2):
+        X[i, rng.choice(d, k, replace=False)] = rng.normal(size=k)
+    rows = RowNonzeros.of(X, max_density=1.0).take(rng.permutation(n)[: R * M].reshape(R, M))
+    cols, vals, nnz = rows
+    WT, b1 = rng.normal(size=(R, d, h)).astype(f), rng.normal(size=(R, h)).astype(f)
+    u, a, coef = (rng.normal(size=s).astype(f) for s in ((R, M, h), (R, M, h), (R, M)))
+    z = np.empty((R, M, h), f)
+    compiled.hidden(*rows, WT, b1, z)
+    G, gb1, gw2, gb2 = np.empty((R, d, h), f), np.empty((R, h), f), np.empty((R, h), f), np.empty(R, f)
+    compiled.backward(*rows, u, coef, a, G, gb1, gw2, gb2)
+    for r in range(R):
+        want_G, want_b1, want_w2, want_b2 = np.zeros((d, h), f), np.zeros(h, f), np.zeros(h, f), f(0)
+        for i in range(M):
+            for k in range(h):
+                acc = f(0)
+                for s in range(0, int(nnz[r, i]), 8):
+                    p = [vals[r, i, s + j] * WT[r, cols[r, i, s + j], k] for j in range(8)]
+                    acc = acc + (((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7])))
+                assert (acc + b1[r, k]).tobytes() == z[r, i, k].tobytes()
+            c = coef[r, i]
+            delta = u[r, i] * c
+            want_b2 = want_b2 + c
+            want_b1, want_w2 = want_b1 + delta, want_w2 + c * a[r, i]
+            for s in range(int(nnz[r, i])):
+                if vals[r, i, s] != 0:
+                    want_G[cols[r, i, s]] += vals[r, i, s] * delta
+        assert np.array_equal(G[r], want_G) and np.array_equal(gb1[r], want_b1)
+        assert np.array_equal(gw2[r], want_w2) and want_b2.tobytes() == gb2[r].tobytes()
+
+
+def test_scratch_is_reused_per_name_and_thread_and_grows():
+    import threading
+
+    from dpsgd_cli.models.mlp import _scratch
+
+    a = _scratch("test", (2, 3), np.float32)
+    b = _scratch("test", (3, 2), np.float32)
+    assert b.shape == (3, 2) and b.flags.c_contiguous and np.shares_memory(a, b)
+    assert not np.shares_memory(a, _scratch("test", (2, 3), np.float64))  # per dtype
+    big = _scratch("test", (50, 50), np.float32)
+    assert big.shape == (50, 50) and not np.shares_memory(a, big)
+    other = []
+    thread = threading.Thread(target=lambda: other.append(_scratch("test", (50, 50), np.float32)))
+    thread.start()
+    thread.join()
+    assert not np.shares_memory(big, other[0])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_compiled_clip_coefficients_equal_numpys(dtype):
+    """`_mlp_numba.clipped_coefficients` (after scipy's expit) gives `mlp._coefficients`' numbers, zeros' signs
+    included, and NaN where it has NaN (diverged replicas: NaN and ±inf logits and norms)."""
+    from scipy.special import expit
+
+    from dpsgd_cli.models import _mlp_numba as compiled
+    from dpsgd_cli.models.mlp import _coefficients
+
+    rng = np.random.default_rng(1)
+    R, M = 4, 500
+    y = np.where(rng.random((R, M)) > 0.5, 1.0, -1.0).astype(dtype)
+    f = (rng.normal(size=(R, M)) * 6).astype(dtype)
+    w = (rng.random((R, M)) > 0.1).astype(dtype)  # padding rows: weight 0
+    x_norm, aa, uu = (rng.random((R, M)) * s for s in (2, 50, 3))
+    f[0, :4], uu[1, :2], aa[2, :2] = [np.nan, np.inf, -np.inf, 200], [np.inf, np.nan], [np.inf, 0]
+    x_norm, aa, uu = (v.astype(dtype) for v in (x_norm, aa, uu))
+    for clip in (0.1, 1.0, 3.7):
+        want = _coefficients(y, f, w, clip, x_norm, (aa, uu))
+        got = np.empty_like(f)
+        compiled.clipped_coefficients(-y, expit(-y * f), w, x_norm, aa, uu, dtype(1), dtype(clip), got)
+        assert np.array_equal(np.isnan(got), np.isnan(want)) and np.isnan(want).any()
+        ok = ~np.isnan(want)
+        assert np.array_equal(got[ok], want[ok]) and np.array_equal(np.signbit(got[ok]), np.signbit(want[ok]))

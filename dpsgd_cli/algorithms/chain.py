@@ -15,6 +15,7 @@ import numpy as np
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import Batch, Model
 
+_NO_NOISE = np.zeros((0, 0))  # the compiled update's z when the chain adds none (never read)
 Transform = Callable[[np.ndarray, np.ndarray], np.ndarray]  # (gradient (R, P), θ (R, P)) → gradient
 Schedule = Callable[[int], float]  # step t = 1, 2, ... → learning rate
 
@@ -168,15 +169,45 @@ class GradientChain:
         if hasattr(batch, "plain") and not self._compiled_rows():  # the model may not take the compiled rows path
             batch = batch.plain()
         g = model.clipped_grad_sum(theta, batch, self.clip)
-        for transform in self.transforms:
-            g = transform(g, theta)
-        theta -= self.schedule(t) * g
+        lr = self.schedule(t)
+        fused = self._fused_update(theta, g, lr)
+        if fused is not None:  # the same numbers in one compiled pass (`_update_numba`)
+            kernel, noise, factor, l2 = fused
+            dtype = theta.dtype.type
+            z = next(noise[1]) if noise is not None else _NO_NOISE
+            kernel(theta, g, z, 0.0 if noise is None else noise[0], dtype(factor), dtype(l2), dtype(lr),
+                   noise is not None, bool(l2), np.empty(theta.shape[1], theta.dtype))
+        else:
+            for transform in self.transforms:
+                g = transform(g, theta)
+            theta -= lr * g
         if self.project is not None:
             theta = self.project(theta)
         if self.checkpoints is not None:
             before, after = round((t - 1) * self.examples_per_step), round(t * self.examples_per_step)
             self.checkpoints.maybe_record(model, theta, before, after)
         return theta
+
+    def _fused_update(self, theta: np.ndarray, g: np.ndarray, lr):
+        """(kernel, noise (std, draws) or None, factor, λ) when the transforms are `sgd`'s and `dp_sgd`'s
+        ([add_noise,] scale, add_l2) and the compiled update may run (backend auto or numba, numba installed; θ and
+        g C-contiguous (R, P) arrays of one float dtype; std, factor, λ and η Python numbers, which NumPy rounds to
+        the array's dtype, unlike NumPy scalars), else None."""
+        kinds = [getattr(transform, "compiled", (None,)) for transform in self.transforms]
+        if [k[0] for k in kinds] not in (["noise", "scale", "l2"], ["scale", "l2"]) or not self._compiled_rows():
+            return None
+        if not all(type(x) in (float, int) for x in (lr, kinds[-2][1], kinds[-1][1], *kinds[0][1:2])):
+            return None
+        if not (theta.dtype == g.dtype and theta.dtype in (np.float32, np.float64) and theta.ndim == 2
+                and theta.shape == g.shape and theta.flags.c_contiguous and g.flags.c_contiguous):
+            return None
+        from dpsgd_cli.algorithms import kernels
+
+        module = kernels.optional_compiled("algorithms._update_numba")
+        if module is None:
+            return None
+        noise = (kinds[0][1], kinds[0][2]) if kinds[0][0] == "noise" else None
+        return module.noisy_update, noise, kinds[-2][1], kinds[-1][1]
 
     def _compiled_rows(self) -> bool:
         """Whether the model may read a batch's rows in a compiled product (the MLP's row-sparse kernels, models/

@@ -206,6 +206,22 @@ def cached_nonzeros(X: np.ndarray) -> Optional["RowNonzeros"]:
     return per_array(X, "RowNonzeros", RowNonzeros.of)
 
 
+def cached_astype(X: np.ndarray, dtype) -> np.ndarray:
+    """X in `dtype` (X itself when it has it), read-only, made once per read-only X (`per_array`): a float32 task
+    on a dataset reuses the copy, and with it the copy's row norms and nonzeros, instead of rebuilding them (~5 ms
+    on adult) in every task."""
+    dtype = np.dtype(dtype)
+    if X.dtype == dtype:
+        return X
+
+    def build(X: np.ndarray) -> np.ndarray:
+        out = X.astype(dtype)
+        out.flags.writeable = False
+        return out
+
+    return per_array(X, f"astype {dtype}", build)
+
+
 _PER_ARRAY: dict[tuple[int, str], tuple[weakref.ref, object]] = {}
 
 

@@ -41,14 +41,18 @@ class ReplicaStreams:
 
     def normal(self, purpose: str, shape: tuple[int, ...]) -> Iterator[np.ndarray]:
         """Standard normal draws of shape (R, *shape), one array per step (float64). With numba installed the
-        blocks are filled by `_normals_numba.fill_normals`: the same numbers as `per_step`'s (tested bit for bit)."""
-        fill = _numba_fill()
-        if fill is None:
+        blocks are filled by `_normals_numba` (`fill_normals_pcg64` for PCG64): the same numbers as `per_step`'s
+        (tested bit for bit)."""
+        compiled = _numba_normals()
+        if compiled is None:
             return self.per_step(purpose, lambda g, k: g.standard_normal((k, *shape)))
-        return self._filled(fill, purpose, tuple(shape))
+        return self._filled(compiled, purpose, tuple(shape))
 
-    def _filled(self, fill, purpose: str, shape: tuple[int, ...]) -> Iterator[np.ndarray]:
+    def _filled(self, compiled, purpose: str, shape: tuple[int, ...]) -> Iterator[np.ndarray]:
         gens = self.generators(purpose)
+        # PCG64 (default_rng's) inlined in the ziggurat, from each generator's state read once here: the stream
+        # owns its generators and never draws from them again; other bit generators through numba's Generator
+        states = [compiled.pcg64_state(g) for g in gens]
         size = math.prod(shape)
         block, unreferenced = None, 0
         while True:
@@ -59,17 +63,20 @@ class ReplicaStreams:
             if block is None or sys.getrefcount(block) > unreferenced:
                 block = np.empty((FILL_STEPS, len(gens), size))
                 unreferenced = sys.getrefcount(block)
-            for r, g in enumerate(gens):
-                fill(g, block, r)
+            for r, (g, state) in enumerate(zip(gens, states)):
+                if state is None:
+                    compiled.fill_normals(g, block, r)
+                else:
+                    compiled.fill_normals_pcg64(state, block, r)
             yield from block.reshape(FILL_STEPS, len(gens), *shape)
 
 
-def _numba_fill():
-    """`fill_normals`, or None without numba (looked up at each call: tests switch kernels.HAVE_NUMBA off)."""
+def _numba_normals():
+    """The module `_normals_numba`, or None without numba (looked up at each call: tests switch kernels.HAVE_NUMBA
+    off)."""
     from dpsgd_cli.algorithms import kernels
 
-    module = kernels.optional_compiled("algorithms._normals_numba")  # broken numba: NumPy draws the same numbers
-    return module.fill_normals if module is not None else None
+    return kernels.optional_compiled("algorithms._normals_numba")  # broken numba: NumPy draws the same numbers
 
 
 class SharedStreams(ReplicaStreams):

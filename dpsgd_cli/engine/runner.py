@@ -23,6 +23,7 @@ from dpsgd_cli.algorithms import ALGORITHMS, Setting
 from dpsgd_cli.algorithms.base import Algorithm, Prepared
 from dpsgd_cli.algorithms.chain import train_together
 from dpsgd_cli.algorithms.erm import reference_minimum
+from dpsgd_cli.algorithms.sampling import cached_astype
 from dpsgd_cli.algorithms.streams import ReplicaStreams, SharedStreams
 from dpsgd_cli.config import DELTA_RULE, Cell, Grid, expand
 from dpsgd_cli.data import Dataset, DatasetSpec, load_dataset, with_validation
@@ -134,7 +135,7 @@ def _training_data(cell: Cell, data: Dataset):
     model = make_model(cell.model.name, data.d, cell.l2, cell.model.options)
     X, y = data.X_train, data.y_train
     if cell.dtype == "float32":  # training only: metrics and L* stay float64
-        X, y = X.astype(np.float32), y.astype(np.float32)
+        X, y = cached_astype(X, np.float32), cached_astype(y, np.float32)
     return model, X, y
 
 

@@ -20,24 +20,42 @@ import numpy as np
 @numba.njit(cache=True, nogil=True)
 def hidden(cols, vals, nnz, WT, b1, z):
     """z[r, i] = W₁[r] x_i + b₁[r] for every replica r and batch row i, x_i's nonzeros cols, vals (R, M, K),
-    nnz (R, M); W₁ᵀ (R, d, h), b₁ (R, h), z (R, M, h) (written)."""
+    nnz (R, M); W₁ᵀ (R, d, h), b₁ (R, h), z (R, M, h) (written). Each z_k is ((0 + group₀) + group₁ + …) + b_k in
+    z's dtype; the zero start and the bias are added in the first and last group's pass (one pass over z_i for
+    adult's two groups, not four: the same operations, ~20% faster)."""
     R, M = nnz.shape
     h = z.shape[2]
+    zero = np.zeros(1, dtype=z.dtype)[0]
     for r in range(R):
         W, b = WT[r], b1[r]
         for i in range(M):
             out = z[r, i]
-            out[:] = 0.0
-            for s in range(0, nnz[r, i], 8):
+            n = nnz[r, i]
+            if n == 0:
+                for k in range(h):
+                    out[k] = zero + b[k]
+            for s in range(0, n, 8):
                 w0, w1, w2, w3 = W[cols[r, i, s]], W[cols[r, i, s + 1]], W[cols[r, i, s + 2]], W[cols[r, i, s + 3]]
                 w4, w5, w6, w7 = W[cols[r, i, s + 4]], W[cols[r, i, s + 5]], W[cols[r, i, s + 6]], W[cols[r, i, s + 7]]
                 v0, v1, v2, v3 = vals[r, i, s], vals[r, i, s + 1], vals[r, i, s + 2], vals[r, i, s + 3]
                 v4, v5, v6, v7 = vals[r, i, s + 4], vals[r, i, s + 5], vals[r, i, s + 6], vals[r, i, s + 7]
-                for k in range(h):
-                    out[k] += (((v0 * w0[k] + v1 * w1[k]) + (v2 * w2[k] + v3 * w3[k]))
-                               + ((v4 * w4[k] + v5 * w5[k]) + (v6 * w6[k] + v7 * w7[k])))
-            for k in range(h):
-                out[k] += b[k]
+                first, last = s == 0, s + 8 >= n
+                if first and last:
+                    for k in range(h):
+                        out[k] = (zero + (((v0 * w0[k] + v1 * w1[k]) + (v2 * w2[k] + v3 * w3[k]))
+                                          + ((v4 * w4[k] + v5 * w5[k]) + (v6 * w6[k] + v7 * w7[k])))) + b[k]
+                elif first:
+                    for k in range(h):
+                        out[k] = zero + (((v0 * w0[k] + v1 * w1[k]) + (v2 * w2[k] + v3 * w3[k]))
+                                         + ((v4 * w4[k] + v5 * w5[k]) + (v6 * w6[k] + v7 * w7[k])))
+                elif last:
+                    for k in range(h):
+                        out[k] = (out[k] + (((v0 * w0[k] + v1 * w1[k]) + (v2 * w2[k] + v3 * w3[k]))
+                                            + ((v4 * w4[k] + v5 * w5[k]) + (v6 * w6[k] + v7 * w7[k])))) + b[k]
+                else:
+                    for k in range(h):
+                        out[k] += (((v0 * w0[k] + v1 * w1[k]) + (v2 * w2[k] + v3 * w3[k]))
+                                   + ((v4 * w4[k] + v5 * w5[k]) + (v6 * w6[k] + v7 * w7[k])))
 
 
 @numba.njit(cache=True, nogil=True)
@@ -58,19 +76,30 @@ def backward(cols, vals, nnz, u, coef, a, G, gb1, gw2, gb2):
             c = coef[r, i]
             gb2[r] += c
             ui, ai = u[r, i], a[r, i]
-            for k in range(h):
-                dl[k] = ui[k] * c
-            for k in range(h):
-                s1[k] += dl[k]
-            for k in range(h):
+            for k in range(h):  # one pass for δ_i, b₁'s and w₂'s sums (three loops: ~11% slower)
+                x = ui[k] * c
+                dl[k] = x
+                s1[k] += x
                 s2[k] += c * ai[k]
-            for s in range(nnz[r, i]):
-                v = vals[r, i, s]
-                if v == 0.0:  # a padding slot (a true nonzero is never 0): skip the h-row pass
-                    continue
-                g = Gr[cols[r, i, s]]
+            m = 0  # the row's true nonzeros: the leading slots (the padding, zeros, comes last; a nonzero is never 0)
+            while m < nnz[r, i] and vals[r, i, m] != 0.0:
+                m += 1
+            s = 0
+            while s + 4 <= m:  # four (distinct) rows of G per pass over δ_i: fewer loop overheads, the same sums
+                v0, v1, v2, v3 = vals[r, i, s], vals[r, i, s + 1], vals[r, i, s + 2], vals[r, i, s + 3]
+                g0, g1, g2, g3 = Gr[cols[r, i, s]], Gr[cols[r, i, s + 1]], Gr[cols[r, i, s + 2]], Gr[cols[r, i, s + 3]]
+                for k in range(h):
+                    x = dl[k]
+                    g0[k] += v0 * x
+                    g1[k] += v1 * x
+                    g2[k] += v2 * x
+                    g3[k] += v3 * x
+                s += 4
+            while s < m:
+                v, g = vals[r, i, s], Gr[cols[r, i, s]]
                 for k in range(h):
                     g[k] += v * dl[k]
+                s += 1
 
 
 ACTIVATIONS = {"tanh": 0, "sigmoid": 1, "relu": 2}
@@ -109,3 +138,18 @@ def row_terms(a, kind, one, w2, b2, u, f, aa, uu):
             f[r, i] = s_f + b2[r]
             aa[r, i] = s_a
             uu[r, i] = s_u
+
+
+@numba.njit(cache=True, nogil=True)
+def clipped_coefficients(minus_y, e, w, x_norm, aa, uu, one, clip, coef):
+    """coef = r·w·(C / max(‖∇ℓ‖, C)) with r = (−y)·e, e = σ(−y f) (from NumPy: `mlp._coefficients` computes it with
+    scipy's expit), ‖∇ℓ‖ = |r| √((1 + ‖a‖²) + ‖u‖²(‖x‖² + 1)): `_coefficients`' operations in its order, each rounded
+    to the arrays' dtype (one, clip given in it), max as NumPy's (a NaN norm gives NaN); all (R, M) (coef written)."""
+    R, M = coef.shape
+    for r_ in range(R):
+        for i in range(M):
+            r = minus_y[r_, i] * e[r_, i]
+            xn = x_norm[r_, i]
+            norm = abs(r) * np.sqrt((one + aa[r_, i]) + uu[r_, i] * (xn * xn + one))
+            m = clip if norm < clip else norm
+            coef[r_, i] = (r * w[r_, i]) * (clip / m)

@@ -1,0 +1,83 @@
+"""The noise streams' compiled draws are NumPy's numbers, bit for bit (streams.ReplicaStreams.normal)."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from dpsgd_cli.algorithms import kernels
+from dpsgd_cli.algorithms.streams import ReplicaStreams
+
+needs_numba = pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="numba not installed")
+
+
+@needs_numba
+def test_pcg64_inlined_normals_are_numpys_and_leave_its_state():
+    from dpsgd_cli.algorithms import _normals_numba as compiled
+
+    assert compiled.pcg64_matches()
+    for seed in (1, 5, 123):  # 3 × 600,003 draws: the ziggurat's wedges (~0.7%) and tail (idx 0) many times each
+        g, h = np.random.default_rng([seed, 2]), np.random.default_rng([seed, 2])
+        state = compiled.pcg64_state(h)
+        out = np.full((3, 2, 100_001), np.nan)
+        for _ in range(2):
+            compiled.fill_normals_pcg64(state, out, 1)
+            assert np.array_equal(out[:, 1], g.standard_normal((3, 100_001)))
+            assert np.isnan(out[:, 0]).all()  # the other replica's row untouched
+        h.bit_generator.state = {**h.bit_generator.state,
+                                 "state": {"state": (int(state[0]) << 64) | int(state[1]),
+                                           "inc": (int(state[2]) << 64) | int(state[3])}}
+        assert h.bit_generator.state == g.bit_generator.state  # the stream's state advanced exactly
+
+
+@needs_numba
+def test_other_bit_generators_take_the_generator_path():
+    from dpsgd_cli.algorithms import _normals_numba as compiled
+
+    assert compiled.pcg64_state(np.random.Generator(np.random.Philox(3))) is None
+
+
+@pytest.mark.parametrize("numba", [False, True] if kernels.HAVE_NUMBA else [False])
+def test_normal_stream_equals_per_replica_standard_normal(monkeypatch, numba):
+    monkeypatch.setattr(kernels, "HAVE_NUMBA", numba)
+    got = list(itertools.islice(ReplicaStreams([0, 3, 11]).normal("noise", (2, 7)), 70))
+    want = list(itertools.islice(ReplicaStreams([0, 3, 11]).per_step(
+        "noise", lambda g, k: g.standard_normal((k, 2, 7))), 70))
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
+
+
+def test_float32_training_copy_is_made_once_per_read_only_dataset():
+    from dpsgd_cli.algorithms.sampling import cached_astype, cached_nonzeros
+
+    X = np.random.default_rng(0).normal(size=(50, 4))
+    assert cached_astype(X, np.float32) is not cached_astype(X, np.float32)  # writeable: may change between calls
+    X.flags.writeable = False
+    a = cached_astype(X, np.float32)
+    assert a is cached_astype(X, "float32") and a.dtype == np.float32 and not a.flags.writeable
+    assert np.array_equal(a, X.astype(np.float32))
+    assert cached_astype(X, np.float64) is X
+    X0 = np.zeros((40, 100), dtype=np.float64)
+    X0[:, 0] = 1.0
+    X0.flags.writeable = False
+    copy = cached_astype(X0, np.float32)
+    assert cached_nonzeros(copy) is cached_nonzeros(cached_astype(X0, np.float32))  # so its nonzeros are reused
+
+
+@needs_numba
+def test_a_pcg64_path_that_fails_its_check_falls_back_to_the_generator_path(monkeypatch):
+    from dpsgd_cli.algorithms import _normals_numba as compiled
+
+    def broken(state, out, r):
+        raise RuntimeError("cannot compile")
+
+    monkeypatch.setattr(compiled, "fill_normals_pcg64", broken)
+    compiled.pcg64_matches.cache_clear()
+    try:
+        assert not compiled.pcg64_matches()
+        assert compiled.pcg64_state(np.random.default_rng(0)) is None
+        got = list(itertools.islice(ReplicaStreams([2, 9]).normal("noise", (5,)), 12))
+        want = list(itertools.islice(ReplicaStreams([2, 9]).per_step(
+            "noise", lambda g, k: g.standard_normal((k, 5))), 12))
+        assert all(np.array_equal(a, b) for a, b in zip(got, want))
+    finally:
+        compiled.pcg64_matches.cache_clear()
