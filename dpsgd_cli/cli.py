@@ -469,18 +469,19 @@ def epsilon(
 
 @app.command()
 def sigma(
-    epsilon: float = typer.Option(..., "--epsilon", metavar="E", help="Target ε (> 0)."),
+    epsilon: list[float] = typer.Option(..., "--epsilon", metavar="E",
+                                        help="Target ε (> 0); repeat it for an ε axis (one accountant curve)."),
     sample_rate: float = typer.Option(..., "--sample-rate", metavar="Q", help=_Q_HELP),
     steps: int = typer.Option(..., "--steps", metavar="T", help=_STEPS_HELP),
     delta: float = typer.Option(..., "--delta", metavar="D", help=_DELTA_HELP),
     accountant: Accountant = typer.Option(Accountant.rdp, "--accountant", help=_ACCOUNTANT_HELP),
 ) -> None:
     """The smallest noise multiplier σ giving ε ≤ target (within 0.1%) for DP-SGD."""
-    from dpsgd_cli.privacy.accounting import calibrate_sigma
+    from dpsgd_cli.privacy.accounting import calibrate_sigmas
 
-    cal = calibrate_sigma(epsilon, delta, sample_rate, steps, accountant=accountant.value)
-    console.print(f"σ = {cal.sigma:.6g}  (achieved ε = {cal.epsilon:.6g} ≤ {epsilon:g}, q = {sample_rate:g}, "
-                  f"T = {steps}, δ = {delta:g}, {cal.accountant} accountant, {cal.library})")
+    for target, cal in zip(epsilon, calibrate_sigmas(epsilon, delta, sample_rate, steps, accountant=accountant.value)):
+        console.print(f"σ = {cal.sigma:.6g}  (achieved ε = {cal.epsilon:.6g} ≤ {target:g}, q = {sample_rate:g}, "
+                      f"T = {steps}, δ = {delta:g}, {cal.accountant} accountant, {cal.library})")
 
 
 def _curve_help(field: str, text: str) -> str:

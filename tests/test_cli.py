@@ -106,6 +106,30 @@ def test_parallel_jobs_give_the_same_results(grid_file, tmp_path):
     pd.testing.assert_frame_equal(one, two)
 
 
+def test_the_driver_calibrates_sigma_once_for_the_workers(grid_file, tmp_path, monkeypatch):
+    """With --jobs > 1 the driver walks each accountant curve before the workers start; they calibrate nothing."""
+    from dpsgd_cli.engine import runner
+    from dpsgd_cli.privacy import accounting
+
+    monkeypatch.setenv(accounting.CACHE_DIR_ENV, "off")
+    accounting.calibrate_sigma.cache_clear()
+    accounting.dpsgd_curve.cache_clear()
+    plan = plan_grid(load_grid_file(grid_file).grids[0], tmp_path)
+    runner.calibrate_in_driver(plan.tasks)
+    assert accounting.calibrate_sigma.cache_info().currsize == 2  # dp_sgd at ε = 0.5 and 2: one curve
+    assert accounting.dpsgd_curve.cache_info().currsize == 1
+
+    def no_accounting(*args):
+        raise AssertionError("calibrated again in a task")
+
+    monkeypatch.setattr(accounting, "_calibrate_sigma", no_accounting)
+    rows = [row for task in plan.tasks for row in runner.run_task(task).rows]
+    private = [row for row in rows if row["algorithm"] == "dp_sgd"]
+    assert len(private) == 4 and all(row["status"] == "ok" for row in rows)
+    assert len({row["sigma"] for row in private}) == 2
+    assert all(0.999 * row["epsilon"] <= row["epsilon_achieved"] <= row["epsilon"] for row in private)
+
+
 @pytest.mark.parametrize("args,expected", [
     (["run", "missing.yaml"], "no such file"),
     (["run", "GRID", "--only", "nope"], "--only nope: no such grid"),
@@ -136,6 +160,15 @@ def test_batch_size_larger_than_n_is_an_error(grid_file, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "dpsgd_cli", "run", str(grid_file), "--out", str(tmp_path)],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "exceeds the n = 480 training records" in proc.stderr, proc.stderr
+
+
+def test_sigma_for_an_epsilon_axis():
+    one = invoke("sigma", "--epsilon", "2", "--sample-rate", "0.01", "--steps", "1000", "--delta", "1e-5")
+    axis = invoke("sigma", "--epsilon", "0.5", "--epsilon", "2", "--sample-rate", "0.01", "--steps", "1000",
+                  "--delta", "1e-5")
+    assert axis.exit_code == 0, axis.output
+    lines = [line for line in axis.output.splitlines() if line.startswith("σ = ")]
+    assert len(lines) == 2 and "≤ 0.5," in lines[0] and lines[1].split()[2] == one.output.split()[2]
 
 
 def test_privacy_calculators_agree():

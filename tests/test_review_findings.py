@@ -31,9 +31,10 @@ def test_numpy_path_seed_alone_equals_seed_among_others_bit_for_bit(model_name, 
     setting = Setting(n=X.shape[0], d=X.shape[1], delta=1e-5, l2=1e-3, epsilon=2.0, batch_size=24, lr=0.5, epochs=2,
                       clip_norm=0.5)
     algorithm = ALGORITHMS["dp_sgd"]({"backend": "numpy"})
-    many = algorithm.fit(setting, model, X, y, ReplicaStreams([0, 4, 9])).theta
-    alone = algorithm.fit(setting, model, X, y, ReplicaStreams([4])).theta
-    assert np.array_equal(many[1], alone[0])
+    for others in ([0, 4, 9], [1, 4, 7], [2, 4, 5, 8]):  # whether the rounding differs depends on the numbers
+        many = algorithm.fit(setting, model, X, y, ReplicaStreams(others)).theta
+        alone = algorithm.fit(setting, model, X, y, ReplicaStreams([4])).theta
+        assert np.array_equal(many[others.index(4)], alone[0])
 
 
 @pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="numba not installed")

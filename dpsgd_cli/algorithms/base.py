@@ -104,6 +104,11 @@ class Algorithm:
     def __init__(self, params: Optional[dict[str, Any]] = None):
         self.params = self.Params(**(params or {}))
 
+    def sigma_calibration(self, setting: Setting) -> Optional[tuple[float, float, float, int, str]]:
+        """The (ε, δ, q, T, accountant) this configuration calibrates DP-SGD's σ for (`calibrate_sigma`), if any:
+        the driver calibrates them all beforehand, one accountant curve per (δ, q, T, accountant)."""
+        return None
+
     def prepare(self, setting: Setting, model: Model, X: np.ndarray, y: np.ndarray,
                 streams: ReplicaStreams) -> Optional[Prepared]:
         """The training as one gradient chain, or None where it is not one (then only `fit` trains)."""

@@ -88,9 +88,11 @@ class DPSGD(SGD):
     # "same_noise": one noise vector reused at every step.
     _broken: ClassVar[Optional[str]] = None
 
+    def sigma_calibration(self, setting: Setting) -> tuple[float, float, float, int, str]:
+        return setting.epsilon, setting.delta, setting.sample_rate, setting.steps, self.params.accountant
+
     def prepare(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Prepared:
-        cal = calibrate_sigma(setting.epsilon, setting.delta, setting.sample_rate, setting.steps,
-                              accountant=self.params.accountant)
+        cal = calibrate_sigma(*self.sigma_calibration(setting))
         draws = streams.normal("noise", (model.n_params,))
         std, clip, pre = cal.sigma * setting.clip_norm, setting.clip_norm, []
         if self._broken is not None:

@@ -32,6 +32,7 @@ from dpsgd_cli.engine.results import COLUMNS, ResultStore, ResultsWriteError, no
 from dpsgd_cli.engine.selection import base_epsilon
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import make_model
+from dpsgd_cli.privacy.accounting import calibrate_sigma
 
 
 @functools.lru_cache(maxsize=8)
@@ -399,6 +400,7 @@ def _results(tasks: list[Task], jobs: int) -> Iterator[TaskResult]:
     if jobs <= 1 or len(tasks) <= 1:  # one BLAS thread here too: threads thrash on a shared 2-core machine
         yield from (run_task(task, single_thread=True) for task in tasks)
         return
+    calibrate_in_driver(tasks)
     tasks = spread(tasks, jobs)
     if sys.platform == "linux":  # forked workers start with the driver's imports, datasets and L* in memory
         yield from _forked_results(tasks, jobs)
@@ -408,6 +410,28 @@ def _results(tasks: list[Task], jobs: int) -> Iterator[TaskResult]:
     parallel = Parallel(n_jobs=jobs, return_as="generator_unordered", initializer=die_with_parent,
                         initargs=(os.getpid(),))
     yield from parallel(delayed(run_task)(task, single_thread=True) for task in tasks)
+
+
+def calibrate_in_driver(tasks: list[Task]) -> None:
+    """σ of every pending cell that calibrates DP-SGD's noise, before the workers start: one accountant curve per
+    (δ, q, T, accountant) walked once here (forked workers inherit the results, others read the disk cache)
+    instead of in each worker. σ is the same wherever it is computed (`EpsilonCurve`); a target that fails here
+    fails again in its task, which records the error."""
+    wanted: dict[tuple, set[float]] = {}
+    for task in tasks:
+        for cell in task.cells:
+            try:
+                request = _algorithm(cell).sigma_calibration(setting_of(cell, dataset(cell.dataset, cell.validation)))
+            except Exception:  # noqa: BLE001 - the task reports it
+                continue
+            if request is not None:
+                wanted.setdefault(request[1:], set()).add(request[0])
+    for (delta, q, steps, accountant), targets in wanted.items():
+        for target in sorted(targets, reverse=True):  # loosest first: its points are the cheapest
+            try:
+                calibrate_sigma(target, delta, q, steps, accountant)
+            except (UserError, RuntimeError):
+                pass
 
 
 def spread(tasks: list[Task], workers: int) -> list[Task]:
