@@ -115,7 +115,7 @@ def test_the_driver_calibrates_sigma_once_for_the_workers(grid_file, tmp_path, m
     accounting.calibrate_sigma.cache_clear()
     accounting.dpsgd_curve.cache_clear()
     plan = plan_grid(load_grid_file(grid_file).grids[0], tmp_path)
-    runner.calibrate_in_driver(plan.tasks)
+    runner.calibrate_ahead(plan.tasks)
     assert accounting.calibrate_sigma.cache_info().currsize == 2  # dp_sgd at ε = 0.5 and 2: one curve
     assert accounting.dpsgd_curve.cache_info().currsize == 1
 

@@ -158,6 +158,7 @@ def _run_fused(task: Task) -> TaskResult:
     model, X, y = _training_data(task.cell, data)  # the same for every cell of the task (the fusion key)
     streams = SharedStreams(task.seeds)
     prepared, results = {}, {}
+    calibrate_ahead([task])  # an ε axis on one accountant curve, loosest first (in the task's time)
     for cell in task.cells:
         try:
             p = _algorithm(cell).prepare(setting_of(cell, data), model, X, y, streams)
@@ -400,7 +401,7 @@ def _results(tasks: list[Task], jobs: int) -> Iterator[TaskResult]:
     if jobs <= 1 or len(tasks) <= 1:  # one BLAS thread here too: threads thrash on a shared 2-core machine
         yield from (run_task(task, single_thread=True) for task in tasks)
         return
-    calibrate_in_driver(tasks)
+    calibrate_ahead(tasks)  # in the driver: the workers inherit (fork) or read (disk cache) every σ
     tasks = spread(tasks, jobs)
     if sys.platform == "linux":  # forked workers start with the driver's imports, datasets and L* in memory
         yield from _forked_results(tasks, jobs)
@@ -412,11 +413,12 @@ def _results(tasks: list[Task], jobs: int) -> Iterator[TaskResult]:
     yield from parallel(delayed(run_task)(task, single_thread=True) for task in tasks)
 
 
-def calibrate_in_driver(tasks: list[Task]) -> None:
-    """σ of every pending cell that calibrates DP-SGD's noise, before the workers start: one accountant curve per
-    (δ, q, T, accountant) walked once here (forked workers inherit the results, others read the disk cache)
-    instead of in each worker. σ is the same wherever it is computed (`EpsilonCurve`); a target that fails here
-    fails again in its task, which records the error."""
+def calibrate_ahead(tasks: list[Task]) -> None:
+    """σ of every cell of `tasks` that calibrates DP-SGD's noise: one accountant curve per (δ, q, T, accountant),
+    walked loosest target first (its points are the cheapest, and they predict the next target's σ). In the
+    driver before the workers start (they inherit the results or read the disk cache) and at the start of a fused
+    task. σ is the same wherever and in whatever order it is computed (`EpsilonCurve`); a target that fails here
+    fails again when its cell prepares, which records the error."""
     wanted: dict[tuple, set[float]] = {}
     for task in tasks:
         for cell in task.cells:

@@ -51,10 +51,11 @@ Calibration finds the smallest noise multiplier whose epsilon is within ``[0.999
 the process (an epsilon axis in one pass, :func:`calibrate_sigmas`): sigma is the smallest point of a fixed
 lattice in log sigma (step 2^-12) whose epsilon meets the target, found by inverse quadratic interpolation on the
 curve's known points, so it depends on the target alone, not on the other targets calibrated before. Measured
-(2-core machine, kang_lr's adult axis: q = 256/30162, T = 589, delta = 1/n^2, 8 targets 0.01..3): RDP 30
-evaluations, 2.2 s on one curve vs 45 evaluations, 3.4 s one target at a time (Brent's method per target, the
-calibration before version 2: 3.2 s); PLD 33 vs 40 evaluations, 2.2 vs 3.1 s (Brent: 2.5 s). Only very small
-targets are slow with RDP (each evaluation walks the orders up to the optimum, ~2500 at epsilon = 0.01).
+(2-core machine, kang_lr's adult axis: q = 256/30162, T = 589, delta = 1/n^2, 8 targets 0.01..3, cold, old and
+new interleaved): RDP 30 evaluations, 1.7-1.9 s on one curve, against 37 evaluations, 1.7-2.0 s with Brent's
+method per target (calibration version 1); PLD 33 and 33, 2.3-2.9 s vs 2.6-3.1 s. Two evaluations per target
+(the lattice point and the one below, proving sigma minimal) are the floor, and the large-sigma points dominate:
+an RDP evaluation at epsilon = 0.01 (sigma ~ 100) walks the orders up to ~2500 (~0.24 s).
 Generic :func:`calibrate` (Brent's method on log sigma, stopped by the epsilon window) serves the closed-form
 calibrations of other mechanisms, one target at a time.
 :func:`calibrate_sigma` keeps its results on disk (:func:`calibration_cache_dir`), shared by processes: a
