@@ -106,8 +106,8 @@ def test_parallel_jobs_give_the_same_results(grid_file, tmp_path):
     pd.testing.assert_frame_equal(one, two)
 
 
-def test_the_driver_calibrates_sigma_once_for_the_workers(grid_file, tmp_path, monkeypatch):
-    """With --jobs > 1 the driver walks each accountant curve before the workers start; they calibrate nothing."""
+def test_an_epsilon_axis_is_calibrated_on_one_curve_ahead_of_training(grid_file, tmp_path, monkeypatch):
+    """`calibrate_ahead` walks one accountant curve per (δ, q, T, accountant); the cells then calibrate nothing."""
     from dpsgd_cli.engine import runner
     from dpsgd_cli.privacy import accounting
 
