@@ -115,7 +115,8 @@ def test_an_epsilon_axis_is_calibrated_on_one_curve_ahead_of_training(grid_file,
     accounting.calibrate_sigma.cache_clear()
     accounting.dpsgd_curve.cache_clear()
     plan = plan_grid(load_grid_file(grid_file).grids[0], tmp_path)
-    runner.calibrate_ahead(plan.tasks)
+    for task in plan.tasks:
+        runner.calibrate_ahead(task.cells, runner.dataset(task.cell.dataset, task.cell.validation))
     assert accounting.calibrate_sigma.cache_info().currsize == 2  # dp_sgd at ε = 0.5 and 2: one curve
     assert accounting.dpsgd_curve.cache_info().currsize == 1
 

@@ -106,7 +106,7 @@ class Algorithm:
 
     def sigma_calibration(self, setting: Setting) -> Optional[tuple[float, float, float, int, str]]:
         """The (ε, δ, q, T, accountant) this configuration calibrates DP-SGD's σ for (`calibrate_sigma`), if any:
-        the driver calibrates them all beforehand, one accountant curve per (δ, q, T, accountant)."""
+        a fused task calibrates its cells' σ beforehand, one accountant curve per (δ, q, T, accountant)."""
         return None
 
     def prepare(self, setting: Setting, model: Model, X: np.ndarray, y: np.ndarray,

@@ -14,7 +14,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -158,7 +158,7 @@ def _run_fused(task: Task) -> TaskResult:
     model, X, y = _training_data(task.cell, data)  # the same for every cell of the task (the fusion key)
     streams = SharedStreams(task.seeds)
     prepared, results = {}, {}
-    calibrate_ahead([task])  # an ε axis on one accountant curve, loosest first (in the task's time)
+    calibrate_ahead(task.cells, data)  # an ε axis on one accountant curve, loosest first (in the task's time)
     for cell in task.cells:
         try:
             p = _algorithm(cell).prepare(setting_of(cell, data), model, X, y, streams)
@@ -412,22 +412,21 @@ def _results(tasks: list[Task], jobs: int) -> Iterator[TaskResult]:
     yield from parallel(delayed(run_task)(task, single_thread=True) for task in tasks)
 
 
-def calibrate_ahead(tasks: list[Task]) -> None:
-    """σ of every cell of `tasks` that calibrates DP-SGD's noise: one accountant curve per (δ, q, T, accountant),
+def calibrate_ahead(cells: Sequence[Cell], data: Dataset) -> None:
+    """σ of every cell (training on `data`) that calibrates DP-SGD's noise: one accountant curve per (δ, q, T, accountant),
     walked loosest target first (its points are the cheapest, and they predict the next target's σ); a fused task
     does this at its start. Not in the driver: there the curves would be walked one after another, while the
     workers walk theirs in parallel (measured on kang_lr, cold: `--jobs 2` 1.35× slower with the driver's walk,
     i.e. slower than `--jobs 1`). σ is the same wherever and in whatever order it is computed (`EpsilonCurve`);
     a target that fails here fails again when its cell prepares, which records the error."""
     wanted: dict[tuple, set[float]] = {}
-    for task in tasks:
-        for cell in task.cells:
-            try:
-                request = _algorithm(cell).sigma_calibration(setting_of(cell, dataset(cell.dataset, cell.validation)))
-            except Exception:  # noqa: BLE001 - the task reports it
-                continue
-            if request is not None:
-                wanted.setdefault(request[1:], set()).add(request[0])
+    for cell in cells:
+        try:
+            request = _algorithm(cell).sigma_calibration(setting_of(cell, data))
+        except Exception:  # noqa: BLE001 - the cell reports it when it prepares
+            continue
+        if request is not None:
+            wanted.setdefault(request[1:], set()).add(request[0])
     for (delta, q, steps, accountant), targets in wanted.items():
         for target in sorted(targets, reverse=True):  # loosest first: its points are the cheapest
             try:

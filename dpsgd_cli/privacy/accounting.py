@@ -406,6 +406,15 @@ class CalibrationPoint(NamedTuple):
     in_window: bool = True  # False: epsilon(sigma) jumps over the window; epsilon < (1 - rel_tol) * target
 
 
+def _unreachable(target: float, s_max: float, e: float, context: str) -> UserError:
+    return UserError(f"target_epsilon={target:g} is unreachable: even sigma={s_max:g} gives epsilon={e:.4g}{context}")
+
+
+def _too_loose(target: float, e: float, low_ok: float, s_min: float, s_max: float, context: str) -> UserError:
+    return UserError(f"target_epsilon={target:g} is too loose: already sigma={s_min:g} gives epsilon={e:.4g} < "
+                     f"{low_ok:.4g}; calibration searches sigma in [{s_min:g}, {s_max:g}]{context}")
+
+
 class _Found(Exception):
     def __init__(self, sigma: float, epsilon: float):
         super().__init__(sigma, epsilon)
@@ -518,16 +527,9 @@ def calibrate(
         else:
             x_lo = x
         if direction > 0 and e > target:
-            raise UserError(
-                f"target_epsilon={target:g} is unreachable: even sigma={s_max:g} gives "
-                f"epsilon={e:.4g}{context}"
-            )
+            raise _unreachable(target, s_max, e, context)
         if direction < 0 and e <= target:
-            raise UserError(
-                f"target_epsilon={target:g} is too loose: already sigma={s_min:g} gives "
-                f"epsilon={e:.4g} < {low_ok:.4g}; calibration searches sigma in "
-                f"[{s_min:g}, {s_max:g}]{context}"
-            )
+            raise _too_loose(target, e, low_ok, s_min, s_max, context)
         optimize.brentq(
             lambda xx: gap(eps_at(xx)), x_lo, x_hi, xtol=1e-15, rtol=4 * np.finfo(float).eps,
             maxiter=max_evaluations,
@@ -568,7 +570,9 @@ def _sigma_guess(target: float, delta: float, q: float, steps: int) -> float:
 LATTICE_STEP: float = 2.0**-12
 """Spacing in log sigma of the lattice every calibrated sigma lies on (ratio 1.00024 between neighbours: epsilon
 moves < 0.1 % per step wherever |d log epsilon / d log sigma| < 4, measured <= 3 on DP-SGD)."""
-_LATTICE_LEVELS = 10  # halvings (to a relative 2.4e-7 in sigma) of a step that jumps over the window before epsilon(sigma) counts as a step function
+# halvings (down to a relative 2.4e-7 in sigma) of a step that jumps over the window, before epsilon(sigma) counts
+# as a step function
+_LATTICE_LEVELS = 10
 
 
 class EpsilonCurve:
@@ -656,10 +660,7 @@ class EpsilonCurve:
         if k_above is None:  # already sigma_min is private enough
             e = self._at(k_below)
             if e < (1.0 - self.rel_tol) * target:
-                raise UserError(
-                    f"target_epsilon={target:g} is too loose: already sigma={self.sigma_range[0]:g} gives "
-                    f"epsilon={e:.4g} < {(1.0 - self.rel_tol) * target:.4g}; calibration searches sigma in "
-                    f"[{self.sigma_range[0]:g}, {self.sigma_range[1]:g}]{self.context}")
+                raise _too_loose(target, e, (1.0 - self.rel_tol) * target, *self.sigma_range, self.context)
             return CalibrationPoint(math.exp(k_below * LATTICE_STEP), e, self.evaluations - start)
         x, e, in_window = self._refine(target, k_above * LATTICE_STEP, k_below * LATTICE_STEP)
         return CalibrationPoint(math.exp(x), e, self.evaluations - start, in_window)
@@ -680,8 +681,7 @@ class EpsilonCurve:
             if k_below == self._k_min:
                 return None, k_below
             if k_above == self._k_max:
-                raise UserError(f"target_epsilon={target:g} is unreachable: even sigma={self.sigma_range[1]:g} "
-                                f"gives epsilon={self._at(k_above):.4g}{self.context}")
+                raise _unreachable(target, self.sigma_range[1], self._at(k_above), self.context)
             guess_k = self._predict(log_t, guess, k_above, k_below)
             if k_above is None or k_below is None:  # no bracket yet: overshoot the prediction, more each time
                 k = math.ceil(guess_k) + margin if k_below is None else math.floor(guess_k) - margin
@@ -708,11 +708,10 @@ class EpsilonCurve:
                 x_above = mid
             else:
                 x_below = mid
-        # epsilon(sigma) steps over the window (a discretised PLD is a step function of sigma): the smallest sigma
-        # seen on the private side is still private (epsilon < target), just not within rel_tol of it
-        if self.epsilon(x_below) >= low_ok:
-            return x_below, self.points[x_below], True
-        return x_below, self.points[x_below], False
+        # still outside: epsilon(sigma) steps over the window (a discretised PLD is a step function of sigma); the
+        # smallest sigma seen on the private side is still private (epsilon < target), just not within rel_tol of it
+        e = self.epsilon(x_below)
+        return x_below, e, e >= low_ok
 
 
 CALIBRATION_VERSION: str = "2"  # 2: sigma on the EpsilonCurve lattice (1: Brent's method per target)
@@ -813,8 +812,8 @@ def dpsgd_curve(delta: float, sample_rate: float, steps: int, accountant: str) -
     """The accountant's epsilon(sigma) of DP-SGD at (delta, q, T): one curve per process for every target
     (an epsilon axis reads it in one pass); info at each point: the RDP order or the PLD interval used."""
     event_epsilon = _rdp_epsilon if accountant == "rdp" else _pld_epsilon
-    return EpsilonCurve(lambda sigma: event_epsilon(dpsgd_event(sigma, sample_rate, steps), delta),
-                        context=f" (delta={delta:g}, sample_rate={sample_rate:g}, steps={steps}, accountant={accountant!r})")
+    context = f" (delta={delta:g}, sample_rate={sample_rate:g}, steps={steps}, accountant={accountant!r})"
+    return EpsilonCurve(lambda sigma: event_epsilon(dpsgd_event(sigma, sample_rate, steps), delta), context=context)
 
 
 def calibrate_sigmas(targets: Sequence[float], delta: float, sample_rate: float, steps: int,
