@@ -25,10 +25,13 @@ As in ``dp-accounting``, the *mechanism* is described by a :class:`dp_accounting
     (step 0.01 below 11, every integer to 1024, 2 % above) on 16 DP-SGD settings
     (epsilon 0.0066..102) the loss is <= 0.02 %, except 0.04 % at epsilon = 13.8 (alpha* = 2.78).
 
-    Cost: the library computes an integer order alpha with an (alpha+1)-term Python loop
-    (~2.3 us/term), so the orders above 64 are evaluated *lazily*: only if the optimum over the
-    orders <= 64 sits at 64, the grid is walked upwards until epsilon has increased at two
-    consecutive orders.  Above 64 the per-order bound is unimodal in alpha (checked on the dense
+    Cost: an integer order alpha is an (alpha+1)-term sum (the library's Python loop: ~2.3 us a
+    term), so the orders above 64 are evaluated *lazily*: only if the optimum over the orders <= 64
+    sits at 64, the grid is walked upwards until epsilon has increased at two consecutive orders.
+    DP-SGD's events (:func:`dpsgd_rdp_epsilon`: the calibration curve and :func:`dpsgd_epsilon`)
+    are computed by :mod:`dpsgd_cli.privacy.rdp`, the library's terms vectorised, equal to the
+    library's epsilon and order bit for bit (tests/test_rdp.py) and ~40-60x faster, without
+    importing it; every other event goes through the library.  Above 64 the per-order bound is unimodal in alpha (checked on the dense
     grid for the same 16 settings), so the result equals the minimum over the whole grid; the
     tests compare with a fresh ``RdpAccountant(orders=RDP_ORDERS up to 1024 or 8192)``.  If the
     bound were not unimodal the walk could stop early: epsilon would be looser, never invalid.
@@ -52,10 +55,11 @@ the process (an epsilon axis in one pass, :func:`calibrate_sigmas`): sigma is th
 lattice in log sigma (step 2^-12) whose epsilon meets the target, found by inverse quadratic interpolation on the
 curve's known points, so it depends on the target alone, not on the other targets calibrated before. Measured
 (2-core machine, kang_lr's adult axis: q = 256/30162, T = 589, delta = 1/n^2, 8 targets 0.01..3, cold, old and
-new interleaved): RDP 30 evaluations, 1.7-1.9 s on one curve, against 37 evaluations, 1.7-2.0 s with Brent's
-method per target (calibration version 1); PLD 33 and 33, 2.3-2.9 s vs 2.6-3.1 s. Two evaluations per target
-(the lattice point and the one below, proving sigma minimal) are the floor, and the large-sigma points dominate:
-an RDP evaluation at epsilon = 0.01 (sigma ~ 100) walks the orders up to ~2500 (~0.24 s).
+new interleaved): RDP 30 evaluations, 1.7-1.9 s on one curve through the library, against 37 evaluations, 1.7-2.0
+s with Brent's method per target (calibration version 1); PLD 33 and 33, 2.3-2.9 s vs 2.6-3.1 s. Two evaluations
+per target (the lattice point and the one below, proving sigma minimal) are the floor, and the large-sigma points
+dominate: an RDP evaluation at epsilon = 0.01 (sigma ~ 100) walks the orders up to ~2500 (~0.24 s in the library,
+~4 ms in :mod:`dpsgd_cli.privacy.rdp`, which brought the RDP axis to ~0.05 s, same sigmas).
 Generic :func:`calibrate` (Brent's method on log sigma, stopped by the epsilon window) serves the closed-form
 calibrations of other mechanisms, one target at a time.
 :func:`calibrate_sigma` keeps its results on disk (:func:`calibration_cache_dir`), shared by processes: a
@@ -81,6 +85,7 @@ from dpsgd_cli.diskcache import CACHE_DIR_ENV
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.lazy import LazyModule
 from dpsgd_cli.privacy import _validate as check
+from dpsgd_cli.privacy import rdp as _rdp_native
 
 if TYPE_CHECKING:
     from dp_accounting.privacy_accountant import NeighboringRelation
@@ -112,6 +117,7 @@ __all__ = [
     "calibration_cache_dir",
     "dpsgd_epsilon",
     "dpsgd_event",
+    "dpsgd_rdp_epsilon",
     "epsilon_for",
     "rdp_curve_to_epsilon",
     "rdp_epsilon_floor",
@@ -245,6 +251,12 @@ def rdp_epsilon_and_order(event: dp_event.DpEvent, delta: float,
         return _rdp_epsilon_loud(event, delta, relation)
 
 
+def dpsgd_rdp_epsilon(sigma: float, sample_rate: float, steps: int, delta: float) -> tuple[float, float]:
+    """(ε, optimal order) of :func:`dpsgd_event` by the RDP accountant, without building the event: the library's
+    numbers bit for bit (:mod:`dpsgd_cli.privacy.rdp`), ~50-100x faster and without importing dp-accounting."""
+    return _rdp_native.dpsgd_epsilon_and_order(sigma, sample_rate, steps, delta, RDP_BASE_ORDERS, RDP_EXTENSION_ORDERS)
+
+
 def _rdp_epsilon_loud(event: dp_event.DpEvent, delta: float, relation: NeighboringRelation) -> tuple[float, float]:
     accountant = _rdp_lib.RdpAccountant(list(RDP_BASE_ORDERS), relation)
     accountant.compose(event)
@@ -355,7 +367,9 @@ def dpsgd_epsilon(
     accountant: AccountantName = "rdp",
 ) -> float:
     """Epsilon of DP-SGD (:func:`dpsgd_event`) after ``steps`` steps at the given ``delta``."""
-    check.noise_multiplier("sigma", sigma)
+    if _check_accountant(accountant) == "rdp":
+        return dpsgd_rdp_epsilon(check.noise_multiplier("sigma", sigma), check.sample_rate("sample_rate", sample_rate),
+                                 check.count("steps", steps, maximum=MAX_STEPS), check.open_unit("delta", delta))[0]
     return epsilon_for(dpsgd_event(sigma, sample_rate, steps), delta, accountant)
 
 
@@ -811,9 +825,10 @@ def _calibrate_sigma(target: float, d: float, q: float, t: int, name: str) -> Ca
 def dpsgd_curve(delta: float, sample_rate: float, steps: int, accountant: str) -> EpsilonCurve:
     """The accountant's epsilon(sigma) of DP-SGD at (delta, q, T): one curve per process for every target
     (an epsilon axis reads it in one pass); info at each point: the RDP order or the PLD interval used."""
-    event_epsilon = _rdp_epsilon if accountant == "rdp" else _pld_epsilon
     context = f" (delta={delta:g}, sample_rate={sample_rate:g}, steps={steps}, accountant={accountant!r})"
-    return EpsilonCurve(lambda sigma: event_epsilon(dpsgd_event(sigma, sample_rate, steps), delta), context=context)
+    if accountant == "rdp":
+        return EpsilonCurve(lambda sigma: dpsgd_rdp_epsilon(sigma, sample_rate, steps, delta), context=context)
+    return EpsilonCurve(lambda sigma: _pld_epsilon(dpsgd_event(sigma, sample_rate, steps), delta), context=context)
 
 
 def calibrate_sigmas(targets: Sequence[float], delta: float, sample_rate: float, steps: int,

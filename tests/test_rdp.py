@@ -1,0 +1,91 @@
+"""dpsgd_cli.privacy.rdp computes dp-accounting's RDP of the Poisson-subsampled Gaussian and its RDP -> (ε, δ)
+conversion term for term: every number here must equal the library's bit for bit (==, not approx)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from dp_accounting.rdp import rdp_privacy_accountant as lib
+
+from dpsgd_cli.privacy import accounting as acc
+from dpsgd_cli.privacy import rdp
+
+ADULT_Q, ADULT_T, ADULT_DELTA = 256 / 30162, 589, 1 / 30162**2
+# fractional, small and large integer orders (every 4th order above 64: the library takes ~2 µs a term)
+ORDERS = np.array(acc.RDP_BASE_ORDERS + tuple(a for a in acc.RDP_EXTENSION_ORDERS[::4] if a <= 4096) + (4096.0,))
+
+
+def _same(a, b) -> bool:
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    return a.shape == b.shape and bool(np.all((a == b) | (np.isnan(a) & np.isnan(b))))
+
+
+@pytest.mark.parametrize("q", [1e-5, ADULT_Q, 0.05, 0.5, 0.9, 0.999, 1.0])
+def test_rdp_per_order_equals_library_bit_for_bit(q):
+    for sigma in [0.3, 0.8, 1.0, 2.5, 30.0, 700.0]:
+        ours = rdp.subsampled_gaussian_rdp(q, sigma, ORDERS)
+        theirs = lib._compute_rdp_poisson_subsampled_gaussian(q, sigma, ORDERS)
+        assert _same(ours, theirs), (q, sigma, ORDERS[np.flatnonzero(ours != theirs)][:5])
+
+
+def test_rdp_fractional_order_that_does_not_converge_is_inf_as_in_library():
+    # q = 0.9, σ = 1, α = 1.35: the library's series has not converged after 1000 terms and drops the order
+    assert lib._compute_log_a_frac(0.9, 1.0, 1.35) == np.inf
+    assert rdp.subsampled_gaussian_rdp(0.9, 1.0, [1.35, 2.0])[0] == np.inf
+    assert np.isfinite(rdp.subsampled_gaussian_rdp(0.9, 1.0, [1.35, 2.0])[1])
+
+
+def test_conversion_equals_library_per_order_in_every_branch():
+    orders = np.array([1.005, 1.01, 1.02, 1.5, 2.0, 7.0, 64.0, 1500.0])
+    for delta in [1e-12, 1e-5, 0.3, 0.7]:
+        for r in [-1e-3, 0.0, 1e-30, 0.5 * delta**2, 3 * delta**2, 5 * delta**2, 1e-9, 0.02, 1.5, 40.0, np.inf]:
+            values = np.full(orders.shape, r)
+            ours = rdp.epsilon_at_orders(orders, values, delta)
+            theirs = [lib.compute_epsilon([a], [r], delta)[0] for a in orders]  # max(0, .) of one order
+            assert _same(np.maximum(0.0, ours), theirs), (delta, r, ours, theirs)
+
+
+CASES = list(itertools.product([0.45, 0.9, 3.0, 40.0], [1e-4, ADULT_Q, 0.2, 1.0], [1, 589, 20000], [1e-5, ADULT_DELTA]))
+
+
+@pytest.mark.parametrize("sigma,q,steps,delta", CASES[::3] + [(100.0, ADULT_Q, ADULT_T, ADULT_DELTA)])
+def test_dpsgd_epsilon_and_order_equals_library_walk_bit_for_bit(sigma, q, steps, delta):
+    """The same (ε, order) as the library accountant over the base grid and the order-by-order walk above it
+    (`accounting._rdp_epsilon_loud`, which never calls the native code), including walks to α ~ 2,500."""
+    event = acc.dpsgd_event(sigma, q, steps)
+    theirs = acc._rdp_epsilon_loud(event, delta, acc._relations.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    ours = acc.dpsgd_rdp_epsilon(sigma, q, steps, delta)
+    assert ours == theirs
+    for block in (1, 3):  # the walk reads its blocks order by order: where it stops does not depend on the block
+        assert rdp.dpsgd_epsilon_and_order(sigma, q, steps, delta, acc.RDP_BASE_ORDERS, acc.RDP_EXTENSION_ORDERS,
+                                           block=block) == ours
+
+
+def test_walk_stops_after_two_orders_that_do_not_improve(monkeypatch):
+    """A curve with a bump: the walk stops at the first two non-improving orders, as the library walk does."""
+    def fake_rdp(q, sigma, orders):
+        a = np.asarray(orders, dtype=float)
+        # decreasing epsilon over the base grid (optimum at its top), then a bump at 70-80 and a deeper dip later
+        bump = np.where((a > 66) & (a < 80), 1.0, 0.0) - np.where(a > 1000, 5.0, 0.0)
+        return 10.0 / a + bump
+
+    base, ext = (2.0, 64.0), tuple(float(x) for x in (67, 70, 75, 85, 2000))
+    monkeypatch.setattr(rdp, "subsampled_gaussian_rdp", fake_rdp)
+    eps, order = rdp.dpsgd_epsilon_and_order(1.0, 0.5, 1, 0.1, base, ext, block=8)
+    assert order == 64.0  # 67 and 70 sit on the bump: two non-improvements end the walk before 2000
+    assert eps == pytest.approx(max(0.0, 10.0 / 64 + np.log1p(-1 / 64) - np.log(0.1 * 64) / 63))
+
+
+def test_rdp_calibration_does_not_import_dp_accounting():
+    """The ~1 s import of dp-accounting is paid only by PLD and other events, not by an RDP calibration."""
+    code = ("import sys; from dpsgd_cli.privacy.accounting import calibrate_sigma, dpsgd_epsilon; "
+            f"c = calibrate_sigma(1.0, {ADULT_DELTA!r}, {ADULT_Q!r}, {ADULT_T}); dpsgd_epsilon(c.sigma, {ADULT_Q!r}, "
+            f"{ADULT_T}, {ADULT_DELTA!r}); assert 'dp_accounting' not in sys.modules, 'imported'; print(c.sigma)")
+    env = dict(os.environ, DPSGD_CACHE_DIR="off")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert float(out.stdout) == acc.calibrate_sigma(1.0, ADULT_DELTA, ADULT_Q, ADULT_T).sigma
