@@ -106,6 +106,34 @@ def test_parallel_jobs_give_the_same_results(grid_file, tmp_path):
     pd.testing.assert_frame_equal(one, two)
 
 
+def test_with_jobs_the_driver_calibrates_rdp_sigma_before_the_workers_start(grid_file, tmp_path, monkeypatch):
+    """`--jobs 2`: every RDP σ is in the driver's memory before the workers fork, so no worker calibrates."""
+    from dpsgd_cli.engine import runner
+    from dpsgd_cli.privacy import accounting
+
+    monkeypatch.setenv(accounting.CACHE_DIR_ENV, "off")
+    accounting.calibrate_sigma.cache_clear()
+    accounting.dpsgd_curve.cache_clear()
+    plan = plan_grid(load_grid_file(grid_file).grids[0], tmp_path)
+
+    forked = []
+
+    def in_process_workers(tasks, jobs):
+        forked.append(len(tasks))
+        assert accounting.calibrate_sigma.cache_info().currsize == 2  # dp_sgd at ε = 0.5 and 2, before any task
+
+        def no_accounting(*args):
+            raise AssertionError("a worker calibrated")
+
+        monkeypatch.setattr(accounting, "_calibrate_sigma", no_accounting)
+        yield from (runner.run_task(task) for task in tasks)
+
+    monkeypatch.setattr(runner, "_forked_results", in_process_workers)
+    monkeypatch.setattr(runner.sys, "platform", "linux")
+    rows = [row for result in runner._results(plan.tasks, 2) for row in result.rows]
+    assert forked and rows and all(row["status"] == "ok" for row in rows)
+
+
 def test_an_epsilon_axis_is_calibrated_on_one_curve_ahead_of_training(grid_file, tmp_path, monkeypatch):
     """`calibrate_ahead` walks one accountant curve per (δ, q, T, accountant); the cells then calibrate nothing."""
     from dpsgd_cli.engine import runner
