@@ -657,6 +657,11 @@ def read_yaml(path: Path) -> Any:
         raise UserError(f"{path}: not UTF-8 text (byte {exc.start}, line {line}); save the file as UTF-8") from None
     loader = None
     try:
+        if "\t" in text and FastGridLoader is not GridLoader:
+            # libyaml takes a tab as a separator where PyYAML's own scanner refuses it ("a:<TAB>1"): refuse it here
+            # too, so that a grid file is valid or not whichever PyYAML build is installed
+            for _ in yaml.scan(text, Loader=GridLoader):
+                pass
         loader = FastGridLoader(text)  # the pure-Python reader checks the characters here
         node = loader.get_single_node()
         if node is None:

@@ -120,6 +120,29 @@ def test_yaml_control_character_is_one_line(tmp_path):
     assert "invalid YAML" in message and "\n" not in message, message
 
 
+@pytest.mark.parametrize("text", ["grids:\n  - name:\tx\n", "grids:\n  - name: x\t\n", "grids: [{name:\tx}]\n"])
+def test_a_tab_libyaml_would_take_is_refused_as_without_libyaml(tmp_path, text):
+    """Tabs as separators: libyaml reads them, PyYAML's scanner does not; a grid file's validity must not depend
+    on which build is installed, so both refuse (one line, naming the place)."""
+    import yaml
+
+    from dpsgd_cli.config import GridLoader
+
+    with pytest.raises(yaml.YAMLError):
+        list(yaml.scan(text, Loader=GridLoader))
+    message = error_of(tmp_path, text)
+    assert "invalid YAML at line 2" in message or "invalid YAML at line 1" in message, message
+    assert "\n" not in message
+
+
+def test_tabs_inside_quoted_strings_are_still_read(tmp_path):
+    from dpsgd_cli.config import read_yaml
+
+    path = tmp_path / "g.yaml"
+    path.write_text('grids:\n  - name: "a\tb"\n')
+    assert read_yaml(path) == {"grids": [{"name": "a\tb"}]}
+
+
 def test_fast_loader_reads_what_the_python_loader_reads(tmp_path):
     """libyaml's parser (what read_yaml uses) gives the pure-Python loader's document, `1e-3` a float included."""
     from pathlib import Path
