@@ -97,6 +97,20 @@ def test_read_only_training_data_is_hashed_once_writeable_data_every_time(monkey
     assert erm._data_digest(other, y) == first and len(hashed) == 3  # another array: hashed
 
 
+def test_digest_memo_forgets_freed_arrays():
+    import gc
+
+    _, X, y = problem()
+    for _ in range(5):  # datasets loaded and freed one after another (e.g. a long-lived process)
+        Xi = X.copy()
+        Xi.flags.writeable = y.flags.writeable = False
+        erm._data_digest(Xi, y)
+        del Xi
+        gc.collect()
+    alive = [key for key, (rx, ry, _) in erm._DIGESTS.items() if rx() is not None and ry() is not None]
+    assert len(erm._DIGESTS) - len(alive) <= 1  # at most the last one freed, pruned at the next insertion
+
+
 def test_corrupt_or_foreign_entries_are_recomputed(cache, monkeypatch):
     model, X, y = problem()
     theta, objective, _ = erm.reference_minimum(model, X, y)

@@ -72,6 +72,8 @@ def _data_digest(X: np.ndarray, y: np.ndarray) -> str:
         digest.update(str((a.shape, a.dtype.str)).encode())
         digest.update(a.view(np.uint8).reshape(-1) if a.size else b"")
     if memo:
+        for key in [key for key, (rx, ry, _) in _DIGESTS.items() if rx() is None or ry() is None]:
+            del _DIGESTS[key]  # arrays freed since: their ids may name other arrays now
         _DIGESTS[id(X), id(y)] = (weakref.ref(X), weakref.ref(y), digest.hexdigest())
     return digest.hexdigest()
 
