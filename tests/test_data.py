@@ -460,17 +460,41 @@ def test_processed_file_is_rehashed_on_every_read(data_env, monkeypatch, capsys)
 def test_stored_arrays_are_read_as_numpy_reads_them(tmp_path):
     arrays = {"X_train": np.arange(12.0).reshape(4, 3), "y_train": np.array([1.0, -1.0, 1.0, 1.0]),
               "X_test": np.asfortranarray(np.arange(6.0).reshape(2, 3)), "y_test": np.zeros(0)}
+
+    def read(path):
+        with open(path, "rb") as fh:
+            return load_module._read_stored_arrays(fh)
+
     np.savez(tmp_path / "a.npz", key=np.array("k"), **arrays)
-    got = load_module._read_stored_arrays(tmp_path / "a.npz")
+    got = read(tmp_path / "a.npz")
     with np.load(tmp_path / "a.npz") as npz:
         for name in arrays:
             assert got[name].dtype == npz[name].dtype and np.array_equal(got[name], npz[name])
     np.savez_compressed(tmp_path / "b.npz", **arrays)
     with pytest.raises(ValueError, match="compressed"):
-        load_module._read_stored_arrays(tmp_path / "b.npz")
+        read(tmp_path / "b.npz")
     (tmp_path / "c.npz").write_bytes((tmp_path / "a.npz").read_bytes()[:-200])
     with pytest.raises((ValueError, OSError, zipfile.BadZipFile)):
-        load_module._read_stored_arrays(tmp_path / "c.npz")
+        read(tmp_path / "c.npz")
+
+
+def test_processed_cache_is_read_through_one_open(tmp_path, monkeypatch):
+    """The key, checksum and arrays come from one open file: a file replaced between two opens (another process
+    writing the same cache entry) could otherwise pair one file's checksum with another's arrays."""
+    arrays = {"X_train": np.arange(12.0).reshape(4, 3), "y_train": np.array([1.0, -1.0, 1.0, 1.0]),
+              "X_test": np.arange(6.0).reshape(2, 3), "y_test": np.ones(2)}
+    np.savez(tmp_path / "a.npz", key=np.array("k"), sha256=np.array(load_module.arrays_sha256(arrays)), **arrays)
+    opened = []
+    real_open = open
+
+    def counting_open(path, *args, **kwargs):
+        opened.append(str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", counting_open)
+    got, why = load_module._read_processed(tmp_path / "a.npz", "k")
+    assert why == "" and all(np.array_equal(got[k], arrays[k]) for k in arrays)
+    assert opened == [str(tmp_path / "a.npz")]
 
 
 def test_cache_key_depends_on_version_and_spec(monkeypatch):

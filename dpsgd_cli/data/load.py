@@ -187,12 +187,12 @@ def arrays_sha256(arrays: dict[str, np.ndarray]) -> str:
     return digest.hexdigest()
 
 
-def _read_stored_arrays(path: Path) -> dict[str, np.ndarray]:
-    """ARRAYS of an uncompressed .npz (what `_write_processed` writes), each read straight from the file into its
-    array: no intermediate bytes copy and no zip CRC pass (the sha256 vouches for the bytes).
+def _read_stored_arrays(fh) -> dict[str, np.ndarray]:
+    """ARRAYS of an uncompressed .npz open as `fh` (what `_write_processed` writes), each read straight from the file
+    into its array: no intermediate bytes copy and no zip CRC pass (the sha256 vouches for the bytes).
     ValueError if a member is compressed or malformed (the caller treats the file as unreadable)."""
     arrays = {}
-    with open(path, "rb") as fh, zipfile.ZipFile(fh) as archive:
+    with zipfile.ZipFile(fh) as archive:
         for name in ARRAYS:
             info = archive.getinfo(f"{name}.npy")
             if info.compress_type != zipfile.ZIP_STORED:
@@ -222,11 +222,12 @@ def _read_processed(path: Path, key: str) -> tuple[Optional[dict[str, np.ndarray
     arrays do not match the checksum stored with them (tampered or corrupt). The checksum is recomputed on every
     read (~0.07 s for kang_lr's three sets): a stat-based stamp would miss a bit flipped in place."""
     try:
-        with np.load(path, allow_pickle=False) as npz:
-            if str(npz["key"]) != key:
-                return None, "written for another spec"
-            stored = str(npz["sha256"]) if "sha256" in npz.files else ""
-        arrays = _read_stored_arrays(path)
+        with open(path, "rb") as fh:  # one open: a file replaced meanwhile cannot pair one file's key with another's arrays
+            with np.load(fh, allow_pickle=False) as npz:
+                if str(npz["key"]) != key:
+                    return None, "written for another spec"
+                stored = str(npz["sha256"]) if "sha256" in npz.files else ""
+            arrays = _read_stored_arrays(fh)
     except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile):
         return None, "unreadable"
     if not stored:
