@@ -93,6 +93,21 @@ def test_runs_equal_backend_numpy_and_replicas_are_independent_bit_for_bit(name)
     assert np.array_equal(auto[1], alone[0])  # M, the padded batch width, differs: the kernel's sums do not care
 
 
+def test_chain_reports_the_compiled_rows_it_ran_on():
+    """`ran_on` (a run's `backend`) names the row-sparse kernels when the MLP's step read the rows compiled."""
+    X, y = one_hot_data()
+    model = make_model("mlp", X.shape[1], 1e-3, {"hidden": 11})
+    setting = _setting(*X.shape)
+    for backend, expected in (("auto", "numba-rows"), ("numpy", "numpy")):
+        prepared = ALGORITHMS["dp_sgd"]({"backend": backend}).prepare(setting, model, X, y, ReplicaStreams([0, 4]))
+        prepared.chain.run(model, np.zeros((2, model.n_params)), 3)
+        assert prepared.chain.ran_on == expected
+    dense = np.random.default_rng(0).uniform(-1, 1, size=X.shape) / np.sqrt(X.shape[1])  # no zeros: the dense path
+    prepared = ALGORITHMS["dp_sgd"]().prepare(setting, model, dense, y, ReplicaStreams([0]))
+    prepared.chain.run(model, np.zeros((1, model.n_params)), 3)
+    assert prepared.chain.ran_on == "numpy"
+
+
 def test_numba_noise_fill_equals_numpy_draws(monkeypatch):
     streams = ReplicaStreams([0, 3, 11])
     fast = streams.normal("noise", (7, 3))

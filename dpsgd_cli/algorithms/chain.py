@@ -156,7 +156,8 @@ class GradientChain:
     # "auto"/"numba": run on the compiled mini-batch step where it applies (kernels_minibatch.applies: logistic
     # regression, known transforms, an indexed sampler), else on the compiled full-batch step where that applies
     # (kernels_fullbatch.applies: the full batch, transforms in any order); "numpy": never. How, not what: same
-    # numbers up to summation order. `ran_on` says which ran ("numpy" or "numba"), once the chain has run.
+    # numbers up to summation order. `ran_on` says which ran ("numpy", "numba", or "numba-rows": NumPy steps whose
+    # model read the batch rows in compiled kernels, the MLP's row-sparse step), once the chain has run.
     backend: str = "numpy"
     ran_on: Optional[str] = None
     # What the iterates depend on besides the stream, θ_0 and t (clip, transforms, schedule), for chains whose
@@ -168,6 +169,8 @@ class GradientChain:
         """Update t (1, 2, ...) of θ (R, P), in place where possible, on `batch`; returns the new θ."""
         if hasattr(batch, "plain") and not self._compiled_rows():  # the model may not take the compiled rows path
             batch = batch.plain()
+        elif self.ran_on == "numpy" and model.reads_rows_compiled(batch, theta):
+            self.ran_on = "numba-rows"
         g = model.clipped_grad_sum(theta, batch, self.clip)
         lr = self.schedule(t)
         fused = self._fused_update(theta, g, lr)
@@ -290,6 +293,8 @@ def run_together(model: Model, chains: Sequence[GradientChain], thetas: Sequence
             for k in numpy_side:
                 if t == steps[k] and lead[k] != k:
                     thetas[k] = thetas[lead[k]].copy()
+    for k in numpy_side:  # a chain that took its leader's iterates took its path too
+        chains[k].ran_on = chains[lead[k]].ran_on
     for group, run, out in runs:
         taps = getattr(chains[group[0]].batches, "taps", None)
         if taps:  # the NumPy chains are done: stop keeping the kernel's indices for them

@@ -58,6 +58,11 @@ class Model:
         """Gradient of the mean loss: (R, P)."""
         raise NotImplementedError
 
+    def reads_rows_compiled(self, batch: Batch, theta: np.ndarray) -> bool:
+        """Whether `clipped_grad_sum` reads this batch's rows in compiled kernels (the MLP's row-sparse step):
+        reported as a chain's backend ("numba-rows"), since its sums are then the kernels'."""
+        return False
+
     def clipped_grad_sum(self, theta: np.ndarray, batch: Batch, clip: Optional[float]) -> np.ndarray:
         """Σ_i weight_i · min(1, C/‖∇ℓ_i‖) ∇ℓ_i over the batch, without the regulariser: (R, P)."""
         raise NotImplementedError

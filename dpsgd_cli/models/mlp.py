@@ -217,6 +217,9 @@ class MLP(Model):
         grad, loss = self._backward(theta, X, y, 1.0 / X.shape[-2], None, None)
         return loss, grad
 
+    def reads_rows_compiled(self, batch: Batch, theta: np.ndarray) -> bool:
+        return _row_sparse(batch, theta) is not None
+
     def clipped_grad_sum(self, theta, batch: Batch, clip: Optional[float]):
         sparse = _row_sparse(batch, theta)
         if sparse is None:
