@@ -169,7 +169,7 @@ class GradientChain:
         """Update t (1, 2, ...) of θ (R, P), in place where possible, on `batch`; returns the new θ."""
         if hasattr(batch, "plain") and not self._compiled_rows():  # the model may not take the compiled rows path
             batch = batch.plain()
-        elif self.ran_on == "numpy" and model.reads_rows_compiled(batch, theta):
+        elif t == 1 and model.reads_rows_compiled(batch, theta):  # the path is the data's: the same at every step
             self.ran_on = "numba-rows"
         g = model.clipped_grad_sum(theta, batch, self.clip)
         lr = self.schedule(t)

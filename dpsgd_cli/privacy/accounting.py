@@ -258,25 +258,12 @@ def dpsgd_rdp_epsilon(sigma: float, sample_rate: float, steps: int, delta: float
 
 
 def _rdp_epsilon_loud(event: dp_event.DpEvent, delta: float, relation: NeighboringRelation) -> tuple[float, float]:
-    accountant = _rdp_lib.RdpAccountant(list(RDP_BASE_ORDERS), relation)
-    accountant.compose(event)
-    eps, order = accountant.get_epsilon_and_optimal_order(delta)
-    eps, order = float(eps), float(order)
-    if order != RDP_BASE_ORDERS[-1] or not math.isfinite(eps):
-        return eps, order
-    # The optimum is at the top of the base grid: walk the larger orders while epsilon decreases.
-    worse = 0
-    for alpha in RDP_EXTENSION_ORDERS:
-        single = _rdp_lib.RdpAccountant([alpha], relation)
-        single.compose(event)
-        e = float(single.get_epsilon(delta))
-        if e < eps:
-            eps, order, worse = e, alpha, 0
-        else:
-            worse += 1
-            if worse >= 2:
-                break
-    return eps, order
+    def epsilons(orders: np.ndarray) -> np.ndarray:  # the library's RDP of `event`, converted per order
+        accountant = _rdp_lib.RdpAccountant(list(orders), relation)
+        accountant.compose(event)
+        return _rdp_native.epsilon_at_orders(orders, accountant.rdp, delta)
+
+    return _rdp_native.min_over_orders(epsilons, RDP_BASE_ORDERS, RDP_EXTENSION_ORDERS)
 
 
 # Beyond these the PLD's discretised support does not fit in memory or time (measured: σ = 0.01, q = 0.01,

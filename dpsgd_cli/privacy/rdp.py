@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -23,7 +23,7 @@ from dpsgd_cli.lazy import LazyModule
 
 special = LazyModule("scipy.special")
 
-__all__ = ["subsampled_gaussian_rdp", "epsilon_at_orders", "dpsgd_epsilon_and_order"]
+__all__ = ["subsampled_gaussian_rdp", "epsilon_at_orders", "min_over_orders", "dpsgd_epsilon_and_order"]
 
 _FRAC_MAX_TERMS = 1000  # the library's _MAX_STEPS_LOG_A_FRAC: a fractional order not converged by then gets RDP = inf
 _FRAC_FIRST_CHUNK = 16  # terms of the first pass over the fractional orders (q ~ 0.01 and σ >= 3 converge in 6-8)
@@ -101,37 +101,29 @@ def subsampled_gaussian_rdp(q: float, sigma: float, orders: Sequence[float]) -> 
     return log_a / (orders - 1)
 
 
-def _epsilon_at(alpha: float, rdp: float, delta: float) -> float:
-    """ε at ``delta`` of an (α, rdp)-RDP mechanism (Balle et al. 2020, Prop. 12): rdp + log(1 - 1/α) - log(δα)/(α - 1);
-    0 where the KL bound δ <= sqrt(1 - e^-rdp) already holds; inf for α <= 1.01 (the bound is unstable there). As
-    ``dp_accounting.rdp.compute_epsilon`` per order, with ``math`` as it uses (NumPy's SIMD log1p/expm1 differ from
-    libm in the last bit)."""
-    if rdp < 0:
-        return 0.0
-    if delta**2 + math.expm1(-rdp) > 0:
-        return 0.0
-    if alpha > 1.01:
-        return rdp + math.log1p(-1 / alpha) - math.log(delta * alpha) / (alpha - 1)
-    return math.inf
-
-
 @functools.lru_cache(maxsize=1024)
 def _conversion_terms(orders: tuple[float, ...], delta: float) -> tuple[np.ndarray, np.ndarray]:
-    """log(1 - 1/α) and log(δα)/(α - 1) per order, by ``math`` as :func:`_epsilon_at` computes them."""
+    """log(1 - 1/α) and log(δα)/(α - 1) per order, computed by ``math`` as the library does (NumPy's SIMD
+    log1p/log differ from libm in the last bit)."""
     usable = [a > 1.01 for a in orders]
     return (np.array([math.log1p(-1 / a) if ok else 0.0 for a, ok in zip(orders, usable)]),
             np.array([math.log(delta * a) / (a - 1) if ok else 0.0 for a, ok in zip(orders, usable)]))
 
 
 def epsilon_at_orders(orders: np.ndarray, rdp: np.ndarray, delta: float) -> np.ndarray:
-    """:func:`_epsilon_at` at each order (before the minimum over orders), vectorised where that is exact: the
-    KL case (rdp <= δ²) and negative RDP are left to the scalar function."""
+    """ε at ``delta`` for each order of an (α, rdp)-RDP mechanism (Balle et al. 2020, Prop. 12):
+    rdp + log(1 - 1/α) - log(δα)/(α - 1); 0 where rdp < 0 or the KL bound δ <= sqrt(1 - e^-rdp) already holds; inf
+    for α <= 1.01 (the bound is unstable there). As ``dp_accounting.rdp.compute_epsilon`` per order, before its
+    minimum and max(0, .)."""
     log1p_inv, log_term = _conversion_terms(tuple(orders.tolist()), delta)
     eps = np.where(orders > 1.01, (rdp + log1p_inv) - log_term, np.inf)
-    # δ² + expm1(-r) > 0 needs r < ~δ² (expm1(-r) <= -r/2 for 0 <= r <= 1): elsewhere the KL branch cannot apply
-    scalar = np.flatnonzero(~(rdp > 4 * delta**2)) if delta <= 0.5 else np.arange(orders.size)
-    for k in scalar:
-        eps[k] = _epsilon_at(float(orders[k]), float(rdp[k]), delta)
+    # δ² + expm1(-r) > 0 needs r < ~δ² (expm1(-r) <= -r/2 for 0 <= r <= 1): only those rdp values are checked, by
+    # math.expm1 as the library does
+    maybe = np.flatnonzero(~(rdp > 4 * delta**2)) if delta <= 0.5 else np.arange(orders.size)
+    for k in maybe:
+        r = float(rdp[k])
+        if r < 0 or delta**2 + math.expm1(-r) > 0:
+            eps[k] = 0.0
     return eps
 
 
@@ -140,23 +132,22 @@ def _best(orders: np.ndarray, eps: np.ndarray) -> tuple[float, float]:
     return max(0.0, float(eps[k])), float(orders[k])
 
 
-def dpsgd_epsilon_and_order(sigma: float, q: float, steps: int, delta: float, base_orders: Sequence[float],
-                            extension_orders: Sequence[float], block: int = 8) -> tuple[float, float]:
-    """(ε, optimal order) of T = ``steps`` compositions of the subsampled Gaussian: the minimum over
+def min_over_orders(epsilons: Callable[[np.ndarray], np.ndarray], base_orders: Sequence[float],
+                    extension_orders: Sequence[float], block: int = 8) -> tuple[float, float]:
+    """(ε, optimal order): the minimum of ``epsilons(orders)`` (ε per order, as :func:`epsilon_at_orders`) over
     ``base_orders``; when that sits at the last base order, ``extension_orders`` are walked upwards while ε
     decreases, stopping after two orders in a row that do not improve it (see ``accounting``'s docstring).
     The walk evaluates ``block`` orders at a time and reads them in order, so it stops where an order-by-order
     walk stops."""
     base = np.asarray(base_orders, dtype=float)
-    eps, order = _best(base, epsilon_at_orders(base, steps * subsampled_gaussian_rdp(q, sigma, base), delta))
+    eps, order = _best(base, epsilons(base))
     if order != base[-1] or not math.isfinite(eps):
         return eps, order
     ext = np.asarray(extension_orders, dtype=float)
     worse = 0
     for lo in range(0, ext.size, block):
         chunk = ext[lo:lo + block]
-        chunk_eps = np.maximum(0.0, epsilon_at_orders(chunk, steps * subsampled_gaussian_rdp(q, sigma, chunk), delta))
-        for alpha, e in zip(chunk, chunk_eps):
+        for alpha, e in zip(chunk, np.maximum(0.0, epsilons(chunk))):
             if e < eps:
                 eps, order, worse = float(e), float(alpha), 0
             else:
@@ -164,3 +155,10 @@ def dpsgd_epsilon_and_order(sigma: float, q: float, steps: int, delta: float, ba
                 if worse >= 2:
                     return eps, order
     return eps, order
+
+
+def dpsgd_epsilon_and_order(sigma: float, q: float, steps: int, delta: float, base_orders: Sequence[float],
+                            extension_orders: Sequence[float], block: int = 8) -> tuple[float, float]:
+    """(ε, optimal order) of T = ``steps`` compositions of the subsampled Gaussian, by :func:`min_over_orders`."""
+    return min_over_orders(lambda orders: epsilon_at_orders(orders, steps * subsampled_gaussian_rdp(q, sigma, orders),
+                                                            delta), base_orders, extension_orders, block)
