@@ -91,6 +91,51 @@ def test_dpsgd_epsilon_and_order_equals_library_walk_bit_for_bit(sigma, q, steps
                                            block=block) == ours
 
 
+@pytest.mark.parametrize("q", [1e-4, ADULT_Q, 0.05, 0.3])
+def test_integer_sum_cut_where_later_terms_add_nothing_is_exact(q):
+    """`_last_counted_term` drops the tail of the binomial sum; the sum must equal the full left-to-right sum bit for
+    bit, and the cut must happen (else the test proves nothing): large orders at large σ, the extension walk."""
+    orders = np.array([2, 7, 64, 67, 300, 1024, 2485, 5000, 32768], dtype=np.int64)
+    cut_somewhere = False
+    for sigma in [0.6, 3.0, 12.0, 30.0, 100.0, 700.0]:
+        cut = rdp._last_counted_term(q, sigma, orders)
+        assert np.all((cut >= 0) & (cut <= orders))
+        cut_somewhere |= bool(np.any(cut < orders))
+        for a, j in zip(orders, cut):
+            i = np.arange(a + 1)
+            terms = rdp._int_terms(q, sigma, np.full(i.shape, a), i)
+            full = np.logaddexp.accumulate(terms)
+            assert full[j] == full[-1], (q, sigma, a, j)  # nothing after the cut moved the sum
+            if j < a:
+                assert terms[j + 1:].max() < full[j] - 745.2  # each dropped term underflows against the sum
+        assert np.array_equal(rdp._log_a_int(q, sigma, orders.astype(float)),
+                              [np.logaddexp.reduce(rdp._int_terms(q, sigma, np.full(a + 1, a), np.arange(a + 1)))
+                               for a in orders])
+    assert cut_somewhere
+
+
+def test_integer_sum_cut_is_not_applied_where_terms_need_not_be_concave():
+    # α + 2 > 4σ²: the terms may rise again after a dip, so nothing is dropped
+    assert np.array_equal(rdp._last_counted_term(ADULT_Q, 3.0, np.array([40, 500, 2485])), [40, 500, 2485])
+
+
+@pytest.mark.parametrize("delta", [1e-5, ADULT_DELTA, 0.3, 0.7])
+def test_fractional_orders_skipped_by_the_bound_never_hold_the_minimum(delta):
+    """`_dpsgd_epsilons` leaves out fractional orders whose lower bound (RDP of the order below + conversion) exceeds
+    the minimum: the minimum and its order must be those of every order computed, and orders must be skipped."""
+    orders = np.array(acc.RDP_BASE_ORDERS)
+    skipped = 0
+    for q, sigma, steps in itertools.product([1e-3, ADULT_Q, 0.1, 0.9], [0.4, 0.7, 1.0, 2.0, 8.0, 60.0],
+                                             [1, ADULT_T, 20000]):
+        every = rdp.epsilon_at_orders(orders, steps * rdp.subsampled_gaussian_rdp(q, sigma, orders), delta)
+        some = rdp._dpsgd_epsilons(q, sigma, steps, delta, orders)
+        assert rdp._best(orders, some) == rdp._best(orders, every), (q, sigma, steps)
+        kept = np.isfinite(some)
+        assert np.array_equal(some[kept], every[kept])
+        skipped += int((~kept & np.isfinite(every)).sum())
+    assert skipped > 1000 if delta <= 0.5 else skipped == 0  # above 1/2 every order may be clamped to 0: none skipped
+
+
 def test_walk_stops_after_two_orders_that_do_not_improve(monkeypatch):
     """A curve with a bump: the walk stops at the first two non-improving orders, as the library walk does."""
     def fake_rdp(q, sigma, orders):

@@ -59,7 +59,7 @@ new interleaved): RDP 30 evaluations, 1.7-1.9 s on one curve through the library
 s with Brent's method per target (calibration version 1); PLD 33 and 33, 2.3-2.9 s vs 2.6-3.1 s. Two evaluations
 per target (the lattice point and the one below, proving sigma minimal) are the floor, and the large-sigma points
 dominate: an RDP evaluation at epsilon = 0.01 (sigma ~ 100) walks the orders up to ~2500 (~0.24 s in the library,
-~4 ms in :mod:`dpsgd_cli.privacy.rdp`, which brought the RDP axis to ~0.05 s, same sigmas).
+~2 ms in :mod:`dpsgd_cli.privacy.rdp`, which brought the RDP axis to ~0.03 s, same sigmas).
 Generic :func:`calibrate` (Brent's method on log sigma, stopped by the epsilon window) serves the closed-form
 calibrations of other mechanisms, one target at a time.
 :func:`calibrate_sigma` keeps its results on disk (:func:`calibration_cache_dir`), shared by processes: a
