@@ -134,6 +134,10 @@ def test_fractional_orders_skipped_by_the_bound_never_hold_the_minimum(delta):
         assert np.array_equal(some[kept], every[kept])
         skipped += int((~kept & np.isfinite(every)).sum())
     assert skipped > 1000 if delta <= 0.5 else skipped == 0  # above 1/2 every order may be clamped to 0: none skipped
+    shuffled = np.random.default_rng(0).permutation(orders)  # "the order below" needs ascending orders: none skipped
+    assert np.array_equal(rdp._dpsgd_epsilons(ADULT_Q, 1.0, ADULT_T, delta, shuffled),
+                          rdp.epsilon_at_orders(shuffled, ADULT_T * rdp.subsampled_gaussian_rdp(ADULT_Q, 1.0, shuffled),
+                                                delta))
 
 
 def test_walk_stops_after_two_orders_that_do_not_improve(monkeypatch):

@@ -199,7 +199,7 @@ def min_over_orders(epsilons: Callable[[np.ndarray], np.ndarray], base_orders: S
 
 
 def _dpsgd_epsilons(q: float, sigma: float, steps: int, delta: float, orders: np.ndarray) -> np.ndarray:
-    """ε per order (ascending) of T = ``steps`` subsampled Gaussians, as :func:`epsilon_at_orders`, except inf at
+    """ε per order of T = ``steps`` subsampled Gaussians, as :func:`epsilon_at_orders`, except inf at
     fractional orders proven not to be the minimum, which are not computed (their erfc series are most of an
     evaluation's cost). Integer orders and the first order are computed; RDP is nondecreasing in α, so a
     fractional α's ε is at least T·RDP(the computed order just below) + its conversion term, and where that bound
@@ -209,7 +209,7 @@ def _dpsgd_epsilons(q: float, sigma: float, steps: int, delta: float, orders: np
     computed = (orders == np.floor(orders)) | (np.arange(orders.size) == 0)
     total = np.full(orders.shape, np.nan)
     total[computed] = steps * subsampled_gaussian_rdp(q, sigma, orders[computed])
-    if not computed.all() and delta <= 0.5:
+    if not computed.all() and delta <= 0.5 and bool(np.all(np.diff(orders) > 0)):  # the order below: ascending
         below = np.maximum.accumulate(np.where(computed, np.arange(orders.size), 0))  # the computed order at or below
         anchor = total[below]
         eps = _epsilon(orders[computed], total[computed], delta, log1p_inv[computed], log_term[computed])
