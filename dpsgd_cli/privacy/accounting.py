@@ -31,8 +31,8 @@ As in ``dp-accounting``, the *mechanism* is described by a :class:`dp_accounting
     DP-SGD's events (:func:`dpsgd_rdp_epsilon`: the calibration curve and :func:`dpsgd_epsilon`)
     are computed by :mod:`dpsgd_cli.privacy.rdp`, the library's terms vectorised, equal to the
     library's epsilon and order bit for bit (tests/test_rdp.py) and ~40-60x faster, without
-    importing it; every other event goes through the library.  Above 64 the per-order bound is unimodal in alpha (checked on the dense
-    grid for the same 16 settings), so the result equals the minimum over the whole grid; the
+    importing it; every other event goes through the library.  Above 64 the per-order bound is
+    unimodal in alpha (checked on the dense grid for the same 16 settings), so the result equals the minimum over the whole grid; the
     tests compare with a fresh ``RdpAccountant(orders=RDP_ORDERS up to 1024 or 8192)``.  If the
     bound were not unimodal the walk could stop early: epsilon would be looser, never invalid.
 

@@ -82,7 +82,7 @@ def _log_a_int(q: float, sigma: float, alphas: np.ndarray) -> np.ndarray:
     """log A_α for integer orders: log Σ_i C(α, i) q^i (1 - q)^(α - i) exp((i² - i) / (2σ²)), summed left to right
     over the terms that can change the sum (:func:`_last_counted_term`)."""
     a_int = alphas.astype(np.int64)
-    counts = (_last_counted_term(q, sigma, a_int) if q < 1 else a_int) + 1
+    counts = _last_counted_term(q, sigma, a_int) + 1
     starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
     i = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(starts, counts)
     return np.logaddexp.reduceat(_int_terms(q, sigma, np.repeat(a_int, counts), i), starts)
@@ -206,25 +206,24 @@ def _dpsgd_epsilons(q: float, sigma: float, steps: int, delta: float, orders: np
     exceeds the computed minimum (with a margin for rounding and the series' truncation) α cannot be the argmin.
     Not applied where ε could be clamped to 0 (T·RDP <= ~δ²) or the order below has no finite RDP."""
     log1p_inv, log_term = _conversion_terms(tuple(orders.tolist()), delta)
+    total, out = np.full(orders.shape, np.nan), np.full(orders.shape, np.inf)
+
+    def evaluate(mask: np.ndarray) -> None:
+        total[mask] = steps * subsampled_gaussian_rdp(q, sigma, orders[mask])
+        out[mask] = _epsilon(orders[mask], total[mask], delta, log1p_inv[mask], log_term[mask])
+
     computed = (orders == np.floor(orders)) | (np.arange(orders.size) == 0)
-    total = np.full(orders.shape, np.nan)
-    total[computed] = steps * subsampled_gaussian_rdp(q, sigma, orders[computed])
-    if not computed.all() and delta <= 0.5 and bool(np.all(np.diff(orders) > 0)):  # the order below: ascending
-        below = np.maximum.accumulate(np.where(computed, np.arange(orders.size), 0))  # the computed order at or below
-        anchor = total[below]
-        eps = _epsilon(orders[computed], total[computed], delta, log1p_inv[computed], log_term[computed])
-        best = float(eps.min())
+    evaluate(computed)
+    rest = ~computed
+    if rest.any() and delta <= 0.5 and bool(np.all(np.diff(orders) > 0)):  # the order below: ascending orders
+        anchor = total[np.maximum.accumulate(np.where(computed, np.arange(orders.size), 0))]  # computed, at or below
+        best = float(out[computed].min())
         bound = (np.where(np.isfinite(anchor), anchor, 0.0) + log1p_inv) - log_term
         margin = 1e-6 * max(1.0, abs(best)) + 1e-9 * steps
-        skip = ~computed & (anchor > 8 * delta**2) & np.isfinite(anchor) & (bound > best + margin)
-        rest = ~computed & ~skip
-        total[rest] = steps * subsampled_gaussian_rdp(q, sigma, orders[rest])
-        keep = ~skip
-        out = np.full(orders.shape, np.inf)
-        out[keep] = _epsilon(orders[keep], total[keep], delta, log1p_inv[keep], log_term[keep])
-        return out
-    total[~computed] = steps * subsampled_gaussian_rdp(q, sigma, orders[~computed])
-    return _epsilon(orders, total, delta, log1p_inv, log_term)
+        rest &= ~((anchor > 8 * delta**2) & np.isfinite(anchor) & (bound > best + margin))
+    if rest.any():
+        evaluate(rest)
+    return out
 
 
 def dpsgd_epsilon_and_order(sigma: float, q: float, steps: int, delta: float, base_orders: Sequence[float],
