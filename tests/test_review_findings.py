@@ -1,7 +1,7 @@
 """Findings of the correctness review of the issue-16 performance changes (branch `review`).
 
-xfail(strict=True) marks a proven defect (the test passes once it is fixed, and then the mark must go); the
-other tests are guards for hazards the review found no defect in on this interpreter."""
+The first test guards a defect the review proved and that was then fixed; the others guard hazards the review found
+no defect in on this interpreter."""
 
 import itertools
 
@@ -21,20 +21,30 @@ def _dense_data(n=240, d=30, seed=1):
     return X, np.where(X[:, 0] + 0.1 > 0, 1.0, -1.0)
 
 
-@pytest.mark.xfail(strict=True, reason="review finding: on the NumPy path a Poisson batch is trimmed to the widest "
-                                       "replica's size, and the (R, 1, M) @ (R, M, d) sum's rounding depends on M, so "
-                                       "a seed's run depends on the seeds trained beside it (README 'Reproducibility')")
-@pytest.mark.parametrize("model_name, options", [("logreg", {}), ("mlp", {"hidden": 11})])
-def test_numpy_path_seed_alone_equals_seed_among_others_bit_for_bit(model_name, options):
+@pytest.mark.parametrize("model_name, options, algorithm_name, params", [
+    ("logreg", {}, "dp_sgd", {"backend": "numpy"}),
+    ("logreg", {}, "dp_lssgd", {"smoothing": 1.0}),
+    ("mlp", {"hidden": 11}, "dp_sgd", {"backend": "numpy"}),
+    ("mlp", {"hidden": 11}, "dp_sgd", {}),  # dense rows: the MLP's NumPy path under backend auto too
+    ("logreg", {}, "pidp_sgd", {"sampling": "poisson"}),
+    ("mlp", {"hidden": 11}, "pidp_sgd", {"sampling": "poisson"}),
+])
+def test_numpy_path_seed_alone_equals_seed_among_others_bit_for_bit(model_name, options, algorithm_name, params):
+    """Review finding (fixed): a Poisson batch is trimmed to the widest replica's size, and a BLAS sum over its M
+    rows rounds differently with M, so a seed's run depended on the seeds trained beside it. Replicas that keep
+    different numbers of rows now take their BLAS products on their own rows (`models.base.per_replica`)."""
     X, y = _dense_data()
     model = make_model(model_name, X.shape[1], 1e-3, options)
     setting = Setting(n=X.shape[0], d=X.shape[1], delta=1e-5, l2=1e-3, epsilon=2.0, batch_size=24, lr=0.5, epochs=2,
                       clip_norm=0.5)
-    algorithm = ALGORITHMS["dp_sgd"]({"backend": "numpy"})
+    algorithm = ALGORITHMS[algorithm_name](params)
+    differ = 0
     for others in ([0, 4, 9], [1, 4, 7], [2, 4, 5, 8]):  # whether the rounding differs depends on the numbers
         many = algorithm.fit(setting, model, X, y, ReplicaStreams(others)).theta
         alone = algorithm.fit(setting, model, X, y, ReplicaStreams([4])).theta
         assert np.array_equal(many[others.index(4)], alone[0])
+        differ += not np.array_equal(many[0], many[1])
+    assert differ == 3  # the seeds did train differently
 
 
 @pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="numba not installed")

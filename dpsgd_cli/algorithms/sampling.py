@@ -142,7 +142,8 @@ class IndexedBatches:
         idx = self._block[self._pos]  # (R, M)
         self._pos += 1
         if self._trim:  # kept indices come first in each row, so trim the common padding
-            idx = idx[:, : max(1, int((idx >= 0).sum(axis=1).max()))]
+            kept = (idx >= 0).sum(axis=1)
+            return gather(self.X, self.y, self.x_norm, idx[:, : max(1, int(kept.max()))], self.nonzeros, kept)
         return gather(self.X, self.y, self.x_norm, idx, self.nonzeros)
 
     def take(self, m: int) -> np.ndarray:
@@ -245,12 +246,14 @@ def per_array(X: np.ndarray, what: str, build: Callable[[np.ndarray], object]) -
 
 
 def gather(X: np.ndarray, y: np.ndarray, x_norm: np.ndarray, idx: np.ndarray,
-           nonzeros: Optional[Callable[[], Optional["RowNonzeros"]]] = None) -> "IndexedBatch":
-    """Batch of rows `idx` (R, M) with −1 marking padding (padding reads row 0, with weight 0)."""
+           nonzeros: Optional[Callable[[], Optional["RowNonzeros"]]] = None,
+           kept: Optional[np.ndarray] = None) -> "IndexedBatch":
+    """Batch of rows `idx` (R, M) with −1 marking padding (padding reads row 0, with weight 0); `kept`: how many
+    rows each replica keeps, first in its row of `idx` (a Poisson batch trimmed to the widest replica)."""
     valid = idx >= 0
     safe = np.where(valid, idx, 0)
     return IndexedBatch(X, safe, y=np.take(y, safe), weight=valid.astype(X.dtype),
-                        x_norm=np.take(x_norm, safe) * valid, nonzeros=nonzeros)
+                        x_norm=np.take(x_norm, safe) * valid, nonzeros=nonzeros, kept=kept)
 
 
 class IndexedBatch(Batch):
@@ -258,18 +261,37 @@ class IndexedBatch(Batch):
     so a compiled step that reads the rows where they are (the MLP's, with `nonzeros()`) never copies them."""
 
     def __init__(self, data: np.ndarray, rows: np.ndarray, y: np.ndarray, weight: np.ndarray, x_norm: np.ndarray,
-                 nonzeros: Optional[Callable[[], Optional["RowNonzeros"]]] = None):
+                 nonzeros: Optional[Callable[[], Optional["RowNonzeros"]]] = None, kept: Optional[np.ndarray] = None):
         for name, value in dict(data=data, rows=rows, y=y, weight=weight, x_norm=x_norm,
-                                nonzeros=nonzeros or (lambda: None)).items():
+                                nonzeros=nonzeros or (lambda: None), kept=kept).items():
             object.__setattr__(self, name, value)  # Batch is frozen
 
     @functools.cached_property
     def X(self) -> np.ndarray:  # type: ignore[override]
         return np.take(self.data, self.rows, axis=0)
 
-    def plain(self) -> Batch:
-        """The same batch as a plain `Batch` (X gathered): what a step that must not use the rows sees."""
-        return Batch(X=self.X, y=self.y, weight=self.weight, x_norm=self.x_norm)
+    @functools.cached_property
+    def _plain(self) -> "IndexedBatch":
+        return IndexedBatch(self.data, self.rows, self.y, self.weight, self.x_norm, None, self.kept)
+
+    def plain(self) -> "IndexedBatch":
+        """The same batch without its rows' nonzeros: what a step that must not take the compiled rows path sees
+        (one per batch: the chains that share it gather its X once)."""
+        return self._plain
+
+    @functools.cached_property
+    def _per_replica(self) -> Optional[list[Batch]]:
+        kept = self.kept
+        if kept is None or len(kept) < 2 or bool((kept == kept[0]).all()):
+            return None
+        X = self.X
+        return [Batch(X=X[r:r + 1, :m], y=self.y[r:r + 1, :m], weight=self.weight[r:r + 1, :m],
+                      x_norm=self.x_norm[r:r + 1, :m]) for r, m in enumerate(np.maximum(kept, 1).tolist())]
+
+    def per_replica(self) -> Optional[list[Batch]]:
+        """Each replica's batch alone (views trimmed to its own rows) where the replicas keep different numbers of
+        rows, else None: the batch it gets when its seed runs alone (see `models.base.per_replica`)."""
+        return self._per_replica
 
 
 @dataclass(frozen=True)

@@ -170,6 +170,15 @@ class Model:
         return x, info
 
 
+def per_replica(batch: Batch) -> Optional[list[Batch]]:
+    """The replicas' own batches (each trimmed to the rows it keeps) where a padded batch's replicas keep different
+    numbers of rows (Poisson sampling), else None. A BLAS product over the M padded rows rounds differently with M
+    (its kernels split the sum by length), so on the wide batch a seed's sums would depend on the seeds trained
+    beside it; on its own batch they are what it computes alone, bit for bit."""
+    split = getattr(batch, "per_replica", None)
+    return split() if split is not None else None
+
+
 def logistic_loss(decision: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Mean log(1 + exp(−y·f(x))) over the examples (last axis), per replica."""
     return np.mean(np.logaddexp(0.0, -y * decision), axis=-1)
