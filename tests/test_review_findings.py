@@ -32,7 +32,7 @@ def _dense_data(n=240, d=30, seed=1):
 def test_numpy_path_seed_alone_equals_seed_among_others_bit_for_bit(model_name, options, algorithm_name, params):
     """Review finding (fixed): a Poisson batch is trimmed to the widest replica's size, and a BLAS sum over its M
     rows rounds differently with M, so a seed's run depended on the seeds trained beside it. Replicas that keep
-    different numbers of rows now take their BLAS products on their own rows (`models.base.per_replica`)."""
+    different numbers of rows now take their BLAS products on their own rows (`Model._clipped_grad_sum_per_replica`)."""
     X, y = _dense_data()
     model = make_model(model_name, X.shape[1], 1e-3, options)
     setting = Setting(n=X.shape[0], d=X.shape[1], delta=1e-5, l2=1e-3, epsilon=2.0, batch_size=24, lr=0.5, epochs=2,

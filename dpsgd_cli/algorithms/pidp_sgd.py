@@ -574,7 +574,7 @@ def indexed_poisson_batches(X: np.ndarray, y: np.ndarray, q: float,
     x_norm = row_norms(X)
     for b in poisson_batches(np.arange(n, dtype=float)[:, None], y, q, streams):
         idx = np.where(b.weight > 0, b.X[..., 0], -1).astype(np.int64)
-        yield idx, gather(X, y, x_norm, idx, kept=b.kept)
+        yield idx, gather(X, y, x_norm, idx)
 
 
 # ------------------------------------------------------------------------------------------------

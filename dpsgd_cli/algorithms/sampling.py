@@ -142,8 +142,7 @@ class IndexedBatches:
         idx = self._block[self._pos]  # (R, M)
         self._pos += 1
         if self._trim:  # kept indices come first in each row, so trim the common padding
-            kept = (idx >= 0).sum(axis=1)
-            return gather(self.X, self.y, self.x_norm, idx[:, : max(1, int(kept.max()))], self.nonzeros, kept)
+            idx = idx[:, : max(1, int((idx >= 0).sum(axis=1).max()))]
         return gather(self.X, self.y, self.x_norm, idx, self.nonzeros)
 
     def take(self, m: int) -> np.ndarray:
@@ -246,14 +245,13 @@ def per_array(X: np.ndarray, what: str, build: Callable[[np.ndarray], object]) -
 
 
 def gather(X: np.ndarray, y: np.ndarray, x_norm: np.ndarray, idx: np.ndarray,
-           nonzeros: Optional[Callable[[], Optional["RowNonzeros"]]] = None,
-           kept: Optional[np.ndarray] = None) -> "IndexedBatch":
-    """Batch of rows `idx` (R, M) with −1 marking padding (padding reads row 0, with weight 0); `kept`: how many
-    rows each replica keeps, first in its row of `idx` (a Poisson batch trimmed to the widest replica)."""
+           nonzeros: Optional[Callable[[], Optional["RowNonzeros"]]] = None) -> "IndexedBatch":
+    """Batch of rows `idx` (R, M) with −1 marking padding, after each replica's rows (padding reads row 0, with
+    weight 0)."""
     valid = idx >= 0
     safe = np.where(valid, idx, 0)
     return IndexedBatch(X, safe, y=np.take(y, safe), weight=valid.astype(X.dtype),
-                        x_norm=np.take(x_norm, safe) * valid, nonzeros=nonzeros, kept=kept)
+                        x_norm=np.take(x_norm, safe) * valid, nonzeros=nonzeros)
 
 
 class IndexedBatch(Batch):
@@ -261,9 +259,9 @@ class IndexedBatch(Batch):
     so a compiled step that reads the rows where they are (the MLP's, with `nonzeros()`) never copies them."""
 
     def __init__(self, data: np.ndarray, rows: np.ndarray, y: np.ndarray, weight: np.ndarray, x_norm: np.ndarray,
-                 nonzeros: Optional[Callable[[], Optional["RowNonzeros"]]] = None, kept: Optional[np.ndarray] = None):
+                 nonzeros: Optional[Callable[[], Optional["RowNonzeros"]]] = None):
         for name, value in dict(data=data, rows=rows, y=y, weight=weight, x_norm=x_norm,
-                                nonzeros=nonzeros or (lambda: None), kept=kept).items():
+                                nonzeros=nonzeros or (lambda: None)).items():
             object.__setattr__(self, name, value)  # Batch is frozen
 
     @functools.cached_property
@@ -272,7 +270,7 @@ class IndexedBatch(Batch):
 
     @functools.cached_property
     def _plain(self) -> "IndexedBatch":
-        return IndexedBatch(self.data, self.rows, self.y, self.weight, self.x_norm, None, self.kept)
+        return IndexedBatch(self.data, self.rows, self.y, self.weight, self.x_norm)
 
     def plain(self) -> "IndexedBatch":
         """The same batch without its rows' nonzeros: what a step that must not take the compiled rows path sees
@@ -280,18 +278,18 @@ class IndexedBatch(Batch):
         return self._plain
 
     @functools.cached_property
-    def _per_replica(self) -> Optional[list[Batch]]:
-        kept = self.kept
-        if kept is None or len(kept) < 2 or bool((kept == kept[0]).all()):
+    def per_replica(self) -> Optional[list[Batch]]:
+        """Each replica's batch alone (views of its rows, which come before its padding) where the replicas keep
+        different numbers of rows (a Poisson batch trimmed to the widest), else None: the batch it gets when its
+        seed runs alone (see `Model._clipped_grad_sum_per_replica`)."""
+        if self.weight.shape[0] < 2:
+            return None
+        kept = np.count_nonzero(self.weight, axis=1)
+        if (kept == kept[0]).all():
             return None
         X = self.X
         return [Batch(X=X[r:r + 1, :m], y=self.y[r:r + 1, :m], weight=self.weight[r:r + 1, :m],
                       x_norm=self.x_norm[r:r + 1, :m]) for r, m in enumerate(np.maximum(kept, 1).tolist())]
-
-    def per_replica(self) -> Optional[list[Batch]]:
-        """Each replica's batch alone (views trimmed to its own rows) where the replicas keep different numbers of
-        rows, else None: the batch it gets when its seed runs alone (see `models.base.per_replica`)."""
-        return self._per_replica
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,17 @@ class Model:
         """Σ_i weight_i · min(1, C/‖∇ℓ_i‖) ∇ℓ_i over the batch, without the regulariser: (R, P)."""
         raise NotImplementedError
 
+    def _clipped_grad_sum_per_replica(self, theta: np.ndarray, batch: Batch,
+                                      clip: Optional[float]) -> Optional[np.ndarray]:
+        """`clipped_grad_sum` replica by replica, each on its own rows, where the batch's replicas keep different
+        numbers of rows (`IndexedBatch.per_replica`: Poisson sampling), else None. A BLAS product over the M padded
+        rows rounds differently with M (its kernels split the sum by length), so on the wide batch a seed's sums
+        would depend on the seeds trained beside it; on its own rows they are what it computes alone, bit for bit."""
+        parts = getattr(batch, "per_replica", None)
+        if parts is None:
+            return None
+        return np.concatenate([self.clipped_grad_sum(theta[r:r + 1], part, clip) for r, part in enumerate(parts)])
+
     def per_example_grad_norms(self, theta: np.ndarray, batch: Batch) -> np.ndarray:
         """‖∇ℓ(θ; x_i, y_i)‖ for every batch entry: (R, M)."""
         raise NotImplementedError
@@ -168,15 +179,6 @@ class Model:
         info = {"iterations": iterations, "residual": residual, "converged": (rr <= target) & ~negative,
                 "negative_curvature": negative}
         return x, info
-
-
-def per_replica(batch: Batch) -> Optional[list[Batch]]:
-    """The replicas' own batches (each trimmed to the rows it keeps) where a padded batch's replicas keep different
-    numbers of rows (Poisson sampling), else None. A BLAS product over the M padded rows rounds differently with M
-    (its kernels split the sum by length), so on the wide batch a seed's sums would depend on the seeds trained
-    beside it; on its own batch they are what it computes alone, bit for bit."""
-    split = getattr(batch, "per_replica", None)
-    return split() if split is not None else None
 
 
 def logistic_loss(decision: np.ndarray, y: np.ndarray) -> np.ndarray:

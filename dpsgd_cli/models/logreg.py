@@ -7,7 +7,7 @@ from typing import Optional
 import numpy as np
 from scipy.special import expit
 
-from dpsgd_cli.models.base import Batch, Model, accuracy_of, logistic_loss, per_replica
+from dpsgd_cli.models.base import Batch, Model, accuracy_of, logistic_loss
 
 
 class LogisticRegression(Model):
@@ -55,9 +55,9 @@ class LogisticRegression(Model):
         return np.abs(self._residual(theta, batch)) * batch.x_norm
 
     def clipped_grad_sum(self, theta, batch, clip: Optional[float]):
-        parts = per_replica(batch)  # the product below is BLAS's: its rounding depends on M
-        if parts is not None:
-            return np.concatenate([self.clipped_grad_sum(theta[r:r + 1], part, clip) for r, part in enumerate(parts)])
+        split = self._clipped_grad_sum_per_replica(theta, batch, clip)  # the product below is BLAS's: rounds by M
+        if split is not None:
+            return split
         residual = self._residual(theta, batch)
         scale = batch.weight * residual
         if clip is not None:

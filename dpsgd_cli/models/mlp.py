@@ -34,7 +34,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 from scipy.special import expit
 
-from dpsgd_cli.models.base import Batch, Model, logistic_loss, per_replica
+from dpsgd_cli.models.base import Batch, Model, logistic_loss
 
 Activation = Literal["tanh", "relu", "sigmoid"]
 # Full-data passes are cut into blocks of examples so that an (R, block, h) temporary holds at most this many numbers.
@@ -222,11 +222,10 @@ class MLP(Model):
 
     def clipped_grad_sum(self, theta, batch: Batch, clip: Optional[float]):
         sparse = _row_sparse(batch, theta)
-        parts = per_replica(batch) if sparse is None else None  # the dense path's BLAS products round by M
-        if parts is not None:
-            return np.concatenate([self.clipped_grad_sum(theta[r:r + 1], part, clip) for r, part in enumerate(parts)])
-        if sparse is None:
-            return self._backward(theta, batch.X, batch.y, batch.weight, clip, batch.x_norm)[0]
+        if sparse is None:  # the dense path's BLAS products round by M: replica by replica where M differs
+            split = self._clipped_grad_sum_per_replica(theta, batch, clip)
+            return split if split is not None else \
+                self._backward(theta, batch.X, batch.y, batch.weight, clip, batch.x_norm)[0]
         kernels, nz = sparse
         W1, b1, w2, b2 = self.unpack(theta)
         R, (M, h, d) = theta.shape[0], (batch.rows.shape[1], self.hidden, self.d)
