@@ -589,8 +589,11 @@ class EpsilonCurve:
     """
 
     def __init__(self, epsilon_and_info: Callable[[float], tuple[float, object]], *, rel_tol: float = 1e-3,
-                 sigma_min: float = 1e-2, sigma_max: float = 1e6, max_evaluations: int = 200, context: str = ""):
+                 sigma_min: float = 1e-2, sigma_max: float = 1e6, max_evaluations: int = 200, context: str = "",
+                 estimate: Callable[[float], float] | None = None,
+                 exceeds: Callable[[float, float], bool] | None = None):
         self._epsilon_and_info = epsilon_and_info
+        self._estimate, self._exceeds = estimate, exceeds
         self.rel_tol = check.open_unit("rel_tol", rel_tol)
         s_min, s_max = check.positive("sigma_min", sigma_min), check.positive("sigma_max", sigma_max)
         self._k_min = math.ceil(math.log(s_min) / LATTICE_STEP)  # lattice indices: x = k * LATTICE_STEP
@@ -602,6 +605,7 @@ class EpsilonCurve:
         self.context = context
         self.points: dict[float, float] = {}  # x = log sigma -> epsilon
         self.info: dict[float, object] = {}  # sigma -> info
+        self.estimates: dict[float, float] = {}  # x -> estimated epsilon, where not evaluated
         self.evaluations = 0
 
     def epsilon(self, x: float) -> float:
@@ -620,16 +624,30 @@ class EpsilonCurve:
     def _at(self, k: int) -> float:
         return self.epsilon(k * LATTICE_STEP)
 
-    def _lattice_points(self) -> list[tuple[int, float]]:
-        return sorted((round(x / LATTICE_STEP), e) for x, e in self.points.items() if (x / LATTICE_STEP).is_integer())
+    def _probe(self, k: int) -> None:
+        """Estimates epsilon at lattice point k (unless evaluated)."""
+        x = k * LATTICE_STEP
+        if x not in self.points and x not in self.estimates:
+            if len(self.estimates) >= self.max_evaluations:
+                raise RuntimeError(f"calibration did not converge in {self.max_evaluations} estimates{self.context}")
+            e = float(self._estimate(math.exp(x)))
+            if math.isnan(e):
+                raise RuntimeError(f"estimated epsilon is NaN at sigma={math.exp(x)!r}{self.context}")
+            self.estimates[x] = e
 
-    def _predict(self, log_target: float, guess: float, above: int | None, below: int | None) -> float:
+    def _lattice_points(self, estimated: bool = False) -> list[tuple[int, float]]:
+        """(k, epsilon) of the evaluated lattice points, and with ``estimated`` the estimated ones."""
+        known = {**self.estimates, **self.points} if estimated else self.points
+        return sorted((round(x / LATTICE_STEP), e) for x, e in known.items() if (x / LATTICE_STEP).is_integer())
+
+    def _predict(self, log_target: float, guess: float, above: int | None, below: int | None,
+                 points: list[tuple[int, float]]) -> float:
         """Lattice index (real) where log epsilon crosses log_target. Within a bracket (above, below): k as a
         quadratic in log epsilon through its ends and the known point closest to the target (inverse quadratic
         interpolation, as in Brent's method), else the secant of its ends. Outside: the secant through the closest
         point and the closest one at least 64 steps from it (slope -1, epsilon ~ 1/sigma, if none); `guess` when
         the curve is empty."""
-        known = {k: math.log(e) for k, e in self._lattice_points() if 0 < e < math.inf}
+        known = {k: math.log(e) for k, e in points if 0 < e < math.inf}
         if above in known and below in known:
             ends = [(known[above], above), (known[below], below)]
             others = sorted(((l, k) for k, l in known.items() if k not in (above, below)),
@@ -657,7 +675,11 @@ class EpsilonCurve:
         target = check.positive("target_epsilon", target_epsilon)
         check.positive("sigma_guess", sigma_guess)
         start = self.evaluations
-        k_above, k_below = self._bracket(target, sigma_guess)
+        # on the estimates (twice: a failed confirmation adds an evaluated point), else on evaluated points only
+        for estimated in (True, True, False) if self._estimate is not None else (False,):
+            k_above, k_below = self._bracket(target, sigma_guess, estimated)
+            if not estimated or self._confirmed(target, k_above, k_below):
+                break
         if k_above is None:  # already sigma_min is private enough
             e = self._at(k_below)
             if e < (1.0 - self.rel_tol) * target:
@@ -666,13 +688,25 @@ class EpsilonCurve:
         x, e, in_window = self._refine(target, k_above * LATTICE_STEP, k_below * LATTICE_STEP)
         return CalibrationPoint(math.exp(x), e, self.evaluations - start, in_window)
 
-    def _bracket(self, target: float, guess: float) -> tuple[int | None, int]:
+    def _confirmed(self, target: float, k_above: int | None, k_below: int) -> bool:
+        """Whether a bracket found on estimates holds: epsilon(k_below) <= target by evaluation, epsilon(k_above) >
+        target by evaluation or a proof (``exceeds``)."""
+        if self._at(k_below) > target:
+            return False
+        if k_above is None or k_above * LATTICE_STEP in self.points:
+            return True
+        if self._exceeds is not None and self._exceeds(math.exp(k_above * LATTICE_STEP), target):
+            return True
+        return self._at(k_above) > target
+
+    def _bracket(self, target: float, guess: float, estimated: bool = False) -> tuple[int | None, int]:
         """Adjacent lattice indices (k - 1, k): epsilon(k - 1) > target >= epsilon(k); (None, k_min) where
-        sigma_min already meets the target. Secant steps on log epsilon, safeguarded by bisection."""
+        sigma_min already meets the target. Secant steps on log epsilon, safeguarded by bisection. ``estimated``:
+        on the estimates where a point has not been evaluated (a bracket to confirm)."""
         log_t = math.log(target)
         margin, width, slow = 1, math.inf, 0  # slow: evaluations since the bracket last halved
         while True:
-            known = self._lattice_points()
+            known = self._lattice_points(estimated)
             below = [k for k, e in known if e <= target]
             k_below = min(below) if below else None
             above = [k for k, e in known if e > target and (k_below is None or k < k_below)]
@@ -682,8 +716,10 @@ class EpsilonCurve:
             if k_below == self._k_min:
                 return None, k_below
             if k_above == self._k_max:
-                raise _unreachable(target, self.sigma_range[1], self._at(k_above), self.context)
-            guess_k = self._predict(log_t, guess, k_above, k_below)
+                if self._at(k_above) > target:
+                    raise _unreachable(target, self.sigma_range[1], self._at(k_above), self.context)
+                continue  # it was an estimate
+            guess_k = self._predict(log_t, guess, k_above, k_below, known)
             if k_above is None or k_below is None:  # no bracket yet: overshoot the prediction, more each time
                 k = math.ceil(guess_k) + margin if k_below is None else math.floor(guess_k) - margin
                 if k_below is None and k_above is not None:
@@ -696,7 +732,11 @@ class EpsilonCurve:
                 width = min(width, k_below - k_above) if slow else k_below - k_above
                 k = math.ceil(guess_k) if slow < 4 else (k_above + k_below) // 2
                 k = min(k_below - 1, max(k_above + 1, k))
-            self._at(min(self._k_max, max(self._k_min, k)))
+            k = min(self._k_max, max(self._k_min, k))
+            if estimated:
+                self._probe(k)
+            else:
+                self._at(k)
 
     def _refine(self, target: float, x_above: float, x_below: float) -> tuple[float, float, bool]:
         """Halve the step (x_above, x_below] until epsilon(x_below) is in the window; (x, epsilon, in window)."""
@@ -814,7 +854,8 @@ def dpsgd_curve(delta: float, sample_rate: float, steps: int, accountant: str) -
     (an epsilon axis reads it in one pass); info at each point: the RDP order or the PLD interval used."""
     context = f" (delta={delta:g}, sample_rate={sample_rate:g}, steps={steps}, accountant={accountant!r})"
     if accountant == "rdp":
-        return EpsilonCurve(lambda sigma: dpsgd_rdp_epsilon(sigma, sample_rate, steps, delta), context=context)
+        rdp = _rdp_native.DpsgdRdpCurve(sample_rate, steps, delta, RDP_BASE_ORDERS, RDP_EXTENSION_ORDERS)
+        return EpsilonCurve(rdp.epsilon_and_order, estimate=rdp.estimate, exceeds=rdp.exceeds, context=context)
     return EpsilonCurve(lambda sigma: _pld_epsilon(dpsgd_event(sigma, sample_rate, steps), delta), context=context)
 
 

@@ -23,10 +23,11 @@ from dpsgd_cli.lazy import LazyModule
 
 special = LazyModule("scipy.special")
 
-__all__ = ["subsampled_gaussian_rdp", "epsilon_at_orders", "min_over_orders", "dpsgd_epsilon_and_order"]
+__all__ = ["subsampled_gaussian_rdp", "epsilon_at_orders", "min_over_orders", "dpsgd_epsilon_and_order",
+           "DpsgdRdpCurve"]
 
 _FRAC_MAX_TERMS = 1000  # the library's _MAX_STEPS_LOG_A_FRAC: a fractional order not converged by then gets RDP = inf
-_FRAC_FIRST_CHUNK = 16  # terms of the first pass over the fractional orders (q ~ 0.01 and σ >= 3 converge in 6-8)
+_FRAC_FIRST_CHUNK = 64  # terms of the first pass over the fractional orders (σ < 1 at q ~ 0.01 needs 20-60; σ >= 3 6-8)
 
 
 _log_factorials = np.zeros(0)  # log k! = gammaln(k + 1) for k = 0, 1, ...: the values gammaln gives term by term
@@ -227,8 +228,142 @@ def _dpsgd_epsilons(q: float, sigma: float, steps: int, delta: float, orders: np
 
 
 def dpsgd_epsilon_and_order(sigma: float, q: float, steps: int, delta: float, base_orders: Sequence[float],
-                            extension_orders: Sequence[float], block: int = 16) -> tuple[float, float]:
-    """(ε, optimal order) of T = ``steps`` compositions of the subsampled Gaussian, by :func:`min_over_orders`
-    (16 orders a block: fewer calls than 8, for ~2 orders evaluated past the stop)."""
+                            extension_orders: Sequence[float], block: int = 16,
+                            expected_order: float | None = None) -> tuple[float, float]:
+    """(ε, optimal order) of T = ``steps`` compositions of the subsampled Gaussian, by :func:`min_over_orders`:
+    16 orders a block (fewer calls than 8, for ~2 orders evaluated past the stop), or one block reaching 3 orders
+    past ``expected_order`` when that is larger (a block's size never changes the result)."""
+    if expected_order is not None:
+        block = max(block, int(np.searchsorted(extension_orders, expected_order)) + 3)
     return min_over_orders(lambda orders: _dpsgd_epsilons(q, sigma, steps, delta, orders), base_orders,
                            extension_orders, block)
+
+
+class DpsgdRdpCurve:
+    """ε(σ) of T = ``steps`` subsampled Gaussians (Poisson rate ``q``) at ``delta`` by the RDP accountant over the
+    ascending order grid ``base_orders + extension_orders``: exact (:meth:`epsilon_and_order`, the accountant's
+    walk), and two cheap views for a calibration's search, computed at a few orders near the optimum
+    (:meth:`estimate`, and :meth:`exceeds`, a proof that ε > a target). Each σ's search starts from the optimal
+    order found at the nearest σ, and its per-order values are kept for the proof.
+
+    The proof bounds the orders it does not compute: T·log A_α is convex in α (a log moment-generating function)
+    and 0 at α = 1, so outside each pair of adjacent computed integer orders it lies above their secant; RDP is
+    nondecreasing in α and at least KL >= 2 TV² (Pinsker), TV = q·erf(1/(2√2 σ)). Only integer orders anchor
+    the bounds: their binomial sums are exact, whereas the fractional orders' series add |terms| (an upper bound
+    on A_α, far above it where q is large) and stop at e^-30, which a margin (as :func:`_dpsgd_epsilons`'s) covers.
+    """
+
+    def __init__(self, q: float, steps: int, delta: float, base_orders: Sequence[float],
+                 extension_orders: Sequence[float], half: int = 2):
+        self.q, self.steps, self.delta, self.half = q, steps, delta, half
+        self.base_orders, self.extension_orders = tuple(base_orders), tuple(extension_orders)
+        self.grid = np.asarray(self.base_orders + self.extension_orders, dtype=float)
+        self._integer = np.flatnonzero(self.grid == np.floor(self.grid))
+        self._log1p_inv, self._log_term = _conversion_terms(self.base_orders + self.extension_orders, delta)
+        self._optimal: dict[float, float] = {}  # σ -> the optimal order found there
+        self._partial: dict[float, tuple[np.ndarray, np.ndarray]] = {}  # σ -> (T·RDP, ε) per order; NaN: not computed
+
+    def epsilon_and_order(self, sigma: float) -> tuple[float, float]:
+        """(ε, optimal order): the accountant's, bit for bit (:func:`dpsgd_epsilon_and_order`)."""
+        e, order = dpsgd_epsilon_and_order(sigma, self.q, self.steps, self.delta, self.base_orders,
+                                           self.extension_orders, expected_order=self._nearest_optimum(sigma))
+        self._optimal[sigma] = order
+        return e, order
+
+    def estimate(self, sigma: float) -> float:
+        """ε at the local minimum over the grid reached from the nearest σ's optimal order (else the large-σ
+        optimum 1 + σ sqrt(log(1/δ)/T)/q): first over the integer orders, then over the orders between that
+        minimum's integer neighbours. The accountant's ε wherever its walk ends at the same minimum."""
+        start = self._nearest_optimum(sigma)
+        if start is None:
+            start = 1.0 + sigma * math.sqrt(math.log(1.0 / self.delta) / self.steps) / self.q
+        else:  # first the orders next to it: the minimum is usually among them
+            everything = np.arange(self.grid.size)
+            i = min(int(np.searchsorted(self.grid, start)), self.grid.size - 1)
+            self._compute(sigma, everything[max(0, i - 3):i + 4])
+            eps = self._partial[sigma][1]
+            best = int(np.nanargmin(eps))
+            if max(0, i - 3) < best < min(self.grid.size - 1, i + 3) and math.isfinite(eps[best]):
+                self._optimal[sigma] = float(self.grid[best])
+                return max(0.0, float(eps[best]))
+        ints = self._integer
+        p = self._local_minimum(sigma, ints, int(np.searchsorted(self.grid[ints], start)), self.half)
+        around = np.arange(ints[max(0, p - 1)], ints[min(ints.size - 1, p + 1)] + 1)
+        if around.size > 3:  # fractional orders: from the nearest σ's optimum where it lies among them
+            near = int(np.searchsorted(self.grid[around], start))
+            self._local_minimum(sigma, around, near if 0 < near < around.size else int(ints[p] - around[0]), 4)
+        eps = self._partial[sigma][1]
+        best = int(np.nanargmin(eps))
+        self._optimal[sigma] = float(self.grid[best])
+        return max(0.0, float(eps[best]))
+
+    def exceeds(self, sigma: float, target: float) -> bool:
+        """Whether ε(σ) > ``target`` is proven from the orders :meth:`estimate` computed, two integer orders each
+        side of its minimum, the integer orders 2, 4, 8, ... below them, and the bounds (see the class) on the rest, computing the orders whose bound is not
+        above the target. False: not proven (the accountant decides)."""
+        if sigma not in self._partial:
+            self.estimate(sigma)
+        total, eps = self._partial[sigma]
+        ints = self._integer
+        p = int(np.searchsorted(self.grid[ints], self.grid[np.nanargmin(eps)]))  # integer orders around the minimum
+        self._compute(sigma, ints[max(0, p - 2):p + 3])
+        lowest = float(self.grid[ints[np.isfinite(total[ints])]].min(initial=np.inf))
+        powers = ints[(self.grid[ints] < lowest) & (np.log2(self.grid[ints]) % 1 == 0)]
+        self._compute(sigma, powers)
+        weak = np.isnan(eps) & ~(self._bounds(sigma) > target)
+        self._compute(sigma, np.flatnonzero(weak))
+        return bool(np.where(np.isnan(eps), self._bounds(sigma), eps).min() > target)
+
+    def _nearest_optimum(self, sigma: float) -> float | None:
+        if not self._optimal:
+            return None
+        return self._optimal[min(self._optimal, key=lambda s: abs(math.log(s / sigma)))]
+
+    def _compute(self, sigma: float, idx: np.ndarray) -> None:
+        """T·RDP and ε at the grid orders ``idx`` (each once per σ)."""
+        if sigma not in self._partial:
+            self._partial[sigma] = (np.full(self.grid.size, np.nan), np.full(self.grid.size, np.nan))
+        total, eps = self._partial[sigma]
+        idx = idx[np.isnan(eps[idx])]
+        if idx.size:
+            total[idx] = self.steps * subsampled_gaussian_rdp(self.q, sigma, self.grid[idx])
+            eps[idx] = _epsilon(self.grid[idx], total[idx], self.delta, self._log1p_inv[idx], self._log_term[idx])
+
+    def _local_minimum(self, sigma: float, positions: np.ndarray, start: int, h: int) -> int:
+        """Position in ``positions`` (ascending grid indices) of a local minimum of ε, reached from ``start`` by
+        windows that double while the minimum sits at their edge, with ``h`` positions computed each side."""
+        m, width = min(max(start, 0), positions.size - 1), h
+        self._compute(sigma, positions[max(0, m - h):m + h + 1])
+        eps = self._partial[sigma][1]
+        while True:
+            values = eps[positions]
+            m = int(np.nanargmin(values))
+            lo, hi = max(0, m - h), min(positions.size - 1, m + h)
+            if not np.isnan(values[lo:hi + 1]).any() or not math.isfinite(values[m]):
+                return m
+            width *= 2  # all of [lo, hi], and farther the way the minimum leans
+            left = m - width if np.isnan(values[lo]) else lo
+            right = m + width if np.isnan(values[hi]) else hi
+            self._compute(sigma, positions[max(0, left):right + 1])
+
+    def _bounds(self, sigma: float) -> np.ndarray:
+        """Per order, a lower bound on ε (minus the margin) from the integer orders computed at σ (see the class);
+        inf where α <= 1.01 (the conversion's ε)."""
+        total = self._partial[sigma][0]
+        grid, steps, delta = self.grid, self.steps, self.delta
+        exact = np.zeros(grid.size, dtype=bool)
+        exact[self._integer] = np.isfinite(total[self._integer])
+        a = np.concatenate(([1.0], grid[exact]))
+        f = np.concatenate(([0.0], total[exact] * (grid[exact] - 1)))  # T·log A_α
+        slope = np.diff(f) / np.diff(a)
+        x = grid[:, None]
+        outside = (x <= a[:-1]) | (x >= a[1:])  # secant j bounds T·log A_α at α outside [a_j, a_j+1]
+        log_a = np.max(np.where(outside, f[:-1] + slope * (x - a[:-1]), -np.inf), axis=1, initial=0.0)
+        below = np.maximum.accumulate(np.where(exact, total, 0.0))  # RDP nondecreasing: T·RDP of an order below
+        kl_floor = 2.0 * (self.q * math.erf(1.0 / (2.0 * math.sqrt(2.0) * sigma))) ** 2
+        with np.errstate(divide="ignore", invalid="ignore"):
+            bound = np.maximum(np.maximum(log_a / (grid - 1), below), steps * kl_floor)
+            # ε is clamped to 0 where T·RDP <= ~δ²
+            eps = np.where(bound > 8 * delta**2, (bound + self._log1p_inv) - self._log_term, 0.0)
+        eps -= 1e-6 * np.maximum(1.0, np.abs(eps)) + 1e-9 * steps
+        return np.where(grid > 1.01, eps, np.inf)
