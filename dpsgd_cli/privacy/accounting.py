@@ -56,10 +56,12 @@ lattice in log sigma (step 2^-12) whose epsilon meets the target, found by inver
 curve's known points, so it depends on the target alone, not on the other targets calibrated before. Measured
 (2-core machine, kang_lr's adult axis: q = 256/30162, T = 589, delta = 1/n^2, 8 targets 0.01..3, cold, old and
 new interleaved): RDP 30 evaluations, 1.7-1.9 s on one curve through the library, against 37 evaluations, 1.7-2.0
-s with Brent's method per target (calibration version 1); PLD 33 and 33, 2.3-2.9 s vs 2.6-3.1 s. Two evaluations
-per target (the lattice point and the one below, proving sigma minimal) are the floor, and the large-sigma points
-dominate: an RDP evaluation at epsilon = 0.01 (sigma ~ 100) walks the orders up to ~2500 (~0.24 s in the library,
-~2 ms in :mod:`dpsgd_cli.privacy.rdp`, which brought the RDP axis to ~0.03 s, same sigmas).
+s with Brent's method per target (calibration version 1); PLD 33 and 33, 2.3-2.9 s vs 2.6-3.1 s. An RDP evaluation
+at epsilon = 0.01 (sigma ~ 100) walks the orders up to ~2500 (~0.24 s in the library, ~2 ms in
+:mod:`dpsgd_cli.privacy.rdp`, which brought the RDP axis to ~0.03 s, same sigmas). The RDP curve's search runs on
+estimates (:class:`~dpsgd_cli.privacy.rdp.DpsgdRdpCurve`: a few orders near the optimum) and the accountant runs
+about once per target, at the sigma found; the step below is ruled out by a proof from those orders and convexity
+bounds on the rest (same sigmas: tests/test_rdp.py).
 Generic :func:`calibrate` (Brent's method on log sigma, stopped by the epsilon window) serves the closed-form
 calibrations of other mechanisms, one target at a time.
 :func:`calibrate_sigma` keeps its results on disk (:func:`calibration_cache_dir`), shared by processes: a
@@ -586,6 +588,12 @@ class EpsilonCurve:
     until one lands in the window. Where epsilon(sigma) is non-increasing on the lattice (as a privacy loss is),
     that point is unique: sigma is a function of the target alone, whichever targets were calibrated on the curve
     before (they only make the search shorter: its brackets and its secant predictions start from their points).
+
+    With ``estimate(sigma)`` (a cheaper approximation of epsilon) the search runs on estimates, and the bracket
+    (k - 1, k) it ends on is confirmed: epsilon(k) <= target by evaluation, epsilon(k - 1) > target by
+    ``exceeds(sigma, target)`` (a proof; False when it cannot tell) or by evaluation. A bracket that fails is
+    sought once more with the evaluated points, then on evaluated points alone, so estimates change the cost,
+    never the sigma.
     """
 
     def __init__(self, epsilon_and_info: Callable[[float], tuple[float, object]], *, rel_tol: float = 1e-3,
