@@ -27,7 +27,8 @@ __all__ = ["subsampled_gaussian_rdp", "epsilon_at_orders", "min_over_orders", "d
            "DpsgdRdpCurve"]
 
 _FRAC_MAX_TERMS = 1000  # the library's _MAX_STEPS_LOG_A_FRAC: a fractional order not converged by then gets RDP = inf
-_FRAC_FIRST_CHUNK = 64  # terms of the first pass over the fractional orders (σ < 1 at q ~ 0.01 needs 20-60; σ >= 3 6-8)
+# terms of the first pass over the fractional orders (at q ~ 0.01, σ < 1 needs 20-60, σ >= 3 6-8)
+_FRAC_FIRST_CHUNK = 64
 
 
 _log_factorials = np.zeros(0)  # log k! = gammaln(k + 1) for k = 0, 1, ...: the values gammaln gives term by term
@@ -254,14 +255,15 @@ class DpsgdRdpCurve:
     """
 
     def __init__(self, q: float, steps: int, delta: float, base_orders: Sequence[float],
-                 extension_orders: Sequence[float], half: int = 2):
-        self.q, self.steps, self.delta, self.half = q, steps, delta, half
+                 extension_orders: Sequence[float]):
+        self.q, self.steps, self.delta = q, steps, delta
         self.base_orders, self.extension_orders = tuple(base_orders), tuple(extension_orders)
         self.grid = np.asarray(self.base_orders + self.extension_orders, dtype=float)
         self._integer = np.flatnonzero(self.grid == np.floor(self.grid))
         self._log1p_inv, self._log_term = _conversion_terms(self.base_orders + self.extension_orders, delta)
         self._optimal: dict[float, float] = {}  # σ -> the optimal order found there
-        self._partial: dict[float, tuple[np.ndarray, np.ndarray]] = {}  # σ -> (T·RDP, ε) per order; NaN: not computed
+        # σ -> (T·RDP, ε) per order; NaN: not computed
+        self._partial: dict[float, tuple[np.ndarray, np.ndarray]] = {}
 
     def epsilon_and_order(self, sigma: float) -> tuple[float, float]:
         """(ε, optimal order): the accountant's, bit for bit (:func:`dpsgd_epsilon_and_order`)."""
@@ -277,35 +279,37 @@ class DpsgdRdpCurve:
         start = self._nearest_optimum(sigma)
         if start is None:
             start = 1.0 + sigma * math.sqrt(math.log(1.0 / self.delta) / self.steps) / self.q
-        else:  # first the orders next to it: the minimum is usually among them
-            everything = np.arange(self.grid.size)
+        else:  # first the 3 orders each side of it: the minimum is usually among them
             i = min(int(np.searchsorted(self.grid, start)), self.grid.size - 1)
-            self._compute(sigma, everything[max(0, i - 3):i + 4])
-            eps = self._partial[sigma][1]
-            best = int(np.nanargmin(eps))
-            if max(0, i - 3) < best < min(self.grid.size - 1, i + 3) and math.isfinite(eps[best]):
-                self._optimal[sigma] = float(self.grid[best])
-                return max(0.0, float(eps[best]))
+            self._compute(sigma, np.arange(max(0, i - 3), min(self.grid.size, i + 4)))
+            best = self._best(sigma)
+            if max(0, i - 3) < best < min(self.grid.size - 1, i + 3) and math.isfinite(self._partial[sigma][1][best]):
+                return self._estimate_at(sigma, best)
         ints = self._integer
-        p = self._local_minimum(sigma, ints, int(np.searchsorted(self.grid[ints], start)), self.half)
+        p = self._local_minimum(sigma, ints, int(np.searchsorted(self.grid[ints], start)), 2)
         around = np.arange(ints[max(0, p - 1)], ints[min(ints.size - 1, p + 1)] + 1)
         if around.size > 3:  # fractional orders: from the nearest σ's optimum where it lies among them
             near = int(np.searchsorted(self.grid[around], start))
             self._local_minimum(sigma, around, near if 0 < near < around.size else int(ints[p] - around[0]), 4)
-        eps = self._partial[sigma][1]
-        best = int(np.nanargmin(eps))
+        return self._estimate_at(sigma, self._best(sigma))
+
+    def _best(self, sigma: float) -> int:
+        return int(np.nanargmin(self._partial[sigma][1]))
+
+    def _estimate_at(self, sigma: float, best: int) -> float:
         self._optimal[sigma] = float(self.grid[best])
-        return max(0.0, float(eps[best]))
+        return max(0.0, float(self._partial[sigma][1][best]))
 
     def exceeds(self, sigma: float, target: float) -> bool:
         """Whether ε(σ) > ``target`` is proven from the orders :meth:`estimate` computed, two integer orders each
-        side of its minimum, the integer orders 2, 4, 8, ... below them, and the bounds (see the class) on the rest, computing the orders whose bound is not
-        above the target. False: not proven (the accountant decides)."""
+        side of its minimum, the integer orders 2, 4, 8, ... below them, and the bounds (see the class) on the
+        rest, computing the orders whose bound is not above the target. False: not proven (the accountant
+        decides)."""
         if sigma not in self._partial:
             self.estimate(sigma)
         total, eps = self._partial[sigma]
         ints = self._integer
-        p = int(np.searchsorted(self.grid[ints], self.grid[np.nanargmin(eps)]))  # integer orders around the minimum
+        p = int(np.searchsorted(self.grid[ints], self.grid[self._best(sigma)]))  # integer orders around the minimum
         self._compute(sigma, ints[max(0, p - 2):p + 3])
         lowest = float(self.grid[ints[np.isfinite(total[ints])]].min(initial=np.inf))
         powers = ints[(self.grid[ints] < lowest) & (np.log2(self.grid[ints]) % 1 == 0)]
