@@ -84,7 +84,7 @@ def test_dpsgd_epsilon_and_order_equals_library_walk_bit_for_bit(sigma, q, steps
     path for any event (the library's RDP, converted and walked here)."""
     event = acc.dpsgd_event(sigma, q, steps)
     theirs = library_walk(event, delta)
-    assert acc._rdp_epsilon(event, delta) == theirs
+    assert acc.rdp_epsilon_and_order(event, delta) == theirs
     ours = acc.dpsgd_rdp_epsilon(sigma, q, steps, delta)
     assert ours == theirs
     for block in (1, 3):  # the walk reads its blocks order by order: where it stops does not depend on the block
@@ -242,3 +242,15 @@ def test_misleading_estimates_cost_evaluations_not_correctness():
                          lambda s: 1.0 / s):
             got = acc.EpsilonCurve(exact, estimate=estimate, exceeds=lambda s, t: False).calibrate(target)
             assert got._replace(evaluations=0) == expected._replace(evaluations=0)
+
+
+def test_bounds_lie_below_every_orders_epsilon():
+    """The proof's per-order lower bounds (secants of T·log A_α through the computed integer orders, RDP monotone
+    in α, Pinsker) are below the accountant's ε at every order of the grid, checked order by order."""
+    grid = np.array(acc.RDP_ORDERS)
+    for q, steps, delta, sigma in _random_settings(60, seed=7):
+        curve = _curve(q, steps, delta)
+        curve.estimate(sigma)
+        bounds = curve._bounds(sigma)
+        full = rdp.epsilon_at_orders(grid, steps * rdp.subsampled_gaussian_rdp(q, sigma, grid), delta)
+        assert np.all(bounds <= full), (q, steps, delta, sigma, grid[np.flatnonzero(bounds > full)][:5])

@@ -32,9 +32,10 @@ As in ``dp-accounting``, the *mechanism* is described by a :class:`dp_accounting
     are computed by :mod:`dpsgd_cli.privacy.rdp`, the library's terms vectorised, equal to the
     library's epsilon and order bit for bit (tests/test_rdp.py) and ~40-60x faster, without
     importing it; every other event goes through the library.  Above 64 the per-order bound is
-    unimodal in alpha (checked on the dense grid for the same 16 settings), so the result equals the minimum over the whole grid; the
-    tests compare with a fresh ``RdpAccountant(orders=RDP_ORDERS up to 1024 or 8192)``.  If the
-    bound were not unimodal the walk could stop early: epsilon would be looser, never invalid.
+    unimodal in alpha (checked on the dense grid for the same 16 settings), so the result equals the
+    minimum over the whole grid; the tests compare with a fresh ``RdpAccountant(orders=RDP_ORDERS up
+    to 1024 or 8192)``.  If the bound were not unimodal the walk could stop early: epsilon would be
+    looser, never invalid.
 
 ``"pld"``
     :class:`dp_accounting.pld.PLDAccountant` (privacy loss distributions, Koskela et al. 2020;
@@ -239,11 +240,6 @@ def _quiet_rdp():
         logger.removeFilter(_FRAC_FILTER)
 
 
-def _rdp_epsilon(event: dp_event.DpEvent, delta: float) -> tuple[float, float]:
-    """(epsilon, optimal order): minimum of the library conversion over :data:`RDP_ORDERS`."""
-    return rdp_epsilon_and_order(event, delta)
-
-
 def rdp_epsilon_and_order(event: dp_event.DpEvent, delta: float,
                           relation: NeighboringRelation | None = None) -> tuple[float, float]:
     """(ε, optimal order) of the RDP accountant under `relation` (default add-or-remove-one), over
@@ -343,7 +339,7 @@ def epsilon_for(
     d = check.open_unit("delta", delta)
     name = _check_accountant(accountant)
     if name == "rdp":
-        return _rdp_epsilon(event, d)[0]
+        return rdp_epsilon_and_order(event, d)[0]
     return _pld_epsilon(event, d)[0]
 
 

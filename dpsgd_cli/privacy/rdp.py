@@ -314,9 +314,8 @@ class DpsgdRdpCurve:
         lowest = float(self.grid[ints[np.isfinite(total[ints])]].min(initial=np.inf))
         powers = ints[(self.grid[ints] < lowest) & (np.log2(self.grid[ints]) % 1 == 0)]
         self._compute(sigma, powers)
-        weak = np.isnan(eps) & ~(self._bounds(sigma) > target)
-        self._compute(sigma, np.flatnonzero(weak))
-        return bool(np.where(np.isnan(eps), self._bounds(sigma), eps).min() > target)
+        self._compute(sigma, np.flatnonzero(np.isnan(eps) & ~(self._bounds(sigma) > target)))
+        return bool(np.nanmin(eps) > target)  # every order not computed is bounded above the target
 
     def _nearest_optimum(self, sigma: float) -> float | None:
         if not self._optimal:
