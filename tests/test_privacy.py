@@ -336,7 +336,10 @@ def test_sigma_of_a_target_does_not_depend_on_the_other_targets(accountant, monk
     assert acc.calibrate_sigmas(axis[::-1], delta, q, steps, accountant) == [alone[t] for t in axis[::-1]]
     shared = _looks(acc.dpsgd_curve(delta, q, steps, accountant))
     print(f"{accountant}: {cost_alone} evaluations and estimates one target at a time, {shared} on one curve")
-    assert shared < 0.75 * cost_alone  # measured: 21 vs 31 (RDP), 16 vs 23 (PLD)
+    if accountant == "rdp":  # each target starts at its guess (Newton steps on the integer orders' ε) even alone,
+        assert shared <= cost_alone  # so the shared curve saves little: measured 18 vs 19 (21 vs 31 without)
+    else:
+        assert shared < 0.75 * cost_alone  # measured: 16 vs 23
     if accountant == "rdp":  # the accountant runs once per target: estimates find σ, a proof rules out the step below
         assert evaluations_alone == len(axis)
     for target, cal in alone.items():

@@ -595,9 +595,10 @@ class EpsilonCurve:
     def __init__(self, epsilon_and_info: Callable[[float], tuple[float, object]], *, rel_tol: float = 1e-3,
                  sigma_min: float = 1e-2, sigma_max: float = 1e6, max_evaluations: int = 200, context: str = "",
                  estimate: Callable[[float], float] | None = None,
-                 exceeds: Callable[[float, float], bool] | None = None):
+                 exceeds: Callable[[float, float], bool] | None = None,
+                 guess: Callable[[float, float], float] | None = None):
         self._epsilon_and_info = epsilon_and_info
-        self._estimate, self._exceeds = estimate, exceeds
+        self._estimate, self._exceeds, self._guess = estimate, exceeds, guess
         self.rel_tol = check.open_unit("rel_tol", rel_tol)
         s_min, s_max = check.positive("sigma_min", sigma_min), check.positive("sigma_max", sigma_max)
         self._k_min = math.ceil(math.log(s_min) / LATTICE_STEP)  # lattice indices: x = k * LATTICE_STEP
@@ -679,9 +680,16 @@ class EpsilonCurve:
         target = check.positive("target_epsilon", target_epsilon)
         check.positive("sigma_guess", sigma_guess)
         start = self.evaluations
+        first = None  # with ``guess``: the lattice index of its σ, the first probe wherever no bracket is known
+        if self._guess is not None:
+            known = self._lattice_points(estimated=True)
+            if known:
+                sigma_guess = math.exp(self._predict(math.log(target), sigma_guess, None, None, known) * LATTICE_STEP)
+            guessed = self._guess(target, sigma_guess)
+            first = math.log(guessed) / LATTICE_STEP if 0 < guessed < math.inf else None
         # on the estimates (twice: a failed confirmation adds an evaluated point), else on evaluated points only
         for estimated in (True, True, False) if self._estimate is not None else (False,):
-            k_above, k_below = self._bracket(target, sigma_guess, estimated)
+            k_above, k_below = self._bracket(target, sigma_guess, estimated, first)
             if not estimated or self._confirmed(target, k_above, k_below):
                 break
         if k_above is None:  # already sigma_min is private enough
@@ -703,10 +711,12 @@ class EpsilonCurve:
             return True
         return self._at(k_above) > target
 
-    def _bracket(self, target: float, guess: float, estimated: bool = False) -> tuple[int | None, int]:
+    def _bracket(self, target: float, guess: float, estimated: bool = False,
+                 start: float | None = None) -> tuple[int | None, int]:
         """Adjacent lattice indices (k - 1, k): epsilon(k - 1) > target >= epsilon(k); (None, k_min) where
         sigma_min already meets the target. Secant steps on log epsilon, safeguarded by bisection. ``estimated``:
-        on the estimates where a point has not been evaluated (a bracket to confirm)."""
+        on the estimates where a point has not been evaluated (a bracket to confirm). ``start``: where to look first
+        (a real lattice index), instead of the secant's prediction."""
         log_t = math.log(target)
         margin, width, slow = 1, math.inf, 0  # slow: evaluations since the bracket last halved
         while True:
@@ -723,7 +733,8 @@ class EpsilonCurve:
                 if self._at(k_above) > target:
                     raise _unreachable(target, self.sigma_range[1], self._at(k_above), self.context)
                 continue  # it was an estimate
-            guess_k = self._predict(log_t, guess, k_above, k_below, known)
+            guess_k = self._predict(log_t, guess, k_above, k_below, known) if start is None else start
+            start = None
             if k_above is None or k_below is None:  # no bracket yet: overshoot the prediction, more each time
                 k = math.ceil(guess_k) + margin if k_below is None else math.floor(guess_k) - margin
                 if k_below is None and k_above is not None:
@@ -859,7 +870,8 @@ def dpsgd_curve(delta: float, sample_rate: float, steps: int, accountant: str) -
     context = f" (delta={delta:g}, sample_rate={sample_rate:g}, steps={steps}, accountant={accountant!r})"
     if accountant == "rdp":
         rdp = _rdp_native.DpsgdRdpCurve(sample_rate, steps, delta, RDP_BASE_ORDERS, RDP_EXTENSION_ORDERS)
-        return EpsilonCurve(rdp.epsilon_and_order, estimate=rdp.estimate, exceeds=rdp.exceeds, context=context)
+        return EpsilonCurve(rdp.epsilon_and_order, estimate=rdp.estimate, exceeds=rdp.exceeds, guess=rdp.guess,
+                            context=context)
     return EpsilonCurve(lambda sigma: _pld_epsilon(dpsgd_event(sigma, sample_rate, steps), delta), context=context)
 
 

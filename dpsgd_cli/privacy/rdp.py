@@ -49,6 +49,9 @@ def _int_terms(q: float, sigma: float, a: np.ndarray, i: np.ndarray) -> np.ndarr
 
 
 _ABSORBED = 747.0  # a term this far below the running sum adds exactly 0 to it: exp(-745.2) is 0.0 in float64
+# a term t below a running sum s > 0 with t - s < log(s) - 54 log 2 - 1 (ln 2^54 = 37.43) adds less than half an
+# ulp of s (> s 2^-54), so s + log1p(exp(t - s)) rounds to s; tried first with terms 60 below the largest
+_ULP_NATS, _ULP_TRY = 54 * math.log(2.0) + 1.0, 60.0
 
 
 @functools.lru_cache(maxsize=None)
@@ -56,13 +59,13 @@ def _cut_steps(bits: int) -> np.ndarray:
     return np.unique(np.round(2.0 ** (np.arange(2 * bits + 2) / 2))).astype(np.int64)  # 1, 2, 3, 4, 6, 8, 11, ...
 
 
-def _last_counted_term(q: float, sigma: float, a_int: np.ndarray) -> np.ndarray:
-    """Per integer order α, an index j such that every term i > j of the binomial sum adds exactly nothing to the
-    left-to-right log-sum (α where no such j is proven): the terms are then summed up to j only, same result bit
-    for bit. Proof: for α + 2 <= 4σ² the terms are concave in i (their difference
-    f(i) = log((α - i)/(i + 1)) + log(q/(1 - q)) + i/σ² falls by at least 4/(α + 2) - 1/σ² a step), so once
-    f(j) < 0 they decrease; if also term j is 747 below a term at or before j, every later term is 747 below the
-    running sum, where exp underflows to 0.0 and log1p(0) + s == s. Candidates j = ⌊αq⌋ + round(2^(m/2))."""
+def _last_counted_term(q: float, sigma: float, a_int: np.ndarray, below: float = _ABSORBED) -> np.ndarray:
+    """Per integer order α, the first index j past which the binomial sum's terms decrease and term j is ``below``
+    a term at or before j (α where none is found). Candidates j = ⌊αq⌋ + round(2^(m/2)). For α + 2 <= 4σ² the
+    terms are concave in i (their difference f(i) = log((α - i)/(i + 1)) + log(q/(1 - q)) + i/σ² falls by at
+    least 4/(α + 2) - 1/σ² a step), so once f(j) < 0 they decrease: with ``below`` = 747 every later term is 747
+    below the running sum, where exp underflows to 0.0 and log1p(0) + s == s, so summing up to j gives the same
+    result bit for bit (:func:`_log_a_int` checks other cuts)."""
     cut = a_int.copy()
     # one unit of margin for the rounding of 4σ²; below 128 terms the search costs more than it saves
     concave = (a_int + 3 <= 4 * sigma**2) & (a_int >= 128)
@@ -74,20 +77,35 @@ def _last_counted_term(q: float, sigma: float, a_int: np.ndarray) -> np.ndarray:
     running_max = np.maximum.accumulate(np.maximum(terms, _int_terms(q, sigma, a, np.zeros_like(a))), axis=1)
     with np.errstate(divide="ignore"):
         slope = np.log((a - j) / (j + 1.0)) + (math.log(q) - math.log1p(-q)) + j / sigma**2
-    ok = (terms < running_max - _ABSORBED) & (slope < -1e-9)
+    ok = (terms < running_max - below) & (slope < -1e-9)
     found = ok.any(axis=1)
     cut[np.flatnonzero(concave)[found]] = j[found, ok[found].argmax(axis=1)]
     return cut
 
 
-def _log_a_int(q: float, sigma: float, alphas: np.ndarray) -> np.ndarray:
-    """log A_α for integer orders: log Σ_i C(α, i) q^i (1 - q)^(α - i) exp((i² - i) / (2σ²)), summed left to right
-    over the terms that can change the sum (:func:`_last_counted_term`)."""
-    a_int = alphas.astype(np.int64)
-    counts = _last_counted_term(q, sigma, a_int) + 1
+def _summed(q: float, sigma: float, a_int: np.ndarray, last: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per order, the left-to-right log-sum of the binomial sum's terms 0..``last`` and term ``last``."""
+    counts = last + 1
     starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
     i = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(starts, counts)
-    return np.logaddexp.reduceat(_int_terms(q, sigma, np.repeat(a_int, counts), i), starts)
+    terms = _int_terms(q, sigma, np.repeat(a_int, counts), i)
+    return np.logaddexp.reduceat(terms, starts), terms[starts + last]
+
+
+def _log_a_int(q: float, sigma: float, alphas: np.ndarray) -> np.ndarray:
+    """log A_α for integer orders: log Σ_i C(α, i) q^i (1 - q)^(α - i) exp((i² - i) / (2σ²)), summed left to right
+    over the terms that can change the sum: up to a term 60 below the largest where the sum s there is > 0 and
+    that term (above every later one, :func:`_last_counted_term`) is more than 54 log 2 + 1 - log s below s, so
+    each later term adds under half an ulp; else up to a term 747 below, past which they add exactly 0.0."""
+    a_int = alphas.astype(np.int64)
+    short = _last_counted_term(q, sigma, a_int, _ULP_TRY)
+    log_a, last = _summed(q, sigma, a_int, short)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        absorbed = (short == a_int) | ((log_a > 0) & (last - log_a < np.log(log_a) - _ULP_NATS))
+    if not absorbed.all():
+        redo = a_int[~absorbed]
+        log_a[~absorbed] = _summed(q, sigma, redo, _last_counted_term(q, sigma, redo))[0]
+    return log_a
 
 
 def _log_a_frac(q: float, sigma: float, alphas: np.ndarray) -> np.ndarray:
@@ -278,7 +296,7 @@ class DpsgdRdpCurve:
         minimum's integer neighbours. The accountant's ε wherever its walk ends at the same minimum."""
         start = self._nearest_optimum(sigma)
         if start is None:
-            start = 1.0 + sigma * math.sqrt(math.log(1.0 / self.delta) / self.steps) / self.q
+            start = self._large_sigma_order(sigma)
         else:  # first the 3 orders each side of it: the minimum is usually among them
             i = min(int(np.searchsorted(self.grid, start)), self.grid.size - 1)
             self._compute(sigma, np.arange(max(0, i - 3), min(self.grid.size, i + 4)))
@@ -292,6 +310,62 @@ class DpsgdRdpCurve:
             near = int(np.searchsorted(self.grid[around], start))
             self._local_minimum(sigma, around, near if 0 < near < around.size else int(ints[p] - around[0]), 4)
         return self._estimate_at(sigma, self._best(sigma))
+
+    def guess(self, target: float, sigma: float) -> float:
+        """σ where the integer orders' ε (approximated: :meth:`_rough`) crosses ``target`` within 0.01 %, by Newton
+        steps in log ε over log σ from ``sigma``: a start for the lattice search, near the σ sought (ε <= the integer
+        orders' ε: ~1 % below where its optimal order is fractional). Steps are at most a factor e and stay inside
+        the bracket found so far; ``sigma`` where ε vanishes or the steps do not settle."""
+        ints, start, low, high = self.grid[self._integer].astype(np.int64), sigma, 0.0, math.inf
+        near = self._nearest_optimum(sigma)
+        if near is None:
+            near = self._large_sigma_order(sigma)
+        centre, half = min(int(np.searchsorted(ints, near)), ints.size - 1), 2
+        for _ in range(64):  # Newton steps, and windows that double towards the minimum when it is at their edge
+            window = np.arange(max(0, centre - half), min(ints.size, centre + half + 1))
+            eps, slope = self._rough(sigma, ints[window])
+            best = int(np.argmin(eps))
+            centre = int(window[best])
+            if not (0 < best < window.size - 1 or centre in (0, ints.size - 1)):
+                half *= 2
+                continue
+            e, slope, half = float(eps[best]), float(slope[best]) / float(eps[best]), 2
+            self._optimal[sigma] = float(ints[centre])
+            if not 0.0 < e < math.inf:
+                return start
+            gap = math.log(e / target)
+            if abs(gap) < 1e-4:
+                return sigma
+            low, high = (max(low, sigma), high) if gap > 0 else (low, min(high, sigma))
+            sigma *= math.exp(min(1.0, max(-1.0, -gap / slope)) if slope < 0 else math.copysign(1.0, gap))
+            if not low < sigma < high:
+                sigma = math.sqrt(low * high)
+        return start
+
+    def _rough(self, sigma: float, orders: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """ε and dε/dlog σ at integer ``orders``, from the binomial sum's terms up to 10 standard deviations + 60
+        past its mean αq and its last 16 (which dominate where the terms are not concave, α + 2 > 4σ²: the others
+        lie below them or the first ones): a guess's accuracy, ~50 µs a call."""
+        q, a = self.q, orders[:, None]
+        mean = a * q
+        head = np.minimum(a + 1, np.ceil(mean + 10 * np.sqrt(mean + 1) + 61)).astype(np.int64)
+        column = np.arange(int(head.max()) + 16)[None, :]
+        i = np.where(column < head, column, a - (column - head))  # the head, then the tail counted down from α
+        counted = (column < head) | (i >= np.maximum(head, a - 15))
+        terms = np.where(counted, _int_terms(q, sigma, np.broadcast_to(a, i.shape), np.clip(i, 0, a)), -np.inf)
+        top = terms.max(axis=1, keepdims=True)
+        weights = np.exp(terms - top)
+        total = weights.sum(axis=1)
+        log_a = top[:, 0] + np.log(total)
+        d_log_a = (weights * (-(i * i - i) / sigma**2)).sum(axis=1) / total  # d log A / d log σ
+        k = np.searchsorted(self.grid, orders)
+        scale = self.steps / (orders - 1.0)
+        return (scale * log_a + self._log1p_inv[k]) - self._log_term[k], scale * d_log_a
+
+    def _large_sigma_order(self, sigma: float) -> float:
+        """A start for the optimal order at σ: 1 + σ sqrt(log(1/δ)/T)/q, its large-σ asymptote (RDP ~ q²α/σ²),
+        at most 16σ² (where the binomial sum's last terms take over, RDP grows like α/σ²)."""
+        return min(1.0 + sigma * math.sqrt(math.log(1.0 / self.delta) / self.steps) / self.q, max(2.0, 16 * sigma**2))
 
     def _best(self, sigma: float) -> int:
         return int(np.nanargmin(self._partial[sigma][1]))
@@ -366,7 +440,8 @@ class DpsgdRdpCurve:
         kl_floor = 2.0 * (self.q * math.erf(1.0 / (2.0 * math.sqrt(2.0) * sigma))) ** 2
         with np.errstate(divide="ignore", invalid="ignore"):
             bound = np.maximum(np.maximum(log_a / (grid - 1), below), steps * kl_floor)
-            # ε is clamped to 0 where T·RDP <= ~δ²
-            eps = np.where(bound > 8 * delta**2, (bound + self._log1p_inv) - self._log_term, 0.0)
+            # ε is clamped to 0 where T·RDP <= ~δ² (else it may be below 0: the conversion's terms are negative)
+            eps = (bound + self._log1p_inv) - self._log_term
+            eps = np.where(bound > 8 * delta**2, eps, np.minimum(eps, 0.0))
         eps -= 1e-6 * np.maximum(1.0, np.abs(eps)) + 1e-9 * steps
         return np.where(grid > 1.01, eps, np.inf)
