@@ -313,9 +313,12 @@ class DpsgdRdpCurve:
 
     def guess(self, target: float, sigma: float) -> float:
         """σ where the integer orders' ε (approximated: :meth:`_rough`) crosses ``target`` within 0.01 %, by Newton
-        steps in log ε over log σ from ``sigma``: a start for the lattice search, near the σ sought (ε <= the integer
-        orders' ε: ~1 % below where its optimal order is fractional). Steps are at most a factor e and stay inside
-        the bracket found so far; ``sigma`` where ε vanishes or the steps do not settle."""
+        steps in log ε over log σ from ``sigma``: a start for the lattice search, at or above the σ sought (ε <= the
+        integer orders' ε), by up to ~2 % where the optimal order is fractional. Steps are at most a factor e and
+        stay inside the bracket found so far; ``sigma`` where ε vanishes or the steps do not settle, and for q = 1
+        (no subsampling: the search's secant steps suffice)."""
+        if self.q >= 1.0:
+            return sigma
         ints, start, low, high = self.grid[self._integer].astype(np.int64), sigma, 0.0, math.inf
         near = self._nearest_optimum(sigma)
         if near is None:
@@ -364,8 +367,9 @@ class DpsgdRdpCurve:
 
     def _large_sigma_order(self, sigma: float) -> float:
         """A start for the optimal order at σ: 1 + σ sqrt(log(1/δ)/T)/q, its large-σ asymptote (RDP ~ q²α/σ²),
-        at most 16σ² (where the binomial sum's last terms take over, RDP grows like α/σ²)."""
-        return min(1.0 + sigma * math.sqrt(math.log(1.0 / self.delta) / self.steps) / self.q, max(2.0, 16 * sigma**2))
+        at most 1 + 2σ² log(1/q), past which the binomial sum's last term q^α exp(α(α - 1)/(2σ²)) takes over."""
+        return min(1.0 + sigma * math.sqrt(math.log(1.0 / self.delta) / self.steps) / self.q,
+                   max(2.0, 1.0 + 2 * sigma**2 * math.log(1.0 / self.q)))
 
     def _best(self, sigma: float) -> int:
         return int(np.nanargmin(self._partial[sigma][1]))
