@@ -589,7 +589,8 @@ class EpsilonCurve:
     (k - 1, k) it ends on is confirmed: epsilon(k) <= target by evaluation, epsilon(k - 1) > target by
     ``exceeds(sigma, target)`` (a proof; False when it cannot tell) or by evaluation. A bracket that fails is
     sought once more with the evaluated points, then on evaluated points alone, so estimates change the cost,
-    never the sigma.
+    never the sigma. With ``guess(target, sigma)`` (where a cheaper model crosses the target, from a start sigma)
+    the search looks there first, which also changes only the cost.
     """
 
     def __init__(self, epsilon_and_info: Callable[[float], tuple[float, object]], *, rel_tol: float = 1e-3,
