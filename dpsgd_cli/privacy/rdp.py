@@ -319,11 +319,11 @@ class DpsgdRdpCurve:
         (no subsampling: the search's secant steps suffice)."""
         if self.q >= 1.0:
             return sigma
-        ints, start, low, high = self.grid[self._integer].astype(np.int64), sigma, 0.0, math.inf
+        ints, start, low, high = self._integer, sigma, 0.0, math.inf
         near = self._nearest_optimum(sigma)
         if near is None:
             near = self._large_sigma_order(sigma)
-        centre, half = min(int(np.searchsorted(ints, near)), ints.size - 1), 2
+        centre, half = min(int(np.searchsorted(self.grid[ints], near)), ints.size - 1), 2
         for _ in range(64):  # Newton steps, and windows that double towards the minimum when it is at their edge
             window = np.arange(max(0, centre - half), min(ints.size, centre + half + 1))
             eps, slope = self._rough(sigma, ints[window])
@@ -333,7 +333,7 @@ class DpsgdRdpCurve:
                 half *= 2
                 continue
             e, slope, half = float(eps[best]), float(slope[best]) / float(eps[best]), 2
-            self._optimal[sigma] = float(ints[centre])
+            self._optimal[sigma] = float(self.grid[ints[centre]])
             if not 0.0 < e < math.inf:
                 return start
             gap = math.log(e / target)
@@ -345,11 +345,12 @@ class DpsgdRdpCurve:
                 sigma = math.sqrt(low * high)
         return start
 
-    def _rough(self, sigma: float, orders: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """ε and dε/dlog σ at integer ``orders``, from the binomial sum's terms up to 10 standard deviations + 60
+    def _rough(self, sigma: float, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """ε and dε/dlog σ at the integer grid orders ``idx``, from the binomial sum's terms up to 10 standard deviations + 60
         past its mean αq and its last 16 (which dominate where the terms are not concave, α + 2 > 4σ²: the others
         lie below them or the first ones): a guess's accuracy, ~50 µs a call."""
-        q, a = self.q, orders[:, None]
+        orders = self.grid[idx]
+        q, a = self.q, orders.astype(np.int64)[:, None]
         mean = a * q
         head = np.minimum(a + 1, np.ceil(mean + 10 * np.sqrt(mean + 1) + 61)).astype(np.int64)
         column = np.arange(int(head.max()) + 16)[None, :]
@@ -361,9 +362,8 @@ class DpsgdRdpCurve:
         total = weights.sum(axis=1)
         log_a = top[:, 0] + np.log(total)
         d_log_a = (weights * (-(i * i - i) / sigma**2)).sum(axis=1) / total  # d log A / d log σ
-        k = np.searchsorted(self.grid, orders)
         scale = self.steps / (orders - 1.0)
-        return (scale * log_a + self._log1p_inv[k]) - self._log_term[k], scale * d_log_a
+        return (scale * log_a + self._log1p_inv[idx]) - self._log_term[idx], scale * d_log_a
 
     def _large_sigma_order(self, sigma: float) -> float:
         """A start for the optimal order at σ: 1 + σ sqrt(log(1/δ)/T)/q, its large-σ asymptote (RDP ~ q²α/σ²),
