@@ -255,7 +255,7 @@ def test_calibration_on_estimates_equals_calibration_on_the_accountant_alone(mon
 
 
 def test_guess_lands_near_the_calibrated_sigma(monkeypatch):
-    """`guess` (Newton steps on the integer orders' ε) starts the lattice search within 2 % of the σ it finds, from
+    """`guess` (steps on the integer orders' ε) starts the lattice search within 2 % of the σ it finds, from
     the large-σ asymptote (off by 30 % at ε = 0.01, a factor 2 at ε = 8): adult's axis and random settings."""
     monkeypatch.setenv(acc.CACHE_DIR_ENV, "off")
     cases = [(t, ADULT_DELTA, ADULT_Q, ADULT_T) for t in (0.01, 0.1, 1.0, 3.0, 8.0)]
@@ -266,8 +266,9 @@ def test_guess_lands_near_the_calibrated_sigma(monkeypatch):
             sigma = acc._calibrate_sigma(target, delta, q, steps, "rdp").sigma
         except UserError:
             continue
-        guessed = _curve(q, steps, delta).guess(target, acc._sigma_guess(target, delta, q, steps))
+        guessed, slope = _curve(q, steps, delta).guess(target, acc._sigma_guess(target, delta, q, steps))
         assert abs(math.log(guessed / sigma)) < 0.02, (target, delta, q, steps, guessed, sigma)
+        assert slope < 0  # d log ε / d log σ of the integer orders' ε there: ε decreases with σ
 
 
 def test_misleading_estimates_cost_evaluations_not_correctness():
@@ -283,7 +284,8 @@ def test_misleading_estimates_cost_evaluations_not_correctness():
                          lambda s: 1.0 / s):
             got = acc.EpsilonCurve(exact, estimate=estimate, exceeds=lambda s, t: False).calibrate(target)
             assert got._replace(evaluations=0) == expected._replace(evaluations=0)
-        for guess in (lambda t, s: 100 * s, lambda t, s: s / 100, lambda t, s: math.nan, lambda t, s: 0.0):
+        for guess in (lambda t, s: (100 * s, -1.0), lambda t, s: (s / 100, -30.0), lambda t, s: (math.nan, -1.0),
+                      lambda t, s: (0.0, math.nan), lambda t, s: (s, 1.0), lambda t, s: (s * 1.01, -1e-9)):
             got = acc.EpsilonCurve(exact, estimate=lambda s: exact(s)[0], guess=guess).calibrate(target)
             assert got._replace(evaluations=0) == expected._replace(evaluations=0)
 

@@ -280,6 +280,7 @@ class DpsgdRdpCurve:
         self._integer = np.flatnonzero(self.grid == np.floor(self.grid))
         self._log1p_inv, self._log_term = _conversion_terms(self.base_orders + self.extension_orders, delta)
         self._optimal: dict[float, float] = {}  # σ -> the optimal order found there
+        self._hinted: dict[float, float] = {}  # σ -> the integer orders' optimum there (:meth:`guess`)
         # σ -> (T·RDP, ε) per order; NaN: not computed
         self._partial: dict[float, tuple[np.ndarray, np.ndarray]] = {}
 
@@ -297,12 +298,14 @@ class DpsgdRdpCurve:
         start = self._nearest_optimum(sigma)
         if start is None:
             start = self._large_sigma_order(sigma)
-        else:  # first the 3 orders each side of it: the minimum is usually among them
-            i = min(int(np.searchsorted(self.grid, start)), self.grid.size - 1)
-            self._compute(sigma, np.arange(max(0, i - 3), min(self.grid.size, i + 4)))
-            best = self._best(sigma)
-            if max(0, i - 3) < best < min(self.grid.size - 1, i + 3) and math.isfinite(self._partial[sigma][1][best]):
-                return self._estimate_at(sigma, best)
+        else:  # first the 3 orders each side of it, then of the lowest of them: the minimum is usually among them
+            for i in (min(int(np.searchsorted(self.grid, start)), self.grid.size - 1), None):
+                i = self._best(sigma) if i is None else i
+                self._compute(sigma, np.arange(max(0, i - 3), min(self.grid.size, i + 4)))
+                best = self._best(sigma)
+                if (max(0, i - 3) < best < min(self.grid.size - 1, i + 3)
+                        and math.isfinite(self._partial[sigma][1][best])):
+                    return self._estimate_at(sigma, best)
         ints = self._integer
         p = self._local_minimum(sigma, ints, int(np.searchsorted(self.grid[ints], start)), 2)
         around = np.arange(ints[max(0, p - 1)], ints[min(ints.size - 1, p + 1)] + 1)
@@ -311,39 +314,60 @@ class DpsgdRdpCurve:
             self._local_minimum(sigma, around, near if 0 < near < around.size else int(ints[p] - around[0]), 4)
         return self._estimate_at(sigma, self._best(sigma))
 
-    def guess(self, target: float, sigma: float) -> float:
-        """σ where the integer orders' ε (approximated: :meth:`_rough`) crosses ``target`` within 0.01 %, by Newton
-        steps in log ε over log σ from ``sigma``: a start for the lattice search, at or above the σ sought (ε <= the
-        integer orders' ε), by up to ~2 % where the optimal order is fractional. Steps are at most a factor e and
-        stay inside the bracket found so far; ``sigma`` where ε vanishes or the steps do not settle, and for q = 1
-        (no subsampling: the search's secant steps suffice)."""
+    def guess(self, target: float, sigma: float) -> tuple[float, float]:
+        """(σ, d log ε / d log σ there): where the integer orders' ε (approximated: :meth:`_rough`) crosses
+        ``target``, to a step under 4e-5 in log σ, by steps in log ε over log σ from ``sigma`` (Newton's, then the
+        secant's): a start for the lattice search, at or above the σ sought (ε <= the integer orders' ε), by up to
+        ~2 % where the optimal order is fractional, and the slope to step from its first point (the last secant's:
+        of the integer orders' ε, not of the fractional optimum's; closer to the lattice's than the 1 % secant,
+        measured). Steps are at most a factor e and stay inside the bracket found so far; each
+        step's orders are centred where the previous optimum moves under :meth:`_large_sigma_order`. ``sigma`` and
+        NaN where ε vanishes or the steps do not settle, and for q = 1 (no subsampling: the search's secant steps
+        suffice). Leaves the integer optimum at the σ returned as a start for :meth:`estimate` near it."""
         if self.q >= 1.0:
-            return sigma
-        ints, start, low, high = self._integer, sigma, 0.0, math.inf
+            return sigma, math.nan
+        start, low, high, last = sigma, 0.0, math.inf, None  # last: (log σ, log ε) of the previous step
         near = self._nearest_optimum(sigma)
-        if near is None:
-            near = self._large_sigma_order(sigma)
-        centre, half = min(int(np.searchsorted(self.grid[ints], near)), ints.size - 1), 2
-        for _ in range(64):  # Newton steps, and windows that double towards the minimum when it is at their edge
+        centre = self._integer_position(self._large_sigma_order(sigma) if near is None else near)
+        for _ in range(64):
+            e, slope, centre = self._rough_minimum(sigma, centre)
+            if not 0.0 < e < math.inf:
+                return start, math.nan
+            here = (math.log(sigma), math.log(e))
+            if last is not None and last[0] != here[0]:
+                # the secant: the optimal order moves with σ, often along the edge where the sum's last term takes
+                # over, so ε's slope is not the optimal order's (Newton's steps crawl there)
+                secant = (here[1] - last[1]) / (here[0] - last[0])
+                slope = secant if secant < 0 else slope
+            last = here
+            gap = math.log(e / target)
+            low, high = (max(low, sigma), high) if gap > 0 else (low, min(high, sigma))
+            step = min(1.0, max(-1.0, -gap / slope)) if slope < 0 else math.copysign(1.0, gap)
+            if abs(step) < 4e-5:  # a sixth of a lattice step: the step is taken, not checked
+                self._hinted[sigma] = float(self.grid[self._integer[centre]])
+                return sigma * math.exp(step), slope
+            moved = sigma * math.exp(step) if low < sigma * math.exp(step) < high else math.sqrt(low * high)
+            order = float(self.grid[self._integer[centre]])
+            centre = self._integer_position(order * self._large_sigma_order(moved) / self._large_sigma_order(sigma))
+            sigma = moved
+        return start, math.nan
+
+    def _integer_position(self, order: float) -> int:
+        """Position among the integer grid orders of the first one >= ``order`` (the last if none)."""
+        return min(int(np.searchsorted(self.grid[self._integer], order)), self._integer.size - 1)
+
+    def _rough_minimum(self, sigma: float, centre: int) -> tuple[float, float, int]:
+        """(ε, d log ε / d log σ, position) at the minimum of :meth:`_rough` over the integer orders, reached from
+        position ``centre`` by windows of 3 positions each side that double while it sits at their edge."""
+        ints, half = self._integer, 3
+        while True:
             window = np.arange(max(0, centre - half), min(ints.size, centre + half + 1))
             eps, slope = self._rough(sigma, ints[window])
             best = int(np.argmin(eps))
             centre = int(window[best])
-            if not (0 < best < window.size - 1 or centre in (0, ints.size - 1)):
-                half *= 2
-                continue
-            e, slope, half = float(eps[best]), float(slope[best]) / float(eps[best]), 2
-            self._optimal[sigma] = float(self.grid[ints[centre]])
-            if not 0.0 < e < math.inf:
-                return start
-            gap = math.log(e / target)
-            if abs(gap) < 1e-4:
-                return sigma
-            low, high = (max(low, sigma), high) if gap > 0 else (low, min(high, sigma))
-            sigma *= math.exp(min(1.0, max(-1.0, -gap / slope)) if slope < 0 else math.copysign(1.0, gap))
-            if not low < sigma < high:
-                sigma = math.sqrt(low * high)
-        return start
+            if 0 < best < window.size - 1 or centre in (0, ints.size - 1):
+                return float(eps[best]), float(slope[best]) / float(eps[best]), centre
+            half *= 2
 
     def _rough(self, sigma: float, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """ε and dε/dlog σ at the integer grid orders ``idx``, from the binomial sum's terms up to 10 standard deviations + 60
@@ -396,9 +420,14 @@ class DpsgdRdpCurve:
         return bool(np.nanmin(eps) > target)  # every order not computed is bounded above the target
 
     def _nearest_optimum(self, sigma: float) -> float | None:
-        if not self._optimal:
-            return None
-        return self._optimal[min(self._optimal, key=lambda s: abs(math.log(s / sigma)))]
+        """The optimal order found at the nearest σ; an integer orders' optimum (:meth:`guess`) only where it is
+        nearer and no optimum was found within 1 % of σ."""
+        found = [(abs(math.log(s / sigma)), order) for s, order in self._optimal.items()]
+        hinted = [(abs(math.log(s / sigma)), order) for s, order in self._hinted.items()]
+        nearest = min(found, default=None)
+        if nearest is None or nearest[0] > 0.01:
+            nearest = min(found + hinted, default=None)
+        return None if nearest is None else nearest[1]
 
     def _compute(self, sigma: float, idx: np.ndarray) -> None:
         """T·RDP and ε at the grid orders ``idx`` (each once per σ)."""
