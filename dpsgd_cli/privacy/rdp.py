@@ -318,12 +318,12 @@ class DpsgdRdpCurve:
         """(σ, d log ε / d log σ there): where the integer orders' ε (approximated: :meth:`_rough`) crosses
         ``target``, to a step under 4e-5 in log σ, by steps in log ε over log σ from ``sigma`` (Newton's, then the
         secant's): a start for the lattice search, at or above the σ sought (ε <= the integer orders' ε), by up to
-        ~2 % where the optimal order is fractional, and the slope to step from its first point (the last secant's:
-        of the integer orders' ε, not of the fractional optimum's; closer to the lattice's than the 1 % secant,
-        measured). Steps are at most a factor e and stay inside the bracket found so far; each
-        step's orders are centred where the previous optimum moves under :meth:`_large_sigma_order`. ``sigma`` and
-        NaN where ε vanishes or the steps do not settle, and for q = 1 (no subsampling: the search's secant steps
-        suffice). Leaves the integer optimum at the σ returned as a start for :meth:`estimate` near it."""
+        ~2 % where the optimal order is fractional, and the slope to step from its first point (the last step's: of
+        the integer orders' ε; fewer probes than its secant over the 1 % below, measured). Steps are at most a
+        factor e and stay inside the bracket found so far; each step's orders are centred where the previous
+        optimum moves under :meth:`_large_sigma_order`. ``sigma`` and NaN where ε vanishes or the steps do not
+        settle, and for q = 1 (no subsampling: the search's secant steps suffice). Leaves the integer optimum at
+        the σ returned as a start for :meth:`estimate` near it."""
         if self.q >= 1.0:
             return sigma, math.nan
         start, low, high, last = sigma, 0.0, math.inf, None  # last: (log σ, log ε) of the previous step
@@ -358,14 +358,15 @@ class DpsgdRdpCurve:
 
     def _rough_minimum(self, sigma: float, centre: int) -> tuple[float, float, int]:
         """(ε, d log ε / d log σ, position) at the minimum of :meth:`_rough` over the integer orders, reached from
-        position ``centre`` by windows of 3 positions each side that double while it sits at their edge."""
+        position ``centre`` by windows of 3 positions each side that double while it sits at their edge (up to all
+        of them)."""
         ints, half = self._integer, 3
         while True:
             window = np.arange(max(0, centre - half), min(ints.size, centre + half + 1))
             eps, slope = self._rough(sigma, ints[window])
             best = int(np.argmin(eps))
             centre = int(window[best])
-            if 0 < best < window.size - 1 or centre in (0, ints.size - 1):
+            if 0 < best < window.size - 1 or centre in (0, ints.size - 1) or window.size == ints.size:
                 return float(eps[best]), float(slope[best]) / float(eps[best]), centre
             half *= 2
 
