@@ -299,15 +299,16 @@ class DpsgdRdpCurve:
         if start is None:
             start = self._large_sigma_order(sigma)
         else:  # first the 3 orders each side of it, then of the lowest of them: the minimum is usually among them
-            for i in (min(int(np.searchsorted(self.grid, start)), self.grid.size - 1), None):
-                i = self._best(sigma) if i is None else i
+            i = min(int(np.searchsorted(self.grid, start)), self.grid.size - 1)
+            for _ in range(2):
                 self._compute(sigma, np.arange(max(0, i - 3), min(self.grid.size, i + 4)))
                 best = self._best(sigma)
                 if (max(0, i - 3) < best < min(self.grid.size - 1, i + 3)
                         and math.isfinite(self._partial[sigma][1][best])):
                     return self._estimate_at(sigma, best)
+                i = best
         ints = self._integer
-        p = self._local_minimum(sigma, ints, int(np.searchsorted(self.grid[ints], start)), 2)
+        p = self._local_minimum(sigma, ints, self._integer_position(start), 2)
         around = np.arange(ints[max(0, p - 1)], ints[min(ints.size - 1, p + 1)] + 1)
         if around.size > 3:  # fractional orders: from the nearest σ's optimum where it lies among them
             near = int(np.searchsorted(self.grid[around], start))
@@ -412,7 +413,7 @@ class DpsgdRdpCurve:
             self.estimate(sigma)
         total, eps = self._partial[sigma]
         ints = self._integer
-        p = int(np.searchsorted(self.grid[ints], self.grid[self._best(sigma)]))  # integer orders around the minimum
+        p = self._integer_position(self.grid[self._best(sigma)])  # integer orders around the minimum
         self._compute(sigma, ints[max(0, p - 2):p + 3])
         lowest = float(self.grid[ints[np.isfinite(total[ints])]].min(initial=np.inf))
         powers = ints[(self.grid[ints] < lowest) & (np.log2(self.grid[ints]) % 1 == 0)]
