@@ -387,8 +387,8 @@ def rdp_epsilon_floor(delta: float) -> float:
     Targets below it are unreachable with ``accountant="rdp"`` whatever the noise.
     """
     d = check.open_unit("delta", delta)
-    a = np.array([x for x in RDP_ORDERS if x > 1.01])
-    return float(max(0.0, np.min(np.log1p(-1 / a) - np.log(d * a) / (a - 1))))
+    log1p_inv, log_term = _rdp_native._conversion_terms(RDP_ORDERS, d)  # the accountant's terms (cached)
+    return float(max(0.0, np.min((log1p_inv - log_term)[np.array(RDP_ORDERS) > 1.01])))
 
 
 # --------------------------------------------------------------------------------------------

@@ -108,17 +108,23 @@ def _log_a_int(q: float, sigma: float, alphas: np.ndarray) -> np.ndarray:
     return log_a
 
 
-def _log_a_frac(q: float, sigma: float, alphas: np.ndarray) -> np.ndarray:
-    """log A_α for fractional orders: the two series of §3.3 (integrals below and above z0), summed term by term
-    until both terms decrease and are e^-30 below the total; inf where that takes more than 1,000 terms."""
+def _log_a_frac(q: float, sigma: float, alphas: np.ndarray, excess: bool = False,
+                chunk: int = _FRAC_FIRST_CHUNK) -> tuple[np.ndarray, np.ndarray, int]:
+    """(log A_α, log excess) for fractional orders. log A_α: the two series of §3.3 (integrals below and above
+    z0), summed term by term until both terms decrease and are e^-30 below the total; inf where that takes more
+    than 1,000 terms. The series add |C(α, i)|·(...), as the library does, whereas the integrals' binomial series
+    have C(α, i) < 0 at i = ⌊α⌋ + 2, ⌊α⌋ + 4, ...: the sum exceeds the exact A_α by twice those terms. With
+    ``excess``, the second array bounds that from above (those terms summed over every term computed), else it
+    is inf. Then the number of terms the slowest converged order took. The terms are computed ``chunk`` at a time,
+    then 4 times as many a pass (the sums do not depend on it)."""
     z0 = sigma**2 * math.log(1 / q - 1) + 0.5
     log_q, log1mq, scale, var2 = math.log(q), math.log1p(-q), math.sqrt(2) * sigma, 2 * (sigma**2)
-    out = np.full(alphas.shape, np.inf)
+    out, over = np.full(alphas.shape, np.inf), np.full(alphas.shape, np.inf)
     rows = np.arange(alphas.size)
     alpha = alphas[:, None]
     log_fact_alpha = special.gammaln(alpha + 1)
-    start, width = 0, _FRAC_FIRST_CHUNK
-    a0 = a1 = last0 = last1 = np.full((alphas.size, 1), -np.inf)
+    start, width, used = 0, chunk, 0
+    a0 = a1 = last0 = last1 = extra = np.full((alphas.size, 1), -np.inf)
     while rows.size and start < _FRAC_MAX_TERMS:
         i = np.arange(start, min(start + width, _FRAC_MAX_TERMS))[None, :]
         j = alpha - i
@@ -132,38 +138,63 @@ def _log_a_frac(q: float, sigma: float, alphas: np.ndarray) -> np.ndarray:
         total = np.logaddexp(a0, a1)
         done = ((s0 < np.concatenate([last0, s0[:, :-1]], axis=1)) & (s1 < np.concatenate([last1, s1[:, :-1]], axis=1))
                 & (np.maximum(s0, s1) < total - 30))
+        if excess:
+            k = i - np.floor(alpha)
+            negative = (k >= 2) & (k % 2 == 0)  # C(α, i) < 0
+            extra = np.logaddexp(extra, np.logaddexp.reduce(np.where(negative, np.logaddexp(s0, s1), -np.inf),
+                                                            axis=1, keepdims=True))
         hit = done.any(axis=1)
         first = done.argmax(axis=1)
         out[rows[hit]] = total[hit, first[hit]]
+        if hit.any():
+            used = start + int(first[hit].max()) + 1
+        over[rows[hit]] = math.log(2) + extra[hit, 0]
         keep = ~hit
-        rows, alpha, log_fact_alpha = rows[keep], alpha[keep], log_fact_alpha[keep]
+        rows, alpha, log_fact_alpha, extra = rows[keep], alpha[keep], log_fact_alpha[keep], extra[keep]
         a0, a1, last0, last1 = a0[keep, -1:], a1[keep, -1:], s0[keep, -1:], s1[keep, -1:]
         start, width = i[0, -1] + 1, 4 * width
-    return out
+    return out, over, used
 
 
 def subsampled_gaussian_rdp(q: float, sigma: float, orders: Sequence[float]) -> np.ndarray:
     """RDP of one step of the Poisson(q)-subsampled Gaussian mechanism with noise multiplier ``sigma``, at each
     order (add-or-remove-one neighbours; Mironov et al. 2019, Thm. 11 and §3.3)."""
-    orders = np.asarray(orders, dtype=float)
+    return _rdp_and_shortfall(q, sigma, np.asarray(orders, dtype=float))[0]
+
+
+def _rdp_and_shortfall(q: float, sigma: float, orders: np.ndarray, shortfall: bool = False,
+                       chunk: int = _FRAC_FIRST_CHUNK) -> tuple[np.ndarray, np.ndarray, int]:
+    """(RDP as :func:`subsampled_gaussian_rdp`, shortfall >= 0): the Rényi divergence itself is at least RDP -
+    shortfall (up to the series' truncation). 0 at integer orders and for q = 1 (exact); at fractional ones, from
+    the series' excess over A_α (:func:`_log_a_frac`): -log(1 - excess/A)/(α - 1); inf where that is not below
+    A or without ``shortfall``. Then the terms the fractional series took (:func:`_log_a_frac`, ``chunk``)."""
+    short, used = np.zeros(orders.shape), 0
     if q == 1.0:  # the Gaussian mechanism: α / (2σ²)
-        return orders / (2 * sigma**2)
+        return orders / (2 * sigma**2), short, used
     integer = orders == np.floor(orders)
     log_a = np.empty(orders.shape)
     if integer.any():
         log_a[integer] = _log_a_int(q, sigma, orders[integer])
     if (~integer).any():
-        log_a[~integer] = _log_a_frac(q, sigma, orders[~integer])
-    return log_a / (orders - 1)
+        frac, excess, used = _log_a_frac(q, sigma, orders[~integer], shortfall, chunk)
+        log_a[~integer] = frac
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            below = -np.log1p(-np.exp(excess - frac)) / (orders[~integer] - 1)
+        short[~integer] = np.where(excess < frac, below, np.inf)
+    return log_a / (orders - 1), short, used
 
 
 @functools.lru_cache(maxsize=1024)
 def _conversion_terms(orders: tuple[float, ...], delta: float) -> tuple[np.ndarray, np.ndarray]:
     """log(1 - 1/α) and log(δα)/(α - 1) per order, computed by ``math`` as the library does (NumPy's SIMD
     log1p/log differ from libm in the last bit)."""
-    usable = [a > 1.01 for a in orders]
-    return (np.array([math.log1p(-1 / a) if ok else 0.0 for a, ok in zip(orders, usable)]),
-            np.array([math.log(delta * a) / (a - 1) if ok else 0.0 for a, ok in zip(orders, usable)]))
+    a = np.array(orders, dtype=float)
+    usable = a > 1.01
+    log1p_inv, log_term = np.zeros(a.shape), np.zeros(a.shape)
+    # IEEE arithmetic is NumPy's as Python's; only the logs go through libm, by map (cheaper than a comprehension)
+    log1p_inv[usable] = np.fromiter(map(math.log1p, (-1 / a[usable]).tolist()), float)
+    log_term[usable] = np.fromiter(map(math.log, (delta * a[usable]).tolist()), float) / (a[usable] - 1)
+    return log1p_inv, log_term
 
 
 def epsilon_at_orders(orders: np.ndarray, rdp: np.ndarray, delta: float) -> np.ndarray:
@@ -218,29 +249,42 @@ def min_over_orders(epsilons: Callable[[np.ndarray], np.ndarray], base_orders: S
     return eps, order
 
 
-def _dpsgd_epsilons(q: float, sigma: float, steps: int, delta: float, orders: np.ndarray) -> np.ndarray:
+def _kl_floor(q: float, sigma: float) -> float:
+    """A lower bound on one step's RDP at every order > 1: RDP is nondecreasing in α and at least KL >= 2 TV²
+    (Pinsker), TV = q·erf(1/(2√2 σ)) (TV of the Gaussian pair, scaled by the subsampling)."""
+    return 2.0 * (q * math.erf(1.0 / (2.0 * math.sqrt(2.0) * sigma))) ** 2
+
+
+def _dpsgd_epsilons(q: float, sigma: float, steps: int, delta: float, orders: np.ndarray,
+                    compute: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]] | None = None) -> np.ndarray:
     """ε per order of T = ``steps`` subsampled Gaussians, as :func:`epsilon_at_orders`, except inf at
     fractional orders proven not to be the minimum, which are not computed (their erfc series are most of an
-    evaluation's cost). Integer orders and the first order are computed; RDP is nondecreasing in α, so a
-    fractional α's ε is at least T·RDP(the computed order just below) + its conversion term, and where that bound
-    exceeds the computed minimum (with a margin for rounding and the series' truncation) α cannot be the argmin.
-    Not applied where ε could be clamped to 0 (T·RDP <= ~δ²) or the order below has no finite RDP."""
+    evaluation's cost). Integer orders are computed; their binomial sums are exact, and RDP is nondecreasing in
+    α and at least :func:`_kl_floor`, so a fractional α's ε is at least max(T·RDP of the integer orders below it,
+    T·KL floor) + its conversion term, and where that bound exceeds the computed minimum (with a margin for
+    rounding and the series' truncation) α cannot be the argmin. Not applied where ε could be clamped to 0
+    (T·RDP <= ~δ²). ``compute``: (T·RDP, ε) at positions of ``orders`` (default: computed here)."""
     log1p_inv, log_term = _conversion_terms(tuple(orders.tolist()), delta)
+    if compute is None:
+        def compute(idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            total = steps * subsampled_gaussian_rdp(q, sigma, orders[idx])
+            return total, _epsilon(orders[idx], total, delta, log1p_inv[idx], log_term[idx])
     total, out = np.full(orders.shape, np.nan), np.full(orders.shape, np.inf)
 
     def evaluate(mask: np.ndarray) -> None:
-        total[mask] = steps * subsampled_gaussian_rdp(q, sigma, orders[mask])
-        out[mask] = _epsilon(orders[mask], total[mask], delta, log1p_inv[mask], log_term[mask])
+        total[mask], out[mask] = compute(np.flatnonzero(mask))
 
-    computed = (orders == np.floor(orders)) | (np.arange(orders.size) == 0)
-    evaluate(computed)
-    rest = ~computed
-    if rest.any() and delta <= 0.5 and bool(np.all(np.diff(orders) > 0)):  # the order below: ascending orders
-        anchor = total[np.maximum.accumulate(np.where(computed, np.arange(orders.size), 0))]  # computed, at or below
-        best = float(out[computed].min())
-        bound = (np.where(np.isfinite(anchor), anchor, 0.0) + log1p_inv) - log_term
+    integer = orders == np.floor(orders)
+    if integer.any():
+        evaluate(integer)
+    rest = ~integer
+    if rest.any() and delta <= 0.5 and bool(np.all(np.diff(orders) > 0)):  # orders below: ascending orders
+        exact = np.where(integer & np.isfinite(total), total, 0.0)
+        anchor = np.maximum(np.maximum.accumulate(exact), steps * _kl_floor(q, sigma))
+        best = float(out[integer].min(initial=np.inf))
+        bound = (anchor + log1p_inv) - log_term
         margin = 1e-6 * max(1.0, abs(best)) + 1e-9 * steps
-        rest &= ~((anchor > 8 * delta**2) & np.isfinite(anchor) & (bound > best + margin))
+        rest &= ~((anchor > 8 * delta**2) & (bound > best + margin))
     if rest.any():
         evaluate(rest)
     return out
@@ -248,14 +292,24 @@ def _dpsgd_epsilons(q: float, sigma: float, steps: int, delta: float, orders: np
 
 def dpsgd_epsilon_and_order(sigma: float, q: float, steps: int, delta: float, base_orders: Sequence[float],
                             extension_orders: Sequence[float], block: int = 16,
-                            expected_order: float | None = None) -> tuple[float, float]:
+                            expected_order: float | None = None,
+                            compute: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]] | None = None
+                            ) -> tuple[float, float]:
     """(ε, optimal order) of T = ``steps`` compositions of the subsampled Gaussian, by :func:`min_over_orders`:
     16 orders a block (fewer calls than 8, for ~2 orders evaluated past the stop), or one block reaching 3 orders
-    past ``expected_order`` when that is larger (a block's size never changes the result)."""
+    past ``expected_order`` when that is larger (a block's size never changes the result). ``compute``: (T·RDP,
+    ε) at given orders (default: computed here)."""
     if expected_order is not None:
         block = max(block, int(np.searchsorted(extension_orders, expected_order)) + 3)
-    return min_over_orders(lambda orders: _dpsgd_epsilons(q, sigma, steps, delta, orders), base_orders,
-                           extension_orders, block)
+    return min_over_orders(
+        lambda orders: _dpsgd_epsilons(q, sigma, steps, delta, orders,
+                                       None if compute is None else lambda idx: compute(orders[idx])),
+        base_orders, extension_orders, block)
+
+
+def _nanargmin(values: np.ndarray) -> int:
+    """``np.nanargmin`` of values not all NaN, without its first call's ~0.1 ms."""
+    return int(np.where(np.isnan(values), np.inf, values).argmin())
 
 
 class DpsgdRdpCurve:
@@ -281,13 +335,15 @@ class DpsgdRdpCurve:
         self._log1p_inv, self._log_term = _conversion_terms(self.base_orders + self.extension_orders, delta)
         self._optimal: dict[float, float] = {}  # σ -> the optimal order found there
         self._hinted: dict[float, float] = {}  # σ -> the integer orders' optimum there (:meth:`guess`)
-        # σ -> (T·RDP, ε) per order; NaN: not computed
-        self._partial: dict[float, tuple[np.ndarray, np.ndarray]] = {}
+        # σ -> (T·RDP, ε, T·shortfall (:func:`_rdp_and_shortfall`)) per order; NaN: not computed
+        self._partial: dict[float, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._chunk = _FRAC_FIRST_CHUNK  # the fractional series' first pass: the terms the last one took, + 25 %
 
     def epsilon_and_order(self, sigma: float) -> tuple[float, float]:
         """(ε, optimal order): the accountant's, bit for bit (:func:`dpsgd_epsilon_and_order`)."""
         e, order = dpsgd_epsilon_and_order(sigma, self.q, self.steps, self.delta, self.base_orders,
-                                           self.extension_orders, expected_order=self._nearest_optimum(sigma))
+                                           self.extension_orders, expected_order=self._nearest_optimum(sigma),
+                                           compute=lambda orders: self._values(sigma, np.searchsorted(self.grid, orders)))
         self._optimal[sigma] = order
         return e, order
 
@@ -398,7 +454,7 @@ class DpsgdRdpCurve:
                    max(2.0, 1.0 + 2 * sigma**2 * math.log(1.0 / self.q)))
 
     def _best(self, sigma: float) -> int:
-        return int(np.nanargmin(self._partial[sigma][1]))
+        return _nanargmin(self._partial[sigma][1])
 
     def _estimate_at(self, sigma: float, best: int) -> float:
         self._optimal[sigma] = float(self.grid[best])
@@ -411,7 +467,7 @@ class DpsgdRdpCurve:
         decides)."""
         if sigma not in self._partial:
             self.estimate(sigma)
-        total, eps = self._partial[sigma]
+        total, eps, _ = self._partial[sigma]
         ints = self._integer
         p = self._integer_position(self.grid[self._best(sigma)])  # integer orders around the minimum
         self._compute(sigma, ints[max(0, p - 2):p + 3])
@@ -431,15 +487,25 @@ class DpsgdRdpCurve:
             nearest = min(found + hinted, default=None)
         return None if nearest is None else nearest[1]
 
-    def _compute(self, sigma: float, idx: np.ndarray) -> None:
-        """T·RDP and ε at the grid orders ``idx`` (each once per σ)."""
+    def _compute(self, sigma: float, idx: np.ndarray, shortfall: bool = False) -> None:
+        """T·RDP, ε and T·shortfall (inf unless ``shortfall``) at the grid orders ``idx`` (each once per σ)."""
         if sigma not in self._partial:
-            self._partial[sigma] = (np.full(self.grid.size, np.nan), np.full(self.grid.size, np.nan))
-        total, eps = self._partial[sigma]
+            self._partial[sigma] = tuple(np.full(self.grid.size, np.nan) for _ in range(3))
+        total, eps, short = self._partial[sigma]
         idx = idx[np.isnan(eps[idx])]
         if idx.size:
-            total[idx] = self.steps * subsampled_gaussian_rdp(self.q, sigma, self.grid[idx])
+            rdp, below, used = _rdp_and_shortfall(self.q, sigma, self.grid[idx], shortfall, self._chunk)
+            if used:  # nearby σ and orders take about as many terms
+                self._chunk = max(8, used + used // 4)
+            total[idx], short[idx] = self.steps * rdp, self.steps * below
             eps[idx] = _epsilon(self.grid[idx], total[idx], self.delta, self._log1p_inv[idx], self._log_term[idx])
+
+    def _values(self, sigma: float, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(T·RDP, ε) at the grid orders ``idx``, computed where not yet, with their shortfall: an evaluation's
+        orders bound those of the proof at the σ below (:meth:`_divergence_floor`)."""
+        self._compute(sigma, idx, shortfall=True)
+        total, eps, _ = self._partial[sigma]
+        return total[idx], eps[idx]
 
     def _local_minimum(self, sigma: float, positions: np.ndarray, start: int, h: int) -> int:
         """Position in ``positions`` (ascending grid indices) of a local minimum of ε, reached from ``start`` by
@@ -449,7 +515,7 @@ class DpsgdRdpCurve:
         eps = self._partial[sigma][1]
         while True:
             values = eps[positions]
-            m = int(np.nanargmin(values))
+            m = _nanargmin(values)
             lo, hi = max(0, m - h), min(positions.size - 1, m + h)
             if not np.isnan(values[lo:hi + 1]).any() or not math.isfinite(values[m]):
                 return m
@@ -457,6 +523,18 @@ class DpsgdRdpCurve:
             left = m - width if np.isnan(values[lo]) else lo
             right = m + width if np.isnan(values[hi]) else hi
             self._compute(sigma, positions[max(0, left):right + 1])
+
+    def _divergence_floor(self, sigma: float) -> np.ndarray:
+        """Per order, a lower bound on T times the Rényi divergence at σ (0 where none is known): the values found
+        at any larger σ' minus their shortfall, as the divergence is nonincreasing in σ (N(0, σ'²) is N(0, σ²) plus
+        independent N(0, σ'² - σ²) noise on both distributions: data processing)."""
+        floor = np.zeros(self.grid.size)
+        for other, (total, _, shortfall) in self._partial.items():
+            if other > sigma:
+                with np.errstate(invalid="ignore"):
+                    lower = total - shortfall
+                floor = np.maximum(floor, np.where(np.isfinite(lower), lower, 0.0))
+        return floor
 
     def _bounds(self, sigma: float) -> np.ndarray:
         """Per order, a lower bound on ε (minus the margin) from the integer orders computed at σ (see the class);
@@ -471,10 +549,10 @@ class DpsgdRdpCurve:
         x = grid[:, None]
         outside = (x <= a[:-1]) | (x >= a[1:])  # secant j bounds T·log A_α at α outside [a_j, a_j+1]
         log_a = np.max(np.where(outside, f[:-1] + slope * (x - a[:-1]), -np.inf), axis=1, initial=0.0)
-        below = np.maximum.accumulate(np.where(exact, total, 0.0))  # RDP nondecreasing: T·RDP of an order below
-        kl_floor = 2.0 * (self.q * math.erf(1.0 / (2.0 * math.sqrt(2.0) * sigma))) ** 2
+        known = np.maximum(np.where(exact, total, 0.0), self._divergence_floor(sigma))
+        below = np.maximum.accumulate(known)  # RDP nondecreasing: T·RDP of an order below
         with np.errstate(divide="ignore", invalid="ignore"):
-            bound = np.maximum(np.maximum(log_a / (grid - 1), below), steps * kl_floor)
+            bound = np.maximum(np.maximum(log_a / (grid - 1), below), steps * _kl_floor(self.q, sigma))
             # ε is clamped to 0 where T·RDP <= ~δ² (else it may be below 0: the conversion's terms are negative)
             eps = (bound + self._log1p_inv) - self._log_term
             eps = np.where(bound > 8 * delta**2, eps, np.minimum(eps, 0.0))
