@@ -56,7 +56,7 @@ _ULP_NATS, _ULP_TRY = 54 * math.log(2.0) + 1.0, 60.0
 
 @functools.lru_cache(maxsize=None)
 def _cut_steps(bits: int) -> np.ndarray:
-    return np.unique(np.round(2.0 ** (np.arange(2 * bits + 2) / 2))).astype(np.int64)  # 1, 2, 3, 4, 6, 8, 11, ...
+    return np.array(sorted({round(2.0 ** (m / 2)) for m in range(2 * bits + 2)}), dtype=np.int64)  # 1, 2, 3, 4, 6, ...
 
 
 def _last_counted_term(q: float, sigma: float, a_int: np.ndarray, below: float = _ABSORBED) -> np.ndarray:
@@ -73,7 +73,7 @@ def _last_counted_term(q: float, sigma: float, a_int: np.ndarray, below: float =
         return cut
     a = a_int[concave][:, None]
     j = np.minimum(a, np.floor(a * q).astype(np.int64) + _cut_steps(int(a.max()).bit_length()))
-    terms = _int_terms(q, sigma, np.broadcast_to(a, j.shape), j)
+    terms = _int_terms(q, sigma, a, j)
     running_max = np.maximum.accumulate(np.maximum(terms, _int_terms(q, sigma, a, np.zeros_like(a))), axis=1)
     with np.errstate(divide="ignore"):
         slope = np.log((a - j) / (j + 1.0)) + (math.log(q) - math.log1p(-q)) + j / sigma**2
@@ -438,7 +438,7 @@ class DpsgdRdpCurve:
         column = np.arange(int(head.max()) + 16)[None, :]
         i = np.where(column < head, column, a - (column - head))  # the head, then the tail counted down from α
         counted = (column < head) | (i >= np.maximum(head, a - 15))
-        terms = np.where(counted, _int_terms(q, sigma, np.broadcast_to(a, i.shape), np.clip(i, 0, a)), -np.inf)
+        terms = np.where(counted, _int_terms(q, sigma, a, np.minimum(np.maximum(i, 0), a)), -np.inf)
         top = terms.max(axis=1, keepdims=True)
         weights = np.exp(terms - top)
         total = weights.sum(axis=1)
@@ -472,7 +472,8 @@ class DpsgdRdpCurve:
         p = self._integer_position(self.grid[self._best(sigma)])  # integer orders around the minimum
         self._compute(sigma, ints[max(0, p - 2):p + 3])
         lowest = float(self.grid[ints[np.isfinite(total[ints])]].min(initial=np.inf))
-        powers = ints[(self.grid[ints] < lowest) & (np.log2(self.grid[ints]) % 1 == 0)]
+        whole = self.grid[ints].astype(np.int64)
+        powers = ints[(self.grid[ints] < lowest) & ((whole & (whole - 1)) == 0)]
         self._compute(sigma, powers)
         self._compute(sigma, np.flatnonzero(np.isnan(eps) & ~(self._bounds(sigma) > target)))
         return bool(np.nanmin(eps) > target)  # every order not computed is bounded above the target
