@@ -145,6 +145,9 @@ def _log_a_frac(q: float, sigma: float, alphas: np.ndarray, excess: bool = False
                                                             axis=1, keepdims=True))
         hit = done.any(axis=1)
         first = done.argmax(axis=1)
+        if hit.all():  # the usual case: every order converged in this pass
+            out[rows], over[rows] = total[np.arange(rows.size), first], math.log(2) + extra[:, 0]
+            return out, over, start + int(first.max()) + 1
         out[rows[hit]] = total[hit, first[hit]]
         if hit.any():
             used = start + int(first[hit].max()) + 1
