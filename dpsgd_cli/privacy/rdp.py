@@ -324,9 +324,11 @@ class DpsgdRdpCurve:
 
     The proof bounds the orders it does not compute: T·log A_α is convex in α (a log moment-generating function)
     and 0 at α = 1, so outside each pair of adjacent computed integer orders it lies above their secant; RDP is
-    nondecreasing in α and at least KL >= 2 TV² (Pinsker), TV = q·erf(1/(2√2 σ)). Only integer orders anchor
-    the bounds: their binomial sums are exact, whereas the fractional orders' series add |terms| (an upper bound
-    on A_α, far above it where q is large) and stop at e^-30, which a margin (as :func:`_dpsgd_epsilons`'s) covers.
+    nondecreasing in α and at least KL >= 2 TV² (Pinsker), TV = q·erf(1/(2√2 σ)); and the divergence is
+    nonincreasing in σ, so the values an evaluation found at a larger σ' bound those at σ (:meth:`_divergence_floor`).
+    Integer orders enter exactly (their binomial sums are exact); the fractional orders' series add |terms| (an
+    upper bound on A_α, far above it where q is large), so they enter less their excess (:func:`_log_a_frac`).
+    Both series stop at e^-30, which a margin (as :func:`_dpsgd_epsilons`'s) covers.
     """
 
     def __init__(self, q: float, steps: int, delta: float, base_orders: Sequence[float],
