@@ -335,7 +335,9 @@ def test_fractional_series_excess_bounds_what_the_absolute_terms_add():
     # without the excess the series is not a lower bound where the excess matters: q = 0.5, σ = 0.5, α = 1.5
     log_a, log_excess, _ = rdp._log_a_frac(0.5, 0.5, np.array([1.5]), excess=True)
     assert math.exp(log_a[0]) > math.exp(_exact_log_a(0.5, 0.5, 1.5)) * (1 + 1e-6)
-    assert np.isinf(rdp._log_a_frac(ADULT_Q, 1.0, np.array([1.5]))[1]).all()  # not asked for: inf
+    assert np.all(rdp._log_a_frac(ADULT_Q, 1.0, np.array([1.5]))[1] == np.inf)  # not asked for: inf
+    # ... so an order computed without it (an estimate's) bounds nothing at a smaller σ: its shortfall is inf
+    assert np.array_equal(rdp._rdp_and_shortfall(ADULT_Q, 1.0, np.array([1.5, 2.0, 7.5]))[1], [np.inf, 0.0, np.inf])
 
 
 def test_fractional_series_do_not_depend_on_their_chunk():

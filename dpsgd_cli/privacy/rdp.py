@@ -145,13 +145,13 @@ def _log_a_frac(q: float, sigma: float, alphas: np.ndarray, excess: bool = False
                                                             axis=1, keepdims=True))
         hit = done.any(axis=1)
         first = done.argmax(axis=1)
-        if hit.all():  # the usual case: every order converged in this pass
-            out[rows], over[rows] = total[np.arange(rows.size), first], math.log(2) + extra[:, 0]
-            return out, over, start + int(first.max()) + 1
         out[rows[hit]] = total[hit, first[hit]]
+        if excess:
+            over[rows[hit]] = math.log(2) + extra[hit, 0]
         if hit.any():
             used = start + int(first[hit].max()) + 1
-        over[rows[hit]] = math.log(2) + extra[hit, 0]
+        if hit.all():  # the usual case: every order converged in this pass
+            break
         keep = ~hit
         rows, alpha, log_fact_alpha, extra = rows[keep], alpha[keep], log_fact_alpha[keep], extra[keep]
         a0, a1, last0, last1 = a0[keep, -1:], a1[keep, -1:], s0[keep, -1:], s1[keep, -1:]
