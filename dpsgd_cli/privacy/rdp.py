@@ -266,16 +266,16 @@ def _dpsgd_epsilons(q: float, sigma: float, steps: int, delta: float, orders: np
     α and at least :func:`_kl_floor`, so a fractional α's ε is at least max(T·RDP of the integer orders below it,
     T·KL floor) + its conversion term, and where that bound exceeds the computed minimum (with a margin for
     rounding and the series' truncation) α cannot be the argmin. Not applied where ε could be clamped to 0
-    (T·RDP <= ~δ²). ``compute``: (T·RDP, ε) at positions of ``orders`` (default: computed here)."""
+    (T·RDP <= ~δ²). ``compute``: (T·RDP, ε) at some of ``orders`` (default: computed here)."""
     log1p_inv, log_term = _conversion_terms(tuple(orders.tolist()), delta)
-    if compute is None:
-        def compute(idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            total = steps * subsampled_gaussian_rdp(q, sigma, orders[idx])
-            return total, _epsilon(orders[idx], total, delta, log1p_inv[idx], log_term[idx])
     total, out = np.full(orders.shape, np.nan), np.full(orders.shape, np.inf)
 
     def evaluate(mask: np.ndarray) -> None:
-        total[mask], out[mask] = compute(np.flatnonzero(mask))
+        if compute is not None:
+            total[mask], out[mask] = compute(orders[mask])
+            return
+        total[mask] = steps * subsampled_gaussian_rdp(q, sigma, orders[mask])
+        out[mask] = _epsilon(orders[mask], total[mask], delta, log1p_inv[mask], log_term[mask])
 
     integer = orders == np.floor(orders)
     if integer.any():
@@ -304,10 +304,8 @@ def dpsgd_epsilon_and_order(sigma: float, q: float, steps: int, delta: float, ba
     ε) at given orders (default: computed here)."""
     if expected_order is not None:
         block = max(block, int(np.searchsorted(extension_orders, expected_order)) + 3)
-    return min_over_orders(
-        lambda orders: _dpsgd_epsilons(q, sigma, steps, delta, orders,
-                                       None if compute is None else lambda idx: compute(orders[idx])),
-        base_orders, extension_orders, block)
+    return min_over_orders(lambda orders: _dpsgd_epsilons(q, sigma, steps, delta, orders, compute), base_orders,
+                           extension_orders, block)
 
 
 def _nanargmin(values: np.ndarray) -> int:
