@@ -591,19 +591,16 @@ class EpsilonCurve:
     sought once more with the evaluated points, then on evaluated points alone, so estimates change the cost,
     never the sigma. With ``guess(target, sigma)`` ((sigma, d log epsilon / d log sigma) where a cheaper model
     crosses the target, from a start sigma; NaN slope if unknown) the search looks there first and steps from its
-    first point by that slope, or by ``slope(sigma)`` (d log epsilon / d log sigma of the estimate at a sigma
-    estimated; NaN if unknown) where the guess's slope would step more than a lattice step from there: these also
-    change only the cost.
+    first point by that slope, which also changes only the cost.
     """
 
     def __init__(self, epsilon_and_info: Callable[[float], tuple[float, object]], *, rel_tol: float = 1e-3,
                  sigma_min: float = 1e-2, sigma_max: float = 1e6, max_evaluations: int = 200, context: str = "",
                  estimate: Callable[[float], float] | None = None,
                  exceeds: Callable[[float, float], bool] | None = None,
-                 guess: Callable[[float, float], tuple[float, float]] | None = None,
-                 slope: Callable[[float], float] | None = None):
+                 guess: Callable[[float, float], tuple[float, float]] | None = None):
         self._epsilon_and_info = epsilon_and_info
-        self._estimate, self._exceeds, self._guess, self._slope = estimate, exceeds, guess, slope
+        self._estimate, self._exceeds, self._guess = estimate, exceeds, guess
         self.rel_tol = check.open_unit("rel_tol", rel_tol)
         s_min, s_max = check.positive("sigma_min", sigma_min), check.positive("sigma_max", sigma_max)
         self._k_min = math.ceil(math.log(s_min) / LATTICE_STEP)  # lattice indices: x = k * LATTICE_STEP
@@ -731,7 +728,6 @@ class EpsilonCurve:
         margins = iter([0] * 4 if start is not None and slope < 0 else [])
         margin = next(margins, 1)
         width, slow = math.inf, 0  # slow: evaluations since the bracket last halved
-        guessed = start is not None and slope < 0 and estimated and self._slope is not None
         while True:
             known = self._lattice_points(estimated)
             below = [k for k, e in known if e <= target]
@@ -765,19 +761,6 @@ class EpsilonCurve:
                 self._probe(k)
             else:
                 self._at(k)
-            if guessed:  # the guess's point: its model's slope can differ from the estimate's (RDP: integer orders')
-                guessed = False
-                slope = self._refined_slope(log_t, k, slope)
-
-    def _refined_slope(self, log_target: float, k: int, slope: float) -> float:
-        """``slope(sigma)`` at lattice point k where ``slope`` would step a lattice step or more from there to the
-        target (else ``slope``: any slope then lands on a neighbour)."""
-        x = k * LATTICE_STEP
-        e = self.points.get(x, self.estimates.get(x, math.nan))
-        if not 0 < e < math.inf or abs(log_target - math.log(e)) < -slope * LATTICE_STEP:
-            return slope
-        refined = self._slope(math.exp(x))
-        return refined if refined < 0 else slope
 
     def _refine(self, target: float, x_above: float, x_below: float) -> tuple[float, float, bool]:
         """Halve the step (x_above, x_below] until epsilon(x_below) is in the window; (x, epsilon, in window)."""
@@ -897,7 +880,6 @@ def dpsgd_curve(delta: float, sample_rate: float, steps: int, accountant: str) -
     if accountant == "rdp":
         rdp = _rdp_native.DpsgdRdpCurve(sample_rate, steps, delta, RDP_BASE_ORDERS, RDP_EXTENSION_ORDERS)
         return EpsilonCurve(rdp.epsilon_and_order, estimate=rdp.estimate, exceeds=rdp.exceeds, guess=rdp.guess,
-                            slope=rdp.slope,
                             context=context)
     return EpsilonCurve(lambda sigma: _pld_epsilon(dpsgd_event(sigma, sample_rate, steps), delta), context=context)
 

@@ -258,39 +258,15 @@ def _kl_floor(q: float, sigma: float) -> float:
     return 2.0 * (q * math.erf(1.0 / (2.0 * math.sqrt(2.0) * sigma))) ** 2
 
 
-def _epsilon_lower_bounds(q: float, sigma: float, steps: int, delta: float, orders: np.ndarray, total: np.ndarray,
-                          exact: np.ndarray, log1p_inv: np.ndarray, log_term: np.ndarray,
-                          floor: np.ndarray | float = 0.0) -> np.ndarray:
-    """Per order (ascending ``orders``), a lower bound on the accountant's ε, less a margin for rounding and the
-    series' truncation at e^-30, from T·RDP (``total``) at the orders where ``exact`` (integer orders: their
-    binomial sums are exact) and a lower bound ``floor`` on T times the Rényi divergence per order: T·log A_α is
-    convex in α (a log moment-generating function) and 0 at α = 1, so outside each pair of adjacent exact orders it
-    lies above their secant; RDP is nondecreasing in α and at least :func:`_kl_floor`. inf where α <= 1.01 (the
-    conversion's ε). A fractional order's series exceeds the exact A_α (:func:`_log_a_frac`), so its value is
-    bounded too."""
-    a = np.concatenate(([1.0], orders[exact]))
-    f = np.concatenate(([0.0], total[exact] * (orders[exact] - 1)))  # T·log A_α
-    slope = np.diff(f) / np.diff(a)
-    x = orders[:, None]
-    outside = (x <= a[:-1]) | (x >= a[1:])  # secant j bounds T·log A_α at α outside [a_j, a_j+1]
-    log_a = np.max(np.where(outside, f[:-1] + slope * (x - a[:-1]), -np.inf), axis=1, initial=0.0)
-    below = np.maximum.accumulate(np.maximum(np.where(exact, total, 0.0), floor))  # T·RDP of an order below
-    with np.errstate(divide="ignore", invalid="ignore"):
-        bound = np.maximum(np.maximum(log_a / (orders - 1), below), steps * _kl_floor(q, sigma))
-        # ε is clamped to 0 where T·RDP <= ~δ² (else it may be below 0: the conversion's terms are negative)
-        eps = (bound + log1p_inv) - log_term
-        eps = np.where(bound > 8 * delta**2, eps, np.minimum(eps, 0.0))
-    eps -= 1e-6 * np.maximum(1.0, np.abs(eps)) + 1e-9 * steps
-    return np.where(orders > 1.01, eps, np.inf)
-
-
 def _dpsgd_epsilons(q: float, sigma: float, steps: int, delta: float, orders: np.ndarray,
                     compute: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]] | None = None) -> np.ndarray:
     """ε per order of T = ``steps`` subsampled Gaussians, as :func:`epsilon_at_orders`, except inf at
     fractional orders proven not to be the minimum, which are not computed (their erfc series are most of an
-    evaluation's cost): integer orders are computed, and a fractional order whose lower bound from them
-    (:func:`_epsilon_lower_bounds`) exceeds the smallest ε computed cannot be the argmin. ``compute``: (T·RDP, ε)
-    at some of ``orders`` (default: computed here)."""
+    evaluation's cost). Integer orders are computed; their binomial sums are exact, and RDP is nondecreasing in
+    α and at least :func:`_kl_floor`, so a fractional α's ε is at least max(T·RDP of the integer orders below it,
+    T·KL floor) + its conversion term, and where that bound exceeds the computed minimum (with a margin for
+    rounding and the series' truncation) α cannot be the argmin. Not applied where ε could be clamped to 0
+    (T·RDP <= ~δ²). ``compute``: (T·RDP, ε) at some of ``orders`` (default: computed here)."""
     log1p_inv, log_term = _conversion_terms(tuple(orders.tolist()), delta)
     total, out = np.full(orders.shape, np.nan), np.full(orders.shape, np.inf)
 
@@ -305,10 +281,13 @@ def _dpsgd_epsilons(q: float, sigma: float, steps: int, delta: float, orders: np
     if integer.any():
         evaluate(integer)
     rest = ~integer
-    if rest.any() and delta <= 0.5 and bool(np.all(np.diff(orders) > 0)):  # the bounds need ascending orders
-        bounds = _epsilon_lower_bounds(q, sigma, steps, delta, orders, total, integer & np.isfinite(total),
-                                       log1p_inv, log_term)
-        rest &= ~(bounds > out[integer].min(initial=np.inf))
+    if rest.any() and delta <= 0.5 and bool(np.all(np.diff(orders) > 0)):  # orders below: ascending orders
+        exact = np.where(integer & np.isfinite(total), total, 0.0)
+        anchor = np.maximum(np.maximum.accumulate(exact), steps * _kl_floor(q, sigma))
+        best = float(out[integer].min(initial=np.inf))
+        bound = (anchor + log1p_inv) - log_term
+        margin = 1e-6 * max(1.0, abs(best)) + 1e-9 * steps
+        rest &= ~((anchor > 8 * delta**2) & (bound > best + margin))
     if rest.any():
         evaluate(rest)
     return out
@@ -432,20 +411,6 @@ class DpsgdRdpCurve:
             centre = self._integer_position(order * self._large_sigma_order(moved) / self._large_sigma_order(sigma))
             sigma = moved
         return start, math.nan
-
-    def slope(self, sigma: float) -> float:
-        """d log ε / d log σ at a σ estimated or evaluated, at the optimal order found there (the minimum's slope:
-        the order's own, as the minimum moves along the grid), by a forward difference of 2^-10 in log σ; NaN if
-        unknown. The guess's slope is the integer orders' and can be 1.3x off it (adult, ε = 3: -1.85 vs -2.4)."""
-        order = self._optimal.get(sigma)
-        if order is None:
-            return math.nan
-        i = int(np.searchsorted(self.grid, order))
-        e, h = float(self._partial[sigma][1][i]), 2.0**-10
-        rdp = _rdp_and_shortfall(self.q, sigma * math.exp(h), self.grid[i:i + 1], chunk=self._chunk)[0]
-        moved = float(_epsilon(self.grid[i:i + 1], self.steps * rdp, self.delta, self._log1p_inv[i:i + 1],
-                               self._log_term[i:i + 1])[0])
-        return (math.log(moved) - math.log(e)) / h if 0 < moved < math.inf and 0 < e < math.inf else math.nan
 
     def _integer_position(self, order: float) -> int:
         """Position among the integer grid orders of the first one >= ``order`` (the last if none)."""
@@ -576,10 +541,24 @@ class DpsgdRdpCurve:
         return floor
 
     def _bounds(self, sigma: float) -> np.ndarray:
-        """Per order, a lower bound on ε (less the margin) from the integer orders computed at σ and the evaluations
-        at larger σ (:func:`_epsilon_lower_bounds`, :meth:`_divergence_floor`)."""
+        """Per order, a lower bound on ε (minus the margin) from the integer orders computed at σ (see the class);
+        inf where α <= 1.01 (the conversion's ε)."""
         total = self._partial[sigma][0]
-        exact = np.zeros(self.grid.size, dtype=bool)
+        grid, steps, delta = self.grid, self.steps, self.delta
+        exact = np.zeros(grid.size, dtype=bool)
         exact[self._integer] = np.isfinite(total[self._integer])
-        return _epsilon_lower_bounds(self.q, sigma, self.steps, self.delta, self.grid, total, exact, self._log1p_inv,
-                                     self._log_term, self._divergence_floor(sigma))
+        a = np.concatenate(([1.0], grid[exact]))
+        f = np.concatenate(([0.0], total[exact] * (grid[exact] - 1)))  # T·log A_α
+        slope = np.diff(f) / np.diff(a)
+        x = grid[:, None]
+        outside = (x <= a[:-1]) | (x >= a[1:])  # secant j bounds T·log A_α at α outside [a_j, a_j+1]
+        log_a = np.max(np.where(outside, f[:-1] + slope * (x - a[:-1]), -np.inf), axis=1, initial=0.0)
+        known = np.maximum(np.where(exact, total, 0.0), self._divergence_floor(sigma))
+        below = np.maximum.accumulate(known)  # RDP nondecreasing: T·RDP of an order below
+        with np.errstate(divide="ignore", invalid="ignore"):
+            bound = np.maximum(np.maximum(log_a / (grid - 1), below), steps * _kl_floor(self.q, sigma))
+            # ε is clamped to 0 where T·RDP <= ~δ² (else it may be below 0: the conversion's terms are negative)
+            eps = (bound + self._log1p_inv) - self._log_term
+            eps = np.where(bound > 8 * delta**2, eps, np.minimum(eps, 0.0))
+        eps -= 1e-6 * np.maximum(1.0, np.abs(eps)) + 1e-9 * steps
+        return np.where(grid > 1.01, eps, np.inf)
