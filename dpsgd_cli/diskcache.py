@@ -6,7 +6,8 @@ on) and holds the key beside the value, so a hash collision or a stale file is r
 are atomic (temporary file in the same folder + `os.replace`): two processes filling one folder see an old
 entry, a new one or none, never a torn one. Floats are written with `repr` (JSON's default), so a value read
 back is the float that was computed, bit for bit. Everything is best effort: an unreadable folder or entry is
-a miss, and the value is recomputed.
+a miss, and the value is recomputed. Inside :func:`deferred_writes` a thread's writes wait until the block ends
+(a task's entries are written after its clock stops, as its rows are) and its reads see them meanwhile.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import itertools
 import json
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -47,6 +49,9 @@ def read_entry(folder: Path | None, key: dict, field: str) -> Any:
     """The stored `field` of the entry for `key`; None when absent, unreadable, corrupt or for another key."""
     if folder is None:
         return None
+    for held_folder, held_key, held_field, value in getattr(_held, "writes", None) or ():
+        if (held_folder, held_key, held_field) == (folder, key, field):
+            return value
     try:
         entry = json.loads(entry_path(folder, key).read_text())
         return entry[field] if entry["key"] == key else None
@@ -63,10 +68,37 @@ def _process_token() -> str:
     return os.urandom(4).hex()
 
 
+_held = threading.local()  # .writes: the writes held by this thread's deferred_writes block (None outside it)
+
+
+@contextlib.contextmanager
+def deferred_writes():
+    """Hold this thread's :func:`write_entry` calls until the block ends, then make them (nested blocks: the
+    outermost one). An entry lost with its process is only a cache miss."""
+    if getattr(_held, "writes", None) is not None:
+        yield
+        return
+    _held.writes = []
+    try:
+        yield
+    finally:
+        writes, _held.writes = _held.writes, None
+        for args in writes:
+            _write_now(*args)
+
+
 def write_entry(folder: Path | None, key: dict, field: str, value: Any) -> None:
     """Store {key, field: value} atomically; best effort (a read-only folder only loses the cache)."""
     if folder is None:
         return
+    held = getattr(_held, "writes", None)
+    if held is not None:
+        held.append((folder, key, field, value))
+        return
+    _write_now(folder, key, field, value)
+
+
+def _write_now(folder: Path, key: dict, field: str, value: Any) -> None:
     tmp = None
     try:
         folder.mkdir(parents=True, exist_ok=True)

@@ -147,3 +147,38 @@ def test_bassily_calibration_is_kept_on_disk_exactly(cache, monkeypatch):
     assert len(list((cache.parent / "bassily2014").glob("*.json"))) == 3
     bassily.calibrate_bassily.cache_clear()
     bassily._cached_rdp_epsilon.cache_clear()
+
+
+def test_deferred_writes_wait_for_the_block_and_are_read_meanwhile(tmp_path):
+    folder, key, other = tmp_path / "c", {"k": 1}, {"k": 2}
+    with diskcache.deferred_writes():
+        diskcache.write_entry(folder, key, "value", [0.1, 1 / 3])
+        with diskcache.deferred_writes():  # nested: the outermost block writes
+            diskcache.write_entry(folder, other, "value", 2.5)
+        assert not folder.exists()
+        assert diskcache.read_entry(folder, key, "value") == [0.1, 1 / 3]
+        assert diskcache.read_entry(folder, key, "other field") is None
+    assert diskcache.read_entry(folder, key, "value") == [0.1, 1 / 3] and len(list(folder.glob("*.json"))) == 2
+    assert diskcache.read_entry(folder, other, "value") == 2.5 and not list(folder.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_a_task_writes_its_calibrated_sigma_after_its_clock_stops(cache, write_grid, tmp_path, monkeypatch, fuse):
+    """A task's rows are built (their wall_time taken) before the σ it calibrated reaches the disk cache."""
+    events = []
+
+    def write_now(folder, *args, _write=diskcache._write_now):
+        events.append(folder.name)
+        _write(folder, *args)
+
+    def result(task, cell, *args, _result=runner._result, **kwargs):
+        events.append(cell.algorithm.name)
+        return _result(task, cell, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "_result", result)
+    monkeypatch.setattr(diskcache, "_write_now", write_now)
+    grid = load_grid_file(write_grid(GRID.replace("[logreg, {name: mlp, hidden: 3}]", "[logreg]")
+                                     .replace("[erm, dp_sgd]", "[sgd, dp_sgd]"))).grids[0]
+    run_grid(grid, tmp_path / "out", fuse, monkeypatch)
+    assert len(list((cache.parent / "calibration").glob("*.json"))) == 1
+    assert events.count("calibration") == 1 and events.index("calibration") > events.index("dp_sgd")

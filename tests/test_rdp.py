@@ -120,7 +120,7 @@ def test_integer_sum_cut_where_later_terms_are_below_half_an_ulp_is_exact(monkey
     """`_log_a_int` sums up to a term far enough below the running sum s > 0 that every later term adds under half
     an ulp of s: bit for bit the full sum. Tried at terms only 5 below the largest (so the ulp test decides, not
     the margin of the default 60), on random settings; with a margin 25 nats short of the proof, sums differ."""
-    rng = np.random.default_rng(11)
+    rng = np.random.default_rng(11); worst = []
     settings = [(float(10 ** rng.uniform(-5, -0.3)), float(10 ** rng.uniform(0.5, 2.5))) for _ in range(150)]
     orders = np.array([128, 129, 300, 1024, 2485, 5000], dtype=np.int64)
 
@@ -269,6 +269,40 @@ def test_guess_lands_near_the_calibrated_sigma(monkeypatch):
         guessed, slope = _curve(q, steps, delta).guess(target, acc._sigma_guess(target, delta, q, steps))
         assert abs(math.log(guessed / sigma)) < 0.02, (target, delta, q, steps, guessed, sigma)
         assert slope < 0  # d log ε / d log σ of the integer orders' ε there: ε decreases with σ
+
+
+def _rough_reference(q, steps, delta, sigma, orders):
+    """The guess's ε per integer order as `_rough` documents it, order by order: log of the sum of the binomial
+    sum's first min(α + 1, ⌈αq + 10 sqrt(αq + 1) + 61⌉) terms and its last 16, then the conversion."""
+    log1p_inv, log_term = rdp._conversion_terms(tuple(orders.tolist()), delta)
+    out = []
+    for a, l1, lt in zip(orders.astype(np.int64), log1p_inv, log_term):
+        head = min(a + 1, math.ceil(a * q + 10 * math.sqrt(a * q + 1) + 61))
+        i = np.array(sorted(set(range(head)) | set(range(max(head, a - 15), a + 1))))
+        log_a = np.logaddexp.reduce(rdp._int_terms(q, sigma, np.full(i.shape, a), i))
+        out.append(steps / (a - 1.0) * log_a + l1 - lt)
+    return np.array(out)
+
+
+def test_rough_epsilon_is_as_documented_and_its_table_does_not_depend_on_what_came_before():
+    """`_rough` (the guess's ε of the integer orders, from σ-free parts kept per curve): bit for bit what a fresh
+    curve gives for the same window whatever windows came before, equal (1e-12) to its documented sum computed
+    order by order, and its slope within 1e-5 of a central difference in log σ."""
+    rng = np.random.default_rng(11)
+    for q, steps, delta, sigma in _random_settings(25, seed=12):
+        shared = _curve(q, steps, delta)
+        ints = shared.grid[shared._integer]
+        for _ in range(4):
+            lo = int(rng.integers(0, ints.size - 1))
+            hi = int(rng.integers(lo + 1, min(ints.size, lo + 14) + 1))
+            eps, slope = shared._rough(sigma, lo, hi)
+            fresh = _curve(q, steps, delta)._rough(sigma, lo, hi)
+            assert eps.tobytes() == fresh[0].tobytes() and slope.tobytes() == fresh[1].tobytes()
+            expected = _rough_reference(q, steps, delta, sigma, ints[lo:hi])
+            assert np.allclose(eps, expected, rtol=1e-12, atol=1e-12 * steps), (q, steps, delta, sigma, lo, hi)
+            h = 1e-5
+            up, down = shared._rough(sigma * math.exp(h), lo, hi)[0], shared._rough(sigma * math.exp(-h), lo, hi)[0]
+            assert np.allclose(slope, (up - down) / (2 * h), rtol=1e-5, atol=1e-7 * steps)
 
 
 def test_misleading_estimates_cost_evaluations_not_correctness():

@@ -341,6 +341,7 @@ class DpsgdRdpCurve:
         # σ -> (T·RDP, ε, T·shortfall (:func:`_rdp_and_shortfall`)) per order; NaN: not computed
         self._partial: dict[float, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._chunk = _FRAC_FIRST_CHUNK  # the fractional series' first pass: the terms the last one took, + 25 %
+        self._rough_span, self._rough_table = (0, 0), ()  # :meth:`_rough_parts`: positions covered, values
 
     def epsilon_and_order(self, sigma: float) -> tuple[float, float]:
         """(ε, optimal order): the accountant's, bit for bit (:func:`dpsgd_epsilon_and_order`)."""
@@ -423,32 +424,53 @@ class DpsgdRdpCurve:
         ints, half = self._integer, 3
         while True:
             window = np.arange(max(0, centre - half), min(ints.size, centre + half + 1))
-            eps, slope = self._rough(sigma, ints[window])
+            eps, slope = self._rough(sigma, int(window[0]), int(window[-1]) + 1)
             best = int(np.argmin(eps))
             centre = int(window[best])
             if 0 < best < window.size - 1 or centre in (0, ints.size - 1) or window.size == ints.size:
                 return float(eps[best]), float(slope[best]) / float(eps[best]), centre
             half *= 2
 
-    def _rough(self, sigma: float, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """ε and dε/dlog σ at the integer grid orders ``idx``, from the binomial sum's terms up to 10 standard deviations + 60
-        past its mean αq and its last 16 (which dominate where the terms are not concave, α + 2 > 4σ²: the others
-        lie below them or the first ones): a guess's accuracy, ~50 µs a call."""
-        orders = self.grid[idx]
-        q, a = self.q, orders.astype(np.int64)[:, None]
-        mean = a * q
-        head = np.minimum(a + 1, np.ceil(mean + 10 * np.sqrt(mean + 1) + 61)).astype(np.int64)
-        column = np.arange(int(head.max()) + 16)[None, :]
-        i = np.where(column < head, column, a - (column - head))  # the head, then the tail counted down from α
-        counted = (column < head) | (i >= np.maximum(head, a - 15))
-        terms = np.where(counted, _int_terms(q, sigma, a, np.minimum(np.maximum(i, 0), a)), -np.inf)
+    def _rough(self, sigma: float, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """ε and dε/dlog σ at the integer grid orders of positions ``lo`` to ``hi`` - 1, from the binomial sum's terms up
+        to 10 standard deviations + 60 past its mean αq and its last 16 (which dominate where the terms are not
+        concave, α + 2 > 4σ²: the others lie below them or the first ones): a guess's accuracy, ~20 µs a call."""
+        first, (fixed, quad, slope_quad, scale, log1p_inv, log_term, head) = self._rough_parts(lo, hi)
+        rows = slice(lo - first, hi - first)
+        width = int(head[hi - 1 - first]) + 16  # the widest row's (the head grows with α), as if computed alone
+        terms = fixed[rows, :width] + quad[rows, :width] / (2 * (sigma**2))  # _int_terms's sum, in its order
         top = terms.max(axis=1, keepdims=True)
         weights = np.exp(terms - top)
         total = weights.sum(axis=1)
         log_a = top[:, 0] + np.log(total)
-        d_log_a = (weights * (-(i * i - i) / sigma**2)).sum(axis=1) / total  # d log A / d log σ
-        scale = self.steps / (orders - 1.0)
-        return (scale * log_a + self._log1p_inv[idx]) - self._log_term[idx], scale * d_log_a
+        d_log_a = (weights * (slope_quad[rows, :width] / sigma**2)).sum(axis=1) / total  # d log A / d log σ
+        return (scale[rows] * log_a + log1p_inv[rows]) - log_term[rows], scale[rows] * d_log_a
+
+    def _rough_parts(self, lo: int, hi: int) -> tuple[int, tuple[np.ndarray, ...]]:
+        """What :meth:`_rough` needs that does not depend on σ, per integer order (a row) from the first position
+        returned, covering ``lo`` to ``hi`` - 1 (computed once per curve, widened 8 positions past a window it
+        misses): the terms' σ-free part (-inf where not counted), i² - i, -(i² - i), T/(α - 1), the conversion's two
+        terms and the head's length."""
+        first, last = self._rough_span
+        if not (first <= lo and hi <= last):
+            first, last = (lo, hi) if first >= last else (min(first, lo), max(last, hi))
+            first, last = max(0, first - 8), min(self._integer.size, last + 8)
+            idx = self._integer[first:last]
+            orders = self.grid[idx]
+            q, a = self.q, orders.astype(np.int64)[:, None]
+            mean = a * q
+            head = np.minimum(a + 1, np.ceil(mean + 10 * np.sqrt(mean + 1) + 61)).astype(np.int64)
+            column = np.arange(int(head.max()) + 16)[None, :]
+            i = np.where(column < head, column, a - (column - head))  # the head, then the tail counted down from α
+            counted = (column < head) | (i >= np.maximum(head, a - 15))
+            within = np.minimum(np.maximum(i, 0), a)
+            log_fact = _log_factorial_table(int(a.max()))
+            fixed = ((log_fact[a] - log_fact[within] - log_fact[a - within]) + within * math.log(q)
+                     + (a - within) * math.log1p(-q))
+            self._rough_span = (first, last)
+            self._rough_table = (np.where(counted, fixed, -np.inf), within * within - within, -(i * i - i),
+                                 self.steps / (orders - 1.0), self._log1p_inv[idx], self._log_term[idx], head[:, 0])
+        return first, self._rough_table
 
     def _large_sigma_order(self, sigma: float) -> float:
         """A start for the optimal order at σ: 1 + σ sqrt(log(1/δ)/T)/q, its large-σ asymptote (RDP ~ q²α/σ²),
