@@ -439,7 +439,7 @@ class DpsgdRdpCurve:
         """ε and dε/dlog σ at the integer grid orders of positions ``lo`` to ``hi`` - 1, from the binomial sum's terms up
         to 10 standard deviations + 60 past its mean αq and its last 16 (which dominate where the terms are not
         concave, α + 2 > 4σ²: the others lie below them or the first ones): a guess's accuracy, ~25 µs a call."""
-        first, (fixed, quad, slope_quad, scale, log1p_inv, log_term, head) = self._rough_parts(lo, hi)
+        first, (fixed, quad, scale, log1p_inv, log_term, head) = self._rough_parts(lo, hi)
         rows = slice(lo - first, hi - first)
         width = int(head[hi - 1 - first]) + 16  # the widest row's (the head grows with α), as if computed alone
         terms = fixed[rows, :width] + quad[rows, :width] / (2 * (sigma**2))  # _int_terms's sum, in its order
@@ -447,14 +447,14 @@ class DpsgdRdpCurve:
         weights = np.exp(terms - top)
         total = weights.sum(axis=1)
         log_a = top[:, 0] + np.log(total)
-        d_log_a = (weights * (slope_quad[rows, :width] / sigma**2)).sum(axis=1) / total  # d log A / d log σ
+        d_log_a = (weights * (-quad[rows, :width] / sigma**2)).sum(axis=1) / total  # d log A / d log σ
         return (scale[rows] * log_a + log1p_inv[rows]) - log_term[rows], scale[rows] * d_log_a
 
     def _rough_parts(self, lo: int, hi: int) -> tuple[int, tuple[np.ndarray, ...]]:
         """What :meth:`_rough` needs that does not depend on σ, per integer order (a row) from the first position
         returned, covering ``lo`` to ``hi`` - 1 (computed once per curve, widened 8 positions past a window it
-        misses): the terms' σ-free part (-inf where not counted), i² - i, -(i² - i), T/(α - 1), the conversion's two
-        terms and the head's length."""
+        misses): the terms' σ-free part (-inf where not counted), i² - i (i within 0..α, as every counted term's),
+        T/(α - 1), the conversion's two terms and the head's length."""
         first, last = self._rough_span
         if not (first <= lo and hi <= last):
             first, last = (lo, hi) if first >= last else (min(first, lo), max(last, hi))
@@ -470,7 +470,7 @@ class DpsgdRdpCurve:
             within = np.minimum(np.maximum(i, 0), a)
             self._rough_span = (first, last)
             self._rough_table = (np.where(counted, _int_terms_without_sigma(q, a, within), -np.inf),
-                                 within * within - within, -(i * i - i),
+                                 within * within - within,
                                  self.steps / (orders - 1.0), self._log1p_inv[idx], self._log_term[idx], head[:, 0])
         return first, self._rough_table
 
