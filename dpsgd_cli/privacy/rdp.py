@@ -263,15 +263,17 @@ def _kl_floor(q: float, sigma: float) -> float:
 
 
 def _dpsgd_epsilons(q: float, sigma: float, steps: int, delta: float, orders: np.ndarray,
-                    compute: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]] | None = None) -> np.ndarray:
+                    compute: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]] | None = None,
+                    conversion: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]] | None = None) -> np.ndarray:
     """ε per order of T = ``steps`` subsampled Gaussians, as :func:`epsilon_at_orders`, except inf at
     fractional orders proven not to be the minimum, which are not computed (their erfc series are most of an
     evaluation's cost). Integer orders are computed; their binomial sums are exact, and RDP is nondecreasing in
     α and at least :func:`_kl_floor`, so a fractional α's ε is at least max(T·RDP of the integer orders below it,
     T·KL floor) + its conversion term, and where that bound exceeds the computed minimum (with a margin for
     rounding and the series' truncation) α cannot be the argmin. Not applied where ε could be clamped to 0
-    (T·RDP <= ~δ²). ``compute``: (T·RDP, ε) at some of ``orders`` (default: computed here)."""
-    log1p_inv, log_term = _conversion_terms(tuple(orders.tolist()), delta)
+    (T·RDP <= ~δ²). ``compute``: (T·RDP, ε) at some of ``orders`` (default: computed here); ``conversion``: the
+    conversion's terms at ``orders`` (default: :func:`_conversion_terms`)."""
+    log1p_inv, log_term = (conversion or (lambda o: _conversion_terms(tuple(o.tolist()), delta)))(orders)
     total, out = np.full(orders.shape, np.nan), np.full(orders.shape, np.inf)
 
     def evaluate(mask: np.ndarray) -> None:
@@ -300,16 +302,17 @@ def _dpsgd_epsilons(q: float, sigma: float, steps: int, delta: float, orders: np
 def dpsgd_epsilon_and_order(sigma: float, q: float, steps: int, delta: float, base_orders: Sequence[float],
                             extension_orders: Sequence[float], block: int = 16,
                             expected_order: float | None = None,
-                            compute: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]] | None = None
+                            compute: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]] | None = None,
+                            conversion: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]] | None = None
                             ) -> tuple[float, float]:
     """(ε, optimal order) of T = ``steps`` compositions of the subsampled Gaussian, by :func:`min_over_orders`:
     16 orders a block (fewer calls than 8, for ~2 orders evaluated past the stop), or one block reaching 3 orders
     past ``expected_order`` when that is larger (a block's size never changes the result). ``compute``: (T·RDP,
-    ε) at given orders (default: computed here)."""
+    ε) at given orders (default: computed here); ``conversion``: the conversion's terms at given orders."""
     if expected_order is not None:
         block = max(block, int(np.searchsorted(extension_orders, expected_order)) + 3)
-    return min_over_orders(lambda orders: _dpsgd_epsilons(q, sigma, steps, delta, orders, compute), base_orders,
-                           extension_orders, block)
+    return min_over_orders(lambda orders: _dpsgd_epsilons(q, sigma, steps, delta, orders, compute, conversion),
+                           base_orders, extension_orders, block)
 
 
 def _nanargmin(values: np.ndarray) -> int:
@@ -351,9 +354,15 @@ class DpsgdRdpCurve:
         """(ε, optimal order): the accountant's, bit for bit (:func:`dpsgd_epsilon_and_order`)."""
         e, order = dpsgd_epsilon_and_order(sigma, self.q, self.steps, self.delta, self.base_orders,
                                            self.extension_orders, expected_order=self._nearest_optimum(sigma),
-                                           compute=lambda orders: self._values(sigma, np.searchsorted(self.grid, orders)))
+                                           compute=lambda orders: self._values(sigma, np.searchsorted(self.grid, orders)),
+                                           conversion=self._conversion_at)
         self._optimal[sigma] = order
         return e, order
+
+    def _conversion_at(self, orders: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The conversion's terms at grid ``orders``: the curve's, not a second table for the base orders."""
+        idx = np.searchsorted(self.grid, orders)
+        return self._log1p_inv[idx], self._log_term[idx]
 
     def estimate(self, sigma: float) -> float:
         """ε at the local minimum over the grid reached from the nearest σ's optimal order (else the large-σ
