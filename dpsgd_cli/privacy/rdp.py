@@ -516,11 +516,12 @@ class DpsgdRdpCurve:
 
     def _nearest_optimum(self, sigma: float) -> float | None:
         """The optimal order found at the nearest σ; an integer orders' optimum (:meth:`guess`) only where it is
-        nearer and no optimum was found within 1 % of σ."""
+        nearer and no optimum was found within 5 % of σ (the hint is off by up to an order; measured on 50 settings:
+        392 series calls vs 409 with 1 %, the same estimates)."""
         found = [(abs(math.log(s / sigma)), order) for s, order in self._optimal.items()]
         hinted = [(abs(math.log(s / sigma)), order) for s, order in self._hinted.items()]
         nearest = min(found, default=None)
-        if nearest is None or nearest[0] > 0.01:
+        if nearest is None or nearest[0] > 0.05:
             nearest = min(found + hinted, default=None)
         return None if nearest is None else nearest[1]
 
