@@ -209,7 +209,12 @@ def epsilon_at_orders(orders: np.ndarray, rdp: np.ndarray, delta: float) -> np.n
     rdp + log(1 - 1/α) - log(δα)/(α - 1); 0 where rdp < 0 or the KL bound δ <= sqrt(1 - e^-rdp) already holds; inf
     for α <= 1.01 (the bound is unstable there). As ``dp_accounting.rdp.compute_epsilon`` per order, before its
     minimum and max(0, .)."""
-    return _epsilon(orders, rdp, delta, *_conversion_terms(tuple(orders.tolist()), delta))
+    return _epsilon(orders, rdp, delta, *_conversion_terms_at(orders, delta))
+
+
+def _conversion_terms_at(orders: np.ndarray, delta: float) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_conversion_terms` of an array of orders (cached per tuple of orders and δ)."""
+    return _conversion_terms(tuple(orders.tolist()), delta)
 
 
 def _epsilon(orders: np.ndarray, rdp: np.ndarray, delta: float, log1p_inv: np.ndarray,
@@ -273,7 +278,7 @@ def _dpsgd_epsilons(q: float, sigma: float, steps: int, delta: float, orders: np
     rounding and the series' truncation) α cannot be the argmin. Not applied where ε could be clamped to 0
     (T·RDP <= ~δ²). ``compute``: (T·RDP, ε) at some of ``orders`` (default: computed here); ``conversion``: the
     conversion's terms at ``orders`` (default: :func:`_conversion_terms`)."""
-    log1p_inv, log_term = (conversion or (lambda o: _conversion_terms(tuple(o.tolist()), delta)))(orders)
+    log1p_inv, log_term = conversion(orders) if conversion is not None else _conversion_terms_at(orders, delta)
     total, out = np.full(orders.shape, np.nan), np.full(orders.shape, np.inf)
 
     def evaluate(mask: np.ndarray) -> None:
