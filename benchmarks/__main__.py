@@ -32,6 +32,7 @@ CASES = {
     "7": "case7_audit",
     "8": "case8_peers",
     "9": "case9_fused_grid",
+    "10": "case10_calibration_share",
 }
 
 # issue 16's goals: (id, text, target); a row with that goal_id carries the measurement
@@ -44,6 +45,10 @@ GOALS = [
     ("mlp_opacus", "MLP `dp_sgd` R = 10 vs Opacus (best of hooks, ew), per replica-step", "≥ 20×"),
     ("floor", "R = 1 epoch vs the memory floor", "≤ 3× floor"),
     ("bassily_numba", "`bassily2014` numba vs NumPy", "≥ 20×"),
+    ("calibration_cell", "σ calibration (not cached) over a one-seed run's `wall_time`: one `dp_sgd` cell, adult, "
+                         "ε = 3", "≤ 10%"),
+    ("calibration_kang", "σ calibration (not cached) over a one-seed run's `wall_time`: `kang_lr` on adult "
+                         "(fused task)", "≤ 10%"),
 ]
 
 

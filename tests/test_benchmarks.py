@@ -14,7 +14,7 @@ from dpsgd_cli.models import make_model
 
 def test_every_case_module_imports_and_has_run():
     names = [m.name for m in pkgutil.iter_modules(benchmarks.__path__) if m.name.startswith("case")]
-    assert len(names) == 9
+    assert len(names) == 10
     for name in names:
         assert callable(importlib.import_module(f"benchmarks.{name}").run)
 
@@ -53,7 +53,7 @@ def test_every_goal_of_issue_16_is_measured_by_a_case():
 
     sources = "".join(inspect.getsource(importlib.import_module(f"benchmarks.{m}")) for m in CASES.values())
     ids = [g[0] for g in GOALS]
-    assert len(set(ids)) == len(ids) == 8
+    assert len(set(ids)) == len(ids) == 10
     for gid in ids:
         assert f'"{gid}"' in sources, gid
 
@@ -88,3 +88,30 @@ def test_case9_unpacks_the_code_before_issue_16_with_its_fix(tmp_path):
     assert not (folder / "dpsgd_cli" / "diskcache.py").exists()  # the old package, not this one
     assert "if array.size:" in (folder / "dpsgd_cli" / "data" / "load.py").read_text()  # FIXES applied
     assert len(BEFORE) >= 7
+
+
+def test_case10_worker_times_the_calibration_a_run_does(tmp_path):
+    """Case 10's child process sees every σ the run calibrates (cold cache) and none when they are cached: its
+    timers wrap the functions `calibrate_sigma` calls."""
+    import json
+    import subprocess
+    import sys
+
+    from benchmarks.pinned import MARK, side_env
+
+    grid = tmp_path / "grid.yaml"
+    grid.write_text("grids:\n  - name: g\n    datasets: [synthetic]\n    models: [logreg]\n    algorithms: [dp_sgd]\n"
+                    "    epsilon: [0.5, 2]\n    batch_size: [50]\n    lr: [0.5]\n    epochs: 1\n    l2: 1.0e-3\n"
+                    "    clip_norm: 1.0\n    seeds: 1\n    delta: 1.0e-5\n")
+
+    def answer(out: str) -> dict:
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.case10_calibration_share", str(grid),
+                               str(tmp_path / out)], capture_output=True, text=True, check=True,
+                              env=side_env({"DPSGD_CACHE_DIR": str(tmp_path / "cache"),
+                                            "DPSGD_DATA_DIR": str(tmp_path / "data")}))
+        return json.loads([line for line in proc.stdout.splitlines() if line.startswith(MARK)][-1][len(MARK):])
+
+    cold, warm = answer("cold"), answer("warm")
+    assert (cold["calibrations"], warm["calibrations"]) == (2, 0)
+    assert cold["runs"] == warm["runs"] == 2 and cold["not_ok"] == 0
+    assert 0 < cold["calibration_s"] < cold["wall_time_s"] and warm["calibration_s"] > 0  # warm: the cache reads
