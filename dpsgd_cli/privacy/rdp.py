@@ -325,6 +325,17 @@ def _nanargmin(values: np.ndarray) -> int:
     return int(np.where(np.isnan(values), np.inf, values).argmin())
 
 
+def _stacked(top: tuple[np.ndarray, ...], bottom: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
+    """Two blocks of :meth:`DpsgdRdpCurve._rough_rows` as one: the narrower block's terms padded with -inf (not
+    counted: no column past a row's head + 16 is) and its i² - i with 0."""
+    rows, width = top[0].shape[0], max(top[0].shape[1], bottom[0].shape[1])
+    terms = np.full((rows + bottom[0].shape[0], width), -np.inf)
+    squares = np.zeros(terms.shape, dtype=top[1].dtype)
+    for block, at in ((top, slice(0, rows)), (bottom, slice(rows, None))):
+        terms[at, :block[0].shape[1]], squares[at, :block[1].shape[1]] = block[0], block[1]
+    return (terms, squares, *(np.concatenate([t, b]) for t, b in zip(top[2:], bottom[2:])))
+
+
 class DpsgdRdpCurve:
     """ε(σ) of T = ``steps`` subsampled Gaussians (Poisson rate ``q``) at ``delta`` by the RDP accountant over the
     ascending order grid ``base_orders + extension_orders``: exact (:meth:`epsilon_and_order`, the accountant's
@@ -466,27 +477,36 @@ class DpsgdRdpCurve:
 
     def _rough_parts(self, lo: int, hi: int) -> tuple[int, tuple[np.ndarray, ...]]:
         """What :meth:`_rough` needs that does not depend on σ, per integer order (a row) from the first position
-        returned, covering ``lo`` to ``hi`` - 1 (computed once per curve, widened 8 positions past a window it
-        misses): the terms' σ-free part (-inf where not counted), i² - i (i within 0..α, as every counted term's),
-        T/(α - 1), the conversion's two terms and the head's length."""
+        returned, covering ``lo`` to ``hi`` - 1: the terms' σ-free part (-inf where not counted), i² - i (i within
+        0..α, as every counted term's), T/(α - 1), the conversion's two terms and the head's length. Kept per
+        curve; a window it misses adds the rows missing up to 8 positions past it (each row is computed once: its
+        values do not depend on the rows beside it)."""
         first, last = self._rough_span
-        if not (first <= lo and hi <= last):
-            first, last = (lo, hi) if first >= last else (min(first, lo), max(last, hi))
-            first, last = max(0, first - 8), min(self._integer.size, last + 8)
-            idx = self._integer[first:last]
-            orders = self.grid[idx]
-            q, a = self.q, orders.astype(np.int64)[:, None]
-            mean = a * q
-            head = np.minimum(a + 1, np.ceil(mean + 10 * np.sqrt(mean + 1) + 61)).astype(np.int64)
-            column = np.arange(int(head.max()) + 16)[None, :]
-            i = np.where(column < head, column, a - (column - head))  # the head, then the tail counted down from α
-            counted = (column < head) | (i >= np.maximum(head, a - 15))
-            within = np.minimum(np.maximum(i, 0), a)
-            self._rough_span = (first, last)
-            self._rough_table = (np.where(counted, _int_terms_without_sigma(q, a, within), -np.inf),
-                                 within * within - within,
-                                 self.steps / (orders - 1.0), self._log1p_inv[idx], self._log_term[idx], head[:, 0])
+        if first >= last:
+            first, last = max(0, lo - 8), min(self._integer.size, hi + 8)
+            self._rough_table = self._rough_rows(first, last)
+        if lo < first:
+            self._rough_table = _stacked(self._rough_rows(max(0, lo - 8), first), self._rough_table)
+            first = max(0, lo - 8)
+        if hi > last:
+            self._rough_table = _stacked(self._rough_table, self._rough_rows(last, min(self._integer.size, hi + 8)))
+            last = min(self._integer.size, hi + 8)
+        self._rough_span = (first, last)
         return first, self._rough_table
+
+    def _rough_rows(self, first: int, last: int) -> tuple[np.ndarray, ...]:
+        """:meth:`_rough_parts`' rows for the integer orders of positions ``first`` to ``last`` - 1."""
+        idx = self._integer[first:last]
+        orders = self.grid[idx]
+        q, a = self.q, orders.astype(np.int64)[:, None]
+        mean = a * q
+        head = np.minimum(a + 1, np.ceil(mean + 10 * np.sqrt(mean + 1) + 61)).astype(np.int64)
+        column = np.arange(int(head.max()) + 16)[None, :]
+        i = np.where(column < head, column, a - (column - head))  # the head, then the tail counted down from α
+        counted = (column < head) | (i >= np.maximum(head, a - 15))
+        within = np.minimum(np.maximum(i, 0), a)
+        return (np.where(counted, _int_terms_without_sigma(q, a, within), -np.inf), within * within - within,
+                self.steps / (orders - 1.0), self._log1p_inv[idx], self._log_term[idx], head[:, 0])
 
     def _large_sigma_order(self, sigma: float) -> float:
         """A start for the optimal order at σ: 1 + σ sqrt(log(1/δ)/T)/q, its large-σ asymptote (RDP ~ q²α/σ²),
