@@ -386,8 +386,12 @@ def rdp_epsilon_floor(delta: float) -> float:
     ``min_alpha  log(1 - 1/alpha) - log(delta * alpha) / (alpha - 1)`` over orders > 1.01.
     Targets below it are unreachable with ``accountant="rdp"`` whatever the noise.
     """
-    d = check.open_unit("delta", delta)
-    log1p_inv, log_term = _rdp_native._conversion_terms(RDP_ORDERS, d)  # the accountant's terms (cached)
+    return _rdp_epsilon_floor(check.open_unit("delta", delta))
+
+
+@functools.lru_cache(maxsize=64)
+def _rdp_epsilon_floor(delta: float) -> float:
+    log1p_inv, log_term = _rdp_native._conversion_terms(RDP_ORDERS, delta)  # the accountant's terms (cached)
     return float(max(0.0, np.min((log1p_inv - log_term)[np.array(RDP_ORDERS) > 1.01])))
 
 
