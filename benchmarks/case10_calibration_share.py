@@ -22,7 +22,6 @@ import functools
 import json
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,7 +29,7 @@ from pathlib import Path
 
 from benchmarks.case9_fused_grid import scaled_yaml
 from benchmarks.common import REPO, Row, Skip, load
-from benchmarks.pinned import MARK, load1, pin_prefix, side_env
+from benchmarks.pinned import MARK, Command, load1
 
 GOAL_PERCENT = 10.0
 GRIDS = {  # case letter: (goal id, what, kang_lr's overrides)
@@ -76,15 +75,10 @@ def _worker(grid_file: str, out: str) -> None:
 def _measure(grid_file: Path, cache: Path) -> dict:
     """One pinned `dpsgd run` of `grid_file` with DPSGD_CACHE_DIR=`cache`; its worker's answer and the load."""
     before = load1()
-    with tempfile.TemporaryDirectory(prefix="dpsgd-bench-calshare-") as out:
-        proc = subprocess.run(pin_prefix() + [sys.executable, "-m", "benchmarks.case10_calibration_share",
-                                              str(grid_file), out], cwd=REPO, capture_output=True, text=True,
-                              env=side_env({"DPSGD_CACHE_DIR": str(cache)}))
-    answers = [line[len(MARK):] for line in proc.stdout.splitlines() if line.startswith(MARK)]
-    if proc.returncode != 0 or not answers:
-        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise RuntimeError(f"case 10: dpsgd run {grid_file.name} failed: {tail[:300]}")
-    answer = json.loads(answers[-1])
+    answer = Command([sys.executable, "-m", "benchmarks.case10_calibration_share", str(grid_file), "{out}"],
+                     env={"DPSGD_CACHE_DIR": str(cache)})()
+    if "not_ok" not in answer:
+        raise RuntimeError(f"case 10: dpsgd run {grid_file.name} printed no measurement")
     if answer["not_ok"]:
         raise RuntimeError(f"case 10: {answer['not_ok']} run(s) of {grid_file.name} not ok")
     answer["load"] = None if before is None else (before + (load1() or before)) / 2

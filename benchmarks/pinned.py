@@ -119,7 +119,8 @@ class Worker:
 
 @dataclass
 class Command:
-    """A side that is a whole command (timed from outside, wall clock), pinned like the workers."""
+    """A side that is a whole command (timed from outside, wall clock), pinned like the workers; what it printed
+    after :data:`MARK` (a JSON object, the last such line) is merged into its answer."""
 
     argv: list[str]
     env: dict[str, Optional[str]] = field(default_factory=dict)
@@ -137,7 +138,8 @@ class Command:
         if proc.returncode != 0:
             tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
             raise RuntimeError(f"{' '.join(argv[:4])} … failed: {tail[:300]}")
-        return {"seconds": seconds, "cpu_seconds": cpu}
+        said = [line[len(MARK):] for line in proc.stdout.splitlines() if line.startswith(MARK)]
+        return {**(json.loads(said[-1]) if said else {}), "seconds": seconds, "cpu_seconds": cpu}
 
 
 def _children_cpu() -> float:

@@ -482,15 +482,13 @@ class DpsgdRdpCurve:
         curve; a window it misses adds the rows missing up to 8 positions past it (each row is computed once: its
         values do not depend on the rows beside it)."""
         first, last = self._rough_span
+        lower, upper = max(0, lo - 8), min(self._integer.size, hi + 8)
         if first >= last:
-            first, last = max(0, lo - 8), min(self._integer.size, hi + 8)
-            self._rough_table = self._rough_rows(first, last)
+            first, last, self._rough_table = lower, upper, self._rough_rows(lower, upper)
         if lo < first:
-            self._rough_table = _stacked(self._rough_rows(max(0, lo - 8), first), self._rough_table)
-            first = max(0, lo - 8)
+            first, self._rough_table = lower, _stacked(self._rough_rows(lower, first), self._rough_table)
         if hi > last:
-            self._rough_table = _stacked(self._rough_table, self._rough_rows(last, min(self._integer.size, hi + 8)))
-            last = min(self._integer.size, hi + 8)
+            last, self._rough_table = upper, _stacked(self._rough_table, self._rough_rows(last, upper))
         self._rough_span = (first, last)
         return first, self._rough_table
 
