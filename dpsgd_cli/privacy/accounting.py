@@ -72,7 +72,6 @@ warm call reads ~0.15 ms of JSON instead of 60-750 ms of accounting (adult, kang
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import importlib.metadata
 import logging
@@ -815,8 +814,9 @@ def _cache_read(folder: Path | None, key: dict) -> Calibration | None:
 
 
 def _cache_write(folder: Path | None, key: dict, cal: Calibration) -> None:
-    """Atomic; concurrent workers see an old entry, a new one or none. Best effort."""
-    diskcache.write_entry(folder, key, "calibration", dataclasses.asdict(cal))
+    """Atomic; concurrent workers see an old entry, a new one or none. Best effort. The fields are flat (floats,
+    str, int, None): a copy of them, not ``dataclasses.asdict``'s recursive deep copy (~20 µs a write)."""
+    diskcache.write_entry(folder, key, "calibration", dict(vars(cal)))
 
 
 @functools.lru_cache(maxsize=1024)
