@@ -95,6 +95,11 @@ def run(
 
     grids = select(load_grid_file(grid_file), only)
     out = out_root(out)
+    if scheduler:  # checked at once, before any work (the connection itself waits until --dry-run is ruled out)
+        from dpsgd_cli.engine.distributed import connect_timeout, parse_scheduler
+
+        parse_scheduler(scheduler)
+        connect_timeout()
     check_grids(grids)  # every figure, claim and limit, before any work
     jobs = _cap_jobs(jobs)
     if scheduler and jobs > 1:
@@ -189,8 +194,12 @@ def audit(
     """Train with and without a canary, attack, and bound each cell's ε from below (ε_lo beside the claimed ε)."""
     from dpsgd_cli.audit.run import audit_grid
     from dpsgd_cli.config import load_grid_file, select
+    from dpsgd_cli.engine.checks import check_audit
 
-    for grid in select(load_grid_file(grid_file), only):
+    grids = select(load_grid_file(grid_file), only)
+    for grid in grids:  # every grid's trials bounded before the first training
+        check_audit(grid, trials)
+    for grid in grids:
         table = Table("dataset", "model", "algorithm", "canary", "threat model", "ε claimed", "δ", "ε_lo", "AUC",
                       "verdict", title=f"{grid.name}: audit")
 
@@ -401,7 +410,12 @@ def _file_info(path: Path, **given: Any) -> dict[str, Any]:
         key, sep, value = item.partition("=")
         if not sep:
             raise UserError(f"--set {item}: expected KEY=VALUE (e.g. --set standardize=false)")
-        raw[key.strip()] = yaml.safe_load(value)
+        try:
+            raw[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as exc:
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise UserError(f"--set {item}: the value is not valid YAML ({problem}); quote it (--set "
+                            f"'{key.strip()}=\"...\"') or fix it") from None
     raw.update({k: (str(v) if isinstance(v, Path) else v) for k, v in given.items() if v not in (None, [])})
     return file_dataset_info(file_spec(raw))
 

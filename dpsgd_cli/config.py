@@ -11,6 +11,7 @@ import itertools
 import json
 import math
 import re
+import stat
 import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
@@ -639,7 +640,11 @@ def read_yaml(path: Path) -> Any:
     try:
         if path.is_dir():
             raise UserError(f"{path}: is a folder; pass the path of a grid YAML file (e.g. experiments.yaml)")
-        size = path.stat().st_size
+        info = path.stat()
+        if not stat.S_ISREG(info.st_mode):  # a FIFO would block the read forever, a device never end
+            raise UserError(f"{path}: not a regular file (a pipe, socket or device); pass the path of a grid YAML "
+                            f"file (e.g. experiments.yaml)")
+        size = info.st_size
         if size > MAX_GRID_FILE_BYTES:
             raise UserError(f"{path}: {size:,} bytes is larger than the {MAX_GRID_FILE_BYTES:,} bytes a grid file "
                             f"may have; is it really a grid YAML file?")

@@ -269,3 +269,57 @@ def test_readme_examples_run_from_a_fresh_clone(tmp_path, monkeypatch, capsys):
     rows = pd.read_csv(tmp_path / "out" / "own_data" / "runs.csv")
     assert sorted(rows["dataset"]) == ["a9a", "credit", "records"] and (rows["status"] == "ok").all()
     assert (rows["test_accuracy"] > 0.7).all()
+
+
+# --- data that cannot be learned from, and files that are not data -----------------------------------------------
+def _refused(tmp_path, monkeypatch, capsys, path: Path, *extra: str) -> str:
+    monkeypatch.chdir(tmp_path)
+    code = _main(monkeypatch, "datasets", "info", "--path", str(path), *extra)
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and err.strip().count("\n") == 0 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("rows, expected", [
+    (["1e300,{b},{y}"] * 3, "column 'a' holds values too large"),  # squares overflow: standardised to 0 or NaN
+    (["1.7e308,{b},{y}", "-1.7e308,{b},{y}"], "column 'a' holds values too large"),
+    (["1e999,{b},{y}", "1,{b},{y}"], "column 'a' holds infinite values"),  # beyond float64: parsed as inf
+    (["1,,{y}"], "column 'b' is missing in"),  # an all-empty column: not "the label has a single class ()"
+])
+def test_values_that_cannot_be_learned_from_name_the_file_and_column(tmp_path, monkeypatch, capsys, rows, expected):
+    lines = [row.format(b=i % 7, y=i % 2) for i in range(40) for row in rows[i % len(rows):][:1]]
+    path = write(tmp_path / "bad.csv", "a,b,y\n" + "\n".join(lines) + "\n")
+    err = _refused(tmp_path, monkeypatch, capsys, path, "--label", "y")
+    assert expected in err and "bad" in err
+
+
+def test_a_file_with_a_label_and_no_feature_is_refused(tmp_path, monkeypatch, capsys):
+    path = write(tmp_path / "only.csv", "y,id\n" + "".join(f"{i % 2},{i}\n" for i in range(30)))
+    err = _refused(tmp_path, monkeypatch, capsys, path, "--label", "y", "--drop", "id")
+    assert "no feature column" in err and "only" in err
+
+
+def test_inf_in_an_array_file_is_refused(tmp_path, monkeypatch, capsys):
+    X = np.ones((20, 2))
+    X[3, 1] = np.inf
+    np.savez(tmp_path / "a.npz", X=X, y=np.arange(20) % 2)
+    assert "column 'x1' holds infinite values" in _refused(tmp_path, monkeypatch, capsys, tmp_path / "a.npz")
+
+
+def test_a_folder_or_a_fifo_is_not_called_a_missing_file(tmp_path, monkeypatch, capsys):
+    import os
+
+    (tmp_path / "folder.csv").mkdir()
+    os.mkfifo(tmp_path / "pipe.csv")
+    assert "is a folder" in _refused(tmp_path, monkeypatch, capsys, tmp_path / "folder.csv", "--label", "y")
+    assert "not a regular file" in _refused(tmp_path, monkeypatch, capsys, tmp_path / "pipe.csv", "--label", "y")
+
+
+def test_a_data_file_too_large_is_refused_before_it_is_hashed(tmp_path, monkeypatch, capsys):
+    from dpsgd_cli.data import files
+
+    path = write(tmp_path / "d.csv", "a,y\n" + "".join(f"{i},{i % 2}\n" for i in range(30)))
+    monkeypatch.setattr(files, "MAX_FILE_BYTES", 100)
+    monkeypatch.setattr(files, "sha256_of", lambda p: pytest.fail("hashed before the size check"))
+    err = _refused(tmp_path, monkeypatch, capsys, path, "--label", "y")
+    assert "GiB a data file may have" in err

@@ -409,3 +409,109 @@ def test_quick_start_scripts_and_ci():
     quick = readme[readme.index("## Install, run, test"):readme.index("## Commands")]
     block = quick[quick.index("```bash") + 7:quick.index("```", quick.index("```bash") + 7)]
     assert [line.split()[0] for line in block.strip().splitlines()] == ["scripts/smoke", "scripts/test"]
+
+
+# --- every multiplier of work bounded, every reader's input checked by `run` ------------------------------------
+@pytest.mark.parametrize("extra, replace, named", [
+    ("trace_every: 1\n", ("epochs: 1", "epochs: 2000"), "trace_every"),
+    ("select: [{candidates: [lr], group_by: [dataset, model, algorithm, epsilon, no_such_column]}]\n"
+     "validation: 0.1\n", ("", ""), "no_such_column"),
+    ("select: [{candidates: [lr], privacy: papernot_steinke, mean: 1e7, searches: 10}]\nvalidation: 0.1\n",
+     ("algorithms: [erm, dp_sgd]", "algorithms: [dp_sgd]"), "searches × mean"),
+    ("select: [{candidates: [lr], privacy: papernot_steinke, distribution: truncated_negative_binomial, "
+     "mean: 5000, eta: -0.9, searches: 1}]\nvalidation: 0.1\n",
+     ("algorithms: [erm, dp_sgd]", "algorithms: [dp_sgd]"), "simulated"),
+])
+def test_run_refuses_unbounded_work_and_what_readers_cannot_compute(tmp_path, capsys, monkeypatch, extra, replace,
+                                                                   named):
+    no_data_loaded(monkeypatch)
+    err = one_line_error(capsys, monkeypatch, "run", grid_with(tmp_path, extra, replace), "--dry-run",
+                         "--out", tmp_path / "out")
+    assert named in err
+
+
+def test_audit_trials_are_bounded_before_any_training(tmp_path, capsys, monkeypatch):
+    no_data_loaded(monkeypatch)
+    grid = grid_with(tmp_path, "audit: {trials: 100000000}\n")
+    err = one_line_error(capsys, monkeypatch, "audit", grid, "--out", tmp_path / "out")
+    assert "audit.trials" in err and "limit" in err
+    err = one_line_error(capsys, monkeypatch, "audit", grid_with(tmp_path, "", ("epochs: 1", "epochs: 1000000")),
+                         "--trials", "5000", "--out", tmp_path / "out")
+    assert "--trials" in err and "examples" in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("scheduler, env, named", [
+    ("local:100000", {}, "cores"),
+    ("foo://127.0.0.1:8786", {}, "scheme"),
+    ("tcp://127.0.0.1:1", {"DPSGD_SCHEDULER_TIMEOUT": "ten"}, "DPSGD_SCHEDULER_TIMEOUT"),
+    ("tcp://127.0.0.1:1", {"DPSGD_SCHEDULER_TIMEOUT": "-1"}, "DPSGD_SCHEDULER_TIMEOUT"),
+])
+def test_scheduler_and_its_environment_are_refused_at_once(tmp_path, capsys, monkeypatch, scheduler, env, named):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    start = time.monotonic()
+    err = one_line_error(capsys, monkeypatch, "run", grid_with(tmp_path), "--scheduler", scheduler,
+                         "--out", tmp_path / "out")
+    assert named in err and time.monotonic() - start < 5
+
+
+def test_an_over_long_folder_name_in_out_is_one_line(tmp_path, capsys, monkeypatch):
+    err = one_line_error(capsys, monkeypatch, "run", grid_with(tmp_path), "--dry-run",
+                         "--out", tmp_path / ("x" * 300) / "results")
+    assert "--out" in err and "shorter" in err
+
+
+def test_a_grid_file_that_is_a_fifo_is_refused_without_blocking(tmp_path, capsys, monkeypatch):
+    fifo = tmp_path / "grid.yaml"
+    os.mkfifo(fifo)
+    err = one_line_error(capsys, monkeypatch, "run", fifo, "--dry-run")
+    assert "not a regular file" in err
+
+
+def test_invalid_yaml_in_datasets_info_set_is_one_line(tmp_path, capsys, monkeypatch):
+    data = tmp_path / "d.csv"
+    data.write_text("a,y\n1,0\n2,1\n")
+    err = one_line_error(capsys, monkeypatch, "datasets", "info", "--path", data, "--label", "y",
+                         "--set", "sep=[unclosed")
+    assert "--set" in err and "YAML" in err
+
+
+def test_a_validation_fraction_leaving_no_row_is_one_line(tmp_path, capsys, monkeypatch):
+    grid = grid_with(tmp_path, "validation: 0.01\n", ("n: 300", "n: 3"))
+    err = one_line_error(capsys, monkeypatch, "run", grid, "--out", tmp_path / "out")
+    assert "validation = 0.01 leaves no row" in err
+
+
+@pytest.mark.parametrize("grid_part, named", [
+    ({"select": [{"candidates": 5}]}, "select[0]"),
+    ({"figures": ["not an object"]}, "figures[0]"),
+    ({"claims": {"id": "c"}}, "claims"),
+])
+def test_readers_refuse_a_manifest_of_the_wrong_shape(tmp_path, capsys, monkeypatch, grid_part, named):
+    import json
+
+    from dpsgd_cli.engine import execute, plan_grid
+
+    grid = load_grid_file(grid_with(tmp_path)).grids[0]
+    execute(plan_grid(grid, tmp_path / "out"))
+    manifest = tmp_path / "out" / "tiny" / "manifest.json"
+    content = json.loads(manifest.read_text())
+    content["grid"].update(grid_part)
+    manifest.write_text(json.dumps(content))
+    for command in ("plot", "select", "report"):
+        err = one_line_error(capsys, monkeypatch, command, tmp_path / "out" / "tiny")
+        assert "manifest" in err and named in err, command
+
+
+def test_pld_memory_is_estimated_and_refused_before_the_library_allocates(monkeypatch):
+    from dpsgd_cli.errors import UserError
+    from dpsgd_cli.privacy import _validate
+    from dpsgd_cli.privacy.accounting import dpsgd_event
+
+    with pytest.raises(UserError, match="GiB of memory"):
+        _validate.pld_memory(dpsgd_event(0.05, 1.0, 10**6), 1e-2)
+    _validate.pld_memory(dpsgd_event(1.0, 0.01, 10**4), 5e-5)  # a paper-sized one fits (~0.3 GiB)
+    monkeypatch.setattr(_validate, "available_memory", lambda: 64 << 20)
+    with pytest.raises(UserError, match="accountant rdp"):
+        _validate.pld_memory(dpsgd_event(1.0, 0.01, 10**4), 5e-5)

@@ -17,7 +17,10 @@ AUDIT_CSV = "audit.csv"
 def audit_grid(grid: Grid, out_root: Path, trials: Optional[int] = None, confidence: Optional[float] = None,
                on_rows: Optional[Callable[[list[dict]], None]] = None) -> Path:
     """Audit every cell of `grid` (its `audit:` block, or the defaults); returns the CSV's path."""
+    from dpsgd_cli.engine.checks import check_audit
+
     spec = grid.audit or AuditSpec()
+    check_audit(grid, trials)  # the trials multiply every training: bounded before any
     if confidence is not None and not 0.5 < confidence < 1:
         raise UserError(f"--confidence {confidence:g}: must be in (0.5, 1), e.g. 0.95")
     folder = Path(out_root) / grid.name

@@ -10,9 +10,8 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 from urllib.parse import unquote, urlparse
 
 import pooch
@@ -94,32 +93,55 @@ def _local_source(url: str) -> Optional[Path]:
     return None
 
 
-class _CopyDownloader:
-    """pooch downloader for a local mirror (a folder or file:// URL): copies the file."""
+class TooLarge(OSError):
+    """A source sent more bytes than the registry's size of the file (a mirror can stream forever)."""
 
-    def __init__(self, source: Path) -> None:
-        self.source = source
+
+def _copy_at_most(chunks: Iterable[bytes], output_file: str, size: int) -> None:
+    """Write `chunks` to `output_file`, stopping (TooLarge) as soon as they exceed `size` bytes."""
+    written = 0
+    with open(output_file, "wb") as fh:
+        for chunk in chunks:
+            written += len(chunk)
+            if written > size:
+                raise TooLarge(f"the source sent more than the registry's {size:,} bytes of this file; stopped")
+            fh.write(chunk)
+
+
+class _CopyDownloader:
+    """pooch downloader for a local mirror (a folder or file:// URL): copies the file, at most `size` bytes."""
+
+    def __init__(self, source: Path, size: int) -> None:
+        self.source, self.size = source, size
 
     def __call__(self, url: str, output_file: str, pooch_obj: object) -> None:
-        shutil.copyfile(self.source, output_file)
+        if self.source.exists() and not self.source.is_file():  # opening a FIFO would wait for a writer
+            raise TooLarge(f"{self.source} is not a regular file")
+        with open(self.source, "rb") as fh:
+            _copy_at_most(iter(lambda: fh.read(1 << 20), b""), output_file, self.size)
 
 
-def _http_download(url: str, output_file: str, pooch_obj: object) -> None:
-    """pooch downloader for HTTP(S): streams to `output_file`, always closing the connection."""
-    with requests.get(url, stream=True, timeout=TIMEOUT_SECONDS) as response:
-        response.raise_for_status()
-        with open(output_file, "wb") as fh:
-            for chunk in response.iter_content(chunk_size=1 << 20):
-                fh.write(chunk)
+class _HttpDownloader:
+    """pooch downloader for HTTP(S): streams to `output_file`, at most `size` bytes, always closing the
+    connection."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __call__(self, url: str, output_file: str, pooch_obj: object) -> None:
+        with requests.get(url, stream=True, timeout=TIMEOUT_SECONDS) as response:
+            response.raise_for_status()
+            _copy_at_most(response.iter_content(chunk_size=1 << 20), output_file, self.size)
 
 
-def _downloader(url: str):
-    """A pooch downloader for `url`: local copy, HTTP(S), or pooch's own choice (ftp, doi)."""
+def _downloader(url: str, size: int):
+    """A pooch downloader for `url` that stops past `size` bytes: local copy, HTTP(S), or pooch's own choice
+    (ftp, doi)."""
     local = _local_source(url)
     if local is not None:
-        return _CopyDownloader(local)
+        return _CopyDownloader(local, size)
     if urlparse(url).scheme in ("http", "https"):
-        return _http_download
+        return _HttpDownloader(size)
     return None
 
 
@@ -133,6 +155,8 @@ def _describe(exc: BaseException) -> str:
     errno = re.search(r"\[Errno -?\d+\][^'\")]*", text)
     if isinstance(exc, requests.exceptions.ConnectionError):
         return "connection failed" + (f" ({errno.group(0).strip()})" if errno else "")
+    if isinstance(exc, TooLarge):
+        return str(exc)
     if isinstance(exc, FileNotFoundError):
         return f"no such file {exc.filename}"
     return f"{type(exc).__name__}: {text[:200]}"
@@ -178,7 +202,7 @@ def fetch_file(dataset: str, filename: str) -> Path:
             known_hash=f"sha256:{remote.sha256}",
             fname=filename,
             path=dest.parent,
-            downloader=_downloader(url),
+            downloader=_downloader(url, remote.size),
             progressbar=False,
         )
     except (requests.exceptions.RequestException, ValueError, OSError, EOFError) as exc:

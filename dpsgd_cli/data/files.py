@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import stat
 from pathlib import Path
 from typing import Any, Iterable, Literal, Optional, Union
 
@@ -41,6 +42,7 @@ SUFFIXES = {".csv": "csv", ".tsv": "tsv", ".tab": "tsv", ".parquet": "parquet", 
 COMPRESSION = (".gz", ".bz2", ".xz", ".zst", ".zip")
 ARRAY_LABEL = "y"  # the label of libsvm / npz records
 MAX_DENSE_BYTES = 4 * 2**30  # features are trained dense
+MAX_FILE_BYTES = MAX_DENSE_BYTES  # a larger file (8 bytes a dense value; text takes ≥ 2 a value) would not fit either
 CAVEAT = ("privacy: {used} computed on the whole training set (not covered by the accountant); "
           "unit_ball: row and gradient clipping are the private choices")
 
@@ -105,10 +107,11 @@ class FileDatasetSpec(BaseModel):
             raw[key] = str(path.resolve())
             if raw.get(sha_key) and grid_dir is None:
                 continue  # a manifest's spec: its hash is the record, the file may be gone
-            if not path.is_file():
-                where = "the grid file's folder" if grid_dir is not None else "the working directory"
-                hint = f" (a relative path is relative to {where})" if not written.is_absolute() else ""
-                raise ValueError(f"{key} {path}: no such file{hint}")
+            where = "the grid file's folder" if grid_dir is not None else "the working directory"
+            hint = f" (a relative path is relative to {where})" if not written.is_absolute() else ""
+            problem = file_problem(path)
+            if problem:
+                raise ValueError(f"{key} {path}: {problem}{hint if problem.startswith('no such') else ''}")
             digest = sha256_of(path)
             if raw.get(sha_key) and raw[sha_key] != digest:
                 raise ValueError(f"{key} {path} has sha256 {digest}, not the {sha_key} the grid pins "
@@ -137,6 +140,25 @@ class FileDatasetSpec(BaseModel):
     def identity(self) -> dict[str, Any]:
         """What enters the run id: every option and the files' sha256, not where the files are."""
         return self.model_dump(mode="json", exclude={"path", "test_path"})
+
+
+def file_problem(path: Path) -> str:
+    """Why `path` cannot be read as a data file ('' if it can): missing, a folder, a special file (a FIFO
+    would block the hash forever), or larger than MAX_FILE_BYTES — checked before the file is hashed in full."""
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        return "no such file"
+    except OSError as exc:
+        return f"cannot read ({exc.strerror or exc})"
+    if stat.S_ISDIR(info.st_mode):
+        return "is a folder, not a file; give the path of the data file in it"
+    if not stat.S_ISREG(info.st_mode):
+        return "is not a regular file (a FIFO, socket or device); save the data to a file and give its path"
+    if info.st_size > MAX_FILE_BYTES:
+        return (f"{info.st_size / 2**30:.1f} GiB is more than the {MAX_FILE_BYTES / 2**30:.0f} GiB a data file may "
+                f"have (its features are trained dense, in memory); subsample the file, or drop columns, first")
+    return ""
 
 
 def file_spec(options: dict[str, Any]) -> FileDatasetSpec:
@@ -197,8 +219,9 @@ def read_frames(spec: FileDatasetSpec) -> list[pd.DataFrame]:
     """[train file] or [train file, test file] as frames (array formats: columns x0.., label y)."""
     paths = [Path(spec.path)] + ([Path(spec.test_path)] if spec.test_path else [])
     for path, sha in zip(paths, (spec.sha256, spec.test_sha256)):
-        if not path.is_file():
-            raise DataError(f"{path}: no such file (the grid's dataset {spec.id} reads it)")
+        problem = file_problem(path)
+        if problem:
+            raise DataError(f"{path}: {problem} (the grid's dataset {spec.id} reads it)")
         if sha and sha256_of(path) != sha:  # edited after the grid was read: its runs would be mislabelled
             raise DataError(f"{path}: the file changed since the grid was read (sha256 {sha[:12]}...); run again")
     try:
@@ -258,6 +281,22 @@ def _check_numeric(frame: pd.DataFrame, numeric: list[str], where: str) -> None:
             value = frame[c].dropna().iloc[0] if frame[c].notna().any() else ""
             raise DataError(f"{where}: column '{c}' is not numeric (e.g. {value!r}); list it under categorical "
                             f"(one-hot) or under drop")
+
+
+def _check_finite(frame: pd.DataFrame, numeric: list[str], where: str) -> None:
+    """DataError naming the first numeric column holding an infinite value (a value beyond float64 in the file
+    parses as one) or values too large to compute with (their squares overflow: standardisation and the unit
+    ball would turn them into zeros or NaN)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        for c in numeric:
+            values = frame[c].to_numpy(dtype=np.float64, na_value=np.nan)
+            if np.isinf(values).any():
+                raise DataError(f"{where}: column '{c}' holds infinite values (or numbers beyond float64); fix the "
+                                f"file or drop the column")
+            if not np.isfinite(np.nansum(np.square(values))):
+                raise DataError(f"{where}: column '{c}' holds values too large to compute with (|x| up to "
+                                f"{np.nanmax(np.abs(values)):.3g}: their squares overflow float64); rescale the "
+                                f"column or drop it")
 
 
 def _matches(labels: pd.Series, positive: Any) -> np.ndarray:
@@ -336,6 +375,10 @@ def build_file_dataset(spec: FileDatasetSpec) -> tuple[Dataset, dict[str, Any]]:
         _require_columns(frame, [label], "label", name)
         _require_columns(frame, spec.drop, "drop", name)
     numeric, categorical = _feature_columns(frames[0], spec, label, where)
+    if not numeric + categorical:
+        raise DataError(f"{where}: no feature column (the file has {', '.join(map(str, frames[0].columns))}; "
+                        f"label {label!r}" + (f", drop {', '.join(spec.drop)}" if spec.drop else "") +
+                        "); a classifier needs at least one feature")
     info: dict[str, Any] = {"id": spec.id, "path": spec.path, "format": spec.format, "sha256": spec.sha256,
                             "test_path": spec.test_path, "test_sha256": spec.test_sha256, "label": label,
                             "rows_read": [len(f) for f in frames], "rows_dropped": [], "rows_missing_label": [],
@@ -346,12 +389,16 @@ def build_file_dataset(spec: FileDatasetSpec) -> tuple[Dataset, dict[str, Any]]:
             _require_columns(frame, numeric + categorical, "feature", f"{where}, test_path")
             _check_numeric(frame, numeric, f"{where}, test_path")
         frame = frame[numeric + categorical + [label]]
-        infinite = [c for c in numeric if np.isinf(frame[c].to_numpy(dtype=np.float64, na_value=np.nan)).any()]
-        if infinite:
-            raise DataError(f"{where}: column '{infinite[0]}' holds infinite values; fix the file or drop it")
+        _check_finite(frame, numeric, where if not i else f"{where}, test_path")
         has_label = frame[label].notna().to_numpy()
         frame = frame[has_label]
         incomplete = frame[numeric + categorical].isna().any(axis=1).to_numpy()
+        if spec.missing == "drop" and len(frame) and incomplete.all():
+            counts = frame[numeric + categorical].isna().sum()
+            worst = counts.idxmax()
+            raise DataError(f"{where if not i else where + ', test_path'}: every row has a missing value (column "
+                            f"'{worst}' is missing in {counts[worst]} of {len(frame)} rows); drop that column, or "
+                            f"use missing: impute")
         info["rows_missing_label"].append(int((~has_label).sum()))
         info["rows_missing_values"].append(int(incomplete.sum()))
         info["values_missing"].append(int(frame[numeric + categorical].isna().to_numpy().sum()))
@@ -373,6 +420,11 @@ def build_file_dataset(spec: FileDatasetSpec) -> tuple[Dataset, dict[str, Any]]:
     imputed = _impute(train, test) if spec.missing == "impute" else 0
     X_train, X_test = pp.features(train, test, one_hot=spec.one_hot, standardize=spec.standardize,
                                   projection=spec.projection, unit_ball=spec.unit_ball, seed=spec.seed)
+    if X_train.shape[1] == 0:
+        raise DataError(f"{where}: no feature left after encoding; a classifier needs at least one feature")
+    if not (np.isfinite(X_train).all() and np.isfinite(X_test).all()):
+        raise DataError(f"{where}: the features are not finite after preprocessing (values too large or too "
+                        f"spread for float64); rescale the file's columns")
     used = [name for name, on in (
         ("standardisation", spec.standardize and (numeric or (categorical and not spec.one_hot))),
         ("category vocabulary", bool(categorical)),

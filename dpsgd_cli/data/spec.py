@@ -9,6 +9,8 @@ from typing import Any, Literal, Optional
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
+from dpsgd_cli.errors import DataError
+
 DatasetName = Literal["adult", "bank", "kddcup99", "mnist", "synthetic"]
 
 
@@ -94,8 +96,8 @@ def validation_split(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np
         raise ValueError(f"validation = {fraction:g} must be in (0, 1)")
     held = np.random.default_rng([seed, VALIDATION_STREAM]).random(n) < fraction
     if held.all() or not held.any():
-        raise ValueError(f"validation = {fraction:g} leaves no row for {'fitting' if held.all() else 'validation'} "
-                         f"in a training set of n = {n}; use a larger dataset or another fraction")
+        raise DataError(f"validation = {fraction:g} leaves no row for {'fitting' if held.all() else 'validation'} "
+                        f"in a training set of n = {n}; use a larger dataset or another fraction")
     return np.flatnonzero(~held), np.flatnonzero(held)
 
 
@@ -104,6 +106,9 @@ def with_validation(data: Dataset, fraction: Optional[float]) -> Dataset:
     (X_val), seeded by the dataset's seed; the test set is untouched. Without a fraction, `data` itself."""
     if not fraction:
         return data
-    fit, held = validation_split(data.n, fraction, getattr(data.spec, "seed", 0))
+    try:
+        fit, held = validation_split(data.n, fraction, getattr(data.spec, "seed", 0))
+    except DataError as exc:
+        raise DataError(f"dataset {getattr(data.spec, 'id', None) or data.spec.name}: {exc}") from None
     return dataclasses.replace(data, X_train=data.X_train[fit], y_train=data.y_train[fit],
                                X_val=data.X_train[held], y_val=data.y_train[held])

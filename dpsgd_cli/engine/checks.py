@@ -3,10 +3,12 @@ and the work must be bounded.
 
 - Names: every column a figure or claim names (metric, x, rows, cols, lines, over, group_by, selections) is
   one the grid's results will have (`summary.frame_columns`, the same function the readers' columns follow),
-  with the closest valid name in the message; selection values name algorithms, datasets and models of the grid.
+  with the closest valid name in the message; selection values name algorithms, datasets and models of the grid;
+  a `select:`'s candidates and group_by are columns too, and its private search can be simulated.
 - Work: at most MAX_RUNS runs (counted before expanding), at most MAX_STEPS steps and MAX_EXAMPLES examples
-  processed per run, and arrays (data, projection, model) that fit in the available memory — estimated from
-  the registry's record and feature counts, before anything is loaded.
+  processed per run, MAX_CHECKPOINTS trace checkpoints, and arrays (data, projection, model) that fit in the
+  available memory — estimated from the registry's record and feature counts, before anything is loaded; an
+  audit's trials (MAX_AUDIT_TRIALS) and a private selection's simulated trials (MAX_SIMULATED_TRIALS) too.
 """
 
 from __future__ import annotations
@@ -25,12 +27,15 @@ from dpsgd_cli.engine.results import COLUMNS
 from dpsgd_cli.engine.summary import comparison, frame_columns
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models.mlp import BLOCK_ELEMENTS as MLP_BLOCK
+from dpsgd_cli.privacy._validate import MEMORY_SHARE, available_memory
 from dpsgd_cli.privacy.accounting import PLD_MAX_COMPOSITIONS
 
 MAX_RUNS = 100_000  # runs of one grid (cells × seeds); the largest paper grid has 594
 MAX_STEPS = 10**8  # optimiser steps of one run (the paper grids: at most ~10^6)
 MAX_EXAMPLES = 10**10  # examples processed by one run, epochs × n (hours of work even for logistic regression)
-MEMORY_SHARE = 0.8  # of the memory available now, what one run may plan to use
+MAX_CHECKPOINTS = 10**5  # trace checkpoints of one run (rows of traces.csv; each evaluates the objective on n)
+MAX_AUDIT_TRIALS = 10**5  # trials of an audit (the paper audits use at most 5000)
+MAX_SIMULATED_TRIALS = 10**5  # a private selection's searches × E[K] trials, each simulated from the runs
 # runs.csv columns holding text (the others are numbers a metric or an x axis may use)
 TEXT_COLUMNS = {"run_id", "cell_id", "grid", "dataset", "dataset_options", "model", "model_options", "algorithm",
                 "algorithm_params", "accountant", "accountant_library", "guarantee", "derived", "status",
@@ -59,9 +64,55 @@ def check_grid(grid: Grid) -> list[Cell]:
         _check_figure(grid, figure, f"grid {grid.name!r}: figures[{i}] ({figure.name})")
     for i, claim in enumerate(grid.claims):
         _check_claim(grid, claim, f"grid {grid.name!r}: claims[{i}] ({claim.id})")
+    for i, spec in enumerate(grid.select):
+        check_selection(grid, spec, f"grid {grid.name!r}: select[{i}] ({spec.name})")
     for cell in cells:
         check_work(cell, f"grid {grid.name!r}")
     return cells
+
+
+def check_audit(grid: Grid, trials: Optional[int] = None) -> None:
+    """`dpsgd audit`: every run it trains bounded as `dpsgd run`'s (check_work), and the trials: at most
+    MAX_AUDIT_TRIALS, and trainings × examples per training at most MAX_EXAMPLES per cell."""
+    from dpsgd_cli.config import AuditSpec
+
+    spec = grid.audit or AuditSpec()
+    trials = trials or spec.trials
+    where = f"grid {grid.name!r}: audit.trials = {trials:,}" + (" (--trials)" if trials != spec.trials else "")
+    if trials > MAX_AUDIT_TRIALS:
+        raise UserError(f"{where} is beyond the limit of {MAX_AUDIT_TRIALS:,} trials; lower it (a tighter bound "
+                        f"comes from a larger δ or a stronger canary before more trials)")
+    for cell in expand(grid):
+        check_work(cell, f"grid {grid.name!r}")
+        trainings = 2 * trials * len(spec.canaries)  # with and without the canary, per canary kind
+        examples = trainings * steps_estimate(cell)[1]
+        if examples > MAX_EXAMPLES:
+            raise UserError(f"{where}: {trainings:,} trainings of {cell.algorithm.name} on {cell.dataset.name} "
+                            f"process {examples:.3g} examples, beyond the limit of {MAX_EXAMPLES:.0e} a cell; lower "
+                            f"trials or epochs, or audit fewer canaries")
+
+
+def check_selection(grid: Grid, spec, where: str) -> None:
+    """A `select:` that `dpsgd select`, `plot` and `report` can compute: its columns exist in the results
+    (`frame_columns`, what the readers group by) and a private search can be simulated (the readers' own
+    Trials, at most MAX_SIMULATED_TRIALS trials in all)."""
+    columns = frame_columns(grid)
+    for key in ("candidates", "group_by"):
+        for column in getattr(spec, key):
+            _name(column, key, columns, where)
+    if spec.privacy == "non_private":
+        return
+    simulated = spec.searches * spec.mean
+    if simulated > MAX_SIMULATED_TRIALS:
+        raise UserError(f"{where}: searches × mean = {spec.searches:,} × {spec.mean:g} = {simulated:.3g} simulated "
+                        f"trials, beyond the limit of {MAX_SIMULATED_TRIALS:.0e}; lower searches or mean")
+    trials = spec.trials()
+    try:
+        if trials.kind != "poisson":
+            trials.gamma  # the distribution the readers sample from: solved for its mean
+    except (ValueError, ArithmeticError, RuntimeError) as exc:
+        raise UserError(f"{where}: no {spec.distribution} number of trials with mean {spec.mean:g} and eta "
+                        f"{spec.eta:g} can be simulated ({exc}); choose another mean or eta") from None
 
 
 def count_runs(grid: Grid) -> int:
@@ -166,7 +217,16 @@ def out_root(value: str, option: str = "--out") -> Path:
     if not value.strip():
         raise UserError(f"{option} is empty; give a folder for the results (default: results)")
     path = Path(value).expanduser()
-    existing = next(p for p in [path, *path.parents] if p.exists() or p == Path(p.anchor or "."))
+    try:
+        existing = next(p for p in [path, *path.parents] if p.exists() or p == Path(p.anchor or "."))
+        name_max = os.pathconf(existing if existing.is_dir() else existing.parent, "PC_NAME_MAX")
+    except (OSError, ValueError) as exc:  # a name too long for the filesystem, a NUL byte, ...
+        raise UserError(f"{option} {value}: not a usable path ({getattr(exc, 'strerror', None) or exc}); give a "
+                        f"shorter folder name") from None
+    long = next((part for part in path.parts if len(os.fsencode(part)) > name_max), None)
+    if long is not None:
+        raise UserError(f"{option}: the folder name {long[:40]}… has {len(os.fsencode(long))} bytes, more than "
+                        f"the {name_max} the filesystem allows; give a shorter folder name")
     if existing.exists() and not existing.is_dir():
         raise UserError(f"{option} {value}: {existing} is a file, not a folder; give a folder for the results")
     if not os.access(existing, os.W_OK | os.X_OK):
@@ -176,21 +236,6 @@ def out_root(value: str, option: str = "--out") -> Path:
 
 
 # --- work --------------------------------------------------------------------------------------------------------
-def available_memory() -> int:
-    """Bytes of memory available now (MemAvailable on Linux; else physical memory)."""
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 1 << 40
-
-
 def _loaded_file(spec) -> tuple[int, int]:
     """(records, features) of a file dataset: its loader bounds its own memory (files.MAX_DENSE_BYTES), so it is
     loaded (once per process, the run reuses it) instead of estimated from a registry entry it does not have."""
@@ -257,6 +302,15 @@ def check_work(cell: Cell, where: str) -> None:
         raise UserError(f"{where}: epochs = {cell.epochs:g} on {cell.dataset.name} (about {records(cell.dataset):,} "
                         f"records, batch size {cell.batch_size or 1}) is {steps:.3g} steps / {examples:.3g} examples "
                         f"per run, beyond the limit of {limit}; lower epochs")
+    if cell.trace_every and examples:  # each checkpoint evaluates the objective on all n records
+        n = records(cell.dataset)
+        points = examples / cell.trace_every
+        if points > MAX_CHECKPOINTS or points * n > MAX_EXAMPLES:
+            least = math.ceil(max(examples / MAX_CHECKPOINTS, examples * n / MAX_EXAMPLES))
+            raise UserError(f"{where}: trace_every = {cell.trace_every:,} gives {points:.3g} checkpoints per run on "
+                            f"{cell.dataset.name} ({n:,} records evaluated at each), beyond the limit of "
+                            f"{MAX_CHECKPOINTS:.0e} checkpoints and {MAX_EXAMPLES:.0e} records evaluated; raise "
+                            f"trace_every to at least {least:,}")
     params = cell.algorithm.params
     if "pld" in (params.get("accountant"), params.get("accounting")) and steps > PLD_MAX_COMPOSITIONS:
         raise UserError(f"{where}: {cell.algorithm.name} with the PLD accountant on {cell.dataset.name} would compose "

@@ -32,18 +32,46 @@ class SchedulerLost(UserError):
     """The connection to the scheduler broke mid-grid (what was received is saved)."""
 
 
+SCHEMES = ("tcp", "tls", "ws", "wss", "ucx", "inproc")  # distributed's comm backends (`HOST:PORT` is tcp)
+
+
 def parse_scheduler(value: str) -> tuple[str, Optional[int]]:
-    """("local", N) for `local:N`, else (address, None); a malformed value is a UserError."""
+    """("local", N) for `local:N`, else (address, None); a malformed value, an unknown scheme, or more local
+    workers than cores is a UserError, at once (distributed would retry an unknown scheme until its timeout)."""
     value = value.strip()
     if value == "local" or value.startswith("local:"):
         _, _, count = value.partition(":")
         if not count.isdigit() or int(count) < 1:
             raise UserError(f"--scheduler {value}: use local:N with N ≥ 1 worker processes (e.g. local:2), "
                             f"or a scheduler address such as tcp://10.0.0.5:8786")
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        if int(count) > cores:  # each worker is a process with its own copy of the data: more only thrash
+            raise UserError(f"--scheduler {value}: {int(count):,} local workers exceed the {cores} cores of this "
+                            f"machine; use local:{cores} or fewer, or the address of a larger cluster "
+                            f"(tcp://HOST:PORT)")
         return "local", int(count)
     if not value:
         raise UserError("--scheduler: empty address; give tcp://HOST:PORT or local:N")
+    scheme, sep, rest = value.partition("://")
+    if sep and (scheme.lower() not in SCHEMES or not rest):
+        raise UserError(f"--scheduler {value}: unknown address scheme {scheme + '://'!r}; give "
+                        f"tcp://HOST:PORT (or {', '.join(s + '://' for s in SCHEMES[1:])}) or local:N")
     return value, None
+
+
+def connect_timeout() -> float:
+    """Seconds to wait for the scheduler: DPSGD_SCHEDULER_TIMEOUT (a positive number) or CONNECT_TIMEOUT."""
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not raw:
+        return CONNECT_TIMEOUT
+    try:
+        timeout = float(raw)
+    except ValueError:
+        timeout = float("nan")
+    if not 0 < timeout < float("inf"):
+        raise UserError(f"{TIMEOUT_ENV}={raw!r}: not a positive number of seconds; set it to e.g. 10, or unset "
+                        f"it (default {CONNECT_TIMEOUT:g})")
+    return timeout
 
 
 def worker_environment() -> dict[str, str]:
@@ -140,7 +168,7 @@ class DaskBackend:
 
 
 def _connect(distributed: Any, address: str) -> Any:
-    timeout = float(os.environ.get(TIMEOUT_ENV) or CONNECT_TIMEOUT)
+    timeout = connect_timeout()
     try:
         return distributed.Client(address, timeout=timeout, set_as_default=False)
     except (OSError, TimeoutError, ValueError, TypeError) as exc:

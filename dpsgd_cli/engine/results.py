@@ -441,7 +441,37 @@ def read_manifest(folder: Path) -> Optional[dict]:
     if not isinstance(manifest, dict) or not isinstance(manifest.get("grid", {}), dict):
         raise UserError(f"{path}: corrupt manifest (not an object with a `grid` object); rerun `dpsgd run` on "
                         f"its grid to rewrite it, or delete it")
+    problem = _grid_shape(manifest.get("grid", {}))
+    if problem:
+        raise UserError(f"{path}: corrupt manifest ({problem}); rerun `dpsgd run` on its grid to rewrite it, or "
+                        f"delete it")
     return manifest
+
+
+def _grid_shape(grid: dict) -> str:
+    """What is wrong with the parts of a manifest's grid the readers build objects from ('' if nothing): each
+    entry of figures, claims and select as the readers construct it, and the scalars captions print."""
+    from pydantic import ValidationError
+
+    from dpsgd_cli.config import ClaimSpec, FigureSpec, SelectSpec
+
+    for key, model in (("figures", FigureSpec), ("claims", ClaimSpec), ("select", SelectSpec)):
+        entries = grid.get(key, [])
+        if not isinstance(entries, list):
+            return f"grid.{key} is a {type(entries).__name__}, not a list"
+        for i, entry in enumerate(entries):
+            try:
+                model(**entry)  # as the readers do
+            except TypeError:
+                return f"grid.{key}[{i}] is a {type(entry).__name__}, not an object"
+            except (ValidationError, UserError, ValueError) as exc:
+                errors = exc.errors() if isinstance(exc, ValidationError) else None
+                text = (".".join(map(str, errors[0]["loc"])) + ": " + errors[0]["msg"]) if errors else str(exc)
+                return f"grid.{key}[{i}]: {' '.join(text.split())}"
+    for key, kind in (("seeds", int), ("description", str), ("name", str)):
+        if key in grid and not isinstance(grid[key], kind):
+            return f"grid.{key} is a {type(grid[key]).__name__}, not a {kind.__name__}"
+    return ""
 
 
 def _reason(exc: OSError) -> str:

@@ -224,7 +224,8 @@ def _key(frame: pd.DataFrame, columns: list[str]) -> pd.Series:
         return pd.Series([], dtype=str, index=frame.index)
     missing = [c for c in columns if c not in frame.columns]
     if missing:
-        raise KeyError(f"select: no column {missing[0]!r} in the results")
+        raise UserError(f"select: no column {missing[0]!r} in the results; rerun `dpsgd run` on the grid (it checks "
+                        f"the columns a select: names)")
     values = frame[columns].astype(object).where(frame[columns].notna(), None)
     return pd.Series([json.dumps([_plain(v) for v in row]) for row in values.itertuples(index=False)],
                      index=frame.index)
