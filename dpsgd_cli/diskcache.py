@@ -2,7 +2,10 @@
 calibration).
 
 An entry is one file named by the sha256 of its key (a JSON-able dict that names everything the value depends
-on) and holds the key beside the value, so a hash collision or a stale file is recognised and ignored. Writes
+on) and holds the key beside the value, so a hash collision or a stale file is recognised and ignored, and a
+checksum of both, so that a corrupt entry (a flipped bit, a torn copy) is told apart from a version change: it is
+discarded with one line on stderr. A checksum only detects accidents: whatever a privacy label or a figure rests on
+is also checked against its definition by the caller (`verify` of :func:`on_disk`, :class:`Rejected`). Writes
 are atomic (temporary file in the same folder + `os.replace`): two processes filling one folder see an old
 entry, a new one or none, never a torn one. Floats are written with `repr` (JSON's default), so a value read
 back is the float that was computed, bit for bit. Everything is best effort: an unreadable folder or entry is
@@ -20,6 +23,7 @@ import itertools
 import json
 import logging
 import os
+import sys
 import threading
 from pathlib import Path
 from typing import Any, Callable
@@ -40,23 +44,56 @@ def cache_folder(name: str) -> Path | None:
     return cache_dir() / ".cache" / name
 
 
+ENTRY_FORMAT = 2  # 2: entries carry a checksum; an entry of another format has another file name (a miss)
+
+
 def entry_path(folder: Path, key: dict) -> Path:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+    named = {"entry_format": ENTRY_FORMAT, **key}
+    digest = hashlib.sha256(json.dumps(named, sort_keys=True).encode()).hexdigest()[:32]
     return folder / f"{digest}.json"
 
 
+class Rejected(ValueError):
+    """A cache entry that reads well but fails the check of what defines its value: discarded and recomputed."""
+
+
+def _checksum(key: dict, field: str, value: Any) -> str:
+    return hashlib.sha256(json.dumps({"key": key, field: value}, sort_keys=True).encode()).hexdigest()
+
+
+def discard(folder: Path | None, key: dict, reason: str) -> None:
+    """Remove the entry for `key` and say so in one line (the caller recomputes the value)."""
+    if folder is None:
+        return
+    path = entry_path(folder, key)
+    print(f"note: discarded the cache entry {path}: {reason}; recomputing it", file=sys.stderr)
+    with contextlib.suppress(OSError):
+        path.unlink()
+
+
 def read_entry(folder: Path | None, key: dict, field: str) -> Any:
-    """The stored `field` of the entry for `key`; None when absent, unreadable, corrupt or for another key."""
+    """The stored `field` of the entry for `key`; None when absent, unreadable, for another key (a version change)
+    or corrupt (its checksum does not match: then it is discarded with one line)."""
     if folder is None:
         return None
     for held_folder, held_key, held_field, value in getattr(_held, "writes", None) or ():
         if (held_folder, held_key, held_field) == (folder, key, field):
             return value
     try:
-        entry = json.loads(entry_path(folder, key).read_text())
-        return entry[field] if entry["key"] == key else None
-    except (OSError, ValueError, KeyError, TypeError):
+        text = entry_path(folder, key).read_text()
+    except (OSError, ValueError):
         return None
+    try:
+        entry = json.loads(text)
+        if entry["key"] != key:
+            return None
+        value = entry[field]
+        if entry["sha256"] == _checksum(key, field, value):
+            return value
+    except (ValueError, KeyError, TypeError):
+        pass
+    discard(folder, key, "it is corrupt (unreadable, or its checksum does not match its content)")
+    return None
 
 
 _tmp_counter = itertools.count()
@@ -103,7 +140,7 @@ def _write_now(folder: Path, key: dict, field: str, value: Any) -> None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
         # floats: repr, an exact round trip; dicts keep their order (a run's `derived` JSON is written as read)
-        text = json.dumps({"key": key, field: value})
+        text = json.dumps({"key": key, field: value, "sha256": _checksum(key, field, value)})
         path = entry_path(folder, key)
         # a name no other live writer uses (pid, a random token per process, a counter), created exclusively;
         # cheaper than tempfile's first call (~0.4 ms: it seeds a random name generator)
@@ -123,11 +160,14 @@ def _write_now(folder: Path, key: dict, field: str, value: Any) -> None:
 
 
 def on_disk(name: str, versions: dict[str, Any], encode: Callable[[Any], Any] = lambda v: v,
-            decode: Callable[[Any], Any] = lambda v: v) -> Callable:
+            decode: Callable[[Any], Any] = lambda v: v, verify: Callable[..., Any] | None = None) -> Callable:
     """Decorator: keep a deterministic function's results in the folder `name`, keyed by the function, the repr of
     its arguments (bound to its signature, defaults applied; floats: shortest round trip) and `versions` (code and
-    library versions that could change the value). `encode` makes the value JSON-able, `decode` rebuilds it (raising TypeError, ValueError or
-    KeyError for an entry that does not fit: then it is recomputed). Exceptions are not cached."""
+    library versions that could change the value). `encode` makes the value JSON-able, `decode` rebuilds it
+    (raising TypeError, ValueError or KeyError for an entry that does not fit: then it is recomputed).
+    `verify(value, *args, **kwargs)` checks a value read back against what defines it and returns the value to use
+    (e.g. with its ε recomputed), or raises :class:`Rejected`: the entry is discarded with one line and recomputed.
+    Exceptions are not cached."""
 
     def wrap(fn: Callable) -> Callable:
         signature = inspect.signature(fn)
@@ -142,7 +182,10 @@ def on_disk(name: str, versions: dict[str, Any], encode: Callable[[Any], Any] = 
             stored = read_entry(folder, key, "value")
             if stored is not None:
                 try:
-                    return decode(stored)
+                    value = decode(stored)
+                    return value if verify is None else verify(value, *args, **kwargs)
+                except Rejected as exc:
+                    discard(folder, key, str(exc))
                 except (TypeError, ValueError, KeyError):
                     pass
             value = fn(*args, **kwargs)

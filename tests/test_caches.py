@@ -1,6 +1,7 @@
 """The on-disk cache of the reference optimum L*: same numbers bit for bit, keyed by what L* depends on, robust."""
 
 import json
+import struct
 
 import numpy as np
 import pytest
@@ -67,13 +68,14 @@ def test_cold_and_warm_runs_give_identical_rows(cache, write_grid, tmp_path, mon
 
 def test_entry_is_exact_and_keyed_by_what_lstar_depends_on(cache, monkeypatch):
     model, X, y = problem()
+    real = erm._compute_reference
     theta, objective, info = erm.reference_minimum(model, X, y)
     forget_in_process()
     monkeypatch.setattr(erm, "_compute_reference", no_lbfgs)
     theta2, objective2, info2 = erm.reference_minimum(model, X, y)
     assert np.array_equal(theta, theta2) and objective == objective2 and info == info2
     calls = []
-    monkeypatch.setattr(erm, "_compute_reference", lambda *args: calls.append(args) or (theta, objective, info))
+    monkeypatch.setattr(erm, "_compute_reference", lambda *args: calls.append(args) or real(*args))
     erm.reference_minimum(make_model("logreg", 4, 2e-3, {}), X, y)  # another λ
     X2 = X.copy()
     X2[0, 0] = np.nextafter(X2[0, 0], 1.0)  # one ulp of one feature
@@ -139,12 +141,15 @@ def test_bassily_calibration_is_kept_on_disk_exactly(cache, monkeypatch):
     eps = bassily._cached_rdp_epsilon(cold.sigma / 2.0, 500, 500, 1e-5)
     bassily.calibrate_bassily.cache_clear()
     bassily._cached_rdp_epsilon.cache_clear()
-    monkeypatch.setattr(bassily, "calibrate", no_lbfgs)  # a warm call must not calibrate again
-    monkeypatch.setattr(bassily, "rdp_epsilon", no_lbfgs)
+    monkeypatch.setattr(bassily, "calibrate", no_lbfgs)  # a warm call must not calibrate again ...
+    evaluations = []
+    real = bassily.rdp_epsilon
+    monkeypatch.setattr(bassily, "rdp_epsilon", lambda *a: evaluations.append(a) or real(*a))
     assert bassily.calibrate_bassily(*args, formula="lecture") == cold  # same key with the default spelled out
-    assert bassily._cached_rdp_epsilon(cold.sigma / 2.0, 500, 500, 1e-5) == eps
+    assert len(evaluations) == 1  # ... but checks its σ by one evaluation
+    assert bassily._cached_rdp_epsilon(cold.sigma / 2.0, 500, 500, 1e-5) == eps  # in the process only
     (cache.parent / "bassily2014").joinpath("junk.json").write_text("{")  # a stray file is ignored
-    assert len(list((cache.parent / "bassily2014").glob("*.json"))) == 3
+    assert len(list((cache.parent / "bassily2014").glob("*.json"))) == 2
     bassily.calibrate_bassily.cache_clear()
     bassily._cached_rdp_epsilon.cache_clear()
 
@@ -182,3 +187,136 @@ def test_a_task_writes_its_calibrated_sigma_after_its_clock_stops(cache, write_g
     run_grid(grid, tmp_path / "out", fuse, monkeypatch)
     assert len(list((cache.parent / "calibration").glob("*.json"))) == 1
     assert events.count("calibration") == 1 and events.index("calibration") > events.index("dp_sgd")
+
+
+# --- values a privacy label or a figure rests on are checked when read back -----------------------------------
+
+
+def rewrite(path, edit):
+    """Edit an entry's value and store it with a matching checksum: a deliberate change, not corruption."""
+    entry = json.loads(path.read_text())
+    field = next(k for k in entry if k not in ("key", "sha256"))
+    entry[field] = edit(entry[field])
+    entry["sha256"] = diskcache._checksum(entry["key"], field, entry[field])
+    path.write_text(json.dumps(entry))
+
+
+def flip_text_bit(path, needle):
+    """Flip the lowest bit of the first character of `needle` in the file (e.g. "1.04" -> "0.04")."""
+    data = bytearray(path.read_bytes())
+    at = data.index(needle.encode())
+    data[at] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def flip_float_bit(x, bit):
+    (bits,) = struct.unpack("<Q", struct.pack("<d", x))
+    return struct.unpack("<d", struct.pack("<Q", bits ^ (1 << bit)))[0]
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+def test_a_changed_or_corrupt_sigma_entry_is_discarded_and_recomputed(accountant, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(diskcache.CACHE_DIR_ENV, str(tmp_path))
+    args = (1.0, 1e-5, 0.02, 300, accountant)
+    honest = accounting.calibrate_sigma.__wrapped__(*args)
+    (path,) = (tmp_path / "calibration").glob("*.json")
+    tampered = [
+        lambda cal: {**cal, "sigma": 0.1},  # under-noised: ε(0.1) is far above the target
+        lambda cal: {**cal, "sigma": cal["sigma"] * 1.5},  # over-noised: ε below the window
+        lambda cal: {**cal, "sigma": flip_float_bit(cal["sigma"], 0)},  # one ulp: off the lattice
+        lambda cal: {**cal, "sigma": flip_float_bit(cal["sigma"], 62)},  # the exponent's top bit
+    ]
+    for edit in tampered:
+        rewrite(path, edit)
+        capsys.readouterr()
+        assert accounting.calibrate_sigma.__wrapped__(*args) == honest
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "discarded the cache entry" in err and "sigma" in err
+        assert json.loads(path.read_text())["calibration"]["sigma"] == honest.sigma  # rewritten
+    for needle in (repr(honest.sigma)[:3], '"key"'):  # a flipped bit in the file: its checksum fails
+        flip_text_bit(path, needle)
+        capsys.readouterr()
+        assert accounting.calibrate_sigma.__wrapped__(*args) == honest
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "corrupt" in err
+    # a claimed ε (or order) is never copied from the cache: the run records the accountant's value at σ
+    rewrite(path, lambda cal: {**cal, "epsilon": 0.5, "rdp_order": 2.5, "value_discretization_interval": 1.0})
+    assert accounting.calibrate_sigma.__wrapped__(*args) == honest and not capsys.readouterr().err
+
+
+def test_honest_entries_pass_the_check_at_every_target(tmp_path, monkeypatch):
+    """No false alarm: every σ the calibration returns is accepted by the check (a cold search and a warm read
+    give the same Calibration), on an ε axis through the RDP floor's neighbourhood and large ε."""
+    monkeypatch.setenv(diskcache.CACHE_DIR_ENV, str(tmp_path))
+    for q, steps, delta in ((256 / 30162, 589, 1 / 30162**2), (0.05, 40, 1e-5), (1.0, 3, 1e-3)):
+        for target in (0.05, 0.3, 1.0, 3.0, 8.0, 30.0):
+            try:
+                cold = accounting.calibrate_sigma.__wrapped__(target, delta, q, steps, "rdp")
+            except Exception:  # noqa: BLE001 - unreachable targets are refused elsewhere
+                continue
+            assert accounting._verified(cold, target, delta, q, steps, "rdp") == cold
+            assert accounting.calibrate_sigma.__wrapped__(target, delta, q, steps, "rdp") == cold
+
+
+def test_a_run_never_trains_at_a_tampered_sigma(cache, write_grid, tmp_path, monkeypatch, capsys):
+    grid = load_grid_file(write_grid(GRID)).grids[0]
+    run_grid(grid, tmp_path / "honest", True, monkeypatch)
+    for path in (cache.parent / "calibration").glob("*.json"):
+        rewrite(path, lambda cal: {**cal, "sigma": 0.1, "epsilon": cal["epsilon"]})
+    forget_in_process()
+    run_grid(grid, tmp_path / "tampered", True, monkeypatch)
+    honest, again = table(tmp_path / "honest" / "lstar"), table(tmp_path / "tampered" / "lstar")
+    assert again.equals(honest)  # σ, ε achieved, every number: as computed honestly
+    assert "discarded the cache entry" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model_name", ["logreg", "mlp"])
+def test_a_changed_or_corrupt_reference_optimum_is_discarded_and_recomputed(model_name, cache, capsys):
+    _, X, y = problem()
+    model = make_model(model_name, 4, 1e-3, {"hidden": 3} if model_name == "mlp" else {})
+    theta, objective, info = erm.reference_minimum(model, X, y)
+    (path,) = cache.glob("*.json")
+
+    def zeros(ref):  # θ* set to zeros, its objective and gradient norm made to match
+        model_zero = np.zeros((1, model.n_params))
+        value, grad = model.objective_and_gradient(model_zero, X, y)
+        return {**ref, "theta": [0.0] * model.n_params, "objective": float(value[0]),
+                "info": {**ref["info"], "grad_norm": float(np.linalg.norm(grad[0]))}}
+
+    tampered = [lambda ref: {**ref, "theta": [0.0] * model.n_params},  # θ* set to zeros
+                lambda ref: {**ref, "theta": [t * 1.01 for t in ref["theta"]]},  # recorded F no longer matches
+                lambda ref: {**ref, "objective": ref["objective"] - 0.1}]  # a better L* than θ* gives
+    for edit in tampered:
+        rewrite(path, edit)
+        forget_in_process()
+        capsys.readouterr()
+        again, objective2, _ = erm.reference_minimum(model, X, y)
+        assert np.array_equal(again, theta) and objective2 == objective
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "discarded the cache entry" in err
+    if model.convex:  # zeros with a matching F and ‖∇F‖: not a minimiser (a non-convex θ* is only checked to lie
+        rewrite(path, zeros)  # below its starts: θ = 0 is a stationary point of the MLP, below them on this data)
+        forget_in_process()
+        assert np.array_equal(erm.reference_minimum(model, X, y)[0], theta)
+        assert "not a minimiser" in capsys.readouterr().err
+    flip_text_bit(path, '"objective"')
+    forget_in_process()
+    assert np.array_equal(erm.reference_minimum(model, X, y)[0], theta)
+    assert "corrupt" in capsys.readouterr().err
+
+
+def test_a_tampered_bassily_calibration_is_discarded(cache, monkeypatch, capsys):
+    from dpsgd_cli.algorithms import bassily
+
+    args = (1.0, 1e-5, 500, 500, 1.0, "rdp")
+    honest = bassily.calibrate_bassily(*args)
+    folder = cache.parent / "bassily2014"
+    (path,) = folder.glob("*.json")
+    for edit in (lambda p: {**p, "sigma": p["sigma"] / 4, "details": {**p["details"],
+                                                                       "noise_multiplier": p["sigma"] / 8}},
+                 lambda p: {**p, "epsilon": 0.1}):
+        rewrite(path, edit)
+        bassily.calibrate_bassily.cache_clear()
+        assert bassily.calibrate_bassily(*args) == honest
+    assert capsys.readouterr().err.count("discarded the cache entry") == 1  # ε is recomputed, not discarded
+    bassily.calibrate_bassily.cache_clear()

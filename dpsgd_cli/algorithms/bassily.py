@@ -199,8 +199,8 @@ def rdp_epsilon(noise_multiplier: float, n: int, steps: int, delta: float) -> tu
 
 
 @functools.lru_cache(maxsize=256)
-@diskcache.on_disk("bassily2014", _ON_DISK, decode=float)
 def _cached_rdp_epsilon(noise_multiplier: float, n: int, steps: int, delta: float) -> float:
+    # in the process only: on disk, checking a cached ε would cost its computation
     return rdp_epsilon(noise_multiplier, n, steps, delta)[0]
 
 
@@ -252,11 +252,51 @@ def _privacy_of(stored: dict) -> Privacy:
     return privacy
 
 
+def _verify(privacy: Privacy, epsilon: float, delta: float, n: int, steps: int, lipschitz: float, accounting: str,
+            formula: str = "lecture", amplification: str = "tight") -> Privacy:
+    """A cached calibration checked by one evaluation of its own analysis at its σ: ε ≤ the target and within
+    0.1 % of it (or the analysis steps over that window just below σ); the Privacy returned carries that
+    evaluation's ε. Closed forms cost no more than their check: recomputed. Raises `diskcache.Rejected`."""
+    if accounting == "closed_form":
+        return _calibrate_bassily(epsilon, delta, n, steps, lipschitz, accounting, formula, amplification)
+    if accounting == "advanced_composition":
+        gaussian = privacy.details["gaussian"]
+
+        def evaluate(sigma: float) -> tuple[Privacy, float]:
+            b = chain_bound(sigma, delta, n, steps, lipschitz, amplification, gaussian)  # type: ignore[arg-type]
+            details = {"amplification": amplification, "gaussian": gaussian, "eps0": b.eps0, "delta0": b.delta0,
+                       "eps1": b.eps1}
+            return Privacy(sigma, b.epsilon, f"advanced_composition_{amplification}", details, b.valid,
+                           b.reason), b.epsilon
+        scale = 1.0
+    else:
+        z = privacy.details["noise_multiplier"]
+        scale = 2.0 * lipschitz
+        if not (isinstance(z, float) and privacy.sigma == scale * z):
+            raise diskcache.Rejected(f"its sigma {privacy.sigma!r} is not 2·lipschitz × its noise multiplier {z!r}")
+        key = "rdp_order" if accounting == "rdp" else "value_discretization_interval"
+
+        def evaluate(sigma: float) -> tuple[Privacy, float]:
+            e, x = (rdp_epsilon if accounting == "rdp" else pld_epsilon)(sigma / scale, n, steps, delta)
+            return Privacy(sigma, e, accounting, {**privacy.details, key: x}), e
+    fresh, e = evaluate(privacy.sigma)
+    if not (e <= epsilon and (e >= (1.0 - 1e-3) * epsilon or evaluate(privacy.sigma * (1.0 - 1e-6))[1] > epsilon)):
+        raise diskcache.Rejected(f"sigma = {privacy.sigma!r} gives epsilon = {e:.6g} by {accounting}, not the "
+                                 f"target {epsilon:g} (within 0.1 % below)")
+    return fresh
+
+
 @functools.lru_cache(maxsize=256)
-@diskcache.on_disk("bassily2014", _ON_DISK, encode=dataclasses.asdict, decode=_privacy_of)
+@diskcache.on_disk("bassily2014", _ON_DISK, encode=dataclasses.asdict, decode=_privacy_of, verify=_verify)
 def calibrate_bassily(epsilon: float, delta: float, n: int, steps: int, lipschitz: float, accounting: str,
                       formula: str = "lecture", amplification: str = "tight") -> Privacy:
-    """σ (on the mean scale) whose ε under `accounting` is the target (within 0.1 % below; exact for closed forms)."""
+    """σ (on the mean scale) whose ε under `accounting` is the target (within 0.1 % below; exact for closed forms);
+    kept on disk, and checked against its analysis when read back (`_verify`)."""
+    return _calibrate_bassily(epsilon, delta, n, steps, lipschitz, accounting, formula, amplification)
+
+
+def _calibrate_bassily(epsilon: float, delta: float, n: int, steps: int, lipschitz: float, accounting: str,
+                       formula: str = "lecture", amplification: str = "tight") -> Privacy:
     context = f" (bassily2014, accounting={accounting}, n={n}, T={steps}, delta={delta:g})"
     if accounting == "closed_form":
         sigma = closed_form_sigma(epsilon, delta, n, steps, lipschitz, formula)  # type: ignore[arg-type]

@@ -6,13 +6,16 @@ from the initialisations of seeds 0..starts−1 (the same θ₀ a seed-s SGD run
 how it was obtained (every start's objective, iterations, convergence).
 
 The reference minimum is kept on disk (`diskcache`, folder `reference`) keyed by everything it depends on, so a
-grid's L* is computed once per machine, not once per `dpsgd run`.
+grid's L* is computed once per machine, not once per `dpsgd run`; an entry read back is used only after it is
+checked against what defines it (`_verify`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
+import math
 import weakref
 from typing import Any
 
@@ -98,9 +101,17 @@ def reference_minimum(model: Model, X: np.ndarray, y: np.ndarray,
     key = _cache_key(model, X, y, starts)
     if key not in _REFERENCE_CACHE:
         value = _reference_from_disk(model, key)
+        if value is not None:
+            try:
+                _verify(model, X, y, starts, *value)
+            except diskcache.Rejected as exc:
+                diskcache.discard(diskcache.cache_folder("reference"), _disk_key(model, key), str(exc))
+                value = None
         if value is None:
             value = _compute_reference(model, X, y, starts)
-            _reference_to_disk(model, key, value)
+            with contextlib.suppress(diskcache.Rejected):  # an entry that could not be verified is not kept
+                _verify(model, X, y, starts, *value)
+                _reference_to_disk(model, key, value)
         _REFERENCE_CACHE[key] = value
     theta, objective, info = _REFERENCE_CACHE[key]
     return theta.copy(), objective, dict(info)
@@ -122,6 +133,32 @@ def _compute_reference(model: Model, X: np.ndarray, y: np.ndarray, starts: int) 
             "start_results": {str(s): {"objective": objectives[s], "iterations": runs[s][1]["lbfgs_iterations"],
                                        "converged": runs[s][1]["lbfgs_converged"]} for s in range(starts)}}
     return theta, objectives[best], info
+
+
+CONVEX_GRADIENT_DROP = 1e-6  # a convex θ* must have ‖∇F‖ ≤ this × max(1, ‖∇F(θ₀)‖); L-BFGS reaches ~1e-9
+
+
+def _verify(model: Model, X: np.ndarray, y: np.ndarray, starts: int, theta: np.ndarray, objective: float,
+            info: dict) -> None:
+    """Check a reference minimum against what defines it, recomputed from θ* and the data (~2 passes over X):
+    its recorded F(θ*) and ‖∇F(θ*)‖ are what θ* gives; a convex θ* is a minimiser (the gradient has dropped by
+    `CONVEX_GRADIENT_DROP` from the start θ₀); a non-convex one lies below every start (L-BFGS descends). Raises
+    `diskcache.Rejected`. L* itself is always recomputed from θ* (`runner.reference_optimum`)."""
+    with np.errstate(all="ignore"):
+        value, grad = model.objective_and_gradient(theta[None], X, y)
+        start_values, start_grads = model.objective_and_gradient(
+            np.asarray(model.init(ReplicaStreams(range(starts)).generators("init"))), X, y)
+    F, g = float(value[0]), float(np.linalg.norm(grad[0]))
+    if not (math.isclose(F, objective, rel_tol=1e-9, abs_tol=1e-12)
+            and math.isclose(g, float(info.get("grad_norm", math.nan)), rel_tol=1e-6, abs_tol=1e-12)):
+        raise diskcache.Rejected(f"its objective {objective!r} or gradient norm is not what its θ* gives "
+                                 f"(F = {F!r}, ‖∇F‖ = {g:.3g})")
+    if model.convex:
+        bound = CONVEX_GRADIENT_DROP * max(1.0, float(np.linalg.norm(start_grads[0])))
+        if not g <= bound:
+            raise diskcache.Rejected(f"its θ* is not a minimiser of the convex objective (‖∇F‖ = {g:.3g} > {bound:.3g})")
+    elif not F < float(np.min(start_values)):
+        raise diskcache.Rejected(f"its θ* (F = {F:.6g}) is not below the L-BFGS starts (F = {np.min(start_values):.6g})")
 
 
 def _disk_key(model: Model, key: tuple) -> dict:

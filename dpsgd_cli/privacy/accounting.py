@@ -631,6 +631,11 @@ class EpsilonCurve:
             self.points[x] = float(e)
         return self.points[x]
 
+    def evaluate(self, sigma: float) -> tuple[float, object]:
+        """(epsilon, info) of the accountant at `sigma`, computed afresh (not a lattice point of the search)."""
+        e, info = self._epsilon_and_info(sigma)
+        return float(e), info
+
     def _at(self, k: int) -> float:
         return self.epsilon(k * LATTICE_STEP)
 
@@ -803,14 +808,41 @@ def _cache_key(target: float, delta: float, q: float, steps: int, accountant: st
 
 
 def _cache_read(folder: Path | None, key: dict) -> Calibration | None:
-    """The cached Calibration for `key`, or None when absent, unreadable, corrupt or for another key."""
+    """The cached Calibration for `key`, or None when absent, unreadable, corrupt or for another key. Not yet
+    checked against the accountant: see :func:`_verified`."""
     try:
-        cal = Calibration(**diskcache.read_entry(folder, key, "calibration"))
-        ok = (isinstance(cal.sigma, float) and math.isfinite(cal.sigma) and cal.sigma > 0
-              and isinstance(cal.epsilon, float) and 0 <= cal.epsilon <= cal.target_epsilon)
-        return cal if ok else None
+        return Calibration(**diskcache.read_entry(folder, key, "calibration"))
     except (TypeError, ValueError, AttributeError):
         return None
+
+
+def _verified(cal: Calibration, target: float, d: float, q: float, t: int, name: str) -> Calibration:
+    """A cached σ checked against what defines it, by the accountant at (q, T, δ): σ is exactly a point of the
+    curve's lattice (so a changed bit is seen) and ε(σ) is in the calibration window [(1 − rel_tol)·target, target] (or, where ε(σ) steps over the
+    window, the finest lattice point below σ exceeds the target). The Calibration returned records that
+    evaluation's ε and RDP order / PLD interval, never the cached ones. Raises :class:`diskcache.Rejected`."""
+    sigma = cal.sigma
+    if not (isinstance(sigma, float) and math.isfinite(sigma) and sigma > 0):
+        raise diskcache.Rejected(f"sigma = {sigma!r} is not a positive number")
+    finest = LATTICE_STEP / 2**_LATTICE_LEVELS  # the search's points are exp(k · finest), x = k · finest exactly
+    k = round(math.log(sigma) / finest)
+    if math.exp(k * finest) != sigma:
+        raise diskcache.Rejected(f"sigma = {sigma!r} is not a point of the calibration lattice")
+    curve = dpsgd_curve(d, q, t, name)
+    e, extra = curve.evaluate(sigma)
+    in_window = (1.0 - curve.rel_tol) * target <= e <= target
+    if not (in_window or (e <= target and curve.evaluate(math.exp((k - 1) * finest))[0] > target)):
+        raise diskcache.Rejected(f"sigma = {sigma!r} gives epsilon = {e:.6g} by the {name} accountant at "
+                                 f"delta={d:g}, sample_rate={q:g}, steps={t}, not the target {target:g} "
+                                 f"(within {curve.rel_tol:g} below)")
+    return _calibration(sigma, e, extra, target, d, q, t, name)
+
+
+def _calibration(sigma: float, e: float, extra: object, target: float, d: float, q: float, t: int,
+                 name: str) -> Calibration:
+    return Calibration(sigma=sigma, epsilon=e, target_epsilon=target, delta=d, sample_rate=q, steps=t,
+                       accountant=name, library=LIBRARY, rdp_order=extra if name == "rdp" else None,  # type: ignore
+                       value_discretization_interval=extra if name == "pld" else None)  # type: ignore[arg-type]
 
 
 def _cache_write(folder: Path | None, key: dict, cal: Calibration) -> None:
@@ -833,7 +865,8 @@ def calibrate_sigma(
     accountant)``.  Results are cached in the process (all arguments are hashable) and on disk
     (:func:`calibration_cache_dir`; keyed by the arguments, the neighbouring relation, the library's version
     and :data:`CALIBRATION_VERSION`; corrupt entries are ignored and recomputed); a cached sigma is the float
-    the computation returned, bit for bit.  Raises :class:`UserError` for invalid inputs and for targets that
+    the computation returned, bit for bit, and is used only after one accountant evaluation confirms it
+    (:func:`_verified`): its epsilon is that evaluation's.  Raises :class:`UserError` for invalid inputs and for targets that
     no sigma in [1e-2, 1e6] reaches.
     """
     target = check.positive("target_epsilon", target_epsilon)
@@ -844,7 +877,10 @@ def calibrate_sigma(
     folder, key = calibration_cache_dir(), _cache_key(target, d, q, t, name)
     cached = _cache_read(folder, key)
     if cached is not None:
-        return cached
+        try:
+            return _verified(cached, target, d, q, t, name)
+        except diskcache.Rejected as exc:
+            diskcache.discard(folder, key, str(exc))
     cal = _calibrate_sigma(target, d, q, t, name)
     _cache_write(folder, key, cal)
     return cal
@@ -861,19 +897,7 @@ def _calibrate_sigma(target: float, d: float, q: float, t: int, name: str) -> Ca
             )
     curve = dpsgd_curve(d, q, t, name)
     point = curve.calibrate(target, sigma_guess=_sigma_guess(target, d, q, t))
-    extra = curve.info[point.sigma]
-    return Calibration(
-        sigma=point.sigma,
-        epsilon=point.epsilon,
-        target_epsilon=target,
-        delta=d,
-        sample_rate=q,
-        steps=t,
-        accountant=name,
-        library=LIBRARY,
-        rdp_order=extra if name == "rdp" else None,
-        value_discretization_interval=extra if name == "pld" else None,
-    )
+    return _calibration(point.sigma, point.epsilon, curve.info[point.sigma], target, d, q, t, name)
 
 
 @functools.lru_cache(maxsize=64)
