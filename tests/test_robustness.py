@@ -361,3 +361,45 @@ def test_kill_9_of_a_parallel_run_leaves_no_worker_alive(grid_file, tmp_path):
     while time.time() < deadline and any(map(_alive, workers)):
         time.sleep(0.1)
     assert not [pid for pid in workers if _alive(pid)]
+
+
+# --- a download stops at the registry's size ----------------------------------------------------------------
+def test_a_mirror_streaming_forever_is_stopped_at_the_registry_size(tmp_path, monkeypatch):
+    import http.server
+    import threading
+
+    from dpsgd_cli.data.download import fetch_file
+    from dpsgd_cli.errors import DataError
+
+    class Endless(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            try:
+                while True:
+                    self.wfile.write(b"\0" * 65536)
+            except OSError:  # the client hung up, as it should
+                pass
+
+        def log_message(self, *args):
+            pass
+
+    monkeypatch.setenv("DPSGD_DATA_DIR", str(tmp_path / "cache"))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Endless)
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        monkeypatch.setenv("DPSGD_DATA_MIRROR", f"http://127.0.0.1:{httpd.server_address[1]}")
+        start = time.monotonic()
+        with pytest.raises(DataError, match="more than the registry's"):
+            fetch_file("mnist", "t10k-labels-idx1-ubyte.gz")
+        assert time.monotonic() - start < 10
+        folder = tmp_path / "mirror" / "mnist"  # a local mirror's oversized file too
+        folder.mkdir(parents=True)
+        (folder / "t10k-labels-idx1-ubyte.gz").write_bytes(b"\0" * (1 << 20))
+        monkeypatch.setenv("DPSGD_DATA_MIRROR", str(tmp_path / "mirror"))
+        with pytest.raises(DataError, match="more than the registry's"):
+            fetch_file("mnist", "t10k-labels-idx1-ubyte.gz")
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert list((tmp_path / "cache" / "mnist").iterdir()) == []

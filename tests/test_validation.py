@@ -515,3 +515,10 @@ def test_pld_memory_is_estimated_and_refused_before_the_library_allocates(monkey
     monkeypatch.setattr(_validate, "available_memory", lambda: 64 << 20)
     with pytest.raises(UserError, match="accountant rdp"):
         _validate.pld_memory(dpsgd_event(1.0, 0.01, 10**4), 5e-5)
+
+
+def test_pld_accountant_beyond_memory_is_one_line_at_once(capsys, monkeypatch):
+    start = time.monotonic()
+    err = one_line_error(capsys, monkeypatch, "epsilon", "--accountant", "pld", "--sigma", "0.05", "--sample-rate",
+                         "1", "--steps", "1000000", "--delta", "1e-5")
+    assert "PLD accountant" in err and "GiB" in err and time.monotonic() - start < 10

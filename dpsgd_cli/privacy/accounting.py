@@ -290,6 +290,7 @@ def check_pld_event(event: dp_event.DpEvent) -> None:
 
 def _pld_once(event: dp_event.DpEvent, delta: float, h: float) -> float:
     check_pld_event(event)
+    check.pld_memory(event, h)  # estimated before the library allocates: refused in one line if it cannot fit
     accountant = _pld_lib.PLDAccountant(value_discretization_interval=h)
     accountant.compose(event)
     return float(accountant.get_epsilon(delta))
