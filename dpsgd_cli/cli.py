@@ -96,10 +96,9 @@ def run(
     grids = select(load_grid_file(grid_file), only)
     out = out_root(out)
     if scheduler:  # checked at once, before any work (the connection itself waits until --dry-run is ruled out)
-        from dpsgd_cli.engine.distributed import connect_timeout, parse_scheduler
+        from dpsgd_cli.engine.distributed import check_scheduler
 
-        parse_scheduler(scheduler)
-        connect_timeout()
+        check_scheduler(scheduler)
     check_grids(grids)  # every figure, claim and limit, before any work
     jobs = _cap_jobs(jobs)
     if scheduler and jobs > 1:

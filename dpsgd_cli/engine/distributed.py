@@ -36,19 +36,14 @@ SCHEMES = ("tcp", "tls", "ws", "wss", "ucx", "inproc")  # distributed's comm bac
 
 
 def parse_scheduler(value: str) -> tuple[str, Optional[int]]:
-    """("local", N) for `local:N`, else (address, None); a malformed value, an unknown scheme, or more local
-    workers than cores is a UserError, at once (distributed would retry an unknown scheme until its timeout)."""
+    """("local", N) for `local:N`, else (address, None); a malformed value or an unknown scheme is a UserError,
+    at once (distributed would retry an unknown scheme until its timeout)."""
     value = value.strip()
     if value == "local" or value.startswith("local:"):
         _, _, count = value.partition(":")
         if not count.isdigit() or int(count) < 1:
             raise UserError(f"--scheduler {value}: use local:N with N ≥ 1 worker processes (e.g. local:2), "
                             f"or a scheduler address such as tcp://10.0.0.5:8786")
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        if int(count) > cores:  # each worker is a process with its own copy of the data: more only thrash
-            raise UserError(f"--scheduler {value}: {int(count):,} local workers exceed the {cores} cores of this "
-                            f"machine; use local:{cores} or fewer, or the address of a larger cluster "
-                            f"(tcp://HOST:PORT)")
         return "local", int(count)
     if not value:
         raise UserError("--scheduler: empty address; give tcp://HOST:PORT or local:N")
@@ -57,6 +52,17 @@ def parse_scheduler(value: str) -> tuple[str, Optional[int]]:
         raise UserError(f"--scheduler {value}: unknown address scheme {scheme + '://'!r}; give "
                         f"tcp://HOST:PORT (or {', '.join(s + '://' for s in SCHEMES[1:])}) or local:N")
     return value, None
+
+
+def check_scheduler(value: str) -> None:
+    """Everything `--scheduler` needs, checked before any work: the value, at most one local worker per core
+    (each is a process with its own copy of the data: more only thrash), and DPSGD_SCHEDULER_TIMEOUT."""
+    address, workers = parse_scheduler(value)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if workers is not None and workers > cores:
+        raise UserError(f"--scheduler {value.strip()}: {workers:,} local workers exceed the {cores} cores of this "
+                        f"machine; use local:{cores} or fewer, or the address of a larger cluster (tcp://HOST:PORT)")
+    connect_timeout()
 
 
 def connect_timeout() -> float:
