@@ -236,12 +236,20 @@ class ClaimSpec(_Strict):
     `higher_is_better`) grows along `over`: its least-squares slope against log(over) (over if some value is ≤ 0),
     weighted by 1/SE² of each gain over seeds, exceeds tolerance + twice its standard error (needs ≥ 3 values of
     `over` and ≥ 2 seeds per point);
+    `not_worse`: the one-sided `within`: a falls short of b (a − b, or b − a when not `higher_is_better`) by at
+    most tolerance (relative to |b| if `relative`) at every value of `over` (means; a claim that a never needs more,
+    never does worse);
     `spread`: the spread over seeds of `a` exceeds that of `b` at every value of `over`: the one-sided
     `confidence` (default 95%) lower bound of the ratio of standard deviations s_a/s_b by the variance-ratio
     F-test, √(F / F_conf(n_a − 1, n_b − 1)) with F = s_a²/s_b², must exceed 1 + tolerance (tolerance 0: the
     F-test rejects equal variances at level 1 − confidence; tolerance 1: a's std is at least twice b's). The
     F-test assumes normal values over seeds and is sensitive to outliers; the report also shows the upper bound
     at the same confidence (lower and upper together: a 90% interval at 95%).
+
+    A check whose compared values carry no evidence is VACUOUS rather than PASS or FAIL (dpsgd_cli/report.py says
+    when, for each check). `reading` says how the quote was encoded where that is a choice; `kind: formula_check`
+    marks a claim whose numbers are the project's own evaluation of a source's formula (no data, no randomness),
+    which the report counts apart from the findings.
     """
 
     id: SafeName
@@ -249,7 +257,13 @@ class ClaimSpec(_Strict):
     quote: str = Field("", description="the source sentence the claim tests, verbatim, with its place "
                        "(e.g. 'Kang et al. §5.2: \"...\"'); required unless `own`")
     own: bool = Field(False, description="the project's own check, not a statement of a source")
-    check: Literal["monotone", "better", "within", "saturates", "spread", "fluctuates", "widens"]
+    reading: str = Field("", description="how the quote was encoded where that is a choice, and why (one or two "
+                         "sentences, shown in the report)")
+    kind: Literal["finding", "formula_check"] = Field(
+        "finding", description="formula_check: the numbers are the project's evaluation of a source's formula (an "
+        "analytic figure's table, or a noise scale calibrated from the run's sizes), computed without data or "
+        "randomness; the verdict checks that implementation, not an experimental finding")
+    check: Literal["monotone", "better", "within", "not_worse", "saturates", "spread", "fluctuates", "widens"]
     metric: str = "test_accuracy"
     source: str = Field("runs", description="runs, traces, or the name of an analytic figure")
     where: Selection = Field(default_factory=dict)

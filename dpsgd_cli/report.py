@@ -1,7 +1,21 @@
 """`dpsgd report`: check the papers' claims (experiments.yaml `claims:`) against the numbers just computed.
 
-Each claim gets PASS, FAIL or NO DATA with the numbers behind it (mean ± std over seeds, n seeds); a FAIL is
-a finding, reported as it is. `report.md` gathers every grid's figures and its claims table.
+Each claim gets PASS, FAIL, VACUOUS or NO DATA with the numbers behind it (mean ± std over seeds, n seeds); a
+FAIL is a finding, reported as it is. `report.md` gathers every grid's figures and its claims table; the formula
+checks (`kind: formula_check`) get their own table and their own counts.
+
+VACUOUS: the compared values carry no evidence either way, so the check's outcome says nothing about the claim.
+A group (or an ungrouped claim) is vacuous when no compared mean is finite (all missing or NaN), or
+- `monotone`, `fluctuates`: the means of `a` along `over` span at most the tolerance: no step can move beyond it
+  in either direction, so `monotone` would pass and `fluctuates` fail whatever the direction claimed;
+- `better`, `not_worse`, `within`, `widens`: the metric takes one value on every compared row (every mean of `a`
+  and `b` equal, every std over seeds 0), e.g. a noiseless fraction of 0 at every ε: it responds to nothing the
+  claim varies. (Not "within the tolerance": for these kinds values closer than the tolerance are the evidence,
+  for or against);
+- `spread`: neither `a` nor `b` varies over seeds anywhere (every std 0): there is no spread to compare;
+- `saturates`: the curve takes one value: it reaches no limit, it starts there.
+Equality allows a relative slack of 1e-9 (floating point). A grouped claim is decided on its non-vacuous groups
+(the quantifier counts those); it is VACUOUS when every group with data is vacuous.
 """
 
 from __future__ import annotations
@@ -23,12 +37,27 @@ from dpsgd_cli.errors import UserError
 from dpsgd_cli.plots import grid_of, result_folders
 
 
+PASS, FAIL, VACUOUS, NO_DATA = "PASS", "FAIL", "VACUOUS", "NO DATA"
+STATUSES = (PASS, FAIL, VACUOUS, NO_DATA)
+KINDS = {"finding": "findings", "formula_check": "formula checks"}
+
+
 @dataclass(frozen=True)
 class Verdict:
     grid: str
     claim: ClaimSpec
-    status: str  # PASS | FAIL | NO DATA
+    status: str  # one of STATUSES
     numbers: str
+
+
+def summary_line(verdicts: list[Verdict]) -> str:
+    """The counts of each verdict, findings apart from formula checks: `findings: 3 PASS, 1 FAIL, ...`."""
+    parts = []
+    for kind, label in KINDS.items():
+        statuses = [v.status for v in verdicts if v.claim.kind == kind]
+        if statuses or kind == "finding":
+            parts.append(f"{label}: " + ", ".join(f"{statuses.count(s)} {s}" for s in STATUSES))
+    return "; ".join(parts)
 
 
 def claim_frame(folder: Path, claim: ClaimSpec, figures: list[FigureSpec]) -> pd.DataFrame:
@@ -60,13 +89,46 @@ def _cell(stats: pd.Series) -> str:
     return f"{_fmt(stats['mean'])} ± {_fmt(stats['std'])} (n={int(stats['n'])})"
 
 
-def _check_group(frame: pd.DataFrame, claim: ClaimSpec, limit: Optional[float]) -> tuple[Optional[bool], str]:
-    """(holds, numbers) for one group; holds None when there is nothing to compare."""
+def _span(values: pd.Series) -> tuple[float, float]:
+    """(max − min, floating-point slack) of the finite values (nan span when there is none)."""
+    finite = values[np.isfinite(values.to_numpy(dtype=float))]
+    if finite.empty:
+        return math.nan, 0.0
+    return float(finite.max() - finite.min()), 1e-9 * float(finite.abs().max())
+
+
+def _flat(stats: pd.DataFrame, claim: ClaimSpec) -> Optional[str]:
+    """Why a monotone or fluctuates curve is vacuous (its means span at most the tolerance), else None."""
+    span, slack = _span(stats["mean"])
+    if math.isnan(span):
+        return f"no finite {claim.metric} at any {claim.over}"
+    if span <= claim.tolerance + slack:
+        return (f"{claim.metric} spans {_fmt(span)} over {len(stats)} values of {claim.over} (≤ tolerance "
+                f"{claim.tolerance:g}): no step moves either way")
+    return None
+
+
+def _one_value(claim: ClaimSpec, *stats: pd.DataFrame) -> Optional[str]:
+    """Why a comparison is vacuous (no finite mean, or one value on every compared row), else None."""
+    span, slack = _span(pd.concat([s["mean"] for s in stats]))
+    if math.isnan(span):
+        return f"no finite {claim.metric} in the compared rows"
+    if span <= slack and all((s["std"] <= slack).all() for s in stats):
+        value = next(float(m) for s in stats for m in s["mean"] if np.isfinite(m))
+        return f"{claim.metric} is {_fmt(value)} on every compared row: it responds to nothing the claim varies"
+    return None
+
+
+def _check_group(frame: pd.DataFrame, claim: ClaimSpec, limit: Optional[float]) -> tuple[Optional[bool] | str, str]:
+    """(holds, numbers) for one group; holds None when there is nothing to compare, VACUOUS when what is compared
+    carries no evidence (module docstring)."""
     frame = select(frame, claim.where)
     if claim.check == "monotone":
         stats = _stats(select(frame, claim.a), claim.metric, claim.over)
         if len(stats) < 2:
             return None, f"{len(stats)} value(s) of {claim.over}"
+        if (why := _flat(stats, claim)) is not None:
+            return VACUOUS, why
         steps = stats["mean"].diff().dropna()
         steps = steps if claim.direction == "increasing" else -steps
         keys = list(stats.index)
@@ -82,6 +144,8 @@ def _check_group(frame: pd.DataFrame, claim: ClaimSpec, limit: Optional[float]) 
         series = select(frame, claim.a).sort_values(claim.over)[claim.metric]
         if series.empty or limit is None:
             return None, "no curve or no limit"
+        if (why := _one_value(claim, pd.DataFrame({"mean": series, "std": 0.0}))) is not None:
+            return VACUOUS, why
         last = float(series.iloc[-1])
         holds = last >= (1 - claim.tolerance) * limit and float(series.max()) <= limit * (1 + 1e-9)
         return holds, f"last {claim.metric} = {_fmt(last)} vs limit {_fmt(limit)} (tolerance {claim.tolerance:g})"
@@ -90,8 +154,13 @@ def _check_group(frame: pd.DataFrame, claim: ClaimSpec, limit: Optional[float]) 
     common = a.index.intersection(b.index)
     if common.empty:
         return None, f"a: {len(a)} value(s), b: {len(b)} value(s) of {claim.over}, none in common"
+    a, b = a.loc[common], b.loc[common]
+    if claim.check == "spread" and ((a["std"] == 0).all() and (b["std"] == 0).all()):
+        return VACUOUS, f"neither a nor b varies over seeds: {claim.metric} has no spread to compare"
+    if claim.check != "spread" and (why := _one_value(claim, a, b)) is not None:
+        return VACUOUS, why
     if claim.check == "widens":
-        return _widens(a.loc[common], b.loc[common], claim)
+        return _widens(a, b, claim)
     parts, holds = [], True
     for key in common:
         sa, sb = a.loc[key], b.loc[key]
@@ -105,6 +174,11 @@ def _check_group(frame: pd.DataFrame, claim: ClaimSpec, limit: Optional[float]) 
             gain = diff if claim.higher_is_better else -diff
             ok = gain > claim.tolerance + 2 * se
             parts.append(f"{where}a {_cell(sa)} vs b {_cell(sb)}, gain {_fmt(gain)} (2·SE {_fmt(2 * se)})")
+        elif claim.check == "not_worse":
+            bound = claim.tolerance * (abs(sb["mean"]) if claim.relative else 1.0)
+            gain = (diff if claim.higher_is_better else -diff) + 0.0  # + 0.0: equal means print 0, not -0
+            ok = gain >= -bound
+            parts.append(f"{where}a {_cell(sa)} vs b {_cell(sb)}, gain {_fmt(gain)} (≥ {_fmt(-bound)}?)")
         else:  # within
             bound = claim.tolerance * (abs(sb["mean"]) if claim.relative else 1.0)
             ok = abs(diff) <= bound
@@ -129,6 +203,8 @@ def _fluctuates(stats: pd.DataFrame, claim: ClaimSpec) -> tuple[Optional[bool], 
     """`fluctuates`: some consecutive step of the mean goes against `direction` by more than tolerance + 2·SE."""
     if len(stats) < 2:
         return None, f"{len(stats)} value(s) of {claim.over}"
+    if (why := _flat(stats, claim)) is not None:
+        return VACUOUS, why
     if (why := _few_seeds(stats)) is not None:
         return None, why
     sign = 1.0 if claim.direction == "increasing" else -1.0
@@ -203,25 +279,36 @@ def evaluate(folder: Path, claim: ClaimSpec, figures: list[FigureSpec]) -> Verdi
         frame = claim_frame(folder, claim, figures)
         if frame.empty and claim.source in ("runs", "traces"):
             reason = read_results(folder).why_empty() or f"no {claim.source} rows"
-            return Verdict(grid, claim, "NO DATA", reason)
+            return Verdict(grid, claim, NO_DATA, reason)
         limit = _limit(claim, figures)
         groups = list(frame.groupby(claim.group_by, sort=True)) if claim.group_by else [((), frame)]
         results = []
         for key, group in groups:
             holds, numbers = _check_group(group, claim, limit)
             name = ", ".join(f"{k}" for k in (key if isinstance(key, tuple) else (key,)))
-            mark = {True: "✓", False: "✗", None: "?"}[holds]
+            mark = {True: "✓", False: "✗", None: "?", VACUOUS: "○"}[holds]
             results.append((holds, f"{mark} [{name}] {numbers}" if claim.group_by else numbers))
         results.sort(key=lambda item: item[0] is not False)  # the groups where the claim fails come first
     except (KeyError, ValueError) as exc:
-        return Verdict(grid, claim, "NO DATA", str(exc).strip("'\""))
-    decided = [h for h, _ in results if h is not None]
-    status = "NO DATA" if not decided else ("PASS" if quantified(decided, claim.quantifier) else "FAIL")
+        return Verdict(grid, claim, NO_DATA, str(exc).strip("'\""))
+    return Verdict(grid, claim, *decide(results, claim))
+
+
+def decide(results: list[tuple[Optional[bool] | str, str]], claim: ClaimSpec) -> tuple[str, str]:
+    """(status, numbers) of a claim from its groups' (holds, text): the quantifier counts the groups that hold or
+    fail; VACUOUS and undecided (None) groups are shown but count neither way."""
+    decided = [h for h, _ in results if isinstance(h, bool)]
+    vacuous = sum(h == VACUOUS for h, _ in results)
+    if decided:
+        status = PASS if quantified(decided, claim.quantifier) else FAIL
+    else:
+        status = VACUOUS if vacuous else NO_DATA
     numbers = "; ".join(text for _, text in results) or "no rows"
-    if claim.group_by and decided:
+    if claim.group_by and (decided or vacuous):
         need = {"all": "all", "most": "more than half", "some": "at least one"}[claim.quantifier]
-        numbers = f"{decided.count(True)} of {len(decided)} groups hold ({need} must): {numbers}"
-    return Verdict(grid, claim, status, numbers)
+        apart = f" ({vacuous} vacuous, not counted)" if vacuous else ""
+        numbers = f"{decided.count(True)} of {len(decided)} groups hold ({need} must){apart}: {numbers}"
+    return status, numbers
 
 
 def quantified(decided: list[bool], quantifier: str) -> bool:
@@ -245,11 +332,15 @@ def build_report(path: Path) -> tuple[list[Verdict], Path]:
     """Evaluate the claims of every grid under `path` and write `path/report.md`."""
     path = Path(path)
     verdicts: list[Verdict] = []
-    sections = ["# dpsgd reproduction report", "",
-                "Each claim of the papers is checked against the runs in this folder: PASS or FAIL with the "
-                "numbers behind it (mean ± std over seeds; `better` needs a gain larger than the tolerance plus "
-                "twice the standard error of the difference; `spread` a one-sided F-test lower bound on the ratio "
-                "of standard deviations above 1 + tolerance).", ""]
+    intro = ["# dpsgd reproduction report", "",
+             "Each claim of the papers is checked against the runs in this folder: PASS or FAIL with the numbers "
+             "behind it (mean ± std over seeds; `better` needs a gain larger than the tolerance plus twice the "
+             "standard error of the difference; `spread` a one-sided F-test lower bound on the ratio of standard "
+             "deviations above 1 + tolerance). VACUOUS: the compared values carry no evidence either way (a curve "
+             "flat within the tolerance, a metric with one value on every compared row, or none finite). A "
+             "*reading* says how a quote was encoded where that is a choice. Formula checks re-evaluate a formula "
+             "the project implements (no data, no randomness); they are tabled and counted apart.", ""]
+    sections = []
     audits = audit_lines(path)
     try:
         folders = result_folders(path)
@@ -265,9 +356,17 @@ def build_report(path: Path) -> tuple[list[Verdict], Path]:
         claims = [ClaimSpec(**c) for c in grid.get("claims", [])]
         found = [evaluate(folder, claim, figures) for claim in claims]
         verdicts += found
-        sections += _section(folder, path, grid, figures, found)
+        sections += _section(folder, path, grid, figures, [v for v in found if v.claim.kind == "finding"])
+    formulas = [v for v in verdicts if v.claim.kind == "formula_check"]
+    if formulas:
+        sections += ["## Formula checks", "",
+                     "Each re-evaluates a source's formula as the project implements it (an analytic figure's table, "
+                     "or a noise scale calibrated without data): a PASS says the implementation behaves as the source "
+                     "says the formula does, not that an experiment reproduced a finding.", "",
+                     *_table(formulas, grid_column=True), ""]
+    summary = [f"**{summary_line(verdicts)}**", ""] if verdicts else []
     out = path / "report.md"
-    out.write_text("\n".join(sections + audits) + "\n")
+    out.write_text("\n".join(intro + summary + sections + audits) + "\n")
     return verdicts, out
 
 
@@ -284,16 +383,25 @@ def _section(folder: Path, root: Path, grid: dict, figures: list[FigureSpec], ve
                 lines += [f"*The paper:* {figure.paper}", ""]
             lines += [f"![{figure.name}]({image.relative_to(root).as_posix()})", ""]
     if verdicts:
-        lines += ["| claim | verdict | numbers |", "| --- | --- | --- |"]
-        lines += [f"| **{v.claim.id}**: {v.claim.text}{_source_of(v.claim)} | {v.status} | "
-                  f"{v.numbers.replace('|', '/')} |" for v in verdicts]
-        lines.append("")
+        lines += [*_table(verdicts), ""]
+    return lines
+
+
+def _table(verdicts: list[Verdict], grid_column: bool = False) -> list[str]:
+    """A markdown table of verdicts: the claim with its source and reading, the verdict, the numbers."""
+    head = ["grid"] * grid_column + ["claim", "verdict", "numbers"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for v in verdicts:
+        cells = [v.grid] * grid_column + [f"**{v.claim.id}**: {v.claim.text}{_source_of(v.claim)}", v.status,
+                                          v.numbers]
+        lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     return lines
 
 
 def _source_of(claim: ClaimSpec) -> str:
-    """The quoted source sentence under the claim, or the mark of the project's own check."""
-    return "<br>*(the project's own check)*" if claim.own else f"<br>*{claim.quote.replace('|', '/')}*"
+    """The quoted source sentence under the claim (or the mark of the project's own check), then its reading."""
+    source = "<br>*(the project's own check)*" if claim.own else f"<br>*{claim.quote}*"
+    return source + (f"<br>reading: {claim.reading}" if claim.reading else "")
 
 
 # --- the audit's verdicts (`dpsgd audit` → audit.csv) ---------------------------------------------------------

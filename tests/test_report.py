@@ -7,7 +7,7 @@ import pytest
 from dpsgd_cli.config import ClaimSpec, FigureSpec
 from dpsgd_cli.engine.summary import select
 from dpsgd_cli.plots import plot_results
-from dpsgd_cli.report import _check_group, build_report, quantified
+from dpsgd_cli.report import VACUOUS, Verdict, _check_group, build_report, decide, quantified, summary_line
 
 
 def test_select_language():
@@ -94,6 +94,11 @@ grids:
          metric: train_objective, higher_is_better: false, a: {algorithm: song2013_nonprivate},
          b: {algorithm: song2013}, over: batch_size}
       - {id: missing, text: refers to nothing, own: true, check: better, a: {algorithm: dp_sgd}, b: {algorithm: erm}}
+      - {id: sat-formula, text: the same curve as a formula check, own: true, kind: formula_check, check: saturates,
+         source: curve, metric: rdp_epsilon, a: {bound: dynamics}, over: K, tolerance: 0.05,
+         reading: the limit of the closed form}
+      - {id: flat, text: the training set size does not fall with the batch size, own: true, check: monotone,
+         metric: n_train, a: {algorithm: song2013}, over: batch_size}
 """
 
 
@@ -106,9 +111,15 @@ def test_figures_and_report_end_to_end(tmp_path, run_grid):
     assert all(p.stat().st_size > 5_000 for p in figures)
     verdicts, report = build_report(tmp_path / "out")
     status = {v.claim.id: v.status for v in verdicts}
-    assert status == {"sat": "PASS", "nonpriv-better": "PASS", "missing": "NO DATA"}
+    assert status == {"sat": "PASS", "nonpriv-better": "PASS", "missing": "NO DATA", "sat-formula": "PASS",
+                      "flat": "VACUOUS"}  # n_train is one value: it passed as monotone before VACUOUS existed
     text = report.read_text()
     assert "![trace_fig](figs/figures/trace_fig.png)" in text and "| **sat**" in text
+    findings, formulas = text.split("## Formula checks")
+    assert "sat-formula" not in findings and "| figs | **sat-formula**" in formulas  # its own table
+    assert "reading: the limit of the closed form" in formulas
+    assert ("findings: 2 PASS, 0 FAIL, 1 VACUOUS, 1 NO DATA; formula checks: 1 PASS, 0 FAIL, 0 VACUOUS, 0 NO DATA"
+            in text)
 
 
 def test_figure_spec_validation():
@@ -228,3 +239,86 @@ def test_widens_needs_the_gain_to_grow_beyond_the_seed_noise():
                                        higher_is_better=False), None)[0] is True
     two = growing[growing["epsilon"] != 1.0]
     assert _check_group(two, spec, None)[0] is None  # a slope needs 3 values
+
+
+def test_a_flat_curve_is_vacuous_for_monotone_and_fluctuates():
+    flat = _runs({"dp": {0.1: [0.0, 0.0], 1.0: [0.0, 0.0], 3.0: [0.0, 0.0]}})  # e.g. no step ever skips the noise
+    for check in ("monotone", "fluctuates"):
+        for direction in ("increasing", "decreasing"):
+            spec = claim(check=check, a={"algorithm": "dp"}, direction=direction)
+            assert _check_group(flat, spec, None)[0] == VACUOUS
+    within_tolerance = _runs({"dp": {0.1: [0.80, 0.80], 1.0: [0.803, 0.803], 3.0: [0.801, 0.801]}})
+    assert _check_group(within_tolerance, claim(check="monotone", a={"algorithm": "dp"}, tolerance=0.005),
+                        None)[0] == VACUOUS
+    assert _check_group(within_tolerance, claim(check="monotone", a={"algorithm": "dp"}), None)[0] is False
+    missing = flat.assign(test_accuracy=np.nan)
+    assert _check_group(missing, claim(check="monotone", a={"algorithm": "dp"}), None)[0] == VACUOUS
+
+
+def test_one_value_on_every_compared_row_is_vacuous():
+    zeros = _runs({"a": {0.1: [0.0, 0.0], 3.0: [0.0, 0.0]}, "b": {0.1: [0.0, 0.0], 3.0: [0.0, 0.0]}})
+    for check in ("better", "within", "not_worse"):
+        assert _check_group(zeros, claim(check=check, a={"algorithm": "a"}, b={"algorithm": "b"}),
+                            None)[0] == VACUOUS
+    assert _check_group(zeros.assign(test_accuracy=np.nan), claim(check="better", a={"algorithm": "a"},
+                                                                    b={"algorithm": "b"}), None)[0] == VACUOUS
+    # close but distinct values are evidence, for a `within` or against a `better` with a margin
+    close = _runs({"a": {1.0: [0.84, 0.84]}, "b": {1.0: [0.85, 0.85]}})
+    assert _check_group(close, claim(check="within", a={"algorithm": "a"}, b={"algorithm": "b"},
+                                     tolerance=0.02), None)[0] is True
+    assert _check_group(close, claim(check="better", a={"algorithm": "b"}, b={"algorithm": "a"},
+                                     tolerance=0.02), None)[0] is False
+    no_spread = _runs({"a": {1.0: [0.9, 0.9]}, "b": {1.0: [0.8, 0.8]}})
+    assert _check_group(no_spread, claim(check="spread", a={"algorithm": "a"}, b={"algorithm": "b"}),
+                        None)[0] == VACUOUS
+    table = pd.DataFrame({"K": [1, 10, 100], "bound": "dynamics", "rdp_epsilon": 0.048})
+    spec = claim(check="saturates", metric="rdp_epsilon", a={"bound": "dynamics"}, over="K", tolerance=0.01)
+    assert _check_group(table, spec, 0.048)[0] == VACUOUS
+
+
+def test_not_worse_is_one_sided():
+    frame = _runs({"min": {1.0: [0.0500]}, "dyn": {1.0: [0.0501]}, "comp": {1.0: [0.0800]}})
+    less = claim(check="not_worse", metric="test_accuracy", higher_is_better=False, tolerance=0.002, relative=True,
+                 a={"algorithm": "min"}, b={"algorithm": "dyn"})
+    assert _check_group(frame, less, None)[0] is True
+    assert _check_group(frame, less.model_copy(update={"b": {"algorithm": "comp"}}), None)[0] is True  # far less
+    assert _check_group(frame, less.model_copy(update={"a": {"algorithm": "comp"}}), None)[0] is False
+    within = less.model_copy(update={"check": "within", "b": {"algorithm": "comp"}})
+    assert _check_group(frame, within, None)[0] is False  # the two-sided check refuses "far less"
+
+
+def test_vacuous_groups_count_neither_way():
+    spec = claim(check="monotone", group_by=["dataset"])
+    status, numbers = decide([(True, "✓ [a]"), (VACUOUS, "○ [b]"), (VACUOUS, "○ [c]")], spec)
+    assert status == "PASS" and numbers.startswith("1 of 1 groups hold (all must) (2 vacuous, not counted)")
+    assert decide([(VACUOUS, "○ [b]"), (None, "? [c]")], spec)[0] == "VACUOUS"
+    assert decide([(None, "? [c]")], spec)[0] == "NO DATA"
+    assert decide([(False, "✗ [a]"), (VACUOUS, "○ [b]")], spec.model_copy(update={"quantifier": "some"}))[0] == "FAIL"
+
+
+def test_summary_counts_each_verdict_and_formula_checks_apart():
+    finding, formula = claim(check="monotone"), claim(check="monotone", kind="formula_check")
+    verdicts = [Verdict("g", finding, s, "") for s in ("PASS", "PASS", "FAIL", "VACUOUS", "NO DATA")]
+    verdicts += [Verdict("g", formula, s, "") for s in ("PASS", "FAIL", "VACUOUS")]
+    assert summary_line(verdicts) == ("findings: 2 PASS, 1 FAIL, 1 VACUOUS, 1 NO DATA; "
+                                      "formula checks: 1 PASS, 1 FAIL, 1 VACUOUS, 0 NO DATA")
+    assert summary_line(verdicts[:1]) == "findings: 1 PASS, 0 FAIL, 0 VACUOUS, 0 NO DATA"
+
+
+def test_reading_is_shown_beside_the_claim():
+    from dpsgd_cli.report import _table
+
+    spec = ClaimSpec(id="c", text="t", check="monotone", quote='Kang et al.: "x | y"', reading="a choice, and why")
+    row = _table([Verdict("g", spec, "PASS", "n")])[-1]
+    assert row.startswith("| **c**: t<br>*Kang et al.: \"x / y\"*<br>reading: a choice, and why | PASS | n |")
+
+
+def test_experiments_yaml_claims_on_analytic_tables_are_formula_checks():
+    from pathlib import Path
+
+    from dpsgd_cli.config import load_grid_file
+
+    for grid in load_grid_file(Path(__file__).parents[1] / "experiments.yaml").grids:
+        for c in grid.claims:
+            if c.source not in ("runs", "traces"):
+                assert c.kind == "formula_check", c.id
