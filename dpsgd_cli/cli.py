@@ -294,19 +294,21 @@ def report(
     """Check the papers' claims listed in the grids against the results; print PASS/FAIL and write report.md."""
     from rich.markup import escape
 
-    from dpsgd_cli.report import build_report
+    from dpsgd_cli.report import build_report, summary_line
 
     verdicts, path = build_report(results_dir)
     table = Table("grid", "claim", "verdict", "numbers", title="claims of the papers", show_lines=True)
-    colours = {"PASS": "green", "FAIL": "red", "NO DATA": "yellow"}
+    colours = {"PASS": "green", "FAIL": "red", "VACUOUS": "blue", "NO DATA": "yellow"}
     for v in verdicts:
         source = "(the project's own check)" if v.claim.own else v.claim.quote
+        source += f"\nreading: {v.claim.reading}" if v.claim.reading else ""
+        source += "\n(formula check)" if v.claim.kind == "formula_check" else ""
         table.add_row(escape(v.grid), escape(f"{v.claim.id}: {v.claim.text}") + f"\n[dim]{escape(source)}[/]",
                       f"[{colours[v.status]}]{v.status}[/]", escape(v.numbers))
     console.print(table)
     counts = {s: sum(v.status == s for v in verdicts) for s in colours}
     _print_audit_verdicts(results_dir)
-    console.print(f"{counts['PASS']} PASS, {counts['FAIL']} FAIL, {counts['NO DATA']} NO DATA → {path}")
+    console.print(f"{summary_line(verdicts)} → {path}")
     if not verdicts:
         console.print(f"nothing to check: no grid under {results_dir} lists claims", highlight=False, markup=False)
     elif not counts["PASS"] + counts["FAIL"]:  # each NO DATA row says why

@@ -326,5 +326,6 @@ def test_report_command_prints_each_claim_with_its_source(tmp_path, monkeypatch)
     assert invoke("run", path, "--out", tmp_path / "r").exit_code == 0
     result = invoke("report", tmp_path / "r")
     assert result.exit_code == 0, result.output
-    assert "2 PASS" in result.output and "[grows]" in result.output and "[/]" in result.output  # markup escaped
+    assert "[grows]" in result.output and "[/]" in result.output  # markup escaped
+    assert "findings: 1 PASS, 0 FAIL, 1 VACUOUS, 0 NO DATA" in result.output  # tolerance 1: no step can move
     assert "the project's own check" in (tmp_path / "r" / "report.md").read_text()
