@@ -44,6 +44,11 @@ class Accountant(str, Enum):
     pld = "pld"
 
 
+class Neighbours(str, Enum):
+    add_remove = "add_remove"
+    replace_one = "replace_one"
+
+
 class ImageFormat(str, Enum):
     png = "png"
     pdf = "pdf"
@@ -464,6 +469,8 @@ _STEPS_HELP = "Number of steps T (≥ 1; at most 1e6 with the PLD accountant, 1e
 _DELTA_HELP = "δ of the (ε, δ)-DP guarantee, in (0, 1); choose δ ≪ 1/n (e.g. 1/n², n = training records)."
 _ACCOUNTANT_HELP = ("How ε is computed over the T steps (both dp-accounting, both valid upper bounds): rdp = Rényi "
                     "DP converted to (ε, δ) (fast, slightly looser); pld = privacy loss distributions (tighter, slower).")
+_NEIGHBOURS_HELP = ("The neighbouring relation ε holds under: add_remove (one record added or removed) or "
+                    "replace_one (one record replaced; needs --accountant pld).")
 
 
 @app.command()
@@ -473,13 +480,14 @@ def epsilon(
     steps: int = typer.Option(..., "--steps", metavar="T", help=_STEPS_HELP),
     delta: float = typer.Option(..., "--delta", metavar="D", help=_DELTA_HELP),
     accountant: Accountant = typer.Option(Accountant.rdp, "--accountant", help=_ACCOUNTANT_HELP),
+    neighbours: Neighbours = typer.Option(Neighbours.add_remove, "--neighbours", help=_NEIGHBOURS_HELP),
 ) -> None:
     """ε of DP-SGD (Poisson-subsampled Gaussian, T steps) at the given δ."""
     from dpsgd_cli.privacy.accounting import dpsgd_epsilon
 
-    eps = dpsgd_epsilon(sigma, sample_rate, steps, delta, accountant=accountant.value)
+    eps = dpsgd_epsilon(sigma, sample_rate, steps, delta, accountant=accountant.value, neighbours=neighbours.value)
     console.print(f"ε = {eps:.6g}  (σ = {sigma:g}, q = {sample_rate:g}, T = {steps}, δ = {delta:g}, "
-                  f"{accountant.value} accountant)")
+                  f"{accountant.value} accountant, {neighbours.value} neighbours)")
 
 
 @app.command()
@@ -490,13 +498,16 @@ def sigma(
     steps: int = typer.Option(..., "--steps", metavar="T", help=_STEPS_HELP),
     delta: float = typer.Option(..., "--delta", metavar="D", help=_DELTA_HELP),
     accountant: Accountant = typer.Option(Accountant.rdp, "--accountant", help=_ACCOUNTANT_HELP),
+    neighbours: Neighbours = typer.Option(Neighbours.add_remove, "--neighbours", help=_NEIGHBOURS_HELP),
 ) -> None:
     """The smallest noise multiplier σ giving ε ≤ target (within 0.1%) for DP-SGD."""
     from dpsgd_cli.privacy.accounting import calibrate_sigmas
 
-    for target, cal in zip(epsilon, calibrate_sigmas(epsilon, delta, sample_rate, steps, accountant=accountant.value)):
+    calibrations = calibrate_sigmas(epsilon, delta, sample_rate, steps, accountant.value, neighbours.value)
+    for target, cal in zip(epsilon, calibrations):
         console.print(f"σ = {cal.sigma:.6g}  (achieved ε = {cal.epsilon:.6g} ≤ {target:g}, q = {sample_rate:g}, "
-                      f"T = {steps}, δ = {delta:g}, {cal.accountant} accountant, {cal.library})")
+                      f"T = {steps}, δ = {delta:g}, {cal.accountant} accountant, {cal.neighbours} neighbours, "
+                      f"{cal.library})")
 
 
 def _curve_help(field: str, text: str) -> str:

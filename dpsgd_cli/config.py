@@ -26,6 +26,7 @@ from dpsgd_cli.data.files import FileDatasetSpec
 from dpsgd_cli.data.spec import DatasetSpec
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import MODELS
+from dpsgd_cli.privacy.accounting import Neighbours
 
 DELTA_RULE = "1/n^2"
 Number = Union[int, float]
@@ -84,13 +85,16 @@ class AlgorithmEntry(_Strict):
     name: str
     params: dict[str, Any] = Field(default_factory=dict)
     overrides: dict[str, list[Any]] = Field(default_factory=dict)
+    neighbours: Optional[Neighbours] = None  # the grid's relation, overridden for this algorithm
 
     @model_validator(mode="before")
     @classmethod
     def _split(cls, raw: Any) -> Any:
         raw = {"name": raw} if isinstance(raw, str) else dict(raw)
-        if set(raw) == {"name", "params", "overrides"}:  # as dumped in a manifest
-            raw = {"name": raw["name"], **raw["params"], **raw["overrides"]}
+        if {"name", "params", "overrides"} <= set(raw) <= {"name", "params", "overrides", "neighbours"}:  # dumped
+            raw = {"name": raw["name"], **raw["params"], **raw["overrides"],
+                   **({"neighbours": raw["neighbours"]} if raw.get("neighbours") else {})}
+        neighbours = raw.pop("neighbours", None)
         name = raw.pop("name", None)
         if name not in ALGORITHMS:
             raise ValueError(
@@ -103,7 +107,7 @@ class AlgorithmEntry(_Strict):
                 valid = [*ALGORITHMS[name].Params.model_fields, *AXES]
                 raise ValueError(f"unknown key {key!r} for algorithm {name}{_closest(key, valid)}")
         params = ALGORITHMS[name].Params.model_validate(raw, strict=True).model_dump()
-        return {"name": name, "params": params, "overrides": overrides}
+        return {"name": name, "params": params, "overrides": overrides, "neighbours": neighbours}
 
 
 class Axes(_Strict):
@@ -384,6 +388,9 @@ class Grid(Axes):
     algorithms: list[AlgorithmEntry] = Field(min_length=1)
     seeds: int = Field(3, ge=1, le=1000, description="runs per cell, seeds 0..seeds-1")
     delta: Union[Literal["1/n^2"], float] = Field(DELTA_RULE, description="δ, a number in (0, 1) or 1/n^2")
+    neighbours: Optional[Neighbours] = Field(
+        None, description="the neighbouring relation every private algorithm's ε is calibrated under (add_remove | "
+        "replace_one; an algorithm entry may override it); unset: each algorithm's own")
     trace_every: Optional[int] = Field(None, ge=1, description="record the objective every k examples (traces.csv)")
     dtype: Literal["float64", "float32"] = Field(
         "float64", description="training precision; float32 applies to sgd, dp_sgd, dp_lssgd with logreg or mlp (the "
@@ -406,6 +413,15 @@ class Grid(Axes):
     @classmethod
     def _listify_entries(cls, value: Any) -> Any:
         return _as_list(value)
+
+    @model_validator(mode="after")
+    def _neighbours_supported(self) -> "Grid":
+        for algo in self.algorithms:
+            asked = algo.neighbours or self.neighbours
+            reason = asked and ALGORITHMS[algo.name](algo.params).refuses_neighbours(asked)
+            if reason:
+                raise ValueError(f"neighbours: {asked}: {reason}")
+        return self
 
     @model_validator(mode="after")
     def _selectable(self) -> "Grid":
@@ -483,6 +499,11 @@ class Cell(_Strict):
     dtype: Literal["float64", "float32"] = "float64"
     validation: Optional[float] = None  # held-out share of the training set (the model trains on the rest)
     tuning: Optional[dict[str, Any]] = None  # private selection this cell is calibrated for (see tuning_cells)
+    neighbours: Optional[Neighbours] = None  # the relation asked of its ε where it is not the algorithm's own
+
+    def make_algorithm(self) -> Any:
+        """The algorithm of this cell, configured (parameters, neighbouring relation)."""
+        return ALGORITHMS[self.algorithm.name](self.algorithm.params, self.neighbours)
 
     def key(self) -> dict[str, Any]:
         """Everything that determines a run except its seed (and the grid's name and what it records)."""
@@ -490,9 +511,10 @@ class Cell(_Strict):
         if isinstance(self.dataset, FileDatasetSpec):  # the file's sha256, not its path
             data["dataset"] = self.dataset.identity()
         data["algorithm"].pop("overrides")
+        data["algorithm"].pop("neighbours")
         for name in ALGORITHMS[self.algorithm.name].execution_params:
             data["algorithm"]["params"].pop(name, None)
-        for name, default in (("dtype", "float64"), ("validation", None), ("tuning", None)):
+        for name, default in (("dtype", "float64"), ("validation", None), ("tuning", None), ("neighbours", None)):
             if data[name] == default:  # the default keeps the run ids results had before the key existed
                 data.pop(name)
         return data
@@ -519,6 +541,14 @@ def axis_values(grid: Grid, algo: AlgorithmEntry) -> dict[str, list[Any]]:
 FLOAT32_MODELS = frozenset({"logreg", "mlp"})  # models whose training keeps float32 (dtype-preserving NumPy)
 
 
+def asked_neighbours(grid: Grid, algo: AlgorithmEntry) -> Optional[str]:
+    """The relation a grid asks of an algorithm's ε where it differs from the algorithm's own (None: its own, so
+    a grid that names the relation an algorithm already has keeps its run ids)."""
+    asked = algo.neighbours or grid.neighbours
+    algorithm = ALGORITHMS[algo.name](algo.params)
+    return asked if asked and algorithm.private and asked != algorithm.native_neighbours() else None
+
+
 def expand(grid: Grid) -> list[Cell]:
     """The Cartesian product of the grid; axes an algorithm does not use are set to None and merged."""
     cells: dict[str, Cell] = {}
@@ -530,7 +560,7 @@ def expand(grid: Grid) -> list[Cell]:
             cell = Cell(grid=grid.name, dataset=dataset, model=model, algorithm=algo, delta=grid.delta,
                         seeds=tuple(range(grid.seeds)), trace_every=grid.trace_every,
                         dtype=grid.dtype if float32 else "float64", validation=grid.validation,
-                        **dict(zip(axes, values)))
+                        neighbours=asked_neighbours(grid, algo), **dict(zip(axes, values)))
             cells.setdefault(cell.cell_id, cell)
     plain = list(cells.values())
     for spec in grid.select:

@@ -329,3 +329,51 @@ def test_report_command_prints_each_claim_with_its_source(tmp_path, monkeypatch)
     assert "[grows]" in result.output and "[/]" in result.output  # markup escaped
     assert "findings: 1 PASS, 0 FAIL, 1 VACUOUS, 0 NO DATA" in result.output  # tolerance 1: no step can move
     assert "the project's own check" in (tmp_path / "r" / "report.md").read_text()
+
+
+NEIGHBOURS_GRID = """
+grids:
+  - name: footing
+    datasets: [{name: synthetic, n: 600}]
+    algorithms: [erm, {name: dp_sgd, accountant: pld}, {name: song2013, batch_size: 5}]
+    neighbours: replace_one
+    epsilon: [1]
+    batch_size: [32]
+    lr: [0.5]
+    seeds: 1
+    epochs: 1
+"""
+
+
+def test_one_neighbouring_relation_for_every_algorithm_of_a_grid(write_grid, tmp_path):
+    from dpsgd_cli.privacy.accounting import calibrate_sigma
+
+    path = write_grid(NEIGHBOURS_GRID)
+    assert invoke("run", path, "--out", tmp_path / "r").exit_code == 0
+    runs = pd.read_csv(tmp_path / "r" / "footing" / "runs.csv").set_index("algorithm")
+    assert runs.loc["dp_sgd", "neighbours"] == runs.loc["song2013", "neighbours"] == "replace_one"
+    assert pd.isna(runs.loc["erm", "neighbours"])  # non-private: no relation
+    row = runs.loc["dp_sgd"]
+    cal = calibrate_sigma(1.0, row["delta"], row["sample_rate"], int(row["steps"]), "pld", "replace_one")
+    assert row["sigma"] == cal.sigma and row["epsilon_achieved"] == cal.epsilon
+    # the same grid under add/remove: dp_sgd gets another run id and less noise; song2013 cannot be calibrated
+    plain = load_grid_file(write_grid(NEIGHBOURS_GRID.replace("neighbours: replace_one", "neighbours: add_remove")
+                                      .replace(", {name: song2013, batch_size: 5}", ""))).grids[0]
+    from dpsgd_cli.config import expand
+
+    cells = {c.algorithm.name: c for c in expand(plain)}
+    assert cells["dp_sgd"].cell_id != runs.loc["dp_sgd", "cell_id"] and cells["erm"].cell_id == runs.loc["erm", "cell_id"]
+    for text, message in ((NEIGHBOURS_GRID.replace("replace_one", "add_remove"), "analysed under replace-one"),
+                          (NEIGHBOURS_GRID.replace("accountant: pld", "accountant: rdp"), "use accountant: pld")):
+        proc = subprocess.run([sys.executable, "-m", "dpsgd_cli", "run", str(write_grid(text)), "--out",
+                               str(tmp_path / "bad"), "--dry-run"], capture_output=True, text=True)
+        assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr
+
+
+def test_naming_an_algorithms_own_relation_keeps_its_run_ids(write_grid):
+    from dpsgd_cli.config import expand
+
+    base = NEIGHBOURS_GRID.replace("    neighbours: replace_one\n", "").replace("accountant: pld", "accountant: rdp")
+    plain = {c.algorithm.name: c.cell_id for c in expand(load_grid_file(write_grid(base)).grids[0])}
+    named = base.replace("{name: song2013, batch_size: 5}", "{name: song2013, batch_size: 5, neighbours: replace_one}")
+    assert {c.algorithm.name: c.cell_id for c in expand(load_grid_file(write_grid(named)).grids[0])} == plain

@@ -635,3 +635,44 @@ def test_gamma_norm_noise_draws_the_numbers_of_its_definition(d):
     directions /= np.linalg.norm(directions, axis=-1, keepdims=True)
     np.testing.assert_array_equal(got, norms[..., None] * directions)
     np.testing.assert_array_equal(mech.gamma_norm_draws(np.random.default_rng(7), 2.0 / 0.37, d, (5, 64)), got)
+
+
+def _library_pld_epsilon(sigma, q, steps, delta, relation, h=1e-4):
+    """ε of DP-SGD by a fresh dp-accounting PLD accountant at a fixed fine discretisation (pessimistic)."""
+    accountant = PLDAccountant(relation, value_discretization_interval=h)
+    accountant.compose(dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps))
+    return accountant.get_epsilon(delta)
+
+
+@pytest.mark.parametrize("target", [0.5, 1.0, 3.0])
+def test_dpsgd_calibrated_under_replace_one_meets_the_target_by_the_library(target, monkeypatch):
+    monkeypatch.setenv(acc.CACHE_DIR_ENV, "off")
+    q, steps, delta = ADULT_Q, 589, ADULT_DELTA
+    cal = acc.calibrate_sigma(target, delta, q, steps, "pld", "replace_one")
+    assert cal.neighbours == "replace_one" and 0.999 * target <= cal.epsilon <= target
+    replace = dp_accounting.NeighboringRelation.REPLACE_ONE
+    assert _library_pld_epsilon(cal.sigma, q, steps, delta, replace) == pytest.approx(cal.epsilon, rel=2e-3)
+    # the same σ is tighter under add/remove, and the add/remove σ is not private enough under replace-one
+    add_remove = acc.calibrate_sigma(target, delta, q, steps, "pld")
+    assert add_remove.sigma < cal.sigma
+    assert acc.dpsgd_epsilon(add_remove.sigma, q, steps, delta, "pld", "replace_one") > 1.05 * target
+
+
+def test_the_add_remove_calibration_read_under_replace_one(monkeypatch):
+    """Reference numbers (adult, B = 256, 5 epochs, δ = 1/n², PLD): σ calibrated to ε = 1 / 3 under add/remove is
+    ε = 1.66 / 3.52 under replace-one."""
+    monkeypatch.setenv(acc.CACHE_DIR_ENV, "off")
+    q, steps, delta = ADULT_Q, 589, ADULT_DELTA
+    for target, replace_one in ((1.0, 1.66), (3.0, 3.52)):
+        sigma = acc.calibrate_sigma(target, delta, q, steps, "pld").sigma
+        assert acc.dpsgd_epsilon(sigma, q, steps, delta, "pld", "replace_one") == pytest.approx(replace_one, abs=0.01)
+
+
+def test_rdp_refuses_replace_one_for_poisson_subsampling():
+    with pytest.raises(UserError, match="use accountant: pld"):
+        acc.calibrate_sigma(1.0, 1e-5, 0.01, 100, "rdp", "replace_one")
+    with pytest.raises(UserError, match="use accountant: pld"):
+        acc.dpsgd_epsilon(1.0, 0.01, 100, 1e-5, "rdp", "replace_one")
+    with pytest.raises(UserError, match="neighbours must be one of"):
+        acc.calibrate_sigma(1.0, 1e-5, 0.01, 100, "pld", "swap")

@@ -94,19 +94,35 @@ class Algorithm:
     # parameters that choose how, not what, is computed (e.g. backend): left out of the run id
     execution_params: ClassVar[frozenset[str]] = frozenset()
     supports_float32: ClassVar[bool] = False  # trains correctly on float32 data (grid key dtype)
-    # the neighbouring relation of the privacy claim; the audit's "out" world is the worst-case neighbour under it
+    # the neighbouring relation its analysis is stated for; the audit's "out" world is the worst-case neighbour
     neighbours: ClassVar[Literal["add_remove", "replace_one"]] = "add_remove"
 
-    def neighbouring(self) -> str:
-        """The neighbouring relation this configuration's privacy claim is stated for."""
+    def __init__(self, params: Optional[dict[str, Any]] = None, neighbours: Optional[str] = None):
+        """`neighbours`: the relation the grid asks its ε to hold under (None: the algorithm's own)."""
+        self.params = self.Params(**(params or {}))
+        self._asked_neighbours = neighbours
+
+    def native_neighbours(self) -> str:
+        """The relation this configuration's analysis is stated for when the grid asks for none."""
         return self.neighbours
 
-    def __init__(self, params: Optional[dict[str, Any]] = None):
-        self.params = self.Params(**(params or {}))
+    def neighbouring(self) -> str:
+        """The neighbouring relation this configuration's privacy claim (its calibrated ε) holds under."""
+        return self._asked_neighbours or self.native_neighbours()
 
-    def sigma_calibration(self, setting: Setting) -> Optional[tuple[float, float, float, int, str]]:
-        """The (ε, δ, q, T, accountant) this configuration calibrates DP-SGD's σ for (`calibrate_sigma`), if any:
-        a fused task calibrates its cells' σ beforehand, one accountant curve per (δ, q, T, accountant)."""
+    def refuses_neighbours(self, neighbours: str) -> Optional[str]:
+        """Why this configuration cannot be calibrated under `neighbours` (None: it can)."""
+        native = self.native_neighbours()
+        if neighbours == native or not self.private:
+            return None
+        spelled = {"add_remove": "add/remove", "replace_one": "replace-one"}[native]
+        return (f"{self.name} is analysed under {spelled} neighbours only (its sensitivity and accounting are "
+                f"stated for that relation); use neighbours: {native} for it")
+
+    def sigma_calibration(self, setting: Setting) -> Optional[tuple[float, float, float, int, str, str]]:
+        """The (ε, δ, q, T, accountant, neighbours) this configuration calibrates DP-SGD's σ for
+        (`calibrate_sigma`), if any: a fused task calibrates its cells' σ beforehand, one accountant curve per
+        (δ, q, T, accountant, neighbours)."""
         return None
 
     def prepare(self, setting: Setting, model: Model, X: np.ndarray, y: np.ndarray,

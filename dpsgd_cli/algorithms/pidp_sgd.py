@@ -671,7 +671,7 @@ class PIDPSGD(Algorithm):
     Params = PIDPSGDParams
     source = "Kang, Li, Liu, Wang, Data Heterogeneity Differential Privacy: From Theory to Algorithm"
 
-    def neighbouring(self) -> str:
+    def native_neighbours(self) -> str:
         """Replace-one for one example per step (Remark 6); add/remove for the Poisson variant (dp_sgd's σ)."""
         return "add_remove" if self.params.sampling == "poisson" else "replace_one"
 

@@ -14,7 +14,8 @@ from dpsgd_cli.algorithms.chain import Checkpoints, GradientChain, add_l2, add_n
 from dpsgd_cli.algorithms.sampling import poisson_batches
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.models import Model
-from dpsgd_cli.privacy.accounting import calibrate_sigma
+from dpsgd_cli.errors import UserError
+from dpsgd_cli.privacy.accounting import calibrate_sigma, check_dpsgd_neighbours
 
 
 BACKEND_HELP = ("logistic regression: the compiled mini-batch step (kernels_minibatch; auto: when numba is "
@@ -88,8 +89,17 @@ class DPSGD(SGD):
     # "same_noise": one noise vector reused at every step.
     _broken: ClassVar[Optional[str]] = None
 
-    def sigma_calibration(self, setting: Setting) -> tuple[float, float, float, int, str]:
-        return setting.epsilon, setting.delta, setting.sample_rate, setting.steps, self.params.accountant
+    def refuses_neighbours(self, neighbours: str) -> Optional[str]:
+        """Both relations, through the accountant (RDP: add/remove only, see `check_dpsgd_neighbours`)."""
+        try:
+            check_dpsgd_neighbours(self.params.accountant, neighbours)
+        except UserError as exc:
+            return f"{self.name}: {exc}"
+        return None
+
+    def sigma_calibration(self, setting: Setting) -> tuple[float, float, float, int, str, str]:
+        return (setting.epsilon, setting.delta, setting.sample_rate, setting.steps, self.params.accountant,
+                self.neighbouring())
 
     def prepare(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Prepared:
         cal = calibrate_sigma(*self.sigma_calibration(setting))

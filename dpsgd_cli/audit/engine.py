@@ -19,7 +19,7 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 
-from dpsgd_cli.algorithms import ALGORITHMS, Algorithm, Setting
+from dpsgd_cli.algorithms import Algorithm, Setting
 from dpsgd_cli.algorithms.erm import reference_minimum
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.audit import canaries, stats
@@ -56,7 +56,7 @@ def audit_cell(cell: Cell, spec: AuditSpec, trials: Optional[int] = None, confid
     the cell's (tests: a deliberately broken variant, a dataset built in the test)."""
     trials = trials or spec.trials
     confidence = confidence or spec.confidence
-    algorithm = algorithm or ALGORITHMS[cell.algorithm.name](cell.algorithm.params)
+    algorithm = algorithm or cell.make_algorithm()
     data = data or dataset(cell.dataset)
     base = _base_row(cell, data, algorithm, trials, confidence, spec)
     rows = []

@@ -38,7 +38,7 @@ COLUMNS = [
     "batch_size", "lr", "epochs", "steps", "sample_rate", "l2", "clip_norm",
     "test_accuracy", "test_loss", "train_accuracy", "train_objective", "optimal_objective", "optimality_gap",
     "guarantee", "noiseless_fraction", "derived", "wall_time", "status", "message", "version", "dtype",
-    "n_val", "val_accuracy", "val_objective", "epsilon_base", "tuning", "delta_certified",
+    "n_val", "val_accuracy", "val_objective", "epsilon_base", "tuning", "delta_certified", "neighbours",
 ]
 TRACE_COLUMNS = ["run_id", "cell_id", "seed", "examples", "train_objective", "optimality_gap", "train_accuracy"]
 NUMERIC = {

@@ -146,7 +146,7 @@ def _training_data(cell: Cell, data: Dataset):
 
 
 def _algorithm(cell: Cell):
-    return ALGORITHMS[cell.algorithm.name](cell.algorithm.params)
+    return cell.make_algorithm()
 
 
 def _failure(exc: Exception) -> str:
@@ -266,6 +266,7 @@ def _base_row(cell: Cell, data: Dataset, setting: Setting, optimal: float) -> di
         "n_val": 0 if data.X_val is None else len(data.X_val),
         "epsilon_base": setting.epsilon if cell.tuning else None,
         "tuning": cell.tuning["tag"] if cell.tuning else None,
+        "neighbours": cell.make_algorithm().neighbouring() if ALGORITHMS[cell.algorithm.name].private else None,
     }
 
 
@@ -437,12 +438,12 @@ def calibrate_ahead(cells: Sequence[Cell], data: Dataset, accountants: Sequence[
             request = _algorithm(cell).sigma_calibration(setting_of(cell, data))
         except Exception:  # noqa: BLE001 - the cell reports it when it prepares
             continue
-        if request is not None and request[-1] in accountants:
+        if request is not None and request[4] in accountants:
             wanted.setdefault(request[1:], set()).add(request[0])
-    for (delta, q, steps, accountant), targets in wanted.items():
+    for curve, targets in wanted.items():  # (δ, q, T, accountant, neighbours)
         for target in sorted(targets, reverse=True):  # loosest first: its points are the cheapest
             try:
-                calibrate_sigma(target, delta, q, steps, accountant)
+                calibrate_sigma(target, *curve)
             except (UserError, RuntimeError):
                 pass
 

@@ -74,6 +74,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.metadata
+import inspect
 import logging
 import math
 from dataclasses import dataclass
@@ -105,6 +106,7 @@ __all__ = [
     "ACCOUNTANTS",
     "CALIBRATION_VERSION",
     "LIBRARY",
+    "NEIGHBOURS",
     "PLD_RHO",
     "RDP_BASE_ORDERS",
     "RDP_EXTENSION_ORDERS",
@@ -117,6 +119,7 @@ __all__ = [
     "calibrate_sigma",
     "calibrate_sigmas",
     "calibration_cache_dir",
+    "check_dpsgd_neighbours",
     "dpsgd_epsilon",
     "dpsgd_event",
     "dpsgd_rdp_epsilon",
@@ -288,10 +291,35 @@ def check_pld_event(event: dp_event.DpEvent) -> None:
                         f"(its privacy loss range would not fit in memory); use accountant rdp")
 
 
-def _pld_once(event: dp_event.DpEvent, delta: float, h: float) -> float:
+Neighbours = Literal["add_remove", "replace_one"]
+NEIGHBOURS: tuple[str, ...] = ("add_remove", "replace_one")
+"""Neighbouring relations a privacy claim can be stated for: add or remove one record (the library's default,
+Abadi et al.'s), or replace one record by another (Song et al., Bassily et al., Kang et al., Chourasia et al.)."""
+
+
+def _relation(neighbours: str) -> NeighboringRelation:
+    if neighbours not in NEIGHBOURS:
+        raise UserError(f"neighbours must be one of 'add_remove', 'replace_one', got {neighbours!r}")
+    return (_relations.NeighboringRelation.REPLACE_ONE if neighbours == "replace_one"
+            else _relations.NeighboringRelation.ADD_OR_REMOVE_ONE)
+
+
+def check_dpsgd_neighbours(accountant: str, neighbours: str) -> None:
+    """UserError unless DP-SGD's Poisson-subsampled Gaussian can be accounted by `accountant` under `neighbours`:
+    dp-accounting's RDP accountant has no replace-one bound for Poisson subsampling (only for sampling without
+    replacement), the PLD accountant has both (Zhu, Dong & Wang 2022 dominating pairs)."""
+    if neighbours not in NEIGHBOURS:  # without importing the library: a cached RDP σ never needs it
+        raise UserError(f"neighbours must be one of 'add_remove', 'replace_one', got {neighbours!r}")
+    if neighbours == "replace_one" and accountant == "rdp":
+        raise UserError("accountant 'rdp' has no replace-one bound for DP-SGD's Poisson-subsampled Gaussian "
+                        "(dp-accounting's RDP supports replace-one only for sampling without replacement); "
+                        "use accountant: pld, or neighbours: add_remove")
+
+
+def _pld_once(event: dp_event.DpEvent, delta: float, h: float, neighbours: str = "add_remove") -> float:
     check_pld_event(event)
     check.pld_memory(event, h)  # estimated before the library allocates: refused in one line if it cannot fit
-    accountant = _pld_lib.PLDAccountant(value_discretization_interval=h)
+    accountant = _pld_lib.PLDAccountant(_relation(neighbours), value_discretization_interval=h)
     accountant.compose(event)
     return float(accountant.get_epsilon(delta))
 
@@ -302,15 +330,16 @@ def _snap_down(h: float) -> float:
 
 
 def _pld_epsilon(
-    event: dp_event.DpEvent, delta: float, value_discretization_interval: float | None = None
+    event: dp_event.DpEvent, delta: float, value_discretization_interval: float | None = None,
+    neighbours: str = "add_remove",
 ) -> tuple[float, float]:
     """(epsilon, discretisation interval used); see the module docstring for the h rule."""
     if value_discretization_interval is not None:
         h = check.positive("value_discretization_interval", value_discretization_interval)
-        return _pld_once(event, delta, h), h
+        return _pld_once(event, delta, h, neighbours), h
     root_n = math.sqrt(_composition_count(event))
     h = _PLD_H_START
-    eps = _pld_once(event, delta, h)
+    eps = _pld_once(event, delta, h, neighbours)
     for _ in range(_PLD_MAX_PASSES):
         if not (math.isfinite(eps) and eps > 0):
             break
@@ -318,7 +347,7 @@ def _pld_epsilon(
         if h_new >= h:
             break
         h = h_new
-        eps = _pld_once(event, delta, h)
+        eps = _pld_once(event, delta, h, neighbours)
     return eps, h
 
 
@@ -329,9 +358,9 @@ def _check_accountant(accountant: object) -> str:
 
 
 def epsilon_for(
-    event: dp_event.DpEvent, delta: float, accountant: AccountantName = "rdp"
+    event: dp_event.DpEvent, delta: float, accountant: AccountantName = "rdp", neighbours: Neighbours = "add_remove"
 ) -> float:
-    """Epsilon such that ``event`` is (epsilon, delta)-DP, by the chosen accountant.
+    """Epsilon such that ``event`` is (epsilon, delta)-DP under ``neighbours``, by the chosen accountant.
 
     ``"rdp"``: RdpAccountant over :data:`RDP_ORDERS`; ``"pld"``: PLDAccountant with the adaptive
     discretisation described in the module docstring.  Both are upper bounds; PLD is tighter.
@@ -339,8 +368,8 @@ def epsilon_for(
     d = check.open_unit("delta", delta)
     name = _check_accountant(accountant)
     if name == "rdp":
-        return rdp_epsilon_and_order(event, d)[0]
-    return _pld_epsilon(event, d)[0]
+        return rdp_epsilon_and_order(event, d, _relation(neighbours))[0]
+    return _pld_epsilon(event, d, neighbours=neighbours)[0]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -350,12 +379,14 @@ def dpsgd_epsilon(
     steps: int,
     delta: float,
     accountant: AccountantName = "rdp",
+    neighbours: Neighbours = "add_remove",
 ) -> float:
-    """Epsilon of DP-SGD (:func:`dpsgd_event`) after ``steps`` steps at the given ``delta``."""
-    if _check_accountant(accountant) == "rdp":
+    """Epsilon of DP-SGD (:func:`dpsgd_event`) after ``steps`` steps at the given ``delta``, under ``neighbours``."""
+    check_dpsgd_neighbours(_check_accountant(accountant), neighbours)
+    if accountant == "rdp":
         return dpsgd_rdp_epsilon(check.noise_multiplier("sigma", sigma), check.sample_rate("sample_rate", sample_rate),
                                  check.count("steps", steps, maximum=MAX_STEPS), check.open_unit("delta", delta))[0]
-    return epsilon_for(dpsgd_event(sigma, sample_rate, steps), delta, accountant)
+    return epsilon_for(dpsgd_event(sigma, sample_rate, steps), delta, accountant, neighbours)
 
 
 def rdp_curve_to_epsilon(orders: Sequence[float], rdp: Sequence[float], delta: float) -> float:
@@ -563,6 +594,7 @@ class Calibration:
     library: str
     rdp_order: float | None = None  # RDP: optimal order at sigma
     value_discretization_interval: float | None = None  # PLD: h used at sigma
+    neighbours: str = "add_remove"  # the relation epsilon is stated for
 
 
 def _sigma_guess(target: float, delta: float, q: float, steps: int) -> float:
@@ -792,7 +824,7 @@ CALIBRATION_VERSION: str = "2"  # 2: sigma on the EpsilonCurve lattice (1: Brent
 """Version of the calibration code (:class:`EpsilonCurve`, :func:`calibrate_sigma`, the order grid, the PLD rule):
 part of the on-disk cache key, so bump it whenever a change could alter a calibrated sigma."""
 
-_NEIGHBORING = "add_or_remove_one"  # dpsgd_event's relation (the library default)
+_CACHE_RELATION = {"add_remove": "add_or_remove_one", "replace_one": "replace_one"}  # as the cache keys spell them
 
 
 def calibration_cache_dir() -> Path | None:
@@ -801,10 +833,11 @@ def calibration_cache_dir() -> Path | None:
     return diskcache.cache_folder("calibration")
 
 
-def _cache_key(target: float, delta: float, q: float, steps: int, accountant: str) -> dict:
+def _cache_key(target: float, delta: float, q: float, steps: int, accountant: str,
+               neighbours: str = "add_remove") -> dict:
     # floats as repr (shortest round-trip string): 1/30162**2 and its neighbours are distinct keys
     return {"target_epsilon": repr(target), "delta": repr(delta), "sample_rate": repr(q), "steps": steps,
-            "accountant": accountant, "neighboring_relation": _NEIGHBORING, "library": LIBRARY,
+            "accountant": accountant, "neighboring_relation": _CACHE_RELATION[neighbours], "library": LIBRARY,
             "calibration_version": CALIBRATION_VERSION}
 
 
@@ -817,7 +850,8 @@ def _cache_read(folder: Path | None, key: dict) -> Calibration | None:
         return None
 
 
-def _verified(cal: Calibration, target: float, d: float, q: float, t: int, name: str) -> Calibration:
+def _verified(cal: Calibration, target: float, d: float, q: float, t: int, name: str,
+              neighbours: str = "add_remove") -> Calibration:
     """A cached σ checked against what defines it, by the accountant at (q, T, δ): σ is exactly a point of the
     curve's lattice (so a changed bit is seen) and ε(σ) is in the calibration window [(1 − rel_tol)·target, target] (or, where ε(σ) steps over the
     window, the finest lattice point below σ exceeds the target). The Calibration returned records that
@@ -829,20 +863,20 @@ def _verified(cal: Calibration, target: float, d: float, q: float, t: int, name:
     k = round(math.log(sigma) / finest)
     if math.exp(k * finest) != sigma:
         raise diskcache.Rejected(f"sigma = {sigma!r} is not a point of the calibration lattice")
-    curve = dpsgd_curve(d, q, t, name)
+    curve = dpsgd_curve(d, q, t, name, neighbours)
     e, extra = curve.evaluate(sigma)
     in_window = (1.0 - curve.rel_tol) * target <= e <= target
     if not (in_window or (e <= target and curve.evaluate(math.exp((k - 1) * finest))[0] > target)):
         raise diskcache.Rejected(f"sigma = {sigma!r} gives epsilon = {e:.6g} by the {name} accountant at "
                                  f"delta={d:g}, sample_rate={q:g}, steps={t}, not the target {target:g} "
                                  f"(within {curve.rel_tol:g} below)")
-    return _calibration(sigma, e, extra, target, d, q, t, name)
+    return _calibration(sigma, e, extra, target, d, q, t, name, neighbours)
 
 
 def _calibration(sigma: float, e: float, extra: object, target: float, d: float, q: float, t: int,
-                 name: str) -> Calibration:
+                 name: str, neighbours: str) -> Calibration:
     return Calibration(sigma=sigma, epsilon=e, target_epsilon=target, delta=d, sample_rate=q, steps=t,
-                       accountant=name, library=LIBRARY, rdp_order=extra if name == "rdp" else None,  # type: ignore
+                       accountant=name, library=LIBRARY, neighbours=neighbours, rdp_order=extra if name == "rdp" else None,  # type: ignore
                        value_discretization_interval=extra if name == "pld" else None)  # type: ignore[arg-type]
 
 
@@ -852,15 +886,37 @@ def _cache_write(folder: Path | None, key: dict, cal: Calibration) -> None:
     diskcache.write_entry(folder, key, "calibration", dict(vars(cal)))
 
 
-@functools.lru_cache(maxsize=1024)
+def _memoised(maxsize: int) -> Callable[[Callable], Callable]:
+    """functools.lru_cache keyed by the arguments as bound to the signature, defaults applied: a call that spells
+    out a default (``neighbours="add_remove"``) and one that leaves it out share one entry."""
+
+    def wrap(fn: Callable) -> Callable:
+        cached = functools.lru_cache(maxsize=maxsize)(fn)
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            return cached(*bound.args)
+
+        call.cache_clear = cached.cache_clear  # type: ignore[attr-defined]
+        call.cache_info = cached.cache_info  # type: ignore[attr-defined]
+        return call
+
+    return wrap
+
+
+@_memoised(maxsize=1024)
 def calibrate_sigma(
     target_epsilon: float,
     delta: float,
     sample_rate: float,
     steps: int,
     accountant: AccountantName = "rdp",
+    neighbours: Neighbours = "add_remove",
 ) -> Calibration:
-    """Smallest DP-SGD noise multiplier with epsilon in [0.999 * target, target].
+    """Smallest DP-SGD noise multiplier with epsilon in [0.999 * target, target] under ``neighbours``.
 
     Uses :func:`calibrate` on ``sigma -> epsilon_for(dpsgd_event(sigma, q, T), delta,
     accountant)``.  Results are cached in the process (all arguments are hashable) and on disk
@@ -875,19 +931,21 @@ def calibrate_sigma(
     q = check.sample_rate("sample_rate", sample_rate)
     t = check.count("steps", steps)
     name = _check_accountant(accountant)
-    folder, key = calibration_cache_dir(), _cache_key(target, d, q, t, name)
+    check_dpsgd_neighbours(name, neighbours)
+    folder, key = calibration_cache_dir(), _cache_key(target, d, q, t, name, neighbours)
     cached = _cache_read(folder, key)
     if cached is not None:
         try:
-            return _verified(cached, target, d, q, t, name)
+            return _verified(cached, target, d, q, t, name, neighbours)
         except diskcache.Rejected as exc:
             diskcache.discard(folder, key, str(exc))
-    cal = _calibrate_sigma(target, d, q, t, name)
+    cal = _calibrate_sigma(target, d, q, t, name, neighbours)
     _cache_write(folder, key, cal)
     return cal
 
 
-def _calibrate_sigma(target: float, d: float, q: float, t: int, name: str) -> Calibration:
+def _calibrate_sigma(target: float, d: float, q: float, t: int, name: str,
+                     neighbours: str = "add_remove") -> Calibration:
     if name == "rdp":
         floor = rdp_epsilon_floor(d)
         if target <= floor:
@@ -896,26 +954,31 @@ def _calibrate_sigma(target: float, d: float, q: float, t: int, name: str) -> Ca
                 f"up to {RDP_MAX_ORDER} no sigma certifies epsilon below ~{floor:.3g} at "
                 f"delta={d:g}; use accountant='pld' or a larger target_epsilon/delta"
             )
-    curve = dpsgd_curve(d, q, t, name)
+    curve = dpsgd_curve(d, q, t, name, neighbours)
     point = curve.calibrate(target, sigma_guess=_sigma_guess(target, d, q, t))
-    return _calibration(point.sigma, point.epsilon, curve.info[point.sigma], target, d, q, t, name)
+    return _calibration(point.sigma, point.epsilon, curve.info[point.sigma], target, d, q, t, name, neighbours)
 
 
-@functools.lru_cache(maxsize=64)
-def dpsgd_curve(delta: float, sample_rate: float, steps: int, accountant: str) -> EpsilonCurve:
-    """The accountant's epsilon(sigma) of DP-SGD at (delta, q, T): one curve per process for every target
-    (an epsilon axis reads it in one pass); info at each point: the RDP order or the PLD interval used."""
-    context = f" (delta={delta:g}, sample_rate={sample_rate:g}, steps={steps}, accountant={accountant!r})"
+@_memoised(maxsize=64)
+def dpsgd_curve(delta: float, sample_rate: float, steps: int, accountant: str,
+                neighbours: str = "add_remove") -> EpsilonCurve:
+    """The accountant's epsilon(sigma) of DP-SGD at (delta, q, T) under `neighbours`: one curve per process for
+    every target (an epsilon axis reads it in one pass); info at each point: the RDP order or the PLD interval."""
+    check_dpsgd_neighbours(accountant, neighbours)
+    context = (f" (delta={delta:g}, sample_rate={sample_rate:g}, steps={steps}, accountant={accountant!r}, "
+               f"neighbours={neighbours})")
     if accountant == "rdp":
         rdp = _rdp_native.DpsgdRdpCurve(sample_rate, steps, delta, RDP_BASE_ORDERS, RDP_EXTENSION_ORDERS)
         return EpsilonCurve(rdp.epsilon_and_order, estimate=rdp.estimate, exceeds=rdp.exceeds, guess=rdp.guess,
                             context=context)
-    return EpsilonCurve(lambda sigma: _pld_epsilon(dpsgd_event(sigma, sample_rate, steps), delta), context=context)
+    return EpsilonCurve(lambda sigma: _pld_epsilon(dpsgd_event(sigma, sample_rate, steps), delta,
+                                                   neighbours=neighbours), context=context)
 
 
 def calibrate_sigmas(targets: Sequence[float], delta: float, sample_rate: float, steps: int,
-                     accountant: AccountantName = "rdp") -> list[Calibration]:
+                     accountant: AccountantName = "rdp", neighbours: Neighbours = "add_remove") -> list[Calibration]:
     """:func:`calibrate_sigma` for a whole epsilon axis on one accountant curve, the loosest target first (its
     points are the cheapest to evaluate); each sigma is what the target alone gives (see :class:`EpsilonCurve`)."""
-    found = {e: calibrate_sigma(e, delta, sample_rate, steps, accountant) for e in sorted(set(targets), reverse=True)}
+    found = {e: calibrate_sigma(e, delta, sample_rate, steps, accountant, neighbours)
+             for e in sorted(set(targets), reverse=True)}
     return [found[e] for e in targets]
