@@ -355,9 +355,10 @@ class SelectSpec(_Strict):
 class AuditSpec(_Strict):
     """How `dpsgd audit` attacks the grid's cells (see dpsgd_cli/audit)."""
 
-    canaries: list[Literal["input", "gradient"]] = Field(
-        ["input"], min_length=1, description="input: a record, black box (last iterate); gradient: a record whose "
-        "gradient is a fixed vector, white box (last iterate and all iterates)")
+    canaries: list[Literal["input", "gradient", "dirac"]] = Field(
+        ["input", "dirac"], min_length=1, description="input: a record, black box (last iterate); gradient: a record "
+        "whose gradient is a fixed vector, white box (last iterate and all iterates); dirac: a gradient on an input "
+        "coordinate no record uses, white box (last iterate, and all iterates by a per-step likelihood ratio)")
     trials: int = Field(500, ge=2, description="trainings with the canary (and as many without)")
     confidence: float = Field(0.95, gt=0.5, lt=1, description="probability that ε_lo is a lower bound")
     statistic: Literal["clopper_pearson", "one_run"] = Field(
@@ -372,6 +373,9 @@ class AuditSpec(_Strict):
     chunk: int = Field(32, ge=1, description="replicas per vectorised fit (32: fastest per replica-step on adult; "
                        "larger chunks pay in memory traffic)")
     seed: int = Field(0, ge=0, description="seed of the canary directions and one-run inclusion coins")
+    control: Optional[float] = Field(0.1, ge=0, lt=1, description="positive control: the same audit of each cell's "
+                                     "broken twin, its noise multiplied by this factor (null: none; then no verdict "
+                                     "is better than uninformative)")
 
     @field_validator("canaries", mode="before")
     @classmethod

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal, Optional
 
@@ -97,10 +98,34 @@ class Algorithm:
     # the neighbouring relation its analysis is stated for; the audit's "out" world is the worst-case neighbour
     neighbours: ClassVar[Literal["add_remove", "replace_one"]] = "add_remove"
 
+    # What the privacy claim is a claim about: "final output" (only the released model: intermediate iterates
+    # are not covered) or "every iterate" (an adversary who sees each update). `dpsgd audit` never refutes a claim
+    # with an attack on what it does not cover.
+    covers: ClassVar[Literal["final output", "every iterate"]] = "every iterate"
+    # Whether `with_noise_scale` applies: the configuration multiplies every noise it adds by `noise_scale`.
+    noise_scalable: ClassVar[bool] = False
+
     def __init__(self, params: Optional[dict[str, Any]] = None, neighbours: Optional[str] = None):
         """`neighbours`: the relation the grid asks its ε to hold under (None: the algorithm's own)."""
         self.params = self.Params(**(params or {}))
         self._asked_neighbours = neighbours
+        self.noise_scale = 1.0
+
+    def with_noise_scale(self, factor: float) -> "Algorithm":
+        """A copy whose noise is multiplied by `factor` while its calibration (and so its claimed ε) is unchanged:
+        the broken twin `dpsgd audit` runs as a positive control. Its true ε is `derived["epsilon_noise_scaled"]`
+        (what the accountant gives for the scaled noise). Never reachable from a grid's algorithm entry."""
+        if not self.noise_scalable:
+            raise NotImplementedError(f"{self.name} has no noise-scale hook")
+        if not (np.isfinite(factor) and factor >= 0):
+            raise ValueError(f"noise scale must be a finite number ≥ 0, got {factor!r}")
+        twin = copy.copy(self)
+        twin.noise_scale = float(factor)
+        return twin
+
+    def covered(self, derived: dict[str, Any]) -> str:
+        """What this configuration's claim covers, given what its run derived (see `covers`)."""
+        return self.covers
 
     def native_neighbours(self) -> str:
         """The relation this configuration's analysis is stated for when the grid asks for none."""

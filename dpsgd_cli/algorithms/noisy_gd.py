@@ -65,6 +65,7 @@ class NoisyGD(Algorithm):
 
     name = "noisy_gd"
     neighbours = "replace_one"
+    noise_scalable = True
     private = True
     uses = frozenset({"epsilon", "lr", "epochs", "l2", "clip_norm"})
     Params = NoisyGDParams
@@ -79,6 +80,11 @@ class NoisyGD(Algorithm):
             raise UserError(f"noisy_gd: epochs = {setting.epochs} gives K = {K} full-batch steps; use epochs ≥ 1 "
                             f"(K = round(epochs))")
         return K
+
+    def covered(self, derived: dict) -> str:
+        """Composition of the K Gaussian steps covers every iterate; the dynamics bound assumes hidden
+        intermediate models, so it covers the final output only."""
+        return "every iterate" if derived.get("bound_used") == "composition" else "final output"
 
     def dynamics_guarantee(self, setting: Setting, model: Model, X: np.ndarray) -> tuple[str, Optional[float]]:
         """("proved" or the first failed assumption of the dynamics bound, the smoothness β of the regularised loss)."""
@@ -140,7 +146,7 @@ class NoisyGD(Algorithm):
         cal = calibrate_noisy_gd(setting.epsilon, setting.delta, K, eta, lam, n, sensitivity, accountant)
         if accountant == "composition" or (accountant == "minimum" and composition_is_smaller(K, eta, lam)):
             guarantee = "proved"
-        noise_std = np.sqrt(2.0 * cal.sigma**2 / eta)  # on the gradient; × η gives √(2ησ²) on θ
+        noise_std = np.sqrt(2.0 * cal.sigma**2 / eta) * self.noise_scale  # on the gradient; × η: √(2ησ²) on θ
         chain = self.chain(setting, X, y, streams, noise_std, model.n_params)
         derived = {
             "sigma": cal.sigma, "epsilon_achieved": cal.epsilon, "accountant": accountant, "steps": K,
@@ -153,6 +159,10 @@ class NoisyGD(Algorithm):
             "epsilon_composition": noisy_gd_epsilon(cal.sigma, setting.delta, K, eta, lam, n, sensitivity,
                                                     "composition"),
         }
+        if self.noise_scale != 1.0:  # the audit's broken twin: the same accountant at the σ it adds
+            used = cal.sigma * self.noise_scale
+            derived.update(noise_scale=self.noise_scale, sigma_used=used, epsilon_noise_scaled=float("inf") if used <= 0
+                           else noisy_gd_epsilon(used, setting.delta, K, eta, lam, n, sensitivity, derived["bound_used"]))
         finish = lambda theta: Outcome(theta, {**derived, "backend": chain.ran_on or "numpy"}, guarantee=guarantee,
                                        trace=chain.checkpoints.rows if chain.checkpoints else [])
         return Prepared(chain, model.init(streams.generators("init")), K, finish)

@@ -84,6 +84,18 @@ def calibrate_output_noise(sensitivity: float, epsilon: float, delta: float, cal
     return OutputNoise(float(sensitivity), float(sigma), calibration, achieved, exact, failure)
 
 
+def scaled_noise(algorithm: Algorithm, noise: OutputNoise, delta: float) -> tuple[float, dict]:
+    """(σ added, derived values) with the audit's noise scale (`Algorithm.with_noise_scale`): its true ε is the
+    Gaussian mechanism's at σ·scale (∞ without noise)."""
+    if algorithm.noise_scale == 1.0:
+        return noise.sigma, {}
+    from dp_accounting import get_epsilon_gaussian
+
+    sigma = noise.sigma * algorithm.noise_scale
+    true = float(get_epsilon_gaussian(sigma / noise.sensitivity, delta)) if sigma > 0 else float("inf")
+    return sigma, {"noise_scale": algorithm.noise_scale, "sigma_used": sigma, "epsilon_noise_scaled": true}
+
+
 def add_output_noise(theta: np.ndarray, sigma: float, streams: ReplicaStreams) -> np.ndarray:
     """θ + σ z, z ~ N(0, I) drawn from each replica's own "output" stream: (R, P)."""
     z = np.stack([g.standard_normal(theta.shape[1]) for g in streams.generators("output")])
@@ -131,6 +143,8 @@ class OutputPerturbation(Algorithm):
     private = True
     uses = frozenset({"epsilon", "l2"})
     Params = OutputNoiseParams
+    covers = "final output"
+    noise_scalable = True
     source = "Chaudhuri, Monteleoni & Sarwate, Differentially Private Empirical Risk Minimization, JMLR 2011"
 
     def fit(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Outcome:
@@ -148,8 +162,9 @@ class OutputPerturbation(Algorithm):
                      or (f"none: inexact minimiser (‖θ̂ − θ*‖ ≤ ‖∇F‖/λ = {argmin_error:.3g} > 1e-3 Δ)"
                          if argmin_error > ARGMIN_TOLERANCE * sensitivity else None)
                      or noise.failure or "proved")
-        theta = add_output_noise(np.tile(theta_star, (streams.replicas, 1)), noise.sigma, streams)
-        derived = {**noise.derived(), "lipschitz": L, "argmin_error_bound": argmin_error, **info}
+        sigma, scaled = scaled_noise(self, noise, setting.delta)
+        theta = add_output_noise(np.tile(theta_star, (streams.replicas, 1)), sigma, streams)
+        derived = {**noise.derived(), "lipschitz": L, "argmin_error_bound": argmin_error, **info, **scaled}
         return Outcome(theta, derived, guarantee=guarantee)
 
 
@@ -233,6 +248,8 @@ class BoltOn(Algorithm):
     private = True
     uses = frozenset({"epsilon", "batch_size", "lr", "epochs", "l2"})
     Params = BoltOnParams
+    covers = "final output"  # the iterates carry no noise: only the released θ is private
+    noise_scalable = True
     source = ("Wu, Li, Kumar, Chaudhuri, Jha & Naughton, Bolt-on Differential Privacy for Scalable Stochastic "
               "Gradient Descent-based Analytics, SIGMOD 2017")
 
@@ -285,11 +302,12 @@ class BoltOn(Algorithm):
         chain = self.chain(plan, setting.l2, shuffled_batches(X, y, plan.batch_size, streams, reshuffle=False),
                            checkpoints)
         guarantee = _assumption_failure(model, X) or plan.failure or noise.failure or "proved"
+        sigma, scaled = scaled_noise(self, noise, setting.delta)
         derived = {**plan.derived(), **noise.derived(),
-                   "examples_unused_per_pass": setting.n - plan.batches_per_pass * plan.batch_size}
+                   "examples_unused_per_pass": setting.n - plan.batches_per_pass * plan.batch_size, **scaled}
 
         def finish(theta: np.ndarray) -> Outcome:
-            return Outcome(add_output_noise(theta, noise.sigma, streams), derived, guarantee=guarantee,
+            return Outcome(add_output_noise(theta, sigma, streams), derived, guarantee=guarantee,
                            trace=checkpoints.rows if checkpoints else [])
 
         return Prepared(chain, model.init(streams.generators("init")), plan.steps, finish)

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import itertools
-from typing import ClassVar, Iterator, Literal, Optional
+from typing import Literal, Optional
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -15,7 +14,7 @@ from dpsgd_cli.algorithms.sampling import poisson_batches
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.models import Model
 from dpsgd_cli.errors import UserError
-from dpsgd_cli.privacy.accounting import calibrate_sigma, check_dpsgd_neighbours
+from dpsgd_cli.privacy.accounting import calibrate_sigma, check_dpsgd_neighbours, dpsgd_epsilon
 
 
 BACKEND_HELP = ("logistic regression: the compiled mini-batch step (kernels_minibatch; auto: when numba is "
@@ -84,10 +83,7 @@ class DPSGD(SGD):
     Params = DPSGDParams
     source = "Abadi et al., Deep Learning with Differential Privacy, CCS 2016"
 
-    # Test-only: a deliberately broken mechanism for the audit's tests (`dpsgd audit` must catch it); never set
-    # by a grid. "noise_x0.1": σ/10; "clip_batch": clip the batch's summed gradient, not each example's;
-    # "same_noise": one noise vector reused at every step.
-    _broken: ClassVar[Optional[str]] = None
+    noise_scalable = True
 
     def refuses_neighbours(self, neighbours: str) -> Optional[str]:
         """Both relations, through the accountant (RDP: add/remove only, see `check_dpsgd_neighbours`)."""
@@ -102,25 +98,21 @@ class DPSGD(SGD):
                 self.neighbouring())
 
     def prepare(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Prepared:
-        cal = calibrate_sigma(*self.sigma_calibration(setting))
+        args = self.sigma_calibration(setting)
+        cal = calibrate_sigma(*args)
         draws = streams.normal("noise", (model.n_params,))
-        std, clip, pre = cal.sigma * setting.clip_norm, setting.clip_norm, []
-        if self._broken is not None:
-            std, clip, pre, draws = _break(self._broken, std, clip, draws)
-        chain = self.chain(setting, X, y, streams, clip=clip, noise=[*pre, add_noise(std, draws)])
+        std = cal.sigma * setting.clip_norm * self.noise_scale
+        chain = self.chain(setting, X, y, streams, clip=setting.clip_norm, noise=[add_noise(std, draws)])
         derived = {"sigma": cal.sigma, "epsilon_achieved": cal.epsilon, "accountant": cal.accountant,
                    "accountant_library": cal.library}
+        if self.noise_scale != 1.0:  # the audit's broken twin: what the accountant gives for the noise it adds
+            derived.update(noise_scale=self.noise_scale, sigma_used=cal.sigma * self.noise_scale,
+                           epsilon_noise_scaled=_scaled_epsilon(cal.sigma * self.noise_scale, setting, *args[4:]))
         return self._prepared(setting, model, X, streams, chain, derived, "proved")
 
 
-def _break(kind: str, std: float, clip: float, draws: Iterator[np.ndarray]) -> tuple:
-    """(noise std, per-example clip, transforms before the noise, noise draws) of a broken DP-SGD (tests only)."""
-    if kind == "noise_x0.1":
-        return std / 10, clip, [], draws
-    if kind == "clip_batch":
-        def clip_sum(g, theta):
-            return g * np.minimum(1.0, clip / np.maximum(np.linalg.norm(g, axis=1, keepdims=True), 1e-300))
-        return std, None, [clip_sum], draws
-    if kind == "same_noise":
-        return std, clip, [], itertools.repeat(next(draws))
-    raise ValueError(f"unknown broken variant {kind!r}")
+def _scaled_epsilon(sigma: float, setting: Setting, accountant: str, neighbours: str) -> float:
+    """ε at the setting's δ of DP-SGD with noise multiplier `sigma` (∞ without noise)."""
+    if sigma <= 0:
+        return float("inf")
+    return float(dpsgd_epsilon(sigma, setting.sample_rate, setting.steps, setting.delta, accountant, neighbours))

@@ -144,7 +144,7 @@ class Song2013NonPrivate(Algorithm):
             return None
         draw, derived, guarantee = self.noise_draw(setting, model, X, passes)
         clip = GRADIENT_BOUND if draw is not None else None
-        noise = add_noise(1.0, streams.per_step("noise", draw)) if draw else None
+        noise = add_noise(self.noise_scale, streams.per_step("noise", draw)) if draw else None
         chain = self.chain(setting, X, y, streams, noise=noise, clip=clip)
         finish = lambda theta: self._outcome(setting, model, X, y, theta, chain.schedule, chain.ran_on or "numpy",
                                              derived, clip,
@@ -164,7 +164,7 @@ class Song2013NonPrivate(Algorithm):
         theta = kernels.logreg_single_example_sgd(
             model.init(streams.generators("init")), X, y, kernels.shuffled_example_blocks(X.shape[0], streams), steps,
             eta, clip=clip, l2=setting.l2, radius=self.radius(setting),
-            noise=kernels.block_draws(streams, "noise", draw) if draw else None, noise_std=1.0,
+            noise=kernels.block_draws(streams, "noise", draw) if draw else None, noise_std=self.noise_scale,
             batch_scale=1.0 / setting.batch_size, checkpoints=ckpt, model=model)
         return self._outcome(setting, model, X, y, theta, eta, "numba", derived, clip, guarantee,
                              ckpt.rows if ckpt else [])
@@ -200,6 +200,7 @@ class Song2013(Song2013NonPrivate):
     private = True
     uses = frozenset({"epsilon", "batch_size", "lr", "epochs", "l2"})
     Params = Song2013PrivateParams
+    noise_scalable = True
 
     def noise_draw(self, setting: Setting, model: Model, X, passes: int) -> tuple[Optional[NoiseDraw], dict, str]:
         alpha, delta_used = setting.epsilon / passes, 0.0
@@ -220,5 +221,8 @@ class Song2013(Song2013NonPrivate):
         }
         # Z_t (K steps at a time, in blocks of 64) goes on the batch SUM, i.e. Z_t/b on the mean after scale(1/b)
         # checked once (as gamma_norm_noise checks them), then every block drawn unchecked: the same numbers
+        if self.noise_scale != 1.0:  # the audit's broken twin: density ∝ exp(−(α/2)‖z‖/s) is (α/s)-DP per pass
+            derived.update(noise_scale=self.noise_scale, epsilon_noise_scaled=float("inf") if self.noise_scale <= 0
+                           else derived["epsilon_achieved"] / self.noise_scale)
         scale_, dim = 2.0 / check.positive("alpha", alpha), check.count("d", d)
         return (lambda g, k: gamma_norm_draws(g, scale_, dim, (k,))), derived, "proved"
