@@ -144,6 +144,11 @@ class Algorithm:
         return (f"{self.name} is analysed under {spelled} neighbours only (its sensitivity and accounting are "
                 f"stated for that relation); use neighbours: {native} for it")
 
+    def check(self, setting: Setting, model_name: str = "") -> None:
+        """UserError for a setting this configuration cannot run (constraints across axes and parameters, e.g.
+        a batch size its sampling does not allow). Called before any work by `dpsgd run` for every cell, and
+        again where the algorithm trains."""
+
     def sigma_calibration(self, setting: Setting) -> Optional[tuple[float, float, float, int, str, str]]:
         """The (ε, δ, q, T, accountant, neighbours) this configuration calibrates DP-SGD's σ for
         (`calibrate_sigma`), if any: a fused task calibrates its cells' σ beforehand, one accountant curve per

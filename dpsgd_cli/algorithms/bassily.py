@@ -426,6 +426,11 @@ class Bassily2014(Algorithm):
             return self.params.radius
         return lipschitz / setting.l2 if setting.l2 > 0 else 10.0
 
+    def check(self, setting: Setting, model_name: str = "") -> None:
+        if self.params.schedule == "strongly_convex" and not setting.l2 > 0:
+            raise UserError("bassily2014: schedule strongly_convex needs l2 > 0 (F is λ-strongly convex); "
+                            "use schedule: convex")
+
     def schedule(self, setting: Setting, sigma: float, lipschitz: float, radius: float,
                  n_params: int) -> tuple[Schedule, dict]:
         kind = self.params.schedule

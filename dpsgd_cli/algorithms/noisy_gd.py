@@ -73,6 +73,12 @@ class NoisyGD(Algorithm):
     source = ("Chourasia, Ye, Shokri, Differential Privacy Dynamics of Langevin Diffusion and Noisy Gradient "
               "Descent, NeurIPS 2021")
 
+    def check(self, setting: Setting, model_name: str = "") -> None:
+        self.steps(setting)
+        if self.params.accountant != "composition" and not setting.l2 > 0:
+            raise UserError(f"noisy_gd with accountant {self.params.accountant!r} needs l2 > 0 (λ-strong convexity), "
+                            f"got l2 = {setting.l2}; set l2 > 0 or use accountant: composition")
+
     @staticmethod
     def steps(setting: Setting) -> int:
         K = round(setting.epochs)
@@ -140,9 +146,7 @@ class NoisyGD(Algorithm):
         if guarantee == "proved" and setting.trace_every:
             guarantee = ("none: intermediate θ recorded (trace_every); the dynamics bound assumes hidden "
                          "intermediate models")
-        if accountant != "composition" and not lam > 0:
-            raise UserError(f"noisy_gd with accountant {accountant!r} needs l2 > 0 (λ-strong convexity), got "
-                            f"l2 = {lam}; set l2 > 0 or use accountant: composition")
+        self.check(setting)
         cal = calibrate_noisy_gd(setting.epsilon, setting.delta, K, eta, lam, n, sensitivity, accountant)
         if accountant == "composition" or (accountant == "minimum" and composition_is_smaller(K, eta, lam)):
             guarantee = "proved"

@@ -147,10 +147,13 @@ class OutputPerturbation(Algorithm):
     noise_scalable = True
     source = "Chaudhuri, Monteleoni & Sarwate, Differentially Private Empirical Risk Minimization, JMLR 2011"
 
-    def fit(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Outcome:
+    def check(self, setting: Setting, model_name: str = "") -> None:
         if not setting.l2 > 0:
             raise UserError(f"output_perturbation needs l2 > 0 (λ-strongly convex objective), got l2 = {setting.l2:g}; "
                             "set l2 (e.g. 1e-3) for this algorithm")
+
+    def fit(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Outcome:
+        self.check(setting)
         L = _lipschitz(model, self.name)
         sensitivity = 2 * L / (setting.n * setting.l2)
         noise = calibrate_output_noise(sensitivity, setting.epsilon, setting.delta, self.params.calibration)
@@ -253,11 +256,8 @@ class BoltOn(Algorithm):
     source = ("Wu, Li, Kumar, Chaudhuri, Jha & Naughton, Bolt-on Differential Privacy for Scalable Stochastic "
               "Gradient Descent-based Analytics, SIGMOD 2017")
 
-    def plan(self, setting: Setting, model: Model) -> PSGDPlan:
-        case = self.params.case
-        if case == "auto":
-            case = "strongly_convex" if setting.l2 > 0 else "convex"
-        if case == "strongly_convex" and not setting.l2 > 0:
+    def check(self, setting: Setting, model_name: str = "") -> None:
+        if self.params.case == "strongly_convex" and not setting.l2 > 0:
             raise UserError("bolt_on case strongly_convex needs l2 > 0 (γ = λ); set l2 > 0 or case: convex")
         passes = setting.epochs
         if passes != int(passes) or passes < 1:
@@ -265,6 +265,13 @@ class BoltOn(Algorithm):
         b = int(setting.batch_size)
         if not 1 <= b <= setting.n:
             raise UserError(f"bolt_on: batch_size must be in [1, n = {setting.n}], got {b}")
+
+    def plan(self, setting: Setting, model: Model) -> PSGDPlan:
+        self.check(setting)
+        case = self.params.case
+        if case == "auto":
+            case = "strongly_convex" if setting.l2 > 0 else "convex"
+        passes, b = setting.epochs, int(setting.batch_size)
         L = _lipschitz(model, self.name)
         smooth = model.smoothness(1.0)
         beta = float(smooth if smooth is not None else ASSUMED_SMOOTHNESS) + setting.l2

@@ -695,10 +695,11 @@ class PIDPSGD(Algorithm):
             out.append("influence over the output layer only (the paper: all m parameters)")
         return "; ".join(out)
 
-    def fit(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Outcome:
-        p = self.params
-        influence = resolve_influence(p.influence, model)
-        n, B = setting.n, setting.batch_size
+    def check(self, setting: Setting, model_name: str = "") -> None:
+        p, n, B = self.params, setting.n, setting.batch_size
+        if model_name and model_name not in ("logreg", "mlp"):
+            raise UserError(f"pidp_sgd needs the loss's Hessian: implemented for logreg and mlp; got model "
+                            f"{model_name!r}: use models: [logreg] or [mlp]")
         if p.sampling == "single" and B != 1:
             raise UserError(f"pidp_sgd: sampling: single (Algorithm 1 line 6: one example per step) needs "
                             f"batch_size 1, got {B}: give pidp_sgd batch_size: [1], or sampling: poisson "
@@ -707,6 +708,14 @@ class PIDPSGD(Algorithm):
             raise UserError(f"pidp_sgd: batch_size = {B} must be in [1, n = {n}]")
         if p.sampling == "poisson" and p.contribution_noise == "per_step":
             raise UserError("pidp_sgd: contribution_noise: per_step needs sampling: single (one example per step)")
+        if p.sampling == "single" and p.accountant == "composition":
+            raise UserError("pidp_sgd: accountant: composition is for sampling: poisson; use auto, rdp or pld")
+
+    def fit(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Outcome:
+        p = self.params
+        influence = resolve_influence(p.influence, model)
+        self.check(setting, model.name)
+        n, B = setting.n, setting.batch_size
         rounds, local = self.schedule(setting)
         steps = rounds * local
         eps_1, eps_2 = EPSILON_1_SHARE * setting.epsilon, (1 - EPSILON_1_SHARE) * setting.epsilon

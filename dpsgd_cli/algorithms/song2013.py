@@ -93,8 +93,7 @@ class Song2013NonPrivate(Algorithm):
               "GlobalSIP 2013")
 
     # The chain shared by both algorithms ------------------------------------------------------------
-    def steps(self, setting: Setting) -> tuple[int, int, int]:
-        """(per pass ⌊n/b⌋, steps T = round(epochs · ⌊n/b⌋) ≥ 1, passes touched k = ⌈T / ⌊n/b⌋⌉)."""
+    def check(self, setting: Setting, model_name: str = "") -> None:
         if setting.l2 is None or not setting.l2 > 0:
             raise UserError(f"{self.name}: l2 = {setting.l2}, but Song et al. 2013 need a λ-strongly convex "
                             f"objective (radius 1/λ, step 1/(λt)); set l2 > 0 in the grid (e.g. 1e-4)")
@@ -103,6 +102,10 @@ class Song2013NonPrivate(Algorithm):
         if self.params.schedule != "inv_t" and not (setting.lr or 0) > 0:
             raise UserError(f"{self.name}: schedule {self.params.schedule} needs lr > 0 in the grid, "
                             f"got {setting.lr}; or use schedule: inv_t")
+
+    def steps(self, setting: Setting) -> tuple[int, int, int]:
+        """(per pass ⌊n/b⌋, steps T = round(epochs · ⌊n/b⌋) ≥ 1, passes touched k = ⌈T / ⌊n/b⌋⌉)."""
+        self.check(setting)
         per_pass = setting.n // setting.batch_size
         steps = max(1, round(setting.epochs * per_pass))
         return per_pass, steps, math.ceil(steps / per_pass)

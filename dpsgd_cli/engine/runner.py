@@ -320,13 +320,16 @@ class GridRun:
 def plan_grid(grid: Grid, out_root: Path, resume: bool = True, dry_run: bool = False) -> GridRun:
     """Expand the grid, check it against the data (batch size ≤ n), and list what is still to run."""
     cells = expand(grid)
-    for spec, validation in {(c.dataset, c.validation) for c in cells}:
-        n = dataset(spec, validation).n
-        for cell in cells:
-            if (cell.dataset, cell.validation) == (spec, validation) and cell.batch_size is not None and cell.batch_size > n:
-                raise UserError(
-                    f"grid {grid.name!r}: batch_size = {cell.batch_size} for {cell.algorithm.name} on {getattr(spec, 'id', None) or spec.name} "
-                    f"exceeds the n = {n} training records; use 1 ≤ batch_size ≤ {n}")
+    for cell in cells:  # constraints that need the data's n: before any cell runs
+        data = dataset(cell.dataset, cell.validation)
+        where = f"grid {grid.name!r}: {cell.algorithm.name} on {getattr(cell.dataset, 'id', None) or cell.dataset.name}"
+        if cell.batch_size is not None and cell.batch_size > data.n:
+            raise UserError(f"{where}: batch_size = {cell.batch_size} exceeds the n = {data.n} training records; "
+                            f"use 1 ≤ batch_size ≤ {data.n}")
+        try:
+            cell.make_algorithm().check(setting_of(cell, data), cell.model.name)
+        except UserError as exc:
+            raise UserError(f"{where}: {exc}") from None
     store = ResultStore(Path(out_root) / grid.name)
     if dry_run:
         done = set(store.read().query("status in ['ok', 'diverged']")["run_id"].astype(str)) if resume else set()
