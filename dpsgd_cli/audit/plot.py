@@ -8,36 +8,56 @@ import numpy as np
 import pandas as pd
 
 
-def plot_audit(frame: pd.DataFrame, folder: Path) -> list[Path]:
+def audit_figure(frame: pd.DataFrame):
+    """The laid-out figure (None when no audit row is ok): points at ε_lo = 0 drawn whole (the axes start
+    below 0), the legend below the panels, where it covers no point."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from dpsgd_cli.plots import names
+    from dpsgd_cli.plots.layout import MARKERS, finish
+
     ok = frame[(frame["status"] == "ok") & frame["epsilon_lo"].notna()]
     if ok.empty:
-        return []
+        return None
     threats = sorted(ok["threat_model"].unique())
-    fig, axes = plt.subplots(1, len(threats), figsize=(5 * len(threats), 4.4), squeeze=False)
+    fig, axes = plt.subplots(1, len(threats), figsize=(max(6.0, 4.4 * len(threats)), 3.8), squeeze=False, dpi=130)
     algorithms = sorted(ok["algorithm"].unique())
-    colors = {a: plt.cm.tab10(i % 10) for i, a in enumerate(algorithms)}
-    top = float(np.nanmax([ok["epsilon_claimed"].max(), ok["epsilon_lo"].max()])) * 1.15
+    styles = {a: (plt.cm.tab10(i % 10), MARKERS[i % len(MARKERS)]) for i, a in enumerate(algorithms)}
+    ceilings = ok["ceiling"] if "ceiling" in ok else pd.Series(dtype=float)
+    top = float(np.nanmax([ok["epsilon_claimed"].max(), ok["epsilon_lo"].max(), ceilings.max()])) * 1.15
+    margin = 0.05 * top
     for ax, threat in zip(axes[0], threats):
         part = ok[ok["threat_model"] == threat]
-        ax.plot([0, top], [0, top], color="0.4", lw=1, ls="--", label="ε_lo = ε (above: refuted)")
+        ax.plot([0, top], [0, top], color="0.4", lw=1, ls="--", label=r"$\varepsilon_{lo} = \varepsilon$ (above: refuted)")
         ax.fill_between([0, top], [0, top], [top, top], color="tab:red", alpha=0.07)
+        if "ceiling" in part and part["ceiling"].notna().any():  # no audit of these trials can reach above it
+            ceiling = float(part["ceiling"].min())
+            ax.axhline(ceiling, color="0.3", lw=1, ls=":", label=f"ceiling of the trials (≥ {ceiling:.2f})")
         for algo, group in part.groupby("algorithm"):
-            refuted = group["epsilon_lo"] > group["epsilon_claimed"]
-            ax.scatter(group["epsilon_claimed"][~refuted], group["epsilon_lo"][~refuted], color=colors[algo],
-                       label=algo, s=30)
-            ax.scatter(group["epsilon_claimed"][refuted], group["epsilon_lo"][refuted], color=colors[algo],
+            color, marker = styles[algo]
+            refuted = (group["verdict"] == "refuted" if "verdict" in group
+                       else group["epsilon_lo"] > group["epsilon_claimed"])  # a not-covered row refutes nothing
+            ax.scatter(group["epsilon_claimed"][~refuted], group["epsilon_lo"][~refuted], color=color, marker=marker,
+                       label=names.algorithm(algo), s=30, zorder=4)
+            ax.scatter(group["epsilon_claimed"][refuted], group["epsilon_lo"][refuted], color=color,
                        marker="X", s=110, edgecolor="red", linewidth=1.5, zorder=5,
-                       label=f"{algo}: REFUTED" if refuted.any() else None)
-        ax.set(xlim=(0, top), ylim=(0, top), xlabel="claimed ε (accountant)", ylabel="audited lower bound ε_lo",
-               title=threat)
-        ax.legend(fontsize=7, loc="lower right", framealpha=0.9)
-    fig.suptitle("Privacy audit: claimed ε vs empirical lower bound", fontsize=11)
-    fig.tight_layout()
+                       label=f"{names.algorithm(algo)}: REFUTED" if refuted.any() else None)
+        ax.set(xlim=(-margin, top), ylim=(-margin, top), xlabel=r"claimed $\varepsilon$ (accountant)",
+               ylabel=r"audited lower bound $\varepsilon_{lo}$")
+        ax.set_title(names.literal(threat), fontsize=10)
+    finish(fig, title="Privacy audit: claimed ε against the empirical lower bound", legend_size=8)
+    return fig
+
+
+def plot_audit(frame: pd.DataFrame, folder: Path) -> list[Path]:
+    import matplotlib.pyplot as plt
+
+    fig = audit_figure(frame)
+    if fig is None:
+        return []
     folder.mkdir(parents=True, exist_ok=True)
     paths = [folder / "audit.png", folder / "audit.pdf"]
     for p in paths:

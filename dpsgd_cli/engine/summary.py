@@ -45,7 +45,7 @@ AXES = ["epsilon", "batch_size", "lr", "epochs", "l2", "clip_norm", "dtype"]
 def summary_frame(folder: Path) -> pd.DataFrame:
     """One row per cell of the grid as last run (by cell id, so cells differing in any setting stay apart):
     its settings, runs, ok runs, mean and std of test accuracy and optimality gap, and `identical` — every ok
-    seed gave the same numbers (a deterministic algorithm such as `erm`)."""
+    seed gave the same value of each of them (a deterministic algorithm such as `erm`)."""
     frame = read_results(folder).runs
     columns = ["cell_id", "dataset", "model", "label", *AXES, "runs", "ok", "acc_mean", "acc_std", "gap_mean",
                "gap_std", "identical"]
@@ -61,12 +61,25 @@ def summary_frame(folder: Path) -> pd.DataFrame:
         **{c: (c, "first") for c in ["dataset", "model", "label", *AXES]}, runs=("run_id", "size"))
     stats = ok.groupby("cell_id", sort=False).agg(
         ok=("run_id", "size"), acc_mean=("test_accuracy", "mean"), acc_std=("test_accuracy", "std"),
-        gap_mean=("optimality_gap", "mean"), gap_std=("optimality_gap", "std"),
-        identical=("test_accuracy", lambda s: len(s) > 1 and s.nunique(dropna=False) == 1))
-    out = out.join(stats).reset_index()
+        gap_mean=("optimality_gap", "mean"), gap_std=("optimality_gap", "std"))
+    identical = ok.groupby("cell_id", sort=False)[list(SHOWN)].apply(_identical).rename("identical") if len(ok) \
+        else pd.Series(dtype=bool, name="identical")
+    out = out.join(stats).join(identical).reset_index()
     out["ok"] = out["ok"].fillna(0).astype(int)
     out["identical"] = out["identical"].eq(True)
     return out.fillna({"acc_std": 0.0, "gap_std": 0.0})[columns]
+
+
+SHOWN = ("test_accuracy", "optimality_gap")  # the metrics the summary table shows, mean ± std over seeds
+
+
+def _identical(cell: pd.DataFrame) -> bool:
+    """Every seed gave the same value of every metric shown (a metric no run has, e.g. test accuracy without a
+    test split, says nothing), and there is at least one shown value: a ± would only ever say ± 0."""
+    if len(cell) < 2:
+        return False
+    present = [cell[c] for c in SHOWN if cell[c].notna().any()]
+    return bool(present) and all(values.nunique(dropna=False) == 1 for values in present)
 
 
 def _options_label(frame: pd.DataFrame, name: str, options: str) -> pd.Series:

@@ -7,16 +7,12 @@ A sweep figure is a grid of panels (rows × cols, from result columns), a line p
 from __future__ import annotations
 
 import difflib
-import textwrap
 from pathlib import Path
 from typing import Optional
 
 import matplotlib
 
 matplotlib.use("Agg")
-# titles, labels and legends come from grid files and results: a `$` in them is a dollar sign, not mathtext
-# (an unbalanced or invalid `$...$` would make savefig raise)
-matplotlib.rcParams["text.parse_math"] = False
 import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
 import pandas as pd  # noqa: E402
@@ -26,18 +22,18 @@ from dpsgd_cli.engine.analytic import analytic_table  # noqa: E402
 from dpsgd_cli.engine.results import note, read_manifest  # noqa: E402
 from dpsgd_cli.engine.summary import read_results, results_frame, select  # noqa: E402
 from dpsgd_cli.errors import UserError  # noqa: E402
+from dpsgd_cli.plots import names  # noqa: E402
+from dpsgd_cli.plots.layout import Styles, finish  # noqa: E402
 
 METRICS = {
-    "accuracy": ("test_accuracy", "test accuracy"),
-    "test_accuracy": ("test_accuracy", "test accuracy"),
-    "train_accuracy": ("train_accuracy", "train accuracy"),
-    "optimality_gap": ("optimality_gap", "optimality gap F(θ) − L*"),
-    "test_loss": ("test_loss", "test loss (mean logistic loss)"),
-    "train_objective": ("train_objective", "train objective F(θ)"),
+    "accuracy": "test_accuracy",
+    "test_accuracy": "test_accuracy",
+    "train_accuracy": "train_accuracy",
+    "optimality_gap": "optimality_gap",
+    "test_loss": "test_loss",
+    "train_objective": "train_objective",
 }
-AXIS_LABELS = {"epsilon": "privacy budget ε", "batch_size": "batch size b", "examples": "examples processed",
-               "lr": "learning rate", "epochs": "epochs"}
-REFERENCE_STYLES = [("black", "--"), ("dimgray", ":"), ("gray", "-."), ("darkgray", (0, (5, 2, 1, 2)))]
+DPI = 150
 
 
 def result_folders(path: Path) -> list[Path]:
@@ -70,7 +66,7 @@ def plot_results(path: Path, metric: Optional[str] = None, fmt: str = "png") -> 
             note(line)
         figures = [FigureSpec(**f) for f in grid_of(folder).get("figures", [])] if metric is None else []
         if not figures:
-            column = METRICS[metric or "accuracy"][0]
+            column = METRICS[metric or "accuracy"]
             figures = [FigureSpec(name=metric or "accuracy", metric=column, rows="model", cols="dataset",
                                   log_y=column == "optimality_gap")]
         paths += [p for spec in figures for p in draw_figure(folder, spec, fmt)]
@@ -84,6 +80,8 @@ def draw_figure(folder: Path, spec: FigureSpec, fmt: str) -> list[Path]:
 
         table = analytic_table(folder, spec).pivot(index="K", columns="bound", values="rdp_epsilon").reset_index()
         table.attrs.update({k: v for k, v in spec.params.items() if k not in ("k_max", "points", "log_x")})
+        if spec.title:
+            table.attrs["title"] = spec.title
         paths = [plot_privacy_curve(table, folder / "figures" / f"{spec.name}.{fmt}", log_x=False)]
         if fmt == "png":
             paths.append(plot_privacy_curve(table, folder / "figures" / f"{spec.name}.pdf"))
@@ -92,23 +90,29 @@ def draw_figure(folder: Path, spec: FigureSpec, fmt: str) -> list[Path]:
     if frame.empty:
         note(f"{folder}: figure {spec.name!r} not drawn: {_why_empty(folder, spec)}")
         return []
-    if spec.kind == "noise_scale":
-        fig = _noise_scale_figure(frame, spec)
-    else:
-        fig = _panel_figure(frame, spec)
-    caption = "\n".join(textwrap.fill(line, int(fig.get_figwidth() * 15)) for line in _caption(folder, frame).split("\n"))
-    fig.text(0.01, 0.005, caption, fontsize=8, ha="left", va="bottom")
-    bottom = max(0.04, min(0.35, (caption.count("\n") + 1) * 0.15 / fig.get_figheight()))  # ~0.15 in per line
-    fig.tight_layout(rect=(0, bottom, 1, 0.93 if spec.title else 1))
+    fig = figure(frame, spec, grid_of(folder), folder.name)
     out = folder / "figures" / f"{spec.name}.{fmt}"
     out.parent.mkdir(parents=True, exist_ok=True)
     paths = [out]
-    fig.savefig(out, dpi=150)
+    fig.savefig(out, dpi=DPI)
     if fmt == "png":
         fig.savefig(out.with_suffix(".pdf"))
         paths.append(out.with_suffix(".pdf"))
     plt.close(fig)
     return paths
+
+
+def figure(frame: pd.DataFrame, spec: FigureSpec, grid: dict, grid_name: str):
+    """The laid-out figure of `spec` drawn from `frame` (runs, traces or an analytic table), not yet saved."""
+    if spec.kind == "noise_scale":
+        fig = _noise_scale_figure(frame, spec)
+        caption = [f"grid {names.literal(grid_name)}", "computed from the accountants (no training)"]
+    else:
+        fig = _panel_figure(frame, spec)
+        caption = _caption(grid, grid_name, frame, spec)
+    fig.set_dpi(DPI)
+    finish(fig, title=spec.title, caption=caption)
+    return fig
 
 
 def _frame_for(folder: Path, spec: FigureSpec) -> pd.DataFrame:
@@ -135,10 +139,12 @@ def _why_empty(folder: Path, spec: FigureSpec) -> str:
 def _panel_figure(frame: pd.DataFrame, spec: FigureSpec):
     rows = _levels(frame, spec.rows)
     cols = _levels(frame, spec.cols)
-    fig, axes = plt.subplots(len(rows), len(cols), figsize=(4.6 * len(cols), 3.6 * len(rows) + 0.6),
-                             squeeze=False)
-    ylabel = next((label for column, label in METRICS.values() if column == spec.metric), spec.metric)
+    fig, axes = plt.subplots(len(rows), len(cols), figsize=(max(6.0, 4.4 * len(cols)), 3.3 * len(rows)), squeeze=False,
+                             dpi=DPI)
     x = "examples" if spec.kind == "traces" else spec.x
+    lines = _lines(frame, x, spec)
+    styles = Styles(lines[frame[x].notna()].unique(), lines[frame[x].isna()].unique())
+    frame = frame.assign(_line=lines)
     for i, row in enumerate(rows):
         for j, col in enumerate(cols):
             ax = axes[i][j]
@@ -146,19 +152,37 @@ def _panel_figure(frame: pd.DataFrame, spec: FigureSpec):
             for column, value in ((spec.rows, row), (spec.cols, col)):
                 if column:  # runs without this column's value (e.g. erm has no lr) are references in every panel
                     panel = panel[(panel[column] == value) | panel[column].isna()]
-            _draw_panel(ax, panel, x, spec)
-            title = " · ".join(f"{v}" if name in ("dataset", "model") else f"{name} = {_num(v)}"
-                               for name, v in ((spec.rows, row), (spec.cols, col)) if name)
-            ax.set_title(title)
-            ax.set_xlabel(AXIS_LABELS.get(x, x))
-            ax.set_ylabel(ylabel)
-    if spec.title:
-        fig.suptitle(textwrap.fill(spec.title, 90 if fig.get_figwidth() > 8 else 55))
+            _draw_panel(ax, panel, x, spec, styles)
+            ax.set_title(" · ".join(_level_name(name, v) for name, v in ((spec.rows, row), (spec.cols, col))
+                                    if name), fontsize=10)
+            ax.set_xlabel(names.column(x))
+            ax.set_ylabel(names.column(spec.metric))
     return fig
 
 
+def _level_name(column: str, value) -> str:
+    if column in ("dataset", "model", "grid", "selection"):
+        return names.literal(value)
+    return names.parameter(column, value)
+
+
+def _lines(frame: pd.DataFrame, x: str, spec: FigureSpec) -> pd.Series:
+    """Each row's line name: its `lines` values in readable names; a reference (a run without the x value)
+    is named by its algorithm, once however many selections or lines it stands beside."""
+    keys = frame[spec.lines].astype(object).where(frame[spec.lines].notna(), None).itertuples(index=False, name=None)
+    shown = {c for c in (spec.rows, spec.cols, x) if c}  # in the panel titles or on the x axis already
+    named = pd.Series([names.line_name(spec.lines, key, shown) for key in keys], index=frame.index, dtype=object)
+    reference = frame[x].isna()
+    if reference.any():
+        label = frame["label"] if "label" in frame else frame["algorithm"]
+        suffix = frame["algorithm"].map(lambda a: "" if a in names.NON_PRIVATE or x != "epsilon" else " (non-private)") \
+            if "algorithm" in frame else ""
+        named[reference] = (label.map(lambda v: names.label(v, shown)) + suffix)[reference]
+    return named
+
+
 def _num(value) -> str:
-    return f"{value:g}" if isinstance(value, float) else str(value)
+    return names.number(value)
 
 
 def _levels(frame: pd.DataFrame, column: Optional[str]) -> list:
@@ -169,87 +193,109 @@ def _levels(frame: pd.DataFrame, column: Optional[str]) -> list:
     return sorted(values) if numeric else sorted(values, key=str)
 
 
-def _line_key(frame: pd.DataFrame, spec: FigureSpec) -> pd.Series:
-    key = frame[spec.lines[0]].astype(str)
-    for column in spec.lines[1:]:
-        key = key + f" {column}=" + frame[column].astype(str)
-    return key
-
-
-def _draw_panel(ax, panel: pd.DataFrame, x: str, spec: FigureSpec) -> None:
+def _draw_panel(ax, panel: pd.DataFrame, x: str, spec: FigureSpec, styles: Styles) -> None:
     if panel.empty:
         ax.set_visible(False)
         return
-    panel = panel.assign(_line=_line_key(panel, spec))
     curves, reference = panel[panel[x].notna()], panel[panel[x].isna()]
-    for label, line in curves.groupby("_line", sort=True):
+    if "run_id" in reference:  # the same reference run under each selection is one line
+        reference = reference.drop_duplicates(["run_id", *([c for c in ("examples",) if c in reference])])
+    for label, line in curves.groupby("_line", sort=False):
         stats = line.groupby(x)[spec.metric].agg(["mean", "std"]).fillna(0.0)
         if spec.log_y:
             stats = stats[stats["mean"] > 0]
-        (drawn,) = ax.plot(stats.index, stats["mean"], marker="o" if len(stats) < 30 else None, ms=3.5, label=label)
+        style = styles.lines[label]
+        ax.plot(stats.index, stats["mean"], label=label, lw=1.4, ms=4.5 if len(stats) < 30 else 0,
+                markevery=1, **style)
         ax.fill_between(stats.index, stats["mean"] - stats["std"], stats["mean"] + stats["std"],
-                        color=drawn.get_color(), alpha=0.2, lw=0)
-    styles = iter(REFERENCE_STYLES * max(1, len(reference)))
-    for label, ref in reference.groupby("_line", sort=True):
+                        color=style["color"], alpha=0.15, lw=0)
+    for label, ref in reference.groupby("_line", sort=False):
         mean, std = ref[spec.metric].mean(), ref[spec.metric].std() if len(ref) > 1 else 0.0
-        color, dashes = next(styles)
-        if spec.log_y and mean <= 1e-9:  # numerically zero (erm's own optimality gap): no place on a log axis
-            continue
-        kind = "non-private" if x == "epsilon" else f"no {x}"  # references: the runs without the x value
-        ax.axhline(mean, ls=dashes, lw=1.2, color=color, label=f"{label} ({kind})")
+        if mean != mean or (spec.log_y and mean <= 1e-9):  # none, or numerically zero (erm's own optimality
+            continue                                      # gap): no place on a log axis
+        style = styles.references[label]
+        ax.axhline(mean, lw=1.2, label=label, **style)
         if std > 0:
-            ax.axhspan(mean - std, mean + std, color=color, alpha=0.08, lw=0)
+            ax.axhspan(mean - std, mean + std, color=style["color"], alpha=0.08, lw=0)
     if spec.log_x:
         ax.set_xscale("log")
         values = sorted(curves[x].unique())
         if 0 < len(values) <= 12:  # label the swept values themselves, not powers of ten
-            ax.set_xticks(values, [_num(v) for v in values])
+            ax.set_xticks(values, [names.number(v) for v in values])
             ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     if spec.log_y:
         ax.set_yscale("log")
     ax.grid(True, which="both", alpha=0.25)
-    ax.legend(fontsize=7)
 
 
 def _noise_scale_figure(table: pd.DataFrame, spec: FigureSpec):
     """σ of bassily2014 under each accounting: over T (n and δ = 1/n² fixed) and over n (T and δ fixed).
     Points whose accounting is not proved there (per-step ε₀ beyond what its lemmas need) are hollow."""
-    from matplotlib.lines import Line2D
-
     proved = table["proved"].astype(bool) if "proved" in table else pd.Series(True, index=table.index)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), squeeze=False)
-    for ax, (panel, x, xlabel) in zip(axes[0], [("T", "steps", "steps T"), ("n", "n", "records n")]):
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), squeeze=False, dpi=DPI)
+    styles = Styles(table["accounting"].unique())
+    for ax, (panel, x, xlabel) in zip(axes[0], [("T", "steps", "steps $T$"), ("n", "n", "records $n$")]):
         part = table[table["panel"] == panel]
         for label, line in part.groupby("accounting", sort=False):
-            (drawn,) = ax.plot(line[x], line["sigma"], lw=1.2, label=label)
+            style = styles.lines[label]
             ok = proved[line.index]
-            ax.plot(line[x][ok], line["sigma"][ok], "o", ms=4, color=drawn.get_color())
-            ax.plot(line[x][~ok], line["sigma"][~ok], "o", ms=5, mfc="none", color=drawn.get_color())
-        handles, _ = ax.get_legend_handles_labels()
+            ax.plot(line[x], line["sigma"], lw=1.2, color=style["color"], ls=style["ls"], marker=style["marker"],
+                    ms=5, label=names.literal(label))
+            ax.plot(line[x][~ok], line["sigma"][~ok], ls="none", marker=style["marker"], ms=6, mfc="white",
+                    color=style["color"], zorder=3)  # hollow over the filled marker
         if (~proved[part.index]).any():
-            handles.append(Line2D([], [], ls="none", marker="o", mfc="none", color="0.3",
-                                  label="hollow: not proved (per-step ε₀ beyond its lemmas, or ε not certified)"))
+            ax.plot([], [], ls="none", marker="o", mfc="none", color="0.3",
+                    label=r"hollow: not proved (per-step $\varepsilon_0$ beyond its lemmas, or $\varepsilon$ not certified)")
         if not len(part):
             fixed = ""
         elif panel == "T":
-            fixed = f"n = {part['n'].iloc[0]:,}, δ = 1/n²"
+            fixed = f"$n$ = {part['n'].iloc[0]:,}, $\\delta = 1/n^2$"
         else:
-            fixed = f"T = {part['steps'].iloc[0]:,}, δ = {part['delta'].iloc[0]:.2g}" if "delta" in part else \
-                f"T = {part['steps'].iloc[0]:,}"
-        ax.set(xscale="log", yscale="log", xlabel=xlabel, ylabel="noise σ (per-step, on ∇ℓ)",
-               title=f"σ over {xlabel.split()[-1]} ({fixed}, ε = {table['epsilon'].iloc[0]:g})")
+            fixed = f"$T$ = {part['steps'].iloc[0]:,}, $\\delta$ = {names.number(part['delta'].iloc[0])}" \
+                if "delta" in part else f"$T$ = {part['steps'].iloc[0]:,}"
+        ax.set(xscale="log", yscale="log", xlabel=xlabel, ylabel=r"noise $\sigma$ (per step, on $\nabla\ell$)")
+        ax.set_title(f"{fixed}, $\\varepsilon$ = {names.number(table['epsilon'].iloc[0])}", fontsize=10)
         ax.grid(True, which="both", alpha=0.25)
-        ax.legend(handles=handles, fontsize=7)
-    if spec.title:
-        fig.suptitle(textwrap.fill(spec.title, 90 if fig.get_figwidth() > 8 else 55))
     return fig
 
 
-def _caption(folder: Path, frame: pd.DataFrame) -> str:
-    grid = grid_of(folder)
+def _caption(grid: dict, grid_name: str, frame: pd.DataFrame, spec: FigureSpec) -> list[str]:
+    """The caption's phrases: where the numbers come from, and each line's privacy guarantee — δ only for
+    the lines that have one (pure ε-DP algorithms have δ = 0; non-private lines have no guarantee)."""
     seeds = grid.get("seeds", frame["seed"].nunique() if "seed" in frame else "?")
+    band = "mean ± 1 std" if spec.kind != "traces" or seeds != 1 else "one run"
+    phrases = [f"grid {names.literal(grid_name)}", f"{band} over {seeds} seeds"]
     delta = grid.get("delta", "")
-    delta = "1/n² (n = training records)" if delta == "1/n^2" else delta
+    delta = "1/n^2" if delta == "1/n^2" else names.number(delta) if delta != "" else ""
+    if "algorithm" in frame and "epsilon" in frame:
+        runs = frame.drop_duplicates("run_id") if "run_id" in frame else frame
+        private = runs[runs["epsilon"].notna()]
+        pure = private["accountant"].astype(str).eq("pure") if "accountant" in private else \
+            pd.Series(False, index=private.index)
+        if "delta" in private:
+            pure |= private["delta"].eq(0)
+        approximate = [names.algorithm(a) for a in private[~pure]["algorithm"].unique()]
+        exact = [names.algorithm(a) for a in private[pure]["algorithm"].unique()]
+        if approximate:
+            shown = "$\\delta = 1/n^2$ ($n$ training records)" if delta == "1/n^2" else f"$\\delta$ = {delta}"
+            phrases.append(f"{shown}" + (f" for {', '.join(approximate)}" if exact else ""))
+        if exact:
+            phrases.append(f"{', '.join(exact)}: pure $\\varepsilon$-DP ($\\delta = 0$)")
+        if private.empty and not runs.empty:
+            phrases.append("no private line")
     from dpsgd_cli.engine.selection import caption_of
 
-    return f"grid {folder.name}; mean ± 1 std over {seeds} seeds; δ = {delta}" + caption_of(grid)
+    phrases += [names.literal(part) for part in _phrases(caption_of(grid).strip())]
+    return phrases
+
+
+def _phrases(text: str) -> list[str]:
+    """`text` cut at its sentence ends and at the `; ` outside parentheses: the places a caption may wrap."""
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth == 0 and (text.startswith("; ", i) or text.startswith(". ", i)):
+            parts.append(text[start:i + (char == ".")].strip())
+            start = i + 2
+    parts.append(text[start:].strip())
+    return [p for p in parts if p]

@@ -16,12 +16,15 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from dpsgd_cli.errors import UserError  # noqa: E402
+from dpsgd_cli.plots.layout import finish  # noqa: E402
 
 COLUMNS = ("K", "dynamics", "composition", "lower_bound")
 LINES = {
-    "composition": ("composition of K Gaussian steps: αηKS_g²/(4σ²n²)", "tab:red", "-"),
-    "dynamics": ("privacy dynamics (Chourasia et al.): αS_g²/(λσ²n²)·(1 − exp(−ληK/2))", "tab:blue", "-"),
-    "lower_bound": ("lower bound, ½‖θ−x‖² loss: αS_g²/(4σ²n²)·(1 − exp(−ηK))", "tab:green", "--"),
+    "composition": (r"composition of $K$ Gaussian steps: $\alpha\eta K S_g^2/(4\sigma^2 n^2)$", "tab:red", "-"),
+    "dynamics": (r"privacy dynamics (Chourasia et al.): "
+                 r"$\frac{\alpha S_g^2}{\lambda\sigma^2 n^2}(1 - e^{-\lambda\eta K/2})$", "tab:blue", "-"),
+    "lower_bound": (r"lower bound, $\frac{1}{2}\Vert\theta - x\Vert^2$ loss: "
+                    r"$\frac{\alpha S_g^2}{4\sigma^2 n^2}(1 - e^{-\eta K})$", "tab:green", "--"),
 }
 
 
@@ -43,33 +46,33 @@ def plot_privacy_curve(frame: pd.DataFrame, path: Path, log_x: bool = False, log
     path.parent.mkdir(parents=True, exist_ok=True)
     frame = frame.sort_values("K")
     attrs = frame.attrs
-    fig, ax = plt.subplots(figsize=(7.0, 4.8))
+    fig, ax = plt.subplots(figsize=(7.0, 3.8), dpi=150)
     for column, (label, color, style) in LINES.items():
         if frame[column].isna().all():  # the lower bound at λ ≠ 1 (see privacy_curve)
             continue
         ax.plot(frame["K"], frame[column], style, color=color, label=label, lw=1.8)
     if "saturation" in attrs:
         ax.axhline(attrs["saturation"], color="tab:blue", ls=":", lw=1,
-                   label=f"dynamics limit αS_g²/(λσ²n²) = {attrs['saturation']:.3g}")
+                   label=r"dynamics limit $\alpha S_g^2/(\lambda\sigma^2 n^2)$ = " + f"{attrs['saturation']:.3g}")
     if log_x:
         ax.set_xscale("log")
     if log_y:
         ax.set_yscale("log")
-    ax.set_xlabel("number of noisy GD steps K")
+    ax.set_xlabel("number of noisy GD steps $K$")
     alpha = attrs.get("alpha")
-    ax.set_ylabel(f"Rényi DP ε(α){f' at α = {alpha:g}' if alpha is not None else ''}")
-    ax.set_title("Noisy GD: Rényi privacy loss vs iterations")
+    ax.set_ylabel(r"Rényi DP $\varepsilon(\alpha)$" + (f" at $\\alpha$ = {alpha:g}" if alpha is not None else ""))
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
-    keys = [("alpha", "α"), ("sigma", "σ"), ("sensitivity", "S_g"), ("eta", "η"), ("lam", "λ"), ("n", "n")]
-    params = ", ".join(f"{sym} = {attrs[k]:g}" for k, sym in keys if k in attrs)
-    caption = ("Noisy GD θ ← Π(θ − η∇L_D(θ) + √(2ησ²)·N(0, I)), replace-one neighbours; Chourasia, Ye & Shokri, "
-               "NeurIPS 2021.\n" + (f"{params}.\n" if params else "")
-               + "Composition is the smaller bound while ληK/2 < 1.594; the dynamics bound saturates.\n"
-               + attrs.get("lower_bound_note", "At λ = 1 the dynamics bound is 2-4 times the lower bound (the talk: "
-                                               "\"up to a small constant of 4\")."))
-    fig.text(0.01, 0.01, caption, fontsize=7.5, va="bottom", ha="left")
-    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    keys = [("alpha", r"\alpha"), ("sigma", r"\sigma"), ("sensitivity", "S_g"), ("eta", r"\eta"), ("lam", r"\lambda"),
+            ("n", "n")]
+    params = ", ".join(f"${sym}$ = {attrs[k]:g}" for k, sym in keys if k in attrs)
+    caption = [r"noisy GD $\theta \leftarrow \Pi(\theta - \eta\nabla L_D(\theta) + \sqrt{2\eta\sigma^2}\,N(0, I))$",
+               "replace-one neighbours", "Chourasia, Ye & Shokri, NeurIPS 2021", *([params] if params else []),
+               r"composition is the smaller bound while $\lambda\eta K/2 < 1.594$, then the dynamics bound "
+               "(it saturates)",
+               attrs.get("lower_bound_note", r"at $\lambda = 1$ the dynamics bound is 2-4 times the lower bound (the "
+                                             "talk: \"up to a small constant of 4\")")]
+    finish(fig, title=attrs.get("title", "Noisy GD: Rényi privacy loss over iterations"),
+           caption=caption, legend_size=8)
     fig.savefig(path, dpi=150)
     plt.close(fig)
     return path

@@ -1,0 +1,161 @@
+"""Layout shared by every figure: one legend for the figure (below the panels, so it covers no data), a title
+and a caption that fit the canvas, a distinct style per line, tick labels that do not overlap.
+
+`finish` sizes the figure around its panels: the title above, then the panels, the legend, the caption; each
+part measured as rendered, so that nothing is cut off and nothing overlaps.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import matplotlib.pyplot as plt
+
+from dpsgd_cli.plots.names import literal
+
+COLORS = list(plt.get_cmap("tab10").colors)
+MARKERS = ["o", "s", "^", "D", "v", "P", "X", "<", ">", "*"]
+LINESTYLES = ["-", "--", "-.", ":"]
+REFERENCE_STYLES = [("black", "--"), ("dimgray", ":"), ("gray", "-."), ("darkgray", (0, (5, 2, 1, 2)))]
+PAD = 0.08  # inches between the parts and around the edge
+SLACK = 0.95  # text is measured at the figure's dpi; at a lower one (a thumbnail) it is relatively wider
+
+
+class Styles:
+    """A style per line name, the same in every panel: colour, marker and dash pattern all differ between
+    consecutive lines, so that lines with the same data (e.g. two accountants that give the same σ) stay
+    visible, one through the other (markers are hollow)."""
+
+    def __init__(self, names: Iterable[str], references: Iterable[str] = ()):
+        self.lines = {name: {"color": COLORS[i % len(COLORS)], "marker": MARKERS[i % len(MARKERS)],
+                             "ls": LINESTYLES[i % len(LINESTYLES)], "mfc": "none", "mew": 1.2}
+                      for i, name in enumerate(dict.fromkeys(names))}
+        self.references = {name: dict(zip(("color", "ls"), REFERENCE_STYLES[i % len(REFERENCE_STYLES)]))
+                           for i, name in enumerate(dict.fromkeys(references))}
+
+
+def wrap_phrases(fig, phrases: list[str], width: float, fontsize: float, sep: str = "; ") -> str:
+    """The phrases joined with `sep` into lines no wider than `width` inches as rendered: a line breaks only
+    between phrases (a phrase wider than a line has its own line, wrapped between words)."""
+    renderer = fig.canvas.get_renderer()
+    probe = fig.text(0, 0, "", fontsize=fontsize)
+
+    def fits(text: str) -> bool:
+        probe.set_text(text)
+        return probe.get_window_extent(renderer).width / fig.dpi <= width * SLACK
+
+    lines: list[str] = []
+    for phrase in phrases:
+        if lines and fits(lines[-1] + sep + phrase):
+            lines[-1] += sep + phrase
+        elif fits(phrase):
+            lines.append(phrase)
+        else:
+            line = ""
+            for word in phrase.split(" "):
+                if not line or fits(f"{line} {word}"):
+                    line = f"{line} {word}" if line else word
+                else:
+                    lines.append(line)
+                    line = word
+            lines.append(line)
+    probe.remove()
+    return "\n".join(lines)
+
+
+def finish(fig, title: str = "", caption: list[str] | tuple = (), legend: bool = True, caption_size: float = 8,
+           legend_size: float = 8, title_literal: bool = True) -> None:
+    """Lay the figure out: `title` (user text: printed literally) above the panels, one legend of every
+    distinct line below them, then the caption phrases; the figure grows by the height they need."""
+    axes = [ax for ax in fig.axes if ax.get_visible()]
+    width, panels = fig.get_size_inches()
+    renderer = fig.canvas.get_renderer()
+    handles: dict[str, object] = {}
+    for ax in axes:
+        for handle, name in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(name, handle)
+        if ax.get_legend() is not None:
+            ax.get_legend().remove()
+
+    def height(artist) -> float:
+        return artist.get_window_extent(renderer).height / fig.dpi if artist is not None else 0.0
+
+    top = None
+    if title:
+        text = title if not title_literal else literal(title)
+        top = fig.text(0.5, 1, wrap_phrases(fig, text.split(" "), width - 2 * PAD, 12, sep=" "), fontsize=12,
+                       ha="center", va="top")  # not suptitle: tight_layout would make room for it twice
+    box = None
+    if legend and handles:
+        for ncol in range(min(len(handles), 4), 0, -1):
+            if box is not None:
+                box.remove()
+            box = fig.legend(list(handles.values()), list(handles.keys()), loc="lower center", ncol=ncol,
+                             fontsize=legend_size, frameon=False, handlelength=2.6, columnspacing=1.5)
+            if box.get_window_extent(renderer).width / fig.dpi <= (width - 2 * PAD) * SLACK:
+                break
+    note = None
+    if caption:
+        note = fig.text(PAD / width, 0, wrap_phrases(fig, list(caption), width - 2 * PAD, caption_size),
+                        fontsize=caption_size, ha="left", va="bottom")
+    h_title, h_legend, h_caption = height(top), height(box), height(note)
+    total = panels + sum(h + PAD for h in (h_title, h_legend, h_caption) if h) + PAD
+    fig.set_size_inches(width, total)
+    y = PAD
+    if note is not None:
+        note.set_y(y / total)
+        y += h_caption + PAD
+    if box is not None:
+        box.set_bbox_to_anchor((0.5, y / total), transform=fig.transFigure)
+        y += h_legend + PAD
+    upper = 1 - (h_title + 2 * PAD) / total if top is not None else 1
+    if top is not None:
+        top.set_y(1 - PAD / total)
+    fig.tight_layout(rect=(0, y / total, 1, upper), pad=0.6)
+    thin_ticks(fig)
+
+
+def thin_ticks(fig) -> None:
+    """Drop tick labels that would overlap a neighbour on their axis (majors kept first, then minors where
+    there is room): the ticks become fixed at their current places."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        if not ax.get_visible():
+            continue
+        for axis, horizontal in ((ax.xaxis, True), (ax.yaxis, False)):
+            lo, hi = sorted(ax.get_xlim() if horizontal else ax.get_ylim())
+            ticks = {}
+            for minor in (False, True):
+                for tick in axis.get_minor_ticks() if minor else axis.get_major_ticks():
+                    loc, label = tick.get_loc(), tick.label1
+                    if label.get_visible() and label.get_text() and lo <= loc <= hi:
+                        box = label.get_window_extent(renderer)
+                        ticks.setdefault(minor, []).append((loc, label.get_text(), box))
+            kept: list = []
+            changed = False
+            for minor in (False, True):
+                for loc, text, box in sorted(ticks.get(minor, []), key=lambda t: t[0]):
+                    if any(_overlap(box, other, horizontal) for _, _, other, _ in kept):
+                        changed = True
+                        continue
+                    kept.append((loc, text, box, minor))
+            if not changed:
+                continue
+            for minor in (False, True):
+                locs = [t.get_loc() for t in (axis.get_minor_ticks() if minor else axis.get_major_ticks())
+                        if lo <= t.get_loc() <= hi]
+                shown = {loc: text for loc, text, _, m in kept if m == minor}
+                axis.set_ticks(locs, [shown.get(loc, "") for loc in locs], minor=minor)
+            (ax.set_xlim if horizontal else ax.set_ylim)(*(ax.get_xlim() if horizontal else ax.get_ylim()))
+
+
+def _overlap(a, b, horizontal: bool, pad: float = 3.0) -> bool:
+    if horizontal:
+        return a.x0 < b.x1 + pad and b.x0 < a.x1 + pad
+    return a.y0 < b.y1 + pad and b.y0 < a.y1 + pad
+
+
+def figure_legend_names(fig) -> list[str]:
+    return [t.get_text() for legend in fig.legends for t in legend.get_texts()]
+

@@ -1,0 +1,269 @@
+"""Every figure of experiments.yaml, drawn from synthetic results, is fit to print: math rendered as math and
+user text printed literally, no overlapping or cut-off text, legends over no data, every line visible, no
+repeated legend entry, readable names, true captions; and a few figures match stored reference images.
+
+Set DPSGD_UPDATE_FIGURE_REFERENCES=1 to rewrite the reference images (then look at them before committing).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import matplotlib
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import pytest
+from figure_checks import layout_problems, legend_names, synthetic_results
+from matplotlib.testing.compare import compare_images
+
+from dpsgd_cli.config import FigureSpec, load_grid_file
+from dpsgd_cli.engine.analytic import privacy_curve_table
+from dpsgd_cli.engine.summary import summary_frame
+from dpsgd_cli.plots import _caption, _frame_for, figure, names, plot_results
+from dpsgd_cli.plots.layout import finish, wrap_phrases
+
+ROOT = Path(__file__).parents[1]
+REFERENCES = Path(__file__).parent / "figures_reference"
+GRIDS = {g.name: g for g in load_grid_file(ROOT / "experiments.yaml").grids}
+FIGURES = [(grid.name, spec) for grid in GRIDS.values() for spec in grid.figures]
+CONFIG_STRING = re.compile(r"\b[a-z0-9]+_[a-z0-9_]+\b|\w=\w")  # song2013_nonprivate, schedule=inv_t
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    root = tmp_path_factory.mktemp("figure-grids")
+    cache = {}
+
+    def folder(name: str) -> Path:
+        if name not in cache:
+            cache[name] = synthetic_results(GRIDS[name], root / name)
+        return cache[name]
+
+    return folder
+
+
+FRAMES: dict = {}
+
+
+def noise_scale(spec: FigureSpec) -> pd.DataFrame:
+    """The table of a noise-scale figure with made-up σ (calibrating every accounting takes minutes): the
+    layout is what is tested, the numbers are tested in the accounting tests."""
+    from dpsgd_cli.engine.analytic import NOISE_ACCOUNTINGS
+
+    p, rows = spec.params, []
+    n, steps_fixed, delta_fixed = p["n"], p.get("steps_fixed") or p["n"], p.get("delta_fixed") or 1 / p["n"] ** 2
+    points = [("T", n, max(1, round(e * n)), 1 / n**2) for e in p["epochs"]]
+    points += [("n", m, steps_fixed, delta_fixed) for m in p["n_values"]]
+    for i, (label, *_) in enumerate(NOISE_ACCOUNTINGS):
+        for panel, m, steps, delta in points:
+            sigma = (1 + i / 3) * (steps ** 0.5) * 1e3 / m
+            rows.append({"panel": panel, "accounting": label, "n": m, "steps": steps, "epsilon": p["epsilon"],
+                         "delta": delta, "sigma": sigma, "proved": not (i == 2 and steps > n)})
+    return pd.DataFrame(rows)
+
+
+def draw(folder: Path, spec: FigureSpec):
+    """The laid-out figure of one spec, as `dpsgd plot` draws it (before saving)."""
+    from dpsgd_cli.plots import grid_of
+
+    if spec.kind == "privacy_curve":
+        from dpsgd_cli.plots.privacy_curve import plot_privacy_curve
+
+        table = privacy_curve_table(spec.params).pivot(index="K", columns="bound", values="rdp_epsilon").reset_index()
+        table.attrs.update({k: v for k, v in spec.params.items() if k not in ("k_max", "points", "log_x")})
+        table.attrs["title"] = spec.title
+        captured = {}
+        original = plt.close
+        plt.close = lambda fig=None: captured.setdefault("fig", fig)
+        try:
+            plot_privacy_curve(table, folder / "figures" / "privacy_curve.png")
+        finally:
+            plt.close = original
+        return captured["fig"]
+    key = (str(folder), spec.name)
+    if key not in FRAMES:  # a grid's private selections take seconds to simulate: once per figure
+        FRAMES[key] = noise_scale(spec) if spec.kind == "noise_scale" else _frame_for(folder, spec)
+    frame = FRAMES[key]
+    assert not frame.empty, f"{spec.name}: no data to draw"
+    return figure(frame, spec, grid_of(folder), folder.name)
+
+
+@pytest.mark.parametrize("grid,spec", FIGURES, ids=[f"{g}-{s.name}" for g, s in FIGURES])
+def test_each_figure_of_experiments_yaml_is_fit_to_print(results, grid, spec):
+    fig = draw(results(grid), spec)
+    try:
+        assert layout_problems(fig) == []
+        legend = legend_names(fig)
+        if spec.lines[0] in ("label", "algorithm"):  # names, not configuration strings
+            raw = [n for n in legend if CONFIG_STRING.search(n.replace(r"\$", "").split("$")[0])]
+            assert raw == [], f"legend shows configuration strings: {raw}"
+        for ax in fig.axes:
+            for label in (ax.get_xlabel(), ax.get_ylabel()):
+                assert not CONFIG_STRING.search(label.split("$")[0]), f"axis label {label!r}"
+    finally:
+        plt.close(fig)
+
+
+def test_figure_titles_and_captions_of_experiments_yaml_use_symbols_not_ascii_spellings():
+    ascii_math = re.compile(r"\b(eta|epsilon|eps|lambda|sigma|delta|alpha|theta|sqrt)\b")
+    for grid, spec in FIGURES:
+        assert not ascii_math.search(spec.title), f"{grid}/{spec.name}: title {spec.title!r}"
+
+
+def test_math_is_rendered_and_user_text_is_literal(tmp_path):
+    assert matplotlib.rcParams["text.parse_math"]
+    folder = synthetic_results(GRIDS["song_fig3"], tmp_path / "dollar$grid")
+    spec = FigureSpec(name="f", kind="traces", title="costs $5 and $x_1$ (unbalanced $", metric="train_objective",
+                      cols="dataset", log_x=False, log_y=True)
+    fig = draw(folder, spec)
+    try:
+        assert layout_problems(fig) == []
+        shown = [t._preprocess_math(t.get_text()) for t in fig.texts]
+        assert ("costs $5 and $x_1$ (unbalanced $", False) in shown  # literal, as written
+        assert any(t.get_text().startswith(r"grid dollar\$grid") for t in fig.texts)  # escaped: a dollar sign
+        fig.savefig(tmp_path / "f.png", dpi=40)  # an unbalanced $ in user text does not make savefig raise
+        ticks = [t.label1 for ax in fig.axes for t in ax.yaxis.get_major_ticks()]
+        assert any(t._preprocess_math(t.get_text())[1] for t in ticks)  # 10^k as math
+    finally:
+        plt.close(fig)
+
+
+def test_readable_names_come_from_one_mapping():
+    assert names.label("song2013_nonprivate schedule=inv_t") == r"non-private SGD (Song et al.), $\eta = 1/(\lambda t)$"
+    assert names.label("noisy_gd accountant=minimum") == "noisy GD, accountant: min(dynamics, composition)"
+    assert names.label("dp_sgd lr=0.1 [for pick]") == r"DP-SGD, $\eta_0$ = 0.1 [tuning for pick]"
+    assert names.label("my$algo") == r"my\$algo"
+    assert names.number(1e8) == "$10^{8}$" and names.number(3e9) == r"$3\times10^{9}$" and names.number(0.01) == "0.01"
+
+
+def test_each_check_catches_its_defect():
+    """The checks fail on the defects they are for (so a passing figure test means something)."""
+    # raw mathtext ticks (math parsing off) and overlapping tick labels
+    with matplotlib.rc_context({"text.parse_math": False}):
+        fig, ax = plt.subplots(figsize=(3, 2))
+        ax.plot([1, 1e4], [1, 1e3])
+        ax.set(xscale="log", yscale="log")
+        assert any("raw mathtext" in p for p in layout_problems(fig))
+        plt.close(fig)
+    fig, ax = plt.subplots(figsize=(2, 2))
+    ax.plot([1, 2, 3], [1, 2, 3])
+    ax.set_xticks([1, 1.1, 3], ["1e+08", "1e3", "3e+09"])
+    assert any("overlap" in p for p in layout_problems(fig))
+    plt.close(fig)
+    # a title cut off, a legend over data, lines hidden, a repeated entry
+    fig, ax = plt.subplots(figsize=(3, 2))
+    ax.plot(np.linspace(0, 1, 21), np.linspace(0, 1, 21), label="dynamics", color="C0")
+    ax.plot(np.linspace(0, 1, 21), np.linspace(0, 1, 21), label="minimum", color="C1")
+    ax.axhline(0.5, label="ERM")
+    ax.axhline(0.5, label="ERM")
+    ax.legend(loc="center")
+    fig.suptitle("a title far too long to fit on this small canvas, cut off at both sides")
+    problems = layout_problems(fig)
+    plt.close(fig)
+    for expected in ("outside the canvas", "legend covers data", "hides", "repeats"):
+        assert any(expected in p for p in problems), (expected, problems)
+
+
+def test_captions_break_between_phrases_only():
+    fig = plt.figure(figsize=(4, 2))
+    phrases = ["grid song_fig3", "mean ± 1 std over 20 seeds", r"$\delta = 1/n^2$ ($n$ training records) for DP-SGD",
+               r"private SGD (Song et al.): pure $\varepsilon$-DP ($\delta = 0$)"]
+    text = wrap_phrases(fig, phrases, 3.8, 8)
+    plt.close(fig)
+    for line in text.split("\n"):
+        assert all(part in phrases for part in line.split("; ")), line
+
+
+def test_caption_states_delta_only_for_the_lines_that_have_one(results):
+    song = results("song_fig3")
+    spec = GRIDS["song_fig3"].figures[0]
+    phrases = _caption(GRIDS["song_fig3"].model_dump(mode="json"), "song_fig3", _frame_for(song, spec), spec)
+    assert any("pure $\\varepsilon$-DP" in p for p in phrases)
+    assert not any("1/n^2" in p for p in phrases), phrases  # no line of this figure has a δ > 0
+    chourasia = results("chourasia")
+    spec = GRIDS["chourasia"].figures[1]
+    phrases = _caption(GRIDS["chourasia"].model_dump(mode="json"), "chourasia", _frame_for(chourasia, spec), spec)
+    assert any("1/n^2" in p for p in phrases) and not any("pure" in p for p in phrases)
+
+
+def test_reference_lines_are_drawn_once_whatever_the_selections(results):
+    """`tuning` has several selections; each keeps the non-private reference runs: one legend entry each."""
+    grid = GRIDS["tuning"]
+    spec = grid.figures[0]
+    fig = draw(results("tuning"), spec)
+    try:
+        legend = legend_names(fig)
+        assert len(legend) == len(set(legend))
+        for ax in fig.axes:
+            levels = [round(line.get_ydata()[0], 12) for line in ax.get_lines() if "non-private" in line.get_label()]
+            assert len(levels) == len(set(levels)), legend
+    finally:
+        plt.close(fig)
+
+
+def test_audit_figure_shows_points_at_zero_whole_and_its_legend_covers_none(tmp_path):
+    from dpsgd_cli.audit.plot import audit_figure
+
+    frame = pd.DataFrame({
+        "status": "ok", "threat_model": ["black-box, last iterate"] * 3 + ["white-box, every step"] * 3,
+        "algorithm": ["dp_sgd", "song2013", "bolt_on"] * 2, "epsilon_claimed": [1.0, 4.0, 8.0] * 2,
+        "epsilon_lo": [0.0, 0.0, 9.5, 0.2, 0.0, 1.0]})
+    fig = audit_figure(frame)
+    try:
+        assert layout_problems(fig) == []
+        for ax in fig.axes:
+            assert ax.get_ylim()[0] < 0 and ax.get_xlim()[0] < 0  # markers at ε_lo = 0 are not half clipped
+    finally:
+        plt.close(fig)
+
+
+def test_summary_marks_a_cell_deterministic_by_the_metrics_it_shows(tmp_path):
+    """Without a test split every test accuracy is NaN: a cell whose optimality gap varies over seeds is not
+    'deterministic', and shows its spread; erm (the same gap every seed) still is."""
+    folder = synthetic_results(GRIDS["song_fig3"], tmp_path / "song_fig3")
+    table = summary_frame(folder).set_index("label")
+    assert table["acc_mean"].isna().all()
+    assert table.loc["erm", "identical"]
+    varying = table.drop(index="erm")
+    assert not varying["identical"].any()
+    assert (varying["gap_std"] > 0).all()
+
+
+REFERENCE_FIGURES = [("song_fig3", "song_fig3"), ("chourasia", "chourasia_utility"), ("kang_sweep", "kang_sweep_accuracy"),
+                     ("chourasia", "privacy_curve"), ("bellet", "bellet_noise")]
+
+
+@pytest.mark.parametrize("grid,name", REFERENCE_FIGURES, ids=[n for _, n in REFERENCE_FIGURES])
+def test_figure_matches_its_reference_image(results, tmp_path, grid, name):
+    spec = next(s for s in GRIDS[grid].figures if s.name == name)
+    fig = draw(results(grid), spec)
+    actual = tmp_path / f"{name}.png"
+    with matplotlib.rc_context({"svg.hashsalt": "dpsgd"}):
+        fig.savefig(actual, dpi=50)
+    plt.close(fig)
+    expected = REFERENCES / f"{name}.png"
+    if os.environ.get("DPSGD_UPDATE_FIGURE_REFERENCES") or not expected.exists():
+        REFERENCES.mkdir(exist_ok=True)
+        expected.write_bytes(actual.read_bytes())
+        pytest.skip(f"wrote {expected}")
+    result = compare_images(str(expected), str(actual), tol=6)
+    assert result is None, result
+
+
+def test_dpsgd_plot_writes_every_figure_of_a_grid(results):
+    paths = plot_results(results("song_fig3"))
+    assert sorted(p.suffix for p in paths) == [".pdf", ".png"]
+
+
+def test_finish_keeps_a_long_title_and_caption_on_the_canvas():
+    fig, ax = plt.subplots(figsize=(4, 3))
+    ax.plot([1, 2], [1, 2], label="a line")
+    finish(fig, title="A title that is much longer than the figure is wide, so that it must wrap " * 2,
+           caption=["a first phrase", "a second, longer phrase that would not fit on the line of the first"])
+    try:
+        assert layout_problems(fig) == []
+    finally:
+        plt.close(fig)
