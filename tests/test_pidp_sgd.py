@@ -169,8 +169,8 @@ def test_fit_derives_the_paper_constants(data):
     n, R = X.shape[0], 3
     assert (d["rounds"], d["local_steps"], d["steps"]) == (3, 200, 600)
     assert (d["epsilon_1"], d["epsilon_2"], d["delta_1"], d["delta_2"]) == (0.75, 0.25, 5e-6, 5e-6)
-    assert (d["rule"], d["sampling"], d["contribution_noise"], d["deviations"]) == ("coordinate", "single",
-                                                                                     "per_round", "")
+    assert (d["rule"], d["sampling"], d["contribution_noise"]) == ("coordinate", "single", "per_round")
+    assert d["deviations"] == ALGORITHM_1_READINGS  # Algorithm 1 as run by default: only the labelled readings
     by_hand = 2.83 * 1.0 * R * math.sqrt(math.log(1.25 * R / 5e-6)) / (n * 0.05 * 0.25)
     assert d["sigma_c"] == pytest.approx(by_hand, rel=1e-12)
     assert d["threshold"] == pytest.approx(2 * 10 * 5e-6 * (1 + math.exp(-0.75)), rel=1e-12)
@@ -348,7 +348,8 @@ def test_poisson_variant_is_labelled_and_uses_dp_sgd_noise(data):
                                                     "radius": 0.3})
     d = out.derived
     assert d["deviations"] == ("rule l2_radius (not in the paper); poisson mini-batches (the paper: one example "
-                               "per step); projection onto ‖θ‖ ≤ r (not in Algorithm 1)")
+                               "per step); projection onto ‖θ‖ ≤ r (not in Algorithm 1); "
+                               + ALGORITHM_1_READINGS.split("; ", 1)[1])
     cal = calibrate_sigma(0.75, 5e-6, 10 / X.shape[0], s.steps, accountant="rdp")
     assert d["sigma"] == cal.sigma and d["noise_std"] == pytest.approx(cal.sigma / 10)
     assert (np.linalg.norm(out.theta, axis=1) <= 0.3 * (1 + 1e-12)).all()
@@ -540,7 +541,8 @@ def test_mlp_replicas_are_independent_and_output_layer_is_a_labelled_deviation()
                 assert together.derived[key][1] == alone.derived[key][0], key
         assert 0 < together.derived["noiseless_fraction_mean"] < 1 and together.derived["influence"] == influence
         deviation = "influence over the output layer only (the paper: all m parameters)"
-        assert together.derived["deviations"] == (deviation if influence == "output_layer" else "")
+        assert together.derived["deviations"] == (f"{ALGORITHM_1_READINGS}; {deviation}" if influence == "output_layer"
+                                                  else ALGORITHM_1_READINGS)
         assert together.guarantee.startswith("none: a step may skip the noise")  # T·p ≥ 1 here
 
 
@@ -586,3 +588,27 @@ def test_mlp_kernel_step_is_minus_the_gradient_by_finite_differences(activation)
                         - model.data_loss(theta - h * e, X[i:i + 1], y[i:i + 1]))[0] / (2 * h)
                        for e in np.eye(model.n_params)])
         np.testing.assert_allclose(theta[0] - step[0], fd, rtol=1e-6, atol=1e-9)
+
+
+ALGORITHM_1_READINGS = (
+    "θ not kept in [−r, r]^m, the parameter space Theorem 5's proof assumes (project: box does); "
+    "θ₀ = the model's initialisation (line 3: θ̃, a (near) optimal model); "
+    "H at the round's global model (line 5; eq. (11): at a (near) optimal θ̃); "
+    "λ_min(H) ≥ ζ enforced (the paper states ‖H‖₂ ≥ ζ, which does not bound ‖H⁻¹‖ ≤ 1/ζ)")
+
+
+def test_box_projection_keeps_theta_in_the_proofs_parameter_space(data):
+    X, y = data
+    out, _, _ = _fit(X, y, params={"project": "box", "radius": 0.05})
+    assert np.abs(out.theta).max() <= 0.05 and np.isclose(np.abs(out.theta).max(), 0.05)
+    assert "projection onto [−r, r]^m" in out.derived["deviations"]
+    assert "not kept in" not in out.derived["deviations"]
+
+
+def test_no_bound_names_its_trigger_the_certified_delta():
+    from dpsgd_cli.algorithms.pidp_sgd import tv_guarantee
+
+    guarantee, delta = tv_guarantee(1.0, 1e-6, 0.75, 1000, 1e-3)  # T·p = 1 < δ′ ≈ 3.1: the trigger is δ′ ≥ 1
+    assert math.isnan(delta) and "δ′ = δ₁ + (1 + e^ε₁)·T·p ≥ 1" in guarantee
+    guarantee, delta = tv_guarantee(1.0, 1e-6, 0.75, 1000, 1e-4)  # T·p = 0.1: δ′ = 0.31 < 1, a bound
+    assert guarantee.startswith("tv-bound") and delta < 1

@@ -71,6 +71,11 @@ def project_to_ball(radius: float) -> Callable[[np.ndarray], np.ndarray]:
     return _described(project, "ball", radius)
 
 
+def project_to_box(radius: float) -> Callable[[np.ndarray], np.ndarray]:
+    """Projection of each replica's θ onto the box [−radius, radius]^P (coordinate-wise clipping)."""
+    return _described(lambda theta: np.clip(theta, -radius, radius), "box", radius)
+
+
 def laplacian_eigenvalues(sigma_ls: float, P: int) -> np.ndarray:
     """Eigenvalues 1 + 2σ_ls(1 − cos(2πk/P)), k = 0..P−1, of A = I − σ_ls Δ, Δ the periodic 1-D Laplacian on R^P.
 

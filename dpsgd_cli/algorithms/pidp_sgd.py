@@ -47,8 +47,19 @@ Readings of the text (documented choices):
   which σ_c is the calibration the paper states.
 * G: per-example gradients are clipped to G = 1 (a no-op for logistic regression on unit-ball rows; the MLP's
   gradients have no bound otherwise), so S(c_t) ≤ 2G/(nζ) (the proof of Theorem 5) holds for every model.
-* No projection: Algorithm 1 has none (r appears only in the threshold); `project: true` projects onto
-  ‖θ‖ ≤ r after every step (a non-paper variant; the baselines are not projected).
+* Projection: Algorithm 1 has none, yet r "is the radius of the bounded parameter space" (footnote to §5.3)
+  and the proof of Theorem 5 assumes [A(D′)]_i ∈ [−r, r]. Default: no projection, as Algorithm 1 is written
+  (labelled: the proof's parameter space is not enforced); `project: box` clips θ to [−r, r]^m after every
+  step (the proof's space); `project: true` projects onto ‖θ‖ ≤ r (a non-paper variant). The baselines are not
+  projected.
+* θ₀: Algorithm 1 line 3 starts from θ̃, "a (near) optimal model" (§5.3); a near-optimal model computed from
+  the private data would itself have to be released privately, and the paper does not say how, so every run
+  starts from the model's initialisation, as the baselines do (labelled).
+* H: line 5 takes the Hessian at the round's global model θ_r^(g); eq. (11) and §5.3 write c_z with H at a
+  fixed (near) optimal θ̃. The code follows line 5 (labelled).
+* ζ: Theorem 4 and the proof of Theorem 5 assume ‖H‖₂ ≥ ζ. The sensitivity S(c_t) = (1/n)‖H⁻¹(∇ℓ(z) −
+  ∇ℓ(z′))‖ ≤ 2G/(nζ) needs ‖H⁻¹‖₂ ≤ 1/ζ, i.e. λ_min(H) ≥ ζ; ‖H‖₂ (the largest eigenvalue) ≥ ζ does not give
+  it. The code enforces λ_min(H) ≥ ζ (Remark 5's damping, +ζI where needed): the condition the bound needs.
 * T: §7 chooses T "by cross-validation"; here T = epochs·n single-example steps (fixed by the grid), R =
   round(epochs) rounds of T_local = n steps unless `rounds` / `local_steps` say otherwise.
 
@@ -85,7 +96,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterator, Literal, Optional
+from typing import Callable, Iterator, Literal, Optional, Union
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -94,7 +105,8 @@ from scipy.special import expit, ndtr
 from dpsgd_cli.algorithms import kernels
 from dpsgd_cli.algorithms.base import Algorithm, Outcome, Setting
 from dpsgd_cli.algorithms.bassily import calibrate_bassily
-from dpsgd_cli.algorithms.chain import Checkpoints, GradientChain, Transform, add_l2, constant, project_to_ball, scale
+from dpsgd_cli.algorithms.chain import (Checkpoints, GradientChain, Transform, add_l2, constant, project_to_ball,
+                                        project_to_box, scale)
 from dpsgd_cli.algorithms.sampling import gather, poisson_batches, row_norms
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.errors import UserError
@@ -127,7 +139,9 @@ class PIDPSGDParams(BaseModel):
     contribution_noise: Literal["per_round", "per_step"] = Field(
         "per_round", description="b^(c) drawn once per example and round (the proof's R releases, default) or at "
                                  "every step (line 8 as written)")
-    project: bool = Field(False, description="project θ onto ‖θ‖ ≤ r after each step (not in Algorithm 1)")
+    project: Union[bool, Literal["box"]] = Field(
+        False, description="after each step, box: clip θ to [−r, r]^m (the parameter space Theorem 5's proof "
+        "assumes); true: project onto ‖θ‖ ≤ r; false: none, as Algorithm 1 is written")
     rounds: Optional[int] = Field(None, ge=1, description="R global rounds (Hessian recomputed each); "
                                                           "default one per epoch, round(epochs)")
     local_steps: Optional[int] = Field(None, ge=1, description="T_local steps per round; default "
@@ -212,8 +226,9 @@ def tv_guarantee(epsilon: float, delta: float, epsilon_1: float, steps: int, p: 
     """(guarantee text, certified δ or NaN): the total-variation bound where it is < 1, else "none"."""
     bound = certified_delta(delta, epsilon_1, steps, p)
     if bound >= 1.0:
-        return (f"none: a step may skip the noise with probability p = {p:.3g} (T·p = {steps * p:.3g}): "
-                f"no DP bound (Theorem 5's proof does not cover the noiseless steps)", float("nan"))
+        return (f"none: a step may skip the noise with probability p = {p:.3g}, so the certified δ′ = δ₁ + "
+                f"(1 + e^ε₁)·T·p ≥ 1 (T·p = {steps * p:.3g}): no DP bound (Theorem 5's proof does not cover the "
+                f"noiseless steps)", float("nan"))
     return (f"tv-bound: ({epsilon:.4g}, {bound:.3g})-DP [DP-SGD at (ε₁, δ₁) within total variation T·p, "
             f"p = {p:.3g} per step on every dataset, T = {steps}]", bound)
 
@@ -556,9 +571,15 @@ def round_summary(rounds_info: list) -> dict:
     return out
 
 
+# H⁻¹ is computed from the data: one record changes H by ≤ 2β/n, so every other example's c_z moves too (by up
+# to 2βG/(n²ζ²)); the proof of Theorem 5 counts only the changed example's contribution (bound 2G/(nζ)).
+_DATA_DEPENDENT_H = ("σ_c's sensitivity 2G/(nζ) bounds the changed example's contribution only: H⁻¹ depends on the "
+                     "data, so every other example's c_z moves too (≤ 2βG/(n²ζ²)), which the proof does not count")
 PRIVACY_NOTES = {
-    "logreg": "Theorem 5's proof does not cover the noiseless steps (see `guarantee` for what is proved)",
-    "full": "non-convex model: the dense Hessian is damped to λ_min ≥ ζ, so σ_c's sensitivity 2G/(nζ) holds; "
+    "logreg": "Theorem 5's proof does not cover the noiseless steps (see `guarantee` for what is proved); "
+              + _DATA_DEPENDENT_H,
+    "full": "non-convex model: the dense Hessian is damped to λ_min ≥ ζ, so ‖H⁻¹‖ ≤ 1/ζ; "
+            + _DATA_DEPENDENT_H + "; "
             "Theorem 4's E needs global Lipschitz, smoothness and Hessian-Lipschitz constants the mlp lacks: E = 0 "
             "is used, not a bound",
     "output_layer": "deviation: c_z over the output layer only (Koh & Liang 2017), the paper takes all m "
@@ -689,8 +710,15 @@ class PIDPSGD(Algorithm):
             out.append("rule l2_radius (not in the paper)")
         if p.sampling == "poisson":
             out.append("poisson mini-batches (the paper: one example per step)")
-        if p.project:
+        if p.project is True:
             out.append("projection onto ‖θ‖ ≤ r (not in Algorithm 1)")
+        elif p.project == "box":
+            out.append("projection onto [−r, r]^m, the parameter space of Theorem 5's proof (not in Algorithm 1)")
+        else:
+            out.append("θ not kept in [−r, r]^m, the parameter space Theorem 5's proof assumes (project: box does)")
+        out.append("θ₀ = the model's initialisation (line 3: θ̃, a (near) optimal model)")
+        out.append("H at the round's global model (line 5; eq. (11): at a (near) optimal θ̃)")
+        out.append("λ_min(H) ≥ ζ enforced (the paper states ‖H‖₂ ≥ ζ, which does not bound ‖H⁻¹‖ ≤ 1/ζ)")
         if influence == "output_layer":
             out.append("influence over the output layer only (the paper: all m parameters)")
         return "; ".join(out)
@@ -732,7 +760,8 @@ class PIDPSGD(Algorithm):
         x_norm = row_norms(X)
         test_gens = [g.spawn(1)[0] for g in streams.generators("noise")]  # independent of the step noise
         ckpt = Checkpoints(setting.trace_every, X, y) if setting.trace_every else None
-        backend = kernels.select_backend(p.backend, model, 1, mlp=True) if p.sampling == "single" else "numpy"
+        compiled = p.sampling == "single" and p.project != "box"  # the kernel projects onto a ball only
+        backend = kernels.select_backend(p.backend, model, 1, mlp=True) if compiled else "numpy"
         if backend == "numba" and ckpt is not None and local % ckpt.every:
             backend = "numpy"  # the kernel's checkpoints are aligned to its call (module kernels)
         step = (self._single_steps(setting, model, X, y, x_norm, streams, cal, rule, backend, test_gens)
@@ -791,6 +820,10 @@ class PIDPSGD(Algorithm):
             bounds.append(skip_probability_bound(rule.rule, dim, sigma_c, rule.threshold, E * scale_n**2))
         return max(bounds)
 
+    def _projection(self) -> Optional[Callable[[np.ndarray], np.ndarray]]:
+        p = self.params
+        return project_to_box(p.radius) if p.project == "box" else project_to_ball(p.radius) if p.project else None
+
     def _single_steps(self, setting, model, X, y, x_norm, streams, cal, rule, backend, test_gens) -> Callable:
         """One uniformly drawn example per step (lines 6-15), NumPy chain or numba kernel on the same draws."""
         p = self.params
@@ -809,13 +842,13 @@ class PIDPSGD(Algorithm):
             if backend == "numba":
                 theta = kernels.single_example_sgd(
                     theta, X, y, iter([idx]), local, constant(setting.lr), clip=GRADIENT_CLIP, l2=setting.l2,
-                    radius=p.radius if p.project else None, noise_generators=noise_gens,
+                    radius=p.radius if p.project is True else None, noise_generators=noise_gens,
                     noise_std=cal.std, noise_mask=~quiet, checkpoints=checkpoints, model=model)
             else:
                 chain = GradientChain(
                     batches=single_example_batches(X, y, x_norm, idx), clip=GRADIENT_CLIP,
                     transforms=[masked_noise(cal.std, draws, iter(quiet)), add_l2(setting.l2)],
-                    schedule=constant(setting.lr), project=project_to_ball(p.radius) if p.project else None,
+                    schedule=constant(setting.lr), project=self._projection(),
                     checkpoints=checkpoints, examples_per_step=1)
                 theta = chain.run(model, theta, local)
             return theta, quiet.sum(axis=0)
@@ -849,7 +882,7 @@ class PIDPSGD(Algorithm):
             chain = GradientChain(
                 batches=tracked(), clip=GRADIENT_CLIP,
                 transforms=[masked_noise(cal.std, draws, quiet_flags()), scale(1.0 / B), add_l2(setting.l2)],
-                schedule=constant(setting.lr), project=project_to_ball(p.radius) if p.project else None,
+                schedule=constant(setting.lr), project=self._projection(),
                 checkpoints=checkpoints, examples_per_step=B)
             theta = chain.run(model, theta, local)
             return theta, state["skipped"]
