@@ -1,3 +1,42 @@
-"""dpsgd: reproduce and extend the experiments of differentially-private SGD papers."""
+"""dpsgd: reproduce and extend the experiments of differentially-private SGD papers.
+
+The Python API (docs/python-api.md): `import dpsgd_cli as dpsgd`, then `dpsgd.run`, `dpsgd.read_results`,
+`dpsgd.export`, `dpsgd.plot`, `dpsgd.report`, `dpsgd.audit`, `dpsgd.epsilon`, `dpsgd.sigma` (dpsgd_cli.api); the
+commands call the same functions.
+"""
+
+import importlib
+import sys
+import types
+
+from dpsgd_cli import api
+from dpsgd_cli.api import epsilon, export, plot, read_results, run, sigma
+from dpsgd_cli.errors import UserError
 
 __version__ = "0.1.0"
+__all__ = ["UserError", "audit", "epsilon", "export", "plot", "read_results", "report", "run", "sigma"]
+
+
+class _CallableModule(types.ModuleType):
+    """`dpsgd_cli.audit` and `dpsgd_cli.report` are both a module and an API function: the module (so that imports,
+    `mock.patch("dpsgd_cli.report.x")` and the like find what they expect), callable as `api.audit` / `api.report`."""
+
+    def __call__(self, *args, **kwargs):
+        return getattr(api, self.__name__.rpartition(".")[2])(*args, **kwargs)
+
+
+def _callable_module(name: str) -> types.ModuleType:
+    module = importlib.import_module(f"{__name__}.{name}")  # on first use: `import dpsgd_cli` stays cheap
+    module.__class__ = _CallableModule
+    return module
+
+
+class _Package(types.ModuleType):
+    """Importing a submodule sets the package's attribute of its name to it, which would be a plain module: these
+    properties return it callable instead (the import system's setattr lands in the no-op setter)."""
+
+    audit = property(lambda self: _callable_module("audit"), lambda self, module: None)
+    report = property(lambda self: _callable_module("report"), lambda self, module: None)
+
+
+sys.modules[__name__].__class__ = _Package

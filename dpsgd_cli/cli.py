@@ -14,22 +14,26 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from dpsgd_cli import __version__
+from dpsgd_cli.api import fmt as _fmt
 from dpsgd_cli.errors import UserError
 
 def _hide_flag_types() -> None:
-    """Show flags as `--dry-run`, not `--dry-run <bool>` (which suggests they take a value): typer's rich help
-    prints a type for every option; a flag (and `--help`) has none."""
-    from typer.core import TyperOption
+    """Show flags as `--dry-run`, not `--dry-run <bool>` (which suggests they take a value), and an argument as
+    its metavar alone (`RESULTS_DIR`, not `RESULTS_DIR <path>`), as options are: typer's rich help prints a type
+    for every parameter; a flag (and `--help`) has none, and a metavar already says what to give."""
+    from typer.core import TyperArgument, TyperOption
 
-    shown = TyperOption.display_type_rich
-    if getattr(shown, "_flags_hidden", False):
-        return
+    for cls, hidden in ((TyperOption, lambda p: getattr(p, "is_flag", False) and p.metavar is None),
+                        (TyperArgument, lambda p: p.metavar is not None)):
+        shown = cls.display_type_rich
+        if getattr(shown, "_types_hidden", False):
+            continue
 
-    def display_type_rich(self, ctx):  # noqa: ANN001
-        return None if getattr(self, "is_flag", False) and self.metavar is None else shown(self, ctx)
+        def display_type_rich(self, ctx, shown=shown, hidden=hidden):  # noqa: ANN001
+            return None if hidden(self) else shown(self, ctx)
 
-    display_type_rich._flags_hidden = True
-    TyperOption.display_type_rich = display_type_rich
+        display_type_rich._types_hidden = True
+        cls.display_type_rich = display_type_rich
 
 
 _hide_flag_types()
@@ -70,17 +74,20 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 # --- run -------------------------------------------------------------------------------------------
 @app.command()
 def run(
-    ctx: typer.Context,
     grid_file: Path = typer.Argument(..., metavar="GRID.yaml", help="YAML file with one or more named grids."),
     only: Optional[list[str]] = typer.Option(None, "--only", metavar="NAME",
                                              help="Run only this grid (repeatable: --only a --only b)."),
     out: str = typer.Option("results", "--out", metavar="DIR", help="Results root; grid G writes to DIR/G/."),
     jobs: int = typer.Option(1, "--jobs", min=1, metavar="N",
                              help="Worker processes (one BLAS thread each); capped at the number of cores."),
+    overrides: Optional[list[str]] = typer.Option(
+        None, "--set", metavar="KEY=VALUE", help="Set a grid key before validation, in every grid (repeatable; "
+        "VALUE is YAML; dotted KEY for nested values: --set epochs=1 --set datasets.0.n=500)."),
+    seeds: Optional[int] = typer.Option(None, "--seeds", metavar="N", help="Runs per cell (as --set seeds=N)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Validate and show what would run, then stop."),
     no_resume: bool = typer.Option(False, "--no-resume", help="Start over (the old runs.csv is kept as a backup)."),
     scheduler: Optional[str] = typer.Option(
-        None, "--scheduler", envvar="DPSGD_SCHEDULER", show_envvar=True,
+        None, "--scheduler", metavar="ADDRESS", envvar="DPSGD_SCHEDULER", show_envvar=True,
         help="Run the tasks on a Dask cluster: its scheduler's address (tcp://HOST:PORT) or local:N (a LocalCluster "
              "of N worker processes on this machine); needs the `dask` extra."),
 ) -> None:
@@ -91,182 +98,53 @@ def run(
     interruption (Ctrl-C, a crash) continues where it stopped; --no-resume starts over. Data: datasets are
     downloaded (sha256-verified) into $DPSGD_DATA_DIR (default ./datasets); set DPSGD_DATA_MIRROR to a URL or
     folder serving <dataset>/<file> to fetch from a mirror instead of the canonical URLs."""
-    from dpsgd_cli.algorithms.kernels import backend_description
-    from dpsgd_cli.config import load_grid_file, select
-    from dpsgd_cli.engine import execute, plan_grid, summary_frame
-    from dpsgd_cli.engine.results import note
-    from dpsgd_cli.engine.summary import read_results
-    from dpsgd_cli.engine.checks import check_grids, out_root
+    from dpsgd_cli import api
 
-    grids = select(load_grid_file(grid_file), only)
-    out = out_root(out)
-    if scheduler:  # checked at once, before any work (the connection itself waits until --dry-run is ruled out)
-        from dpsgd_cli.engine.distributed import check_scheduler
-
-        check_scheduler(scheduler)
-    check_grids(grids)  # every figure, claim and limit, before any work
-    jobs = _cap_jobs(jobs)
-    if scheduler and jobs > 1:
-        raise UserError(f"--jobs {jobs} and --scheduler {scheduler}: choose one (the Dask workers are the processes)")
-    backend = None
-    if scheduler and not dry_run:  # connected first: an unreachable scheduler fails before anything is touched
-        from dpsgd_cli.engine.distributed import dask_backend
-
-        backend = ctx.with_resource(dask_backend(scheduler))
-        console.print(backend.describe(), highlight=False, markup=False)
-    plans = [plan_grid(g, out, resume=not no_resume, dry_run=dry_run) for g in grids]
-    console.print(backend_description(), highlight=False, markup=False)
-    _print_file_dataset_notes(plans)
-    for plan in plans:
-        console.print(f"[bold]{plan.grid.name}[/]: {len(plan.cells)} cells × {plan.grid.seeds} seeds = "
-                      f"{plan.total_runs} runs; {plan.done_before} already done, {plan.pending_runs} to run "
-                      f"→ {plan.folder}")
-        if dry_run:
-            console.print(_plan_table(plan))
-    if dry_run:
-        return
-    for plan in plans:
-        if not plan.tasks:  # nothing to train; the manifest and analytic tables are still refreshed
-            execute(plan, jobs=jobs, backend=backend)
-            continue
-        columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("runs"),
-                   TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
-        with Progress(*columns, console=console, transient=False) as progress:
-            bar = progress.add_task(plan.grid.name, total=plan.pending_runs)
-            try:
-                execute(plan, jobs=jobs, backend=backend, on_rows=lambda rows: progress.advance(bar, len(rows)))
-            except KeyboardInterrupt:
-                progress.stop()
-                typer.echo(f"interrupted: finished runs are saved in {plan.folder / 'runs.csv'}; "
-                           f"run the same command again to resume", err=True)
-                raise typer.Exit(130)
-    for plan in plans:
-        for line in read_results(plan.folder).notes():  # rows the table leaves out, and why
-            note(line)
-        console.print(_summary_table(summary_frame(plan.folder), plan.grid.name))
-    failures = [row for plan in plans for row in plan.failures]
-    if failures:
-        _print_failures(failures)
+    try:
+        frame = api.run(grid_file, only=only, out=out, jobs=jobs, dry_run=dry_run, no_resume=no_resume,
+                        scheduler=scheduler, set=overrides, seeds=seeds)
+    except KeyboardInterrupt:  # api.run said what is saved
+        raise typer.Exit(130)
+    if frame.attrs.get("failed"):
         raise typer.Exit(1)
-
-
-def _print_failures(rows: list[dict]) -> None:
-    """The failed runs' messages, most frequent first, each with the cells it hit (exit code 1 follows)."""
-    groups: dict[str, list[dict]] = {}
-    for row in rows:
-        groups.setdefault(row.get("message") or "(no message)", []).append(row)
-    typer.echo(f"error: {len(rows)} run(s) failed (recorded as `failed` in runs.csv and tried again when the "
-               f"same command is rerun):", err=True)
-    for message, group in sorted(groups.items(), key=lambda item: -len(item[1])):
-        cells = sorted({f"{r['grid']}: {r['algorithm']} on {r['dataset']}"
-                        + (f" ε={_fmt(r['epsilon'])}" if r.get("epsilon") is not None else "") for r in group})
-        shown = ", ".join(cells[:3]) + (f", … ({len(cells)} cells)" if len(cells) > 3 else "")
-        typer.echo(f"  {len(group)}× {message}  [{shown}]", err=True)
-
-
-def _print_file_dataset_notes(plans) -> None:
-    """Once per run: what each file dataset's loading did, and the privacy caveat of its preprocessing."""
-    from dpsgd_cli.data.files import run_notes
-    from dpsgd_cli.engine.runner import dataset
-
-    specs = {c.dataset for plan in plans for c in plan.cells if c.dataset.name == "file"}
-    for line in run_notes(dataset(spec) for spec in sorted(specs, key=lambda s: s.id)):
-        console.print(line, highlight=False, markup=False)
-
-
-def _cap_jobs(jobs: int) -> int:
-    """At most one worker per core available to this process: more only thrash (and multiply memory)."""
-    import os
-
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if jobs > cores:
-        typer.echo(f"--jobs {jobs}: capped at {cores}, the number of cores available", err=True)
-    return min(jobs, cores)
 
 
 # --- audit -----------------------------------------------------------------------------------------
 @app.command()
 def audit(
-    grid_file: Path = typer.Argument(..., help="YAML file with one or more named grids (their `audit:` blocks)."),
-    only: Optional[list[str]] = typer.Option(None, "--only", help="Audit only this grid (repeatable)."),
-    out: Path = typer.Option(Path("results"), "--out", help="Results root; grid G writes OUT/G/audit.csv."),
-    trials: Optional[int] = typer.Option(None, "--trials", min=2, help="Trainings with the canary (and as many "
-                                         "without); default: the grid's audit.trials."),
-    confidence: Optional[float] = typer.Option(None, "--confidence", help="Probability that ε_lo is a lower "
-                                               "bound (default: the grid's, 0.95)."),
+    grid_file: Path = typer.Argument(..., metavar="GRID.yaml",
+                                     help="YAML file with one or more named grids (their `audit:` blocks)."),
+    only: Optional[list[str]] = typer.Option(None, "--only", metavar="NAME", help="Audit only this grid (repeatable)."),
+    out: Path = typer.Option(Path("results"), "--out", metavar="DIR", help="Results root; grid G writes DIR/G/audit.csv."),
+    trials: Optional[int] = typer.Option(None, "--trials", min=2, metavar="N", help="Trainings with the canary (and "
+                                         "as many without); default: the grid's audit.trials."),
+    confidence: Optional[float] = typer.Option(None, "--confidence", metavar="P", help="Probability that ε_lo is a "
+                                               "lower bound (default: the grid's, 0.95)."),
 ) -> None:
     """Train with and without a canary, attack, and bound each cell's ε from below (ε_lo beside the claimed ε)."""
-    from dpsgd_cli.audit.run import audit_grid
-    from dpsgd_cli.config import load_grid_file, select
-    from dpsgd_cli.engine.checks import check_audit
+    from dpsgd_cli import api
 
-    grids = select(load_grid_file(grid_file), only)
-    for grid in grids:  # every grid's trials bounded before the first training
-        check_audit(grid, trials)
-    for grid in grids:
-        table = Table("dataset", "model", "algorithm", "canary", "threat model", "ε claimed", "δ", "ε_lo", "AUC",
-                      "verdict", title=f"{grid.name}: audit")
+    tables: dict[str, Table] = {}
 
-        def add(rows: list[dict]) -> None:
-            for r in rows:
-                lo = r.get("epsilon_lo")
-                verdict = ("—" if lo is None or r["status"] != "ok" else
-                           "[red]REFUTED[/]" if lo > r["epsilon_claimed"] else "consistent")
-                table.add_row(r["dataset"], r["model"], r["algorithm"], r["canary"], r["threat_model"],
-                              _fmt(r.get("epsilon_claimed")),
-                    _fmt(r.get("delta")), _fmt(lo), _fmt(r.get("auc")), verdict if r["status"] == "ok"
-                    else f"{r['status']}: {r['message']}")
+    def add(rows: list[dict]) -> None:
+        for r in rows:
+            table = tables.setdefault(r["grid"], Table(
+                "dataset", "model", "algorithm", "canary", "threat model", "ε claimed", "δ", "ε_lo", "AUC", "verdict",
+                title=f"{r['grid']}: audit"))
+            lo = r.get("epsilon_lo")
+            verdict = ("—" if lo is None or r["status"] != "ok" else
+                       "[red]REFUTED[/]" if lo > r["epsilon_claimed"] else "consistent")
+            table.add_row(r["dataset"], r["model"], r["algorithm"], r["canary"], r["threat_model"],
+                          _fmt(r.get("epsilon_claimed")), _fmt(r.get("delta")), _fmt(lo), _fmt(r.get("auc")),
+                          verdict if r["status"] == "ok" else f"{r['status']}: {r['message']}")
 
-        console.print(f"[bold]{grid.name}[/]: auditing → {out / grid.name / 'audit.csv'}")
-        path = audit_grid(grid, out, trials=trials, confidence=confidence, on_rows=add)
+    console.print(f"auditing → {out / '<grid>' / 'audit.csv'}", highlight=False)
+    frame = api.audit(grid_file, only=only, out=out, trials=trials, confidence=confidence, on_rows=add)
+    for grid, table in tables.items():
         console.print(table)
+    for grid in dict.fromkeys(frame["grid"]):
+        path = out / grid / "audit.csv"
         console.print(f"wrote {path} and {path.parent / 'figures' / 'audit.png'}", highlight=False)
-
-
-def _plan_table(plan) -> Table:
-    table = Table("dataset", "model", "algorithm", "ε", "B", "lr", "epochs", "λ", "C", "to run", title=plan.grid.name)
-    pending = {c.cell_id: len(t.seeds) for t in plan.tasks for c in t.cells}
-    for c in plan.cells:
-        name = getattr(c.dataset, "id", None) or c.dataset.name  # a file dataset shows its id
-        tuned = f" [for {c.tuning['tag']}]" if c.tuning else ""
-        table.add_row(escape(name), c.model.name, escape(_algo_label(c.algorithm.name, c.algorithm.params) + tuned),
-                      *(_fmt(v) for v in (c.epsilon, c.batch_size, c.lr, c.epochs, c.l2, c.clip_norm)),
-                      f"{pending.get(c.cell_id, 0)}/{len(c.seeds)}")
-    return table
-
-
-SUMMARY_AXES = [("ε", "epsilon"), ("B", "batch_size"), ("lr", "lr"), ("epochs", "epochs"), ("λ", "l2"),
-                ("C", "clip_norm"), ("dtype", "dtype")]
-
-
-def _summary_table(frame, name: str) -> Table:
-    """A row per cell; a column for ε and for every other axis that varies (the fixed ones go in the title);
-    a deterministic cell (every seed gave the same numbers, e.g. erm) is shown once, without ± 0."""
-    shown = [(h, c) for h, c in SUMMARY_AXES if c == "epsilon" or frame[c].nunique(dropna=True) > 1]
-    fixed = [f"{h} = {_fmt(frame[c].dropna().iloc[0])}" for h, c in SUMMARY_AXES
-             if (h, c) not in shown and c != "dtype" and frame[c].nunique(dropna=True) == 1]
-    title = f"{name}: mean ± std over seeds" + (f" ({', '.join(fixed)})" if fixed else "")
-    caption = "no ± : every seed gave the same result (deterministic)" if frame["identical"].any() else None
-    table = Table("dataset", "model", "algorithm", *(h for h, _ in shown), "runs", "test accuracy",
-                  "optimality gap", title=title, caption=caption)
-    for _, r in frame.iterrows():
-        if r["identical"]:
-            numbers = [f"{r['ok']}/{r['runs']}", f"{r['acc_mean']:.4f}", f"{r['gap_mean']:.3g}"]
-        else:
-            numbers = [f"{r['ok']}/{r['runs']}", f"{r['acc_mean']:.4f} ± {r['acc_std']:.4f}",
-                       f"{r['gap_mean']:.3g} ± {r['gap_std']:.2g}"]
-        table.add_row(r["dataset"], r["model"], r["label"], *(_fmt(r[c]) for _, c in shown), *numbers)
-    return table
-
-
-def _algo_label(name: str, params: dict[str, Any]) -> str:
-    return name + "".join(f" {k}={v}" for k, v in params.items())
-
-
-def _fmt(value: Any) -> str:
-    if value is None or value != value:  # None or NaN
-        return "–"
-    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 # --- plot ------------------------------------------------------------------------------------------
@@ -275,19 +153,39 @@ def plot(
     results_dir: Path = typer.Argument(Path("results"), metavar="RESULTS_DIR",
                                        help="A grid's results folder, or the results root."),
     metric: Optional[str] = typer.Option(
-        None, "--metric", metavar="METRIC", help="accuracy | optimality_gap | test_loss | train_objective | train_accuracy "
-        "(default: the grid's paper figures, or accuracy)"),
-    fmt: ImageFormat = typer.Option(ImageFormat.png, "--format", help="Image format (png also writes a PDF)."),
+        None, "--metric", metavar="COLUMN", help="Any numeric column of runs.csv (accuracy = test_accuracy, "
+        "optimality_gap, val_accuracy, ...) over ε (default: the grid's paper figures, or accuracy)."),
+    fmt: ImageFormat = typer.Option(ImageFormat.png, "--format", metavar="png|pdf|svg", help="Image format (png also writes a PDF)."),
 ) -> None:
     """Draw the grid's paper figures, or a metric over ε (a panel per dataset and model, a line per algorithm)."""
-    from dpsgd_cli.plots import plot_results
+    from dpsgd_cli import api
 
-    paths = plot_results(results_dir, metric=metric, fmt=fmt.value)
+    paths = api.plot(results_dir, metric=metric, format=fmt.value)
     for path in paths:
-        console.print(str(path))
+        console.print(str(path), highlight=False, markup=False)
     if not paths:  # the notes above say why
         typer.echo(f"error: nothing drawn from {results_dir}", err=True)
         raise typer.Exit(1)
+
+
+class ExportFormat(str, Enum):
+    parquet = "parquet"
+    csv = "csv"
+
+
+@app.command()
+def export(
+    results_dir: Path = typer.Argument(Path("results"), metavar="RESULTS_DIR",
+                                       help="A grid's results folder, or the results root."),
+    fmt: ExportFormat = typer.Option(ExportFormat.parquet, "--format", metavar="parquet|csv",
+                                     help="parquet (needs pyarrow: the `parquet` extra) or csv."),
+) -> None:
+    """Write each grid's valid runs (as plot and report read them) as runs.parquet beside runs.csv, and its traces
+    as traces.parquet, for pandas, polars or DuckDB (csv: runs_valid.csv, traces_valid.csv)."""
+    from dpsgd_cli import api
+
+    for path in api.export(results_dir, format=fmt.value):
+        console.print(str(path), highlight=False, markup=False)
 
 
 # --- report --------------------------------------------------------------------------------------------
@@ -296,27 +194,30 @@ def report(
     results_dir: Path = typer.Argument(Path("results"), metavar="RESULTS_DIR",
                                        help="A grid's results folder, or the results root."),
 ) -> None:
-    """Check the papers' claims listed in the grids against the results; print PASS/FAIL and write report.md."""
-    from rich.markup import escape
+    """Check the papers' claims listed in the grids against the results; print PASS/FAIL and write report.md and
+    report.html (the same with its figures embedded: one file to open in a browser or send)."""
+    from dpsgd_cli import api
 
-    from dpsgd_cli.report import build_report, summary_line
-
-    verdicts, path = build_report(results_dir)
-    table = Table("grid", "claim", "verdict", "numbers", title="claims of the papers", show_lines=True)
+    verdicts = api.report(results_dir)
+    path = verdicts.attrs["path"]
     colours = {"PASS": "green", "FAIL": "red", "VACUOUS": "blue", "NO DATA": "yellow"}
-    for v in verdicts:
-        source = "(the project's own check)" if v.claim.own else v.claim.quote
-        source += f"\nreading: {v.claim.reading}" if v.claim.reading else ""
-        source += "\n(formula check)" if v.claim.kind == "formula_check" else ""
-        table.add_row(escape(v.grid), escape(f"{v.claim.id}: {v.claim.text}") + f"\n[dim]{escape(source)}[/]",
-                      f"[{colours[v.status]}]{v.status}[/]", escape(v.numbers))
-    console.print(table)
-    counts = {s: sum(v.status == s for v in verdicts) for s in colours}
+    if len(verdicts):
+        table = Table("grid", "claim", "verdict", "numbers", title="claims of the papers", show_lines=True)
+        for _, v in verdicts.iterrows():
+            source = "(the project's own check)" if v["own"] else v["quote"]
+            source += f"\nreading: {v['reading']}" if v["reading"] else ""
+            source += "\n(formula check)" if v["kind"] == "formula_check" else ""
+            table.add_row(escape(v["grid"]), escape(f"{v['claim']}: {v['text']}") + f"\n[dim]{escape(source)}[/]",
+                          f"[{colours[v['verdict']]}]{v['verdict']}[/]", escape(v["numbers"]))
+        console.print(table)
     _print_audit_verdicts(results_dir)
-    console.print(f"{summary_line(verdicts)} → {path}")
-    if not verdicts:
-        console.print(f"nothing to check: no grid under {results_dir} lists claims", highlight=False, markup=False)
-    elif not counts["PASS"] + counts["FAIL"]:  # each NO DATA row says why
+    written = f"{path} and {path.with_suffix('.html')}"
+    if not len(verdicts):
+        console.print(f"nothing to check: no grid under {results_dir} lists claims; wrote {written}",
+                      highlight=False, markup=False)
+        return
+    console.print(f"{verdicts.attrs['summary']} → {written}", highlight=False, markup=False)
+    if not verdicts["verdict"].isin(["PASS", "FAIL"]).any():  # each NO DATA row says why
         typer.echo(f"error: no claim could be checked against the results in {results_dir}", err=True)
         raise typer.Exit(1)
 
@@ -324,7 +225,8 @@ def report(
 # --- select --------------------------------------------------------------------------------------------
 @app.command("select")
 def select_command(
-    results_dir: Path = typer.Argument(Path("results"), help="A grid's results folder, or the results root."),
+    results_dir: Path = typer.Argument(Path("results"), metavar="RESULTS_DIR",
+                                       help="A grid's results folder, or the results root."),
 ) -> None:
     """Print the hyperparameters each group's `select:` chose (and its privacy); write selection.csv."""
     from rich.markup import escape
@@ -351,7 +253,7 @@ def _print_audit_verdicts(results_dir: Path) -> None:
         return
     table = Table("grid", "algorithm", "ε claimed", "audit", "numbers", title="privacy audit (dpsgd audit)")
     for v in found:
-        verdict = "[red]REFUTED[/]" if v["verdict"] == "refuted" else "[green]consistent[/]"
+        verdict = {"refuted": "[red]REFUTED[/]", "consistent": "[green]consistent[/]"}.get(v["verdict"], v["verdict"])
         table.add_row(escape(v["grid"]), escape(f"{v['algorithm']} {_params(v)} ({v['dataset']}, {v['model']})"),
                       _fmt(v["epsilon_claimed"]), verdict, escape(v["numbers"]))
     console.print(table)
@@ -382,15 +284,15 @@ def datasets_fetch(names: list[str] = typer.Argument(..., metavar="NAME...", hel
 
 @datasets_app.command("info")
 def datasets_info(
-    name: Optional[str] = typer.Argument(None, help="Dataset name (or --path FILE for a file of your own)."),
-    path: Optional[Path] = typer.Option(None, "--path", help="Preview what `{name: file, path: FILE}` loads."),
-    label: Optional[str] = typer.Option(None, "--label", help="File: the label column."),
-    positive: Optional[str] = typer.Option(None, "--positive", help="File: the label value of class +1."),
-    drop: Optional[list[str]] = typer.Option(None, "--drop", help="File: a column not used (repeatable)."),
-    categorical: Optional[list[str]] = typer.Option(None, "--categorical", help="File: a one-hot column (repeatable)."),
-    test_path: Optional[Path] = typer.Option(None, "--test-path", help="File: the test file."),
-    missing: Optional[str] = typer.Option(None, "--missing", help="File: drop | impute rows with missing values."),
-    options: Optional[list[str]] = typer.Option(None, "--set", help="File: any other option KEY=VALUE (YAML value)."),
+    name: Optional[str] = typer.Argument(None, metavar="NAME", help="Dataset name (or --path FILE for a file of your own)."),
+    path: Optional[Path] = typer.Option(None, "--path", metavar="FILE", help="Preview what `{name: file, path: FILE}` loads."),
+    label: Optional[str] = typer.Option(None, "--label", metavar="COLUMN", help="File: the label column."),
+    positive: Optional[str] = typer.Option(None, "--positive", metavar="VALUE", help="File: the label value of class +1."),
+    drop: Optional[list[str]] = typer.Option(None, "--drop", metavar="COLUMN", help="File: a column not used (repeatable)."),
+    categorical: Optional[list[str]] = typer.Option(None, "--categorical", metavar="COLUMN", help="File: a one-hot column (repeatable)."),
+    test_path: Optional[Path] = typer.Option(None, "--test-path", metavar="FILE", help="File: the test file."),
+    missing: Optional[str] = typer.Option(None, "--missing", metavar="drop|impute", help="File: drop or impute rows with missing values."),
+    options: Optional[list[str]] = typer.Option(None, "--set", metavar="KEY=VALUE", help="File: any other option KEY=VALUE (YAML value)."),
 ) -> None:
     """Everything known about one dataset: files, checksums, source, licence, default options; with --path,
     what a file dataset's loader produces (rows read and dropped, features after encoding, label balance)."""
@@ -479,13 +381,15 @@ def epsilon(
     sample_rate: float = typer.Option(..., "--sample-rate", metavar="Q", help=_Q_HELP),
     steps: int = typer.Option(..., "--steps", metavar="T", help=_STEPS_HELP),
     delta: float = typer.Option(..., "--delta", metavar="D", help=_DELTA_HELP),
-    accountant: Accountant = typer.Option(Accountant.rdp, "--accountant", help=_ACCOUNTANT_HELP),
-    neighbours: Neighbours = typer.Option(Neighbours.add_remove, "--neighbours", help=_NEIGHBOURS_HELP),
+    accountant: Accountant = typer.Option(Accountant.rdp, "--accountant", metavar="rdp|pld", help=_ACCOUNTANT_HELP),
+    neighbours: Neighbours = typer.Option(Neighbours.add_remove, "--neighbours", metavar="add_remove|replace_one",
+                                          help=_NEIGHBOURS_HELP),
 ) -> None:
     """ε of DP-SGD (Poisson-subsampled Gaussian, T steps) at the given δ."""
-    from dpsgd_cli.privacy.accounting import dpsgd_epsilon
+    from dpsgd_cli import api
 
-    eps = dpsgd_epsilon(sigma, sample_rate, steps, delta, accountant=accountant.value, neighbours=neighbours.value)
+    eps = api.epsilon(sigma=sigma, sample_rate=sample_rate, steps=steps, delta=delta, accountant=accountant.value,
+                      neighbours=neighbours.value)
     console.print(f"ε = {eps:.6g}  (σ = {sigma:g}, q = {sample_rate:g}, T = {steps}, δ = {delta:g}, "
                   f"{accountant.value} accountant, {neighbours.value} neighbours)")
 
@@ -497,13 +401,15 @@ def sigma(
     sample_rate: float = typer.Option(..., "--sample-rate", metavar="Q", help=_Q_HELP),
     steps: int = typer.Option(..., "--steps", metavar="T", help=_STEPS_HELP),
     delta: float = typer.Option(..., "--delta", metavar="D", help=_DELTA_HELP),
-    accountant: Accountant = typer.Option(Accountant.rdp, "--accountant", help=_ACCOUNTANT_HELP),
-    neighbours: Neighbours = typer.Option(Neighbours.add_remove, "--neighbours", help=_NEIGHBOURS_HELP),
+    accountant: Accountant = typer.Option(Accountant.rdp, "--accountant", metavar="rdp|pld", help=_ACCOUNTANT_HELP),
+    neighbours: Neighbours = typer.Option(Neighbours.add_remove, "--neighbours", metavar="add_remove|replace_one",
+                                          help=_NEIGHBOURS_HELP),
 ) -> None:
     """The smallest noise multiplier σ giving ε ≤ target (within 0.1%) for DP-SGD."""
-    from dpsgd_cli.privacy.accounting import calibrate_sigmas
+    from dpsgd_cli import api
 
-    calibrations = calibrate_sigmas(epsilon, delta, sample_rate, steps, accountant.value, neighbours.value)
+    calibrations = api.calibrations(epsilon=epsilon, sample_rate=sample_rate, steps=steps, delta=delta,
+                                    accountant=accountant.value, neighbours=neighbours.value)
     for target, cal in zip(epsilon, calibrations):
         console.print(f"σ = {cal.sigma:.6g}  (achieved ε = {cal.epsilon:.6g} ≤ {target:g}, q = {sample_rate:g}, "
                       f"T = {steps}, δ = {delta:g}, {cal.accountant} accountant, {cal.neighbours} neighbours, "
@@ -531,7 +437,7 @@ def privacy_curve(
     log_x: bool = typer.Option(False, "--log-x/--no-log-x", help="Logarithmic K axis."),
     log_y: bool = typer.Option(False, "--log-y/--no-log-y", help="Logarithmic ε axis."),
     out: str = typer.Option("results/privacy_curve", "--out", metavar="DIR", help="Folder for the figure and CSV."),
-    fmt: ImageFormat = typer.Option(ImageFormat.png, "--format", help="Image format."),
+    fmt: ImageFormat = typer.Option(ImageFormat.png, "--format", metavar="png|pdf|svg", help="Image format."),
 ) -> None:
     """Rényi privacy of noisy GD over K steps: the dynamics bound vs composition, and the squared-loss lower
     bound (Chourasia, Ye, Shokri, NeurIPS 2021); defaults are the parameters of their talk."""

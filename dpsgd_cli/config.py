@@ -49,8 +49,17 @@ def _as_list(value: Any) -> Any:
     return value if isinstance(value, list) else [value]
 
 
+# names other libraries use for a key, too unlike ours for difflib to find
+_SYNONYMS = {"learning_rate": "lr", "step_size": "lr", "eta": "lr", "eps": "epsilon", "lambda": "l2",
+             "weight_decay": "l2", "batch": "batch_size", "clip": "clip_norm", "max_grad_norm": "clip_norm",
+             "epoch": "epochs", "seed": "seeds", "noise_multiplier": "sigma"}
+
+
 def _closest(word: str, candidates: typing.Iterable[str]) -> str:
-    match = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.5)
+    candidates = list(candidates)
+    if _SYNONYMS.get(word) in candidates:
+        return f" (did you mean '{_SYNONYMS[word]}'?)"
+    match = difflib.get_close_matches(word, candidates, n=1, cutoff=0.5)
     return f" (did you mean '{match[0]}'?)" if match else ""
 
 
@@ -363,7 +372,9 @@ class AuditSpec(_Strict):
     confidence: float = Field(0.95, gt=0.5, lt=1, description="probability that ε_lo is a lower bound")
     statistic: Literal["clopper_pearson", "one_run"] = Field(
         "clopper_pearson", description="Clopper–Pearson on FPR/FNR over trials, or Steinke et al.'s one-run bound")
-    threshold: Literal["bonferroni", "split"] = Field("bonferroni", description="how the attack's threshold is chosen")
+    threshold: Literal["bonferroni", "split", "order"] = Field(
+        "bonferroni", description="how the attack's threshold is chosen: the best of all (bonferroni), on half the "
+        "trials (split), or at out-score ranks 1, 2, 5, 10, ... fixed in advance (order)")
     m_canaries: int = Field(1000, ge=2, description="one_run: canaries per training, each in with probability 1/2")
     direction: Literal["unused", "against_data"] = Field(
         "unused", description="gradient canary: the data's least-used direction (random for the MLP), or against "
@@ -736,18 +747,75 @@ def read_yaml(path: Path) -> Any:
             loader.dispose()
 
 
-def load_grid_file(path: Path) -> GridFile:
+def load_grid_file(path: Path, overrides: typing.Sequence[tuple[str, Any]] = ()) -> GridFile:
     """Parse and validate a grid file; every problem becomes one UserError line naming the path.
 
     Validation is strict: a bool or a quoted number where a number is expected is an error (`batch_size: true`
-    is not 1). A file dataset's relative `path` is resolved against the grid file's folder."""
+    is not 1). A file dataset's relative `path` is resolved against the grid file's folder. `overrides`
+    ((dotted key, value) pairs, e.g. ("epochs", 1), ("datasets.0.n", 500)) are set in every grid of the parsed
+    file before validation, so that they are checked exactly as the file's own values are."""
     raw = read_yaml(path)
     if isinstance(raw, dict) and "grids" not in raw and "name" in raw:
         raw = {"grids": [raw]}  # a file holding a single grid
+    where = str(path) + "".join(f" --set {key}={value!r}" for key, value in overrides)
+    if overrides and isinstance(raw, dict) and isinstance(raw.get("grids"), list):
+        for grid in raw["grids"]:
+            for key, value in overrides:
+                set_dotted(grid, key, value)
     try:
         return GridFile.model_validate(raw, strict=True, context={"grid_dir": Path(path).resolve().parent})
     except ValidationError as exc:
-        raise UserError(f"{path}: {describe_validation_error(exc, raw)}") from None
+        raise UserError(f"{where}: {describe_validation_error(exc, raw)}") from None
+
+
+def set_dotted(grid: Any, key: str, value: Any) -> None:
+    """Set `key` (`epochs`, `audit.trials`, `datasets.0.n`: a list index is a number) of one parsed grid; an
+    entry given by its name alone (`datasets: [adult]`) becomes `{name: adult}` when a key is set inside it."""
+    parts = key.split(".")
+    if not isinstance(grid, dict) or not all(parts):
+        raise UserError(f"--set {key}: expected KEY=VALUE with a dotted KEY (e.g. --set epochs=1, --set "
+                        f"datasets.0.n=500)")
+    node = grid
+    for i, part in enumerate(parts[:-1]):
+        inside = ".".join(parts[: i + 1])
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise UserError(f"--set {key}: {inside}: no such entry; the list has {len(node)} (numbered from 0)")
+            if isinstance(node[int(part)], str):
+                node[int(part)] = {"name": node[int(part)]}
+            child = node[int(part)]
+        elif isinstance(node, dict):
+            child = node.setdefault(part, {})
+            if isinstance(child, str) and part in ("datasets", "models", "algorithms"):
+                child = node[part] = [child]
+        else:
+            child = None
+        if not isinstance(child, (dict, list)):
+            raise UserError(f"--set {key}: {inside} holds a single value ({child!r}), not keys to set")
+        node = child
+    last = parts[-1]
+    if isinstance(node, list):
+        if not last.isdigit() or int(last) >= len(node):
+            raise UserError(f"--set {key}: no such entry; the list has {len(node)} (numbered from 0)")
+        node[int(last)] = value
+    else:
+        node[last] = value
+
+
+def parse_overrides(items: typing.Iterable[str]) -> list[tuple[str, Any]]:
+    """`KEY=VALUE` strings of `--set` as (key, value) pairs; each value is read as YAML, as in a grid file."""
+    pairs = []
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise UserError(f"--set {item}: expected KEY=VALUE (e.g. --set epochs=1)")
+        try:
+            value = yaml.load(text, Loader=GridLoader) if text.strip() else None
+        except yaml.YAMLError as exc:
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise UserError(f"--set {item}: the value is not valid YAML ({problem}); quote it or fix it") from None
+        pairs.append((key.strip(), value))
+    return pairs
 
 
 def select(grid_file: GridFile, only: Optional[list[str]]) -> list[Grid]:
@@ -775,6 +843,11 @@ def describe_validation_error(exc: ValidationError, raw: Any) -> str:
     elif err["type"] == "missing":
         message = f"required key {loc[-1]!r} is missing"
         path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[:-1]).lstrip(".") or "top level"
+    elif err["type"] == "literal_error" and len(loc) > 1 and loc[-1] == "name" and "datasets" in loc:
+        known = [*typing.get_args(DatasetSpec.model_fields["name"].annotation), "file"]
+        name = str(err["input"])
+        message = (f"unknown dataset {name!r}{_closest(name, known)}; known: {', '.join(known)} (file: a data file of your "
+                   f"own, {{name: file, path: ...}})")
     else:
         message = err["msg"].removeprefix("Value error, ")
         if "input" in err and err["type"] not in ("value_error", "assertion_error") and not isinstance(err["input"], (dict, list)):

@@ -237,7 +237,9 @@ def get_entry(name: str) -> DatasetEntry:
         pass
     close = difflib.get_close_matches(str(name).lower(), REGISTRY, n=1, cutoff=0.4)
     hint = f"did you mean '{close[0]}'? " if close else ""
-    raise DataError(f"unknown dataset '{name}': {hint}valid names are {', '.join(REGISTRY)}")
+    raise DataError(f"unknown dataset '{name}': {hint}valid names are {', '.join(REGISTRY)}, "
+                    f"or file (a data file of your own: {{name: file, path: ...}} in a grid, `dpsgd datasets info "
+                    f"--path FILE` to preview it)")
 
 
 def files_for_split(entry: DatasetEntry, split: Optional[str]) -> tuple[RemoteFile, ...]:

@@ -485,6 +485,9 @@ def die_with_parent(parent: int) -> None:
     """Worker initializer: end this worker when the `dpsgd run` process dies, even by kill -9 (loky workers
     would otherwise finish their task and idle for minutes). Linux: the kernel sends SIGKILL on the parent's
     death (prctl PR_SET_PDEATHSIG), whatever the worker is doing; elsewhere a thread watches the parent pid."""
+    # Ctrl-C in a terminal signals the whole process group: the driver alone handles it (it saves what finished
+    # and ends the workers); a worker's own KeyboardInterrupt would only print its traceback
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         import ctypes
 

@@ -1,0 +1,406 @@
+"""The Python API: what the `dpsgd` commands do, as functions for notebooks and scripts.
+
+    import dpsgd_cli as dpsgd
+    df = dpsgd.run("experiments.yaml", only=["smoke"], out="results")   # a DataFrame, one row per run
+    dpsgd.epsilon(sigma=1.1, sample_rate=0.01, steps=1000, delta=1e-5)
+
+The commands call these functions (one implementation); keyword arguments are named like the commands' options.
+Bad input raises `dpsgd_cli.UserError`, whose message is the line the command prints. Heavy modules (NumPy
+kernels, matplotlib, dp-accounting) are imported inside the functions, so `import dpsgd_cli` stays cheap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Sequence, Union
+
+from dpsgd_cli.errors import UserError
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+PathLike = Union[str, Path]
+ACCOUNTANTS = ("rdp", "pld")
+NEIGHBOURS = ("add_remove", "replace_one")
+EXPORT_FORMATS = ("parquet", "csv")
+
+
+# --- run -------------------------------------------------------------------------------------------
+def run(grid_file: PathLike, *, only: Optional[Sequence[str]] = None, out: PathLike = "results", jobs: int = 1,
+        dry_run: bool = False, no_resume: bool = False, scheduler: Optional[str] = None,
+        set: Union[Mapping[str, Any], Iterable[str], None] = None, seeds: Optional[int] = None,  # noqa: A002
+        quiet: bool = False) -> "pd.DataFrame":
+    """`dpsgd run`: run every cell of the grid(s) in `grid_file` (resuming: runs already in runs.csv are
+    skipped) and return the runs of the grids, one row per run (see `read_results`); `df.attrs["failed"]` counts
+    the runs that failed in this call. `set` overrides grid keys before validation, in every grid: a mapping
+    ({"epochs": 1, "datasets.0.n": 500}) or `--set` strings (["epochs=1"]); `seeds=N` is `set={"seeds": N}`.
+    `quiet` prints nothing but errors (the progress bars and tables otherwise go to stdout)."""
+    import pandas as pd
+
+    from dpsgd_cli.config import load_grid_file, parse_overrides, select
+    from dpsgd_cli.engine import execute, plan_grid
+    from dpsgd_cli.engine.checks import check_grids, out_root
+    from dpsgd_cli.engine.summary import read_results as reading
+
+    if jobs < 1:
+        raise UserError(f"--jobs {jobs}: must be ≥ 1")
+    overrides = list(set.items()) if isinstance(set, Mapping) else parse_overrides(set or [])
+    if seeds is not None:
+        overrides.append(("seeds", seeds))
+    grids = select(load_grid_file(Path(grid_file), overrides), list(only) if only else None)
+    root = out_root(str(out))
+    if scheduler:  # checked at once, before any work (the connection itself waits until dry_run is ruled out)
+        from dpsgd_cli.engine.distributed import check_scheduler
+
+        check_scheduler(scheduler)
+    check_grids(grids)  # every figure, claim and limit, before any work
+    jobs = _cap_jobs(jobs)
+    if scheduler and jobs > 1:
+        raise UserError(f"--jobs {jobs} and --scheduler {scheduler}: choose one (the Dask workers are the processes)")
+    show = _Display(quiet)
+    with contextlib.ExitStack() as stack:
+        backend = None
+        if scheduler and not dry_run:  # connected first: an unreachable scheduler fails before anything is touched
+            from dpsgd_cli.engine.distributed import dask_backend
+
+            backend = stack.enter_context(dask_backend(scheduler))
+            show.line(backend.describe())
+        plans = [plan_grid(g, root, resume=not no_resume, dry_run=dry_run) for g in grids]
+        show.plans(plans, dry_run)
+        for plan in [] if dry_run else plans:
+            with show.progress(plan) as advance:
+                try:
+                    execute(plan, jobs=jobs, backend=backend, on_rows=advance)
+                except KeyboardInterrupt:
+                    _stop_workers()
+                    show.stop()
+                    print(f"interrupted: finished runs are saved in {plan.folder / 'runs.csv'}; run the same "
+                          f"command again to resume", file=sys.stderr)
+                    raise
+    readings = [reading(plan.folder) for plan in plans]
+    frame = pd.concat([r.runs for r in readings], ignore_index=True) if readings else pd.DataFrame()
+    failures = [row for plan in plans for row in plan.failures]
+    if not dry_run:
+        show.summaries(plans, readings)
+        _print_failures(failures)
+    frame.attrs["failed"] = len(failures)
+    return frame
+
+
+def _stop_workers() -> None:
+    """Ctrl-C: end the worker processes now. The runs they were training are lost either way (a rerun redoes
+    them), and the process pool's exit handler would otherwise wait for each to finish its task (seconds to
+    minutes) before the interpreter exits."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        child.kill()
+
+
+def _cap_jobs(jobs: int) -> int:
+    """At most one worker per core available to this process: more only thrash (and multiply memory)."""
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if jobs > cores:
+        print(f"--jobs {jobs}: capped at {cores}, the number of cores available", file=sys.stderr)
+    return min(jobs, cores)
+
+
+def _print_failures(rows: list[dict]) -> None:
+    """The failed runs' messages, most frequent first, each with the cells it hit."""
+    if not rows:
+        return
+    groups: dict[str, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(row.get("message") or "(no message)", []).append(row)
+    print(f"error: {len(rows)} run(s) failed (recorded as `failed` in runs.csv and tried again when the same "
+          f"command is rerun):", file=sys.stderr)
+    for message, group in sorted(groups.items(), key=lambda item: -len(item[1])):
+        cells = sorted({f"{r['grid']}: {r['algorithm']} on {r['dataset']}"
+                        + (f" ε={fmt(r['epsilon'])}" if r.get("epsilon") is not None else "") for r in group})
+        shown = ", ".join(cells[:3]) + (f", … ({len(cells)} cells)" if len(cells) > 3 else "")
+        print(f"  {len(group)}× {message}  [{shown}]", file=sys.stderr)
+
+
+class _Display:
+    """What `run` shows while it works (rich renders it in a terminal and in a notebook); nothing when quiet."""
+
+    def __init__(self, quiet: bool) -> None:
+        from rich.console import Console
+
+        self.quiet = quiet
+        self.console = Console()
+        self._progress = None
+
+    def line(self, text: str) -> None:
+        if not self.quiet:
+            self.console.print(text, highlight=False, markup=False)
+
+    def plans(self, plans: list, dry_run: bool) -> None:
+        if self.quiet:
+            return
+        from rich.markup import escape
+
+        from dpsgd_cli.algorithms.kernels import backend_description
+        from dpsgd_cli.data.files import run_notes
+        from dpsgd_cli.engine.runner import dataset
+
+        self.line(backend_description())
+        specs = {c.dataset for plan in plans for c in plan.cells if c.dataset.name == "file"}
+        for note in run_notes(dataset(spec) for spec in sorted(specs, key=lambda s: s.id)):
+            self.line(note)  # once per run: what each file dataset's loading did, and its privacy caveat
+        for plan in plans:
+            self.console.print(f"[bold]{escape(plan.grid.name)}[/]: {len(plan.cells)} cells × {plan.grid.seeds} "
+                               f"seeds = {plan.total_runs} runs; {plan.done_before} already done, "
+                               f"{plan.pending_runs} to run → {escape(str(plan.folder))}")
+            if dry_run:
+                self.console.print(_plan_table(plan))
+
+    @contextlib.contextmanager
+    def progress(self, plan) -> Any:
+        """A progress bar over the plan's pending runs; yields the callback that advances it."""
+        if self.quiet or not plan.tasks:  # nothing to train: the manifest and analytic tables are still refreshed
+            yield None
+            return
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                   TimeRemainingColumn)
+
+        columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("runs"),
+                   TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
+        with Progress(*columns, console=self.console, transient=False) as self._progress:
+            bar = self._progress.add_task(plan.grid.name, total=plan.pending_runs)
+            yield lambda rows: self._progress.advance(bar, len(rows))
+        self._progress = None
+
+    def stop(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+    def summaries(self, plans: list, readings: list) -> None:
+        if self.quiet:
+            return
+        from dpsgd_cli.engine import summary_frame
+        from dpsgd_cli.engine.results import note
+
+        for plan, reading in zip(plans, readings):
+            for line in reading.notes():  # rows the table leaves out, and why
+                note(line)
+            self.console.print(_summary_table(summary_frame(plan.folder), plan.grid.name))
+
+
+def _plan_table(plan) -> Any:
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table("dataset", "model", "algorithm", "ε", "B", "lr", "epochs", "λ", "C", "to run", title=plan.grid.name)
+    pending = {c.cell_id: len(t.seeds) for t in plan.tasks for c in t.cells}
+    for c in plan.cells:
+        name = getattr(c.dataset, "id", None) or c.dataset.name  # a file dataset shows its id
+        tuned = f" [for {c.tuning['tag']}]" if c.tuning else ""
+        label = c.algorithm.name + "".join(f" {k}={v}" for k, v in c.algorithm.params.items())
+        table.add_row(escape(name), c.model.name, escape(label + tuned),
+                      *(fmt(v) for v in (c.epsilon, c.batch_size, c.lr, c.epochs, c.l2, c.clip_norm)),
+                      f"{pending.get(c.cell_id, 0)}/{len(c.seeds)}")
+    return table
+
+
+SUMMARY_AXES = [("ε", "epsilon"), ("B", "batch_size"), ("lr", "lr"), ("epochs", "epochs"), ("λ", "l2"),
+                ("C", "clip_norm"), ("dtype", "dtype")]
+
+
+def _summary_table(frame, name: str) -> Any:
+    """A row per cell; a column for ε and for every other axis that varies (the fixed ones go in the title);
+    a deterministic cell (every seed gave the same numbers, e.g. erm) is shown once, without ± 0."""
+    from rich.table import Table
+
+    shown = [(h, c) for h, c in SUMMARY_AXES if c == "epsilon" or frame[c].nunique(dropna=True) > 1]
+    fixed = [f"{h} = {fmt(frame[c].dropna().iloc[0])}" for h, c in SUMMARY_AXES
+             if (h, c) not in shown and c != "dtype" and frame[c].nunique(dropna=True) == 1]
+    title = f"{name}: mean ± std over seeds" + (f" ({', '.join(fixed)})" if fixed else "")
+    caption = "no ± : every seed gave the same result (deterministic)" if frame["identical"].any() else None
+    table = Table("dataset", "model", "algorithm", *(h for h, _ in shown), "runs", "test accuracy",
+                  "optimality gap", title=title, caption=caption)
+    for _, r in frame.iterrows():
+        if r["identical"]:
+            numbers = [f"{r['ok']}/{r['runs']}", f"{r['acc_mean']:.4f}", f"{r['gap_mean']:.3g}"]
+        else:
+            numbers = [f"{r['ok']}/{r['runs']}", f"{r['acc_mean']:.4f} ± {r['acc_std']:.4f}",
+                       f"{r['gap_mean']:.3g} ± {r['gap_std']:.2g}"]
+        table.add_row(r["dataset"], r["model"], r["label"], *(fmt(r[c]) for _, c in shown), *numbers)
+    return table
+
+
+def fmt(value: Any) -> str:
+    if value is None or value != value:  # None or NaN
+        return "–"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+# --- results ---------------------------------------------------------------------------------------
+def result_folders(path: PathLike) -> list[Path]:
+    """`path` itself if it holds runs.csv, else its sub-folders that do (a results root)."""
+    path = Path(path)
+    if (path / "runs.csv").exists():
+        return [path]
+    folders = sorted(p.parent for p in path.glob("*/runs.csv"))
+    if not folders:
+        raise UserError(f"{path}: no runs.csv here or in its sub-folders; run `dpsgd run GRID.yaml` first or pass "
+                        f"a grid's results folder (e.g. results/smoke)")
+    return folders
+
+
+def read_results(folder: PathLike = "results") -> "pd.DataFrame":
+    """The runs of a grid's results folder (or of every grid under a results root), one row per run id, as the
+    summary, plots and report read them: malformed and cut rows of runs.csv skipped, rows of another or an
+    earlier version of the grid left out (each omission noted on stderr). Every status is kept; the finished
+    runs are `df[df.status == "ok"]`."""
+    import pandas as pd
+
+    from dpsgd_cli.engine.results import note
+    from dpsgd_cli.engine.summary import read_results as reading
+
+    frames = []
+    for path in result_folders(folder):
+        found = reading(path)
+        for line in found.notes():
+            note(line)
+        frames.append(found.runs)
+    return pd.concat(frames, ignore_index=True)
+
+
+def export(results_dir: PathLike = "results", *, format: str = "parquet") -> list[Path]:  # noqa: A002
+    """`dpsgd export`: each grid's runs (as `read_results` gives them) written beside its runs.csv as
+    runs.parquet (or runs_valid.csv with format="csv"), and traces.csv as traces.parquet; returns the paths."""
+    from dpsgd_cli.engine.results import ResultStore
+
+    if format not in EXPORT_FORMATS:
+        raise UserError(f"--format {format}: choose one of {', '.join(EXPORT_FORMATS)}")
+    if format == "parquet":
+        try:
+            import pyarrow  # noqa: F401
+        except ImportError:
+            raise UserError("--format parquet needs pyarrow: pip install 'dpsgd[parquet]' (or pip install "
+                            "pyarrow)") from None
+    paths = []
+    for folder in result_folders(results_dir):
+        frames = {"runs": read_results(folder)}
+        if (folder / "traces.csv").exists():
+            frames["traces"] = ResultStore(folder).read_traces()
+        for name, frame in frames.items():
+            path = folder / (f"{name}.parquet" if format == "parquet" else f"{name}_valid.csv")
+            try:
+                frame.to_parquet(path, index=False) if format == "parquet" else frame.to_csv(path, index=False)
+            except OSError as exc:
+                raise UserError(f"{path}: cannot write ({exc.strerror or exc})") from None
+            paths.append(path)
+    return paths
+
+
+def report(results_dir: PathLike = "results") -> "pd.DataFrame":
+    """`dpsgd report`: check the claims of every grid under `results_dir` and write report.md and report.html
+    (the report with its figures embedded: one file to open in a browser or send); one row per claim: grid,
+    claim, kind, text, quote, reading, own, verdict (PASS, FAIL, VACUOUS, NO DATA), numbers; `df.attrs["path"]` is
+    report.md's path."""
+    import pandas as pd
+
+    from dpsgd_cli.report import build_report, summary_line
+    from dpsgd_cli.report_html import write_html
+
+    verdicts, path = build_report(Path(results_dir))
+    write_html(path)
+    frame = pd.DataFrame([{"grid": v.grid, "claim": v.claim.id, "kind": v.claim.kind, "text": v.claim.text,
+                           "quote": v.claim.quote, "reading": v.claim.reading, "own": v.claim.own,
+                           "verdict": v.status, "numbers": v.numbers} for v in verdicts],
+                         columns=["grid", "claim", "kind", "text", "quote", "reading", "own", "verdict", "numbers"])
+    frame.attrs.update(path=path, summary=summary_line(verdicts))  # report.md's path; the verdicts counted
+    return frame
+
+
+# --- figures, audit --------------------------------------------------------------------------------
+def metrics() -> list[str]:
+    """What `plot(metric=...)` accepts: every numeric column of runs.csv, and `accuracy` (test accuracy)."""
+    from dpsgd_cli.engine.results import COLUMNS, NUMERIC, TRACE_COLUMNS
+
+    numeric = [c for c in COLUMNS if c in NUMERIC and c not in ("seed",)]
+    return ["accuracy", *numeric, *(c for c in TRACE_COLUMNS if c in NUMERIC and c not in numeric + ["seed"])]
+
+
+def check_metric(metric: Optional[str]) -> Optional[str]:
+    """`metric` if `plot` can draw it, else one UserError line (with the closest name)."""
+    import difflib
+
+    known = [m for m in metrics() if m != "examples"]
+    if metric is None or metric in known:
+        return metric
+    match = difflib.get_close_matches(metric, known, n=1)
+    hint = f" (did you mean '{match[0]}'?)" if match else ""
+    raise UserError(f"--metric {metric}: not a numeric column of runs.csv{hint}; choose one of {', '.join(known)}")
+
+
+def plot(results_dir: PathLike = "results", *, metric: Optional[str] = None, format: str = "png") -> list[Path]:  # noqa: A002
+    """`dpsgd plot`: the grid's paper figures, or `metric` (any numeric column of runs.csv) over ε; returns
+    the files written (under each grid's figures/)."""
+    from dpsgd_cli.plots import plot_results
+
+    if format not in ("png", "pdf", "svg"):
+        raise UserError(f"--format {format}: choose one of png, pdf, svg")
+    return plot_results(Path(results_dir), metric=check_metric(metric), fmt=format)
+
+
+def audit(grid_file: PathLike, *, only: Optional[Sequence[str]] = None, out: PathLike = "results",
+          trials: Optional[int] = None, confidence: Optional[float] = None,
+          on_rows: Optional[Callable[[list[dict]], None]] = None) -> "pd.DataFrame":
+    """`dpsgd audit`: train with and without a canary and bound each cell's ε from below; returns the rows of
+    every audited grid's audit.csv (ε_lo beside the claimed ε). `on_rows` sees each cell's rows (their `grid`
+    column names the grid) as they come."""
+    import pandas as pd
+
+    from dpsgd_cli.audit.run import audit_grid
+    from dpsgd_cli.config import load_grid_file, select
+    from dpsgd_cli.engine.checks import check_audit
+
+    if trials is not None and trials < 2:
+        raise UserError(f"--trials {trials}: must be ≥ 2")
+    grids = select(load_grid_file(Path(grid_file)), list(only) if only else None)
+    for grid in grids:  # every grid's trials bounded before the first training
+        check_audit(grid, trials)
+    paths = [audit_grid(grid, Path(out), trials=trials, confidence=confidence, on_rows=on_rows) for grid in grids]
+    return pd.concat([pd.read_csv(p) for p in paths], ignore_index=True)
+
+
+# --- privacy calculators ---------------------------------------------------------------------------
+def _choice(option: str, value: Any, allowed: Sequence[str]) -> str:
+    value = getattr(value, "value", value)  # the CLI's enums
+    if value not in allowed:
+        raise UserError(f"--{option} {value}: choose one of {', '.join(allowed)}")
+    return value
+
+
+def epsilon(*, sigma: float, sample_rate: float, steps: int, delta: float, accountant: str = "rdp",
+            neighbours: str = "add_remove") -> float:
+    """`dpsgd epsilon`: ε of DP-SGD (Poisson-subsampled Gaussian, `steps` steps) at `delta`."""
+    from dpsgd_cli.privacy.accounting import dpsgd_epsilon
+
+    return float(dpsgd_epsilon(sigma, sample_rate, steps, delta, accountant=_choice("accountant", accountant, ACCOUNTANTS),
+                               neighbours=_choice("neighbours", neighbours, NEIGHBOURS)))
+
+
+def calibrations(*, epsilon: Sequence[float], sample_rate: float, steps: int, delta: float,
+                 accountant: str = "rdp", neighbours: str = "add_remove") -> list:
+    """`dpsgd sigma`'s calibrations: per target ε, σ with the ε it achieves, the accountant and its library."""
+    from dpsgd_cli.privacy.accounting import calibrate_sigmas
+
+    return calibrate_sigmas(list(epsilon), delta, sample_rate, steps, _choice("accountant", accountant, ACCOUNTANTS),
+                            _choice("neighbours", neighbours, NEIGHBOURS))
+
+
+def sigma(*, epsilon: Union[float, Sequence[float]], sample_rate: float, steps: int, delta: float,
+          accountant: str = "rdp", neighbours: str = "add_remove") -> Union[float, list[float]]:
+    """`dpsgd sigma`: the smallest noise multiplier σ giving ε ≤ target (within 0.1%); a list for a list."""
+    targets = [epsilon] if isinstance(epsilon, (int, float)) else list(epsilon)
+    found = [c.sigma for c in calibrations(epsilon=targets, sample_rate=sample_rate, steps=steps, delta=delta,
+                                           accountant=accountant, neighbours=neighbours)]
+    return found[0] if isinstance(epsilon, (int, float)) else found

@@ -1,0 +1,148 @@
+"""The Python API (`import dpsgd_cli as dpsgd`): the same functions the commands call, returning DataFrames."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+import dpsgd_cli as dpsgd
+from dpsgd_cli.cli import app
+
+GRID = """
+grids:
+  - name: tiny
+    datasets: [{name: synthetic, n: 300}]
+    algorithms: [erm, dp_sgd]
+    epsilon: [1]
+    batch_size: [32]
+    lr: [0.5]
+    seeds: 1
+    epochs: 2
+    validation: 0.1
+  - name: other
+    datasets: [synthetic]
+    algorithms: [erm]
+    seeds: 1
+"""
+
+
+@pytest.fixture
+def grid_file(write_grid):
+    return write_grid(GRID)
+
+
+def test_importing_the_package_loads_no_heavy_module():
+    heavy = ("pandas", "numpy", "scipy", "matplotlib", "rich", "typer", "pydantic", "numba", "dp_accounting")
+    code = f"import sys, dpsgd_cli; print([m for m in {heavy!r} if m in sys.modules])"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"
+
+
+def test_run_returns_the_runs_as_read_results_reads_them(grid_file, tmp_path, capsys):
+    out = tmp_path / "results"
+    frame = dpsgd.run(grid_file, only=["tiny"], out=out, set={"epochs": 1}, seeds=2, quiet=True)
+    assert capsys.readouterr().out == ""  # quiet
+    assert isinstance(frame, pd.DataFrame) and len(frame) == 2 * 2 and set(frame["status"]) == {"ok"}
+    assert frame.attrs["failed"] == 0 and not (out / "other").exists()
+    assert set(frame["epochs"].dropna()) == {1.0} and set(frame["seed"]) == {0, 1}
+    read = dpsgd.read_results(out)
+    pd.testing.assert_frame_equal(read, frame)
+    pd.testing.assert_frame_equal(dpsgd.read_results(out / "tiny"), frame)
+    again = dpsgd.run(grid_file, only=["tiny"], out=out, set=["epochs=1", "seeds=2"], quiet=True)  # resumed: no work
+    pd.testing.assert_frame_equal(again, frame)
+
+
+def test_run_shares_the_commands_implementation(grid_file, tmp_path):
+    from dpsgd_cli import api
+
+    assert dpsgd.run is api.run and dpsgd.epsilon is api.epsilon and dpsgd.plot is api.plot
+    result = CliRunner().invoke(app, ["run", str(grid_file), "--only", "tiny", "--out", str(tmp_path / "cli"),
+                                      "--set", "epochs=1", "--seeds", "2"])
+    assert result.exit_code == 0, result.output
+    by_api = dpsgd.run(grid_file, only=["tiny"], out=tmp_path / "api", set={"epochs": 1}, seeds=2, quiet=True)
+    by_cli = dpsgd.read_results(tmp_path / "cli")
+    assert sorted(by_cli["run_id"]) == sorted(by_api["run_id"])
+
+
+def test_read_results_skips_malformed_rows_as_the_readers_do(grid_file, tmp_path, capsys):
+    out = tmp_path / "results"
+    dpsgd.run(grid_file, only=["tiny"], out=out, quiet=True)
+    csv = out / "tiny" / "runs.csv"
+    csv.write_text(csv.read_text() + "not,a,row\n")
+    frame = dpsgd.read_results(out)
+    assert len(frame) == 2 and "malformed" in capsys.readouterr().err
+    with pytest.raises(dpsgd.UserError, match="no runs.csv"):
+        dpsgd.read_results(tmp_path / "nothing")
+
+
+def test_privacy_calculators_match_the_commands():
+    eps = dpsgd.epsilon(sigma=1.1, sample_rate=0.01, steps=1000, delta=1e-5)
+    cli = CliRunner().invoke(app, ["epsilon", "--sigma", "1.1", "--sample-rate", "0.01", "--steps", "1000",
+                                   "--delta", "1e-5"])
+    assert cli.exit_code == 0 and f"ε = {eps:.6g}" in cli.output
+    sigmas = dpsgd.sigma(epsilon=[1.0, 2.0], sample_rate=0.01, steps=1000, delta=1e-5, accountant="rdp")
+    assert sigmas[0] > sigmas[1] > 0
+    assert dpsgd.sigma(epsilon=2.0, sample_rate=0.01, steps=1000, delta=1e-5) == sigmas[1]
+    assert dpsgd.epsilon(sigma=sigmas[1], sample_rate=0.01, steps=1000, delta=1e-5) <= 2.0
+    with pytest.raises(dpsgd.UserError, match="--accountant xyz: choose one of rdp, pld"):
+        dpsgd.epsilon(sigma=1.0, sample_rate=0.01, steps=10, delta=1e-5, accountant="xyz")
+
+
+def test_export_and_plot(grid_file, tmp_path, monkeypatch):
+    out = tmp_path / "results"
+    frame = dpsgd.run(grid_file, out=out, quiet=True)
+    paths = dpsgd.export(out)
+    assert paths == [out / "other" / "runs.parquet", out / "tiny" / "runs.parquet"]
+    parquet = pd.concat([pd.read_parquet(p) for p in paths], ignore_index=True)
+    assert sorted(parquet["run_id"]) == sorted(frame["run_id"]) and parquet["test_accuracy"].dtype == float
+    assert [p.suffix for p in dpsgd.plot(out / "tiny", metric="accuracy")] == [".png", ".pdf"]
+    with pytest.raises(dpsgd.UserError, match="not a numeric column of runs.csv .*did you mean 'val_accuracy'"):
+        dpsgd.plot(out, metric="val_acuracy")
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # not installed
+    with pytest.raises(dpsgd.UserError, match=r"needs pyarrow: pip install 'dpsgd\[parquet\]'"):
+        dpsgd.export(out)
+
+
+def test_plot_metric_accepts_every_numeric_column_of_runs_csv():
+    from dpsgd_cli.api import check_metric
+    from dpsgd_cli.engine.results import NUMERIC
+
+    for column in ("val_accuracy", "test_accuracy", "wall_time", "sigma", "accuracy"):
+        assert check_metric(column) == column
+    assert set(dpsgd.api.metrics()) >= NUMERIC - {"seed"}
+
+
+def test_audit_returns_the_rows_of_audit_csv(write_grid, tmp_path):
+    grid = write_grid("""
+        grids:
+          - name: tiny_audit
+            datasets: [{name: synthetic, n: 300, dim: 5}]
+            algorithms: [dp_sgd]
+            epsilon: [1]
+            batch_size: [32]
+            epochs: 1
+            lr: 0.5
+            seeds: 1
+            delta: 1.0e-5
+            audit: {canaries: [input], trials: 20}
+        """)
+    seen = []
+    frame = dpsgd.audit(grid, out=tmp_path / "res", trials=10, on_rows=seen.extend)
+    on_disk = pd.read_csv(tmp_path / "res" / "tiny_audit" / "audit.csv")
+    assert len(frame) == len(on_disk) == len(seen) >= 1 and (frame["trials"] == 10).all()
+    from dpsgd_cli.audit.engine import COLUMNS  # the subpackage of the same name, still a module
+
+    assert list(frame.columns) == COLUMNS and dpsgd.audit.engine.COLUMNS is COLUMNS
+
+
+def test_example_script_runs(tmp_path, monkeypatch):
+    """examples/notebook.py, shortened by its SMALL switch, runs from a fresh folder."""
+    example = Path(__file__).parents[1] / "examples" / "notebook.py"
+    monkeypatch.setenv("DPSGD_DATA_DIR", str(tmp_path / "cache"))
+    done = subprocess.run([sys.executable, str(example)], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "DPSGD_EXAMPLE_SMALL": "1"}, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "results" / "report.html").exists()
