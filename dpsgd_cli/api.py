@@ -34,7 +34,7 @@ def run(grid_file: PathLike, *, only: Optional[Sequence[str]] = None, out: PathL
         quiet: bool = False) -> "pd.DataFrame":
     """`dpsgd run`: run every cell of the grid(s) in `grid_file` (resuming: runs already in runs.csv are
     skipped) and return the runs of the grids, one row per run (see `read_results`); `df.attrs["failed"]` counts
-    the runs that failed in this call. `set` overrides grid keys before validation, in every grid: a mapping
+    the runs that failed in this call. `set` overrides grid keys before validation, in every grid run: a mapping
     ({"epochs": 1, "datasets.0.n": 500}) or `--set` strings (["epochs=1"]); `seeds=N` is `set={"seeds": N}`.
     `quiet` prints nothing but errors (the progress bars and tables otherwise go to stdout)."""
     import pandas as pd
@@ -49,7 +49,8 @@ def run(grid_file: PathLike, *, only: Optional[Sequence[str]] = None, out: PathL
     overrides = list(set.items()) if isinstance(set, Mapping) else parse_overrides(set or [])
     if seeds is not None:
         overrides.append(("seeds", seeds))
-    grids = select(load_grid_file(Path(grid_file), overrides), list(only) if only else None)
+    only = list(only) if only else None
+    grids = select(load_grid_file(Path(grid_file), overrides, only), only)
     root = out_root(str(out))
     if scheduler:  # checked at once, before any work (the connection itself waits until dry_run is ruled out)
         from dpsgd_cli.engine.distributed import check_scheduler

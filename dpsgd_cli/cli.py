@@ -81,7 +81,7 @@ def run(
     jobs: int = typer.Option(1, "--jobs", min=1, metavar="N",
                              help="Worker processes (one BLAS thread each); capped at the number of cores."),
     overrides: Optional[list[str]] = typer.Option(
-        None, "--set", metavar="KEY=VALUE", help="Set a grid key before validation, in every grid (repeatable; "
+        None, "--set", metavar="KEY=VALUE", help="Set a grid key before validation, in every grid run (repeatable; "
         "VALUE is YAML; dotted KEY for nested values: --set epochs=1 --set datasets.0.n=500)."),
     seeds: Optional[int] = typer.Option(None, "--seeds", metavar="N", help="Runs per cell (as --set seeds=N)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Validate and show what would run, then stop."),

@@ -747,19 +747,23 @@ def read_yaml(path: Path) -> Any:
             loader.dispose()
 
 
-def load_grid_file(path: Path, overrides: typing.Sequence[tuple[str, Any]] = ()) -> GridFile:
+def load_grid_file(path: Path, overrides: typing.Sequence[tuple[str, Any]] = (),
+                   only: Optional[typing.Collection[str]] = None) -> GridFile:
     """Parse and validate a grid file; every problem becomes one UserError line naming the path.
 
     Validation is strict: a bool or a quoted number where a number is expected is an error (`batch_size: true`
     is not 1). A file dataset's relative `path` is resolved against the grid file's folder. `overrides`
     ((dotted key, value) pairs, e.g. ("epochs", 1), ("datasets.0.n", 500)) are set in every grid of the parsed
-    file before validation, so that they are checked exactly as the file's own values are."""
+    file (with `only`, in the grids it names) before validation, so that they are checked exactly as the file's
+    own values are."""
     raw = read_yaml(path)
     if isinstance(raw, dict) and "grids" not in raw and "name" in raw:
         raw = {"grids": [raw]}  # a file holding a single grid
     where = str(path) + "".join(f" --set {key}={value!r}" for key, value in overrides)
     if overrides and isinstance(raw, dict) and isinstance(raw.get("grids"), list):
         for grid in raw["grids"]:
+            if only and not (isinstance(grid, dict) and grid.get("name") in only):
+                continue
             for key, value in overrides:
                 set_dotted(grid, key, value)
     try:

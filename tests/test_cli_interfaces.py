@@ -72,6 +72,19 @@ def test_set_and_seeds_override_the_file_and_run_ids_follow_the_resolved_grid(gr
     assert code == 0 and "4 already done, 0 to run" in stdout
 
 
+def test_set_applies_to_the_grids_run(write_grid, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")
+    grid = write_grid(GRID + """
+  - name: other
+    datasets: [synthetic]
+    algorithms: [erm]
+""")
+    override = ["--set", "algorithms.1.accountant=pld", "--out", tmp_path / "r", "--dry-run"]
+    assert "algorithms.1: no such entry; the list has 1" in one_line_error(capsys, monkeypatch, "run", grid, *override)
+    code, stdout, err = dpsgd(capsys, monkeypatch, "run", grid, "--only", "tiny", *override)
+    assert code == 0 and "accountant=pld" in stdout and "other" not in stdout, err
+
+
 @pytest.mark.parametrize("args, expected", [
     (["--set", "epochs"], "--set epochs: expected KEY=VALUE"),
     (["--set", "=1"], "expected KEY=VALUE"),
