@@ -291,7 +291,19 @@ def evaluate(folder: Path, claim: ClaimSpec, figures: list[FigureSpec]) -> Verdi
         results.sort(key=lambda item: item[0] is not False)  # the groups where the claim fails come first
     except (KeyError, ValueError) as exc:
         return Verdict(grid, claim, NO_DATA, str(exc).strip("'\""))
-    return Verdict(grid, claim, *decide(results, claim))
+    status, numbers = decide(results, claim)
+    return Verdict(grid, claim, status, numbers + _mixed_relations(frame, claim))
+
+
+def _mixed_relations(frame: pd.DataFrame, claim: ClaimSpec) -> str:
+    """A warning when the rows a claim compares state their ε under different neighbouring relations."""
+    if "neighbours" not in frame or "epsilon" not in frame:
+        return ""
+    parts = [select(frame, sel) for sel in (claim.a, claim.b) if sel] or [frame]
+    rows = pd.concat(parts)
+    rows = rows[rows["epsilon"].notna()]
+    relations = sorted(set(rows["neighbours"].fillna("unrecorded").astype(str)))
+    return f" [mixed neighbouring relations: {', '.join(relations)}]" if len(relations) > 1 else ""
 
 
 def decide(results: list[tuple[Optional[bool] | str, str]], claim: ClaimSpec) -> tuple[str, str]:

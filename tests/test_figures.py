@@ -267,3 +267,14 @@ def test_finish_keeps_a_long_title_and_caption_on_the_canvas():
         assert layout_problems(fig) == []
     finally:
         plt.close(fig)
+
+
+def test_captions_name_the_neighbouring_relation_and_warn_when_it_is_mixed():
+    from dpsgd_cli.plots import relation_phrases
+
+    one = pd.DataFrame({"algorithm": ["dp_sgd", "pidp_sgd"], "neighbours": ["replace_one", "replace_one"]})
+    assert relation_phrases(one) == ["$\\varepsilon$ under replace-one neighbours"]
+    mixed = pd.DataFrame({"algorithm": ["dp_sgd", "pidp_sgd"], "neighbours": ["add_remove", "replace_one"]})
+    (phrase,) = relation_phrases(mixed)
+    assert phrase.startswith("mixed neighbouring relations") and "add/remove: DP-SGD" in phrase
+    assert relation_phrases(mixed.drop(columns="neighbours")) == []  # results written before the column existed

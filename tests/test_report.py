@@ -322,3 +322,15 @@ def test_experiments_yaml_claims_on_analytic_tables_are_formula_checks():
         for c in grid.claims:
             if c.source not in ("runs", "traces"):
                 assert c.kind == "formula_check", c.id
+
+
+def test_a_claim_comparing_epsilons_under_different_relations_says_so():
+    from dpsgd_cli.report import _mixed_relations
+
+    frame = _runs({"dp": {1.0: [0.80, 0.81]}, "pidp": {1.0: [0.82, 0.83]}})
+    better = claim(check="better", a={"algorithm": "pidp"}, b={"algorithm": "dp"})
+    frame["neighbours"] = "replace_one"
+    assert _mixed_relations(frame, better) == ""
+    frame.loc[frame["algorithm"] == "dp", "neighbours"] = "add_remove"
+    assert _mixed_relations(frame, better) == " [mixed neighbouring relations: add_remove, replace_one]"
+    assert _mixed_relations(frame.drop(columns="neighbours"), better) == ""

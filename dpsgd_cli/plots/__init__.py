@@ -283,10 +283,27 @@ def _caption(grid: dict, grid_name: str, frame: pd.DataFrame, spec: FigureSpec) 
             phrases.append(f"{', '.join(exact)}: pure $\\varepsilon$-DP ($\\delta = 0$)")
         if private.empty and not runs.empty:
             phrases.append("no private line")
+        phrases += relation_phrases(private)
     from dpsgd_cli.engine.selection import caption_of
 
     phrases += [names.literal(part) for part in _phrases(caption_of(grid).strip())]
     return phrases
+
+
+RELATIONS = {"add_remove": "add/remove", "replace_one": "replace-one"}
+
+
+def relation_phrases(private: pd.DataFrame) -> list[str]:
+    """The neighbouring relation the private rows' ε hold under: one phrase, or a warning naming each algorithm's
+    relation where they differ (their ε are then not comparable)."""
+    if "neighbours" not in private or private.empty:
+        return []
+    by_relation = {rel: sorted({names.algorithm(a) for a in rows["algorithm"]})
+                   for rel, rows in private.groupby(private["neighbours"].fillna("unrecorded").astype(str))}
+    if len(by_relation) == 1:
+        return [f"$\\varepsilon$ under {RELATIONS.get(next(iter(by_relation)), next(iter(by_relation)))} neighbours"]
+    mixed = "; ".join(f"{RELATIONS.get(rel, rel)}: {', '.join(algs)}" for rel, algs in by_relation.items())
+    return [f"mixed neighbouring relations, $\\varepsilon$ not comparable across them ({mixed})"]
 
 
 def _phrases(text: str) -> list[str]:
