@@ -426,23 +426,34 @@ def audit_frames(path: Path) -> list[pd.DataFrame]:
 
 
 def audit_verdicts(frame: pd.DataFrame) -> list[dict]:
-    """Per grid, dataset, model, algorithm (with its parameters) and claimed ε: the strongest audit (largest ε_lo over the threat models)
-    and its verdict — `refuted` when ε_lo > ε (a lower bound above the claim: the claim is false, with the audit's
-    confidence), else `consistent` (ε_lo ≤ ε: no evidence against it, which is not a proof)."""
+    """Per grid, dataset, model, algorithm (with its parameters) and claimed ε: the cell's verdict from its rows'
+    (audit.csv's `verdict`): `refuted` when a row the claim covers has ε_lo > ε (the claim is false, with the
+    family's confidence), else `consistent` when a row's broken twin was refuted by the same audit (the audit could
+    have seen a broken mechanism and saw none), else `uninformative` (with why), or `not covered` when no row
+    attacks what the claim covers. Files written before verdicts existed: refuted when ε_lo > ε, else consistent."""
     ok = frame[(frame["status"] == "ok") & frame["epsilon_lo"].notna()]
     out = []
     keys = ["grid", "dataset", "model", "algorithm", "algorithm_params", "epsilon_claimed"]
     if "algorithm_params" not in ok:
         ok = ok.assign(algorithm_params="{}")
+    if "verdict" not in ok:
+        ok = ok.assign(verdict=np.where(ok["epsilon_lo"] > ok["epsilon_claimed"], "refuted", "consistent"),
+                       reason="")
     for key, group in ok.groupby(keys, sort=True):
-        best = group.loc[group["epsilon_lo"].idxmax()]
-        refuted = best["epsilon_lo"] > best["epsilon_claimed"]
-        sign = ">" if refuted else "≤"
-        out.append({**dict(zip(keys, key)), "verdict": "refuted" if refuted else "consistent",
+        verdict = next(v for v in ("refuted", "consistent", "uninformative", "not covered")
+                       if (group["verdict"] == v).any() or v == "not covered")
+        chosen = group[group["verdict"] == verdict]
+        best = chosen.loc[chosen["epsilon_lo"].idxmax()] if len(chosen) else group.iloc[0]
+        sign = ">" if best["epsilon_lo"] > best["epsilon_claimed"] else "≤"
+        family = (f"confidence {_fmt(best['confidence'])} for the family of {int(best['family_size'])} row(s)"
+                  if "family_size" in best and pd.notna(best.get("family_size")) else
+                  f"confidence {_fmt(best['confidence'])} per audit")
+        reason = best.get("reason") if isinstance(best.get("reason"), str) else ""
+        out.append({**dict(zip(keys, key)), "verdict": verdict,
                     "numbers": f"ε_lo = {_fmt(best['epsilon_lo'])} {sign} {_fmt(best['epsilon_claimed'])} = ε "
                                f"(δ = {_fmt(best['delta'])}; {best['canary']} canary, {best['threat_model']}; "
-                               f"{int(best['trials'])} + {int(best['trials'])} trials, confidence "
-                               f"{_fmt(best['confidence'])} per audit; {len(group)} audit(s))"})
+                               f"{int(best['trials'])} + {int(best['trials'])} trials, {family}; "
+                               f"{len(group)} audit(s))" + (f"; {reason}" if reason else "")})
     return out
 
 
@@ -452,13 +463,15 @@ def audit_lines(path: Path) -> list[str]:
     if not verdicts:
         return []
     lines = ["## Privacy audit (`dpsgd audit`)", "",
-             "Empirical lower bounds ε_lo beside each claimed ε: refuted when ε_lo > ε. A consistent verdict is no "
-             "proof of privacy (a last-iterate audit of a sound algorithm is typically far below its ε).", "",
+             "Empirical lower bounds ε_lo beside each claimed ε: refuted when ε_lo > ε on a threat model the claim "
+             "covers; consistent only when the same audit refuted the cell's broken twin (its noise scaled down), "
+             "else uninformative; not covered when the attack sees more than the claim is about. A consistent "
+             "verdict is no proof of privacy.", "",
              "| grid | dataset | model | algorithm | ε claimed | verdict | numbers |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {v['grid']} | {v['dataset']} | {v['model']} | {v['algorithm']} {_params(v)} | "
               f"{_fmt(v['epsilon_claimed'])} | "
-              f"{'**REFUTED**' if v['verdict'] == 'refuted' else 'consistent'} | {v['numbers']} |" for v in verdicts]
+              f"{'**REFUTED**' if v['verdict'] == 'refuted' else v['verdict']} | {v['numbers']} |" for v in verdicts]
     for folder in sorted({Path(path) / v["grid"] for v in verdicts} | {Path(path)}):
         image = folder / "figures" / "audit.png"
         if image.exists():

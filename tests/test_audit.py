@@ -3,6 +3,7 @@ DP-SGD variants caught, and the white-box audit's power (one step of DP-SGD is a
 
 from __future__ import annotations
 
+import itertools
 import json
 import textwrap
 from pathlib import Path
@@ -113,9 +114,34 @@ def _cells(**grid):
     return expand(GridFile.model_validate({"grids": [{**base, **grid}]}).grids[0])
 
 
+class _BrokenDPSGD(DPSGD):
+    """Test-only broken DP-SGD (never registered): "clip_batch" clips the batch's summed gradient instead of each
+    example's; "same_noise" reuses one noise vector at every step."""
+
+    kind = ""
+
+    def prepare(self, setting, model, X, y, streams):
+        from dpsgd_cli.algorithms.chain import add_noise
+        from dpsgd_cli.privacy.accounting import calibrate_sigma
+
+        cal = calibrate_sigma(*self.sigma_calibration(setting))
+        draws, clip, pre = streams.normal("noise", (model.n_params,)), setting.clip_norm, []
+        if self.kind == "clip_batch":
+            C = clip
+            pre, clip = [lambda g, theta: g * np.minimum(1.0, C / np.maximum(np.linalg.norm(g, axis=1, keepdims=True),
+                                                                             1e-300))], None
+        elif self.kind == "same_noise":
+            draws = itertools.repeat(next(draws))
+        chain = self.chain(setting, X, y, streams, clip=clip,
+                           noise=[*pre, add_noise(cal.sigma * setting.clip_norm, draws)])
+        return self._prepared(setting, model, X, streams, chain, {"sigma": cal.sigma, "epsilon_achieved": cal.epsilon},
+                              "proved")
+
+
 def _broken(kind: str) -> DPSGD:
-    variant = type(f"Broken_{kind}", (DPSGD,), {"_broken": kind})  # test-only: never registered
-    return variant({"accountant": "pld"})
+    if kind == "noise_x0.1":
+        return DPSGD({"accountant": "pld"}).with_noise_scale(0.1)
+    return type(f"Broken_{kind}", (_BrokenDPSGD,), {"kind": kind})({"accountant": "pld"})
 
 
 SOUND = ["dp_sgd", {"name": "dp_lssgd", "smoothing": 1.0}, {"name": "bolt_on", "case": "convex", "calibration": "analytic"},
@@ -125,7 +151,7 @@ SOUND = ["dp_sgd", {"name": "dp_lssgd", "smoothing": 1.0}, {"name": "bolt_on", "
 
 
 def test_sound_algorithms_are_not_flagged():
-    spec = AuditSpec(canaries=["input"], trials=150)
+    spec = AuditSpec(canaries=["input"], trials=150, control=None)
     for cell in _cells(algorithms=SOUND, epsilon=[0.5, 1, 4]):
         for row in audit_cell(cell, spec):
             assert row["status"] == "ok", row
@@ -142,7 +168,8 @@ def _one_step(epsilon: float, delta: float):
 def test_white_box_one_step_audit_is_nearly_tight():
     """Power: the gradient canary against one Gaussian step reaches ε_lo ≥ ε/2 at ε = 2 (δ = 10⁻², where a few
     thousand trials resolve the decisive tail; at δ = 10⁻⁵ the same needs ~10⁵ trials)."""
-    [last, _] = audit_cell(_one_step(2.0, 1e-2), AuditSpec(canaries=["gradient"], trials=5000, chunk=5000))
+    [last, _] = audit_cell(_one_step(2.0, 1e-2), AuditSpec(canaries=["gradient"], trials=5000, chunk=5000,
+                                                                     control=None))
     assert last["threat_model"] == "white-box, last iterate"
     assert last["epsilon_claimed"] / 2 <= last["epsilon_lo"] <= last["epsilon_claimed"], last
 
@@ -156,7 +183,7 @@ def test_replace_one_audit_uses_the_mirror_record():
 
     cell = _cells(algorithms=[{"name": "noisy_gd", "accountant": "composition", "lr": [1.0], "epochs": [1]}],
                   epsilon=[2.0], delta=1e-2)[0]
-    spec = AuditSpec(canaries=["gradient"], trials=5000, chunk=5000)
+    spec = AuditSpec(canaries=["gradient"], trials=5000, chunk=5000, control=None)
     [mirror, _] = audit_cell(cell, spec)
     n = dataset(cell.dataset).n + 1  # with the canary's row
     z = np.sqrt(2.0) * mirror["sigma"] / (2.0 / n)  # step noise std √(2η)σ over the step's sensitivity 2C/n, η = 1
@@ -192,7 +219,7 @@ def _gaussian_epsilon(noise_multiplier: float, delta: float) -> float:
 
 
 def test_noise_scaled_down_is_caught():
-    spec = AuditSpec(canaries=["gradient"], trials=1000, chunk=2000)
+    spec = AuditSpec(canaries=["gradient"], trials=1000, chunk=2000, control=None)
     [row, _] = audit_cell(_one_step(1.0, 1e-5), spec, algorithm=_broken("noise_x0.1"))
     assert row["epsilon_lo"] > 1.0, row
     [sound, _] = audit_cell(_one_step(1.0, 1e-5), spec)
@@ -201,7 +228,7 @@ def test_noise_scaled_down_is_caught():
 
 def test_clipping_the_batch_sum_is_caught():
     """clip(S + g) − clip(S) reaches 2C against C: a canary whose gradient opposes the data's, one full step."""
-    spec = AuditSpec(canaries=["gradient"], trials=5000, chunk=5000, direction="against_data")
+    spec = AuditSpec(canaries=["gradient"], trials=5000, chunk=5000, direction="against_data", control=None)
     [row, _] = audit_cell(_one_step(1.0, 1e-2), spec, algorithm=_broken("clip_batch"))
     assert row["epsilon_lo"] > 1.0, row
     [sound, _] = audit_cell(_one_step(1.0, 1e-2), spec)
@@ -222,7 +249,7 @@ def test_reusing_one_noise_vector_is_caught():
     iterate reads the canary's inclusions off them (q = 1/2, T = 10)."""
     data = _data_with_an_unused_direction()
     cell = _cells(algorithms=["dp_sgd"], epsilon=[1.0], batch_size=100, epochs=5)[0]
-    spec = AuditSpec(canaries=["gradient"], trials=200)
+    spec = AuditSpec(canaries=["gradient"], trials=200, control=None)
     [_, every] = audit_cell(cell, spec, algorithm=_broken("same_noise"), data=data)
     assert every["threat_model"] == "white-box, all iterates"
     assert every["epsilon_lo"] > 1.0, every
@@ -271,6 +298,14 @@ def test_cli_audit_writes_csv_figure_and_report(tmp_path):
                    "threat_model", "wall_time"):
         assert frame[column].notna().all(), column
     assert (tmp_path / "res" / "tiny_audit" / "figures" / "audit.png").exists()
+    # every bound recomputed from the raw scores saved beside the CSV, at the row's own confidence
+    for _, row in frame.iterrows():
+        saved = np.load(tmp_path / "res" / "tiny_audit" / row["scores_file"])
+        key = f"{row['canary']}.{row['threat_model'].replace(', ', '_').replace(' ', '_')}"
+        again = stats.epsilon_clopper_pearson(saved[key + ".in"], saved[key + ".out"], row["row_confidence"],
+                                              row["delta"], row["threshold"])
+        assert again == pytest.approx(row["epsilon_lo"], abs=1e-12)
+        assert row["verdict"] in ("refuted", "consistent", "uninformative", "not covered")
     report = CliRunner().invoke(app, ["report", str(tmp_path / "res")])
     assert report.exit_code == 0, report.output
     assert "audit" in (tmp_path / "res" / "report.md").read_text().lower()

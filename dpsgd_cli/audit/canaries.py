@@ -1,5 +1,12 @@
 """Canaries and the scores an attacker computes from what it sees.
 
+Three kinds, each a property of the data and the model's inputs (the optimizer trains them as any record):
+- `dirac` (white box): the model gets one more input coordinate, zero for every real record, and the canary's
+  gradient is C·e on the parameter that coordinate feeds (`dirac_index`): no real record moves that parameter, so
+  its trajectory is the canary's inclusions plus the mechanism's noise, the setting in which the DP-SGD analysis
+  is tight. Scores: the last iterate's projection, and from every iterate the per-step likelihood-ratio statistic
+  (`step_likelihood_ratio`, Nasr et al. 2023).
+
 Two kinds (the worlds "in" and "out" always hold the same number of records, n + m):
 - `input`: a real record (x_c, y_c), ‖x_c‖ = 1 along the direction the training data uses least (the smallest
   right singular vector of X), y_c the label whose gradient is largest at the non-private optimum. Out: the
@@ -69,7 +76,13 @@ class _GradientCanary:
     projections: list
 
     def clipped_grad_sum(self, theta: np.ndarray, batch: Batch, clip: Optional[float]) -> np.ndarray:
-        g = super().clipped_grad_sum(theta, batch, clip)
+        if getattr(self, "_summing", False):  # the model's own per-replica split calls back in: the data alone
+            return super().clipped_grad_sum(theta, batch, clip)
+        self._summing = True
+        try:
+            g = super().clipped_grad_sum(theta, batch, clip)
+        finally:
+            self._summing = False
         if theta.shape[0] != self.included.shape[0]:  # a per-example call (pidp_sgd's influence test): as a record
             return g + self._canary_sum(batch, np.ones((theta.shape[0], self.U.shape[0])), clip)
         self.projections.append(theta @ self.U.T)
@@ -147,3 +160,79 @@ def _signed_departure(updates: np.ndarray) -> np.ndarray:
     e = padded[1:-1] - (padded[:-2] + padded[2:]) / 2
     t = np.abs(e).argmax(axis=0)[None]
     return -np.take_along_axis(e, t, axis=0)[0]
+
+
+# --- the Dirac canary ----------------------------------------------------------------------------------------------
+
+def with_unused_input(X: np.ndarray) -> np.ndarray:
+    """X with one more column, zero for every record: the input coordinate the Dirac canary owns."""
+    return np.hstack([X, np.zeros((X.shape[0], 1), dtype=X.dtype)])
+
+
+def dirac_index(model: Model) -> int:
+    """The parameter fed only by the last input coordinate: logistic regression's weight d − 1, the MLP's first
+    hidden unit's weight from input d − 1 (W1 is stored (h, d) row-major, so also index d − 1)."""
+    return model.d - 1
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """How one update moves the canary's coordinate a_t: Δa_t = −η_t (F·c·b_t + λ a_t + ν z_t), b_t the
+    canary's inclusion (0/1, or −1 for a replace-one mirror), z_t standard normal. `q`: the chance that a step
+    holds the canary (1: every step)."""
+
+    schedule: object  # t ↦ η_t (t = 1, 2, ...)
+    F: float          # the product of the scales applied to the gradient sum
+    c: float          # the canary's gradient norm after clipping
+    lam: float        # the weight decay's coefficient on the update
+    nu: float         # the noise's std on the update (before η)
+    q: float
+
+    @property
+    def sigma(self) -> float:
+        """The noise in units of one inclusion's effect: the mechanism's noise multiplier on this coordinate."""
+        return self.nu / (self.F * self.c)
+
+
+def step_model(chain, canary_norm: float, q: float) -> StepModel:
+    """Read the update's linear structure off a chain's tagged transforms (noise, scale, l2). Transforms it does
+    not know (smoothing) and a projection are left out: the statistic stays a fixed function of the iterates (so
+    every bound stays valid), only its power may drop."""
+    F, lam, nu = 1.0, 0.0, 0.0
+    for transform in chain.transforms:
+        kind = getattr(transform, "compiled", (None,))
+        if kind[0] == "scale":
+            F, lam, nu = F * kind[1], lam * kind[1], nu * kind[1]
+        elif kind[0] == "noise":
+            nu = float(np.hypot(nu, kind[1]))
+        elif kind[0] == "l2":
+            lam += kind[1]
+    return StepModel(chain.schedule, F, canary_norm, lam, nu, q)
+
+
+def step_statistics(a: np.ndarray, steps: StepModel) -> np.ndarray:
+    """x_t = −(Δa_t/η_t + λ a_t)/(F c) = b_t + σ z_t per step (T, R): the canary's inclusions in noise."""
+    eta = np.array([steps.schedule(t) for t in range(1, a.shape[0])])[:, None]
+    return -(np.diff(a, axis=0) / eta + steps.lam * a[:-1]) / (steps.F * steps.c)
+
+
+def step_likelihood_ratio(x: np.ndarray, sigma: float, q: float, mirror: bool = False,
+                          sigma_floor: float = 1e-3) -> np.ndarray:
+    """Σ_t of the log-likelihood ratio of "in" against "out" for x_t = b_t + σ z_t (R,): with μ = 1/σ and
+    v_t = x_t/σ, Σ_t log(1 − q + q·exp(μ v_t − μ²/2)) (Nasr et al. 2023, Poisson sampling); q = 1: Σ_t x_t, to
+    which it is monotone. `mirror`: the out world holds the canary's mirror (b_t = −1 w.p. q), the ratio of
+    the two mixtures. σ below `sigma_floor` (no noise) is taken as the floor: the ratio stays finite."""
+    s = max(float(sigma), sigma_floor)
+    if q >= 1:
+        return x.sum(axis=0)
+    log_q, log_1q = np.log(q), np.log1p(-q)
+    inn = np.logaddexp(log_1q, log_q + (x - 0.5) / s**2)
+    if mirror:
+        return (inn - np.logaddexp(log_1q, log_q + (-x - 0.5) / s**2)).sum(axis=0)
+    return inn.sum(axis=0)
+
+
+def iterate_projections(model: "_GradientCanary", theta_final: np.ndarray) -> np.ndarray:
+    """a_t = ⟨θ_t, U_0⟩ for t = 0..T (T + 1, R): recorded before every step, and the released θ_T."""
+    blocks = [*model.projections, theta_final @ model.U.T]
+    return np.concatenate([np.reshape(b, (-1, *b.shape[-2:])) for b in blocks])[:, :, 0]

@@ -29,11 +29,18 @@ from dpsgd_cli.engine.runner import dataset, setting_of
 from dpsgd_cli.models import Model, make_model
 
 COLUMNS = ["grid", "cell_id", "dataset", "model", "algorithm", "algorithm_params", "epsilon", "epsilon_claimed",
-           "delta", "epsilon_lo", "epsilon_rdp", "noiseless_fraction", "confidence", "statistic", "threshold", "auc",
-           "tpr_at_fpr_1e-2", "tpr_at_fpr_1e-3", "trials", "canary", "threat_model", "neighbours", "batch_size", "lr", "epochs",
-           "steps", "sigma", "guarantee", "wall_time", "status", "message"]
+           "delta", "epsilon_lo", "verdict", "reason", "covers", "ceiling", "trials_needed", "control",
+           "control_epsilon", "control_epsilon_lo", "gdp_mu", "gdp_epsilon", "epsilon_rdp", "noiseless_fraction",
+           "confidence", "family_size", "row_confidence", "statistic", "threshold", "auc", "tpr_at_fpr_1e-2",
+           "tpr_at_fpr_1e-3", "trials", "canary", "threat_model", "neighbours", "batch_size", "lr", "epochs", "steps",
+           "sigma", "guarantee", "scores_file", "wall_time", "status", "message"]
 THREATS = {"input": ["black-box, last iterate"],
-           "gradient": ["white-box, last iterate", "white-box, all iterates"]}
+           "gradient": ["white-box, last iterate", "white-box, all iterates"],
+           "dirac": ["white-box, last iterate", "white-box, all iterates"]}
+# what a threat model's adversary sees: the released model only, or every iterate
+SEES = {"black-box, last iterate": "final output", "white-box, last iterate": "final output",
+        "white-box, all iterates": "every iterate"}
+VERDICTS = ("refuted", "consistent", "uninformative", "not covered")
 
 
 @dataclasses.dataclass
@@ -51,29 +58,121 @@ class NotApplicable(ValueError):
 
 
 def audit_cell(cell: Cell, spec: AuditSpec, trials: Optional[int] = None, confidence: Optional[float] = None,
-               algorithm: Optional[Algorithm] = None, data: Optional[Dataset] = None) -> list[dict[str, Any]]:
-    """Rows of audit.csv for one cell: one per threat model of each canary kind. `algorithm` and `data` replace
-    the cell's (tests: a deliberately broken variant, a dataset built in the test)."""
+               algorithm: Optional[Algorithm] = None, data: Optional[Dataset] = None,
+               scores: Optional[dict[str, np.ndarray]] = None) -> list[dict[str, Any]]:
+    """Rows of audit.csv for one cell: one per threat model of each canary kind, each with its verdict.
+
+    `confidence` is the family's: the k rows that can refute the cell's claim (the threat models it covers) are
+    each bounded at 1 − α/k, so that all k hold together with probability `confidence` (Bonferroni). The same
+    audit runs on the cell's broken twin (`spec.control`: its noise multiplied by that factor, the claim unchanged);
+    a row is `consistent` only when it refutes the twin. `algorithm` and `data` replace the cell's (tests: a
+    deliberately broken variant, a dataset built in the test); `scores`, when given, receives every row's raw
+    scores (keys `<canary>.<threat>.<in|out>`, `control.` before them for the twin's)."""
     trials = trials or spec.trials
     confidence = confidence or spec.confidence
     algorithm = algorithm or cell.make_algorithm()
     data = data or dataset(cell.dataset)
     base = _base_row(cell, data, algorithm, trials, confidence, spec)
-    rows = []
+    twin = None
+    if spec.control is not None and algorithm.private and algorithm.noise_scalable:
+        twin = algorithm.with_noise_scale(spec.control)
+    runs = []  # (kind, worlds or exception, twin's worlds or exception or None, seconds)
     for kind in spec.canaries:
         start = time.perf_counter()
-        try:
-            worlds = (input_worlds if kind == "input" else gradient_worlds)(cell, spec, algorithm, trials, data)
-        except Exception as exc:  # recorded, the audit goes on
-            status = "not applicable" if isinstance(exc, NotApplicable) else "failed"
-            rows += [{**base, "canary": kind, "threat_model": t, "status": status,
-                      "message": f"{type(exc).__name__}: {exc}".replace("\n", " ")} for t in THREATS[kind]]
+        worlds = _worlds(kind, cell, spec, algorithm, trials, data)
+        control = _worlds(kind, cell, spec, twin, trials, data) if twin is not None else None
+        runs.append((kind, worlds, control, time.perf_counter() - start))
+    covers = next((algorithm.covered(w.derived) for _, w, _, _ in runs if isinstance(w, Worlds)), algorithm.covers)
+    family = sum(1 for _, w, _, _ in runs if isinstance(w, Worlds) for t in w.scores if _covered(covers, t))
+    row_confidence = stats.family_confidence(confidence, family)
+    rows = []
+    for kind, worlds, control, elapsed in runs:
+        if not isinstance(worlds, Worlds):
+            status = "not applicable" if isinstance(worlds, NotApplicable) else "failed"
+            rows += [{**base, "canary": kind, "threat_model": t, "status": status, "covers": covers,
+                      "message": f"{type(worlds).__name__}: {worlds}".replace("\n", " ")} for t in THREATS[kind]]
             continue
-        elapsed = time.perf_counter() - start
         for threat, (s_in, s_out) in worlds.scores.items():
-            rows.append({**base, **_derived_columns(worlds, cell, data), "canary": kind, "threat_model": threat,
-                         "wall_time": elapsed, **_statistics(s_in, s_out, spec, confidence, worlds)})
+            row = {**base, **_derived_columns(worlds, cell, data), "canary": kind, "threat_model": threat,
+                   "wall_time": elapsed, "covers": covers, "family_size": family, "row_confidence": row_confidence,
+                   **_statistics(s_in, s_out, spec, row_confidence, worlds)}
+            if scores is not None:
+                scores[_key(kind, threat, "in")], scores[_key(kind, threat, "out")] = s_in, s_out
+            row.update(_control_columns(control, threat, spec, row_confidence, scores, kind))
+            row.update(_verdict(row, covers, threat))
+            rows.append(row)
     return rows
+
+
+def _key(kind: str, threat: str, world: str) -> str:
+    return f"{kind}.{threat.replace(', ', '_').replace(' ', '_')}.{world}"
+
+
+def _covered(covers: str, threat: str) -> bool:
+    """Whether a claim covering `covers` is a claim about what the threat model's adversary sees."""
+    return covers == "every iterate" or SEES[threat] == "final output"
+
+
+def _worlds(kind: str, cell: Cell, spec: AuditSpec, algorithm: Algorithm, trials: int, data: Dataset):
+    """The canary's worlds, or the exception that stopped them (recorded in the rows; the audit goes on)."""
+    make = {"input": input_worlds, "gradient": gradient_worlds, "dirac": dirac_worlds}[kind]
+    try:
+        return make(cell, spec, algorithm, trials, data)
+    except Exception as exc:
+        return exc
+
+
+def _control_columns(control, threat: str, spec: AuditSpec, confidence: float, scores: Optional[dict],
+                     kind: str) -> dict[str, Any]:
+    if control is None:
+        return {}
+    if not isinstance(control, Worlds) or threat not in control.scores:
+        return {"control": spec.control, "control_epsilon": None, "control_epsilon_lo": None,
+                "_control_failed": f"{type(control).__name__}: {control}".replace("\n", " ")}
+    s_in, s_out = control.scores[threat]
+    if scores is not None:
+        scores["control." + _key(kind, threat, "in")], scores["control." + _key(kind, threat, "out")] = s_in, s_out
+    stat = _statistics(s_in, s_out, spec, confidence, control)
+    return {"control": spec.control, "control_epsilon": control.derived.get("epsilon_noise_scaled"),
+            "control_epsilon_lo": stat.get("epsilon_lo")}
+
+
+def _verdict(row: dict, covers: str, threat: str) -> dict[str, Any]:
+    """refuted (ε_lo > ε, on a threat model the claim covers) · not covered (the claim says nothing about what
+    this adversary sees) · consistent (ε_lo ≤ ε, and the same audit refuted the broken twin) · uninformative
+    (ε_lo ≤ ε, and nothing shows that this audit could have seen a broken mechanism), each with its reason."""
+    failed = row.pop("_control_failed", None)
+    if row.get("status") != "ok" or row.get("epsilon_lo") is None:
+        return {"verdict": None, "reason": ""}
+    eps, lo = row["epsilon_claimed"], row["epsilon_lo"]
+    if not _covered(covers, threat):
+        return {"verdict": "not covered", "reason": f"the claim covers the {covers} only; this adversary sees "
+                                                    f"every iterate (ε_lo = {lo:.3g}, no verdict on the claim)"}
+    if lo > eps:
+        return {"verdict": "refuted", "reason": f"ε_lo = {lo:.3g} > {eps:.3g} = ε"}
+    if row.get("ceiling") is not None and row["ceiling"] <= eps:  # (the one-run statistic has no ceiling here)
+        need = row.get("trials_needed")
+        return {"verdict": "uninformative", "reason": f"ε = {eps:.3g} is above the ceiling {row['ceiling']:.3g} "
+                f"of {row['trials']} trials: no mechanism could be refuted"
+                + (f"; {need:,} trials per world would be needed" if need else "")}
+    if "control" not in row:
+        return {"verdict": "uninformative", "reason": f"no positive control ({row['algorithm']} has no noise-scale "
+                                                      "hook, or the grid's audit.control is null)"}
+    if failed:
+        return {"verdict": "uninformative", "reason": f"positive control failed: {failed}"}
+    c_lo, c_eps = row.get("control_epsilon_lo"), row.get("control_epsilon")
+    if c_eps is not None and c_eps <= eps:
+        return {"verdict": "uninformative", "reason": f"the twin (noise × {row['control']:g}) is not broken: its "
+                                                      f"ε = {c_eps:.3g} ≤ {eps:.3g}"}
+    if c_lo is not None and c_lo > eps:
+        return {"verdict": "consistent", "reason": f"ε_lo = {lo:.3g} ≤ {eps:.3g}; the twin (noise × "
+                                                   f"{row['control']:g}, ε = {_num(c_eps)}) refuted at {c_lo:.3g}"}
+    return {"verdict": "uninformative", "reason": f"the twin (noise × {row['control']:g}, ε = {_num(c_eps)}) was "
+                                                  f"not refuted either (ε_lo = {_num(c_lo)})"}
+
+
+def _num(x) -> str:
+    return "?" if x is None else f"{x:.3g}"
 
 
 def _base_row(cell: Cell, data: Dataset, algorithm: Algorithm, trials: int, confidence: float, spec: AuditSpec) -> dict:
@@ -105,10 +204,17 @@ def _statistics(s_in: np.ndarray, s_out: np.ndarray, spec: AuditSpec, confidence
                 "replicas diverged (non-finite scores); no bound", "epsilon_lo": None}
     if spec.statistic == "one_run":
         eps = stats.epsilon_one_run(s_in, s_out, confidence, delta)
+        top, need = None, None
     else:
         eps = stats.epsilon_clopper_pearson(s_in, s_out, confidence, delta, spec.threshold)
-    return {"epsilon_lo": eps, "auc": stats.auc(s_in, s_out), "tpr_at_fpr_1e-2": stats.tpr_at_fpr(s_in, s_out, 1e-2),
-            "tpr_at_fpr_1e-3": stats.tpr_at_fpr(s_in, s_out, 1e-3)}
+        top = stats.ceiling(s_in.size, s_out.size, confidence, delta, spec.threshold)
+        claimed = worlds.derived.get("epsilon_achieved")
+        need = (stats.trials_needed(claimed, confidence, delta, spec.threshold)
+                if claimed is not None and np.isfinite(claimed) and top <= claimed else None)
+    mu = stats.gdp_mu(s_in, s_out)
+    return {"epsilon_lo": eps, "ceiling": top, "trials_needed": need, "gdp_mu": mu,
+            "gdp_epsilon": stats.gdp_epsilon(mu, delta), "auc": stats.auc(s_in, s_out),
+            "tpr_at_fpr_1e-2": stats.tpr_at_fpr(s_in, s_out, 1e-2), "tpr_at_fpr_1e-3": stats.tpr_at_fpr(s_in, s_out, 1e-3)}
 
 
 def _chunks(seeds: range, size: int) -> Iterator[range]:
@@ -193,6 +299,50 @@ def gradient_worlds(cell: Cell, spec: AuditSpec, algorithm: Algorithm, trials: i
         scores = {t: (s[0][pick], s[0][~pick]) for t, s in zip(THREATS["gradient"], (last, every))}
     else:
         scores = {t: (s[:trials, 0], s[trials:, 0]) for t, s in zip(THREATS["gradient"], (last, every))}
+    return Worlds(scores, derived, guarantee)
+
+
+def dirac_worlds(cell: Cell, spec: AuditSpec, algorithm: Algorithm, trials: int, data: Dataset) -> Worlds:
+    """White box, the Dirac canary: the data and the model get one more input coordinate, zero for every real
+    record, and the canary's gradient is C·e on the parameter it feeds (`canaries.dirac_index`); `trials` replicas
+    with it, `trials` without (the null record, or under replace-one the mirror −C·e), all of one fit. Scores: the
+    last iterate's projection −⟨θ_T, e⟩, and over every iterate the per-step likelihood ratio of the canary's
+    inclusions (`canaries.step_likelihood_ratio`, at the σ and sampling rate the mechanism declares)."""
+    if spec.statistic == "one_run":
+        raise NotApplicable("the one-run statistic is implemented for gradient canaries (canaries: [gradient])")
+    X = canaries.with_unused_input(data.X_train)
+    model, setting = _setup(cell, dataclasses.replace(data, X_train=X), 1)
+    setting = dataclasses.replace(setting, d=X.shape[1])
+    U = np.zeros((1, model.n_params))
+    U[0, canaries.dirac_index(model)] = 1.0
+    markers, marker_y = canaries.marker_rows(1, X.shape[1])
+    Xw, yw = np.vstack([X, markers]), np.append(data.y_train, marker_y)
+    clip = cell.clip_norm or 1.0
+    raw_norm = spec.raw_norm if spec.raw_norm is not None else clip  # clipped or not, the sensitivity C
+    mirror = algorithm.neighbouring() == "replace_one"
+    sign = np.r_[np.ones(trials), np.full(trials, -1.0 if mirror else 0.0)][:, None]
+    last, every, derived, guarantee = [], [], {}, ""
+    for chunk in _chunks(range(0, 2 * trials), spec.chunk):
+        wrapped = canaries.with_gradient_canaries(model, U, sign[chunk.start:chunk.stop], raw_norm)
+        streams = ReplicaStreams(chunk)
+        prepared = algorithm.prepare(setting, wrapped, Xw, yw, streams)
+        if prepared is None:
+            raise NotApplicable(f"{algorithm.name} does not train as a gradient chain here (no iterates to read)")
+        outcome = prepared.train(wrapped)
+        derived = {**outcome.derived, "_delta_audit": outcome.derived.get("delta_achieved", setting.delta)}
+        if not wrapped.projections:
+            raise NotApplicable(f"{algorithm.name} does not train by clipped per-example gradients (no chain step "
+                                "saw the canary)")
+        a = canaries.iterate_projections(wrapped, outcome.theta)
+        norm = raw_norm if prepared.chain.clip is None else min(raw_norm, prepared.chain.clip)
+        q = float(derived.get("sample_rate") or min(1.0, (setting.batch_size or setting.n) / setting.n))
+        steps = canaries.step_model(prepared.chain, norm, q)
+        x = canaries.step_statistics(a, steps)
+        last.append(-a[-1])
+        every.append(canaries.step_likelihood_ratio(x, steps.sigma, q, mirror=mirror))
+        guarantee = outcome.guarantee
+    last, every = np.concatenate(last), np.concatenate(every)
+    scores = {t: (s[:trials], s[trials:]) for t, s in zip(THREATS["dirac"], (last, every))}
     return Worlds(scores, derived, guarantee)
 
 

@@ -1,10 +1,13 @@
-"""Audit a whole grid: every cell's rows into OUT/<grid>/audit.csv (rewritten after each cell), then the figure."""
+"""Audit a whole grid: every cell's rows into OUT/<grid>/audit.csv (rewritten after each cell), its raw scores into
+OUT/<grid>/audit_scores/<cell_id>.npz (so that anyone can recompute every bound), then the figure."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Callable, Optional
 
+import numpy as np
 import pandas as pd
 
 from dpsgd_cli.audit.engine import COLUMNS, audit_cell
@@ -12,6 +15,7 @@ from dpsgd_cli.config import AuditSpec, Grid, expand
 from dpsgd_cli.errors import UserError
 
 AUDIT_CSV = "audit.csv"
+SCORES_FOLDER = "audit_scores"
 
 
 def audit_grid(grid: Grid, out_root: Path, trials: Optional[int] = None, confidence: Optional[float] = None,
@@ -27,16 +31,47 @@ def audit_grid(grid: Grid, out_root: Path, trials: Optional[int] = None, confide
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / AUDIT_CSV
     rows: list[dict] = []
-    for cell in expand(grid):
-        new = audit_cell(cell, spec, trials, confidence)
-        rows += new
-        pd.DataFrame(rows, columns=COLUMNS).to_csv(path, index=False)
-        if on_rows:
-            on_rows(new)
+    scores_folder = folder / SCORES_FOLDER
+    scores_folder.mkdir(exist_ok=True)
+    cells = expand(grid)
+    with _progress(len(cells), grid.name) as advance:
+        for cell in cells:
+            scores: dict = {}
+            new = audit_cell(cell, spec, trials, confidence, scores=scores)
+            if scores:
+                target = scores_folder / f"{cell.cell_id}.npz"
+                np.savez_compressed(target, **scores)
+                for row in new:
+                    row["scores_file"] = target.relative_to(folder).as_posix()
+            rows += new
+            advance(f"{cell.algorithm.name} ε = {cell.epsilon}")
+            _write(rows, path, on_rows, new)
     from dpsgd_cli.audit.plot import plot_audit
 
     plot_audit(pd.read_csv(path), folder / "figures")
     return path
+
+
+def _write(rows: list[dict], path: Path, on_rows, new: list[dict]) -> None:
+    pd.DataFrame(rows, columns=COLUMNS).to_csv(path, index=False)
+    if on_rows:
+        on_rows(new)
+
+
+@contextlib.contextmanager
+def _progress(total: int, name: str):
+    """A progress bar over the cells on stderr (a terminal only: logs and pipes stay clean)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        yield lambda what: None
+        return
+    with Progress(TextColumn(f"auditing {name}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.description}"), console=console, transient=True) as bar:
+        task = bar.add_task("", total=total)
+        yield lambda what: bar.update(task, advance=1, description=what)
 
 
 def read_audit(folder: Path) -> Optional[pd.DataFrame]:

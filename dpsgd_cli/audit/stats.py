@@ -10,13 +10,14 @@ against which `tests/test_audit.py` checks them; no JAX needed here.
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Literal, Optional, Union
 
 import numpy as np
 import scipy.optimize
 import scipy.stats
 
-ThresholdRule = Union[Literal["bonferroni", "split"], float]
+ThresholdRule = Union[Literal["bonferroni", "split", "order"], float]
+ORDER_RANKS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
 
 
 def clopper_pearson_upper(k: np.ndarray | int, n: int, alpha: float) -> np.ndarray:
@@ -61,7 +62,11 @@ def epsilon_clopper_pearson(scores_in, scores_out, confidence: float = 0.95, del
 
     threshold: a number (fixed in advance: one test); "bonferroni" — the best of all k thresholds, each bound at
     α/k (valid whatever threshold wins); "split" — the threshold that is best on half of the trials (a seeded
-    permutation), the bound computed on the other half at α.
+    permutation), the bound computed on the other half at α; "order" — thresholds at pre-registered ranks j of the
+    out-scores (`order_ranks`: just above the j-th largest), each bound at α/#ranks. The last is exact for any
+    score distribution: the FPR of "score > j-th largest of N" is Beta(j, N − j + 1) for continuous scores (and
+    stochastically smaller with ties), whose upper α-quantile is Clopper–Pearson's for j − 1 of N; the in-scores
+    are independent of the threshold, so their bound holds given it.
     """
     s_in, s_out = _scores(scores_in, scores_out)
     alpha = _alpha(confidence)
@@ -70,6 +75,12 @@ def epsilon_clopper_pearson(scores_in, scores_out, confidence: float = 0.95, del
         t = thresholds(s_in, s_out)
         eps = epsilon_from_counts(positives(s_in, t), positives(s_out, t), s_in.size, s_out.size, alpha / t.size,
                                   delta)
+        return float(eps.max())
+    if threshold == "order":
+        ranks = order_ranks(s_out.size)
+        top = np.sort(s_out)[::-1]
+        t = np.nextafter(top[ranks - 1], np.inf)  # "score > the j-th largest out-score"
+        eps = epsilon_from_counts(positives(s_in, t), ranks - 1, s_in.size, s_out.size, alpha / ranks.size, delta)
         return float(eps.max())
     if threshold == "split":
         rng = np.random.default_rng(seed)
@@ -83,6 +94,12 @@ def epsilon_clopper_pearson(scores_in, scores_out, confidence: float = 0.95, del
     t = np.array([float(threshold)])
     return float(epsilon_from_counts(positives(s_in, t), positives(s_out, t), s_in.size, s_out.size, alpha,
                                      delta)[0])
+
+
+def order_ranks(n_out: int) -> np.ndarray:
+    """The ranks j fixed before any score is seen for the rule "order": 1, 2, 5, 10, ... up to n_out/2."""
+    ranks = np.array([j for j in ORDER_RANKS if j <= max(n_out // 2, 1)])
+    return ranks
 
 
 def _halves(scores: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -171,3 +188,73 @@ def tpr_at_fpr(scores_in, scores_out, fpr: float) -> float:
     t = thresholds(s_in, s_out)
     ok = positives(s_out, t) <= fpr * s_out.size
     return float(positives(s_in, t)[ok].max() / s_in.size)
+
+
+# --- what an audit of N trials can show at all -------------------------------------------------------------------
+
+def ceiling(n_in: int, n_out: int, confidence: float = 0.95, delta: float = 0.0,
+            threshold: ThresholdRule = "bonferroni") -> float:
+    """The largest ε_lo the rule can give with these trials: perfect separation (every in-trial above every
+    out-trial). Bonferroni divides α by the n_in + n_out + 1 thresholds that distinct scores give; split bounds
+    on the held-out halves at α; a fixed threshold at α."""
+    alpha = _alpha(confidence)
+    _check_delta(delta)
+    if threshold == "split":
+        n_in, n_out = n_in - n_in // 2, n_out - n_out // 2  # the test halves
+    elif threshold == "order":
+        alpha = alpha / order_ranks(n_out).size
+    elif threshold == "bonferroni":
+        alpha = alpha / (n_in + n_out + 1)
+    return float(epsilon_from_counts(np.array([n_in]), np.array([0]), n_in, n_out, alpha, delta)[0])
+
+
+def trials_needed(epsilon: float, confidence: float = 0.95, delta: float = 0.0,
+                  threshold: ThresholdRule = "bonferroni", limit: int = 10**9) -> Optional[int]:
+    """The fewest trials N per world whose ceiling exceeds `epsilon` (None beyond `limit`)."""
+    if ceiling(limit, limit, confidence, delta, threshold) <= epsilon:
+        return None
+    lo, hi = 1, 2
+    while ceiling(hi, hi, confidence, delta, threshold) <= epsilon:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:  # the ceiling grows with N: bisect on the integers
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ceiling(mid, mid, confidence, delta, threshold) <= epsilon else (lo, mid)
+    return hi
+
+
+def family_confidence(confidence: float, rows: int) -> float:
+    """The confidence of each of `rows` bounds whose union holds with probability `confidence` (Bonferroni)."""
+    return 1.0 - _alpha(confidence) / max(int(rows), 1)
+
+
+# --- assumption-laden estimate: the Gaussian trade-off curve ------------------------------------------------------
+
+def gdp_mu(scores_in, scores_out) -> float:
+    """μ of the Gaussian trade-off curve (μ-GDP, Dong, Roth, Su 2022) fitted to the scores, ASSUMING both worlds'
+    scores are Gaussian with one variance (Nasr et al. 2023 use the same estimate): μ = (m_in − m_out)/s, s the
+    pooled standard deviation. A point estimate, not a bound: never a verdict."""
+    s_in, s_out = _scores(scores_in, scores_out)
+    pooled = np.sqrt(((s_in.size - 1) * s_in.var(ddof=1) + (s_out.size - 1) * s_out.var(ddof=1))
+                     / max(s_in.size + s_out.size - 2, 1))
+    if pooled == 0:
+        return float("inf") if s_in.mean() > s_out.mean() else 0.0
+    return float(max(s_in.mean() - s_out.mean(), 0.0) / pooled)
+
+
+def gdp_epsilon(mu: float, delta: float) -> float:
+    """ε of μ-GDP at δ (Dong, Roth, Su 2022, Cor. 2.13): δ(ε) = Φ(−ε/μ + μ/2) − e^ε Φ(−ε/μ − μ/2), solved for ε."""
+    if mu <= 0:
+        return 0.0
+    if not np.isfinite(mu):
+        return float("inf")
+    # e^ε Φ(·) in log space: no overflow at large ε
+    f = lambda e: (scipy.stats.norm.cdf(-e / mu + mu / 2)
+                   - np.exp(min(e + scipy.stats.norm.logcdf(-e / mu - mu / 2), 0.0)) - delta)
+    if f(0.0) <= 0:
+        return 0.0
+    hi = 1.0
+    while f(hi) > 0:
+        hi *= 2
+        if hi > 1e6:
+            return float("inf")
+    return float(scipy.optimize.brentq(f, 0.0, hi, xtol=1e-10))
