@@ -46,10 +46,10 @@ def run(grid_file: PathLike, *, only: Optional[Sequence[str]] = None, out: PathL
 
     if jobs < 1:
         raise UserError(f"--jobs {jobs}: must be ≥ 1")
-    overrides = list(set.items()) if isinstance(set, Mapping) else parse_overrides(set or [])
+    overrides = list(set.items()) if isinstance(set, Mapping) else parse_overrides(_strings(set))
     if seeds is not None:
         overrides.append(("seeds", seeds))
-    only = list(only) if only else None
+    only = _strings(only) or None
     grids = select(load_grid_file(Path(grid_file), overrides, only), only)
     root = out_root(str(out))
     if scheduler:  # checked at once, before any work (the connection itself waits until dry_run is ruled out)
@@ -88,6 +88,11 @@ def run(grid_file: PathLike, *, only: Optional[Sequence[str]] = None, out: PathL
         _print_failures(failures)
     frame.attrs["failed"] = len(failures)
     return frame
+
+
+def _strings(value: Union[str, Iterable[str], None]) -> list[str]:
+    """`only="a"` as `only=["a"]` (a string is one name, not its characters)."""
+    return [value] if isinstance(value, str) else list(value or [])
 
 
 def _stop_workers() -> None:
@@ -365,7 +370,7 @@ def audit(grid_file: PathLike, *, only: Optional[Sequence[str]] = None, out: Pat
 
     if trials is not None and trials < 2:
         raise UserError(f"--trials {trials}: must be ≥ 2")
-    grids = select(load_grid_file(Path(grid_file)), list(only) if only else None)
+    grids = select(load_grid_file(Path(grid_file)), _strings(only) or None)
     for grid in grids:  # every grid's trials bounded before the first training
         check_audit(grid, trials)
     paths = [audit_grid(grid, Path(out), trials=trials, confidence=confidence, on_rows=on_rows) for grid in grids]

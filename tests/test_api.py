@@ -51,7 +51,7 @@ def test_run_returns_the_runs_as_read_results_reads_them(grid_file, tmp_path, ca
     read = dpsgd.read_results(out)
     pd.testing.assert_frame_equal(read, frame)
     pd.testing.assert_frame_equal(dpsgd.read_results(out / "tiny"), frame)
-    again = dpsgd.run(grid_file, only=["tiny"], out=out, set=["epochs=1", "seeds=2"], quiet=True)  # resumed: no work
+    again = dpsgd.run(grid_file, only="tiny", out=out, set=["epochs=1", "seeds=2"], quiet=True)  # resumed: no work
     pd.testing.assert_frame_equal(again, frame)
 
 
