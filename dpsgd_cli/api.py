@@ -327,23 +327,21 @@ def report(results_dir: PathLike = "results") -> "pd.DataFrame":
 
 # --- figures, audit --------------------------------------------------------------------------------
 def metrics() -> list[str]:
-    """What `plot(metric=...)` accepts: every numeric column of runs.csv, and `accuracy` (test accuracy)."""
-    from dpsgd_cli.engine.results import COLUMNS, NUMERIC, TRACE_COLUMNS
+    """What `plot(metric=...)` accepts: `accuracy` (test accuracy) and every numeric column of runs.csv."""
+    from dpsgd_cli.engine.results import COLUMNS, NUMERIC
 
-    numeric = [c for c in COLUMNS if c in NUMERIC and c not in ("seed",)]
-    return ["accuracy", *numeric, *(c for c in TRACE_COLUMNS if c in NUMERIC and c not in numeric + ["seed"])]
+    return ["accuracy", *(c for c in COLUMNS if c in NUMERIC and c != "seed")]
 
 
 def check_metric(metric: Optional[str]) -> Optional[str]:
     """`metric` if `plot` can draw it, else one UserError line (with the closest name)."""
     import difflib
 
-    known = [m for m in metrics() if m != "examples"]
-    if metric is None or metric in known:
+    if metric is None or metric in metrics():
         return metric
-    match = difflib.get_close_matches(metric, known, n=1)
+    match = difflib.get_close_matches(metric, metrics(), n=1)
     hint = f" (did you mean '{match[0]}'?)" if match else ""
-    raise UserError(f"--metric {metric}: not a numeric column of runs.csv{hint}; choose one of {', '.join(known)}")
+    raise UserError(f"--metric {metric}: not a numeric column of runs.csv{hint}; choose one of {', '.join(metrics())}")
 
 
 def plot(results_dir: PathLike = "results", *, metric: Optional[str] = None, format: str = "png") -> list[Path]:  # noqa: A002
