@@ -210,3 +210,38 @@ def test_order_rule_on_separated_scores_reaches_its_ceiling_and_ignores_identica
         stats.ceiling(400, 400, 0.95, 1e-5, "order"))
     same = np.random.default_rng(3).standard_normal(400)
     assert stats.epsilon_clopper_pearson(same, same, 0.95, 1e-5, "order") == 0.0
+
+
+def test_report_takes_the_cell_verdict_from_covered_rows_only():
+    """A not-covered row with ε_lo above the claim does not refute it; the cell is as good as its best covered
+    row (consistent > uninformative), and the report's numbers carry the family's confidence and the reason."""
+    import pandas as pd
+
+    from dpsgd_cli.report import audit_verdicts
+
+    base = {"grid": "g", "dataset": "d", "model": "logreg", "algorithm": "bolt_on", "algorithm_params": "{}",
+            "epsilon_claimed": 1.0, "delta": 1e-5, "trials": 500, "confidence": 0.95, "family_size": 2, "status": "ok"}
+    rows = [dict(base, canary="dirac", threat_model="white-box, all iterates", epsilon_lo=3.0, verdict="not covered",
+                 reason="covers the final output only"),
+            dict(base, canary="dirac", threat_model="white-box, last iterate", epsilon_lo=0.1, verdict="uninformative",
+                 reason="twin not refuted"),
+            dict(base, canary="input", threat_model="black-box, last iterate", epsilon_lo=0.0, verdict="uninformative",
+                 reason="twin not refuted")]
+    [v] = audit_verdicts(pd.DataFrame(rows))
+    assert v["verdict"] == "uninformative" and "family of 2" in v["numbers"] and "twin not refuted" in v["numbers"]
+    rows[2]["verdict"] = "consistent"
+    assert audit_verdicts(pd.DataFrame(rows))[0]["verdict"] == "consistent"
+    [v] = audit_verdicts(pd.DataFrame(rows[:1]))
+    assert v["verdict"] == "not covered"
+
+
+def test_audit_figure_draws_the_ceiling():
+    import pandas as pd
+
+    from dpsgd_cli.audit.plot import audit_figure
+
+    frame = pd.DataFrame([{"status": "ok", "epsilon_lo": 0.2, "epsilon_claimed": 1.0, "ceiling": 3.84,
+                           "threat_model": "white-box, all iterates", "algorithm": "dp_sgd", "verdict": "consistent"}])
+    fig = audit_figure(frame)
+    lines = [l for ax in fig.axes for l in ax.get_lines() if l.get_linestyle() == ":"]
+    assert any(np.allclose(l.get_ydata(), 3.84) for l in lines)
