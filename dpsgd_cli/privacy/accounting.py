@@ -51,18 +51,12 @@ As in ``dp-accounting``, the *mechanism* is described by a :class:`dp_accounting
     upper bound).  Measured cost per evaluation: 5-100 ms for T = 590, 35-250 ms for T = 1e4.
 
 Calibration finds the smallest noise multiplier whose epsilon is within ``[0.999 * target, target]``.
-:func:`calibrate_sigma` reads one :class:`EpsilonCurve` per (delta, q, T, accountant), shared by every target of
-the process (an epsilon axis in one pass, :func:`calibrate_sigmas`): sigma is the smallest point of a fixed
-lattice in log sigma (step 2^-12) whose epsilon meets the target, found by inverse quadratic interpolation on the
-curve's known points, so it depends on the target alone, not on the other targets calibrated before. Measured
-(2-core machine, kang_lr's adult axis: q = 256/30162, T = 589, delta = 1/n^2, 8 targets 0.01..3, cold, old and
-new interleaved): RDP 30 evaluations, 1.7-1.9 s on one curve through the library, against 37 evaluations, 1.7-2.0
-s with Brent's method per target (calibration version 1); PLD 33 and 33, 2.3-2.9 s vs 2.6-3.1 s. An RDP evaluation
-at epsilon = 0.01 (sigma ~ 100) walks the orders up to ~2500 (~0.24 s in the library, ~2 ms in
-:mod:`dpsgd_cli.privacy.rdp`, which brought the RDP axis to ~0.03 s, same sigmas). The RDP curve's search runs on
-estimates (:class:`~dpsgd_cli.privacy.rdp.DpsgdRdpCurve`: a few orders near the optimum) and the accountant runs
-about once per target, at the sigma found; the step below is ruled out by a proof from those orders and convexity
-bounds on the rest (same sigmas: tests/test_rdp.py).
+:func:`calibrate_sigma` reads one :class:`EpsilonCurve` per (delta, q, T, accountant, neighbours), shared by every
+target of the process (an epsilon axis in one pass, :func:`calibrate_sigmas`): sigma is the smallest point of a
+fixed lattice in log sigma (step 2^-12) whose epsilon, by the exact accountant, meets the target, found by a plain
+bracketing search (steps from a guess, then interpolation safeguarded by bisection), so it depends on the target
+alone, not on the other targets calibrated before. An RDP evaluation takes 0.2-2 ms (:mod:`dpsgd_cli.privacy.rdp`,
+the library's numbers), ~20 a target; a PLD one 5-250 ms.
 Generic :func:`calibrate` (Brent's method on log sigma, stopped by the epsilon window) serves the closed-form
 calibrations of other mechanisms, one target at a time.
 :func:`calibrate_sigma` keeps its results on disk (:func:`calibration_cache_dir`), shared by processes: a
@@ -611,32 +605,20 @@ _LATTICE_LEVELS = 10
 
 
 class EpsilonCurve:
-    """epsilon(sigma) of one mechanism (e.g. DP-SGD at fixed delta, q, T and accountant), evaluated only at
-    sigma = exp(x) with x on a fixed lattice (:data:`LATTICE_STEP`), memoised, and shared by every target.
-    ``epsilon_and_info(sigma)`` returns (epsilon, anything to keep about it: :attr:`info`).
+    """ε(σ) of one mechanism by its accountant, evaluated on a fixed lattice in x = log σ (x = k·LATTICE_STEP),
+    memoised and shared by every target of the process (an ε axis reads one curve).
 
-    :meth:`calibrate` returns the smallest lattice sigma with epsilon <= target; where that point's epsilon is
-    below the window ``[(1 - rel_tol) target, target]`` (the curve is steep there), the step above it is halved
-    until one lands in the window. Where epsilon(sigma) is non-increasing on the lattice (as a privacy loss is),
-    that point is unique: sigma is a function of the target alone, whichever targets were calibrated on the curve
-    before (they only make the search shorter: its brackets and its secant predictions start from their points).
-
-    With ``estimate(sigma)`` (a cheaper approximation of epsilon) the search runs on estimates, and the bracket
-    (k - 1, k) it ends on is confirmed: epsilon(k) <= target by evaluation, epsilon(k - 1) > target by
-    ``exceeds(sigma, target)`` (a proof; False when it cannot tell) or by evaluation. A bracket that fails is
-    sought once more with the evaluated points, then on evaluated points alone, so estimates change the cost,
-    never the sigma. With ``guess(target, sigma)`` ((sigma, d log epsilon / d log sigma) where a cheaper model
-    crosses the target, from a start sigma; NaN slope if unknown) the search looks there first and steps from its
-    first point by that slope, which also changes only the cost.
+    :meth:`calibrate` returns the smallest lattice σ whose ε meets the target — a function of the target alone,
+    not of the order in which targets are asked or of the points already known: it brackets the target between
+    adjacent lattice points (ε(k − 1) > target ≥ ε(k)) by steps from a guess, then narrows the bracket by
+    interpolation in log ε, safeguarded by bisection (the steps only change how many points are evaluated); where
+    ε(σ) jumps over the window [(1 − rel_tol)·target, target] (a discretised PLD is a step function of σ), the
+    step (k − 1, k] is halved up to `_LATTICE_LEVELS` times. ε must be non-increasing in σ.
     """
 
     def __init__(self, epsilon_and_info: Callable[[float], tuple[float, object]], *, rel_tol: float = 1e-3,
-                 sigma_min: float = 1e-2, sigma_max: float = 1e6, max_evaluations: int = 200, context: str = "",
-                 estimate: Callable[[float], float] | None = None,
-                 exceeds: Callable[[float, float], bool] | None = None,
-                 guess: Callable[[float, float], tuple[float, float]] | None = None):
+                 sigma_min: float = 1e-2, sigma_max: float = 1e6, max_evaluations: int = 200, context: str = ""):
         self._epsilon_and_info = epsilon_and_info
-        self._estimate, self._exceeds, self._guess = estimate, exceeds, guess
         self.rel_tol = check.open_unit("rel_tol", rel_tol)
         s_min, s_max = check.positive("sigma_min", sigma_min), check.positive("sigma_max", sigma_max)
         self._k_min = math.ceil(math.log(s_min) / LATTICE_STEP)  # lattice indices: x = k * LATTICE_STEP
@@ -648,8 +630,12 @@ class EpsilonCurve:
         self.context = context
         self.points: dict[float, float] = {}  # x = log sigma -> epsilon
         self.info: dict[float, object] = {}  # sigma -> info
-        self.estimates: dict[float, float] = {}  # x -> estimated epsilon, where not evaluated
         self.evaluations = 0
+
+    def evaluate(self, sigma: float) -> tuple[float, object]:
+        """(epsilon, info) of the accountant at `sigma`, computed afresh (not a lattice point of the search)."""
+        e, info = self._epsilon_and_info(sigma)
+        return float(e), info
 
     def epsilon(self, x: float) -> float:
         """epsilon at sigma = exp(x), evaluated once per curve."""
@@ -664,79 +650,15 @@ class EpsilonCurve:
             self.points[x] = float(e)
         return self.points[x]
 
-    def evaluate(self, sigma: float) -> tuple[float, object]:
-        """(epsilon, info) of the accountant at `sigma`, computed afresh (not a lattice point of the search)."""
-        e, info = self._epsilon_and_info(sigma)
-        return float(e), info
-
     def _at(self, k: int) -> float:
         return self.epsilon(k * LATTICE_STEP)
-
-    def _probe(self, k: int) -> None:
-        """Estimates epsilon at lattice point k (unless evaluated)."""
-        x = k * LATTICE_STEP
-        if x not in self.points and x not in self.estimates:
-            if len(self.estimates) >= self.max_evaluations:
-                raise RuntimeError(f"calibration did not converge in {self.max_evaluations} estimates{self.context}")
-            e = float(self._estimate(math.exp(x)))
-            if math.isnan(e):
-                raise RuntimeError(f"estimated epsilon is NaN at sigma={math.exp(x)!r}{self.context}")
-            self.estimates[x] = e
-
-    def _lattice_points(self, estimated: bool = False) -> list[tuple[int, float]]:
-        """(k, epsilon) of the evaluated lattice points, and with ``estimated`` the estimated ones."""
-        known = {**self.estimates, **self.points} if estimated else self.points
-        return sorted((round(x / LATTICE_STEP), e) for x, e in known.items() if (x / LATTICE_STEP).is_integer())
-
-    def _predict(self, log_target: float, guess: float, above: int | None, below: int | None,
-                 points: list[tuple[int, float]], slope_hint: float = math.nan) -> float:
-        """Lattice index (real) where log epsilon crosses log_target. Within a bracket (above, below): k as a
-        quadratic in log epsilon through its ends and the known point closest to the target (inverse quadratic
-        interpolation, as in Brent's method), else the secant of its ends. Outside: the secant through the closest
-        point and the closest one at least 64 steps from it (any other point with a ``slope_hint``; if none: that
-        hint, d log epsilon / d log sigma, where it is negative, else -1, epsilon ~ 1/sigma); `guess` when the curve
-        is empty."""
-        known = {k: math.log(e) for k, e in points if 0 < e < math.inf}
-        if above in known and below in known:
-            ends = [(known[above], above), (known[below], below)]
-            others = sorted(((l, k) for k, l in known.items() if k not in (above, below)),
-                            key=lambda p: abs(p[0] - log_target))
-            if others and len({ends[0][0], ends[1][0], others[0][0]}) == 3:
-                near = [*ends, others[0]]
-                k = sum(k_i * math.prod((log_target - l_j) / (l_i - l_j) for l_j, _ in near if l_j != l_i)
-                        for l_i, k_i in near)
-                if above < k < below:
-                    return k
-            (la, ka), (lb, kb) = ends
-            return ka + (log_target - la) * (kb - ka) / (lb - la) if la != lb else 0.5 * (ka + kb)
-        if not known:
-            return math.log(guess) / LATTICE_STEP
-        k0 = min(known, key=lambda k: abs(known[k] - log_target))
-        reach = 1 if slope_hint < 0 else 64  # a model's slope marks a smooth curve: secants of near points hold
-        far = [k for k in known if abs(k - k0) >= reach]
-        k1 = min(far, key=lambda k: abs(known[k] - log_target)) if far else k0
-        slope = (known[k1] - known[k0]) / (k1 - k0) if k1 != k0 else 0.0
-        if not slope < 0:
-            slope = (slope_hint if slope_hint < 0 else -1.0) * LATTICE_STEP  # per lattice step; -1: epsilon ~ 1/sigma
-        return k0 + (log_target - known[k0]) / slope
 
     def calibrate(self, target_epsilon: float, sigma_guess: float = 1.0) -> CalibrationPoint:
         """Smallest lattice sigma with ``(1 - rel_tol) * target <= epsilon(sigma) <= target`` (see the class)."""
         target = check.positive("target_epsilon", target_epsilon)
-        check.positive("sigma_guess", sigma_guess)
+        guess = math.log(check.positive("sigma_guess", sigma_guess)) / LATTICE_STEP
         start = self.evaluations
-        first, slope = None, math.nan  # with ``guess``: the lattice index of its σ (the first probe wherever no
-        if self._guess is not None:  # bracket is known) and d log ε / d log σ there (the steps from that probe)
-            known = self._lattice_points(estimated=True)
-            if known:
-                sigma_guess = math.exp(self._predict(math.log(target), sigma_guess, None, None, known) * LATTICE_STEP)
-            guessed, slope = self._guess(target, sigma_guess)
-            first = math.log(guessed) / LATTICE_STEP if 0 < guessed < math.inf else None
-        # on the estimates (twice: a failed confirmation adds an evaluated point), else on evaluated points only
-        for estimated in (True, True, False) if self._estimate is not None else (False,):
-            k_above, k_below = self._bracket(target, sigma_guess, estimated, first, slope)
-            if not estimated or self._confirmed(target, k_above, k_below):
-                break
+        k_above, k_below = self._bracket(target, min(self._k_max, max(self._k_min, round(guess))))
         if k_above is None:  # already sigma_min is private enough
             e = self._at(k_below)
             if e < (1.0 - self.rel_tol) * target:
@@ -745,63 +667,53 @@ class EpsilonCurve:
         x, e, in_window = self._refine(target, k_above * LATTICE_STEP, k_below * LATTICE_STEP)
         return CalibrationPoint(math.exp(x), e, self.evaluations - start, in_window)
 
-    def _confirmed(self, target: float, k_above: int | None, k_below: int) -> bool:
-        """Whether a bracket found on estimates holds: epsilon(k_below) <= target by evaluation, epsilon(k_above) >
-        target by evaluation or a proof (``exceeds``)."""
-        if self._at(k_below) > target:
-            return False
-        if k_above is None or k_above * LATTICE_STEP in self.points:
-            return True
-        if self._exceeds is not None and self._exceeds(math.exp(k_above * LATTICE_STEP), target):
-            return True
-        return self._at(k_above) > target
-
-    def _bracket(self, target: float, guess: float, estimated: bool = False, start: float | None = None,
-                 slope: float = math.nan) -> tuple[int | None, int]:
-        """Adjacent lattice indices (k - 1, k): epsilon(k - 1) > target >= epsilon(k); (None, k_min) where
-        sigma_min already meets the target. Secant steps on log epsilon, safeguarded by bisection. ``estimated``:
-        on the estimates where a point has not been evaluated (a bracket to confirm). ``start``: where to look first
-        (a real lattice index), instead of the secant's prediction; ``slope``: d log epsilon / d log sigma there
-        (NaN: unknown), the steps from it (then secants of near points) taken without overshoot for 4 probes."""
-        log_t = math.log(target)
-        # the overshoot past a prediction outside any bracket, doubled at each miss; none for the first 4 probes
-        # from a guess with a slope (fewest estimates, measured: 177 vs 180 for 3, 238 for 1)
-        margins = iter([0] * 4 if start is not None and slope < 0 else [])
-        margin = next(margins, 1)
-        width, slow = math.inf, 0  # slow: evaluations since the bracket last halved
-        while True:
-            known = self._lattice_points(estimated)
-            below = [k for k, e in known if e <= target]
-            k_below = min(below) if below else None
-            above = [k for k, e in known if e > target and (k_below is None or k < k_below)]
-            k_above = max(above) if above else None
-            if k_above is not None and k_below is not None and k_below - k_above == 1:
-                return k_above, k_below
-            if k_below == self._k_min:
-                return None, k_below
-            if k_above == self._k_max:
-                if self._at(k_above) > target:
-                    raise _unreachable(target, self.sigma_range[1], self._at(k_above), self.context)
-                continue  # it was an estimate
-            guess_k = self._predict(log_t, guess, k_above, k_below, known, slope) if start is None else start
-            start = None
-            if k_above is None or k_below is None:  # no bracket yet: overshoot the prediction, more each time
-                k = math.ceil(guess_k) + margin if k_below is None else math.floor(guess_k) - margin
-                if k_below is None and k_above is not None:
-                    k = max(k, k_above + max(1, 2 * margin))
-                if k_above is None and k_below is not None:
-                    k = min(k, k_below - max(1, 2 * margin))
-                margin = next(margins, max(1, 2 * margin))
-            else:  # interpolation (it lands within a step or two), bisection when it has not halved the bracket in 4
-                slow = 0 if k_below - k_above <= width / 2 else slow + 1
-                width = min(width, k_below - k_above) if slow else k_below - k_above
-                k = math.ceil(guess_k) if slow < 4 else (k_above + k_below) // 2
-                k = min(k_below - 1, max(k_above + 1, k))
+    def _bracket(self, target: float, first: int) -> tuple[int | None, int]:
+        """Adjacent lattice indices (k - 1, k) with epsilon(k - 1) > target >= epsilon(k); (None, k_min) where
+        sigma_min already meets the target."""
+        known = sorted((round(x / LATTICE_STEP), e) for x, e in self.points.items()
+                       if (x / LATTICE_STEP).is_integer())
+        above = max((k for k, e in known if e > target), default=None)  # too little noise
+        below = min((k for k, e in known if e <= target and (above is None or k > above)), default=None)
+        k, step = first, 64  # outwards from the guess by doubling steps until the target is bracketed
+        usable = [(k, math.log(e)) for k, e in known if 0 < e < math.inf]
+        if len(usable) >= 2:  # from other targets' points: the secant through the closest one in log ε and the
+            usable.sort(key=lambda p: abs(p[1] - math.log(target)))  # closest at least 64 steps from it
+            k0, e0 = usable[0]
+            k1, e1 = next((p for p in usable[1:] if abs(p[0] - k0) >= 64), usable[1])
+            if e0 != e1 and k0 != k1:
+                k, step = round(k0 + (math.log(target) - e0) * (k1 - k0) / (e1 - e0)), 16
+        while above is None or below is None:
+            if above is not None and k <= above:  # more noise than a point known to be too little
+                k = above + step
+            if below is not None and k >= below:  # less noise than a point known to be enough
+                k = below - step
             k = min(self._k_max, max(self._k_min, k))
-            if estimated:
-                self._probe(k)
+            if self._at(k) <= target:
+                below = k if below is None else min(below, k)
+                if k == self._k_min:
+                    return None, k
+                k -= step
             else:
-                self._at(k)
+                above = k if above is None else max(above, k)
+                if k == self._k_max:
+                    raise _unreachable(target, self.sigma_range[1], self._at(k), self.context)
+                k += step
+            step *= 2
+        halvings = 0  # interpolation in log epsilon over k, bisection when it has not halved the bracket twice
+        while below - above > 1:
+            width = below - above
+            lo, hi = self._at(above), self._at(below)
+            if halvings < 2 and 0 < hi < lo < math.inf:
+                k = above + round((math.log(lo) - math.log(target)) / (math.log(lo) - math.log(hi)) * width)
+            else:
+                k = (above + below) // 2
+            k = min(below - 1, max(above + 1, k))
+            if self._at(k) <= target:
+                below = k
+            else:
+                above = k
+            halvings = 0 if below - above <= width // 2 else halvings + 1
+        return above, below
 
     def _refine(self, target: float, x_above: float, x_below: float) -> tuple[float, float, bool]:
         """Halve the step (x_above, x_below] until epsilon(x_below) is in the window; (x, epsilon, in window)."""
@@ -968,9 +880,7 @@ def dpsgd_curve(delta: float, sample_rate: float, steps: int, accountant: str,
     context = (f" (delta={delta:g}, sample_rate={sample_rate:g}, steps={steps}, accountant={accountant!r}, "
                f"neighbours={neighbours})")
     if accountant == "rdp":
-        rdp = _rdp_native.DpsgdRdpCurve(sample_rate, steps, delta, RDP_BASE_ORDERS, RDP_EXTENSION_ORDERS)
-        return EpsilonCurve(rdp.epsilon_and_order, estimate=rdp.estimate, exceeds=rdp.exceeds, guess=rdp.guess,
-                            context=context)
+        return EpsilonCurve(lambda sigma: dpsgd_rdp_epsilon(sigma, sample_rate, steps, delta), context=context)
     return EpsilonCurve(lambda sigma: _pld_epsilon(dpsgd_event(sigma, sample_rate, steps), delta,
                                                    neighbours=neighbours), context=context)
 

@@ -23,8 +23,7 @@ from dpsgd_cli.lazy import LazyModule
 
 special = LazyModule("scipy.special")
 
-__all__ = ["subsampled_gaussian_rdp", "epsilon_at_orders", "min_over_orders", "dpsgd_epsilon_and_order",
-           "DpsgdRdpCurve"]
+__all__ = ["subsampled_gaussian_rdp", "epsilon_at_orders", "min_over_orders", "dpsgd_epsilon_and_order"]
 
 _FRAC_MAX_TERMS = 1000  # the library's _MAX_STEPS_LOG_A_FRAC: a fractional order not converged by then gets RDP = inf
 # terms of the first pass over the fractional orders (at q ~ 0.01, σ < 1 needs 20-60, σ >= 3 6-8)
@@ -43,11 +42,11 @@ def _log_factorial_table(n: int) -> np.ndarray:
 
 def _int_terms(q: float, sigma: float, a: np.ndarray, i: np.ndarray) -> np.ndarray:
     """Term i of log A_α's binomial sum (α = a): log C(α, i) + i log q + (α - i) log(1 - q) + (i² - i) / (2σ²)."""
-    return _int_terms_without_sigma(q, a, i) + (i * i - i) / (2 * (sigma**2))
+    return _binomial_terms(q, a, i) + (i * i - i) / (2 * (sigma**2))
 
 
-def _int_terms_without_sigma(q: float, a: np.ndarray, i: np.ndarray) -> np.ndarray:
-    """log C(α, i) + i log q + (α - i) log(1 - q): :func:`_int_terms` before its σ term, summed in its order."""
+def _binomial_terms(q: float, a: np.ndarray, i: np.ndarray) -> np.ndarray:
+    """log C(α, i) + i log q + (α - i) log(1 - q): :func:`_int_terms` before its σ term."""
     log_fact = _log_factorial_table(int(a.max()))
     return (log_fact[a] - log_fact[i] - log_fact[a - i]) + i * math.log(q) + (a - i) * math.log1p(-q)
 
@@ -112,23 +111,20 @@ def _log_a_int(q: float, sigma: float, alphas: np.ndarray) -> np.ndarray:
     return log_a
 
 
-def _log_a_frac(q: float, sigma: float, alphas: np.ndarray, excess: bool = False,
-                chunk: int = _FRAC_FIRST_CHUNK) -> tuple[np.ndarray, np.ndarray, int]:
-    """(log A_α, log excess) for fractional orders. log A_α: the two series of §3.3 (integrals below and above
-    z0), summed term by term until both terms decrease and are e^-30 below the total; inf where that takes more
-    than 1,000 terms. The series add |C(α, i)|·(...), as the library does, whereas the integrals' binomial series
-    have C(α, i) < 0 at i = ⌊α⌋ + 2, ⌊α⌋ + 4, ...: the sum exceeds the exact A_α by twice those terms. With
-    ``excess``, the second array bounds that from above (those terms summed over every term computed), else it
-    is inf. Then the number of terms the slowest converged order took. The terms are computed ``chunk`` at a time,
-    then 4 times as many a pass (the sums do not depend on it)."""
+def _log_a_frac(q: float, sigma: float, alphas: np.ndarray,
+                chunk: int = _FRAC_FIRST_CHUNK) -> tuple[np.ndarray, int]:
+    """log A_α for fractional orders: the two series of §3.3 (integrals below and above z0), summed term by term
+    until both terms decrease and are e^-30 below the total; inf where that takes more than 1,000 terms (the
+    series add |C(α, i)|·(...), as the library does). Then the number of terms the slowest converged order took.
+    The terms are computed ``chunk`` at a time, then 4 times as many a pass (the sums do not depend on it)."""
     z0 = sigma**2 * math.log(1 / q - 1) + 0.5
     log_q, log1mq, scale, var2 = math.log(q), math.log1p(-q), math.sqrt(2) * sigma, 2 * (sigma**2)
-    out, over = np.full(alphas.shape, np.inf), np.full(alphas.shape, np.inf)
+    out = np.full(alphas.shape, np.inf)
     rows = np.arange(alphas.size)
     alpha = alphas[:, None]
     log_fact_alpha = special.gammaln(alpha + 1)
     start, width, used = 0, chunk, 0
-    a0 = a1 = last0 = last1 = extra = np.full((alphas.size, 1), -np.inf)
+    a0 = a1 = last0 = last1 = np.full((alphas.size, 1), -np.inf)
     while rows.size and start < _FRAC_MAX_TERMS:
         i = np.arange(start, min(start + width, _FRAC_MAX_TERMS))[None, :]
         j = alpha - i
@@ -142,53 +138,33 @@ def _log_a_frac(q: float, sigma: float, alphas: np.ndarray, excess: bool = False
         total = np.logaddexp(a0, a1)
         done = ((s0 < np.concatenate([last0, s0[:, :-1]], axis=1)) & (s1 < np.concatenate([last1, s1[:, :-1]], axis=1))
                 & (np.maximum(s0, s1) < total - 30))
-        if excess:
-            k = i - np.floor(alpha)
-            negative = (k >= 2) & (k % 2 == 0)  # C(α, i) < 0
-            extra = np.logaddexp(extra, np.logaddexp.reduce(np.where(negative, np.logaddexp(s0, s1), -np.inf),
-                                                            axis=1, keepdims=True))
         hit = done.any(axis=1)
         first = done.argmax(axis=1)
         out[rows[hit]] = total[hit, first[hit]]
-        if excess:
-            over[rows[hit]] = math.log(2) + extra[hit, 0]
         if hit.any():
             used = start + int(first[hit].max()) + 1
         if hit.all():  # the usual case: every order converged in this pass
             break
         keep = ~hit
-        rows, alpha, log_fact_alpha, extra = rows[keep], alpha[keep], log_fact_alpha[keep], extra[keep]
+        rows, alpha, log_fact_alpha = rows[keep], alpha[keep], log_fact_alpha[keep]
         a0, a1, last0, last1 = a0[keep, -1:], a1[keep, -1:], s0[keep, -1:], s1[keep, -1:]
         start, width = i[0, -1] + 1, 4 * width
-    return out, over, used
+    return out, used
 
 
 def subsampled_gaussian_rdp(q: float, sigma: float, orders: Sequence[float]) -> np.ndarray:
     """RDP of one step of the Poisson(q)-subsampled Gaussian mechanism with noise multiplier ``sigma``, at each
     order (add-or-remove-one neighbours; Mironov et al. 2019, Thm. 11 and §3.3)."""
-    return _rdp_and_shortfall(q, sigma, np.asarray(orders, dtype=float))[0]
-
-
-def _rdp_and_shortfall(q: float, sigma: float, orders: np.ndarray, shortfall: bool = False,
-                       chunk: int = _FRAC_FIRST_CHUNK) -> tuple[np.ndarray, np.ndarray, int]:
-    """(RDP as :func:`subsampled_gaussian_rdp`, shortfall >= 0): the Rényi divergence itself is at least RDP -
-    shortfall (up to the series' truncation). 0 at integer orders and for q = 1 (exact); at fractional ones, from
-    the series' excess over A_α (:func:`_log_a_frac`): -log(1 - excess/A)/(α - 1); inf where that is not below
-    A or without ``shortfall``. Then the terms the fractional series took (:func:`_log_a_frac`, ``chunk``)."""
-    short, used = np.zeros(orders.shape), 0
+    orders = np.asarray(orders, dtype=float)
     if q == 1.0:  # the Gaussian mechanism: α / (2σ²)
-        return orders / (2 * sigma**2), short, used
+        return orders / (2 * sigma**2)
     integer = orders == np.floor(orders)
     log_a = np.empty(orders.shape)
     if integer.any():
         log_a[integer] = _log_a_int(q, sigma, orders[integer])
     if (~integer).any():
-        frac, excess, used = _log_a_frac(q, sigma, orders[~integer], shortfall, chunk)
-        log_a[~integer] = frac
-        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            below = -np.log1p(-np.exp(excess - frac)) / (orders[~integer] - 1)
-        short[~integer] = np.where(excess < frac, below, np.inf)
-    return log_a / (orders - 1), short, used
+        log_a[~integer] = _log_a_frac(q, sigma, orders[~integer])[0]
+    return log_a / (orders - 1)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -318,304 +294,3 @@ def dpsgd_epsilon_and_order(sigma: float, q: float, steps: int, delta: float, ba
         block = max(block, int(np.searchsorted(extension_orders, expected_order)) + 3)
     return min_over_orders(lambda orders: _dpsgd_epsilons(q, sigma, steps, delta, orders, compute, conversion),
                            base_orders, extension_orders, block)
-
-
-def _nanargmin(values: np.ndarray) -> int:
-    """``np.nanargmin`` of values not all NaN, without its first call's ~0.1 ms."""
-    return int(np.where(np.isnan(values), np.inf, values).argmin())
-
-
-def _stacked(top: tuple[np.ndarray, ...], bottom: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
-    """Two blocks of :meth:`DpsgdRdpCurve._rough_rows` as one: the narrower block's terms padded with -inf (not
-    counted: no column past a row's head + 16 is) and its i² - i with 0."""
-    rows, width = top[0].shape[0], max(top[0].shape[1], bottom[0].shape[1])
-    terms = np.full((rows + bottom[0].shape[0], width), -np.inf)
-    squares = np.zeros(terms.shape, dtype=top[1].dtype)
-    for block, at in ((top, slice(0, rows)), (bottom, slice(rows, None))):
-        terms[at, :block[0].shape[1]], squares[at, :block[1].shape[1]] = block[0], block[1]
-    return (terms, squares, *(np.concatenate([t, b]) for t, b in zip(top[2:], bottom[2:])))
-
-
-class DpsgdRdpCurve:
-    """ε(σ) of T = ``steps`` subsampled Gaussians (Poisson rate ``q``) at ``delta`` by the RDP accountant over the
-    ascending order grid ``base_orders + extension_orders``: exact (:meth:`epsilon_and_order`, the accountant's
-    walk), and two cheap views for a calibration's search, computed at a few orders near the optimum
-    (:meth:`estimate`, and :meth:`exceeds`, a proof that ε > a target). Each σ's search starts from the optimal
-    order found at the nearest σ, and its per-order values are kept for the proof.
-
-    The proof bounds the orders it does not compute: T·log A_α is convex in α (a log moment-generating function)
-    and 0 at α = 1, so outside each pair of adjacent computed integer orders it lies above their secant; RDP is
-    nondecreasing in α and at least KL >= 2 TV² (Pinsker), TV = q·erf(1/(2√2 σ)); and the divergence is
-    nonincreasing in σ, so the values an evaluation found at a larger σ' bound those at σ (:meth:`_divergence_floor`).
-    Integer orders enter exactly (their binomial sums are exact); the fractional orders' series add |terms| (an
-    upper bound on A_α, far above it where q is large), so they enter less their excess (:func:`_log_a_frac`).
-    Both series stop at e^-30, which a margin (as :func:`_dpsgd_epsilons`'s) covers.
-    """
-
-    def __init__(self, q: float, steps: int, delta: float, base_orders: Sequence[float],
-                 extension_orders: Sequence[float]):
-        self.q, self.steps, self.delta = q, steps, delta
-        self.base_orders, self.extension_orders = tuple(base_orders), tuple(extension_orders)
-        self.grid = np.asarray(self.base_orders + self.extension_orders, dtype=float)
-        self._integer = np.flatnonzero(self.grid == np.floor(self.grid))
-        self._log1p_inv, self._log_term = _conversion_terms(self.base_orders + self.extension_orders, delta)
-        self._optimal: dict[float, float] = {}  # σ -> the optimal order found there
-        self._hinted: dict[float, float] = {}  # σ -> the integer orders' optimum there (:meth:`guess`)
-        # σ -> (T·RDP, ε, T·shortfall (:func:`_rdp_and_shortfall`)) per order; NaN: not computed
-        self._partial: dict[float, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-        self._chunk = _FRAC_FIRST_CHUNK  # the fractional series' first pass: the terms the last one took, + 25 %
-        self._rough_span, self._rough_table = (0, 0), ()  # :meth:`_rough_parts`: positions covered, values
-
-    def epsilon_and_order(self, sigma: float) -> tuple[float, float]:
-        """(ε, optimal order): the accountant's, bit for bit (:func:`dpsgd_epsilon_and_order`)."""
-        e, order = dpsgd_epsilon_and_order(sigma, self.q, self.steps, self.delta, self.base_orders,
-                                           self.extension_orders, expected_order=self._nearest_optimum(sigma),
-                                           compute=lambda orders: self._values(sigma, np.searchsorted(self.grid, orders)),
-                                           conversion=self._conversion_at)
-        self._optimal[sigma] = order
-        return e, order
-
-    def _conversion_at(self, orders: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The conversion's terms at grid ``orders``: the curve's, not a second table for the base orders."""
-        idx = np.searchsorted(self.grid, orders)
-        return self._log1p_inv[idx], self._log_term[idx]
-
-    def estimate(self, sigma: float) -> float:
-        """ε at the local minimum over the grid reached from the nearest σ's optimal order (else the large-σ
-        optimum 1 + σ sqrt(log(1/δ)/T)/q): first over the integer orders, then over the orders between that
-        minimum's integer neighbours. The accountant's ε wherever its walk ends at the same minimum."""
-        start = self._nearest_optimum(sigma)
-        if start is None:
-            start = self._large_sigma_order(sigma)
-        else:  # first the 3 orders each side of it, then of the lowest of them: the minimum is usually among them
-            i = min(int(np.searchsorted(self.grid, start)), self.grid.size - 1)
-            for _ in range(2):
-                self._compute(sigma, np.arange(max(0, i - 3), min(self.grid.size, i + 4)))
-                best = self._best(sigma)
-                if (max(0, i - 3) < best < min(self.grid.size - 1, i + 3)
-                        and math.isfinite(self._partial[sigma][1][best])):
-                    return self._estimate_at(sigma, best)
-                i = best
-        ints = self._integer
-        p = self._local_minimum(sigma, ints, self._integer_position(start), 2)
-        around = np.arange(ints[max(0, p - 1)], ints[min(ints.size - 1, p + 1)] + 1)
-        if around.size > 3:  # fractional orders: from the nearest σ's optimum where it lies among them
-            near = int(np.searchsorted(self.grid[around], start))
-            self._local_minimum(sigma, around, near if 0 < near < around.size else int(ints[p] - around[0]), 4)
-        return self._estimate_at(sigma, self._best(sigma))
-
-    def guess(self, target: float, sigma: float) -> tuple[float, float]:
-        """(σ, d log ε / d log σ there): where the integer orders' ε (approximated: :meth:`_rough`) crosses
-        ``target``, to a step under 4e-5 in log σ, by steps in log ε over log σ from ``sigma`` (Newton's, then the
-        secant's): a start for the lattice search, at or above the σ sought (ε <= the integer orders' ε), by up to
-        ~2 % where the optimal order is fractional, and the slope to step from its first point (the last step's: of
-        the integer orders' ε; fewer probes than its secant over the 1 % below, measured). Steps are at most a
-        factor e and stay inside the bracket found so far; each step's orders are centred where the previous
-        optimum moves under :meth:`_large_sigma_order`. ``sigma`` and NaN where ε vanishes or the steps do not
-        settle, and for q = 1 (no subsampling: the search's secant steps suffice). Leaves the integer optimum at
-        the σ returned as a start for :meth:`estimate` near it."""
-        if self.q >= 1.0:
-            return sigma, math.nan
-        start, low, high, last = sigma, 0.0, math.inf, None  # last: (log σ, log ε) of the previous step
-        near = self._nearest_optimum(sigma)
-        centre = self._integer_position(self._large_sigma_order(sigma) if near is None else near)
-        for _ in range(64):
-            e, slope, centre = self._rough_minimum(sigma, centre)
-            if not 0.0 < e < math.inf:
-                return start, math.nan
-            here = (math.log(sigma), math.log(e))
-            if last is not None and last[0] != here[0]:
-                # the secant: the optimal order moves with σ, often along the edge where the sum's last term takes
-                # over, so ε's slope is not the optimal order's (Newton's steps crawl there)
-                secant = (here[1] - last[1]) / (here[0] - last[0])
-                slope = secant if secant < 0 else slope
-            last = here
-            gap = math.log(e / target)
-            low, high = (max(low, sigma), high) if gap > 0 else (low, min(high, sigma))
-            step = min(1.0, max(-1.0, -gap / slope)) if slope < 0 else math.copysign(1.0, gap)
-            if abs(step) < 4e-5:  # a sixth of a lattice step: the step is taken, not checked
-                self._hinted[sigma] = float(self.grid[self._integer[centre]])
-                return sigma * math.exp(step), slope
-            moved = sigma * math.exp(step) if low < sigma * math.exp(step) < high else math.sqrt(low * high)
-            order = float(self.grid[self._integer[centre]])
-            centre = self._integer_position(order * self._large_sigma_order(moved) / self._large_sigma_order(sigma))
-            sigma = moved
-        return start, math.nan
-
-    def _integer_position(self, order: float) -> int:
-        """Position among the integer grid orders of the first one >= ``order`` (the last if none)."""
-        return min(int(np.searchsorted(self.grid[self._integer], order)), self._integer.size - 1)
-
-    def _rough_minimum(self, sigma: float, centre: int) -> tuple[float, float, int]:
-        """(ε, d log ε / d log σ, position) at the minimum of :meth:`_rough` over the integer orders, reached from
-        position ``centre`` by windows of 3 positions each side that double while it sits at their edge (up to all
-        of them)."""
-        ints, half = self._integer, 3
-        while True:
-            window = np.arange(max(0, centre - half), min(ints.size, centre + half + 1))
-            eps, slope = self._rough(sigma, int(window[0]), int(window[-1]) + 1)
-            best = int(np.argmin(eps))
-            centre = int(window[best])
-            if 0 < best < window.size - 1 or centre in (0, ints.size - 1) or window.size == ints.size:
-                return float(eps[best]), float(slope[best]) / float(eps[best]), centre
-            half *= 2
-
-    def _rough(self, sigma: float, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
-        """ε and dε/dlog σ at the integer grid orders of positions ``lo`` to ``hi`` - 1, from the binomial sum's terms up
-        to 10 standard deviations + 60 past its mean αq and its last 16 (which dominate where the terms are not
-        concave, α + 2 > 4σ²: the others lie below them or the first ones): a guess's accuracy, ~25 µs a call."""
-        first, (fixed, quad, scale, log1p_inv, log_term, head) = self._rough_parts(lo, hi)
-        rows = slice(lo - first, hi - first)
-        width = int(head[hi - 1 - first]) + 16  # the widest row's (the head grows with α), as if computed alone
-        terms = fixed[rows, :width] + quad[rows, :width] / (2 * (sigma**2))  # _int_terms's sum, in its order
-        top = terms.max(axis=1, keepdims=True)
-        weights = np.exp(terms - top)
-        total = weights.sum(axis=1)
-        log_a = top[:, 0] + np.log(total)
-        d_log_a = (weights * (-quad[rows, :width] / sigma**2)).sum(axis=1) / total  # d log A / d log σ
-        return (scale[rows] * log_a + log1p_inv[rows]) - log_term[rows], scale[rows] * d_log_a
-
-    def _rough_parts(self, lo: int, hi: int) -> tuple[int, tuple[np.ndarray, ...]]:
-        """What :meth:`_rough` needs that does not depend on σ, per integer order (a row) from the first position
-        returned, covering ``lo`` to ``hi`` - 1: the terms' σ-free part (-inf where not counted), i² - i (i within
-        0..α, as every counted term's), T/(α - 1), the conversion's two terms and the head's length. Kept per
-        curve; a window it misses adds the rows missing up to 8 positions past it (each row is computed once: its
-        values do not depend on the rows beside it)."""
-        first, last = self._rough_span
-        lower, upper = max(0, lo - 8), min(self._integer.size, hi + 8)
-        if first >= last:
-            first, last, self._rough_table = lower, upper, self._rough_rows(lower, upper)
-        if lo < first:
-            first, self._rough_table = lower, _stacked(self._rough_rows(lower, first), self._rough_table)
-        if hi > last:
-            last, self._rough_table = upper, _stacked(self._rough_table, self._rough_rows(last, upper))
-        self._rough_span = (first, last)
-        return first, self._rough_table
-
-    def _rough_rows(self, first: int, last: int) -> tuple[np.ndarray, ...]:
-        """:meth:`_rough_parts`' rows for the integer orders of positions ``first`` to ``last`` - 1."""
-        idx = self._integer[first:last]
-        orders = self.grid[idx]
-        q, a = self.q, orders.astype(np.int64)[:, None]
-        mean = a * q
-        head = np.minimum(a + 1, np.ceil(mean + 10 * np.sqrt(mean + 1) + 61)).astype(np.int64)
-        column = np.arange(int(head.max()) + 16)[None, :]
-        i = np.where(column < head, column, a - (column - head))  # the head, then the tail counted down from α
-        counted = (column < head) | (i >= np.maximum(head, a - 15))
-        within = np.minimum(np.maximum(i, 0), a)
-        return (np.where(counted, _int_terms_without_sigma(q, a, within), -np.inf), within * within - within,
-                self.steps / (orders - 1.0), self._log1p_inv[idx], self._log_term[idx], head[:, 0])
-
-    def _large_sigma_order(self, sigma: float) -> float:
-        """A start for the optimal order at σ: 1 + σ sqrt(log(1/δ)/T)/q, its large-σ asymptote (RDP ~ q²α/σ²),
-        at most 1 + 2σ² log(1/q), past which the binomial sum's last term q^α exp(α(α - 1)/(2σ²)) takes over."""
-        return min(1.0 + sigma * math.sqrt(math.log(1.0 / self.delta) / self.steps) / self.q,
-                   max(2.0, 1.0 + 2 * sigma**2 * math.log(1.0 / self.q)))
-
-    def _best(self, sigma: float) -> int:
-        return _nanargmin(self._partial[sigma][1])
-
-    def _estimate_at(self, sigma: float, best: int) -> float:
-        self._optimal[sigma] = float(self.grid[best])
-        return max(0.0, float(self._partial[sigma][1][best]))
-
-    def exceeds(self, sigma: float, target: float) -> bool:
-        """Whether ε(σ) > ``target`` is proven from the orders :meth:`estimate` computed, two integer orders each
-        side of its minimum, the integer orders 2, 4, 8, ... below them, and the bounds (see the class) on the
-        rest, computing the orders whose bound is not above the target. False: not proven (the accountant
-        decides)."""
-        if sigma not in self._partial:
-            self.estimate(sigma)
-        total, eps, _ = self._partial[sigma]
-        ints = self._integer
-        p = self._integer_position(self.grid[self._best(sigma)])  # integer orders around the minimum
-        self._compute(sigma, ints[max(0, p - 2):p + 3])
-        lowest = float(self.grid[ints[np.isfinite(total[ints])]].min(initial=np.inf))
-        whole = self.grid[ints].astype(np.int64)
-        powers = ints[(self.grid[ints] < lowest) & ((whole & (whole - 1)) == 0)]
-        self._compute(sigma, powers)
-        self._compute(sigma, np.flatnonzero(np.isnan(eps) & ~(self._bounds(sigma) > target)))
-        return bool(np.nanmin(eps) > target)  # every order not computed is bounded above the target
-
-    def _nearest_optimum(self, sigma: float) -> float | None:
-        """The optimal order found at the nearest σ; an integer orders' optimum (:meth:`guess`) only where it is
-        nearer and no optimum was found within 5 % of σ (the hint is off by up to an order; measured on 50 settings:
-        392 series calls vs 409 with 1 %, the same estimates)."""
-        found = [(abs(math.log(s / sigma)), order) for s, order in self._optimal.items()]
-        hinted = [(abs(math.log(s / sigma)), order) for s, order in self._hinted.items()]
-        nearest = min(found, default=None)
-        if nearest is None or nearest[0] > 0.05:
-            nearest = min(found + hinted, default=None)
-        return None if nearest is None else nearest[1]
-
-    def _compute(self, sigma: float, idx: np.ndarray, shortfall: bool = False) -> None:
-        """T·RDP, ε and T·shortfall (inf unless ``shortfall``) at the grid orders ``idx`` (each once per σ)."""
-        if sigma not in self._partial:
-            self._partial[sigma] = tuple(np.full(self.grid.size, np.nan) for _ in range(3))
-        total, eps, short = self._partial[sigma]
-        idx = idx[np.isnan(eps[idx])]
-        if idx.size:
-            rdp, below, used = _rdp_and_shortfall(self.q, sigma, self.grid[idx], shortfall, self._chunk)
-            if used:  # nearby σ and orders take about as many terms
-                self._chunk = max(8, used + used // 4)
-            total[idx], short[idx] = self.steps * rdp, self.steps * below
-            eps[idx] = _epsilon(self.grid[idx], total[idx], self.delta, self._log1p_inv[idx], self._log_term[idx])
-
-    def _values(self, sigma: float, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(T·RDP, ε) at the grid orders ``idx``, computed where not yet, with their shortfall: an evaluation's
-        orders bound those of the proof at the σ below (:meth:`_divergence_floor`)."""
-        self._compute(sigma, idx, shortfall=True)
-        total, eps, _ = self._partial[sigma]
-        return total[idx], eps[idx]
-
-    def _local_minimum(self, sigma: float, positions: np.ndarray, start: int, h: int) -> int:
-        """Position in ``positions`` (ascending grid indices) of a local minimum of ε, reached from ``start`` by
-        windows that double while the minimum sits at their edge, with ``h`` positions computed each side."""
-        m, width = min(max(start, 0), positions.size - 1), h
-        self._compute(sigma, positions[max(0, m - h):m + h + 1])
-        eps = self._partial[sigma][1]
-        while True:
-            values = eps[positions]
-            m = _nanargmin(values)
-            lo, hi = max(0, m - h), min(positions.size - 1, m + h)
-            if not np.isnan(values[lo:hi + 1]).any() or not math.isfinite(values[m]):
-                return m
-            width *= 2  # all of [lo, hi], and farther the way the minimum leans
-            left = m - width if np.isnan(values[lo]) else lo
-            right = m + width if np.isnan(values[hi]) else hi
-            self._compute(sigma, positions[max(0, left):right + 1])
-
-    def _divergence_floor(self, sigma: float) -> np.ndarray:
-        """Per order, a lower bound on T times the Rényi divergence at σ (0 where none is known): the values found
-        at any larger σ' minus their shortfall, as the divergence is nonincreasing in σ (N(0, σ'²) is N(0, σ²) plus
-        independent N(0, σ'² - σ²) noise on both distributions: data processing)."""
-        floor = np.zeros(self.grid.size)
-        for other, (total, _, shortfall) in self._partial.items():
-            if other > sigma:
-                with np.errstate(invalid="ignore"):
-                    lower = total - shortfall
-                floor = np.maximum(floor, np.where(np.isfinite(lower), lower, 0.0))
-        return floor
-
-    def _bounds(self, sigma: float) -> np.ndarray:
-        """Per order, a lower bound on ε (minus the margin) from the integer orders computed at σ (see the class);
-        inf where α <= 1.01 (the conversion's ε)."""
-        total = self._partial[sigma][0]
-        grid, steps, delta = self.grid, self.steps, self.delta
-        exact = np.zeros(grid.size, dtype=bool)
-        exact[self._integer] = np.isfinite(total[self._integer])
-        a = np.concatenate(([1.0], grid[exact]))
-        f = np.concatenate(([0.0], total[exact] * (grid[exact] - 1)))  # T·log A_α
-        slope = np.diff(f) / np.diff(a)
-        x = grid[:, None]
-        outside = (x <= a[:-1]) | (x >= a[1:])  # secant j bounds T·log A_α at α outside [a_j, a_j+1]
-        log_a = np.max(np.where(outside, f[:-1] + slope * (x - a[:-1]), -np.inf), axis=1, initial=0.0)
-        known = np.maximum(np.where(exact, total, 0.0), self._divergence_floor(sigma))
-        below = np.maximum.accumulate(known)  # RDP nondecreasing: T·RDP of an order below
-        with np.errstate(divide="ignore", invalid="ignore"):
-            bound = np.maximum(np.maximum(log_a / (grid - 1), below), steps * _kl_floor(self.q, sigma))
-            # ε is clamped to 0 where T·RDP <= ~δ² (else it may be below 0: the conversion's terms are negative)
-            eps = (bound + self._log1p_inv) - self._log_term
-            eps = np.where(bound > 8 * delta**2, eps, np.minimum(eps, 0.0))
-        eps -= 1e-6 * np.maximum(1.0, np.abs(eps)) + 1e-9 * steps
-        return np.where(grid > 1.01, eps, np.inf)
