@@ -144,7 +144,8 @@ def markdown(rows: list[Row], items: list[dict[str, Any]]) -> str:
         load = f"{g['load']:.1f}" if g["load"] is not None else "–"
         lines.append(f"| {g['goal']} | {g['case']} | {g['measured'] or '– (' + g['note'] + ')'} | {g['target']} "
                      f"| {met} | {load} |")
-    lines += ["", "| case | what | ours | comparison | ratio | goal | met? | load |", "|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| case | what | ours | comparison | ratio | goal | met? | load |",
+              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append("| " + " | ".join(c.replace("|", "/") for c in _cells(r)) + " |")
     return "\n".join(lines) + "\n"

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from benchmarks.case9_fused_grid import scaled_yaml
-from benchmarks.common import REPO, Row, Skip, load
+from benchmarks.common import Row, Skip, load
 from benchmarks.pinned import MARK, Command, load1
 
 GOAL_PERCENT = 10.0

@@ -2,7 +2,8 @@
 
 Ours: `DPSGD().fit` (Poisson batches, clip, noise, all replicas in one chain; σ calibrated beforehand, the
 calibration is case 6). Against (b) `numpy_dpsgd` below, a straightforward NumPy DP-SGD that materialises the
-(B, d) per-example gradients and loops over replicas (Opacus and JAX: case 8, pinned and interleaved). Unit: replica-steps per second (R × 118 steps / best time). Also float32 vs float64 on our chain.
+(B, d) per-example gradients and loops over replicas (Opacus and JAX: case 8, pinned and interleaved). Unit:
+replica-steps per second (R × 118 steps / best time). Also float32 vs float64 on our chain.
 """
 
 from __future__ import annotations

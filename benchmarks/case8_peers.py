@@ -262,7 +262,8 @@ def _fused(ctx, common, rounds, earlier: list[Row]) -> list[Row]:
         for k, m in jax_rows.items():
             is_goal = k == best
             c = compile_info[k]
-            note = f"JAX compile {c['compile_s']:.2f} s (apart), pad {c['pad']}; 'N streams × S': S models share each batch stream"
+            note = (f"JAX compile {c['compile_s']:.2f} s (apart), pad {c['pad']}; "
+                    "'N streams × S': S models share each batch stream")
             rows.append(Row("8c", f"{what}: ours (training) vs {k}", ours=fmt_time(trained_step),
                             comparison=fmt_time(m.best / (R * steps)), ratio=m.best / trained.best,
                             goal=f"≥ {GOAL_FUSED_JAX:g}× (best JAX)" if is_goal else "–",

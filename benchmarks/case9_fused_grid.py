@@ -6,7 +6,8 @@ thread; the sides alternate (A B C A B C, two rounds), best of the rounds each. 
 untimed: ours then find σ, L* and bassily2014's calibrations in their on-disk caches, as any later run on a
 machine does. The code before issue 16 (commit BEFORE, unpacked by `git archive` into a temporary folder and
 imported from there: `PYTHONPATH=<it>` with `python -P`, checked by importing it) had no such caches: it
-recomputes them in every run, which is its honest cost. It gets one later fix it needs to run the figure set at all (FIXES: the
+recomputes them in every run, which is its honest cost. It gets one later fix it needs to run the figure set at all
+(FIXES: the
 processed-data checksum of an empty test split, which crashed `split: none` grids). All sides run the same grid
 file, the grids copied from this experiments.yaml (the old code accepts them: same cells and runs).
 

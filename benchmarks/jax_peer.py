@@ -14,7 +14,8 @@ are counted and reported: none expected). The update is dpsgd's: θ ← θ − �
 Two clips: `vmap` materialises the (P, d) per-example gradients (`vmap(grad(loss))`) and clips their norms;
 `closed` uses the closed form of logistic regression, g_i = ℓ'(y_i x_iᵀθ)·y_i x_i, ‖g_i‖ = |ℓ'|·‖x_i‖ with the
 row norms computed once (what dpsgd's core does). `share` = S > 1: each of the R streams trains S models on
-the same batches (the fused grid's work, done the JAX way: the gather is outside the inner vmap). float64 (`jax_enable_x64`) or float32. Compilation
+the same batches (the fused grid's work, done the JAX way: the gather is outside the inner vmap). float64
+(`jax_enable_x64`) or float32. Compilation
 (`.lower().compile()`) is timed apart from the runs.
 """
 

@@ -3,7 +3,8 @@
 Requests: {"op": "prepare", "name", "kind", "spec"} builds a task (data from the .npz the driver wrote, warm-up
 and compilation done here, their seconds in the answer); {"op": "run", "name"} times it (the fastest of the
 repetitions that fit in 0.3 s, at least one); {"op": "quit"}.
-Kinds: `ours_logreg`, `ours_mlp`, `ours_grid`, `ours_fused_fit` (dpsgd), `jax_logreg` (jax_peer.py), `opacus` (opacus_worker.py);
+Kinds: `ours_logreg`, `ours_mlp`, `ours_grid`, `ours_fused_fit` (dpsgd), `jax_logreg` (jax_peer.py), `opacus`
+(opacus_worker.py);
 each kind's module is imported only when asked for, so a side's interpreter needs only its own libraries.
 """
 

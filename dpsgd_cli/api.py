@@ -388,7 +388,8 @@ def epsilon(*, sigma: float, sample_rate: float, steps: int, delta: float, accou
     """`dpsgd epsilon`: ε of DP-SGD (Poisson-subsampled Gaussian, `steps` steps) at `delta`."""
     from dpsgd_cli.privacy.accounting import dpsgd_epsilon
 
-    return float(dpsgd_epsilon(sigma, sample_rate, steps, delta, accountant=_choice("accountant", accountant, ACCOUNTANTS),
+    return float(dpsgd_epsilon(sigma, sample_rate, steps, delta,
+                               accountant=_choice("accountant", accountant, ACCOUNTANTS),
                                neighbours=_choice("neighbours", neighbours, NEIGHBOURS)))
 
 

@@ -10,7 +10,6 @@ from typing import Any, Optional
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from dpsgd_cli import __version__
@@ -115,7 +114,8 @@ def audit(
     grid_file: Path = typer.Argument(..., metavar="GRID.yaml",
                                      help="YAML file with one or more named grids (their `audit:` blocks)."),
     only: Optional[list[str]] = typer.Option(None, "--only", metavar="NAME", help="Audit only this grid (repeatable)."),
-    out: Path = typer.Option(Path("results"), "--out", metavar="DIR", help="Results root; grid G writes DIR/G/audit.csv."),
+    out: Path = typer.Option(Path("results"), "--out", metavar="DIR",
+                             help="Results root; grid G writes DIR/G/audit.csv."),
     trials: Optional[int] = typer.Option(None, "--trials", min=2, metavar="N", help="Trainings with the canary (and "
                                          "as many without); default: the grid's audit.trials."),
     confidence: Optional[float] = typer.Option(None, "--confidence", metavar="P", help="Probability that ε_lo is a "
@@ -155,7 +155,8 @@ def plot(
     metric: Optional[str] = typer.Option(
         None, "--metric", metavar="COLUMN", help="Any numeric column of runs.csv (accuracy = test_accuracy, "
         "optimality_gap, val_accuracy, ...) over ε (default: the grid's paper figures, or accuracy)."),
-    fmt: ImageFormat = typer.Option(ImageFormat.png, "--format", metavar="png|pdf|svg", help="Image format (png also writes a PDF)."),
+    fmt: ImageFormat = typer.Option(ImageFormat.png, "--format", metavar="png|pdf|svg",
+                                    help="Image format (png also writes a PDF)."),
 ) -> None:
     """Draw the grid's paper figures, or a metric over ε (a panel per dataset and model, a line per algorithm)."""
     from dpsgd_cli import api
@@ -273,7 +274,8 @@ def datasets_list() -> None:
 
 
 @datasets_app.command("fetch")
-def datasets_fetch(names: list[str] = typer.Argument(..., metavar="NAME...", help="Dataset names (see `dpsgd datasets list`).")) -> None:
+def datasets_fetch(names: list[str] = typer.Argument(..., metavar="NAME...",
+                                                    help="Dataset names (see `dpsgd datasets list`).")) -> None:
     """Download and verify (sha256) the files of each dataset into the cache."""
     from dpsgd_cli.data import fetch
 
@@ -284,15 +286,22 @@ def datasets_fetch(names: list[str] = typer.Argument(..., metavar="NAME...", hel
 
 @datasets_app.command("info")
 def datasets_info(
-    name: Optional[str] = typer.Argument(None, metavar="NAME", help="Dataset name (or --path FILE for a file of your own)."),
-    path: Optional[Path] = typer.Option(None, "--path", metavar="FILE", help="Preview what `{name: file, path: FILE}` loads."),
+    name: Optional[str] = typer.Argument(None, metavar="NAME",
+                                         help="Dataset name (or --path FILE for a file of your own)."),
+    path: Optional[Path] = typer.Option(None, "--path", metavar="FILE",
+                                        help="Preview what `{name: file, path: FILE}` loads."),
     label: Optional[str] = typer.Option(None, "--label", metavar="COLUMN", help="File: the label column."),
-    positive: Optional[str] = typer.Option(None, "--positive", metavar="VALUE", help="File: the label value of class +1."),
-    drop: Optional[list[str]] = typer.Option(None, "--drop", metavar="COLUMN", help="File: a column not used (repeatable)."),
-    categorical: Optional[list[str]] = typer.Option(None, "--categorical", metavar="COLUMN", help="File: a one-hot column (repeatable)."),
+    positive: Optional[str] = typer.Option(None, "--positive", metavar="VALUE",
+                                           help="File: the label value of class +1."),
+    drop: Optional[list[str]] = typer.Option(None, "--drop", metavar="COLUMN",
+                                             help="File: a column not used (repeatable)."),
+    categorical: Optional[list[str]] = typer.Option(None, "--categorical", metavar="COLUMN",
+                                                    help="File: a one-hot column (repeatable)."),
     test_path: Optional[Path] = typer.Option(None, "--test-path", metavar="FILE", help="File: the test file."),
-    missing: Optional[str] = typer.Option(None, "--missing", metavar="drop|impute", help="File: drop or impute rows with missing values."),
-    options: Optional[list[str]] = typer.Option(None, "--set", metavar="KEY=VALUE", help="File: any other option KEY=VALUE (YAML value)."),
+    missing: Optional[str] = typer.Option(None, "--missing", metavar="drop|impute",
+                                          help="File: drop or impute rows with missing values."),
+    options: Optional[list[str]] = typer.Option(None, "--set", metavar="KEY=VALUE",
+                                                help="File: any other option KEY=VALUE (YAML value)."),
 ) -> None:
     """Everything known about one dataset: files, checksums, source, licence, default options; with --path,
     what a file dataset's loader produces (rows read and dropped, features after encoding, label balance)."""
@@ -370,7 +379,8 @@ _Q_HELP = "Poisson sampling rate q = B/n (each record joins a step with probabil
 _STEPS_HELP = "Number of steps T (≥ 1; at most 1e6 with the PLD accountant, 1e12 with RDP)."
 _DELTA_HELP = "δ of the (ε, δ)-DP guarantee, in (0, 1); choose δ ≪ 1/n (e.g. 1/n², n = training records)."
 _ACCOUNTANT_HELP = ("How ε is computed over the T steps (both dp-accounting, both valid upper bounds): rdp = Rényi "
-                    "DP converted to (ε, δ) (fast, slightly looser); pld = privacy loss distributions (tighter, slower).")
+                    "DP converted to (ε, δ) (fast, slightly looser); pld = privacy loss distributions "
+                    "(tighter, slower).")
 _NEIGHBOURS_HELP = ("The neighbouring relation ε holds under: add_remove (one record added or removed) or "
                     "replace_one (one record replaced; needs --accountant pld).")
 
@@ -430,7 +440,9 @@ def privacy_curve(
     sensitivity: float = typer.Option(4.0, "--sensitivity", metavar="S_G",
                                       help=_curve_help("sensitivity", "Gradient sensitivity S_g")),
     eta: float = typer.Option(0.02, "--eta", metavar="ETA", help=_curve_help("eta", "Step size η")),
-    lam: float = typer.Option(1.0, "--lam", metavar="LAMBDA", help=_curve_help("lam", "Strong convexity λ (the lower bound is drawn only for λ = 1, the squared loss ‖θ − x‖²/2 it is exact for)")),
+    lam: float = typer.Option(1.0, "--lam", metavar="LAMBDA", help=_curve_help(
+        "lam", "Strong convexity λ (the lower bound is drawn only for λ = 1, the squared loss ‖θ − x‖²/2 it is "
+               "exact for)")),
     n: int = typer.Option(5000, "--n", metavar="N", help=_curve_help("n", "Number of records n")),
     k_max: int = typer.Option(1000, "--k-max", metavar="K", help=_curve_help("k_max", "Largest number of steps K")),
     points: int = typer.Option(200, "--points", metavar="P", help=_curve_help("points", "Number of K values")),

@@ -464,7 +464,8 @@ class Grid(Axes):
                     if ALGORITHMS[algo.name].private and (algo.name not in allowed or not pure):
                         raise ValueError(
                             f"select {spec.name}: {spec.privacy} cannot account the selection of {algo.name} "
-                            f"(supported: {', '.join(sorted(allowed))}{' with basic composition' * (spec.privacy == 'liu_talwar')}); "
+                            f"(supported: {', '.join(sorted(allowed))}"
+                            f"{' with basic composition' * (spec.privacy == 'liu_talwar')}); "
                             "use privacy: non_private or another grid")
         return self
 
@@ -828,7 +829,8 @@ def select(grid_file: GridFile, only: Optional[list[str]]) -> list[Grid]:
     names = [g.name for g in grid_file.grids]
     for name in only:
         if name not in names:
-            raise UserError(f"--only {name}: no such grid{_closest(name, names)}; grids in the file: {', '.join(names)}")
+            raise UserError(f"--only {name}: no such grid{_closest(name, names)}; "
+                            f"grids in the file: {', '.join(names)}")
     return [g for g in grid_file.grids if g.name in only]
 
 
@@ -850,11 +852,12 @@ def describe_validation_error(exc: ValidationError, raw: Any) -> str:
     elif err["type"] == "literal_error" and len(loc) > 1 and loc[-1] == "name" and "datasets" in loc:
         known = [*typing.get_args(DatasetSpec.model_fields["name"].annotation), "file"]
         name = str(err["input"])
-        message = (f"unknown dataset {name!r}{_closest(name, known)}; known: {', '.join(known)} (file: a data file of your "
-                   f"own, {{name: file, path: ...}})")
+        message = (f"unknown dataset {name!r}{_closest(name, known)}; known: {', '.join(known)} "
+                   f"(file: a data file of your own, {{name: file, path: ...}})")
     else:
         message = err["msg"].removeprefix("Value error, ")
-        if "input" in err and err["type"] not in ("value_error", "assertion_error") and not isinstance(err["input"], (dict, list)):
+        if ("input" in err and err["type"] not in ("value_error", "assertion_error")
+                and not isinstance(err["input"], (dict, list))):
             message += f" (got {err['input']!r})"
     more = f" (and {len(errors) - 1} more problem{'s' * (len(errors) > 2)})" if len(errors) > 1 else ""
     return f"{path}: {message}{more}"

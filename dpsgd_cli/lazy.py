@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
+from typing import Any
 
 
 class LazyModule:
@@ -12,7 +13,7 @@ class LazyModule:
     def __init__(self, name: str) -> None:
         self._name = name
 
-    def __getattr__(self, attr: str):
+    def __getattr__(self, attr: str) -> Any:
         if attr == "_module":  # the first access: import (importlib's lookup costs ~3 µs a call, in hot loops)
             self._module: ModuleType = importlib.import_module(self._name)
             return self._module

@@ -65,7 +65,8 @@ def claim_frame(folder: Path, claim: ClaimSpec, figures: list[FigureSpec]) -> pd
     if claim.source not in ("runs", "traces"):
         figure = next((f for f in figures if f.name == claim.source), None)
         if figure is None:
-            raise KeyError(f"claim {claim.id}: source {claim.source!r} is neither runs, traces nor a figure of the grid")
+            raise KeyError(f"claim {claim.id}: source {claim.source!r} is neither runs, traces "
+                           "nor a figure of the grid")
         return analytic_table(folder, figure)
     frame = results_frame(folder, traces=claim.source == "traces")
     named = any("selection" in sel for sel in (claim.where, claim.a, claim.b))

@@ -36,7 +36,8 @@ def main(results: Path) -> None:
         print(f"    ε = {best['epsilon']:g}: twin's ε = {best['control_epsilon']:.3g}, its ε_lo = "
               f"{best['control_epsilon_lo']:.3f} ({best['canary']}, {best['threat_model']})")
     print(f"1b. rows with verdict refuted: {int((ok['verdict'] == 'refuted').sum())} of {len(ok)}")
-    every = ok[ok["algorithm"].isin(["bolt_on", "output_perturbation"]) & (ok["threat_model"] == "white-box, all iterates")]
+    every = ok[ok["algorithm"].isin(["bolt_on", "output_perturbation"])
+               & (ok["threat_model"] == "white-box, all iterates")]
     print(f"1c. bolt_on / output_perturbation all-iterates rows `not covered`: "
           f"{int((every['verdict'] == 'not covered').sum())} / {len(every)} "
           f"(output_perturbation has none: the Dirac canary is not applicable without iterates)")

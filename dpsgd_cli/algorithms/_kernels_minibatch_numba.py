@@ -221,7 +221,8 @@ def _is_row_nonzeros(P):
 def sparse_lane_dots(typingctx, P, i, TT, cb, Z):
     """sparse_lane_dots(P, i, TT, cb, Z): Z[cb + l] = Σ_j x_ij TT[j, cb + l] for the 8 lanes l of the block at cb,
     from row i's nonzeros (`RowNonzeros.packed` P: column order, zero-padded), summed one after the other in column
-    order (`sparse_dots8`'s order for one θ: one accumulator, in a register; the row's padded slots add x·θ = ±0 to a sum that
+    order (`sparse_dots8`'s order for one θ: one accumulator, in a register; the row's padded slots add x·θ = ±0 to
+    a sum that
     starts at +0, which changes nothing). Plain fmul and fadd (no FMA contraction)."""
     if not (_is_row_nonzeros(P) and _c_float_arrays(TT, Z) and TT.ndim == 2 and Z.ndim == 1):
         return None
@@ -248,7 +249,8 @@ def sparse_lane_dots(typingctx, P, i, TT, cb, Z):
 def sparse_dots8(typingctx, P, rows, V, cells, r, b, out):
     """sparse_dots8(P, rows, V, cells, r, b, out): out[b + k] = θ·x for the 8 pairs k (x row rows[b + k] of
     `RowNonzeros.packed` P, θ = V[cells[b + k], r]), each summed from 0 over the row's slots one after the other,
-    in column order (`sparse_lane_dots`' order); the 8 sums advance together, slot by slot, up to the longest of the 8 rows (a shorter row's
+    in column order (`sparse_lane_dots`' order); the 8 sums advance together, slot by slot, up to the longest of the
+    8 rows (a shorter row's
     slots beyond its count are zero padding: x θ = ±0, no change), so that 8 chains of adds are in flight, not one.
     Plain fmul and fadd."""
     if not (_is_row_nonzeros(P) and _c_float_arrays(V, out) and V.ndim == 3 and out.ndim == 1
@@ -360,7 +362,8 @@ def _lanes(TT, active, X, P, y, x_norm, clip, do_clip, d, i0, i1, two, Z, A, G, 
     """Rows i0 (and i1 when two) for every cell (lanes; active, clip, do_clip padded to them, padding inactive):
     dots 8 cells a block, a = −y σ(−y θ_c·x_i) clipped, G += a x 8 cells a block. Rows read densely from X or,
     when P has rows, by their nonzeros (`sparse_lane_dots`, `sparse_lane_axpy`: the dot in the nonzeros' column
-    order), where a lane whose θ is not finite (`bad`) gets the NaN dot the dense rows give. `poison`: an active lane's residual was NaN (its
+    order), where a lane whose θ is not finite (`bad`) gets the NaN dot the dense rows give. `poison`: an active
+    lane's residual was NaN (its
     sum is then NaN in every column, as densely a·0 = NaN)."""
     CP = TT.shape[1]
     sparse = P.shape[0] > 0

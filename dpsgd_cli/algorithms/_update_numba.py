@@ -2,7 +2,6 @@
 is optional): noise, scale, λθ and the update in one pass over θ, the numbers of the NumPy expressions."""
 
 import numba
-import numpy as np
 
 
 @numba.njit(cache=True, nogil=True)

@@ -107,7 +107,8 @@ class Algorithm:
 
     def __init__(self, params: Optional[dict[str, Any]] = None, neighbours: Optional[str] = None):
         """`neighbours`: the relation the grid asks its ε to hold under (None: the algorithm's own)."""
-        self.params = self.Params(**(params or {}))
+        # an instance of the subclass's own `Params` (Any: each subclass reads its own fields)
+        self.params: Any = self.Params(**(params or {}))
         self._asked_neighbours = neighbours
         self.noise_scale = 1.0
 

@@ -156,9 +156,11 @@ def _verify(model: Model, X: np.ndarray, y: np.ndarray, starts: int, theta: np.n
     if model.convex:
         bound = CONVEX_GRADIENT_DROP * max(1.0, float(np.linalg.norm(start_grads[0])))
         if not g <= bound:
-            raise diskcache.Rejected(f"its θ* is not a minimiser of the convex objective (‖∇F‖ = {g:.3g} > {bound:.3g})")
+            raise diskcache.Rejected(f"its θ* is not a minimiser of the convex objective "
+                                     f"(‖∇F‖ = {g:.3g} > {bound:.3g})")
     elif not F < float(np.min(start_values)):
-        raise diskcache.Rejected(f"its θ* (F = {F:.6g}) is not below the L-BFGS starts (F = {np.min(start_values):.6g})")
+        raise diskcache.Rejected(f"its θ* (F = {F:.6g}) is not below the L-BFGS starts "
+                                 f"(F = {np.min(start_values):.6g})")
 
 
 def _disk_key(model: Model, key: tuple) -> dict:

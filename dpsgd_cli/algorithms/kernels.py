@@ -190,7 +190,8 @@ def uniform_example_index_blocks(n: int, streams: ReplicaStreams) -> Iterator[np
     """(K, R) indices, one uniform example per step and replica, as `bassily.uniform_example_blocks` and
     `sampling.uniform_examples(X, y, streams, 1)` draw them."""
     gens = streams.generators("sampling")
-    while True:  # BLOCK_STEPS per `integers` call as the samplers (its buffering depends on the call), 64 calls per yield
+    # BLOCK_STEPS per `integers` call as the samplers (its buffering depends on the call), 64 calls per yield
+    while True:
         yield np.stack([np.concatenate([g.integers(0, n, size=BLOCK_STEPS) for _ in range(64)]) for g in gens], axis=1)
 
 

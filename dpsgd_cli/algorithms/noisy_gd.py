@@ -51,7 +51,8 @@ class NoisyGD(Algorithm):
     σ (the paper's noise parameter; per-step std √(2η)σ) is the smallest for which the accountant gives
     ε ≤ target at δ (within 0.1%), RDP → (ε, δ) by the improved conversion over RDP_ORDERS:
       * dynamics:    ε(α) = α S_g² / (λσ²n²) · (1 − e^{−ληK/2})  (their RDP theorem for Noisy GD). Assumes ℓ
-        λ-strongly convex and β-smooth with η ≤ 1/β; checked: λ > 0, model convex, rows in the unit ball, clipping inactive
+        λ-strongly convex and β-smooth with η ≤ 1/β; checked: λ > 0, model convex, rows in the unit ball, clipping
+        inactive
         (C ≥ model.lipschitz(1), so the clipped gradient is ∇ℓ), β = model.smoothness(1) + λ, η ≤ 1/β;
         `guarantee` names the first that fails.
         The bound covers the release of θ_K only ("assumes hidden intermediate models θ_1, …, θ_{K−1}", the talk):
@@ -165,8 +166,10 @@ class NoisyGD(Algorithm):
         }
         if self.noise_scale != 1.0:  # the audit's broken twin: the same accountant at the σ it adds
             used = cal.sigma * self.noise_scale
-            derived.update(noise_scale=self.noise_scale, sigma_used=used, epsilon_noise_scaled=float("inf") if used <= 0
-                           else noisy_gd_epsilon(used, setting.delta, K, eta, lam, n, sensitivity, derived["bound_used"]))
+            derived.update(noise_scale=self.noise_scale, sigma_used=used,
+                           epsilon_noise_scaled=float("inf") if used <= 0
+                           else noisy_gd_epsilon(used, setting.delta, K, eta, lam, n, sensitivity,
+                                                 derived["bound_used"]))
         finish = lambda theta: Outcome(theta, {**derived, "backend": chain.ran_on or "numpy"}, guarantee=guarantee,
                                        trace=chain.checkpoints.rows if chain.checkpoints else [])
         return Prepared(chain, model.init(streams.generators("init")), K, finish)

@@ -245,7 +245,8 @@ class BoltOn(Algorithm):
       (Wu et al. Thm 2: the mini-batch does not divide it further; see `strongly_convex_psgd_sensitivity`).
     L is the Lipschitz constant of the data loss only: the regulariser's gradient λθ is the same on both neighbouring
     datasets and cancels in the growth recursion, so no projection onto a ball is needed.
-    The permutation is drawn once per replica and reused by every pass (`shuffled_batches(..., reshuffle=False)`); the analysis
+    The permutation is drawn once per replica and reused by every pass (`shuffled_batches(..., reshuffle=False)`);
+    the analysis
     holds for any fixed permutation and the same starting point on both datasets. Checkpoints (traces.csv) record the
     noiseless iterates; only the final θ is released, with noise.
     """

@@ -858,7 +858,6 @@ class PIDPSGD(Algorithm):
     def _poisson_steps(self, setting, model, X, y, streams, cal) -> Callable:
         """Poisson mini-batches (non-paper variant): noiseless iff the batch is non-empty and all its examples
         passed their round's test."""
-        p = self.params
         B = setting.batch_size
         batches = indexed_poisson_batches(X, y, setting.sample_rate, streams)
         draws = streams.normal("noise", (model.n_params,))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from dpsgd_cli.algorithms import kernels

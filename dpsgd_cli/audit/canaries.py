@@ -16,7 +16,8 @@ Two kinds (the worlds "in" and "out" always hold the same number of records, n +
 - `gradient`: a record whose per-example gradient is a fixed vector, whatever θ (the worst case of the
   DP-SGD analysis): `raw_norm`·u before clipping, C·u after it. It sits in X as a marker row with label 0 (zero
   gradient for the model itself); `with_gradient_canaries` adds the canary's gradient for the replicas in which
-  it is included (and its mirror −C·u in the out world of a replace-one algorithm), so both worlds train side by side as replicas of one chain. Scores (white box): the
+  it is included (and its mirror −C·u in the out world of a replace-one algorithm), so both worlds train side by
+  side as replicas of one chain. Scores (white box): the
   projection −⟨θ_T, u⟩ of the last iterate, or from every iterate θ_t (`all_iterates`, the adversary of
   Nasr et al. 2021 who sees each update) the largest jump between consecutive updates' projections.
 """

@@ -214,7 +214,8 @@ def _statistics(s_in: np.ndarray, s_out: np.ndarray, spec: AuditSpec, confidence
     mu = stats.gdp_mu(s_in, s_out)
     return {"epsilon_lo": eps, "ceiling": top, "trials_needed": need, "gdp_mu": mu,
             "gdp_epsilon": stats.gdp_epsilon(mu, delta), "auc": stats.auc(s_in, s_out),
-            "tpr_at_fpr_1e-2": stats.tpr_at_fpr(s_in, s_out, 1e-2), "tpr_at_fpr_1e-3": stats.tpr_at_fpr(s_in, s_out, 1e-3)}
+            "tpr_at_fpr_1e-2": stats.tpr_at_fpr(s_in, s_out, 1e-2),
+            "tpr_at_fpr_1e-3": stats.tpr_at_fpr(s_in, s_out, 1e-3)}
 
 
 def _chunks(seeds: range, size: int) -> Iterator[range]:

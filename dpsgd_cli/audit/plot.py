@@ -31,7 +31,8 @@ def audit_figure(frame: pd.DataFrame):
     margin = 0.05 * top
     for ax, threat in zip(axes[0], threats):
         part = ok[ok["threat_model"] == threat]
-        ax.plot([0, top], [0, top], color="0.4", lw=1, ls="--", label=r"$\varepsilon_{lo} = \varepsilon$ (above: refuted)")
+        ax.plot([0, top], [0, top], color="0.4", lw=1, ls="--",
+                label=r"$\varepsilon_{lo} = \varepsilon$ (above: refuted)")
         ax.fill_between([0, top], [0, top], [top, top], color="tab:red", alpha=0.07)
         if "ceiling" in part and part["ceiling"].notna().any():  # no audit of these trials can reach above it
             ceiling = float(part["ceiling"].min())

@@ -432,7 +432,8 @@ def build_file_dataset(spec: FileDatasetSpec) -> tuple[Dataset, dict[str, Any]]:
         ("max-norm scaling", spec.unit_ball == "max"),
     ) if on]
     info.update(
-        positive=positive, training_values_imputed=imputed, numeric_columns=numeric, categorical_columns={c: len(v) for c, v in zip(categorical, train.vocab)},
+        positive=positive, training_values_imputed=imputed, numeric_columns=numeric,
+        categorical_columns={c: len(v) for c, v in zip(categorical, train.vocab)},
         test_values_of_unseen_categories=unseen, n_train=X_train.shape[0], n_test=X_test.shape[0],
         features=X_train.shape[1], positive_fraction_train=float(np.mean(train.y > 0)),
         positive_fraction_test=float(np.mean(test.y > 0)) if len(test.y) else float("nan"),

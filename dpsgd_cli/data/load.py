@@ -222,7 +222,8 @@ def _read_processed(path: Path, key: str) -> tuple[Optional[dict[str, np.ndarray
     arrays do not match the checksum stored with them (tampered or corrupt). The checksum is recomputed on every
     read (~0.07 s for kang_lr's three sets): a stat-based stamp would miss a bit flipped in place."""
     try:
-        with open(path, "rb") as fh:  # one open: a file replaced meanwhile cannot pair one file's key with another's arrays
+        # one open: a file replaced meanwhile cannot pair one file's key with another's arrays
+        with open(path, "rb") as fh:
             with np.load(fh, allow_pickle=False) as npz:
                 if str(npz["key"]) != key:
                     return None, "written for another spec"

@@ -35,7 +35,8 @@ class DatasetSpec(BaseModel):
     )
     split: Optional[Literal["official", "random", "none"]] = Field(
         None, description="official train/test files where they exist, else a seeded random split; none: train on "
-                          "every record of the pool or training file (after subsample), empty test set (test metrics NaN)"
+                          "every record of the pool or training file (after subsample), empty test set "
+                          "(test metrics NaN)"
     )
     test_fraction: float = Field(0.2, gt=0, lt=1, description="test share of a random split")
     seed: int = Field(0, ge=0, description="seed of subsampling, random split, projection and synthetic data")

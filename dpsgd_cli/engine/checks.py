@@ -18,7 +18,6 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from dpsgd_cli.algorithms import ALGORITHMS, AXES
 from dpsgd_cli.config import Cell, ClaimSpec, FigureSpec, Grid, _closest, axis_values, expand
 from dpsgd_cli.data.registry import get_entry
 from dpsgd_cli.data.spec import DatasetSpec
@@ -41,7 +40,8 @@ TEXT_COLUMNS = {"run_id", "cell_id", "grid", "dataset", "dataset_options", "mode
                 "algorithm_params", "accountant", "accountant_library", "guarantee", "derived", "status",
                 "message", "version", "dtype", "label"}
 # selection values that must name something of the grid
-_NAMED = {"algorithm": lambda g: [a.name for a in g.algorithms], "dataset": lambda g: [getattr(d, "id", None) or d.name for d in g.datasets],
+_NAMED = {"algorithm": lambda g: [a.name for a in g.algorithms],
+          "dataset": lambda g: [getattr(d, "id", None) or d.name for d in g.datasets],
           "model": lambda g: [m.name for m in g.models]}
 
 
@@ -328,7 +328,8 @@ def check_work(cell: Cell, where: str) -> None:
         if key == "projection":
             what = f"datasets[].projection = {cell.dataset.projection:,}"
         elif key == "model":
-            what = f"models[].hidden = {cell.model.options.get('hidden') or features(cell.dataset):,} of {cell.model.name}"
+            what = (f"models[].hidden = {cell.model.options.get('hidden') or features(cell.dataset):,} "
+                    f"of {cell.model.name}")
         else:
             what = (f"dataset {cell.dataset.name} ({records(cell.dataset):,} records × {features(cell.dataset):,} "
                     f"features; see subsample, n, dim)")

@@ -340,7 +340,8 @@ def acquire_lock(folder: Path) -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.pread(fd, 4096, 0).decode("utf-8", errors="replace").strip() or "a process (details not yet written)"
+        holder = (os.pread(fd, 4096, 0).decode("utf-8", errors="replace").strip()
+                  or "a process (details not yet written)")
         os.close(fd)
         raise FolderLocked(f"{folder}: another dpsgd process is writing this results folder: {holder}; wait for "
                            f"it to finish (or stop it), or use another --out") from None

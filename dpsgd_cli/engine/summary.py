@@ -263,7 +263,8 @@ def results_frame(folder: Path, traces: bool = False, select: bool = True) -> pd
     `select` and a grid `select:`, only the chosen candidates' runs); with `traces`, their checkpoints (one row
     per run and checkpoint) joined with those run columns."""
     runs = read_results(folder).ok
-    runs = with_params(runs.assign(label=line_labels(runs))) if len(runs) else runs.assign(**{c: [] for c in ADDED_COLUMNS})
+    runs = (with_params(runs.assign(label=line_labels(runs))) if len(runs)
+            else runs.assign(**{c: [] for c in ADDED_COLUMNS}))
     if select:  # a grid's `select:`: the chosen candidates' runs
         runs = apply_selections(runs, _manifest_grid(folder))
     if traces:

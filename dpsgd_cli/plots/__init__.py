@@ -171,7 +171,8 @@ def _lines(frame: pd.DataFrame, x: str, spec: FigureSpec) -> pd.Series:
     reference = frame[x].isna()
     if reference.any():
         label = frame["label"] if "label" in frame else frame["algorithm"]
-        suffix = frame["algorithm"].map(lambda a: "" if a in names.NON_PRIVATE or x != "epsilon" else " (non-private)") \
+        suffix = frame["algorithm"].map(
+            lambda a: "" if a in names.NON_PRIVATE or x != "epsilon" else " (non-private)") \
             if "algorithm" in frame else ""
         named[reference] = (label.map(lambda v: names.label(v, shown)) + suffix)[reference]
     return named
@@ -241,7 +242,8 @@ def _noise_scale_figure(table: pd.DataFrame, spec: FigureSpec):
                     color=style["color"], zorder=3)  # hollow over the filled marker
         if (~proved[part.index]).any():
             ax.plot([], [], ls="none", marker="o", mfc="none", color="0.3",
-                    label=r"hollow: not proved (per-step $\varepsilon_0$ beyond its lemmas, or $\varepsilon$ not certified)")
+                    label=r"hollow: not proved (per-step $\varepsilon_0$ beyond its lemmas, "
+                          r"or $\varepsilon$ not certified)")
         if not len(part):
             fixed = ""
         elif panel == "T":

@@ -77,7 +77,7 @@ def count(name: str, value: object, maximum: int | None = None) -> int:
     if isinstance(value, numbers.Integral):
         n = int(value)
     elif isinstance(value, numbers.Real) and math.isfinite(float(value)) and float(value).is_integer():
-        n = int(value)
+        n = int(value)  # type: ignore[call-overload]  # numbers.Real declares no __int__; an integral float has one
     else:
         raise UserError(f"{name} must be an integer >= 1, got {value!r}")
     if n < 1:
@@ -135,7 +135,7 @@ def pld_memory(event: object, h: float) -> None:
     in a MemoryError traceback after minutes, or be killed). `event` is a DP-SGD event (see accounting)."""
     count, inner = 1, event
     while hasattr(inner, "count"):  # SelfComposed (read by attribute: this module does not load dp-accounting)
-        count, inner = count * int(inner.count), inner.event
+        count, inner = count * int(getattr(inner, "count")), getattr(inner, "event")
     q = float(getattr(inner, "sampling_probability", 1.0))
     gaussian = getattr(inner, "event", inner)
     if not hasattr(gaussian, "noise_multiplier"):

@@ -73,7 +73,7 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Literal, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, NamedTuple, Sequence, TypeVar, cast
 
 import numpy as np
 
@@ -85,6 +85,7 @@ from dpsgd_cli.privacy import _validate as check
 from dpsgd_cli.privacy import rdp as _rdp_native
 
 if TYPE_CHECKING:
+    from dp_accounting.dp_event import DpEvent
     from dp_accounting.privacy_accountant import NeighboringRelation
 
 
@@ -98,6 +99,7 @@ optimize = LazyModule("scipy.optimize")
 
 __all__ = [
     "ACCOUNTANTS",
+    "CACHE_DIR_ENV",  # re-exported from dpsgd_cli.diskcache for callers that set the cache folder
     "CALIBRATION_VERSION",
     "LIBRARY",
     "NEIGHBOURS",
@@ -176,7 +178,7 @@ _PLD_MAX_PASSES = 8
 # --------------------------------------------------------------------------------------------
 
 
-def dpsgd_event(noise_multiplier: float, sample_rate: float, steps: int) -> dp_event.DpEvent:
+def dpsgd_event(noise_multiplier: float, sample_rate: float, steps: int) -> DpEvent:
     """DpEvent of DP-SGD with Poisson sampling (Abadi et al. 2016, "Deep Learning with DP").
 
     ``SelfComposed(PoissonSampled(q, Gaussian(sigma)), T)``: each of the ``steps`` = T steps
@@ -194,14 +196,14 @@ def dpsgd_event(noise_multiplier: float, sample_rate: float, steps: int) -> dp_e
     return dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(q, gaussian), t)
 
 
-def _composition_count(event: dp_event.DpEvent) -> int:
+def _composition_count(event: DpEvent) -> int:
     """Number of elementary mechanisms composed in ``event`` (for the PLD discretisation)."""
     if isinstance(event, dp_event.SelfComposedDpEvent):
-        return event.count * _composition_count(event.event)
+        return int(event.count) * _composition_count(event.event)
     if isinstance(event, dp_event.ComposedDpEvent):
         return max(1, sum(_composition_count(e) for e in event.events))
     inner = getattr(event, "event", None)
-    if isinstance(inner, dp_event.DpEvent):  # sampled events wrap one mechanism
+    if isinstance(inner, DpEvent):  # sampled events wrap one mechanism
         return _composition_count(inner)
     return 1
 
@@ -227,7 +229,7 @@ _FRAC_FILTER = _DropFracNonConvergence()
 
 
 @contextlib.contextmanager
-def _quiet_rdp():
+def _quiet_rdp() -> Iterator[None]:
     logger = logging.getLogger("absl")
     logger.addFilter(_FRAC_FILTER)
     try:
@@ -236,7 +238,7 @@ def _quiet_rdp():
         logger.removeFilter(_FRAC_FILTER)
 
 
-def rdp_epsilon_and_order(event: dp_event.DpEvent, delta: float,
+def rdp_epsilon_and_order(event: DpEvent, delta: float,
                           relation: NeighboringRelation | None = None) -> tuple[float, float]:
     """(ε, optimal order) of the RDP accountant under `relation` (default add-or-remove-one), over
     :data:`RDP_ORDERS` (larger orders walked only when the base grid's top order is optimal)."""
@@ -251,7 +253,7 @@ def dpsgd_rdp_epsilon(sigma: float, sample_rate: float, steps: int, delta: float
     return _rdp_native.dpsgd_epsilon_and_order(sigma, sample_rate, steps, delta, RDP_BASE_ORDERS, RDP_EXTENSION_ORDERS)
 
 
-def _rdp_epsilon_loud(event: dp_event.DpEvent, delta: float, relation: NeighboringRelation) -> tuple[float, float]:
+def _rdp_epsilon_loud(event: DpEvent, delta: float, relation: NeighboringRelation) -> tuple[float, float]:
     def epsilons(orders: np.ndarray) -> np.ndarray:  # the library's RDP of `event`, converted per order
         accountant = _rdp_lib.RdpAccountant(list(orders), relation)
         accountant.compose(event)
@@ -266,14 +268,14 @@ PLD_MIN_SIGMA = 0.05
 PLD_MAX_COMPOSITIONS = 10**6
 
 
-def _gaussian_sigmas(event: dp_event.DpEvent) -> list[float]:
+def _gaussian_sigmas(event: DpEvent) -> list[float]:
     if isinstance(event, dp_event.GaussianDpEvent):
         return [float(event.noise_multiplier)]
     inner = list(getattr(event, "events", [])) + [e for e in [getattr(event, "event", None)] if e is not None]
-    return [s for e in inner if isinstance(e, dp_event.DpEvent) for s in _gaussian_sigmas(e)]
+    return [s for e in inner if isinstance(e, DpEvent) for s in _gaussian_sigmas(e)]
 
 
-def check_pld_event(event: dp_event.DpEvent) -> None:
+def check_pld_event(event: DpEvent) -> None:
     """UserError (one line, naming the limit) for an event the PLD accountant cannot represent in bounded memory."""
     count = _composition_count(event)
     if count > PLD_MAX_COMPOSITIONS:
@@ -310,7 +312,7 @@ def check_dpsgd_neighbours(accountant: str, neighbours: str) -> None:
                         "use accountant: pld, or neighbours: add_remove")
 
 
-def _pld_once(event: dp_event.DpEvent, delta: float, h: float, neighbours: str = "add_remove") -> float:
+def _pld_once(event: DpEvent, delta: float, h: float, neighbours: str = "add_remove") -> float:
     check_pld_event(event)
     check.pld_memory(event, h)  # estimated before the library allocates: refused in one line if it cannot fit
     accountant = _pld_lib.PLDAccountant(_relation(neighbours), value_discretization_interval=h)
@@ -320,11 +322,12 @@ def _pld_once(event: dp_event.DpEvent, delta: float, h: float, neighbours: str =
 
 def _snap_down(h: float) -> float:
     """Largest 10**(-k/4) <= h."""
-    return 10.0 ** (math.floor(4.0 * math.log10(h)) / 4.0)
+    snapped: float = 10.0 ** (math.floor(4.0 * math.log10(h)) / 4.0)
+    return snapped
 
 
 def _pld_epsilon(
-    event: dp_event.DpEvent, delta: float, value_discretization_interval: float | None = None,
+    event: DpEvent, delta: float, value_discretization_interval: float | None = None,
     neighbours: str = "add_remove",
 ) -> tuple[float, float]:
     """(epsilon, discretisation interval used); see the module docstring for the h rule."""
@@ -352,7 +355,7 @@ def _check_accountant(accountant: object) -> str:
 
 
 def epsilon_for(
-    event: dp_event.DpEvent, delta: float, accountant: AccountantName = "rdp", neighbours: Neighbours = "add_remove"
+    event: DpEvent, delta: float, accountant: AccountantName = "rdp", neighbours: Neighbours = "add_remove"
 ) -> float:
     """Epsilon such that ``event`` is (epsilon, delta)-DP under ``neighbours``, by the chosen accountant.
 
@@ -383,7 +386,8 @@ def dpsgd_epsilon(
     return epsilon_for(dpsgd_event(sigma, sample_rate, steps), delta, accountant, neighbours)
 
 
-def rdp_curve_to_epsilon(orders: Sequence[float], rdp: Sequence[float], delta: float) -> float:
+def rdp_curve_to_epsilon(orders: Sequence[float] | np.ndarray, rdp: Sequence[float] | np.ndarray,
+                         delta: float) -> float:
     """Epsilon at ``delta`` of a mechanism that is (alpha, rdp[i])-RDP for each alpha = orders[i].
 
     Thin wrapper of :func:`dp_accounting.rdp.compute_epsilon` (the improved conversion of Balle
@@ -746,14 +750,14 @@ def calibration_cache_dir() -> Path | None:
 
 
 def _cache_key(target: float, delta: float, q: float, steps: int, accountant: str,
-               neighbours: str = "add_remove") -> dict:
+               neighbours: str = "add_remove") -> dict[str, Any]:
     # floats as repr (shortest round-trip string): 1/30162**2 and its neighbours are distinct keys
     return {"target_epsilon": repr(target), "delta": repr(delta), "sample_rate": repr(q), "steps": steps,
             "accountant": accountant, "neighboring_relation": _CACHE_RELATION[neighbours], "library": LIBRARY,
             "calibration_version": CALIBRATION_VERSION}
 
 
-def _cache_read(folder: Path | None, key: dict) -> Calibration | None:
+def _cache_read(folder: Path | None, key: dict[str, Any]) -> Calibration | None:
     """The cached Calibration for `key`, or None when absent, unreadable, corrupt or for another key. Not yet
     checked against the accountant: see :func:`_verified`."""
     try:
@@ -765,7 +769,8 @@ def _cache_read(folder: Path | None, key: dict) -> Calibration | None:
 def _verified(cal: Calibration, target: float, d: float, q: float, t: int, name: str,
               neighbours: str = "add_remove") -> Calibration:
     """A cached σ checked against what defines it, by the accountant at (q, T, δ): σ is exactly a point of the
-    curve's lattice (so a changed bit is seen) and ε(σ) is in the calibration window [(1 − rel_tol)·target, target] (or, where ε(σ) steps over the
+    curve's lattice (so a changed bit is seen) and ε(σ) is in the calibration window [(1 − rel_tol)·target, target]
+    (or, where ε(σ) steps over the
     window, the finest lattice point below σ exceeds the target). The Calibration returned records that
     evaluation's ε and RDP order / PLD interval, never the cached ones. Raises :class:`diskcache.Rejected`."""
     sigma = cal.sigma
@@ -788,33 +793,37 @@ def _verified(cal: Calibration, target: float, d: float, q: float, t: int, name:
 def _calibration(sigma: float, e: float, extra: object, target: float, d: float, q: float, t: int,
                  name: str, neighbours: str) -> Calibration:
     return Calibration(sigma=sigma, epsilon=e, target_epsilon=target, delta=d, sample_rate=q, steps=t,
-                       accountant=name, library=LIBRARY, neighbours=neighbours, rdp_order=extra if name == "rdp" else None,  # type: ignore
+                       accountant=name, library=LIBRARY, neighbours=neighbours,
+                       rdp_order=extra if name == "rdp" else None,  # type: ignore[arg-type]
                        value_discretization_interval=extra if name == "pld" else None)  # type: ignore[arg-type]
 
 
-def _cache_write(folder: Path | None, key: dict, cal: Calibration) -> None:
+def _cache_write(folder: Path | None, key: dict[str, Any], cal: Calibration) -> None:
     """Atomic; concurrent workers see an old entry, a new one or none. Best effort. The fields are flat (floats,
     str, int, None): a copy of them, not ``dataclasses.asdict``'s recursive deep copy (~20 µs a write)."""
     diskcache.write_entry(folder, key, "calibration", dict(vars(cal)))
 
 
-def _memoised(maxsize: int) -> Callable[[Callable], Callable]:
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _memoised(maxsize: int) -> Callable[[_F], _F]:
     """functools.lru_cache keyed by the arguments as bound to the signature, defaults applied: a call that spells
     out a default (``neighbours="add_remove"``) and one that leaves it out share one entry."""
 
-    def wrap(fn: Callable) -> Callable:
+    def wrap(fn: _F) -> _F:
         cached = functools.lru_cache(maxsize=maxsize)(fn)
         signature = inspect.signature(fn)
 
         @functools.wraps(fn)
-        def call(*args, **kwargs):
+        def call(*args: Any, **kwargs: Any) -> Any:
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
             return cached(*bound.args)
 
         call.cache_clear = cached.cache_clear  # type: ignore[attr-defined]
         call.cache_info = cached.cache_info  # type: ignore[attr-defined]
-        return call
+        return cast(_F, call)
 
     return wrap
 
@@ -835,7 +844,8 @@ def calibrate_sigma(
     (:func:`calibration_cache_dir`; keyed by the arguments, the neighbouring relation, the library's version
     and :data:`CALIBRATION_VERSION`; corrupt entries are ignored and recomputed); a cached sigma is the float
     the computation returned, bit for bit, and is used only after one accountant evaluation confirms it
-    (:func:`_verified`): its epsilon is that evaluation's.  Raises :class:`UserError` for invalid inputs and for targets that
+    (:func:`_verified`): its epsilon is that evaluation's.  Raises :class:`UserError` for invalid inputs and for
+    targets that
     no sigma in [1e-2, 1e6] reaches.
     """
     target = check.positive("target_epsilon", target_epsilon)

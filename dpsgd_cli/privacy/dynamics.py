@@ -32,6 +32,8 @@ from __future__ import annotations
 import math
 from typing import Callable, Literal, Sequence
 
+from numpy.typing import ArrayLike
+
 import numpy as np
 import pandas as pd
 
@@ -57,7 +59,8 @@ SATURATION_ROOT: float = 1.5936242600400401
 """x* > 0 with 1 − e^{−x*} = x*/2: the dynamics and composition bounds cross at ληK/2 = x*."""
 
 
-def _common(alpha, K, eta, sigma, n, sensitivity):
+def _common(alpha: ArrayLike, K: ArrayLike, eta: float, sigma: float, n: float,
+            sensitivity: float) -> tuple[np.ndarray, np.ndarray, float, float, float, float]:
     a = np.asarray(alpha, dtype=float)
     k = np.asarray(K, dtype=float)
     if np.any(~(a > 1)) or np.any(~np.isfinite(a)):
@@ -68,7 +71,8 @@ def _common(alpha, K, eta, sigma, n, sensitivity):
             check.non_negative("sensitivity", sensitivity))
 
 
-def dynamics_rdp(alpha, K, eta: float, sigma: float, lam: float, n: float, sensitivity: float):
+def dynamics_rdp(alpha: ArrayLike, K: ArrayLike, eta: float, sigma: float, lam: float, n: float,
+                 sensitivity: float) -> np.ndarray:
     """ε(α) = α S_g² / (λ σ² n²) · (1 − e^{−ληK/2}) (Chourasia et al. 2021); array-valued in α, K.
 
     Valid for a λ-strongly convex, β-smooth loss with η < 1/β (checked by the caller, not here).
@@ -78,21 +82,24 @@ def dynamics_rdp(alpha, K, eta: float, sigma: float, lam: float, n: float, sensi
     return a * s**2 / (lam * sigma**2 * n**2) * -np.expm1(-lam * eta * k / 2.0)
 
 
-def composition_rdp(alpha, K, eta: float, sigma: float, n: float, sensitivity: float):
+def composition_rdp(alpha: ArrayLike, K: ArrayLike, eta: float, sigma: float, n: float,
+                    sensitivity: float) -> np.ndarray:
     """ε(α) = K · αΔ²/(2s²) with Δ = ηS_g/n, s² = 2ησ²:  α η K S_g² / (4 σ² n²); array-valued in α, K."""
     a, k, eta, sigma, n, s = _common(alpha, K, eta, sigma, n, sensitivity)
     delta_2 = eta * s / n  # L2 sensitivity of one step θ − η∇L_D(θ) (replace-one)
-    return k * a * delta_2**2 / (2.0 * 2.0 * eta * sigma**2)
+    rdp: np.ndarray = k * a * delta_2**2 / (2.0 * 2.0 * eta * sigma**2)
+    return rdp
 
 
-def squared_loss_lower_bound(alpha, K, eta: float, sigma: float, n: float, sensitivity: float):
+def squared_loss_lower_bound(alpha: ArrayLike, K: ArrayLike, eta: float, sigma: float, n: float,
+                             sensitivity: float) -> np.ndarray:
     """α S_g² / (4 σ² n²) · (1 − e^{−ηK}): Chourasia et al.'s lower bound for ℓ(θ; x) = ½‖θ − x‖² (λ = 1)."""
     a, k, eta, sigma, n, s = _common(alpha, K, eta, sigma, n, sensitivity)
     return a * s**2 / (4.0 * sigma**2 * n**2) * -np.expm1(-eta * k)
 
 
-def privacy_curve(K_values: Sequence[float], alpha: float = 30, sigma: float = 0.02, sensitivity: float = 4,
-                  eta: float = 0.02, lam: float = 1, n: float = 5000) -> pd.DataFrame:
+def privacy_curve(K_values: Sequence[float] | np.ndarray, alpha: float = 30, sigma: float = 0.02,
+                  sensitivity: float = 4, eta: float = 0.02, lam: float = 1, n: float = 5000) -> pd.DataFrame:
     """ε(α) against K for the three bounds; defaults are the parameters of the paper's Figure 1 / the talk.
 
     Columns K, dynamics, composition, lower_bound; the parameters are in ``frame.attrs``. The lower bound is
@@ -123,12 +130,14 @@ def privacy_curve(K_values: Sequence[float], alpha: float = 30, sigma: float = 0
 Accountant = Literal["dynamics", "composition", "minimum"]
 
 
-def minimum_rdp(alpha, K, eta: float, sigma: float, lam: float, n: float, sensitivity: float):
+def minimum_rdp(alpha: ArrayLike, K: ArrayLike, eta: float, sigma: float, lam: float, n: float,
+                sensitivity: float) -> np.ndarray:
     """min(dynamics_rdp, composition_rdp) at each order α: both are valid Rényi upper bounds of the same
     mechanism when the dynamics bound's assumptions hold, so their per-order minimum is one too (the RDP curve
     is then converted to (ε, δ) over all orders as usual)."""
-    return np.minimum(dynamics_rdp(alpha, K, eta, sigma, lam, n, sensitivity),
-                      composition_rdp(alpha, K, eta, sigma, n, sensitivity))
+    rdp: np.ndarray = np.minimum(dynamics_rdp(alpha, K, eta, sigma, lam, n, sensitivity),
+                                 composition_rdp(alpha, K, eta, sigma, n, sensitivity))
+    return rdp
 
 
 def _rdp_slope(accountant: str, K: int, eta: float, lam: float, n: int, sensitivity: float) -> Callable[[float], float]:

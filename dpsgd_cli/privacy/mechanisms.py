@@ -205,7 +205,8 @@ def advanced_composition_epsilon_per_step(
 def gamma_norm_noise(
     rng: np.random.Generator, alpha: float, d: int, size: Size = None
 ) -> np.ndarray:
-    """Noise in R^d with density proportional to exp(-(alpha/2) ||z||_2) (Song, Chaudhuri & Sarwate 2013; Chaudhuri et al. 2011).
+    """Noise in R^d with density proportional to exp(-(alpha/2) ||z||_2) (Song, Chaudhuri & Sarwate 2013; Chaudhuri
+    et al. 2011).
 
     Sampled as ||Z|| ~ Gamma(shape d, scale 2/alpha) (the radial density is proportional to
     r^(d-1) exp(-alpha r / 2)) times an independent direction uniform on the unit sphere (a

@@ -42,13 +42,15 @@ def _log_factorial_table(n: int) -> np.ndarray:
 
 def _int_terms(q: float, sigma: float, a: np.ndarray, i: np.ndarray) -> np.ndarray:
     """Term i of log A_α's binomial sum (α = a): log C(α, i) + i log q + (α - i) log(1 - q) + (i² - i) / (2σ²)."""
-    return _binomial_terms(q, a, i) + (i * i - i) / (2 * (sigma**2))
+    terms: np.ndarray = _binomial_terms(q, a, i) + (i * i - i) / (2 * (sigma**2))
+    return terms
 
 
 def _binomial_terms(q: float, a: np.ndarray, i: np.ndarray) -> np.ndarray:
     """log C(α, i) + i log q + (α - i) log(1 - q): :func:`_int_terms` before its σ term."""
     log_fact = _log_factorial_table(int(a.max()))
-    return (log_fact[a] - log_fact[i] - log_fact[a - i]) + i * math.log(q) + (a - i) * math.log1p(-q)
+    terms: np.ndarray = (log_fact[a] - log_fact[i] - log_fact[a - i]) + i * math.log(q) + (a - i) * math.log1p(-q)
+    return terms
 
 
 _ABSORBED = 747.0  # a term this far below the running sum adds exactly 0 to it: exp(-745.2) is 0.0 in float64
@@ -69,7 +71,7 @@ def _last_counted_term(q: float, sigma: float, a_int: np.ndarray, below: float =
     least 4/(α + 2) - 1/σ² a step), so once f(j) < 0 they decrease: with ``below`` = 747 every later term is 747
     below the running sum, where exp underflows to 0.0 and log1p(0) + s == s, so summing up to j gives the same
     result bit for bit (:func:`_log_a_int` checks other cuts)."""
-    cut = a_int.copy()
+    cut: np.ndarray = a_int.copy()
     # one unit of margin for the rounding of 4σ²; below 128 terms the search costs more than it saves
     concave = (a_int + 3 <= 4 * sigma**2) & (a_int >= 128)
     if not concave.any():
@@ -155,16 +157,18 @@ def _log_a_frac(q: float, sigma: float, alphas: np.ndarray,
 def subsampled_gaussian_rdp(q: float, sigma: float, orders: Sequence[float]) -> np.ndarray:
     """RDP of one step of the Poisson(q)-subsampled Gaussian mechanism with noise multiplier ``sigma``, at each
     order (add-or-remove-one neighbours; Mironov et al. 2019, Thm. 11 and §3.3)."""
-    orders = np.asarray(orders, dtype=float)
+    alpha: np.ndarray = np.asarray(orders, dtype=float)
     if q == 1.0:  # the Gaussian mechanism: α / (2σ²)
-        return orders / (2 * sigma**2)
-    integer = orders == np.floor(orders)
-    log_a = np.empty(orders.shape)
+        gaussian: np.ndarray = alpha / (2 * sigma**2)
+        return gaussian
+    integer = alpha == np.floor(alpha)
+    log_a = np.empty(alpha.shape)
     if integer.any():
-        log_a[integer] = _log_a_int(q, sigma, orders[integer])
+        log_a[integer] = _log_a_int(q, sigma, alpha[integer])
     if (~integer).any():
-        log_a[~integer] = _log_a_frac(q, sigma, orders[~integer])[0]
-    return log_a / (orders - 1)
+        log_a[~integer] = _log_a_frac(q, sigma, alpha[~integer])[0]
+    rdp: np.ndarray = log_a / (alpha - 1)
+    return rdp
 
 
 @functools.lru_cache(maxsize=1024)

@@ -57,7 +57,7 @@ class Trials:
     mean: float  # E[K]
     eta: float = 1.0  # shape η of D_{η,γ} (1 for geometric, 0 for logarithmic)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check.positive("mean", self.mean)
         if self.kind != "poisson" and self.mean <= 1:
             raise UserError(f"select: mean = {self.mean:g} must be > 1 for a {self.kind} number of trials")
@@ -75,12 +75,15 @@ class Trials:
             raise UserError("a Poisson number of trials has no gamma")
         if self.eta == 1:
             return 1.0 / self.mean
-        return optimize.brentq(lambda g: tnb_mean(self.eta, g) - self.mean, 1e-15, 1 - 1e-12, xtol=1e-15, rtol=1e-14)
+        root: float = optimize.brentq(lambda g: tnb_mean(self.eta, g) - self.mean, 1e-15, 1 - 1e-12, xtol=1e-15,
+                                      rtol=1e-14)
+        return root
 
     def pmf(self, k: np.ndarray) -> np.ndarray:
         k = np.asarray(k, dtype=float)
         if self.kind == "poisson":
-            return np.exp(k * math.log(self.mean) - self.mean - special.gammaln(k + 1))
+            poisson: np.ndarray = np.exp(k * math.log(self.mean) - self.mean - special.gammaln(k + 1))
+            return poisson
         g, eta = self.gamma, self.eta
         if eta == 0:
             p = (1 - g) ** k / (np.maximum(k, 1) * math.log(1 / g))
@@ -88,7 +91,8 @@ class Trials:
             log_ratio = special.gammaln(k + eta) - special.gammaln(eta) - special.gammaln(k + 1)
             sign = np.sign(special.poch(eta, np.maximum(k, 1)))
             p = sign * np.exp(log_ratio + k * math.log1p(-g)) / (g ** (-eta) - 1)
-        return np.where(k >= 1, p, 0.0)
+        pmf: np.ndarray = np.where(k >= 1, p, 0.0)
+        return pmf
 
     def sample(self, rng: np.random.Generator, size: int) -> np.ndarray:
         """K for `size` independent searches (inverse CDF over the support, tail below 1e-12 dropped)."""
@@ -106,7 +110,8 @@ def tnb_mean(eta: float, gamma: float) -> float:
     """E[K] of D_{η,γ} (Papernot & Steinke, Theorem 2): η(1 − γ)/(γ(1 − γ^η)), or (1/γ − 1)/ln(1/γ) at η = 0."""
     if eta == 0:
         return (1 / gamma - 1) / math.log(1 / gamma)
-    return eta * (1 - gamma) / (gamma * (1 - gamma**eta))
+    mean: float = eta * (1 - gamma) / (gamma * (1 - gamma**eta))
+    return mean
 
 
 def tnb_rdp(eps: float, lam: float, eps_hat: float, lam_hat: float, eta: float, gamma: float) -> float:
