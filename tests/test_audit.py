@@ -83,7 +83,7 @@ def test_statistics_closed_forms():
     # no false positive among n: the upper bound solves (1 − p)^n = α
     assert stats.clopper_pearson_upper(0, 200, 0.05) == pytest.approx(1 - 0.05 ** (1 / 200))
     # perfectly separated scores: ε_lo = ln(TPR_lo / FPR_hi) with both bounds in closed form at α/2 each
-    n, alpha = 100, 0.05
+    n = 100
     expected = np.log((0.025 ** (1 / n)) / (1 - 0.025 ** (1 / n)))
     assert stats.epsilon_clopper_pearson(np.ones(n), np.zeros(n), 0.95, 0.0, 0.5) == pytest.approx(expected)
     # one run, δ = 0: the p-value is a binomial tail at q = e^ε/(1 + e^ε)
@@ -144,7 +144,8 @@ def _broken(kind: str) -> DPSGD:
     return type(f"Broken_{kind}", (_BrokenDPSGD,), {"kind": kind})({"accountant": "pld"})
 
 
-SOUND = ["dp_sgd", {"name": "dp_lssgd", "smoothing": 1.0}, {"name": "bolt_on", "case": "convex", "calibration": "analytic"},
+SOUND = ["dp_sgd", {"name": "dp_lssgd", "smoothing": 1.0},
+         {"name": "bolt_on", "case": "convex", "calibration": "analytic"},
          {"name": "output_perturbation", "calibration": "analytic"},
          {"name": "noisy_gd", "accountant": "composition", "lr": [1.0], "epochs": [10]},
          {"name": "song2013", "batch_size": [40], "lr": [1.0]}]

@@ -30,9 +30,11 @@ def test_ceiling_is_perfect_separation_in_closed_form():
         closed = np.log(a ** (1 / n) / (1 - a ** (1 / n)))
         assert stats.ceiling(n, n, confidence) == pytest.approx(closed, rel=1e-9)
         a = alpha / 2
-        assert stats.ceiling(n, n, confidence, threshold=0.0) == pytest.approx(np.log(a ** (1 / n) / (1 - a ** (1 / n))))
+        assert stats.ceiling(n, n, confidence, threshold=0.0) == pytest.approx(
+            np.log(a ** (1 / n) / (1 - a ** (1 / n))))
         h = n - n // 2
-        assert stats.ceiling(n, n, confidence, threshold="split") == pytest.approx(np.log(a ** (1 / h) / (1 - a ** (1 / h))))
+        assert stats.ceiling(n, n, confidence, threshold="split") == pytest.approx(
+            np.log(a ** (1 / h) / (1 - a ** (1 / h))))
     # and it is what the bound gives on perfectly separated scores with distinct values
     s_in, s_out = np.arange(300) + 1000.0, np.arange(300) * 1.0
     assert stats.epsilon_clopper_pearson(s_in, s_out, 0.95) == pytest.approx(stats.ceiling(300, 300, 0.95))
@@ -96,7 +98,8 @@ def test_false_refutations_of_exactly_tight_mechanisms_stay_below_alpha():
         row_confidence = stats.family_confidence(0.95, rows)
         tp, fp = rng.binomial(n, p1, (cells, rows)), rng.binomial(n, p0, (cells, rows))
         # a row's scores: tp ones among the in-trials, fp among the out-trials (the counts are all that matter)
-        lo = np.array([[stats.epsilon_clopper_pearson(np.r_[np.ones(a), np.zeros(n - a)], np.r_[np.ones(b), np.zeros(n - b)],
+        lo = np.array([[stats.epsilon_clopper_pearson(np.r_[np.ones(a), np.zeros(n - a)],
+                                                      np.r_[np.ones(b), np.zeros(n - b)],
                                                       row_confidence, delta, 0.5) for a, b in zip(ra, rb)]
                        for ra, rb in zip(tp, fp)])
         assert (lo > eps).any(axis=1).mean() <= 0.05
@@ -153,7 +156,8 @@ def test_dirac_step_statistics_read_the_inclusions_off_noiseless_iterates():
     markers, my = canaries.marker_rows(1, X.shape[1])
     wrapped = canaries.with_gradient_canaries(model, U, np.ones((64, 1)), 1.0)
     algo = cell.make_algorithm().with_noise_scale(0.0)
-    prepared = algo.prepare(setting, wrapped, np.vstack([X, markers]), np.append(data.y_train, my), ReplicaStreams(range(64)))
+    prepared = algo.prepare(setting, wrapped, np.vstack([X, markers]), np.append(data.y_train, my),
+                            ReplicaStreams(range(64)))
     theta = prepared.train(wrapped).theta
     a = canaries.iterate_projections(wrapped, theta)
     x = canaries.step_statistics(a, canaries.step_model(prepared.chain, 1.0, setting.sample_rate))
@@ -243,5 +247,5 @@ def test_audit_figure_draws_the_ceiling():
     frame = pd.DataFrame([{"status": "ok", "epsilon_lo": 0.2, "epsilon_claimed": 1.0, "ceiling": 3.84,
                            "threat_model": "white-box, all iterates", "algorithm": "dp_sgd", "verdict": "consistent"}])
     fig = audit_figure(frame)
-    lines = [l for ax in fig.axes for l in ax.get_lines() if l.get_linestyle() == ":"]
-    assert any(np.allclose(l.get_ydata(), 3.84) for l in lines)
+    lines = [line for ax in fig.axes for line in ax.get_lines() if line.get_linestyle() == ":"]
+    assert any(np.allclose(line.get_ydata(), 3.84) for line in lines)

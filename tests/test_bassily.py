@@ -124,10 +124,10 @@ def test_pld_pair_dominates_one_step_of_the_mechanism():
     from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
     from dp_accounting.privacy_accountant import NeighboringRelation
 
-    n, sigma, l = 4, 1.0, 1.0
+    n, sigma, lip = 4, 1.0, 1.0
     x = np.linspace(-12, 12, 24001)
     dx = x[1] - x[0]
-    pdf = {c: stats.norm.pdf(x, c, sigma) for c in (-l, 0.0, l)}
+    pdf = {c: stats.norm.pdf(x, c, sigma) for c in (-lip, 0.0, lip)}
 
     def mix(centres):
         return sum(pdf[c] for c in centres) / len(centres)
@@ -140,10 +140,10 @@ def test_pld_pair_dominates_one_step_of_the_mechanism():
         acc.compose(pld_event(multiplier, n, 1))
         return acc
 
-    ours, naive = pair(sigma / (2 * l)), pair(sigma / l)
+    ours, naive = pair(sigma / (2 * lip)), pair(sigma / lip)
 
-    configs = [(a, b, others) for a in (-l, 0.0, l) for b in (-l, l)
-               for others in ([a] * 3, [b] * 3, [0.0] * 3, [-l, 0.0, l])]
+    configs = [(a, b, others) for a in (-lip, 0.0, lip) for b in (-lip, lip)
+               for others in ([a] * 3, [b] * 3, [0.0] * 3, [-lip, 0.0, lip])]
     for eps in (0.0, 0.5, 1.0, 2.0):
         worst = max(max(hockey(mix([a, *o]), mix([b, *o]), eps), hockey(mix([b, *o]), mix([a, *o]), eps))
                     for a, b, o in configs)

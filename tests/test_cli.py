@@ -275,7 +275,8 @@ def test_ctrl_c_keeps_finished_runs_and_the_rerun_completes_them(grid_file, tmp_
 def test_float32_grid(run_grid):
     grid = GRID.replace("algorithms: [erm, sgd, dp_sgd]", "algorithms: [erm, dp_sgd]")
     wide = run_grid(grid)
-    narrow = run_grid(grid.replace("epochs: 2", "epochs: 2\n    dtype: float32"), out=run_grid.folder.parent.parent / "f32")
+    narrow = run_grid(grid.replace("epochs: 2", "epochs: 2\n    dtype: float32"),
+                      out=run_grid.folder.parent.parent / "f32")
     assert set(narrow.loc[narrow["algorithm"] == "dp_sgd", "dtype"]) == {"float32"}  # erm stays float64
     assert set(wide["dtype"]) == {"float64"}
     dp = lambda f: f[f["algorithm"] == "dp_sgd"].sort_values(["epsilon", "seed"])["test_accuracy"].to_numpy()
@@ -362,7 +363,8 @@ def test_one_neighbouring_relation_for_every_algorithm_of_a_grid(write_grid, tmp
     from dpsgd_cli.config import expand
 
     cells = {c.algorithm.name: c for c in expand(plain)}
-    assert cells["dp_sgd"].cell_id != runs.loc["dp_sgd", "cell_id"] and cells["erm"].cell_id == runs.loc["erm", "cell_id"]
+    assert cells["dp_sgd"].cell_id != runs.loc["dp_sgd", "cell_id"]
+    assert cells["erm"].cell_id == runs.loc["erm", "cell_id"]
     for text, message in ((NEIGHBOURS_GRID.replace("replace_one", "add_remove"), "analysed under replace-one"),
                           (NEIGHBOURS_GRID.replace("accountant: pld", "accountant: rdp"), "use accountant: pld")):
         proc = subprocess.run([sys.executable, "-m", "dpsgd_cli", "run", str(write_grid(text)), "--out",

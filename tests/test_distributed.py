@@ -20,7 +20,10 @@ from dpsgd_cli.config import load_grid_file  # noqa: E402
 from dpsgd_cli.engine import execute, plan_grid  # noqa: E402
 from dpsgd_cli.engine.distributed import SchedulerLost, dask_backend, local_cluster, parse_scheduler  # noqa: E402
 from dpsgd_cli.errors import UserError  # noqa: E402
-from tests.test_cli import GRID, grid_file  # noqa: E402,F401 - the CLI tests' grid (4 cells × 2 seeds)
+from tests import test_cli  # noqa: E402
+from tests.test_cli import GRID  # noqa: E402
+
+grid_file = test_cli.grid_file  # the CLI tests' grid (4 cells × 2 seeds), a fixture
 
 # tasks of ~0.3 s (n = 2000, 20 epochs): a worker killed as soon as it holds one is mid-task; with traces
 SLOW = GRID.replace("n: 600", "n: 2000").replace("epochs: 2", "epochs: 20") + "    trace_every: 4000\n"

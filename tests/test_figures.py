@@ -232,7 +232,8 @@ def test_summary_marks_a_cell_deterministic_by_the_metrics_it_shows(tmp_path):
     assert (varying["gap_std"] > 0).all()
 
 
-REFERENCE_FIGURES = [("song_fig3", "song_fig3"), ("chourasia", "chourasia_utility"), ("kang_sweep", "kang_sweep_accuracy"),
+REFERENCE_FIGURES = [("song_fig3", "song_fig3"), ("chourasia", "chourasia_utility"),
+                     ("kang_sweep", "kang_sweep_accuracy"),
                      ("chourasia", "privacy_curve"), ("bellet", "bellet_noise")]
 
 

@@ -189,7 +189,8 @@ def test_load_dataset_dispatches_file_specs(tmp_path):
 
 def test_datasets_info_previews_a_file(tmp_path, monkeypatch, capsys):
     path = write(tmp_path / "d.csv", "x,city,label\n1,Paris,yes\n2,Rome,no\n,Oslo,yes\n4,Rome,no\n5,Oslo,yes\n")
-    code = _main(monkeypatch, "datasets", "info", "--path", str(path), "--label", "label", "--set", "test_fraction=0.25")
+    code = _main(monkeypatch, "datasets", "info", "--path", str(path), "--label", "label",
+                 "--set", "test_fraction=0.25")
     out = capsys.readouterr().out
     assert code == 0
     for line in ("rows_dropped: [1]", "rows_missing_values: [1]", "n_train: 3", "n_test: 1", "positive: yes",
@@ -221,7 +222,8 @@ def _main(monkeypatch, *args: str) -> int:
      "column 'city' is not numeric (e.g. 'Paris')"),
     ("unknown drop column", ["--path", "d.csv", "--label", "label", "--drop", "cty"], "did you mean 'city'?"),
     ("label on libsvm", ["--path", "ok.libsvm", "--label", "y"], "only for csv, tsv and parquet"),
-    ("identifier column", ["--path", "ids.csv", "--label", "label"], "column 'name' has a different value in every row"),
+    ("identifier column", ["--path", "ids.csv", "--label", "label"],
+     "column 'name' has a different value in every row"),
     ("infinite value", ["--path", "inf.csv", "--label", "label"], "column 'x' holds infinite values"),
     ("unknown option", ["--path", "d.csv", "--label", "label", "--set", "unit_bal=row"], "did you mean 'unit_ball'?"),
 ])

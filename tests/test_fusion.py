@@ -72,7 +72,8 @@ def test_a_fused_grid_equals_its_cells_run_one_by_one_bit_for_bit(grids, tmp_pat
         monkeypatch.setattr(RowNonzeros, "MAX_DENSITY", 2.0)  # the synthetic rows (6 nonzeros, padded to 8)
         monkeypatch.setattr(sampling, "_PER_ARRAY", {})  # the loaded datasets' nonzeros, found too dense before
         read = []
-        monkeypatch.setattr(logreg, "_row_nonzeros", lambda X, own=logreg._row_nonzeros: read.append(own(X)) or read[-1])
+        monkeypatch.setattr(logreg, "_row_nonzeros",
+                            lambda X, own=logreg._row_nonzeros: read.append(own(X)) or read[-1])
     plan = run_grid(grid, tmp_path / "fused", True, monkeypatch)
     assert max(len(t.cells) for t in plan.tasks) >= 3  # cells did train together
     if which == 0:

@@ -72,9 +72,9 @@ def test_layout_options_and_init():
     assert np.array_equal(model.pack(*model.unpack(theta)), theta)
     W1, b1, w2, b2 = model.unpack(theta)
     assert W1.shape == (2, 6, 6) and W1[1, 0, 1] == theta[1, 1] and b2[1] == theta[1, -1]
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError):  # pydantic's ValidationError
         make_model("mlp", 6, 0.0, {"width": 3})
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError):
         make_model("mlp", 6, 0.0, {"activation": "elu"})
     # seeded, per replica, Glorot (tanh) / He (relu) uniform limits, zero biases
     for activation, lim1 in [("tanh", np.sqrt(6 / 12)), ("relu", np.sqrt(6 / 6))]:

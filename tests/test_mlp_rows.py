@@ -8,7 +8,7 @@ import pytest
 
 from dpsgd_cli.algorithms import ALGORITHMS, kernels
 from dpsgd_cli.algorithms.base import Setting
-from dpsgd_cli.algorithms.sampling import IndexedBatches, RowNonzeros, gather, row_norms
+from dpsgd_cli.algorithms.sampling import RowNonzeros, gather, row_norms
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.models import make_model
 

@@ -44,4 +44,5 @@ def test_an_algorithms_constraints_are_refused_before_any_work(entry, message, w
     with pytest.raises(UserError, match=message) as refused:
         plan_grid(grid, tmp_path / "out")
     assert "grid 'bad'" in str(refused.value)
-    assert not (tmp_path / "out" / "bad" / "runs.csv").exists() or not (tmp_path / "out" / "bad" / "runs.csv").read_text().count("\n") > 1
+    runs = tmp_path / "out" / "bad" / "runs.csv"
+    assert not runs.exists() or not runs.read_text().count("\n") > 1

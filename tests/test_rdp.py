@@ -121,7 +121,7 @@ def test_integer_sum_cut_where_later_terms_are_below_half_an_ulp_is_exact(monkey
     """`_log_a_int` sums up to a term far enough below the running sum s > 0 that every later term adds under half
     an ulp of s: bit for bit the full sum. Tried at terms only 5 below the largest (so the ulp test decides, not
     the margin of the default 60), on random settings; with a margin 25 nats short of the proof, sums differ."""
-    rng = np.random.default_rng(11); worst = []
+    rng = np.random.default_rng(11)
     settings = [(float(10 ** rng.uniform(-5, -0.3)), float(10 ** rng.uniform(0.5, 2.5))) for _ in range(150)]
     orders = np.array([128, 129, 300, 1024, 2485, 5000], dtype=np.int64)
 

@@ -88,7 +88,8 @@ grids:
       - {name: b_fig, kind: sweep, x: batch_size, metric: train_objective, lines: [algorithm]}
       - {name: curve, kind: privacy_curve, params: {k_max: 300, points: 50}}
     claims:
-      - {id: sat, text: the dynamics bound saturates, quote: 'Talk: "saturates"', check: saturates, source: curve, metric: rdp_epsilon,
+      - {id: sat, text: the dynamics bound saturates, quote: 'Talk: "saturates"', check: saturates, source: curve,
+         metric: rdp_epsilon,
          a: {bound: dynamics}, over: K, tolerance: 0.05}
       - {id: nonpriv-better, text: non-private SGD reaches a lower objective, own: true, check: better,
          metric: train_objective, higher_is_better: false, a: {algorithm: song2013_nonprivate},
@@ -123,7 +124,7 @@ def test_figures_and_report_end_to_end(tmp_path, run_grid):
 
 
 def test_figure_spec_validation():
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError):  # pydantic's ValidationError
         FigureSpec(name="x", kind="bar")
 
 
@@ -131,7 +132,8 @@ def test_rows_of_an_earlier_grid_version_are_kept_but_not_shown(tmp_path, run_gr
     from dpsgd_cli.engine.results import ResultStore
     from dpsgd_cli.engine.summary import results_frame
 
-    text = "grids: [{name: g, datasets: [{name: synthetic, n: 300}], algorithms: [sgd], lr: [0.5], batch_size: 20, seeds: 2, epochs: 1}]"
+    text = ("grids: [{name: g, datasets: [{name: synthetic, n: 300}], algorithms: [sgd], lr: [0.5], batch_size: 20, "
+            "seeds: 2, epochs: 1}]")
     run_grid(text)
     run_grid(text.replace("lr: [0.5]", "lr: [0.25]"))
     assert len(ResultStore(tmp_path / "out" / "g").read()) == 4  # nothing computed is lost

@@ -9,7 +9,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 
@@ -268,7 +267,8 @@ def test_plot_and_report_say_why_they_drew_or_checked_nothing(grid_file, tmp_pat
     monkeypatch.setenv("COLUMNS", "400")  # rich wraps table cells to the terminal width
 
     grid_file.write_text(grid_file.read_text().replace("algorithms: [erm, dp_sgd]", "algorithms: [dp_sgd]")
-                         + "    claims:\n      - {id: c, text: t, own: true, check: monotone, a: {algorithm: dp_sgd}}\n")
+                         + "    claims:\n"
+                         "      - {id: c, text: t, own: true, check: monotone, a: {algorithm: dp_sgd}}\n")
     monkeypatch.setattr(ALGORITHMS["dp_sgd"], "prepare", lambda *a: 1 / 0)
     out = tmp_path / "out"
     assert CliRunner().invoke(app, ["run", str(grid_file), "--out", str(out)]).exit_code == 1
@@ -343,7 +343,8 @@ def _alive(pid):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_kill_9_of_a_parallel_run_leaves_no_worker_alive(grid_file, tmp_path):
-    grid_file.write_text(grid_file.read_text().replace("epsilon: [0.5, 2]", f"epsilon: {[0.1 * k for k in range(1, 31)]}")
+    grid_file.write_text(grid_file.read_text()
+                         .replace("epsilon: [0.5, 2]", f"epsilon: {[0.1 * k for k in range(1, 31)]}")
                          .replace("epochs: 1", "epochs: 40"))
     # one task per cell (fused, the 30 cells would be one task finishing all at once)
     env = {**os.environ, "DPSGD_DATA_DIR": str(tmp_path / "cache"), "DPSGD_FUSE": "0"}

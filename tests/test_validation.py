@@ -9,7 +9,6 @@ import time
 import tracemalloc
 
 import numpy as np
-import pandas as pd
 import pytest
 
 from dpsgd_cli import cli
@@ -82,7 +81,8 @@ def no_data_loaded(monkeypatch):
     ("figures: [{name: f, kind: privacy_curve, params: {alpha: 1}}]", "params.alpha"),
     ("figures: [{name: f, kind: privacy_curve, params: {sigmaa: 1}}]", "did you mean 'sigma'"),
     ("figures: [{name: f, kind: noise_scale, params: {n: 100000000}}]", "params.n"),
-    ("figures: [{name: f, kind: noise_scale, params: {skip: [RDP (dp-acounting)]}}]", "did you mean 'RDP (dp-accounting)'"),
+    ("figures: [{name: f, kind: noise_scale, params: {skip: [RDP (dp-acounting)]}}]",
+     "did you mean 'RDP (dp-accounting)'"),
     ("figures: [{name: f, kind: sweep, params: {alpha: 2}}]", "only to analytic figures"),
     ("claims: [{id: c, text: t, own: true, check: monotone, metric: tst_accuracy}]", "did you mean 'test_accuracy'"),
     ("claims: [{id: c, text: t, own: true, check: monotone, over: epsilom}]", "did you mean 'epsilon'"),
@@ -112,7 +112,8 @@ def test_valid_figures_and_claims_pass(tmp_path):
           - {name: pc, kind: privacy_curve, params: {k_max: 100, points: 10}}
         claims:
           - {id: c1, text: t, own: true, check: better, over: epsilon, a: {accountant: rdp}, b: {algorithm: erm}}
-          - {id: c2, text: t, own: true, check: saturates, source: pc, metric: rdp_epsilon, over: K, a: {bound: dynamics}}
+          - {id: c2, text: t, own: true, check: saturates, source: pc, metric: rdp_epsilon, over: K,
+             a: {bound: dynamics}}
         """)).grids[0]
     assert len(checks.check_grid(grid)) == 2
 
@@ -179,9 +180,11 @@ def test_grid_names_are_single_safe_path_components(tmp_path, capsys, monkeypatc
     assert not (tmp_path / "out").exists() and not (tmp_path / "runs.csv").exists()
 
 
-@pytest.mark.parametrize("field", ["figures: [{name: ..}]", "claims: [{id: ../x, text: t, own: true, check: monotone}]"])
+@pytest.mark.parametrize("field", ["figures: [{name: ..}]",
+                                   "claims: [{id: ../x, text: t, own: true, check: monotone}]"])
 def test_figure_and_claim_names_are_safe(tmp_path, capsys, monkeypatch, field):
-    assert "must be 1–100 letters" in one_line_error(capsys, monkeypatch, "run", grid_with(tmp_path, field), "--dry-run")
+    assert "must be 1–100 letters" in one_line_error(capsys, monkeypatch, "run", grid_with(tmp_path, field),
+                                                     "--dry-run")
 
 
 @pytest.mark.parametrize("out, expected", [("", "--out is empty"), (" ", "--out is empty"),
@@ -279,7 +282,8 @@ def load_grid_file_text(lines: str):
 
 @pytest.mark.parametrize("args, expected", [
     (["epsilon", "--sigma", "1e300", "--sample-rate", "0.01", "--steps", "100", "--delta", "1e-5"], "sigma must be in"),
-    (["epsilon", "--sigma", "1e-300", "--sample-rate", "0.01", "--steps", "100", "--delta", "1e-5"], "sigma must be in"),
+    (["epsilon", "--sigma", "1e-300", "--sample-rate", "0.01", "--steps", "100", "--delta", "1e-5"],
+     "sigma must be in"),
     (["epsilon", "--sigma", "1", "--sample-rate", "0.01", "--steps", str(10**12), "--delta", "1e-5",
       "--accountant", "pld"], "PLD accountant's limit"),
     (["epsilon", "--sigma", "1e-3", "--sample-rate", "0.01", "--steps", "100", "--delta", "1e-5",
@@ -302,7 +306,7 @@ def test_jobs_above_the_cores_are_capped(tmp_path, capsys, monkeypatch):
     assert code == 0 and "--jobs 512: capped at" in err
 
 
-# --- §7 help, datasets, cache -------------------------------------------------------------------------------------------
+# --- §7 help, datasets, cache -----------------------------------------------------------------------------------
 def test_help_shows_flags_without_a_type_and_explains_run(capsys, monkeypatch):
     code, out, _ = dpsgd(capsys, monkeypatch, "run", "--help")
     assert code == 0

@@ -203,7 +203,7 @@ def _composition_count(event: DpEvent) -> int:
     if isinstance(event, dp_event.ComposedDpEvent):
         return max(1, sum(_composition_count(e) for e in event.events))
     inner = getattr(event, "event", None)
-    if isinstance(inner, DpEvent):  # sampled events wrap one mechanism
+    if isinstance(inner, dp_event.DpEvent):  # sampled events wrap one mechanism
         return _composition_count(inner)
     return 1
 
@@ -272,7 +272,7 @@ def _gaussian_sigmas(event: DpEvent) -> list[float]:
     if isinstance(event, dp_event.GaussianDpEvent):
         return [float(event.noise_multiplier)]
     inner = list(getattr(event, "events", [])) + [e for e in [getattr(event, "event", None)] if e is not None]
-    return [s for e in inner if isinstance(e, DpEvent) for s in _gaussian_sigmas(e)]
+    return [s for e in inner if isinstance(e, dp_event.DpEvent) for s in _gaussian_sigmas(e)]
 
 
 def check_pld_event(event: DpEvent) -> None:
