@@ -2,7 +2,7 @@
 
 Every ratio is measured in the same run, both sides best-of-k (time.perf_counter, k ≥ 3: the minimum is the
 figure, the median is stored too); cases 8 and 9 run each side in its own process pinned to one core
-(pinned.py), interleaved in rounds, with the load average beside each ratio. One module per case (issue 6):
+(pinned.py), interleaved in rounds, with the load average beside each ratio. One module per case:
 
 1. `case1_dpsgd`: dp_sgd on adult (logreg, B = 256, 1 epoch) at R = 1 and 16 replicas vs a straightforward
    NumPy implementation (per-example gradients, a loop over replicas); float32 vs float64.
@@ -17,5 +17,5 @@ figure, the median is stored too); cases 8 and 9 run each side in its own proces
    logreg R = 1/16/64 float64/float32, the MLP vs Opacus hooks/ew, the fused grid's work per replica-step.
 9. `case9_fused_grid`: `kang_lr` and the figure set end to end, fused vs `DPSGD_FUSE=0`.
 
-The goals of issue 16 are printed as their own table (`__main__.GOALS`).
+The performance goals are printed as their own table (`__main__.GOALS`).
 """

@@ -2,9 +2,9 @@
 [--figure-set scaled|full|none] [-k K]`.
 
 Prints one table (case, what, ours, comparison, ratio, goal, met?, load) with the notes under it, then the
-goals of issue 16 (each with its measured ratio, target, met/missed and the load average), and writes the
+performance goals (each with its measured ratio, target, met/missed and the load average), and writes the
 numbers with the machine's description to JSON (default benchmarks/results.json); `--markdown PATH` writes
-the goals and the table as the README's Markdown.
+the goals and the table as Markdown (docs/performance.md's tables).
 """
 
 from __future__ import annotations
@@ -35,10 +35,11 @@ CASES = {
     "10": "case10_calibration_share",
 }
 
-# issue 16's goals: (id, text, target); a row with that goal_id carries the measurement
+# the performance goals: (id, text, target); a row with that goal_id carries the measurement
 GOALS = [
-    ("kang_lr", "`kang_lr` end to end vs the code before issue 16 (eb434a3)", "≥ 5×"),
-    ("figures", "figure set (`kang`, `song_fig*`, `chourasia`, `bellet`) end to end vs the code before issue 16", "≥ 3×"),
+    ("kang_lr", "`kang_lr` end to end vs baseline commit eb434a3", "≥ 5×"),
+    ("figures", "figure set (`kang`, `song_fig*`, `chourasia`, `bellet`) end to end vs baseline commit eb434a3",
+     "≥ 3×"),
     ("fused_opacus", "fused `dp_sgd` (3 seeds × 8 ε, 3 batch streams) vs Opacus, per replica-step", "≥ 100×"),
     ("fused_jax", "fused `dp_sgd` (same work) vs the best JAX peer, per replica-step", "≥ 3×"),
     ("r1_jax", "`dp_sgd` R = 1 vs the best JAX peer (float64), per replica-step", "≥ 1×"),
@@ -77,7 +78,7 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="case 9b: the figure set scaled down (default), as in experiments.yaml (~20 min per "
                              "side), or skipped")
     parser.add_argument("--markdown", type=Path, default=None,
-                        help="also write the goals and the table as Markdown (the README's Performance tables)")
+                        help="also write the goals and the table as Markdown (docs/performance.md's tables)")
     parser.add_argument("-k", type=int, default=3, help="repetitions per timing, best of k (≥ 3; default 3)")
     args = parser.parse_args(argv)
     args.cases = [c.strip() for c in args.cases.split(",") if c.strip()]
@@ -112,7 +113,7 @@ def _cells(r: Row, rich: bool = False) -> list[str]:
 
 
 def goals(rows: list[Row]) -> list[dict[str, Any]]:
-    """Every goal of issue 16 with the row that measures it (or why it was not measured)."""
+    """Every performance goal with the row that measures it (or why it was not measured)."""
     out = []
     for gid, text, target in GOALS:
         row = next((r for r in rows if r.goal_id == gid), None)
@@ -129,7 +130,7 @@ def goals(rows: list[Row]) -> list[dict[str, Any]]:
 def goals_table(items: list[dict[str, Any]]):
     from rich.table import Table
 
-    out = Table("goal (issue 16)", "case", "measured", "target", "met?", "load", title="goals")
+    out = Table("goal", "case", "measured", "target", "met?", "load", title="goals")
     for g in items:
         met = {True: "[green]met[/]", False: "[red]missed[/]", None: "–"}[g["met"]]
         out.add_row(g["goal"], g["case"], g["measured"] or f"– ({g['note']})", g["target"], met,
@@ -138,7 +139,7 @@ def goals_table(items: list[dict[str, Any]]):
 
 
 def markdown(rows: list[Row], items: list[dict[str, Any]]) -> str:
-    lines = ["| goal (issue 16) | case | measured | target | met? | load |", "|---|---|---|---|---|---|"]
+    lines = ["| goal | case | measured | target | met? | load |", "|---|---|---|---|---|---|"]
     for g in items:
         met = {True: "met", False: "**missed**", None: "–"}[g["met"]]
         load = f"{g['load']:.1f}" if g["load"] is not None else "–"

@@ -1,4 +1,4 @@
-"""Case 10: σ calibration's share of a one-seed run's wall time, σ not cached (issue 16's goal: ≤ 10%).
+"""Case 10: σ calibration's share of a one-seed run's wall time, σ not cached (the goal: ≤ 10%).
 
 Two one-seed grids on adult (copied from experiments.yaml's `kang_lr`), each run as `dpsgd run --jobs 1` in a
 fresh process pinned to one core:

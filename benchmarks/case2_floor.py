@@ -81,7 +81,7 @@ def run(ctx) -> list[Row]:
               f"{fmt_time(epoch.median)}"
               + ("" if ratio <= GOAL else
                  f"; missed: {fmt_time(epoch.min / setting.steps)} per step × {setting.steps} steps — "
-                 f"profile in the README's Performance section")),
+                 f"profile in docs/performance.md")),
         data={"epoch": epoch.json(), "epoch_numpy": epoch_numpy.json(), "path": path, "x_v": t_xv.json(),
               "xt_u": t_xtu.json(), "floor_s": floor,
               "bytes": X.nbytes, "threads": {"x_v": str(th_xv), "xt_u": str(th_xtu)}})]

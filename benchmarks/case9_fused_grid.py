@@ -1,10 +1,10 @@
-"""Case 9: grids end to end: this code, the same code with `DPSGD_FUSE=0`, and the code before issue 16, interleaved.
+"""Case 9: grids end to end: this code, the same code with `DPSGD_FUSE=0`, and the baseline commit, interleaved.
 
 Each measurement is the whole command `python -P -m dpsgd_cli run GRID.yaml --out <empty folder> --jobs 1` (a
 fresh process: imports, data from the processed cache, L*, σ, training, rows) under `taskset -c 0`, one BLAS
 thread; the sides alternate (A B C A B C, two rounds), best of the rounds each. Every side first runs once,
 untimed: ours then find σ, L* and bassily2014's calibrations in their on-disk caches, as any later run on a
-machine does. The code before issue 16 (commit BEFORE, unpacked by `git archive` into a temporary folder and
+machine does. The baseline commit (BEFORE, unpacked by `git archive` into a temporary folder and
 imported from there: `PYTHONPATH=<it>` with `python -P`, checked by importing it) had no such caches: it
 recomputes them in every run, which is its honest cost. It gets one later fix it needs to run the figure set at all
 (FIXES: the
@@ -33,7 +33,7 @@ import yaml
 from benchmarks.common import REPO, Row, Skip, fmt_time
 from benchmarks.pinned import Command, interleave, load_text, mean_load, side_env
 
-BEFORE = "eb434a3"  # the merge before the first issue-16 commit (git log --first-parent: ea0765d follows it)
+BEFORE = "eb434a3"  # the baseline: the merge before the fused-grid work (git log --first-parent: ea0765d follows it)
 FIXES = [("5e75697", "dpsgd_cli/data/load.py")]  # later fixes the old code needs to run these grids
 
 GOAL_KANG, GOAL_FIGURES = 5.0, 3.0
@@ -92,7 +92,7 @@ def scaled_yaml(names: list[str], overrides: dict[str, dict[str, Any]], path: Pa
 
 
 def _sides(grid_file: Path, rounds: int, before: Path) -> dict:
-    """ours, ours with DPSGD_FUSE=0 and the code before issue 16, each warmed up once, then interleaved."""
+    """ours, ours with DPSGD_FUSE=0 and the baseline commit, each warmed up once, then interleaved."""
     argv = [sys.executable, "-P", "-m", "dpsgd_cli", "run", str(grid_file), "--out", "{out}", "--jobs", "1"]
     envs = {"ours": {"DPSGD_FUSE": None}, "DPSGD_FUSE=0": {"DPSGD_FUSE": "0"},
             "before": {"DPSGD_FUSE": None, "PYTHONPATH": str(before)}}
@@ -134,11 +134,11 @@ def run(ctx) -> list[Row]:
 
 
 def _rows(case: str, what: str, measured: dict, goal: float, goal_id: str, label: str = "") -> list[Row]:
-    """Two rows: ours vs DPSGD_FUSE=0 (the fusion alone) and ours vs the code before issue 16 (the goal)."""
+    """Two rows: ours vs DPSGD_FUSE=0 (the fusion alone) and ours vs the baseline commit (the goal)."""
     ours = measured["ours"]
     rows = []
     for name, text, gid in (("DPSGD_FUSE=0", "DPSGD_FUSE=0 (same code)", ""),
-                            ("before", f"before issue 16 ({BEFORE}, no σ/L* cache)", goal_id)):
+                            ("before", f"baseline commit {BEFORE} (no σ/L* cache)", goal_id)):
         base = measured[name]
         ratio = base.best / ours.best
         rows.append(Row(

@@ -77,7 +77,7 @@ class Row:
     note: str = ""
     data: dict[str, Any] = field(default_factory=dict)  # numbers for the JSON
     load: Optional[float] = None  # mean 1-minute load average over the measurements behind the ratio
-    goal_id: str = ""  # the issue-16 goal this row measures (see __main__.GOALS), if any
+    goal_id: str = ""  # the performance goal this row measures (see __main__.GOALS), if any
 
     def json(self) -> dict[str, Any]:
         return asdict(self)

@@ -1,4 +1,4 @@
-"""Write the small synthetic files of README "Your own data" (nothing real): data/credit.csv,
+"""Write the small synthetic files of docs/datasets.md, "Your own data" (nothing real): data/credit.csv,
 data/a9a.libsvm + data/a9a.t.libsvm, data/records.parquet (needs pyarrow: pip install -e '.[parquet]').
 
     python examples/make_own_data.py [FOLDER]     # default: examples/data

@@ -32,6 +32,42 @@ os.environ["DPSGD_CACHE_DIR"] = _tempfile.mkdtemp(prefix="dpsgd-test-cache-")
 from dpsgd_cli.engine import execute, plan_grid
 
 
+# Tests that took more than 10 s in `python -m pytest --durations=30` on 2 cores (per test function, any
+# parameters): marked `slow`, so `python -m pytest -m "not slow"` is the quick subset.
+SLOW_TESTS = frozenset({
+    "test_api.py::test_example_script_runs",
+    "test_audit_power.py::test_false_refutations_of_exactly_tight_mechanisms_stay_below_alpha",
+    "test_bassily.py::test_end_to_end_through_the_engine",
+    "test_bassily.py::test_replicas_are_independent",
+    "test_benchmarks.py::test_case10_worker_times_the_calibration_a_run_does",
+    "test_figures.py::test_each_figure_of_experiments_yaml_is_fit_to_print",
+    "test_mlp_rows.py::test_float32_row_sparse_gradient_is_close_to_float64",
+    "test_pidp_sgd.py::test_noisy_step_noise_has_the_calibrated_std",
+    "test_preflight.py::test_every_shipped_grid_passes_the_checks_before_work",
+    "test_privacy.py::test_calibrate_sigma_hits_the_window_checked_by_fresh_accountant",
+    "test_privacy.py::test_pld_calibration_needs_less_noise_than_rdp",
+    "test_privacy.py::test_sigma_of_a_target_does_not_depend_on_the_other_targets",
+    "test_rdp.py::test_calibrated_sigma_is_the_reference_lattice_point_bit_for_bit",
+    "test_rdp.py::test_dpsgd_epsilon_and_order_equals_library_walk_bit_for_bit",
+    "test_replica_independence.py::test_numpy_path_seed_alone_equals_seed_among_others_bit_for_bit",
+    "test_report.py::test_figures_and_report_end_to_end",
+    "test_robustness.py::test_a_row_cut_at_every_byte_offset_resumes_to_the_identical_result",
+    "test_robustness.py::test_a_second_writer_exits_2_naming_the_holder_and_the_lock_dies_with_it",
+    "test_robustness.py::test_two_concurrent_runs_never_duplicate",
+})
+# The fixtures that serve the real datasets: a test using one (directly or through another fixture) is `data`.
+DATA_FIXTURES = frozenset({"data_env", "dataset_mirror", "shared_datasets_dir"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the data tests (by the fixtures they use) and the slow ones (SLOW_TESTS)."""
+    for item in items:
+        if DATA_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.data)
+        if f"{item.path.name}::{item.originalname if isinstance(item, pytest.Function) else item.name}" in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)
+
+
 def shared_datasets_path() -> Path:
     """The read-only mirror of the raw dataset files used by the data tests."""
     env = os.environ.get("DPSGD_SHARED_DATASETS")

@@ -602,7 +602,7 @@ def test_one_hot_and_random_split():
     assert sorted(np.concatenate([train.numeric[:, 0], test.numeric[:, 0]]).tolist()) == list(range(0, 20, 2))
 
 
-# ---------------------------------------------------------------- Song et al. 2013's setup (issue 11)
+# ---------------------------------------------------------------- Song et al. 2013's setup
 
 
 def test_split_none_trains_on_every_record():

@@ -250,7 +250,7 @@ def test_bad_files_are_one_line_with_exit_code_2(tmp_path, monkeypatch, capsys, 
 
 
 def test_readme_examples_run_from_a_fresh_clone(tmp_path, monkeypatch, capsys):
-    """README "Your own data": the script writes the three files, the grid runs on them."""
+    """docs/datasets.md, "Your own data": the script writes the three files, the grid runs on them."""
     folder = tmp_path / "examples"
     folder.mkdir()
     shutil.copy(EXAMPLES / "own_data.yaml", folder)

@@ -222,7 +222,7 @@ def test_replicas_are_independent(data):
     together = algo.fit(_setting(*X.shape), model, X, y, ReplicaStreams([0, 1, 2])).theta
     alone = algo.fit(_setting(*X.shape), model, X, y, ReplicaStreams([2])).theta
     # bit for bit: a seed's run must not depend on the seeds beside it (one gemm over the full batch's replicas
-    # would round differently with their number; README "bolt_on and noisy_gd")
+    # would round differently with their number; docs/design.md, the bit-for-bit rule)
     np.testing.assert_array_equal(together[2], alone[0])
     assert not np.allclose(together[0], together[1])
 

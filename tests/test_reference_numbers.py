@@ -1,4 +1,4 @@
-"""Issue 2's acceptance numbers on the real adult data (downloaded from the loopback mirror).
+"""Reference numbers on the real adult data (downloaded from the loopback mirror).
 
 A plain NumPy DP-SGD with RDP-calibrated σ (independent run) gets 84.2% at ε = 1 and 82.8% at ε = 0.1
 against ERM's 84.8% (batch 256, 5 epochs, δ = 1/n²).

@@ -1,5 +1,5 @@
 """Results a researcher can trust after anything: crash-cut rows, concurrent writers, failed runs, killed
-parents (issue 10, sections 1, 2 and 6)."""
+parents."""
 
 import csv
 import errno

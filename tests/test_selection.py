@@ -1,4 +1,4 @@
-"""Validation split, hyperparameter selection and the privacy of private selection (issue 13)."""
+"""Validation split, hyperparameter selection and the privacy of private selection."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Everything is checked before any work (issue 10 §3–5, §7): each class of bad spec, name, path or workload is
+"""Everything is checked before any work: each class of bad spec, name, path or workload is
 one line on stderr and exit code 2, in-process through the CLI entry point (as a user sees it), before any data
 is loaded or memory allocated."""
 
@@ -67,7 +67,7 @@ def no_data_loaded(monkeypatch):
     monkeypatch.setattr("dpsgd_cli.engine.runner.load_dataset", refuse)
 
 
-# --- §3 figures and claims name columns the grid will produce ---------------------------------------------------
+# --- figures and claims name columns the grid will produce ---------------------------------------------------
 @pytest.mark.parametrize("extra, expected", [
     ("figures: [{name: f, metric: test_acuracy}]", "did you mean 'test_accuracy'"),
     ("figures: [{name: f, x: epsilom}]", "did you mean 'epsilon'"),
@@ -134,7 +134,7 @@ def test_checked_columns_are_the_columns_the_readers_see(tmp_path):
     assert set(_base_row(cell, data, setting_of(cell, data), 0.0)) <= set(COLUMNS)
 
 
-# --- §3 values that pass a type check but cannot run ---------------------------------------------------------------
+# --- values that pass a type check but cannot run ---------------------------------------------------------------
 @pytest.mark.parametrize("replace, expected", [
     (("epsilon: [1]", "epsilon: [.inf]"), "epsilon = inf"),
     (("epsilon: [1]", "epsilon: [1e308]"), "epsilon = 1e+308"),
@@ -171,7 +171,7 @@ def test_projection_larger_than_the_loaded_dimension_is_refused():
         preprocess.project(np.zeros((3, 4)), np.zeros((2, 4)), 5, 0)
 
 
-# --- §4 names and paths ---------------------------------------------------------------------------------------------
+# --- names and paths ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["..", ".", "a" * 300, "a/b", "../x", ".hidden", "-rf", "a\\\\b", "''"])
 def test_grid_names_are_single_safe_path_components(tmp_path, capsys, monkeypatch, name):
     err = one_line_error(capsys, monkeypatch, "run", grid_with(tmp_path, replace=("name: tiny", f"name: {name}")),
@@ -213,7 +213,7 @@ def test_grid_path_that_is_not_a_grid_text(tmp_path, capsys, monkeypatch, conten
     assert expected in one_line_error(capsys, monkeypatch, "run", path)
 
 
-# --- §5 bounded work and memory ---------------------------------------------------------------------------------------
+# --- bounded work and memory ---------------------------------------------------------------------------------------
 BOMB = "\n".join(["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"] +
                  [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)])
 
@@ -306,7 +306,7 @@ def test_jobs_above_the_cores_are_capped(tmp_path, capsys, monkeypatch):
     assert code == 0 and "--jobs 512: capped at" in err
 
 
-# --- §7 help, datasets, cache -----------------------------------------------------------------------------------
+# --- help, datasets, cache -----------------------------------------------------------------------------------
 def test_help_shows_flags_without_a_type_and_explains_run(capsys, monkeypatch):
     code, out, _ = dpsgd(capsys, monkeypatch, "run", "--help")
     assert code == 0

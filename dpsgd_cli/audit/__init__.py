@@ -1,1 +1,1 @@
-"""`dpsgd audit`: empirical lower bounds ε_lo on the privacy of each algorithm as run (see README, "dpsgd audit")."""
+"""`dpsgd audit`: empirical lower bounds ε_lo on the privacy of each algorithm as run (see docs/audit.md)."""

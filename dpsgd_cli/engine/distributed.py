@@ -25,7 +25,7 @@ from dpsgd_cli.errors import UserError
 TIMEOUT_ENV = "DPSGD_SCHEDULER_TIMEOUT"  # seconds to wait for the scheduler when connecting
 CONNECT_TIMEOUT = 10.0
 INSTALL_HINT = "pip install 'dpsgd[dask]' (from a clone: pip install -e '.[dask]')"
-CELLS_PER_TASK = 1  # tasks per submission: a task is a cell's seeds, or the cells fused with it (README)
+CELLS_PER_TASK = 1  # tasks per submission: a task is a cell's seeds, or the cells fused with it (docs/cluster.md)
 
 
 class SchedulerLost(UserError):
@@ -142,7 +142,8 @@ def _silence_dask_logs() -> Callable[[], None]:
 def local_cluster(workers: int) -> Any:
     """A LocalCluster of `workers` single-threaded processes on 127.0.0.1, without the nanny's
     MALLOC_TRIM_THRESHOLD_ = 65536: it fixes glibc's mmap threshold at 128 KiB, so every per-step temporary
-    (a batch of kddcup99 rows is 240 KiB) is mmapped and zero-filled afresh: about 2× the CPU per task (README)."""
+    (a batch of kddcup99 rows is 240 KiB) is mmapped and zero-filled afresh: about 2× the CPU per task
+    (docs/cluster.md, "Memory allocator")."""
     import dask
     import distributed
 

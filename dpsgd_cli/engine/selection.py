@@ -262,6 +262,6 @@ def write_selection_tables(path) -> list[tuple[Path, pd.DataFrame]]:
         table.to_csv(folder / "selection.csv", index=False)
         out.append((folder, table))
     if not out:
-        raise UserError(f"{path}: no grid here has `select:`; add one (see README, Hyperparameters) and rerun "
+        raise UserError(f"{path}: no grid here has `select:`; add one (see docs/hyperparameters.md) and rerun "
                         "`dpsgd run` (selection changes no run)")
     return out

@@ -1,7 +1,5 @@
-"""Findings of the correctness review of the issue-16 performance changes (branch `review`).
-
-The first test guards a defect the review proved and that was then fixed; the others guard hazards the review found
-no defect in on this interpreter."""
+"""A seed's run does not depend on the seeds trained beside it on the NumPy path, and the shared noise block is
+never refilled while a step of it is still held."""
 
 import itertools
 
@@ -30,9 +28,9 @@ def _dense_data(n=240, d=30, seed=1):
     ("mlp", {"hidden": 11}, "pidp_sgd", {"sampling": "poisson"}),
 ])
 def test_numpy_path_seed_alone_equals_seed_among_others_bit_for_bit(model_name, options, algorithm_name, params):
-    """Review finding (fixed): a Poisson batch is trimmed to the widest replica's size, and a BLAS sum over its M
-    rows rounds differently with M, so a seed's run depended on the seeds trained beside it. Replicas that keep
-    different numbers of rows now take their BLAS products on their own rows (`Model._clipped_grad_sum_per_replica`)."""
+    """A Poisson batch is trimmed to the widest replica's size, and a BLAS sum over its M rows rounds differently
+    with M: replicas that keep different numbers of rows take their BLAS products on their own rows
+    (`Model._clipped_grad_sum_per_replica`), so a seed trained alone equals it trained beside others."""
     X, y = _dense_data()
     model = make_model(model_name, X.shape[1], 1e-3, options)
     setting = Setting(n=X.shape[0], d=X.shape[1], delta=1e-5, l2=1e-3, epsilon=2.0, batch_size=24, lr=0.5, epochs=2,
