@@ -132,6 +132,10 @@ def layout_problems(fig) -> list[str]:
             for (a, ta), (b, tb) in itertools.combinations(boxes, 2):
                 if a.overlaps(b):
                     problems.append(f"{name} tick labels overlap: {ta!r} and {tb!r}")
+            texts = [text for _, text in boxes if text]
+            repeated = sorted({t for t in texts if texts.count(t) > 1})
+            if repeated:  # one label at several places: the axis cannot be read
+                problems.append(f"{name} tick labels repeat: {repeated}")
     drawn_ticks = {id(lab) for ax in axes for _, _, labels in _tick_labels(ax) for lab in labels}
     all_ticks = {id(label) for ax in fig.axes for axis in (ax.xaxis, ax.yaxis)
                  for t in [*axis.majorTicks, *axis.minorTicks] for label in (t.label1, t.label2)}

@@ -279,3 +279,22 @@ def test_captions_name_the_neighbouring_relation_and_warn_when_it_is_mixed():
     (phrase,) = relation_phrases(mixed)
     assert phrase.startswith("mixed neighbouring relations") and "add/remove: DP-SGD" in phrase
     assert relation_phrases(mixed.drop(columns="neighbours")) == []  # results written before the column existed
+    assert relation_phrases(mixed.assign(neighbours=float("nan"))) == []
+
+
+def test_a_log_axis_spanning_a_sliver_of_a_decade_labels_its_ticks_apart():
+    """δ certified at 1e-5 and 1.00004e-5 on a log axis: matplotlib labels every tick "10⁻⁵"."""
+    from dpsgd_cli.plots.layout import thin_ticks
+
+    fig, ax = plt.subplots(figsize=(4, 3))
+    ax.plot([10, 100, 1000], [1e-5, 1e-5, 1.00004e-5])
+    ax.set_yscale("log")
+    thin_ticks(fig)
+    assert not [p for p in layout_problems(fig) if "repeat" in p]
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(4, 3))  # values apart by less than any label shows: a decade around them
+    ax.plot([10, 100, 1000], [1e-5, 1e-5, 1e-5 * (1 + 1e-10)])
+    ax.set_yscale("log")
+    thin_ticks(fig)
+    assert not [p for p in layout_problems(fig) if "repeat" in p] and ax.get_ylim()[1] / ax.get_ylim()[0] > 9
+    plt.close(fig)

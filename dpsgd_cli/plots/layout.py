@@ -7,6 +7,7 @@ part measured as rendered, so that nothing is cut off and nothing overlaps.
 
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 import matplotlib.pyplot as plt
@@ -67,6 +68,8 @@ def finish(fig, title: str = "", caption: list[str] | tuple = (), legend: bool =
            legend_size: float = 8, title_literal: bool = True) -> None:
     """Lay the figure out: `title` (user text: printed literally) above the panels, one legend of every
     distinct line below them, then the caption phrases; the figure grows by the height they need."""
+    fig.canvas.draw()
+    _relabel_repeats(fig)  # before the layout: the labels it writes take their own width
     axes = [ax for ax in fig.axes if ax.get_visible()]
     width, panels = fig.get_size_inches()
     renderer = fig.canvas.get_renderer()
@@ -115,9 +118,48 @@ def finish(fig, title: str = "", caption: list[str] | tuple = (), legend: bool =
     thin_ticks(fig)
 
 
+def distinct_labels(locs: list[float]) -> list[str]:
+    """Labels for tick positions that a short format would print alike (a log axis spanning a sliver of a
+    decade labels 1e-5 and 1.00004e-5 both "10⁻⁵"): the fewest significant digits that tell them apart."""
+    def fmt(v: float, digits: int) -> str:
+        if v == 0 or 1e-3 <= abs(v) < 1e5:
+            return f"{v:.{digits}g}"
+        exponent = math.floor(math.log10(abs(v)))
+        return f"${v / 10**exponent:.{digits}g}\\times10^{{{exponent}}}$"
+    for digits in range(2, 10):
+        labels = [fmt(v, digits) for v in locs]
+        if len(set(labels)) == len(labels):
+            return labels
+    return labels
+
+
+def _relabel_repeats(fig) -> None:
+    """Where one label text stands at several tick positions of an axis, label every visible tick of it apart; a
+    log axis whose values differ by less than its labels can show (1e-5 against 1e-5 + 1e-15: a rise of 1e-10
+    drawn across the panel) is widened to a decade around them instead."""
+    for ax in fig.axes:
+        for axis, lims in ((ax.xaxis, ax.get_xlim()), (ax.yaxis, ax.get_ylim())):
+            lo, hi = sorted(lims)
+            if axis.get_scale() == "log" and 0 < lo and hi / lo < 1.001:
+                middle = math.sqrt(lo * hi)
+                (ax.set_xlim if axis is ax.xaxis else ax.set_ylim)(middle / 10**0.5, middle * 10**0.5)
+                continue
+            ticks = [(t.get_loc(), t.label1.get_text()) for t in [*axis.get_major_ticks(), *axis.get_minor_ticks()]
+                     if t.label1.get_visible() and t.label1.get_text() and lo <= t.get_loc() <= hi]
+            texts = [text for _, text in ticks]
+            if len(set(texts)) == len(texts):
+                continue
+            locs = sorted({loc for loc, _ in ticks})
+            axis.set_ticks(locs, distinct_labels(locs))
+            axis.set_ticks([], minor=True)
+            (ax.set_xlim if axis is ax.xaxis else ax.set_ylim)(*lims)
+
+
 def thin_ticks(fig) -> None:
     """Drop tick labels that would overlap a neighbour on their axis (majors kept first, then minors where
-    there is room): the ticks become fixed at their current places."""
+    there is room): the ticks become fixed at their current places. Repeated label texts are told apart first."""
+    fig.canvas.draw()
+    _relabel_repeats(fig)
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
     for ax in fig.axes:
