@@ -246,18 +246,6 @@ def fmt(value: Any) -> str:
 
 
 # --- results ---------------------------------------------------------------------------------------
-def result_folders(path: PathLike) -> list[Path]:
-    """`path` itself if it holds runs.csv, else its sub-folders that do (a results root)."""
-    path = Path(path)
-    if (path / "runs.csv").exists():
-        return [path]
-    folders = sorted(p.parent for p in path.glob("*/runs.csv"))
-    if not folders:
-        raise UserError(f"{path}: no runs.csv here or in its sub-folders; run `dpsgd run GRID.yaml` first or pass "
-                        f"a grid's results folder (e.g. results/smoke)")
-    return folders
-
-
 def read_results(folder: PathLike = "results") -> "pd.DataFrame":
     """The runs of a grid's results folder (or of every grid under a results root), one row per run id, as the
     summary, plots and report read them: malformed and cut rows of runs.csv skipped, rows of another or an
@@ -265,7 +253,7 @@ def read_results(folder: PathLike = "results") -> "pd.DataFrame":
     runs are `df[df.status == "ok"]`."""
     import pandas as pd
 
-    from dpsgd_cli.engine.results import note
+    from dpsgd_cli.engine.results import note, result_folders
     from dpsgd_cli.engine.summary import read_results as reading
 
     frames = []
@@ -280,7 +268,7 @@ def read_results(folder: PathLike = "results") -> "pd.DataFrame":
 def export(results_dir: PathLike = "results", *, format: str = "parquet") -> list[Path]:  # noqa: A002
     """`dpsgd export`: each grid's runs (as `read_results` gives them) written beside its runs.csv as
     runs.parquet (or runs_valid.csv with format="csv"), and traces.csv as traces.parquet; returns the paths."""
-    from dpsgd_cli.engine.results import ResultStore
+    from dpsgd_cli.engine.results import ResultStore, result_folders
 
     if format not in EXPORT_FORMATS:
         raise UserError(f"--format {format}: choose one of {', '.join(EXPORT_FORMATS)}")

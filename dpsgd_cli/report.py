@@ -34,7 +34,8 @@ from dpsgd_cli.engine.analytic import analytic_table
 from dpsgd_cli.engine.results import note
 from dpsgd_cli.engine.summary import read_results, results_frame, select
 from dpsgd_cli.errors import UserError
-from dpsgd_cli.plots import grid_of, result_folders
+from dpsgd_cli.engine.results import result_folders
+from dpsgd_cli.plots import grid_of
 
 
 PASS, FAIL, VACUOUS, NO_DATA = "PASS", "FAIL", "VACUOUS", "NO DATA"

@@ -53,6 +53,18 @@ LIBRARIES = ["dpsgd", "numpy", "scipy", "pandas", "scikit-learn", "dp-accounting
 LOCK_NAME = "runs.lock"
 
 
+def result_folders(path: str | Path) -> list[Path]:
+    """`path` itself if it holds runs.csv, else its sub-folders that do (a results root)."""
+    path = Path(path)
+    if (path / "runs.csv").exists():
+        return [path]
+    folders = sorted(p.parent for p in path.glob("*/runs.csv"))
+    if not folders:
+        raise UserError(f"{path}: no runs.csv here or in its sub-folders; run `dpsgd run GRID.yaml` first or pass "
+                        f"a grid's results folder (e.g. results/smoke)")
+    return folders
+
+
 class ResultsWriteError(UserError):
     """The results folder could not be written (disk full, read-only, ...): the message says what is saved."""
 

@@ -250,7 +250,8 @@ def write_selection_tables(path) -> list[tuple[Path, pd.DataFrame]]:
     """For each results folder under `path` whose grid has `select:`: its table of choices, also written to
     `selection.csv` there. A UserError when none has one."""
     from dpsgd_cli.engine.summary import results_frame
-    from dpsgd_cli.plots import grid_of, result_folders
+    from dpsgd_cli.engine.results import result_folders
+    from dpsgd_cli.plots import grid_of
 
     out = []
     for folder in result_folders(path):

@@ -18,7 +18,7 @@ import pandas as pd  # noqa: E402
 
 from dpsgd_cli.config import FigureSpec  # noqa: E402
 from dpsgd_cli.engine.analytic import analytic_table  # noqa: E402
-from dpsgd_cli.engine.results import note, read_manifest  # noqa: E402
+from dpsgd_cli.engine.results import note, read_manifest, result_folders  # noqa: E402
 from dpsgd_cli.engine.summary import read_results, results_frame, select  # noqa: E402
 from dpsgd_cli.errors import UserError  # noqa: E402
 from dpsgd_cli.plots import names  # noqa: E402
@@ -33,18 +33,6 @@ METRICS = {
     "train_objective": "train_objective",
 }
 DPI = 150
-
-
-def result_folders(path: Path) -> list[Path]:
-    """`path` itself if it holds runs.csv, else its sub-folders that do."""
-    path = Path(path)
-    if (path / "runs.csv").exists():
-        return [path]
-    folders = sorted(p.parent for p in path.glob("*/runs.csv"))
-    if not folders:
-        raise UserError(f"{path}: no runs.csv here or in its sub-folders; run `dpsgd run GRID.yaml` first "
-                        f"or pass a grid's results folder (e.g. results/smoke)")
-    return folders
 
 
 def grid_of(folder: Path) -> dict:
