@@ -140,24 +140,15 @@ def test_verdicts():
 def test_dirac_step_statistics_read_the_inclusions_off_noiseless_iterates():
     """With the noise removed, x_t = b_t exactly: 1 at the steps whose Poisson batch held the canary, 0 else, at
     rate q (so the chain's η, 1/B and λ are read right); a wrong λ or scale would leave other values."""
-    import dataclasses
-
     from dpsgd_cli.algorithms.streams import ReplicaStreams
-    from dpsgd_cli.audit.engine import _setup
+    from dpsgd_cli.audit.engine import dirac_setup
     from dpsgd_cli.engine.runner import dataset
 
     cell = _cells(algorithms=["dp_sgd"], epsilon=[1.0], l2=0.05, epochs=4)[0]
-    data = dataset(cell.dataset)
-    X = canaries.with_unused_input(data.X_train)
-    model, setting = _setup(cell, dataclasses.replace(data, X_train=X), 1)
-    setting = dataclasses.replace(setting, d=X.shape[1])
-    U = np.zeros((1, model.n_params))
-    U[0, canaries.dirac_index(model)] = 1.0
-    markers, my = canaries.marker_rows(1, X.shape[1])
+    model, setting, U, Xw, yw = dirac_setup(cell, dataset(cell.dataset))
     wrapped = canaries.with_gradient_canaries(model, U, np.ones((64, 1)), 1.0)
     algo = cell.make_algorithm().with_noise_scale(0.0)
-    prepared = algo.prepare(setting, wrapped, np.vstack([X, markers]), np.append(data.y_train, my),
-                            ReplicaStreams(range(64)))
+    prepared = algo.prepare(setting, wrapped, Xw, yw, ReplicaStreams(range(64)))
     theta = prepared.train(wrapped).theta
     a = canaries.iterate_projections(wrapped, theta)
     x = canaries.step_statistics(a, canaries.step_model(prepared.chain, 1.0, setting.sample_rate))

@@ -11,7 +11,7 @@ import time
 import pandas as pd
 import pytest
 
-from dpsgd_cli import cli
+from test_validation import dpsgd, one_line_error
 from dpsgd_cli.config import load_grid_file
 
 GRID = """
@@ -31,21 +31,6 @@ grids:
 def grid_file(write_grid, monkeypatch):
     monkeypatch.setenv("COLUMNS", "400")  # help text on one line per option
     return write_grid(GRID)
-
-
-def dpsgd(capsys, monkeypatch, *args):
-    """(exit code, stdout, stderr) of `dpsgd ARGS` through `cli.main`, the console entry point."""
-    monkeypatch.setattr(sys, "argv", ["dpsgd", *map(str, args)])
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main()
-    out, err = capsys.readouterr()
-    return exit_info.value.code, out, err
-
-
-def one_line_error(capsys, monkeypatch, *args) -> str:
-    code, _, err = dpsgd(capsys, monkeypatch, *args)
-    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
-    return err
 
 
 def test_set_and_seeds_override_the_file_and_run_ids_follow_the_resolved_grid(grid_file, tmp_path, capsys,

@@ -303,6 +303,18 @@ def gradient_worlds(cell: Cell, spec: AuditSpec, algorithm: Algorithm, trials: i
     return Worlds(scores, derived, guarantee)
 
 
+def dirac_setup(cell: Cell, data: Dataset) -> tuple[Model, Setting, np.ndarray, np.ndarray, np.ndarray]:
+    """(model, setting, U (1, P): the canary's direction e, X, y): the data with one more input coordinate, zero for
+    every real record, and the marker row that carries the canary's gradient."""
+    X = canaries.with_unused_input(data.X_train)
+    model, setting = _setup(cell, dataclasses.replace(data, X_train=X), 1)
+    setting = dataclasses.replace(setting, d=X.shape[1])
+    U = np.zeros((1, model.n_params))
+    U[0, canaries.dirac_index(model)] = 1.0
+    markers, marker_y = canaries.marker_rows(1, X.shape[1])
+    return model, setting, U, np.vstack([X, markers]), np.append(data.y_train, marker_y)
+
+
 def dirac_worlds(cell: Cell, spec: AuditSpec, algorithm: Algorithm, trials: int, data: Dataset) -> Worlds:
     """White box, the Dirac canary: the data and the model get one more input coordinate, zero for every real
     record, and the canary's gradient is C·e on the parameter it feeds (`canaries.dirac_index`); `trials` replicas
@@ -311,13 +323,7 @@ def dirac_worlds(cell: Cell, spec: AuditSpec, algorithm: Algorithm, trials: int,
     inclusions (`canaries.step_likelihood_ratio`, at the σ and sampling rate the mechanism declares)."""
     if spec.statistic == "one_run":
         raise NotApplicable("the one-run statistic is implemented for gradient canaries (canaries: [gradient])")
-    X = canaries.with_unused_input(data.X_train)
-    model, setting = _setup(cell, dataclasses.replace(data, X_train=X), 1)
-    setting = dataclasses.replace(setting, d=X.shape[1])
-    U = np.zeros((1, model.n_params))
-    U[0, canaries.dirac_index(model)] = 1.0
-    markers, marker_y = canaries.marker_rows(1, X.shape[1])
-    Xw, yw = np.vstack([X, markers]), np.append(data.y_train, marker_y)
+    model, setting, U, Xw, yw = dirac_setup(cell, data)
     clip = cell.clip_norm or 1.0
     raw_norm = spec.raw_norm if spec.raw_norm is not None else clip  # clipped or not, the sensitivity C
     mirror = algorithm.neighbouring() == "replace_one"
