@@ -23,6 +23,7 @@ SONG_DATA = {"name": "kddcup99", "subsample": 50000, "projection": 9}
 
 def _pair(ctx, case: str, what: str, algorithm: str, params: dict, data, setting, rng_seconds,
           rng_what: str = "drawing the random numbers alone") -> Row:
+    from dpsgd_cli import compiled
     from dpsgd_cli.algorithms import ALGORITHMS, kernels
     from dpsgd_cli.algorithms.streams import ReplicaStreams
     from dpsgd_cli.models import make_model
@@ -33,10 +34,10 @@ def _pair(ctx, case: str, what: str, algorithm: str, params: dict, data, setting
         algo = ALGORITHMS[algorithm]({**params, "backend": backend})
         return lambda: algo.fit(setting, model, data.X_train, data.y_train, ReplicaStreams([0]))
 
-    if not kernels.HAVE_NUMBA:
+    if not compiled.HAVE_NUMBA:
         t_np, _ = best_of(fit("numpy"), 1, warmup=0)
         return Row(case, what, ours=f"numpy {fmt_time(t_np.min)}", goal=f"≥ {GOAL:g}×",
-                   note=f"skipped: numba not installed ({kernels.NUMBA_HINT})", data={"numpy": t_np.json()})
+                   note=f"skipped: numba not installed ({compiled.NUMBA_HINT})", data={"numpy": t_np.json()})
     compile_s = kernels.warm_up()
     fits, outs = {"numpy": fit("numpy"), "numba": fit("numba")}, {}
     fits["numba"]()  # untimed warm-up of the kernel path
@@ -130,13 +131,14 @@ def run(ctx) -> list[Row]:
 def _pidp_mlp(ctx, data, steps: int = 3000) -> Row:
     """pidp_sgd on the MLP (adult, h = d, P = 11,025), one round of `steps` single-example steps, one replica: the
     NumPy chain vs the numba kernel `sgd1_mlp` (the influence test, over the output layer, is the same on both)."""
+    from dpsgd_cli import compiled
     from dpsgd_cli.algorithms import ALGORITHMS, kernels
     from dpsgd_cli.algorithms.streams import ReplicaStreams
     from dpsgd_cli.models import make_model
 
     what = f"pidp_sgd mlp adult (b = 1, {steps} steps)"
-    if not kernels.HAVE_NUMBA:
-        return Row("3d", what, note=f"skipped: numba not installed ({kernels.NUMBA_HINT})")
+    if not compiled.HAVE_NUMBA:
+        return Row("3d", what, note=f"skipped: numba not installed ({compiled.NUMBA_HINT})")
     setting = logreg_setting(data, batch_size=1, lr=1e-3)
     model = make_model("mlp", data.d, setting.l2)
 

@@ -23,7 +23,7 @@ Runner = Callable[[], dict[str, Any]]
 
 def _data(path: str):
     """The arrays, read-only as the engine holds its datasets (so per-dataset work, e.g. row norms and the
-    nonzeros' layout, is done once per process, not per fit: `sampling.per_array`)."""
+    nonzeros' layout, is done once per process, not per fit: `rows.per_array`)."""
     import numpy as np
 
     with np.load(path) as f:
@@ -46,7 +46,7 @@ def ours_fit(spec: dict[str, Any]) -> tuple[Runner, dict[str, Any]]:
     import numpy as np
 
     from dpsgd_cli.algorithms import ALGORITHMS
-    from dpsgd_cli.algorithms.sampling import cached_astype
+    from dpsgd_cli.models.rows import cached_astype
     from dpsgd_cli.algorithms.streams import ReplicaStreams
     from dpsgd_cli.models import make_model
 

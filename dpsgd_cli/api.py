@@ -150,7 +150,7 @@ class _Display:
             return
         from rich.markup import escape
 
-        from dpsgd_cli.algorithms.kernels import backend_description
+        from dpsgd_cli.compiled import backend_description
         from dpsgd_cli.data.files import run_notes
         from dpsgd_cli.engine.runner import dataset
 

@@ -4,9 +4,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dpsgd_cli.algorithms import kernels, sampling
+from dpsgd_cli import compiled
+from dpsgd_cli.models import rows
 from dpsgd_cli.algorithms.chain import run_together
-from dpsgd_cli.algorithms.sampling import RowNonzeros, poisson_batches
+from dpsgd_cli.algorithms.sampling import poisson_batches
+from dpsgd_cli.models.rows import RowNonzeros
 from dpsgd_cli.algorithms.streams import ReplicaStreams, SharedStreams
 from dpsgd_cli.config import load_grid_file
 from dpsgd_cli.engine import execute, plan_grid
@@ -67,10 +69,10 @@ def test_a_fused_grid_equals_its_cells_run_one_by_one_bit_for_bit(grids, tmp_pat
     nonzeros (numba), not densely."""
     grid = grids[which]
     if sparse:
-        if not kernels.HAVE_NUMBA:
+        if not compiled.HAVE_NUMBA:
             pytest.skip("numba not installed")
         monkeypatch.setattr(RowNonzeros, "MAX_DENSITY", 2.0)  # the synthetic rows (6 nonzeros, padded to 8)
-        monkeypatch.setattr(sampling, "_PER_ARRAY", {})  # the loaded datasets' nonzeros, found too dense before
+        monkeypatch.setattr(rows, "_PER_ARRAY", {})  # the loaded datasets' nonzeros, found too dense before
         read = []
         monkeypatch.setattr(logreg, "_row_nonzeros",
                             lambda X, own=logreg._row_nonzeros: read.append(own(X)) or read[-1])

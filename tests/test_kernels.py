@@ -10,13 +10,14 @@ import pytest
 from pydantic import ValidationError
 from typer.testing import CliRunner
 
+from dpsgd_cli import compiled
 from dpsgd_cli.algorithms import ALGORITHMS, Setting, kernels
 from dpsgd_cli.algorithms.chain import constant, inverse_sqrt, inverse_time, min_inverse_time
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import make_model
 
-needs_numba = pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="numba not installed (pip install 'dpsgd[numba]')")
+needs_numba = pytest.mark.skipif(not compiled.HAVE_NUMBA, reason="numba not installed (pip install 'dpsgd[numba]')")
 SEEDS = [0, 3, 11]
 
 
@@ -140,7 +141,7 @@ def test_backend_selection(monkeypatch):
         def clipped_grad_sum(self, theta, batch, clip):
             return super().clipped_grad_sum(theta, batch, clip)
 
-    monkeypatch.setattr(kernels, "HAVE_NUMBA", True)
+    monkeypatch.setattr(compiled, "HAVE_NUMBA", True)
     monkeypatch.setattr(kernels, "_kernels", lambda: {})  # "numba imports": the selection logic only
     assert kernels.select_backend("auto", logreg, 1) == "numba"
     assert kernels.select_backend("numba", logreg, 1) == "numba"
@@ -156,15 +157,15 @@ def test_backend_selection(monkeypatch):
     assert kernels.select_backend("auto", logreg, 1) == "numpy"
     with pytest.raises(UserError, match="could not be imported"):
         kernels.select_backend("numba", logreg, 1)
-    monkeypatch.setattr(kernels, "HAVE_NUMBA", False)
+    monkeypatch.setattr(compiled, "HAVE_NUMBA", False)
     assert kernels.select_backend("auto", logreg, 1) == "numpy"
     with pytest.raises(UserError, match=r"pip install 'dpsgd\[numba\]'"):
         kernels.select_backend("numba", logreg, 1)
-    assert kernels.backend_description().startswith("backend: numpy (pip install 'dpsgd[numba]'")
+    assert compiled.backend_description().startswith("backend: numpy (pip install 'dpsgd[numba]'")
 
 
 def test_without_numba_the_algorithms_run_numpy(monkeypatch):
-    monkeypatch.setattr(kernels, "HAVE_NUMBA", False)
+    monkeypatch.setattr(compiled, "HAVE_NUMBA", False)
     X, y = _data(60, 3)
     model = make_model("logreg", 3, 1e-2)
     for name in ("song2013", "song2013_nonprivate", "bassily2014"):
@@ -182,9 +183,9 @@ def test_backend_parameter_is_validated():
 
 
 def test_backend_description_names_numba_when_installed(monkeypatch):
-    monkeypatch.setattr(kernels, "HAVE_NUMBA", True)
-    monkeypatch.setattr(kernels, "numba_version", lambda: "0.99.0")
-    assert kernels.backend_description().startswith("backend: numba 0.99.0")
+    monkeypatch.setattr(compiled, "HAVE_NUMBA", True)
+    monkeypatch.setattr(compiled, "numba_version", lambda: "0.99.0")
+    assert compiled.backend_description().startswith("backend: numba 0.99.0")
 
 
 def test_cli_run_says_the_backend_once(tmp_path, monkeypatch):
@@ -206,7 +207,7 @@ def test_cli_run_says_the_backend_once(tmp_path, monkeypatch):
     result = CliRunner().invoke(app, ["run", str(grid), "--out", str(tmp_path / "r"), "--dry-run"])
     assert result.exit_code == 0, result.output
     assert result.output.count("backend: ") == 1
-    assert kernels.backend_description() in result.output
+    assert compiled.backend_description() in result.output
 
 
 @needs_numba

@@ -5,7 +5,8 @@ the backend setting is respected, and run ids do not see it."""
 import numpy as np
 import pytest
 
-from dpsgd_cli.algorithms import ALGORITHMS, Setting, kernels, kernels_fullbatch
+from dpsgd_cli import compiled
+from dpsgd_cli.algorithms import ALGORITHMS, Setting, kernels_fullbatch
 from dpsgd_cli.algorithms.chain import (GradientChain, add_l2, add_noise, constant, project_to_ball, scale,
                                         train_together)
 from dpsgd_cli.algorithms.sampling import full_batches
@@ -14,7 +15,7 @@ from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import make_model
 from tests.test_kernels import _data as kernel_data
 
-needs_numba = pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="numba not installed (pip install 'dpsgd[numba]')")
+needs_numba = pytest.mark.skipif(not compiled.HAVE_NUMBA, reason="numba not installed (pip install 'dpsgd[numba]')")
 SEEDS = [0, 3, 11]
 
 
@@ -121,7 +122,7 @@ def test_backend_is_respected(monkeypatch):
     X, y = _data()
     setting = _setting(X, epochs=2)
     assert _fit({}, setting, X, y, "numpy").derived["backend"] == "numpy"
-    monkeypatch.setattr(kernels, "HAVE_NUMBA", False)
+    monkeypatch.setattr(compiled, "HAVE_NUMBA", False)
     with pytest.raises(UserError, match="numba is not installed"):
         _fit({}, setting, X, y, "numba")
     assert _fit({}, setting, X, y, "auto").derived["backend"] == "numpy"

@@ -4,7 +4,8 @@ fused equals alone bit for bit on it, divergence stays per replica, and it is th
 import numpy as np
 import pytest
 
-from dpsgd_cli.algorithms import ALGORITHMS, Setting, kernels, kernels_minibatch
+from dpsgd_cli import compiled
+from dpsgd_cli.algorithms import ALGORITHMS, Setting, kernels_minibatch
 from dpsgd_cli.algorithms.chain import (Checkpoints, GradientChain, add_l2, add_noise, inverse_sqrt,
                                         laplacian_smoothing, project_to_ball, scale, train_together)
 from dpsgd_cli.algorithms.sampling import poisson_batches, shuffled_batches
@@ -13,7 +14,7 @@ from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import make_model
 from tests.test_kernels import _data as kernel_data
 
-needs_numba = pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="numba not installed (pip install 'dpsgd[numba]')")
+needs_numba = pytest.mark.skipif(not compiled.HAVE_NUMBA, reason="numba not installed (pip install 'dpsgd[numba]')")
 SEEDS = [0, 3, 11]
 
 
@@ -171,7 +172,7 @@ def test_where_the_kernel_does_not_apply():
 
 def test_backend_numba_without_numba_is_a_user_error(monkeypatch):
     X, y = _data()
-    monkeypatch.setattr(kernels, "HAVE_NUMBA", False)
+    monkeypatch.setattr(compiled, "HAVE_NUMBA", False)
     model = make_model("logreg", X.shape[1], 1e-2)
     with pytest.raises(UserError, match="numba is not installed"):
         _train("sgd", {}, _setting(X), X, y, "numba")
@@ -228,7 +229,7 @@ def test_each_cell_is_the_same_whatever_shares_its_call(d, density):
     densely and by their nonzeros (`RowNonzeros`; sparse X with an all-zero and an all-nonzero row), each layout
     with its own order: bit for bit within a layout, to 1e-12 between them (the same NaN replica)."""
     from dpsgd_cli.algorithms.kernels_minibatch import _kernel, lane_cells
-    from dpsgd_cli.algorithms.sampling import RowNonzeros, row_norms
+    from dpsgd_cli.models.rows import RowNonzeros, row_norms
 
     kernel = _kernel()
     rng = np.random.default_rng(7)

@@ -6,13 +6,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from dpsgd_cli.algorithms import kernels
+from dpsgd_cli import compiled
 from dpsgd_cli.engine import runner
 from dpsgd_cli.models import LogisticRegression
 from dpsgd_cli.models import logreg
 from dpsgd_cli.models.base import accuracy_of, logistic_loss
 
-needs_numba = pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="numba not installed (pip install 'dpsgd[numba]')")
+needs_numba = pytest.mark.skipif(not compiled.HAVE_NUMBA, reason="numba not installed (pip install 'dpsgd[numba]')")
 
 
 def one_hot_like(n: int, d: int, seed: int, read_only: bool = True):
@@ -37,9 +37,9 @@ def thetas(K: int, d: int, seed: int):
 
 @pytest.fixture(params=["numba", "numpy"])
 def backend(request, monkeypatch):
-    if request.param == "numba" and not kernels.HAVE_NUMBA:
+    if request.param == "numba" and not compiled.HAVE_NUMBA:
         pytest.skip("numba not installed")
-    monkeypatch.setattr(kernels, "HAVE_NUMBA", request.param == "numba")
+    monkeypatch.setattr(compiled, "HAVE_NUMBA", request.param == "numba")
     return request.param
 
 
@@ -70,11 +70,11 @@ def test_one_pass_numbers_do_not_depend_on_the_stack_nor_the_row_format():
 def test_the_numpy_path_has_the_same_margins(monkeypatch):
     X, y = one_hot_like(2000, 43, seed=4)
     theta = thetas(5, 43, seed=5)
-    compiled = logreg.logistic_metrics(theta, X, y)
-    monkeypatch.setattr(kernels, "HAVE_NUMBA", False)
+    fast = logreg.logistic_metrics(theta, X, y)
+    monkeypatch.setattr(compiled, "HAVE_NUMBA", False)
     numpy = logreg.logistic_metrics(theta, X, y)
-    np.testing.assert_array_equal(numpy[1], compiled[1])
-    np.testing.assert_allclose(numpy[0], compiled[0], rtol=1e-15, atol=0)
+    np.testing.assert_array_equal(numpy[1], fast[1])
+    np.testing.assert_allclose(numpy[0], fast[0], rtol=1e-15, atol=0)
 
 
 @needs_numba

@@ -6,15 +6,16 @@ others bit for bit. Also the numba fill of the noise streams: the same numbers a
 import numpy as np
 import pytest
 
-from dpsgd_cli.algorithms import ALGORITHMS, kernels
+from dpsgd_cli import compiled
+from dpsgd_cli.algorithms import ALGORITHMS
 from dpsgd_cli.algorithms.base import Setting
-from dpsgd_cli.algorithms.sampling import RowNonzeros, gather, row_norms
+from dpsgd_cli.models.rows import RowNonzeros, gather, row_norms
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.models import make_model
 
 from test_mlp import naive_per_example
 
-pytestmark = pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="numba not installed (pip install 'dpsgd[numba]')")
+pytestmark = pytest.mark.skipif(not compiled.HAVE_NUMBA, reason="numba not installed (pip install 'dpsgd[numba]')")
 
 
 def one_hot_data(n=240, seed=0, dtype=np.float64):
@@ -112,7 +113,7 @@ def test_numba_noise_fill_equals_numpy_draws(monkeypatch):
     streams = ReplicaStreams([0, 3, 11])
     fast = streams.normal("noise", (7, 3))
     got = [next(fast) for _ in range(150)]  # across block boundaries (64 steps a block)
-    monkeypatch.setattr(kernels, "HAVE_NUMBA", False)
+    monkeypatch.setattr(compiled, "HAVE_NUMBA", False)
     slow = streams.normal("noise", (7, 3))
     want = [next(slow) for _ in range(150)]
     assert all(np.array_equal(a, b) for a, b in zip(got, want)) and got[0].shape == (3, 7, 3)
@@ -123,7 +124,7 @@ def test_row_nonzeros_numba_equals_numpy(monkeypatch):
     X[3] = 0.0  # an empty row
     X[7, :] = 0.5  # a full row: K = d rounded up to 4
     fast = RowNonzeros.of(np.hstack([X, np.zeros((50, 150))]))
-    monkeypatch.setattr(kernels, "HAVE_NUMBA", False)
+    monkeypatch.setattr(compiled, "HAVE_NUMBA", False)
     slow = RowNonzeros.of(np.hstack([X, np.zeros((50, 150))]))
     for name in ("cols", "vals", "nnz"):
         a, b = getattr(fast, name), getattr(slow, name)

@@ -10,6 +10,7 @@ import pytest
 from scipy import stats
 from scipy.special import expit
 
+from dpsgd_cli import compiled
 from dpsgd_cli.algorithms import ALGORITHMS, Setting
 from dpsgd_cli.algorithms import kernels
 from dpsgd_cli.algorithms import pidp_sgd as P
@@ -19,7 +20,7 @@ from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.models import make_model
 from dpsgd_cli.privacy.accounting import calibrate_sigma
 
-needs_numba = pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="numba not installed")
+needs_numba = pytest.mark.skipif(not compiled.HAVE_NUMBA, reason="numba not installed")
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,8 @@ import itertools
 import numpy as np
 import pytest
 
-from dpsgd_cli.algorithms import ALGORITHMS, kernels
+from dpsgd_cli import compiled
+from dpsgd_cli.algorithms import ALGORITHMS
 from dpsgd_cli.algorithms.base import Setting
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.models import make_model
@@ -45,7 +46,7 @@ def test_numpy_path_seed_alone_equals_seed_among_others_bit_for_bit(model_name, 
     assert differ == 3  # the seeds did train differently
 
 
-@pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="numba not installed")
+@pytest.mark.skipif(not compiled.HAVE_NUMBA, reason="numba not installed")
 def test_noise_block_is_not_refilled_while_one_step_of_it_is_held():
     """`ReplicaStreams._filled` refills its block in place when sys.getrefcount says no step of it is alive. Hold
     exactly one step per block (the hazardous case: one outstanding view, e.g. a lagging tee of a fused task) and

@@ -5,10 +5,10 @@ import itertools
 import numpy as np
 import pytest
 
-from dpsgd_cli.algorithms import kernels
+from dpsgd_cli import compiled
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 
-needs_numba = pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="numba not installed")
+needs_numba = pytest.mark.skipif(not compiled.HAVE_NUMBA, reason="numba not installed")
 
 
 @needs_numba
@@ -37,9 +37,9 @@ def test_other_bit_generators_take_the_generator_path():
     assert compiled.pcg64_state(np.random.Generator(np.random.Philox(3))) is None
 
 
-@pytest.mark.parametrize("numba", [False, True] if kernels.HAVE_NUMBA else [False])
+@pytest.mark.parametrize("numba", [False, True] if compiled.HAVE_NUMBA else [False])
 def test_normal_stream_equals_per_replica_standard_normal(monkeypatch, numba):
-    monkeypatch.setattr(kernels, "HAVE_NUMBA", numba)
+    monkeypatch.setattr(compiled, "HAVE_NUMBA", numba)
     got = list(itertools.islice(ReplicaStreams([0, 3, 11]).normal("noise", (2, 7)), 70))
     want = list(itertools.islice(ReplicaStreams([0, 3, 11]).per_step(
         "noise", lambda g, k: g.standard_normal((k, 2, 7))), 70))
@@ -47,7 +47,7 @@ def test_normal_stream_equals_per_replica_standard_normal(monkeypatch, numba):
 
 
 def test_float32_training_copy_is_made_once_per_read_only_dataset():
-    from dpsgd_cli.algorithms.sampling import cached_astype, cached_nonzeros
+    from dpsgd_cli.models.rows import cached_astype, cached_nonzeros
 
     X = np.random.default_rng(0).normal(size=(50, 4))
     assert cached_astype(X, np.float32) is not cached_astype(X, np.float32)  # writeable: may change between calls

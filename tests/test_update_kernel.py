@@ -4,12 +4,13 @@ numbers bit for bit: noise, scale, λθ and θ ← θ − ηg, float32 and float
 import numpy as np
 import pytest
 
-from dpsgd_cli.algorithms import ALGORITHMS, Setting, kernels
+from dpsgd_cli import compiled
+from dpsgd_cli.algorithms import ALGORITHMS, Setting
 from dpsgd_cli.algorithms.chain import GradientChain
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.models import make_model
 
-pytestmark = pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="numba not installed")
+pytestmark = pytest.mark.skipif(not compiled.HAVE_NUMBA, reason="numba not installed")
 
 
 def _one_hot(n=300, seed=4):

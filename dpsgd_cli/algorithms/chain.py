@@ -12,6 +12,7 @@ from typing import Callable, Hashable, Iterator, Optional, Sequence
 
 import numpy as np
 
+from dpsgd_cli import compiled
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import Batch, Model
 
@@ -209,9 +210,7 @@ class GradientChain:
         if not (theta.dtype == g.dtype and theta.dtype in (np.float32, np.float64) and theta.ndim == 2
                 and theta.shape == g.shape and theta.flags.c_contiguous and g.flags.c_contiguous):
             return None
-        from dpsgd_cli.algorithms import kernels
-
-        module = kernels.optional_compiled("algorithms._update_numba")
+        module = compiled.optional_compiled("algorithms._update_numba")
         if module is None:
             return None
         noise = (kinds[0][1], kinds[0][2]) if kinds[0][0] == "noise" else None
@@ -222,10 +221,8 @@ class GradientChain:
         _mlp_numba.py): backend auto or numba, and numba installed (looked up here: tests switch it off)."""
         if self.backend == "numpy":
             return False
-        from dpsgd_cli.algorithms import kernels
-
-        kernels.check_backend(self.backend)
-        return kernels.HAVE_NUMBA
+        compiled.check_backend(self.backend)
+        return compiled.HAVE_NUMBA
 
     def run(self, model: Model, theta: np.ndarray, steps: int) -> np.ndarray:
         """Apply `steps` updates to θ (R, P); a replica that diverges ends as NaN without stopping the others."""

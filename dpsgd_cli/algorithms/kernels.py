@@ -33,59 +33,28 @@ which is, operation for operation, `GradientChain` with `clipped_grad_sum` → `
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.metadata
-import importlib.util
-from typing import Callable, Iterator, Literal, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
-from dpsgd_cli.algorithms.sampling import row_norms
 from dpsgd_cli.algorithms.streams import BLOCK_STEPS, ReplicaStreams
+from dpsgd_cli.compiled import Backend
+from dpsgd_cli import compiled
+from dpsgd_cli.algorithms.sampling import IndexedBatches
 from dpsgd_cli.errors import UserError
+from dpsgd_cli.models.logreg import LogisticRegression
+from dpsgd_cli.models.mlp import MLP
+from dpsgd_cli.models.rows import row_norms
 
-Backend = Literal["auto", "numpy", "numba"]
-
-
-def _numba_installed() -> bool:
-    try:
-        return importlib.util.find_spec("numba") is not None
-    except (ImportError, ValueError):
-        return False
-
-
-HAVE_NUMBA: bool = _numba_installed()  # numba itself is imported lazily, by the first kernel call
-NUMBA_HINT = "pip install 'dpsgd[numba]'"
 _NO_MASK = np.zeros((1, 1), dtype=np.bool_)
 _NO_CANARY = (np.full(1, -1, dtype=np.int64), np.zeros((1, 1, 1)), np.zeros((1, 1)), np.zeros((1, 1, 1)), 0, False)
 CHUNK_ELEMENTS = 1 << 23  # noise numbers per kernel call (64 MB in float64): a whole pass on adult / kddcup99
-
-
-def numba_version() -> Optional[str]:
-    """The installed numba's version, without importing it (None when absent)."""
-    if not HAVE_NUMBA:
-        return None
-    try:
-        return importlib.metadata.version("numba")
-    except importlib.metadata.PackageNotFoundError:  # importable but not installed as a distribution
-        return "(version unknown)"
-
-
-def backend_description() -> str:
-    """One line for the CLI: which backend the single-example loops use."""
-    version = numba_version()
-    if version:
-        return f"backend: numba {version} (single-example loops; logreg mini-batch steps)"  # fits 80 columns
-    return f"backend: numpy ({NUMBA_HINT} for the single-example kernels)"
 
 
 def kernel_applies(model, batch_size: Optional[int], mlp: bool = False) -> bool:
     """The kernels implement one example per step (batch size 1) on a `LogisticRegression`, or, where the caller
     allows it (`mlp`: pidp_sgd), an `MLP`, whose gradient is not overridden (logreg: or overridden only by the
     audit's gradient canaries, `kernel_canaries`, which the logreg kernel adds)."""
-    from dpsgd_cli.models.logreg import LogisticRegression
-    from dpsgd_cli.models.mlp import MLP
-
     if batch_size != 1:
         return False
     if isinstance(model, LogisticRegression):
@@ -94,38 +63,15 @@ def kernel_applies(model, batch_size: Optional[int], mlp: bool = False) -> bool:
     return mlp and isinstance(model, MLP) and type(model).clipped_grad_sum is MLP.clipped_grad_sum
 
 
-def check_backend(requested: str) -> None:
-    """UserError for a backend that is not auto, numpy or numba, or for numba asked for but not installed."""
-    if requested not in ("auto", "numpy", "numba"):
-        raise UserError(f"backend = {requested!r}: use auto, numpy or numba")
-    if requested == "numba" and not HAVE_NUMBA:
-        raise UserError(f"backend: numba, but numba is not installed: {NUMBA_HINT}, or use backend: auto")
-
-
 def plain_logreg_float64(model, batches, thetas) -> bool:
     """Whether the compiled logistic-regression steps can take this model and data: a plain `LogisticRegression`
     (its `clipped_grad_sum` not overridden, not the audit's canary models), batches cut by index from float64 X,
     2-D float64 θs."""
-    from dpsgd_cli.algorithms.sampling import IndexedBatches
-    from dpsgd_cli.models.logreg import LogisticRegression
-
     return (isinstance(model, LogisticRegression) and hasattr(model, "d")
             and type(model).clipped_grad_sum is LogisticRegression.clipped_grad_sum
             and not hasattr(model, "kernel_canaries")
             and isinstance(batches, IndexedBatches) and batches.X.dtype == np.float64
             and all(theta.dtype == np.float64 and theta.ndim == 2 for theta in thetas))
-
-
-def loads(load: Callable[[], object], wanted: bool) -> bool:
-    """Whether the compiled module `load` imports (numba compiles or reads its cache); its UserError is raised
-    when the kernel was asked for (backend: numba), else the NumPy path runs."""
-    try:
-        load()
-    except UserError:
-        if wanted:
-            raise
-        return False
-    return True
 
 
 def checkpoint_stops(chains: Sequence, steps: Sequence[int]) -> tuple[list[set], list[int]]:
@@ -155,8 +101,8 @@ def select_backend(requested: Backend, model, batch_size: Optional[int], mlp: bo
     """
     if requested == "numpy":
         return "numpy"
-    check_backend(requested)
-    if not (HAVE_NUMBA and kernel_applies(model, batch_size, mlp)):
+    compiled.check_backend(requested)
+    if not (compiled.HAVE_NUMBA and kernel_applies(model, batch_size, mlp)):
         return "numpy"
     try:
         _kernels()  # imports numba and compiles (or loads the cached kernel) once per process
@@ -232,27 +178,6 @@ def schedule_values(schedule: Callable[[int], float], start: int, stop: int) -> 
 # --- the kernel ---------------------------------------------------------------------------------------------------
 
 
-def import_compiled(module: str):
-    """Import the numba module `dpsgd_cli.algorithms.<module>` (compiling its kernels or loading them from numba's
-    on-disk cache); a broken numba install is a UserError (one line, how to fix)."""
-    try:
-        return importlib.import_module(f"dpsgd_cli.algorithms.{module}")
-    except Exception as exc:  # installed but broken (e.g. a NumPy it does not support)
-        raise UserError(f"numba could not be imported ({type(exc).__name__}: {exc}); reinstall it "
-                        f"({NUMBA_HINT}) or use backend: numpy") from exc
-
-
-def optional_compiled(module: str):
-    """The numba module `dpsgd_cli.<module>`, or None without numba or with a broken one (the callers then compute
-    the same numbers with NumPy). Looked up at each call: tests switch HAVE_NUMBA off."""
-    if not HAVE_NUMBA:
-        return None
-    try:
-        return importlib.import_module(f"dpsgd_cli.{module}")
-    except Exception:  # installed but broken (e.g. a NumPy it does not support)
-        return None
-
-
 @functools.lru_cache(maxsize=1)
 def _kernels():
     """Compile (or load from numba's on-disk cache) the kernels; imports numba."""
@@ -260,7 +185,7 @@ def _kernels():
         import numba
     except Exception as exc:  # installed but broken (e.g. a NumPy it does not support)
         raise UserError(f"numba could not be imported ({type(exc).__name__}: {exc}); reinstall it "
-                        f"({NUMBA_HINT}) or use backend: numpy") from exc
+                        f"({compiled.NUMBA_HINT}) or use backend: numpy") from exc
 
     @numba.njit(cache=True, nogil=True, inline="always")
     def _step_noise(zs, gen, noise, t, r, do_noise, draw_noise):  # pragma: no cover
@@ -500,8 +425,6 @@ MLP_ACTIVATIONS = {"tanh": 0, "sigmoid": 1, "relu": 2}  # sgd1_mlp's `act`
 def _kernel_for(model) -> tuple[Callable, tuple]:
     """(kernel, its trailing arguments) for the model: sgd1_mlp (h, activation code) for an `MLP`, else
     sgd1_logreg."""
-    from dpsgd_cli.models.mlp import MLP
-
     if isinstance(model, MLP):
         return _kernels()["sgd1_mlp"], (model.hidden, MLP_ACTIVATIONS[model.activation])
     return _kernels()["sgd1_logreg"], ()

@@ -30,6 +30,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from dpsgd_cli import compiled
 from dpsgd_cli.algorithms import kernels
 from dpsgd_cli.algorithms.kernels import CHUNK_ELEMENTS, schedule_values
 from dpsgd_cli.algorithms.kernels_minibatch import noise_blocks
@@ -41,7 +42,7 @@ CODES = {"noise": 1, "scale": 2, "l2": 3}  # _kernels_fullbatch_numba's op codes
 @functools.lru_cache(maxsize=1)
 def _module():
     """Import (compile or load from numba's on-disk cache) the kernel module; imports numba."""
-    return kernels.import_compiled("_kernels_fullbatch_numba")
+    return compiled.import_compiled("algorithms._kernels_fullbatch_numba")
 
 
 def _ops(chain) -> Optional[list[tuple]]:
@@ -65,13 +66,13 @@ def applies(model, chain, theta: np.ndarray) -> bool:
     """Whether this chain runs on the compiled full-batch step (module docstring)."""
     if chain.backend == "numpy":
         return False
-    kernels.check_backend(chain.backend)
+    compiled.check_backend(chain.backend)
     batches = chain.batches
-    if not (kernels.HAVE_NUMBA and kernels.plain_logreg_float64(model, batches, [theta]) and batches.full
+    if not (compiled.HAVE_NUMBA and kernels.plain_logreg_float64(model, batches, [theta]) and batches.full
             and _ops(chain) is not None
             and (chain.project is None or getattr(chain.project, "compiled", ("",))[0] == "ball")):
         return False
-    return kernels.loads(_module, chain.backend == "numba")
+    return compiled.loads(_module, chain.backend == "numba")
 
 
 def run(model, chains: Sequence, thetas: Sequence[np.ndarray], steps: Sequence[int]) -> list[np.ndarray]:

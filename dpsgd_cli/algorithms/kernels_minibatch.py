@@ -45,6 +45,7 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
+from dpsgd_cli import compiled
 from dpsgd_cli.algorithms import kernels
 from dpsgd_cli.algorithms.kernels import CHUNK_ELEMENTS, schedule_values
 from dpsgd_cli.algorithms.sampling import IndexedBatches
@@ -65,7 +66,7 @@ def lane_cells(C: int) -> int:
 @functools.lru_cache(maxsize=1)
 def _kernel():
     """Compile (or load from numba's on-disk cache) the kernel (`_kernels_minibatch_numba.mb_logreg`); imports numba."""
-    return kernels.import_compiled("_kernels_minibatch_numba").mb_logreg
+    return compiled.import_compiled("algorithms._kernels_minibatch_numba").mb_logreg
 
 
 def _plan(chain) -> Optional[dict]:
@@ -93,14 +94,14 @@ def applies(model, chains: Sequence, thetas: Sequence[np.ndarray]) -> bool:
     if any(chain.backend == "numpy" for chain in chains):
         return False
     for chain in chains:
-        kernels.check_backend(chain.backend)
+        compiled.check_backend(chain.backend)
     wanted = any(chain.backend == "numba" for chain in chains)
-    if not kernels.HAVE_NUMBA:  # looked up here: tests switch it off
+    if not compiled.HAVE_NUMBA:  # looked up here: tests switch it off
         return False
     if not (kernels.plain_logreg_float64(model, chains[0].batches, thetas)
             and all(_plan(chain) is not None for chain in chains)):
         return False
-    return kernels.loads(_kernel, wanted)
+    return compiled.loads(_kernel, wanted)
 
 
 def group_steps(model, chains: Sequence, thetas: Sequence[np.ndarray], steps: Sequence[int],

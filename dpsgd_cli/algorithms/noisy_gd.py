@@ -7,7 +7,7 @@ from typing import Literal, Optional
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from dpsgd_cli.algorithms import kernels
+from dpsgd_cli.compiled import Backend
 from dpsgd_cli.algorithms.base import Algorithm, Outcome, Prepared, Setting, unit_ball_violation
 from dpsgd_cli.algorithms.chain import (Checkpoints, GradientChain, add_l2, add_noise, constant, project_to_ball,
                                         scale)
@@ -32,7 +32,7 @@ class NoisyGDParams(BaseModel):
                                 "minimum: the smaller of the two at each Rényi order")
     radius: Optional[float] = Field(None, gt=0, allow_inf_nan=False,
                                     description="project onto the L2 ball of this radius (None: no projection)")
-    backend: kernels.Backend = Field(
+    backend: Backend = Field(
         "auto", description="logreg: the compiled full-batch step (kernels_fullbatch; auto: when numba is installed) "
                             "or numpy; same random numbers, same result up to summation order")
 

@@ -6,7 +6,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dpsgd_cli.algorithms import kernels
+from dpsgd_cli.compiled import Backend
 from dpsgd_cli.algorithms.base import Algorithm, Outcome, Prepared, Setting
 from dpsgd_cli.algorithms.chain import Checkpoints, GradientChain, add_l2, add_noise, constant, scale
 from dpsgd_cli.algorithms.sampling import poisson_batches
@@ -22,7 +22,7 @@ BACKEND_HELP = ("logistic regression: the compiled mini-batch step (kernels_mini
 
 class SGDParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    backend: kernels.Backend = Field("auto", description=BACKEND_HELP)
+    backend: Backend = Field("auto", description=BACKEND_HELP)
 
 
 class SGD(Algorithm):
@@ -68,7 +68,7 @@ class SGD(Algorithm):
 class DPSGDParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     accountant: Literal["rdp", "pld"] = Field("rdp", description="dp-accounting accountant used to calibrate σ")
-    backend: kernels.Backend = Field("auto", description=BACKEND_HELP)
+    backend: Backend = Field("auto", description=BACKEND_HELP)
 
 
 class DPSGD(SGD):

@@ -15,6 +15,8 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from dpsgd_cli import compiled
+
 STREAMS = {"init": 0, "sampling": 1, "noise": 2, "output": 3}
 BLOCK_STEPS = 64
 FILL_STEPS = 8  # steps of normals per block when numba fills it (`_filled`: the numbers do not depend on it)
@@ -72,11 +74,8 @@ class ReplicaStreams:
 
 
 def _numba_normals():
-    """The module `_normals_numba`, or None without numba (looked up at each call: tests switch kernels.HAVE_NUMBA
-    off)."""
-    from dpsgd_cli.algorithms import kernels
-
-    return kernels.optional_compiled("algorithms._normals_numba")  # broken numba: NumPy draws the same numbers
+    """The module `_normals_numba`, or None without numba."""
+    return compiled.optional_compiled("algorithms._normals_numba")  # broken numba: NumPy draws the same numbers
 
 
 class SharedStreams(ReplicaStreams):

@@ -1,5 +1,5 @@
 """The numba code of the MLP's row-sparse mini-batch products (models/mlp.py; imported on first use: numba is
-optional). Each batch row is given by its nonzeros (`sampling.RowNonzeros`: column order, padded with zeros to a
+optional). Each batch row is given by its nonzeros (`rows.RowNonzeros`: column order, padded with zeros to a
 multiple of 8; gathered for the batch by NumPy first, whose copy keeps many random rows in flight: the kernels
 reading them from the dataset themselves took ~1.7× longer in training), so a one-hot row costs its nonzeros,
 not d (adult: 14 of 104).

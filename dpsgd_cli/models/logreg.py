@@ -7,7 +7,9 @@ from typing import Optional
 import numpy as np
 from scipy.special import expit
 
+from dpsgd_cli import compiled
 from dpsgd_cli.models.base import Batch, Model, accuracy_of, logistic_loss
+from dpsgd_cli.models.rows import cached_nonzeros
 
 
 class LogisticRegression(Model):
@@ -82,7 +84,7 @@ def logistic_metrics(theta: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[n
     Each margin θ·x is summed over x's columns in increasing order and each mean over the rows in row order (TwoSum
     compensated): a θ's numbers are the same bit for bit whatever θs it is stacked with (a fused task's cells equal
     the cells run alone) and whether X is read by its nonzeros or densely. With numba, one pass over X for the whole
-    stack, read by its nonzeros (`sampling.RowNonzeros`) when X is read-only and sparse enough; without, the same
+    stack, read by its nonzeros (`rows.RowNonzeros`) when X is read-only and sparse enough; without, the same
     margins in NumPy, the means by NumPy's pairwise sum (≤ ~1e-15 relative from the compiled ones).
     """
     theta = np.asarray(theta, dtype=np.float64)
@@ -126,17 +128,13 @@ _CHUNK_ROWS = 8192  # rows per chunk: 2× faster than 2048 on adult (K = 24)
 
 def _compiled():
     """The numba module of `logistic_metrics`, or None (numba missing or broken: the NumPy path runs)."""
-    from dpsgd_cli.algorithms import kernels
-
-    return kernels.optional_compiled("models._logreg_numba")
+    return compiled.optional_compiled("models._logreg_numba")
 
 
 def _row_nonzeros(X: np.ndarray):
-    """`RowNonzeros.of(X)` (None: too dense) for float64 X, kept per read-only X (`sampling.per_array`: the
+    """`RowNonzeros.of(X)` (None: too dense) for float64 X, kept per read-only X (`rows.per_array`: the
     datasets the engine loads, so every row's and checkpoint's metrics reuse it); a writeable X may change between
     calls and is read densely (the same numbers)."""
-    from dpsgd_cli.algorithms.sampling import cached_nonzeros
-
     if X.flags.writeable or X.dtype != np.float64:
         return None
     return cached_nonzeros(X)

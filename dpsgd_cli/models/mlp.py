@@ -12,7 +12,7 @@ Per-example gradients (r = ∂ℓ/∂f = −y σ(−y f), u = w₂ ⊙ φ'(z), �
 and clipping never builds the (R, M, P) tensor: each example's output gradient r is scaled by
 weight · min(1, C/‖∇ℓ‖) and the usual batched backward pass (matrix products) sums the clipped gradients.
 
-On data whose rows are mostly zeros (one-hot tabular data; `sampling.RowNonzeros`), batches a chain cuts by index
+On data whose rows are mostly zeros (one-hot tabular data; `rows.RowNonzeros`), batches a chain cuts by index
 with backend auto/numba and numba installed take `clipped_grad_sum`'s compiled path: the two products with X in
 row-sparse numba kernels (models/_mlp_numba.py), φ' and the per-row dots in one pass; the same numbers as the dense
 NumPy path up to summation order, in an order that depends on neither R nor M (a replica's run is independent of
@@ -328,7 +328,7 @@ def _scratch(name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
 
 def _row_sparse(batch: Batch, theta: np.ndarray):
     """(the numba kernels, the data's `RowNonzeros`) when the batch may be read row-sparse: cut from a dataset
-    (`sampling.IndexedBatch`; a chain hands its model one only where its backend allows the compiled step) whose
+    (`rows.IndexedBatch`; a chain hands its model one only where its backend allows the compiled step) whose
     rows are sparse enough, θ of the data's dtype, numba importable; else None (the dense NumPy path)."""
     nonzeros = getattr(batch, "nonzeros", None)
     nz = nonzeros() if nonzeros is not None else None

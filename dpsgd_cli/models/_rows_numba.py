@@ -1,4 +1,4 @@
-"""numba code of `sampling.RowNonzeros.of` (imported on first use: numba is optional; NumPy builds the same arrays).
+"""numba code of `rows.RowNonzeros.of` (imported on first use: numba is optional; NumPy builds the same arrays).
 Branch-free (a nonzero test per entry mispredicts often at ~1/8 density)."""
 
 import numba

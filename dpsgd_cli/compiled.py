@@ -1,0 +1,88 @@
+"""The optional compiled backend (numba): whether it is installed, and how its modules are loaded.
+
+Every compiled module of the package is a backend of NumPy code that computes the same numbers; it is imported on
+first use (numba compiles, or reads its on-disk cache), and the NumPy path runs where numba is missing or broken.
+`HAVE_NUMBA` is looked up at each call, so tests can switch the compiled paths off.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+from types import ModuleType
+from typing import Callable, Literal, Optional
+
+from dpsgd_cli.errors import UserError
+
+Backend = Literal["auto", "numpy", "numba"]
+NUMBA_HINT = "pip install 'dpsgd[numba]'"
+
+
+def _numba_installed() -> bool:
+    try:
+        return importlib.util.find_spec("numba") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+HAVE_NUMBA: bool = _numba_installed()  # numba itself is imported lazily, by the first compiled module
+
+
+def numba_version() -> Optional[str]:
+    """The installed numba's version, without importing it (None when absent)."""
+    if not HAVE_NUMBA:
+        return None
+    try:
+        return importlib.metadata.version("numba")
+    except importlib.metadata.PackageNotFoundError:  # importable but not installed as a distribution
+        return "(version unknown)"
+
+
+def backend_description() -> str:
+    """One line for the CLI: which backend the compiled steps use."""
+    version = numba_version()
+    if version:
+        return f"backend: numba {version} (single-example loops; logreg mini-batch steps)"  # fits 80 columns
+    return f"backend: numpy ({NUMBA_HINT} for the single-example kernels)"
+
+
+def check_backend(requested: str) -> None:
+    """UserError for a backend that is not auto, numpy or numba, or for numba asked for but not installed."""
+    if requested not in ("auto", "numpy", "numba"):
+        raise UserError(f"backend = {requested!r}: use auto, numpy or numba")
+    if requested == "numba" and not HAVE_NUMBA:
+        raise UserError(f"backend: numba, but numba is not installed: {NUMBA_HINT}, or use backend: auto")
+
+
+def import_compiled(module: str) -> ModuleType:
+    """Import the numba module `dpsgd_cli.<module>` (compiling its kernels or loading them from numba's on-disk
+    cache); a broken numba install is a UserError (one line, how to fix)."""
+    try:
+        return importlib.import_module(f"dpsgd_cli.{module}")
+    except Exception as exc:  # installed but broken (e.g. a NumPy it does not support)
+        raise UserError(f"numba could not be imported ({type(exc).__name__}: {exc}); reinstall it "
+                        f"({NUMBA_HINT}) or use backend: numpy") from exc
+
+
+def optional_compiled(module: str) -> Optional[ModuleType]:
+    """The numba module `dpsgd_cli.<module>`, or None without numba or with a broken one (the callers then compute
+    the same numbers with NumPy)."""
+    if not HAVE_NUMBA:
+        return None
+    try:
+        return importlib.import_module(f"dpsgd_cli.{module}")
+    except Exception:  # installed but broken (e.g. a NumPy it does not support)
+        return None
+
+
+def loads(load: Callable[[], object], wanted: bool) -> bool:
+    """Whether the compiled module `load` imports; its UserError is raised when the kernel was asked for
+    (backend: numba), else the NumPy path runs."""
+    try:
+        load()
+    except UserError:
+        if wanted:
+            raise
+        return False
+    return True
