@@ -42,7 +42,7 @@ def run(grid_file: PathLike, *, only: Optional[Sequence[str]] = None, out: PathL
     from dpsgd_cli.config import load_grid_file, parse_overrides, select
     from dpsgd_cli.engine import execute, plan_grid
     from dpsgd_cli.engine.checks import check_grids, out_root
-    from dpsgd_cli.engine.summary import read_results as reading
+    from dpsgd_cli.engine.results import read_results as reading
 
     if jobs < 1:
         raise UserError(f"--jobs {jobs}: must be ≥ 1")
@@ -254,7 +254,7 @@ def read_results(folder: PathLike = "results") -> "pd.DataFrame":
     import pandas as pd
 
     from dpsgd_cli.engine.results import note, result_folders
-    from dpsgd_cli.engine.summary import read_results as reading
+    from dpsgd_cli.engine.results import read_results as reading
 
     frames = []
     for path in result_folders(folder):

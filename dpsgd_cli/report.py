@@ -31,11 +31,9 @@ import pandas as pd
 
 from dpsgd_cli.config import ClaimSpec, FigureSpec
 from dpsgd_cli.engine.analytic import analytic_table
-from dpsgd_cli.engine.results import note
-from dpsgd_cli.engine.summary import read_results, results_frame, select
+from dpsgd_cli.engine.results import grid_of, note, read_results, result_folders, select
+from dpsgd_cli.engine.selection import results_frame
 from dpsgd_cli.errors import UserError
-from dpsgd_cli.engine.results import result_folders
-from dpsgd_cli.plots import grid_of
 
 
 PASS, FAIL, VACUOUS, NO_DATA = "PASS", "FAIL", "VACUOUS", "NO DATA"

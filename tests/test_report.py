@@ -5,7 +5,7 @@ import pandas as pd
 import pytest
 
 from dpsgd_cli.config import ClaimSpec, FigureSpec
-from dpsgd_cli.engine.summary import select
+from dpsgd_cli.engine.results import select
 from dpsgd_cli.plots import plot_results
 from dpsgd_cli.report import VACUOUS, Verdict, _check_group, build_report, decide, quantified, summary_line
 
@@ -130,7 +130,7 @@ def test_figure_spec_validation():
 
 def test_rows_of_an_earlier_grid_version_are_kept_but_not_shown(tmp_path, run_grid):
     from dpsgd_cli.engine.results import ResultStore
-    from dpsgd_cli.engine.summary import results_frame
+    from dpsgd_cli.engine.selection import results_frame
 
     text = ("grids: [{name: g, datasets: [{name: synthetic, n: 300}], algorithms: [sgd], lr: [0.5], batch_size: 20, "
             "seeds: 2, epochs: 1}]")

@@ -20,13 +20,15 @@ import json
 import re
 import zlib
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import numpy as np
 import pandas as pd
 
 from dpsgd_cli.algorithms import Setting
 from dpsgd_cli.config import SelectSpec
+from dpsgd_cli.engine.results import (COLUMNS, TRACE_COLUMNS, ResultStore, grid_of, line_labels, read_results,
+                                      result_folders, with_params)
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.privacy.accounting import calibrate, calibrate_sigma
 from dpsgd_cli.privacy.tuning import (TUNING_ORDERS, Trials, dpsgd_rdp, liu_talwar_epsilon, score_laplace_scale,
@@ -39,6 +41,47 @@ TABLE_COLUMNS = ["selection", "privacy", "group", "chosen", "score", "score_mean
 def selections(grid: dict) -> list[SelectSpec]:
     """The `select:` entries of a grid as recorded in its manifest."""
     return [SelectSpec(**s) for s in grid.get("select", [])]
+
+
+def tuned_for(specs: Iterable[SelectSpec]) -> dict[str, str]:
+    """The `tuning` tag of each calibrated private selection's candidates → the selections' names (several
+    selections may share the candidates)."""
+    names: dict[str, list[str]] = {}
+    for spec in specs:
+        if spec.privacy != "non_private" and spec.calibrate:
+            names.setdefault(spec.tuning_tag(), []).append(spec.name)
+    return {tag: ", ".join(found) for tag, found in names.items()}
+
+
+# ------------------------------------------------------------------------------ the runs readers use
+
+ADDED_COLUMNS = ["label"]  # what `results_frame` adds to runs.csv's columns, besides the algorithm parameters
+SELECTION_COLUMNS = ["selection", "selection_privacy", "epsilon_total"]  # and, with `select:`, apply_selections
+
+
+def frame_columns(grid, traces: bool = False) -> list[str]:
+    """The columns `results_frame` gives for `grid`'s results — runs.csv's, the line label, each parameter of
+    the grid's algorithms — so that `dpsgd run` can check the names figures and claims use before any work."""
+    params = sorted({k for algo in grid.algorithms for k in algo.params} - set(COLUMNS))
+    selected = SELECTION_COLUMNS if grid.select else []
+    runs = [*COLUMNS, *ADDED_COLUMNS, *params, *selected]
+    return [*TRACE_COLUMNS, *(c for c in runs if c not in TRACE_COLUMNS)] if traces else runs
+
+
+def results_frame(folder: Path, traces: bool = False, select: bool = True) -> pd.DataFrame:
+    """The ok runs of a results folder (see `read_results`) with their line label and parameter columns (with
+    `select` and a grid `select:`, only the chosen candidates' runs); with `traces`, their checkpoints (one row
+    per run and checkpoint) joined with those run columns."""
+    runs = read_results(folder).ok
+    runs = (with_params(runs.assign(label=line_labels(runs))) if len(runs)
+            else runs.assign(**{c: [] for c in ADDED_COLUMNS}))
+    if select:
+        runs = apply_selections(runs, grid_of(folder))
+    if traces:
+        checkpoints = ResultStore(folder).read_traces().drop_duplicates(["run_id", "examples"])
+        keep = [c for c in runs.columns if c not in checkpoints.columns or c == "run_id"]
+        runs = checkpoints.merge(runs[keep], on="run_id", how="inner")
+    return runs
 
 
 # ------------------------------------------------------------------------------ calibration of the candidates
@@ -249,10 +292,6 @@ def _strip(labels: pd.Series, candidates: list[str]) -> pd.Series:
 def write_selection_tables(path) -> list[tuple[Path, pd.DataFrame]]:
     """For each results folder under `path` whose grid has `select:`: its table of choices, also written to
     `selection.csv` there. A UserError when none has one."""
-    from dpsgd_cli.engine.summary import results_frame
-    from dpsgd_cli.engine.results import result_folders
-    from dpsgd_cli.plots import grid_of
-
     out = []
     for folder in result_folders(path):
         grid = grid_of(folder)

@@ -18,8 +18,8 @@ import pandas as pd  # noqa: E402
 
 from dpsgd_cli.config import FigureSpec  # noqa: E402
 from dpsgd_cli.engine.analytic import analytic_table  # noqa: E402
-from dpsgd_cli.engine.results import note, read_manifest, result_folders  # noqa: E402
-from dpsgd_cli.engine.summary import read_results, results_frame, select  # noqa: E402
+from dpsgd_cli.engine.results import grid_of, note, read_results, result_folders, select  # noqa: E402
+from dpsgd_cli.engine.selection import caption_of, results_frame  # noqa: E402
 from dpsgd_cli.errors import UserError  # noqa: E402
 from dpsgd_cli.plots import names  # noqa: E402
 from dpsgd_cli.plots.layout import Styles, finish  # noqa: E402
@@ -33,12 +33,6 @@ METRICS = {
     "train_objective": "train_objective",
 }
 DPI = 150
-
-
-def grid_of(folder: Path) -> dict:
-    """The grid as recorded in the folder's manifest (its figures and claims included)."""
-    manifest = read_manifest(folder)
-    return manifest.get("grid", {}) if manifest else {}
 
 
 def plot_results(path: Path, metric: Optional[str] = None, fmt: str = "png") -> list[Path]:
@@ -270,8 +264,6 @@ def _caption(grid: dict, grid_name: str, frame: pd.DataFrame, spec: FigureSpec) 
         if private.empty and not runs.empty:
             phrases.append("no private line")
         phrases += relation_phrases(private)
-    from dpsgd_cli.engine.selection import caption_of
-
     phrases += [names.literal(part) for part in _phrases(caption_of(grid).strip())]
     return phrases
 
