@@ -231,9 +231,10 @@ def test_noise_drawn_in_the_kernel_equals_the_noise_blocks_bit_for_bit(monkeypat
 @needs_numba
 @pytest.mark.parametrize("name, params", [("bassily2014", {}), ("song2013", {}),
                                           ("pidp_sgd", {"rule": "coordinate", "radius": 1.0e3})])
-def test_kernel_adds_the_audits_gradient_canaries_as_the_numpy_chain(name, params):
-    """The audit's gradient canaries (audit/canaries.py) in the kernel: the same replicas, the same recorded
-    projections and scores as the NumPy chain, both canaries, in and out (one replica includes neither)."""
+def test_the_audits_canary_models_train_on_the_numpy_chain(name, params):
+    """A canary is the model's input, not the kernel's: a model with the audit's gradient canaries (audit/
+    canaries.py) is not taken by the compiled step, even when asked for; its replica that includes neither canary
+    trains as the plain model does on the kernel, and the canaries move the replicas that include them."""
     from dpsgd_cli.audit import canaries
 
     X, y = _data(n=60)  # each canary row drawn ~4 times per replica
@@ -242,20 +243,12 @@ def test_kernel_adds_the_audits_gradient_canaries_as_the_numpy_chain(name, param
     setting = _setting(Xw, epochs=4, batch_size=1, lr=0.05)
     included = np.array([[True, False], [False, True], [False, False]])
     U = np.linalg.qr(np.random.default_rng(5).standard_normal((X.shape[1], 2)))[0].T
-    outs = {}
-    for backend in ("numpy", "numba"):
-        model = canaries.with_gradient_canaries(make_model("logreg", X.shape[1], setting.l2), U, included, 50.0)
-        fit = ALGORITHMS[name]({**params, "backend": backend}).fit(setting, model, Xw, yw, ReplicaStreams(SEEDS))
-        assert fit.derived.get("backend", backend) == backend
-        outs[backend] = fit.theta, canaries.gradient_scores(model, fit.theta)
-    (theta_ref, ref), (theta, fast) = outs["numpy"], outs["numba"]
-    scale = max(1.0, float(np.abs(theta_ref).max()))
-    np.testing.assert_allclose(theta, theta_ref, rtol=1e-12, atol=1e-13 * scale)
-    assert fast.steps == ref.steps
-    np.testing.assert_allclose(fast.last_iterate, ref.last_iterate, rtol=1e-12, atol=1e-13 * scale)
-    np.testing.assert_allclose(fast.all_iterates, ref.all_iterates, rtol=1e-9, atol=1e-12 * scale)
-    # the canaries moved the replicas that include them, and only those (the comparison is not trivial)
+    model = canaries.with_gradient_canaries(make_model("logreg", X.shape[1], setting.l2), U, included, 50.0)
+    fit = ALGORITHMS[name]({**params, "backend": "numba"}).fit(setting, model, Xw, yw, ReplicaStreams(SEEDS))
+    assert fit.derived.get("backend", "numpy") == "numpy"
+    assert canaries.gradient_scores(model, fit.theta).steps == setting.steps
     plain = ALGORITHMS[name]({**params, "backend": "numba"}).fit(
-        setting, make_model("logreg", X.shape[1], setting.l2), Xw, yw, ReplicaStreams(SEEDS)).theta
-    np.testing.assert_allclose(theta[2], plain[2], rtol=1e-12)
-    assert not np.allclose(theta[0], plain[0]) and not np.allclose(theta[1], plain[1])
+        setting, make_model("logreg", X.shape[1], setting.l2), Xw, yw, ReplicaStreams(SEEDS))
+    assert plain.derived.get("backend", "numba") == "numba"
+    np.testing.assert_allclose(fit.theta[2], plain.theta[2], rtol=1e-12)
+    assert not np.allclose(fit.theta[0], plain.theta[0]) and not np.allclose(fit.theta[1], plain.theta[1])

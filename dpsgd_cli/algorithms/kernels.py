@@ -47,19 +47,17 @@ from dpsgd_cli.models.mlp import MLP
 from dpsgd_cli.models.rows import row_norms
 
 _NO_MASK = np.zeros((1, 1), dtype=np.bool_)
-_NO_CANARY = (np.full(1, -1, dtype=np.int64), np.zeros((1, 1, 1)), np.zeros((1, 1)), np.zeros((1, 1, 1)), 0, False)
 CHUNK_ELEMENTS = 1 << 23  # noise numbers per kernel call (64 MB in float64): a whole pass on adult / kddcup99
 
 
 def kernel_applies(model, batch_size: Optional[int], mlp: bool = False) -> bool:
     """The kernels implement one example per step (batch size 1) on a `LogisticRegression`, or, where the caller
-    allows it (`mlp`: pidp_sgd), an `MLP`, whose gradient is not overridden (logreg: or overridden only by the
-    audit's gradient canaries, `kernel_canaries`, which the logreg kernel adds)."""
+    allows it (`mlp`: pidp_sgd), an `MLP`, whose gradient is not overridden (the audit's canary models override
+    it: they train on the NumPy chain, vectorised over the audit's many replicas)."""
     if batch_size != 1:
         return False
     if isinstance(model, LogisticRegression):
-        return (type(model).clipped_grad_sum is LogisticRegression.clipped_grad_sum
-                or hasattr(model, "kernel_canaries"))
+        return type(model).clipped_grad_sum is LogisticRegression.clipped_grad_sum
     return mlp and isinstance(model, MLP) and type(model).clipped_grad_sum is MLP.clipped_grad_sum
 
 
@@ -69,7 +67,6 @@ def plain_logreg_float64(model, batches, thetas) -> bool:
     2-D float64 θs."""
     return (isinstance(model, LogisticRegression) and hasattr(model, "d")
             and type(model).clipped_grad_sum is LogisticRegression.clipped_grad_sum
-            and not hasattr(model, "kernel_canaries")
             and isinstance(batches, IndexedBatches) and batches.X.dtype == np.float64
             and all(theta.dtype == np.float64 and theta.ndim == 2 for theta in thetas))
 
@@ -217,20 +214,12 @@ def _kernels():
 
     @numba.njit(cache=True, nogil=True)
     def sgd1_logreg(theta, X, y, x_norm, idx, noise, gen, noise_std, lrs, l2, clip, radius, batch_scale,
-                    start, stop, do_clip, do_noise, draw_noise, do_project, mask, use_mask,
-                    canary_of, canary_add, U, proj, proj_offset, use_canary):  # pragma: no cover
+                    start, stop, do_clip, do_noise, draw_noise, do_project, mask, use_mask):  # pragma: no cover
         R, d = theta.shape
         zs = np.empty(d)  # the step's standard normals
         for r in range(R):
             for t in range(start, stop):
                 i = idx[t, r]
-                c = canary_of[i] if use_canary else -1
-                if use_canary:  # the audit's gradient canaries: ⟨θ_t, U_k⟩ before the step, as the model records it
-                    for k in range(U.shape[0]):
-                        s = 0.0
-                        for j in range(d):
-                            s += theta[r, j] * U[k, j]
-                        proj[r, proj_offset + t, k] = s
                 dot = 0.0
                 for j in range(d):
                     dot += X[i, j] * theta[r, j]
@@ -244,10 +233,7 @@ def _kernels():
                 _step_noise(zs, gen, noise, t, r, do_noise, draw_noise)
                 sq = 0.0
                 for j in range(d):
-                    g = a * X[i, j]
-                    if c >= 0:  # a canary row: its fixed gradient, for the replicas that include it
-                        g = g + canary_add[r, c, j]
-                    v = _update(theta[r, j], g, zs[j], noisy, noise_std, batch_scale, l2, eta)
+                    v = _update(theta[r, j], a * X[i, j], zs[j], noisy, noise_std, batch_scale, l2, eta)
                     theta[r, j] = v
                     sq += v * v
                 if do_project:
@@ -328,7 +314,7 @@ def warm_up() -> float:
     for draw in (False, True):
         kernel(np.zeros((1, 1)), X, y, np.ones(1), np.zeros((1, 1), dtype=np.int64), np.zeros((1, 1, 1)),
                np.random.default_rng(0), 0.0, np.ones(1), 0.0, 1.0, 1.0, 1.0, 0, 1, True, True, draw, True,
-               _NO_MASK, False, *_NO_CANARY)
+               _NO_MASK, False)
     return time.perf_counter() - start
 
 
@@ -349,9 +335,8 @@ def single_example_sgd(theta: np.ndarray, X: np.ndarray, y: np.ndarray, indices:
     g.standard_normal((k, d)))` yields (numba's Generator support runs NumPy's ziggurat on the same bit
     generator), never materialised (measured ~3× faster than NumPy drawing the blocks); noise_mask: (steps, R)
     bool, noise only on the True steps (pidp_sgd; the draws are consumed on every step either way);
-    checkpoints: a `chain.Checkpoints` (one example per step), recorded as `GradientChain.run` does; model with
-    `kernel_canaries` (audit.canaries): its gradient canaries are added and the projections it records appended;
-    x_norm: ‖x_i‖ of every row (`sampling.row_norms(X)`) when the caller has it already.
+    checkpoints: a `chain.Checkpoints` (one example per step), recorded as `GradientChain.run` does; x_norm: ‖x_i‖
+    of every row (`rows.row_norms(X)`) when the caller has it already.
     """
     if noise is not None and noise_generators is not None:
         raise ValueError("give noise blocks or noise generators, not both")
@@ -370,10 +355,6 @@ def single_example_sgd(theta: np.ndarray, X: np.ndarray, y: np.ndarray, indices:
     if draw and len(noise_generators) != R:
         raise ValueError(f"{len(noise_generators)} noise generators for {R} replicas")
     every = checkpoints.every if checkpoints is not None else None
-    canary = model.kernel_canaries(x_norm, y, clip) if hasattr(model, "kernel_canaries") else None
-    if canary is not None:
-        canary_of, canary_add, U = canary
-        proj = np.empty((R, steps, U.shape[0]))
     done = 0
     while done < steps:
         m = min(chunk, steps - done)
@@ -393,28 +374,18 @@ def single_example_sgd(theta: np.ndarray, X: np.ndarray, y: np.ndarray, indices:
                        float(radius) if radius is not None else 1.0, float(batch_scale), lo, hi, clip is not None)
             masked = noise_mask is not None
 
-            def canaries(rows: slice) -> tuple:
-                if canary is None:
-                    return _NO_CANARY
-                return canary_of, canary_add[rows], U, proj[rows], done, True
-
-            def tail(rows: slice) -> tuple:  # the kernel's trailing arguments: the MLP's shape, or logreg's canaries
-                return extra if extra else canaries(rows)
-
             if draw:  # one call per replica: each draws from its own generator, steps in order
                 for r in range(R):
                     mask_r = np.ascontiguousarray(mask[:, r:r + 1]) if masked else _NO_MASK
                     kernel(theta[r:r + 1], X, y, x_norm, idx_r[r], no_noise, noise_generators[r], *scalars, True,
-                           True, radius is not None, mask_r, masked, *tail(slice(r, r + 1)))
+                           True, radius is not None, mask_r, masked, *extra)
             else:
                 kernel(theta, X, y, x_norm, idx, z, no_gen, *scalars, noise_reader is not None, False,
-                       radius is not None, mask, masked, *tail(slice(None)))
+                       radius is not None, mask, masked, *extra)
             if checkpoints is not None and hi > lo:
                 checkpoints.maybe_record(model, theta, done + hi - 1, done + hi)
             lo = hi
         done += m
-    if canary is not None:
-        model.projections.append(proj.transpose(1, 0, 2))  # (steps, R, m), one block
     return theta
 
 

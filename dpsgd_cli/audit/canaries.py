@@ -106,14 +106,6 @@ class _GradientCanary:
     def _norm(self, clip: Optional[float]) -> float:
         return self.raw_norm if clip is None else min(self.raw_norm, clip)
 
-    def kernel_canaries(self, x_norm: np.ndarray, y: np.ndarray, clip: Optional[float]):
-        """What the numba kernel (algorithms/kernels.py) needs to add the canaries as `clipped_grad_sum` does, one
-        example per step (weight 1): per row its canary j (−1: not a marker), per replica and canary the clipped
-        gradient norm·included[r, j]·U_j (R, m, P), and U (m, P)."""
-        rows = np.where(y == 0, self._canary_index(x_norm), -1).astype(np.int64)
-        add = self._norm(clip) * (self.included[:, :, None] * self.U[None, :, :])
-        return rows, np.ascontiguousarray(add), np.ascontiguousarray(self.U, dtype=np.float64)
-
 
 def marker_rows(m: int, d: int) -> tuple[np.ndarray, np.ndarray]:
     """m marker rows: x = e₀·(j + 1)/(m + 1) (the norm says which canary), label 0."""
