@@ -86,44 +86,73 @@ def _cache_key(model: Model, X: np.ndarray, y: np.ndarray, starts: int) -> tuple
     return type(model).__name__, options, _data_digest(X, y), starts
 
 
-def reference_minimum(model: Model, X: np.ndarray, y: np.ndarray,
-                      starts: int = REFERENCE_STARTS) -> tuple[np.ndarray, float, dict[str, Any]]:
+def reference_minimum(model: Model, X: np.ndarray, y: np.ndarray, starts: int = REFERENCE_STARTS,
+                      runs: list[tuple[np.ndarray, dict]] | None = None) -> tuple[np.ndarray, float, dict[str, Any]]:
     """(θ (P,), F(θ), info): the exact minimiser for a convex model (one L-BFGS run from model.init of seed 0);
     for a non-convex model the best of `starts` L-BFGS runs from model.init of seeds 0..starts−1.
 
     info: `optimum_method` ("lbfgs" | "lbfgs_best_of_<k>"), `starts`, `best_start` (its seed), `start_results`
     {seed: {objective, iterations, converged}}, and for the best run `lbfgs_iterations`, `lbfgs_converged`,
     `grad_norm`. Deterministic; cached in-process and on disk by (model, data, starts, settings, versions).
+    `runs`: the starts' `reference_start` results when they were computed elsewhere (in parallel processes; they
+    are the numbers this process would compute), used only when the minimum is not cached.
     """
-    starts = 1 if model.convex else int(starts)
-    if starts < 1:
-        raise ValueError(f"reference_minimum needs starts ≥ 1, got {starts}")
-    key = _cache_key(model, X, y, starts)
-    if key not in _REFERENCE_CACHE:
-        value = _reference_from_disk(model, key)
-        if value is not None:
-            try:
-                _verify(model, X, y, starts, *value)
-            except diskcache.Rejected as exc:
-                diskcache.discard(diskcache.cache_folder("reference"), _disk_key(model, key), str(exc))
-                value = None
-        if value is None:
-            value = _compute_reference(model, X, y, starts)
-            with contextlib.suppress(diskcache.Rejected):  # an entry that could not be verified is not kept
-                _verify(model, X, y, starts, *value)
-                _reference_to_disk(model, key, value)
+    starts = reference_starts(model, starts)
+    value = known_reference(model, X, y, starts)
+    if value is None:
+        key = _cache_key(model, X, y, starts)
+        value = _compute_reference(model, X, y, starts, runs)
+        with contextlib.suppress(diskcache.Rejected):  # an entry that could not be verified is not kept
+            _verify(model, X, y, starts, *value)
+            _reference_to_disk(model, key, value)
         _REFERENCE_CACHE[key] = value
-    theta, objective, info = _REFERENCE_CACHE[key]
+    theta, objective, info = value
     return theta.copy(), objective, dict(info)
 
 
-def _compute_reference(model: Model, X: np.ndarray, y: np.ndarray, starts: int) -> tuple[np.ndarray, float, dict]:
-    inits = model.init(ReplicaStreams(range(starts)).generators("init"))
+def reference_starts(model: Model, starts: int = REFERENCE_STARTS) -> int:
+    """The L-BFGS starts `reference_minimum` runs for `model`: one for a convex model."""
+    starts = 1 if model.convex else int(starts)
+    if starts < 1:
+        raise ValueError(f"reference_minimum needs starts ≥ 1, got {starts}")
+    return starts
+
+
+def known_reference(model: Model, X: np.ndarray, y: np.ndarray,
+                    starts: int = REFERENCE_STARTS) -> tuple[np.ndarray, float, dict] | None:
+    """The reference minimum if this process has it or the disk cache holds it (checked by `_verify`, ~2 passes
+    over X, and kept in-process); None when it must be computed."""
+    starts = reference_starts(model, starts)
+    key = _cache_key(model, X, y, starts)
+    if key not in _REFERENCE_CACHE:
+        value = _reference_from_disk(model, key)
+        if value is None:
+            return None
+        try:
+            _verify(model, X, y, starts, *value)
+        except diskcache.Rejected as exc:
+            diskcache.discard(diskcache.cache_folder("reference"), _disk_key(model, key), str(exc))
+            return None
+        _REFERENCE_CACHE[key] = value
+    return _REFERENCE_CACHE[key]
+
+
+def reference_start(model: Model, X: np.ndarray, y: np.ndarray, seed: int) -> tuple[np.ndarray, dict]:
+    """One L-BFGS run of `reference_minimum`, from model.init of `seed` (each seed's generator is its own, so a
+    start does not depend on the others and may run in another process)."""
+    theta0 = model.init(ReplicaStreams([seed]).generators("init"))[0]
     # one BLAS thread: a capped non-convex L-BFGS path changes with the summation order, and L* must be the
     # same in the main process and in every worker
     with threadpool_limits(1):
-        runs = [minimize_objective(model, X, y, theta0, **(LBFGS_CONVEX if model.convex else LBFGS_NONCONVEX))
-                for theta0 in inits]
+        return minimize_objective(model, X, y, theta0, **(LBFGS_CONVEX if model.convex else LBFGS_NONCONVEX))
+
+
+def _compute_reference(model: Model, X: np.ndarray, y: np.ndarray, starts: int,
+                       runs: list[tuple[np.ndarray, dict]] | None = None) -> tuple[np.ndarray, float, dict]:
+    if runs is None:
+        runs = [reference_start(model, X, y, seed) for seed in range(starts)]
+    if len(runs) != starts:
+        raise ValueError(f"reference_minimum: {len(runs)} L-BFGS runs given for {starts} starts")
     objectives = [float(model.objective(theta[None], X, y)[0]) for theta, _ in runs]
     best = int(np.argmin(objectives))
     theta, best_info = runs[best]

@@ -2,10 +2,10 @@
 
 The driver stays the only writer: workers run `run_task` and return rows; the driver appends them as they
 arrive (`execute`), exactly as with `--jobs`. What crosses the network per task is the cells' specs and L*
-(computed once by the driver in `plan_grid`); workers load the data themselves through the registry and cache
-(`DPSGD_DATA_DIR` / `DPSGD_DATA_MIRROR` are sent with each task), once per worker process (`runner.dataset`
-is cached per process). A worker that dies mid-task has its task rerun elsewhere by the scheduler; the driver
-receives each task's rows once, so runs.csv holds every run once.
+(computed once by the driver in `execute`, before the first task is sent); workers load the data themselves
+through the registry and cache (`DPSGD_DATA_DIR` / `DPSGD_DATA_MIRROR` are sent with each task), once per worker
+process (`runner.dataset` is cached per process). A worker that dies mid-task has its task rerun elsewhere by
+the scheduler; the driver receives each task's rows once, so runs.csv holds every run once.
 """
 
 from __future__ import annotations

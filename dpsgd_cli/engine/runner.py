@@ -23,8 +23,8 @@ from dpsgd_cli import __version__, diskcache
 from dpsgd_cli.algorithms import ALGORITHMS, Setting
 from dpsgd_cli.algorithms.base import Algorithm, Prepared
 from dpsgd_cli.algorithms.chain import train_together
-from dpsgd_cli.algorithms.erm import reference_minimum
-from dpsgd_cli.algorithms.sampling import cached_astype
+from dpsgd_cli.algorithms.erm import known_reference, reference_minimum, reference_start, reference_starts
+from dpsgd_cli.models.rows import cached_astype
 from dpsgd_cli.algorithms.streams import ReplicaStreams, SharedStreams
 from dpsgd_cli.config import DELTA_RULE, Cell, Grid, expand
 from dpsgd_cli.data import Dataset, DatasetSpec, load_dataset, with_validation
@@ -82,6 +82,100 @@ def optimal_objective(spec: DatasetSpec, model_name: str, model_options: str, l2
     return reference_optimum(spec, model_name, model_options, l2)[0]
 
 
+OPTIMUM_PENDING = "to be computed"  # a planned task's optimum_method until `resolve_optima` (or its run) sets L*
+
+
+def optimum_args(cell: Cell) -> tuple:
+    """The arguments of `reference_optimum` for a cell: the cells that share them share L*."""
+    return (cell.dataset, cell.model.name, json.dumps(cell.model.options, sort_keys=True), cell.l2, cell.validation)
+
+
+def _optimum_model(args: tuple):
+    """(model, X, y) whose reference minimum L* is (`reference_optimum`'s)."""
+    spec, model_name, model_options, l2, validation = args
+    data = dataset(spec, validation)
+    return make_model(model_name, data.d, l2, json.loads(model_options)), data.X_train, data.y_train
+
+
+def _optimum_label(args: tuple) -> str:
+    spec, model_name, _, l2, validation = args
+    name = getattr(spec, "id", None) or spec.name
+    options = spec.model_dump_json(exclude={"name"}, exclude_none=True, exclude_defaults=True)
+    where = name + (f" {options}" if options not in ("{}", "") else "")
+    held = f", {validation:g} held out" if validation else ""
+    return f"L* of {model_name} on {where} (λ = {l2:g}{held})"
+
+
+def _start_of_reference(args: tuple, seed: int) -> tuple[np.ndarray, dict]:
+    """One L-BFGS start of a reference minimum (run in a worker process by `resolve_optima`)."""
+    return reference_start(*_optimum_model(args), seed)
+
+
+def with_optimum(task: Task) -> Task:
+    """The task with its L* (computed here if no earlier step did)."""
+    if task.optimum_method != OPTIMUM_PENDING:
+        return task
+    optimal, method = reference_optimum(*optimum_args(task.cell))
+    return dataclasses.replace(task, optimal_objective=optimal, optimum_method=method)
+
+
+def resolve_optima(tasks: list[Task], jobs: int = 1, say: Optional[Callable[[str], None]] = None) -> list[Task]:
+    """The tasks with their L*s. A reference minimum this process or the disk cache has (verified on read) is
+    used as it is; the others are computed here, one line through `say` as each begins and ends (an MLP's
+    takes minutes), and with `jobs` > 1 their L-BFGS starts run in that many forked processes (each start is a
+    pure function of the data, the model and its seed, computed with one BLAS thread wherever it runs: the same
+    numbers as in this process, which then combines, verifies and caches them as `reference_minimum` does)."""
+    say = say or _say
+    wanted = list(dict.fromkeys(optimum_args(t.cell) for t in tasks if t.optimum_method == OPTIMUM_PENDING))
+    missing = []
+    for args in wanted:
+        model, X, y = _optimum_model(args)
+        if known_reference(model, X, y) is None:
+            missing.append((args, reference_starts(model), model.n_params * X.shape[0]))
+    if missing:
+        starts = sum(m[1] for m in missing)
+        where = f"in {min(jobs, starts)} processes" if jobs > 1 and starts > 1 else "in this process"
+        say(f"computing {len(missing)} reference optim{'um' if len(missing) == 1 else 'a'} L* ({starts} L-BFGS "
+            f"start{'s' * (starts > 1)}, {where}; kept in the disk cache for later runs)")
+        if jobs > 1 and starts > 1 and sys.platform == "linux":
+            _optima_in_workers(missing, jobs, say)
+        else:
+            for args, count, _ in missing:
+                say(f"{_optimum_label(args)}: computing ({count} L-BFGS start{'s' * (count > 1)})")
+                begin = time.perf_counter()
+                optimal, method = reference_optimum(*args)
+                say(f"{_optimum_label(args)} = {optimal:.10g} ({method}, {time.perf_counter() - begin:.0f} s)")
+    return [with_optimum(task) for task in tasks]
+
+
+def _optima_in_workers(missing: list[tuple[tuple, int, int]], jobs: int, say: Callable[[str], None]) -> None:
+    """The starts of the `missing` reference minima in `jobs` forked processes, the largest (data × parameters)
+    first; each minimum is combined here as soon as its starts are in."""
+    from concurrent.futures import as_completed
+
+    runs: dict[tuple, dict[int, tuple[np.ndarray, dict]]] = {args: {} for args, _, _ in missing}
+    count = {args: starts for args, starts, _ in missing}
+    begin = {args: time.perf_counter() for args, _, _ in missing}
+    order = sorted(((args, seed) for args, starts, _ in missing for seed in range(starts)),
+                   key=lambda item: -next(size for a, _, size in missing if a == item[0]))
+    with _fork_pool(jobs) as pool:
+        futures = {pool.submit(_start_of_reference, args, seed): (args, seed) for args, seed in order}
+        for args, _, _ in missing:
+            say(f"{_optimum_label(args)}: computing ({count[args]} L-BFGS start{'s' * (count[args] > 1)})")
+        for future in as_completed(futures):
+            args, seed = futures[future]
+            runs[args][seed] = future.result()
+            if len(runs[args]) == count[args]:
+                model, X, y = _optimum_model(args)
+                reference_minimum(model, X, y, runs=[runs[args][s] for s in range(count[args])])
+                optimal, method = reference_optimum(*args)
+                say(f"{_optimum_label(args)} = {optimal:.10g} ({method}, {time.perf_counter() - begin[args]:.0f} s)")
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
 FUSE_ENV = "DPSGD_FUSE"  # "0": train every cell in its own task (an execution switch: run ids and numbers unchanged)
 
 
@@ -120,6 +214,10 @@ def run_task(task: Task, single_thread: bool = False) -> TaskResult:
             from threadpoolctl import threadpool_limits
 
             stack.enter_context(threadpool_limits(1))
+        try:  # L* before the clock starts (`resolve_optima` has usually set it already)
+            task = with_optimum(task)
+        except Exception as exc:  # recorded, and the grid goes on
+            return failed_result(dataclasses.replace(task, optimal_objective=float("nan")), _failure(exc))
         stack.enter_context(diskcache.deferred_writes())
         return _run_fused(task) if task.fused else _run_one(task)
 
@@ -318,7 +416,8 @@ class GridRun:
 
 
 def plan_grid(grid: Grid, out_root: Path, resume: bool = True, dry_run: bool = False) -> GridRun:
-    """Expand the grid, check it against the data (batch size ≤ n), and list what is still to run."""
+    """Expand the grid, check it against the data (batch size ≤ n), and list what is still to run (the tasks'
+    L* still to be computed: `execute` does it, see `resolve_optima`)."""
     cells = expand(grid)
     for cell in cells:  # constraints that need the data's n: before any cell runs
         data = dataset(cell.dataset, cell.validation)
@@ -341,11 +440,8 @@ def plan_grid(grid: Grid, out_root: Path, resume: bool = True, dry_run: bool = F
         run.done_before += len(cell.seeds) - len(seeds)
         if seeds and dry_run:  # L* is not needed to show what would run (for an MLP it takes minutes)
             run.tasks.append(Task(cell, seeds, float("nan"), "not computed (dry run)"))
-        elif seeds:
-            optimal, method = reference_optimum(cell.dataset, cell.model.name,
-                                                json.dumps(cell.model.options, sort_keys=True), cell.l2,
-                                                cell.validation)
-            run.tasks.append(Task(cell, seeds, optimal, method))
+        elif seeds:  # L* is computed by `execute`, in its workers (for an MLP it takes minutes)
+            run.tasks.append(Task(cell, seeds, float("nan"), OPTIMUM_PENDING))
     if fusion_enabled():
         run.tasks = fuse(run.tasks)
     return run
@@ -374,33 +470,38 @@ def grid_hash(grid: Grid) -> str:
 
 
 def execute(run: GridRun, jobs: int = 1, on_rows: Optional[Callable[[list[dict]], None]] = None,
-            backend: Optional[Callable[[list[Task]], Iterator[TaskResult]]] = None) -> int:
+            backend: Optional[Callable[[list[Task]], Iterator[TaskResult]]] = None,
+            on_status: Optional[Callable[[str], None]] = None) -> int:
     """Run the pending tasks, appending each task's rows to runs.csv (and traces.csv) as it finishes; `backend`
-    (e.g. `distributed.dask_backend`) runs them elsewhere instead of in `jobs` local processes. The failed
-    runs' rows are collected in `run.failures`. Releases the folder's lock at the end."""
+    (e.g. `distributed.dask_backend`) runs them elsewhere instead of in `jobs` local processes. First the L*s
+    not yet computed (`resolve_optima`: in the `jobs` processes; with a backend, in this one), each announced
+    by a line through `on_status` (default: stderr). The failed runs' rows are collected in `run.failures`.
+    Releases the folder's lock at the end."""
     store = ResultStore(run.folder)
     started = now()
     done, writing = 0, []
     manifest = lambda finished: store.write_manifest(run.grid.model_dump(mode="json"), grid_hash(run.grid), started,
                                                      finished, cells=len(run.cells), runs=run.total_runs)
     try:
-        manifest(None)
-        write_analytic_tables(run.grid, run.folder)
-        for result in (backend(run.tasks) if backend else _results(run.tasks, jobs)):
-            writing = result.rows
-            store.append_traces(result.traces)  # first: a run in runs.csv always has its traces
-            store.append(result.rows)
-            writing, done = [], done + len(result.rows)
-            run.failures += [row for row in result.rows if row["status"] == "failed"]
-            if on_rows:
-                on_rows(result.rows)
-        manifest(now())
-    except OSError as exc:
-        lost = f"; the {len(writing)} run(s) being written were not saved" if writing else ""
-        raise ResultsWriteError(
-            f"{run.folder}: cannot write ({exc.strerror or exc}); {run.done_before + done} of the grid's "
-            f"{run.total_runs} runs are saved in runs.csv ({done} from this session){lost}; fix it (free space, "
-            f"permissions) and run the same command again to resume") from None
+        run.tasks = resolve_optima(run.tasks, 1 if backend else jobs, on_status)
+        try:
+            manifest(None)
+            write_analytic_tables(run.grid, run.folder)
+            for result in (backend(run.tasks) if backend else _results(run.tasks, jobs)):
+                writing = result.rows
+                store.append_traces(result.traces)  # first: a run in runs.csv always has its traces
+                store.append(result.rows)
+                writing, done = [], done + len(result.rows)
+                run.failures += [row for row in result.rows if row["status"] == "failed"]
+                if on_rows:
+                    on_rows(result.rows)
+            manifest(now())
+        except OSError as exc:
+            lost = f"; the {len(writing)} run(s) being written were not saved" if writing else ""
+            raise ResultsWriteError(
+                f"{run.folder}: cannot write ({exc.strerror or exc}); {run.done_before + done} of the grid's "
+                f"{run.total_runs} runs are saved in runs.csv ({done} from this session){lost}; fix it (free "
+                f"space, permissions) and run the same command again to resume") from None
     finally:
         release_lock(run.folder)
     return done
@@ -413,7 +514,7 @@ def _results(tasks: list[Task], jobs: int) -> Iterator[TaskResult]:
     for task in tasks:  # RDP σ in the driver: forked workers inherit it, others read it from the disk cache
         with contextlib.suppress(Exception):  # a task whose data cannot load reports it in its worker
             calibrate_ahead(task.cells, dataset(task.cell.dataset, task.cell.validation), accountants=("rdp",))
-    tasks = spread(tasks, jobs)
+    tasks = longest_first(spread(tasks, jobs))
     if sys.platform == "linux":  # forked workers start with the driver's imports, datasets and L* in memory
         yield from _forked_results(tasks, jobs)
         return
@@ -451,6 +552,51 @@ def calibrate_ahead(cells: Sequence[Cell], data: Dataset, accountants: Sequence[
                 pass
 
 
+# Per-step work of a chain step beyond its examples', in units of one example's work on one parameter: the noise
+# (a Gaussian number per parameter), the update, and a step's fixed cost (its Python and kernel calls). Fitted
+# roughly to measured steps: the single-example MLP step of pidp_sgd on adult (~130 µs: ~P normals) and the
+# logistic-regression steps of dp_sgd (B = 256, ~10 µs) and pidp_sgd (~4 µs).
+STEP_WORK_PER_PARAMETER = 5.0
+STEP_WORK_FIXED = 1600.0
+FULL_BATCH = frozenset({"noisy_gd"})  # no batch size: `epochs` steps, each over all n examples
+SINGLE_EXAMPLE = frozenset({"bassily2014"})  # no batch size: epochs · n steps of one example
+
+
+@functools.lru_cache(maxsize=16)
+def _density(spec: DatasetSpec, validation: Optional[float]) -> float:
+    """Share of nonzero entries of the training rows (what a row costs the kernels, which skip zeros)."""
+    X = dataset(spec, validation).X_train
+    return float(np.count_nonzero(X)) / max(1, X.size)
+
+
+def task_cost(task: Task) -> float:
+    """A rough estimate of a task's work, to order tasks (never their numbers): for each cell, replicas × (examples
+    processed × parameters × the rows' density + steps × a step's own work, `STEP_WORK_*`); a cell without
+    epochs (erm, output perturbation: L* from the cache) counts one pass over the data."""
+    total = 0.0
+    for cell in task.cells:
+        data = dataset(cell.dataset, cell.validation)
+        params = make_model(cell.model.name, data.d, cell.l2, cell.model.options).n_params
+        example = params * max(_density(cell.dataset, cell.validation), 1.0 / max(1, data.d))
+        epochs = cell.epochs or 0.0
+        if cell.algorithm.name in FULL_BATCH:
+            steps = epochs
+        elif cell.algorithm.name in SINGLE_EXAMPLE or not cell.batch_size:
+            steps = epochs * data.n
+        else:
+            steps = epochs * data.n / min(cell.batch_size, data.n)
+        work = max(epochs, 1.0) * data.n * example + steps * (STEP_WORK_PER_PARAMETER * params + STEP_WORK_FIXED)
+        total += len(task.seeds) * work
+    return total
+
+
+def longest_first(tasks: list[Task]) -> list[Task]:
+    """The tasks by decreasing `task_cost` (ties in plan order), so that `jobs` workers taking them in turn end
+    close together instead of one finishing a long task alone; the order changes no number (each task is a pure
+    function of its cells and seeds)."""
+    return sorted(tasks, key=task_cost, reverse=True)
+
+
 def spread(tasks: list[Task], workers: int) -> list[Task]:
     """Split the largest fused tasks in halves (by cells) until there are at least `workers` tasks, so that a
     grid fused into one or two tasks still keeps every worker busy (a part computes what the whole did)."""
@@ -468,15 +614,25 @@ def _forked_results(tasks: list[Task], jobs: int) -> Iterator[TaskResult]:
     """The tasks in `jobs` processes forked from the driver (copy-on-write): no worker imports the package or
     loads a dataset again (loky's fresh workers did, ~2 s each on kang_lr: `--jobs 2` was 2× slower than
     `--jobs 1`). A worker killed mid-task raises BrokenProcessPool here, as loky's TerminatedWorkerError did."""
+    from concurrent.futures import as_completed
+
+    with _fork_pool(jobs) as pool:
+        futures = [pool.submit(run_task, task, True) for task in tasks]
+        for future in as_completed(futures):
+            yield future.result()
+
+
+@contextlib.contextmanager
+def _fork_pool(jobs: int) -> Iterator[Any]:
+    """`jobs` worker processes forked from this one, ended with it (`die_with_parent`); on leaving, the tasks
+    not started are cancelled and nothing waits for the running ones."""
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures import ProcessPoolExecutor
 
     pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"), initializer=die_with_parent,
                                initargs=(os.getpid(),))
     try:
-        futures = [pool.submit(run_task, task, True) for task in tasks]
-        for future in as_completed(futures):
-            yield future.result()
+        yield pool
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
 

@@ -1,0 +1,136 @@
+"""Before the first run: the reference optima L* computed by `execute` (in its workers with `--jobs`), announced
+line by line, the same numbers wherever they are computed; the tasks then submitted longest first."""
+
+import numpy as np
+import pytest
+
+from dpsgd_cli import diskcache
+from dpsgd_cli.algorithms import erm
+from dpsgd_cli.config import load_grid_file
+from dpsgd_cli.engine import execute, plan_grid, runner
+
+from test_caches import forget_in_process
+from test_fusion import table
+
+GRID = """
+grids:
+  - name: plan
+    datasets: [{name: synthetic, n: 300, dim: 5}, {name: synthetic, n: 200, dim: 4}]
+    models: [{name: mlp, hidden: 3}]
+    algorithms: [erm, dp_sgd, {name: pidp_sgd, zeta: 0.01, radius: 10, batch_size: [1], lr: [0.001]}]
+    epsilon: [1]
+    batch_size: [30]
+    lr: [0.5]
+    seeds: 2
+    epochs: 1
+    l2: 1.0e-3
+"""
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(diskcache.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    forget_in_process()
+    yield tmp_path / "cache" / "reference"
+    forget_in_process()
+
+
+def optima(tasks):
+    return {runner.optimum_args(t.cell): (t.optimal_objective, t.optimum_method) for t in tasks}
+
+
+def minima(tasks):
+    """Each distinct L*'s reference minimum (θ*, F(θ*), info) as this process holds it."""
+    out = {}
+    for args in {runner.optimum_args(t.cell) for t in tasks}:
+        model, X, y = runner._optimum_model(args)
+        out[args] = erm.known_reference(model, X, y)
+    return out
+
+
+def test_plan_leaves_lstar_to_execute(cache, write_grid, tmp_path):
+    plan = plan_grid(load_grid_file(write_grid(GRID)).grids[0], tmp_path / "out")
+    assert plan.tasks and all(t.optimum_method == runner.OPTIMUM_PENDING for t in plan.tasks)
+    assert not cache.exists()  # nothing computed while planning
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_lstar_is_announced_and_the_same_in_workers_as_here(cache, write_grid, tmp_path, jobs):
+    """jobs = 2: the L-BFGS starts run in forked workers; θ*, F(θ*), the info and L* equal those computed in
+    this process bit for bit, and the disk cache holds them (a later run reads them, verified, and says nothing)."""
+    grid = load_grid_file(write_grid(GRID)).grids[0]
+    tasks = plan_grid(grid, tmp_path / "here").tasks
+    said = []
+    here = runner.resolve_optima(tasks, 1, said.append)
+    here_minima = minima(here)
+    assert len(here_minima) == 2 and sum("computing (3 L-BFGS starts)" in line for line in said) == 2
+    forget_in_process()
+    for path in cache.glob("*.json"):
+        path.unlink()
+    said = []
+    there = runner.resolve_optima(tasks, jobs, said.append)
+    assert optima(there) == optima(here) and all(np.isfinite(t.optimal_objective) for t in there)
+    for args, (theta, objective, info) in minima(there).items():
+        theta0, objective0, info0 = here_minima[args]
+        assert np.array_equal(theta, theta0) and objective == objective0 and info == info0
+    assert said[0].startswith("computing 2 reference optima L* (6 L-BFGS starts, in "
+                              + ("2 processes" if jobs == 2 else "this process"))
+    assert sum(" = " in line and "lbfgs_best_of_3" in line for line in said) == 2
+    assert len(list(cache.glob("*.json"))) == 2
+    forget_in_process()
+    said = []
+    assert optima(runner.resolve_optima(tasks, jobs, said.append)) == optima(here) and said == []
+
+
+def test_a_task_run_alone_computes_its_lstar(cache, write_grid, tmp_path):
+    grid = load_grid_file(write_grid(GRID)).grids[0]
+    tasks = plan_grid(grid, tmp_path / "out").tasks
+    alone = [row for task in tasks for row in runner.run_task(task).rows]
+    resolved = [row for task in runner.resolve_optima(tasks) for row in runner.run_task(task).rows]
+    key = lambda row: row["run_id"]
+    for a, b in zip(sorted(alone, key=key), sorted(resolved, key=key)):
+        assert a["optimal_objective"] == b["optimal_objective"] and a["optimality_gap"] == b["optimality_gap"]
+        assert a["status"] == b["status"] == "ok"
+
+
+def test_execute_with_two_jobs_writes_the_rows_of_one_job(cache, write_grid, tmp_path):
+    grid = load_grid_file(write_grid(GRID)).grids[0]
+    said = []
+    execute(plan_grid(grid, tmp_path / "one"), jobs=1, on_status=said.append)
+    assert any("L* of mlp" in line for line in said)
+    forget_in_process()
+    for path in cache.glob("*.json"):
+        path.unlink()
+    execute(plan_grid(grid, tmp_path / "two"), jobs=2, on_status=said.append)
+    assert table(tmp_path / "one" / "plan").equals(table(tmp_path / "two" / "plan"))
+
+
+def test_tasks_are_submitted_longest_first(cache, write_grid, tmp_path, monkeypatch):
+    """The single-example pidp_sgd cells (n steps each with P Gaussian numbers) before the mini-batch ones; the
+    order is by the estimate alone, and every task is still run once."""
+    grid = load_grid_file(write_grid(GRID)).grids[0]
+    tasks = runner.resolve_optima(plan_grid(grid, tmp_path / "out").tasks)
+    submitted = []
+
+    def in_process_workers(tasks, jobs):
+        submitted.extend(tasks)
+        yield from (runner.run_task(task) for task in tasks)
+
+    monkeypatch.setattr(runner, "_forked_results", in_process_workers)
+    monkeypatch.setattr(runner.sys, "platform", "linux")
+    rows = [row for result in runner._results(tasks, 2) for row in result.rows]
+    costs = [runner.task_cost(t) for t in submitted]
+    assert costs == sorted(costs, reverse=True) and sorted(map(id, submitted)) == sorted(map(id, tasks))
+    assert submitted[0].cell.algorithm.name == "pidp_sgd" and submitted[-1].cell.algorithm.name == "erm"
+    assert len(rows) == sum(t.runs for t in tasks)
+
+
+def test_cost_grows_with_steps_replicas_and_parameters(write_grid, tmp_path):
+    grid = load_grid_file(write_grid(GRID)).grids[0]
+    tasks = plan_grid(grid, tmp_path / "out", dry_run=True).tasks
+    by = {(t.cell.algorithm.name, t.cell.dataset.n): t for t in tasks}
+    pidp, dp = by["pidp_sgd", 300], by["dp_sgd", 300]
+    assert runner.task_cost(pidp) > 5 * runner.task_cost(dp)  # 240 single-example steps against 8 batches
+    assert runner.task_cost(pidp) > runner.task_cost(by["pidp_sgd", 200])  # more rows and parameters
+    one_seed = type(pidp)(pidp.cell, pidp.seeds[:1], pidp.optimal_objective, pidp.optimum_method)
+    assert runner.task_cost(pidp) == pytest.approx(2 * runner.task_cost(one_seed))
