@@ -16,6 +16,9 @@ figure, the median is stored too); cases 8 and 9 run each side in its own proces
 8. `case8_peers`: dp_sgd vs the JAX peer (jax_peer.py) and Opacus (opacus_worker.py), pinned and interleaved:
    logreg R = 1/16/64 float64/float32, the MLP vs Opacus hooks/ew, the fused grid's work per replica-step.
 9. `case9_fused_grid`: `kang_lr` and the figure set end to end, fused vs `DPSGD_FUSE=0`.
+10. `case10_calibration_share`: σ calibration's share of a one-seed run's time.
+11. `case11_end_to_end`: every grid of experiments.yaml with `dpsgd run --jobs 2`, then `dpsgd plot` and
+    `dpsgd report`, caches cold: wall and CPU time per grid (also `scripts/time_grids.py`).
 
 The performance goals are printed as their own table (`__main__.GOALS`).
 """

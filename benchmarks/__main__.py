@@ -1,5 +1,5 @@
 """`python -m benchmarks [--quick] [--cases 1,2,...] [--json PATH] [--opacus-python PY] [--jax-python PY]
-[--figure-set scaled|full|none] [-k K]`.
+[--figure-set scaled|full|none] [--end-to-end all|GRID,...] [-k K]`.
 
 Prints one table (case, what, ours, comparison, ratio, goal, met?, load) with the notes under it, then the
 performance goals (each with its measured ratio, target, met/missed and the load average), and writes the
@@ -33,6 +33,7 @@ CASES = {
     "8": "case8_peers",
     "9": "case9_fused_grid",
     "10": "case10_calibration_share",
+    "11": "case11_end_to_end",
 }
 
 # the performance goals: (id, text, target); a row with that goal_id carries the measurement
@@ -50,6 +51,8 @@ GOALS = [
                          "ε = 3", "≤ 10%"),
     ("calibration_kang", "σ calibration (not cached) over a one-seed run's `wall_time`: `kang_lr` on adult "
                          "(fused task)", "≤ 10%"),
+    ("end_to_end", "every grid (`dpsgd run --jobs 2`), `dpsgd plot` and `dpsgd report`, caches cold, wall time",
+     "≤ 10 min"),
 ]
 
 
@@ -60,6 +63,7 @@ class Context:
     opacus: Opacus
     jax_python: Optional[str] = None  # interpreter of the JAX side (None: this one)
     figure_set: str = "scaled"  # case 9b: scaled, full or none
+    end_to_end: str = "all"  # case 11: every grid, or a comma-separated list of grids
     versions: dict[str, Any] = field(default_factory=dict)  # of the comparison tools (torch, opacus)
     shared: dict[str, Any] = field(default_factory=dict)  # measurements a later part of a case reuses
 
@@ -77,6 +81,9 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--figure-set", choices=["scaled", "full", "none"], default="scaled",
                         help="case 9b: the figure set scaled down (default), as in experiments.yaml (~20 min per "
                              "side), or skipped")
+    parser.add_argument("--end-to-end", default="all", metavar="all|GRID,...",
+                        help="case 11: every grid of experiments.yaml but the audits (default; ~10-35 min), or "
+                             "these grids")
     parser.add_argument("--markdown", type=Path, default=None,
                         help="also write the goals and the table as Markdown (docs/performance.md's tables)")
     parser.add_argument("-k", type=int, default=3, help="repetitions per timing, best of k (≥ 3; default 3)")
@@ -160,7 +167,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     info = machine()
     busy = busy_note(info)
     ctx = Context(quick=args.quick, k=args.k, opacus=Opacus(args.opacus_python), jax_python=args.jax_python,
-                  figure_set=args.figure_set)
+                  figure_set=args.figure_set, end_to_end=args.end_to_end)
     console.print(f"[bold]machine[/]: {info['cpu_model']}, {info['usable_cores']} cores, "
                   f"L3 {info['caches'].get('L3 Unified', '?')}, "
                   f"BLAS {', '.join(str(b.get('internal_api')) + ' ' + str(b.get('version')) for b in info['blas'])}; "

@@ -14,7 +14,7 @@ from dpsgd_cli.models import make_model
 
 def test_every_case_module_imports_and_has_run():
     names = [m.name for m in pkgutil.iter_modules(benchmarks.__path__) if m.name.startswith("case")]
-    assert len(names) == 10
+    assert len(names) == 11
     for name in names:
         assert callable(importlib.import_module(f"benchmarks.{name}").run)
 
@@ -53,7 +53,7 @@ def test_every_goal_of_issue_16_is_measured_by_a_case():
 
     sources = "".join(inspect.getsource(importlib.import_module(f"benchmarks.{m}")) for m in CASES.values())
     ids = [g[0] for g in GOALS]
-    assert len(set(ids)) == len(ids) == 10
+    assert len(set(ids)) == len(ids) == 11
     for gid in ids:
         assert f'"{gid}"' in sources, gid
 
@@ -115,3 +115,75 @@ def test_case10_worker_times_the_calibration_a_run_does(tmp_path):
     assert (cold["calibrations"], warm["calibrations"]) == (2, 0)
     assert cold["runs"] == warm["runs"] == 2 and cold["not_ok"] == 0
     assert 0 < cold["calibration_s"] < cold["wall_time_s"] and warm["calibration_s"] > 0  # warm: the cache reads
+
+
+def _runs_csv(folder, rows):
+    import pandas as pd
+
+    folder.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame(rows).to_csv(folder / "runs.csv", index=False)
+    return folder
+
+
+def test_case11_compare_finds_every_kind_of_difference(tmp_path):
+    """Run ids, statuses, numbers (relative 1e-12 above 1), numbers inside `derived`; never wall_time."""
+    import json
+
+    from benchmarks.case11_end_to_end import compare
+
+    base = {"run_id": "a1", "status": "ok", "test_accuracy": 0.8125, "optimal_objective": 123.456,
+            "derived": json.dumps({"grad_norm": 1e-9, "start_results": {"0": {"objective": 0.5}}}), "wall_time": 1.0}
+    ref = _runs_csv(tmp_path / "ref", [base, {**base, "run_id": "b2"}])
+    same = _runs_csv(tmp_path / "same", [{**base, "run_id": "b2", "wall_time": 9.0},
+                                         {**base, "optimal_objective": 123.456 * (1 + 1e-14)}])
+    assert compare(same, ref) == []
+    changes = {"number": {"test_accuracy": 0.8125 + 1e-11},
+               "large number": {"optimal_objective": 123.456 * (1 + 1e-11)},
+               "status": {"status": "failed"},
+               "derived": {"derived": json.dumps({"grad_norm": 1e-9, "start_results": {"0": {"objective": 0.6}}})}}
+    for what, change in changes.items():
+        other = _runs_csv(tmp_path / what.replace(" ", "_"), [{**base, **change}, {**base, "run_id": "b2"}])
+        found = compare(other, ref)
+        assert len(found) == 1 and found[0].startswith("a1"), (what, found)
+    fewer = _runs_csv(tmp_path / "fewer", [base])
+    assert compare(fewer, ref)[0].startswith("run ids differ: 1 missing")
+
+
+def test_case11_caches_start_empty_where_asked(tmp_path, monkeypatch):
+    from benchmarks.case11_end_to_end import environment
+
+    monkeypatch.delenv("DPSGD_CACHE_DIR", raising=False)
+    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
+    monkeypatch.setenv("DPSGD_DATA_DIR", str(tmp_path / "data"))
+    env = environment(tmp_path / "c", ["sigma"])
+    assert env["DPSGD_CACHE_DIR"] == str(tmp_path / "c" / "cache") and "NUMBA_CACHE_DIR" not in env
+    env = environment(tmp_path / "c", ["sigma", "numba"])
+    assert env["NUMBA_CACHE_DIR"] == str(tmp_path / "c" / "numba")
+    env = environment(tmp_path / "c", ["data"])  # the σ cache stays where it was, under the old data folder
+    assert env["DPSGD_DATA_DIR"] == str(tmp_path / "c" / "data")
+    assert env["DPSGD_CACHE_DIR"] == str(tmp_path / "data" / ".cache")
+
+
+def test_time_grids_script_times_a_grid_and_checks_its_numbers(tmp_path):
+    """scripts/time_grids.py end to end on a tiny grid: the table, then the same grid again compared run by run."""
+    import subprocess
+    import sys
+
+    grid = tmp_path / "grids.yaml"
+    grid.write_text("grids:\n  - name: g\n    datasets: [{name: synthetic, n: 200, dim: 3}]\n    models: [logreg]\n"
+                    "    algorithms: [erm, dp_sgd]\n    epsilon: [1]\n    batch_size: [20]\n    lr: [0.5]\n"
+                    "    epochs: 1\n    seeds: 2\n    delta: 1.0e-5\n")
+    script = [sys.executable, "scripts/time_grids.py", "--grid-file", str(grid), "--no-plot", "--cold", "sigma"]
+    first = subprocess.run(script + ["--out", str(tmp_path / "a")], capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr
+    assert "| g |" in first.stdout and "**total**" in first.stdout and "| 4 |" in first.stdout
+    second = subprocess.run(script + ["--out", str(tmp_path / "b"), "--compare", str(tmp_path / "a")],
+                            capture_output=True, text=True)
+    assert second.returncode == 0 and "every run's numbers equal the reference's" in second.stderr, second.stderr
+
+
+def test_case11_times_every_grid_but_the_audits():
+    from benchmarks.case11_end_to_end import grid_names
+
+    names = grid_names()
+    assert "smoke" in names and "mlp_all" in names and not [n for n in names if n.startswith("audit")]
