@@ -17,30 +17,48 @@ from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import Batch, Model
 
 _NO_NOISE = np.zeros((0, 0))  # the compiled update's z when the chain adds none (never read)
-Transform = Callable[[np.ndarray, np.ndarray], np.ndarray]  # (gradient (R, P), θ (R, P)) → gradient
 Schedule = Callable[[int], float]  # step t = 1, 2, ... → learning rate
 
 
-def _described(fn, kind: str, *params):
-    """Tag a transform with what it computes (`fn.compiled = (kind, *params)`), so a compiled step
-    (kernels_minibatch) can run a chain made of known transforms."""
-    fn.compiled = (kind, *params)
-    return fn
+@dataclass(frozen=True, eq=False)
+class Transform:
+    """One gradient transformation g ← fn(g, θ) on (R, P) arrays. `kind` and `params` say what it computes
+    ("noise" (std, draws), "scale" (factor,), "l2" (λ,), "smooth" (σ_ls,), "identity" ()), so that a compiled
+    backend can run a chain made of known kinds; `fn` is the NumPy definition every backend reproduces."""
+
+    kind: str
+    params: tuple
+    fn: Callable[[np.ndarray, np.ndarray], np.ndarray]
+
+    def __call__(self, g: np.ndarray, theta: np.ndarray) -> np.ndarray:
+        return self.fn(g, theta)
+
+
+@dataclass(frozen=True, eq=False)
+class Projection:
+    """θ ← fn(θ) after each update: "ball" (radius,) or "box" (radius,)."""
+
+    kind: str
+    radius: float
+    fn: Callable[[np.ndarray], np.ndarray]
+
+    def __call__(self, theta: np.ndarray) -> np.ndarray:
+        return self.fn(theta)
 
 
 def add_noise(std: float, draws: Iterator[np.ndarray]) -> Transform:
     """g + std · z with z from `draws` (one (R, P) standard-normal array per step; float64 draws, so a seed
     gives the same noise whatever the training precision, cast to the gradient's dtype)."""
-    return _described(lambda g, theta: g + (std * next(draws)).astype(g.dtype, copy=False), "noise", std, draws)
+    return Transform("noise", (std, draws), lambda g, theta: g + (std * next(draws)).astype(g.dtype, copy=False))
 
 
 def scale(factor: float) -> Transform:
-    return _described(lambda g, theta: g * factor, "scale", factor)
+    return Transform("scale", (factor,), lambda g, theta: g * factor)
 
 
 def add_l2(l2: float) -> Transform:
     """Add the regulariser's gradient λθ (data-independent: no privacy cost)."""
-    return _described(lambda g, theta: g + l2 * theta if l2 else g, "l2", l2)
+    return Transform("l2", (l2,), lambda g, theta: g + l2 * theta if l2 else g)
 
 
 def constant(lr: float) -> Schedule:
@@ -62,19 +80,19 @@ def min_inverse_time(beta: float, gamma: float) -> Schedule:
     return lambda t: min(1.0 / beta, 1.0 / (gamma * t))
 
 
-def project_to_ball(radius: float) -> Callable[[np.ndarray], np.ndarray]:
+def project_to_ball(radius: float) -> Projection:
     """Euclidean projection of each replica's θ onto {‖θ‖ ≤ radius}."""
 
     def project(theta: np.ndarray) -> np.ndarray:
         norm = np.linalg.norm(theta, axis=1, keepdims=True)
         return theta * np.minimum(1.0, radius / np.maximum(norm, 1e-300))
 
-    return _described(project, "ball", radius)
+    return Projection("ball", radius, project)
 
 
-def project_to_box(radius: float) -> Callable[[np.ndarray], np.ndarray]:
+def project_to_box(radius: float) -> Projection:
     """Projection of each replica's θ onto the box [−radius, radius]^P (coordinate-wise clipping)."""
-    return _described(lambda theta: np.clip(theta, -radius, radius), "box", radius)
+    return Projection("box", radius, lambda theta: np.clip(theta, -radius, radius))
 
 
 def laplacian_eigenvalues(sigma_ls: float, P: int) -> np.ndarray:
@@ -99,7 +117,7 @@ def laplacian_smoothing(sigma_ls: float, P: Optional[int] = None) -> Transform:
     if not (np.isfinite(sigma_ls) and sigma_ls >= 0):
         raise UserError(f"smoothing must be a finite number ≥ 0, got {sigma_ls!r}")
     if sigma_ls == 0:
-        return _described(lambda g, theta: g, "identity")
+        return Transform("identity", (), lambda g, theta: g)
     cache: dict[int, np.ndarray] = {}
     if P is not None:
         cache[int(P)] = 1.0 / laplacian_eigenvalues(sigma_ls, int(P))[: int(P) // 2 + 1]
@@ -113,7 +131,7 @@ def laplacian_smoothing(sigma_ls: float, P: Optional[int] = None) -> Transform:
             inverse = cache[p] = 1.0 / laplacian_eigenvalues(sigma_ls, p)[: p // 2 + 1]
         return np.fft.irfft(np.fft.rfft(g, axis=-1) * inverse, n=p, axis=-1)
 
-    return smooth
+    return Transform("smooth", (sigma_ls,), smooth)
 
 
 def smoothed_noise_variance_factor(sigma_ls: float, P: int) -> float:
@@ -151,7 +169,7 @@ class Checkpoints:
 class GradientChain:
     batches: Iterator[Batch]
     clip: Optional[float]
-    transforms: Sequence[Transform] = field(default_factory=list)
+    transforms: Sequence[Callable[[np.ndarray, np.ndarray], np.ndarray]] = field(default_factory=list)
     schedule: Schedule = constant(0.1)
     project: Optional[Callable[[np.ndarray], np.ndarray]] = None
     checkpoints: Optional[Checkpoints] = None
@@ -170,6 +188,25 @@ class GradientChain:
     # transforms draw nothing: chains with equal keys, stream keys and θ_0 compute the same iterates, so
     # `run_together` runs only the longest and hands the others its θ at their last step. None: never shared.
     same_iterates: Optional[Hashable] = None
+
+    def ops(self) -> Optional[list[tuple]]:
+        """The transforms as (kind, *params) in order, identities dropped; None when one is not a `Transform` (a
+        function only NumPy runs). What every compiled backend reads of a chain."""
+        ops = []
+        for transform in self.transforms:
+            if not isinstance(transform, Transform):
+                return None
+            if transform.kind != "identity":
+                ops.append((transform.kind, *transform.params))
+        return ops
+
+    def ball_radius(self) -> Optional[float]:
+        """The radius of the projection onto a ball; None without a projection. ValueError for another one."""
+        if self.project is None:
+            return None
+        if isinstance(self.project, Projection) and self.project.kind == "ball":
+            return float(self.project.radius)
+        raise ValueError("not a projection onto a ball")
 
     def step(self, model: Model, theta: np.ndarray, t: int, batch: Batch) -> np.ndarray:
         """Update t (1, 2, ...) of θ (R, P), in place where possible, on `batch`; returns the new θ."""
@@ -202,7 +239,7 @@ class GradientChain:
         ([add_noise,] scale, add_l2) and the compiled update may run (backend auto or numba, numba installed; θ and
         g C-contiguous (R, P) arrays of one float dtype; std, factor, λ and η Python numbers, which NumPy rounds to
         the array's dtype, unlike NumPy scalars), else None."""
-        kinds = [getattr(transform, "compiled", (None,)) for transform in self.transforms]
+        kinds = self.ops() or []
         if [k[0] for k in kinds] not in (["noise", "scale", "l2"], ["scale", "l2"]) or not self._compiled_rows():
             return None
         if not all(type(x) in (float, int) for x in (lr, kinds[-2][1], kinds[-1][1], *kinds[0][1:2])):

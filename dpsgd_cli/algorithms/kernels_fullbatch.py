@@ -19,7 +19,7 @@ order (tests/test_kernels_fullbatch.py: rtol 1e-12) and is the same bit for bit 
 Applies (`applies`), to chains the mini-batch kernel (kernels_minibatch) does not take: backend not "numpy";
 numba installed (backend "numba" without it: UserError); a `LogisticRegression` whose `clipped_grad_sum` is not
 overridden; float64 data and θ; the full batch (`IndexedBatches.full`); transforms tagged noise/scale/l2/identity
-(chain._described) in any order; the projection none or `project_to_ball`; any schedule; checkpoints (the kernel
+(`GradientChain.ops`) in any order; the projection none or `project_to_ball`; any schedule; checkpoints (the kernel
 stops at each step that records one).
 """
 
@@ -46,20 +46,15 @@ def _module():
 
 
 def _ops(chain) -> Optional[list[tuple]]:
-    """The chain's transforms as (kind, *params), identities dropped, or None if one is not a known transform."""
-    ops = []
-    for transform in chain.transforms:
-        compiled = getattr(transform, "compiled", None)
-        if compiled is not None and compiled[0] == "identity":
-            continue
-        if compiled is None or compiled[0] not in CODES:
-            return None
-        ops.append(compiled)
+    """The chain's transforms as (kind, *params), or None if one is not a kind the kernel computes."""
+    ops = chain.ops()
+    if ops is None or any(op[0] not in CODES for op in ops):
+        return None
     return ops if sum(op[0] == "noise" for op in ops) <= 1 else None
 
 
 def _radius(chain) -> Optional[float]:
-    return float(chain.project.compiled[1]) if chain.project is not None else None
+    return chain.ball_radius()
 
 
 def applies(model, chain, theta: np.ndarray) -> bool:
@@ -70,7 +65,7 @@ def applies(model, chain, theta: np.ndarray) -> bool:
     batches = chain.batches
     if not (compiled.HAVE_NUMBA and kernels.plain_logreg_float64(model, batches, [theta]) and batches.full
             and _ops(chain) is not None
-            and (chain.project is None or getattr(chain.project, "compiled", ("",))[0] == "ball")):
+            and (chain.project is None or getattr(chain.project, "kind", "") == "ball")):
         return False
     return compiled.loads(_module, chain.backend == "numba")
 

@@ -12,7 +12,7 @@ the batch rows from X by index (no gather), for every chain that shares the batc
     then for each chain c:  g = ((g_c + s_c z_c,t) · scale_c) + λ_c θ_c;  θ_c ← θ_c − η_c,t g;  θ_c ← Π_c(θ_c)
 
 operation for operation the chain's `clipped_grad_sum` → `add_noise(s)` → `scale` → `add_l2` → schedule →
-`project_to_ball` (the transforms are tagged with what they compute, chain._described). Same random numbers:
+`project_to_ball` (the transforms say what they compute, `GradientChain.ops`). Same random numbers:
 the batch indices come from the chain's own sampler (`sampling.IndexedBatches.take`: the same blocks, Poisson
 gaps, permutations or the full batch) and the noise from the chain's own `draws` iterator (streams.per_step /
 `SharedStreams`: float64 blocks), so a seed gives the same run on both paths, equal up to the summation order
@@ -71,21 +71,17 @@ def _kernel():
 
 def _plan(chain) -> Optional[dict]:
     """The chain's step as the kernel's parameters, or None when it has a part the kernel does not compute."""
-    params = {"noise": None, "scale": 1.0, "l2": 0.0, "radius": None}
-    at = 0
-    for transform in chain.transforms:
-        compiled = getattr(transform, "compiled", None)
-        if compiled is not None and compiled[0] == "identity":  # e.g. dp_lssgd's smoothing 0
-            continue
-        if compiled is None or compiled[0] not in ORDER[at:]:
+    params: dict = {"noise": None, "scale": 1.0, "l2": 0.0}
+    ops, at = chain.ops(), 0
+    for kind, *values in ops if ops is not None else [("opaque",)]:
+        if kind not in ORDER[at:]:
             return None
-        at = ORDER.index(compiled[0]) + 1
-        params[compiled[0]] = compiled[1:] if compiled[0] == "noise" else float(compiled[1] or 0.0)
-    if chain.project is not None:
-        compiled = getattr(chain.project, "compiled", None)
-        if compiled is None or compiled[0] != "ball":
-            return None
-        params["radius"] = float(compiled[1])
+        at = ORDER.index(kind) + 1
+        params[kind] = tuple(values) if kind == "noise" else float(values[0] or 0.0)
+    try:
+        params["radius"] = chain.ball_radius()
+    except ValueError:
+        return None
     return params
 
 

@@ -29,6 +29,7 @@ from typing import Optional
 
 import numpy as np
 
+from dpsgd_cli.algorithms.chain import Transform
 from dpsgd_cli.models import Batch, Model
 
 
@@ -193,7 +194,7 @@ def step_model(chain, canary_norm: float, q: float) -> StepModel:
     every bound stays valid), only its power may drop."""
     F, lam, nu = 1.0, 0.0, 0.0
     for transform in chain.transforms:
-        kind = getattr(transform, "compiled", (None,))
+        kind = (transform.kind, *transform.params) if isinstance(transform, Transform) else (None,)
         if kind[0] == "scale":
             F, lam, nu = F * kind[1], lam * kind[1], nu * kind[1]
         elif kind[0] == "noise":

@@ -65,9 +65,9 @@ def per_array(X: np.ndarray, what: str, build: Callable[[np.ndarray], T]) -> T:
     if hit is not None and hit[0]() is X:
         return hit[1]  # type: ignore[return-value]  # stored by `build` under this key
 
-    def forget(ref: weakref.ref) -> None:
-        if _PER_ARRAY.get(key, (None,))[0] is ref:
-            del _PER_ARRAY[key]
+    def forget(ref: weakref.ref, table: dict = _PER_ARRAY) -> None:  # bound now: module globals may be gone at exit
+        if table.get(key, (None,))[0] is ref:
+            del table[key]
 
     value = build(X)
     _PER_ARRAY[key] = (weakref.ref(X, forget), value)
