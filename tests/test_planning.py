@@ -134,3 +134,25 @@ def test_cost_grows_with_steps_replicas_and_parameters(write_grid, tmp_path):
     assert runner.task_cost(pidp) > runner.task_cost(by["pidp_sgd", 200])  # more rows and parameters
     one_seed = type(pidp)(pidp.cell, pidp.seeds[:1], pidp.optimal_objective, pidp.optimum_method)
     assert runner.task_cost(pidp) == pytest.approx(2 * runner.task_cost(one_seed))
+
+
+def test_an_mlp_reference_at_one_of_its_starts_is_rejected(cache, capsys):
+    """The check of a non-convex entry compares F(θ*) with the starts' objectives (no gradients needed there): an
+    entry whose θ* is start 0, with a matching F and ‖∇F‖, is discarded and recomputed."""
+    from test_caches import problem, rewrite
+
+    from dpsgd_cli.models import make_model
+
+    _, X, y = problem()
+    model = make_model("mlp", 4, 1e-3, {"hidden": 3})
+    theta, objective, _ = erm.reference_minimum(model, X, y)
+    start = model.init(erm.ReplicaStreams([0]).generators("init"))
+    value, grad = model.objective_and_gradient(start, X, y)
+    (path,) = cache.glob("*.json")
+    rewrite(path, lambda ref: {**ref, "theta": start[0].tolist(), "objective": float(value[0]),
+                               "info": {**ref["info"], "grad_norm": float(np.linalg.norm(grad[0]))}})
+    forget_in_process()
+    capsys.readouterr()
+    again, objective2, _ = erm.reference_minimum(model, X, y)
+    assert np.array_equal(again, theta) and objective2 == objective
+    assert "not below the L-BFGS starts" in capsys.readouterr().err
