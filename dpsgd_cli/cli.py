@@ -11,8 +11,10 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from dpsgd_cli import __version__
+from dpsgd_cli.api import compact_table
 from dpsgd_cli.api import fmt as _fmt
 from dpsgd_cli.errors import UserError
 
@@ -120,31 +122,56 @@ def audit(
                                          "as many without); default: the grid's audit.trials."),
     confidence: Optional[float] = typer.Option(None, "--confidence", metavar="P", help="Probability that ε_lo is a "
                                                "lower bound (default: the grid's, 0.95)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Validate and show the cells to audit, then stop."),
 ) -> None:
     """Train with and without a canary, attack, and bound each cell's ε from below (ε_lo beside the claimed ε)."""
     from dpsgd_cli import api
 
-    tables: dict[str, Table] = {}
-
-    def add(rows: list[dict]) -> None:
-        for r in rows:
-            table = tables.setdefault(r["grid"], Table(
-                "dataset", "model", "algorithm", "canary", "threat model", "ε claimed", "δ", "ε_lo", "AUC", "verdict",
-                title=f"{r['grid']}: audit"))
-            lo = r.get("epsilon_lo")
-            verdict = ("—" if lo is None or r["status"] != "ok" else
-                       "[red]REFUTED[/]" if lo > r["epsilon_claimed"] else "consistent")
-            table.add_row(r["dataset"], r["model"], r["algorithm"], r["canary"], r["threat_model"],
-                          _fmt(r.get("epsilon_claimed")), _fmt(r.get("delta")), _fmt(lo), _fmt(r.get("auc")),
-                          verdict if r["status"] == "ok" else f"{r['status']}: {r['message']}")
-
+    if dry_run:
+        cells = api.audit(grid_file, only=only, out=out, trials=trials, confidence=confidence, dry_run=True)
+        for grid, part in cells.groupby("grid", sort=False):
+            console.print(api.settings_table(part, f"{grid}: {len(part)} cells to audit", numbers={
+                "canaries": list(part["canaries"]), "trials per world": list(part["trials"])}))
+        return
+    rows: list[dict] = []
     console.print(f"auditing → {out / '<grid>' / 'audit.csv'}", highlight=False)
-    frame = api.audit(grid_file, only=only, out=out, trials=trials, confidence=confidence, on_rows=add)
-    for grid, table in tables.items():
-        console.print(table)
+    frame = api.audit(grid_file, only=only, out=out, trials=trials, confidence=confidence, on_rows=rows.extend)
     for grid in dict.fromkeys(frame["grid"]):
+        console.print(audit_table([r for r in rows if r["grid"] == grid], f"{grid}: audit"))
         path = out / grid / "audit.csv"
         console.print(f"wrote {path} and {path.parent / 'figures' / 'audit.png'}", highlight=False)
+
+
+THREATS = {"black-box, last iterate": "black box", "white-box, last iterate": "white box",
+           "white-box, all iterates": "all iterates"}
+VERDICT_STYLES = {"refuted": "red", "consistent": "green"}
+
+
+def audit_table(rows: list[dict], title: str) -> Any:
+    """audit.csv's rows, a row per cell and attack: ε_lo beside the claimed ε, and the verdict."""
+    import pandas as pd
+    from rich.text import Text
+
+    from dpsgd_cli.engine.results import varying_label
+    from dpsgd_cli.engine.summary import fixed_options
+
+    frame = pd.DataFrame(rows).reindex(columns=["dataset", "model", "algorithm", "algorithm_params", "canary",
+                                                "threat_model", "epsilon_claimed", "delta", "epsilon_lo", "auc",
+                                                "verdict", "status", "message"])
+    labels = varying_label(frame["algorithm"], frame["algorithm_params"].fillna("{}"))
+    shown = []
+    for label, r in zip(labels, frame.to_dict("records")):
+        verdict = r["verdict"] if isinstance(r["verdict"], str) else "—"
+        shown.append({"dataset": r["dataset"], "model": r["model"], "algorithm": label,
+                      "attack": f"{r['canary']}, {THREATS.get(r['threat_model'], r['threat_model'])}",
+                      "ε": _fmt(r["epsilon_claimed"], 3), "δ": _fmt(r["delta"], 2), "ε_lo": _fmt(r["epsilon_lo"], 3),
+                      "verdict": Text(verdict, style=VERDICT_STYLES.get(verdict, "")) if r["status"] == "ok"
+                      else f"{r['status']}: {r['message']}"})
+    fixed = fixed_options(frame.fillna({"algorithm_params": "{}"}))
+    notes = ["attack: canary, and what the adversary sees (black box: the last model's outputs; white box: its "
+             "parameters; all iterates: every step's)",
+             *([f"options: {'; '.join(fixed)}"] if fixed else [])]
+    return compact_table(shown, title, keep=["ε_lo", "verdict"], notes=notes)
 
 
 # --- plot ------------------------------------------------------------------------------------------
@@ -203,14 +230,14 @@ def report(
     path = verdicts.attrs["path"]
     colours = {"PASS": "green", "FAIL": "red", "VACUOUS": "blue", "NO DATA": "yellow"}
     if len(verdicts):
-        table = Table("grid", "claim", "verdict", "numbers", title="claims of the papers", show_lines=True)
+        rows = []
         for _, v in verdicts.iterrows():
             source = "(the project's own check)" if v["own"] else v["quote"]
             source += f"\nreading: {v['reading']}" if v["reading"] else ""
             source += "\n(formula check)" if v["kind"] == "formula_check" else ""
-            table.add_row(escape(v["grid"]), escape(f"{v['claim']}: {v['text']}") + f"\n[dim]{escape(source)}[/]",
-                          f"[{colours[v['verdict']]}]{v['verdict']}[/]", escape(v["numbers"]))
-        console.print(table)
+            rows.append({"grid": v["grid"], "claim": Text(f"{v['claim']}: {v['text']}\n") + Text(source, style="dim"),
+                         "verdict": Text(v["verdict"], style=colours[v["verdict"]]), "numbers": v["numbers"]})
+        console.print(compact_table(rows, "claims of the papers", keep=["claim", "verdict"], lines=True))
     _print_audit_verdicts(results_dir)
     written = f"{path} and {path.with_suffix('.html')}"
     if not len(verdicts):
@@ -231,34 +258,40 @@ def select_command(
                                        help="A grid's results folder, or the results root."),
 ) -> None:
     """Print the hyperparameters each group's `select:` chose (and its privacy); write selection.csv."""
-    from rich.markup import escape
-
+    from dpsgd_cli import api
     from dpsgd_cli.engine.selection import write_selection_tables
 
     for folder, table in write_selection_tables(results_dir):
-        shown = Table("selection", "group", "chosen", "score", "test accuracy", "runs", "ε", "ε total (δ)", "privacy",
-                      title=f"{folder.name}: hyperparameter selection → {folder / 'selection.csv'}", show_lines=True)
-        for _, r in table.iterrows():
-            total = "–" if r["epsilon_total"] != r["epsilon_total"] else f"{r['epsilon_total']:.4g} ({r['delta']:.3g})"
-            shown.add_row(r["selection"], escape(r["group"]), escape(r["chosen"]),
-                          f"{r['score']} {r['score_mean']:.4f}", f"{r['test_accuracy_mean']:.4f} ± "
-                          f"{r['test_accuracy_std']:.4f}", str(r["runs"]), _fmt(r["epsilon"]), total,
-                          escape(r["privacy"]))
-        console.print(shown)
+        for selection, part in table.groupby("selection", sort=False):
+            rows = [{**dict(item.split("=", 1) for item in r["group"].split(", ")), "chosen": r["chosen"],
+                     r["score"]: f"{r['score_mean']:.4f}", "runs": str(r["runs"]),
+                     "test accuracy": api.spread(r["test_accuracy_mean"], r["test_accuracy_std"]),
+                     "ε": _fmt(r["epsilon"]), "ε total": _fmt(r["epsilon_total"], 4), "δ": _fmt(r["delta"], 3),
+                     "privacy": _privacy(r)} for _, r in part.iterrows()]
+            console.print(compact_table(
+                [{k: v for k, v in row.items() if k != "ε" or "epsilon" not in row} for row in rows],
+                f"{folder.name}: {selection} → {folder / 'selection.csv'}", keep=["chosen", "test accuracy"],
+                sparse=("ε", "ε total", "δ", "privacy")))
+
+
+def _privacy(row) -> str:
+    """selection.csv's privacy, short: a private search's kind (its (ε, δ) are columns of their own), nothing
+    for a non-private algorithm's group."""
+    if row["privacy"].startswith("n/a"):
+        return _fmt(None)
+    return row["privacy"] if row["epsilon_total"] != row["epsilon_total"] else row["privacy"].split(": ")[0]
 
 
 def _print_audit_verdicts(results_dir: Path) -> None:
     from dpsgd_cli.report import _params, audit_frames, audit_verdicts
 
     found = [v for frame in audit_frames(results_dir) for v in audit_verdicts(frame)]
-    if not found:
-        return
-    table = Table("grid", "algorithm", "ε claimed", "audit", "numbers", title="privacy audit (dpsgd audit)")
-    for v in found:
-        verdict = {"refuted": "[red]REFUTED[/]", "consistent": "[green]consistent[/]"}.get(v["verdict"], v["verdict"])
-        table.add_row(escape(v["grid"]), escape(f"{v['algorithm']} {_params(v)} ({v['dataset']}, {v['model']})"),
-                      _fmt(v["epsilon_claimed"]), verdict, escape(v["numbers"]))
-    console.print(table)
+    if found:
+        console.print(compact_table([{
+            "grid": v["grid"], "algorithm": f"{v['algorithm']} {_params(v)} ({v['dataset']}, {v['model']})",
+            "ε claimed": _fmt(v["epsilon_claimed"], 3),
+            "audit": Text(v["verdict"], VERDICT_STYLES.get(v["verdict"], "")), "numbers": v["numbers"]}
+            for v in found], "privacy audit (dpsgd audit)", keep=["audit"]))
 
 
 # --- datasets --------------------------------------------------------------------------------------
@@ -267,11 +300,10 @@ def datasets_list() -> None:
     """What is known, whether it is cached, sizes and sources."""
     from dpsgd_cli.data import list_datasets
 
-    table = Table("name", "records", "cached", "size", "source", "licence")
-    for info in list_datasets():
-        table.add_row(info["name"], str(info.get("records", "")), info["cache_state"],
-                      _size(info.get("size_bytes", 0)), str(info.get("source", "")), str(info.get("license", "")))
-    console.print(table)
+    console.print(compact_table([{
+        "name": info["name"], "records": f"{info['records']:,}" if info.get("records") else "", "cached":
+        info["cache_state"], "size": _size(info.get("size_bytes", 0)), "source": str(info.get("source", "")),
+        "licence": str(info.get("license", ""))} for info in list_datasets()], "datasets", keep=["name", "source"]))
 
 
 @datasets_app.command("fetch")

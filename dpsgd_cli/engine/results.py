@@ -519,8 +519,13 @@ def varying_label(names: pd.Series, options: pd.Series) -> pd.Series:
     for name, rows in parsed.groupby(names, sort=False):
         keys = sorted({k for p in rows for k in p})
         varying = [k for k in keys if len({json.dumps(p.get(k)) for p in rows}) > 1]
-        label[rows.index] = str(name) + rows.map(lambda p: "".join(f" {k}={p.get(k)}" for k in varying))
+        label[rows.index] = str(name) + rows.map(lambda p: "".join(f" {k}={option_text(p.get(k))}" for k in varying))
     return label
+
+
+def option_text(value: Any) -> str:
+    """An option's value as a label shows it: `1000`, not `1000.0`; `1e+09`, not `1000000000.0`."""
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def algorithm_label(frame: pd.DataFrame) -> pd.Series:

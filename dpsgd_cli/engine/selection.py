@@ -279,7 +279,7 @@ def _plain(value: Any) -> Any:
 
 
 def _readable(key: str, columns: list[str]) -> str:
-    return ", ".join(f"{c}={'–' if v is None else (f'{v:g}' if isinstance(v, float) else v)}"
+    return ", ".join(f"{c}={'—' if v is None else (f'{v:g}' if isinstance(v, float) else v)}"
                      for c, v in zip(columns, json.loads(key)))
 
 

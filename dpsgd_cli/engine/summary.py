@@ -13,7 +13,8 @@ from dpsgd_cli.algorithms import ALGORITHMS
 from dpsgd_cli.config import SelectSpec
 from dpsgd_cli.data.files import FileDatasetSpec
 from dpsgd_cli.data.spec import DatasetSpec
-from dpsgd_cli.engine.results import NUMERIC, comparison, grid_of, parse_options, read_results, varying_label
+from dpsgd_cli.engine.results import (NUMERIC, comparison, grid_of, option_text, parse_options, read_results,
+                                      varying_label)
 from dpsgd_cli.engine.selection import frame_columns, results_frame, selections, tuned_for
 from dpsgd_cli.models import MODELS
 
@@ -31,14 +32,18 @@ def prefix(metric: str) -> str:
 
 
 def summary_metrics(runs: pd.DataFrame, grid: dict) -> list[str]:
-    """The (at most two) metrics the summary shows: the grid's figure metric when it is a column of runs.csv,
-    then test accuracy and the optimality gap; a metric no ok run has (test accuracy without a test split) is
-    left out."""
+    """The metrics the summary shows: those of the grid's figures (at most two) that are columns of runs.csv, or
+    else test accuracy and the optimality gap; only those some ok run has (no test accuracy without a test
+    split), or else the first metric that one has."""
+    ok = runs[runs["status"] == "ok"]
+
+    def measured(metric: str) -> bool:
+        return metric in NUMERIC and metric in ok and pd.to_numeric(ok[metric], errors="coerce").notna().any()
+
     figures = [f.get("metric", "test_accuracy") for f in grid.get("figures", [])
                if f.get("kind", "sweep") in ("sweep", "traces")]
-    ok = runs[runs["status"] == "ok"]
-    wanted = [m for m in dict.fromkeys([*figures, *BASE_METRICS]) if m in NUMERIC and m in ok]
-    return [m for m in wanted if pd.to_numeric(ok[m], errors="coerce").notna().any()][:2]
+    wanted = [m for m in dict.fromkeys(figures or BASE_METRICS) if measured(m)][:2]
+    return wanted or [m for m in (*BASE_METRICS, "train_objective") if measured(m)][:1]
 
 
 def summary_frame(folder: Path) -> pd.DataFrame:
@@ -46,7 +51,8 @@ def summary_frame(folder: Path) -> pd.DataFrame:
     its labels (see `cell_labels`) and settings, runs, ok runs, mean and std over the ok runs of test accuracy
     (`acc_mean`, `acc_std`), optimality gap (`gap_…`) and the grid's figure metric (`<metric>_…`), and
     `identical`: every ok seed gave the same value of each metric shown (`attrs["metrics"]`), as a deterministic
-    algorithm such as `erm` does. `attrs["missing"]` says which metric no run has, and why."""
+    algorithm such as `erm` does. `attrs["missing"]` says which metric no run has, and why; `attrs["options"]`
+    are the options the labels leave out (`fixed_options`)."""
     runs = read_results(folder).runs
     grid = grid_of(folder)
     metrics = summary_metrics(runs, grid) if len(runs) else []
@@ -68,7 +74,7 @@ def summary_frame(folder: Path) -> pd.DataFrame:
     out["ok"] = out["ok"].fillna(0).astype(int)
     out["identical"] = out["identical"].eq(True)
     out = out[columns]
-    out.attrs.update(metrics=metrics, missing=_missing(runs, metrics))
+    out.attrs.update(metrics=metrics, missing=_missing(runs, metrics), options=fixed_options(runs))
     return out
 
 
@@ -102,19 +108,22 @@ def cell_labels(frame: pd.DataFrame, specs: Sequence[SelectSpec] = ()) -> pd.Dat
 
 
 def fixed_options(frame: pd.DataFrame) -> list[str]:
-    """`dp_sgd: accountant=pld`: per dataset, model and algorithm, the options that all its rows share and that
+    """`dp_sgd(accountant=pld)`: per dataset, model and algorithm, the options that all its rows share and that
     differ from the default — what `cell_labels` leaves out."""
     out = []
     for name, options in (("dataset", "dataset_options"), ("model", "model_options"),
                           ("algorithm", "algorithm_params")):
+        if options not in frame:
+            continue
         parsed = parse_options(frame[options])
         for value, rows in parsed.groupby(frame[name], sort=False):
             first = rows.iloc[0]
             defaults = _defaults(name, str(value), first)
             same = {k: v for k, v in first.items() if all(_json(p.get(k)) == _json(v) for p in rows)}
-            shown = [f"{k}={_text(v)}" for k, v in same.items() if k not in defaults or _json(defaults[k]) != _json(v)]
+            shown = [f"{k}={option_text(v)}" for k, v in same.items()
+                     if k not in defaults or _json(defaults[k]) != _json(v)]
             if shown:
-                out.append(f"{value}: {' '.join(shown)}")
+                out.append(f"{value}({', '.join(shown)})")
     return out
 
 
@@ -126,10 +135,6 @@ def _defaults(kind: str, name: str, options: dict) -> dict[str, Any]:
     else:
         fields = (FileDatasetSpec if "path" in options else DatasetSpec).model_fields
     return {k: f.default for k, f in fields.items()}
-
-
-def _text(value: Any) -> str:
-    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def _json(value: Any) -> str:
