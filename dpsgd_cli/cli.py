@@ -14,7 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dpsgd_cli import __version__
-from dpsgd_cli.api import compact_table
+from dpsgd_cli.api import compact_table, settings_table
 from dpsgd_cli.api import fmt as _fmt
 from dpsgd_cli.errors import UserError
 
@@ -130,7 +130,7 @@ def audit(
     if dry_run:
         cells = api.audit(grid_file, only=only, out=out, trials=trials, confidence=confidence, dry_run=True)
         for grid, part in cells.groupby("grid", sort=False):
-            console.print(api.settings_table(part, f"{grid}: {len(part)} cells to audit", numbers={
+            console.print(settings_table(part, f"{grid}: {len(part)} cells to audit", numbers={
                 "canaries": list(part["canaries"]), "trials per world": list(part["trials"])}))
         return
     rows: list[dict] = []
@@ -150,15 +150,14 @@ VERDICT_STYLES = {"refuted": "red", "consistent": "green"}
 def audit_table(rows: list[dict], title: str) -> Any:
     """audit.csv's rows, a row per cell and attack: ε_lo beside the claimed ε, and the verdict."""
     import pandas as pd
-    from rich.text import Text
 
     from dpsgd_cli.engine.results import varying_label
     from dpsgd_cli.engine.summary import fixed_options
 
     frame = pd.DataFrame(rows).reindex(columns=["dataset", "model", "algorithm", "algorithm_params", "canary",
-                                                "threat_model", "epsilon_claimed", "delta", "epsilon_lo", "auc",
-                                                "verdict", "status", "message"])
-    labels = varying_label(frame["algorithm"], frame["algorithm_params"].fillna("{}"))
+                                                "threat_model", "epsilon_claimed", "delta", "epsilon_lo", "verdict",
+                                                "status", "message"]).fillna({"algorithm_params": "{}"})
+    labels = varying_label(frame["algorithm"], frame["algorithm_params"])
     shown = []
     for label, r in zip(labels, frame.to_dict("records")):
         verdict = r["verdict"] if isinstance(r["verdict"], str) else "—"
@@ -167,7 +166,7 @@ def audit_table(rows: list[dict], title: str) -> Any:
                       "ε": _fmt(r["epsilon_claimed"], 3), "δ": _fmt(r["delta"], 2), "ε_lo": _fmt(r["epsilon_lo"], 3),
                       "verdict": Text(verdict, style=VERDICT_STYLES.get(verdict, "")) if r["status"] == "ok"
                       else f"{r['status']}: {r['message']}"})
-    fixed = fixed_options(frame.fillna({"algorithm_params": "{}"}))
+    fixed = fixed_options(frame)
     notes = ["attack: canary, and what the adversary sees (black box: the last model's outputs; white box: its "
              "parameters; all iterates: every step's)",
              *([f"options: {'; '.join(fixed)}"] if fixed else [])]
@@ -283,15 +282,23 @@ def _privacy(row) -> str:
 
 
 def _print_audit_verdicts(results_dir: Path) -> None:
-    from dpsgd_cli.report import _params, audit_frames, audit_verdicts
+    import pandas as pd
 
-    found = [v for frame in audit_frames(results_dir) for v in audit_verdicts(frame)]
-    if found:
-        console.print(compact_table([{
-            "grid": v["grid"], "algorithm": f"{v['algorithm']} {_params(v)} ({v['dataset']}, {v['model']})",
-            "ε claimed": _fmt(v["epsilon_claimed"], 3),
-            "audit": Text(v["verdict"], VERDICT_STYLES.get(v["verdict"], "")), "numbers": v["numbers"]}
-            for v in found], "privacy audit (dpsgd audit)", keep=["audit"]))
+    from dpsgd_cli.engine.results import varying_label
+    from dpsgd_cli.engine.summary import fixed_options
+    from dpsgd_cli.report import audit_frames, audit_verdicts
+
+    found = pd.DataFrame([v for frame in audit_frames(results_dir) for v in audit_verdicts(frame)])
+    if found.empty:
+        return
+    labels = varying_label(found["algorithm"], found["algorithm_params"])
+    fixed = fixed_options(found)
+    console.print(compact_table([{
+        "grid": v["grid"], "dataset": v["dataset"], "model": v["model"], "algorithm": label,
+        "ε claimed": _fmt(v["epsilon_claimed"], 3), "audit": Text(v["verdict"], VERDICT_STYLES.get(v["verdict"], "")),
+        "numbers": v["numbers"]} for label, v in zip(labels, found.to_dict("records"))],
+        "privacy audit (dpsgd audit)", keep=["audit"], lines=True,
+        notes=[f"options: {'; '.join(fixed)}"] if fixed else []))
 
 
 # --- datasets --------------------------------------------------------------------------------------
