@@ -18,6 +18,7 @@ import time
 from typing import Any, Iterator, Optional
 
 import numpy as np
+import scipy.stats
 
 from dpsgd_cli.algorithms import Algorithm, Setting
 from dpsgd_cli.algorithms.erm import reference_minimum
@@ -41,6 +42,11 @@ THREATS = {"input": ["black-box, last iterate"],
 SEES = {"black-box, last iterate": "final output", "white-box, last iterate": "final output",
         "white-box, all iterates": "every iterate"}
 VERDICTS = ("refuted", "consistent", "uninformative", "not covered")
+# Steinke, Nasr, Jagielski 2023 need canaries that do not interfere: each its own coordinate (their white-box
+# canaries are Dirac gradients too). A record in input space has none, and m gradient canaries along directions the
+# data uses mix with the data's gradients and with each other (AUC 0.53 with 1,000 of them in 5 parameters).
+ONE_RUN_REFUSAL = ("statistic: one_run needs canaries: [dirac] (one unused input coordinate per canary, pooled "
+                   "over the trials); input and gradient canaries share the data's coordinates")
 
 
 @dataclasses.dataclass
@@ -83,8 +89,10 @@ def audit_cell(cell: Cell, spec: AuditSpec, trials: Optional[int] = None, confid
         control = _worlds(kind, cell, spec, twin, trials, data) if twin is not None else None
         runs.append((kind, worlds, control, time.perf_counter() - start))
     covers = next((algorithm.covered(w.derived) for _, w, _, _ in runs if isinstance(w, Worlds)), algorithm.covers)
-    family = sum(1 for _, w, _, _ in runs if isinstance(w, Worlds) for t in w.scores if _covered(covers, t))
+    family = _distinct_tests([w for _, w, _, _ in runs if isinstance(w, Worlds)], covers)
+    twin_family = _distinct_tests([c for _, _, c, _ in runs if isinstance(c, Worlds)], covers)
     row_confidence = stats.family_confidence(confidence, family)
+    twin_confidence = stats.family_confidence(confidence, twin_family)
     rows = []
     for kind, worlds, control, elapsed in runs:
         if not isinstance(worlds, Worlds):
@@ -92,16 +100,34 @@ def audit_cell(cell: Cell, spec: AuditSpec, trials: Optional[int] = None, confid
             rows += [{**base, "canary": kind, "threat_model": t, "status": status, "covers": covers,
                       "message": f"{type(worlds).__name__}: {worlds}".replace("\n", " ")} for t in THREATS[kind]]
             continue
+        derived = _derived_columns(worlds, cell, data)
         for threat, (s_in, s_out) in worlds.scores.items():
-            row = {**base, **_derived_columns(worlds, cell, data), "canary": kind, "threat_model": threat,
+            row = {**base, **derived, "canary": kind, "threat_model": threat,
                    "wall_time": elapsed, "covers": covers, "family_size": family, "row_confidence": row_confidence,
-                   **_statistics(s_in, s_out, spec, row_confidence, worlds)}
+                   **_statistics(s_in, s_out, spec, row_confidence, worlds, derived["epsilon_claimed"])}
             if scores is not None:
                 scores[_key(kind, threat, "in")], scores[_key(kind, threat, "out")] = s_in, s_out
-            row.update(_control_columns(control, threat, spec, row_confidence, scores, kind))
+            row.update(_control_columns(control, threat, spec, twin_confidence, scores, kind,
+                                        derived["epsilon_claimed"]))
             row.update(_verdict(row, covers, threat))
             rows.append(row)
     return rows
+
+
+def _distinct_tests(worlds: list["Worlds"], covers: str) -> int:
+    """How many different tests the covered rows are (the family a verdict combines): rows whose scores order
+    the trials identically give the same bound under every rule here (each depends on the scores' order only)
+    and count once — one full-batch step's all-iterates ratio is an increasing function of its last iterate's
+    projection. The union bound over the family holds with the distinct tests alone."""
+    seen = set()
+    for w in worlds:
+        for threat, (s_in, s_out) in w.scores.items():
+            if not _covered(covers, threat):
+                continue
+            both = np.concatenate([s_in, s_out])
+            ranks = scipy.stats.rankdata(both, method="min") if np.isfinite(both).all() else both
+            seen.add((s_in.size, np.asarray(ranks).tobytes()))
+    return len(seen)
 
 
 def _key(kind: str, threat: str, world: str) -> str:
@@ -123,7 +149,8 @@ def _worlds(kind: str, cell: Cell, spec: AuditSpec, algorithm: Algorithm, trials
 
 
 def _control_columns(control, threat: str, spec: AuditSpec, confidence: float, scores: Optional[dict],
-                     kind: str) -> dict[str, Any]:
+                     kind: str, claim: float) -> dict[str, Any]:
+    """The twin's row: its bound at `confidence`, the level of its own family (the same rule, the same claim)."""
     if control is None:
         return {}
     if not isinstance(control, Worlds) or threat not in control.scores:
@@ -132,7 +159,7 @@ def _control_columns(control, threat: str, spec: AuditSpec, confidence: float, s
     s_in, s_out = control.scores[threat]
     if scores is not None:
         scores["control." + _key(kind, threat, "in")], scores["control." + _key(kind, threat, "out")] = s_in, s_out
-    stat = _statistics(s_in, s_out, spec, confidence, control)
+    stat = _statistics(s_in, s_out, spec, confidence, control, claim)
     return {"control": spec.control, "control_epsilon": control.derived.get("epsilon_noise_scaled"),
             "control_epsilon_lo": stat.get("epsilon_lo")}
 
@@ -195,7 +222,10 @@ def _derived_columns(worlds: Worlds, cell: Cell, data: Dataset) -> dict[str, Any
             "guarantee": worlds.guarantee}
 
 
-def _statistics(s_in: np.ndarray, s_out: np.ndarray, spec: AuditSpec, confidence: float, worlds: Worlds) -> dict:
+def _statistics(s_in: np.ndarray, s_out: np.ndarray, spec: AuditSpec, confidence: float, worlds: Worlds,
+                claim: float) -> dict:
+    """The row's numbers; `claim` (the ε the row is judged against) fixes the rule "order"'s ranks before any
+    score is seen."""
     delta = worlds.derived.get("_delta_audit", 0.0)
     finite = np.isfinite(s_in).all() and np.isfinite(s_out).all()
     if not finite:
@@ -206,11 +236,10 @@ def _statistics(s_in: np.ndarray, s_out: np.ndarray, spec: AuditSpec, confidence
         eps = stats.epsilon_one_run(s_in, s_out, confidence, delta)
         top, need = None, None
     else:
-        eps = stats.epsilon_clopper_pearson(s_in, s_out, confidence, delta, spec.threshold)
-        top = stats.ceiling(s_in.size, s_out.size, confidence, delta, spec.threshold)
-        claimed = worlds.derived.get("epsilon_achieved")
-        need = (stats.trials_needed(claimed, confidence, delta, spec.threshold)
-                if claimed is not None and np.isfinite(claimed) and top <= claimed else None)
+        eps = stats.epsilon_clopper_pearson(s_in, s_out, confidence, delta, spec.threshold, claim=claim)
+        top = stats.ceiling(s_in.size, s_out.size, confidence, delta, spec.threshold, claim)
+        need = (stats.trials_needed(claim, confidence, delta, spec.threshold)
+                if claim is not None and np.isfinite(claim) and top <= claim else None)
     mu = stats.gdp_mu(s_in, s_out)
     return {"epsilon_lo": eps, "ceiling": top, "trials_needed": need, "gdp_mu": mu,
             "gdp_epsilon": stats.gdp_epsilon(mu, delta), "auc": stats.auc(s_in, s_out),
@@ -243,7 +272,7 @@ def input_worlds(cell: Cell, spec: AuditSpec, algorithm: Algorithm, trials: int,
     """Black box: D ∪ {(x_c, y_c)} against D ∪ {(0, 0)} (add/remove) or D ∪ {(x_c, −y_c)} (replace-one); score =
     the released model's margin on the canary."""
     if spec.statistic == "one_run":
-        raise NotApplicable("the one-run statistic is implemented for gradient canaries (canaries: [gradient])")
+        raise NotApplicable(ONE_RUN_REFUSAL)
     model, setting = _setup(cell, data, 1)
     X, y = data.X_train, data.y_train
     reference = reference_minimum(model, X, y)[0] if model.convex else None
@@ -263,76 +292,91 @@ def input_worlds(cell: Cell, spec: AuditSpec, algorithm: Algorithm, trials: int,
 
 
 def gradient_worlds(cell: Cell, spec: AuditSpec, algorithm: Algorithm, trials: int, data: Dataset) -> Worlds:
-    """White box: a canary whose gradient is a fixed vector; both worlds are replicas of one fit (a mask).
-
-    clopper_pearson: one canary, `trials` replicas with it and `trials` without. one_run: m = `spec.m_canaries`
-    canaries in every one of `trials` runs, each included with probability 1/2 (its own coin per run); the bound
-    is that of the first run (the others are printed for spread)."""
-    m = spec.m_canaries if spec.statistic == "one_run" else 1
-    model, setting = _setup(cell, data, m)
+    """White box: a canary whose gradient is a fixed vector u; `trials` replicas with it and `trials` without,
+    both worlds replicas of one fit (a mask)."""
+    if spec.statistic == "one_run":
+        raise NotApplicable(ONE_RUN_REFUSAL)
+    model, setting = _setup(cell, data, 1)
     X, y = data.X_train, data.y_train
-    U = _directions(spec, model, X, y, m)
-    markers, marker_y = canaries.marker_rows(m, data.d)
+    U = _directions(spec, model, X, y)
+    markers, marker_y = canaries.marker_rows(1, data.d)
     Xw, yw = np.vstack([X, markers]), np.append(y, marker_y)
     clip = cell.clip_norm or 1.0
     raw_norm = spec.raw_norm if spec.raw_norm is not None else 2.0 * (data.n + 1) * max(clip, 1.0) + clip
-    if spec.statistic == "one_run":
-        included = np.random.default_rng(spec.seed).random((trials, m)) < 0.5
-    else:
-        included = np.zeros((2 * trials, 1), dtype=bool)
-        included[:trials] = True
     # the canary's gradient per replica: +1 in, and out the null record (0) or, under replace-one, the mirror (−1)
-    sign = np.where(included, 1.0, -1.0 if algorithm.neighbouring() == "replace_one" else 0.0)
+    sign = np.r_[np.ones(trials), np.full(trials, -1.0 if algorithm.neighbouring() == "replace_one" else 0.0)]
+    sign = sign[:, None]
     last, every, derived, guarantee = [], [], {}, ""
-    for chunk in _chunks(range(0, included.shape[0]), spec.chunk):
+    for chunk in _chunks(range(0, 2 * trials), spec.chunk):
         wrapped = canaries.with_gradient_canaries(model, U, sign[chunk.start:chunk.stop], raw_norm)
         outcome, derived = _fit(algorithm, setting, wrapped, Xw, yw, chunk)
         if not wrapped.projections:
             raise NotApplicable(f"{algorithm.name} does not train by clipped per-example gradients (no chain step "
-                             "saw the canary); use canaries: [input]")
+                                "saw the canary); use canaries: [input]")
         s = canaries.gradient_scores(wrapped, outcome.theta, signed=algorithm.neighbouring() == "replace_one")
         last.append(s.last_iterate)
         every.append(s.all_iterates)
         guarantee = outcome.guarantee
     last, every = np.concatenate(last), np.concatenate(every)
-    if spec.statistic == "one_run":  # the first run's canaries: in vs out
-        pick = included[0]
-        scores = {t: (s[0][pick], s[0][~pick]) for t, s in zip(THREATS["gradient"], (last, every))}
-    else:
-        scores = {t: (s[:trials, 0], s[trials:, 0]) for t, s in zip(THREATS["gradient"], (last, every))}
+    scores = {t: (s[:trials, 0], s[trials:, 0]) for t, s in zip(THREATS["gradient"], (last, every))}
     return Worlds(scores, derived, guarantee)
 
 
-def dirac_setup(cell: Cell, data: Dataset) -> tuple[Model, Setting, np.ndarray, np.ndarray, np.ndarray]:
-    """(model, setting, U (1, P): the canary's direction e, X, y): the data with one more input coordinate, zero for
-    every real record, and the marker row that carries the canary's gradient."""
-    X = canaries.with_unused_input(data.X_train)
-    model, setting = _setup(cell, dataclasses.replace(data, X_train=X), 1)
+def dirac_setup(cell: Cell, data: Dataset, m: int = 1,
+                watch: int = 0) -> tuple[Model, Setting, np.ndarray, np.ndarray, np.ndarray]:
+    """(model, setting, U (m + watch, P), X, y): the data with m more input coordinates, zero for every real
+    record, and m marker rows that carry the canaries' gradients. U's first m rows are the canaries' directions
+    e_k, the parameters those coordinates feed; the `watch` rows after them are zero, for directions the caller
+    wants recorded that no marker row feeds (the marker rows' norms index all m + watch rows)."""
+    X = np.hstack([data.X_train, np.zeros((data.X_train.shape[0], m), dtype=data.X_train.dtype)])
+    model, setting = _setup(cell, dataclasses.replace(data, X_train=X), m)
     setting = dataclasses.replace(setting, d=X.shape[1])
-    U = np.zeros((1, model.n_params))
-    U[0, canaries.dirac_index(model)] = 1.0
-    markers, marker_y = canaries.marker_rows(1, X.shape[1])
-    return model, setting, U, np.vstack([X, markers]), np.append(data.y_train, marker_y)
+    U = np.zeros((m + watch, model.n_params))
+    # the last input feeds parameter dirac_index alone, and input k parameter k (logistic regression's weights,
+    # the MLP's first hidden unit's row of W1): the last m inputs feed the m parameters before it
+    U[np.arange(m), canaries.dirac_index(model) - m + 1 + np.arange(m)] = 1.0
+    markers, marker_y = canaries.marker_rows(m + watch, X.shape[1])
+    return model, setting, U, np.vstack([X, markers[:m]]), np.append(data.y_train, marker_y[:m])
 
 
 def dirac_worlds(cell: Cell, spec: AuditSpec, algorithm: Algorithm, trials: int, data: Dataset) -> Worlds:
     """White box, the Dirac canary: the data and the model get one more input coordinate, zero for every real
     record, and the canary's gradient is C·e on the parameter it feeds (`canaries.dirac_index`); `trials` replicas
     with it, `trials` without (the null record, or under replace-one the mirror −C·e), all of one fit. Scores: the
-    last iterate's projection −⟨θ_T, e⟩, and over every iterate the per-step likelihood ratio of the canary's
-    inclusions (`canaries.step_likelihood_ratio`, at the σ and sampling rate the mechanism declares)."""
-    if spec.statistic == "one_run":
-        raise NotApplicable("the one-run statistic is implemented for gradient canaries (canaries: [gradient])")
-    model, setting, U, Xw, yw = dirac_setup(cell, data)
+    last iterate's projection −⟨θ_T, w⟩, and over every iterate the per-step likelihood ratio of the canary's
+    inclusions (`canaries.step_likelihood_ratio`, at the σ and sampling rate the mechanism declares). w = e, or
+    where the chain post-processes the noisy gradient by a fixed linear map M (dp_lssgd's smoothing A⁻¹) the w
+    with Mᵀw = e (`_post_processing`): ⟨M g, w⟩ = ⟨g, e⟩, so the projection sees the canary and the noise on e
+    alone, as without M, and none of the data's gradients that M mixes into e's coordinate.
+
+    One run (`statistic: one_run`, Steinke, Nasr, Jagielski 2023): m = `m_canaries` Dirac canaries per training,
+    each on its own unused coordinate and included with probability 1/2 (its own coin per training), pooled over
+    the `trials` trainings. The canaries do not interfere: no record, real or canary, moves another's coordinate,
+    and the noise on each is independent. Pooling is one run of the product of the trainings, in which a canary
+    changes one training only, so each canary's inclusion is as private as the claim: all their bound needs."""
+    one_run = spec.statistic == "one_run"
+    m = spec.m_canaries if one_run else 1
+    mirror = algorithm.neighbouring() == "replace_one"
+    model, setting, U, Xw, yw = dirac_setup(cell, data, m)
+    Mt = _post_processing(algorithm, setting, model, Xw, yw)
+    scale = np.ones(m)
+    if Mt is not None:  # record ⟨θ_t, w_k⟩ as well, through the unit directions w_k/‖w_k‖ (no marker feeds them)
+        model, setting, U, Xw, yw = dirac_setup(cell, data, m, watch=m)
+        W = np.linalg.solve(Mt, U[:m].T).T  # Mᵀ w_k = e_k
+        scale = np.linalg.norm(W, axis=1)
+        U[m:] = W / scale[:, None]
     clip = cell.clip_norm or 1.0
     raw_norm = spec.raw_norm if spec.raw_norm is not None else clip  # clipped or not, the sensitivity C
-    mirror = algorithm.neighbouring() == "replace_one"
-    sign = np.r_[np.ones(trials), np.full(trials, -1.0 if mirror else 0.0)][:, None]
+    if one_run:
+        included = np.random.default_rng(spec.seed).random((trials, m)) < 0.5
+    else:
+        included = np.r_[np.ones(trials, dtype=bool), np.zeros(trials, dtype=bool)][:, None]
+    weight = np.where(included, 1.0, -1.0 if mirror else 0.0)
+    weight = np.hstack([weight, np.zeros((weight.shape[0], U.shape[0] - m))])
     last, every, derived, guarantee = [], [], {}, ""
-    for chunk in _chunks(range(0, 2 * trials), spec.chunk):
-        wrapped = canaries.with_gradient_canaries(model, U, sign[chunk.start:chunk.stop], raw_norm)
-        streams = ReplicaStreams(chunk)
-        prepared = algorithm.prepare(setting, wrapped, Xw, yw, streams)
+    for chunk in _chunks(range(0, weight.shape[0]), spec.chunk):
+        wrapped = canaries.with_gradient_canaries(model, U, weight[chunk.start:chunk.stop], raw_norm)
+        prepared = algorithm.prepare(setting, wrapped, Xw, yw, ReplicaStreams(chunk))
         if prepared is None:
             raise NotApplicable(f"{algorithm.name} does not train as a gradient chain here (no iterates to read)")
         outcome = prepared.train(wrapped)
@@ -340,31 +384,73 @@ def dirac_worlds(cell: Cell, spec: AuditSpec, algorithm: Algorithm, trials: int,
         if not wrapped.projections:
             raise NotApplicable(f"{algorithm.name} does not train by clipped per-example gradients (no chain step "
                                 "saw the canary)")
-        a = canaries.iterate_projections(wrapped, outcome.theta)
+        blocks = [*wrapped.projections, outcome.theta @ U.T]
+        proj = np.concatenate([np.reshape(b, (-1, *b.shape[-2:])) for b in blocks])  # (T + 1, R, m [+ m])
+        a = proj[:, :, :m]
+        v = proj[:, :, m:] * scale if Mt is not None else a
         norm = raw_norm if prepared.chain.clip is None else min(raw_norm, prepared.chain.clip)
         q = float(derived.get("sample_rate") or min(1.0, (setting.batch_size or setting.n) / setting.n))
         steps = canaries.step_model(prepared.chain, norm, q)
-        x = canaries.step_statistics(a, steps)
-        last.append(-a[-1])
-        every.append(canaries.step_likelihood_ratio(x, steps.sigma, q, mirror=mirror))
+        x = _step_statistics(a, v, steps)  # (T, R, m)
+        last.append(-v[-1])
+        every.append(canaries.step_likelihood_ratio(x.reshape(x.shape[0], -1), steps.sigma, q,
+                                                    mirror=mirror).reshape(x.shape[1:]))
         guarantee = outcome.guarantee
     last, every = np.concatenate(last), np.concatenate(every)
-    scores = {t: (s[:trials], s[trials:]) for t, s in zip(THREATS["dirac"], (last, every))}
+    scores = {t: (s[included], s[~included]) for t, s in zip(THREATS["dirac"], (last, every))}
     return Worlds(scores, derived, guarantee)
 
 
-def _directions(spec: AuditSpec, model: Model, X: np.ndarray, y: np.ndarray, m: int) -> np.ndarray:
-    """(m, P) unit canary gradients: `unused` — the data's least-used input direction (logreg, m = 1), else
-    random orthonormal (m ≤ P) or random unit vectors; `against_data` — against the data's gradient at θ₀."""
+def _step_statistics(a: np.ndarray, v: np.ndarray, steps: canaries.StepModel) -> np.ndarray:
+    """x_t = −((v_{t+1} − v_t)/η_t + λ a_t)/(F c) = b_t + σ z_t (T, ...): `canaries.step_statistics` with the
+    update read along w (v_t = ⟨θ_t, w⟩) and the weight decay along e (a_t = ⟨θ_t, e⟩); v = a without M."""
+    eta = np.array([steps.schedule(t) for t in range(1, a.shape[0])]).reshape(-1, *([1] * (a.ndim - 1)))
+    return -(np.diff(v, axis=0) / eta + steps.lam * a[:-1]) / (steps.F * steps.c)
+
+
+def _post_processing(algorithm: Algorithm, setting: Setting, model: Model, X: np.ndarray,
+                     y: np.ndarray) -> Optional[np.ndarray]:
+    """Mᵀ (P, P) for a chain whose last transforms, after its noise, scale and weight decay, apply a fixed linear
+    map M to the noisy gradient (dp_lssgd's Laplacian smoothing A⁻¹; data-independent post-processing), read by
+    applying them to the identity; None when there are none, or when they are not linear or depend on θ (the
+    statistic then reads e alone: still valid, only weaker)."""
+    prepared = algorithm.prepare(setting, model, X, y, ReplicaStreams(range(1)))
+    if prepared is None:
+        return None
+    tail = []
+    for transform in reversed(list(prepared.chain.transforms)):
+        kind = getattr(transform, "kind", None) or getattr(transform, "compiled", ("",))[0]  # its tag, if any
+        if kind in ("noise", "scale", "l2"):
+            break
+        if kind != "identity":
+            tail.insert(0, transform)
+    if not tail:
+        return None
+    P = model.n_params
+
+    def apply(g: np.ndarray, theta: np.ndarray) -> np.ndarray:
+        for transform in tail:
+            g = transform(g, theta)
+        return np.asarray(g, dtype=float)
+
+    Mt = apply(np.eye(P), np.zeros((P, P)))  # row i: (M e_i)ᵀ
+    rng = np.random.default_rng([P, 5])
+    G = rng.standard_normal((3, P))
+    if not np.allclose(apply(G, rng.standard_normal((3, P))), G @ Mt, rtol=1e-8, atol=1e-10):
+        return None
+    if np.linalg.cond(Mt) > 1e8:
+        return None
+    return Mt
+
+
+def _directions(spec: AuditSpec, model: Model, X: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """(1, P): the canary's unit gradient: `unused` — the data's least-used input direction (logreg), or a
+    random one (the MLP); `against_data` — against the data's gradient at θ₀."""
     P = model.n_params
     if spec.direction == "against_data":
-        if m != 1:
-            raise ValueError("direction: against_data takes one canary")
         theta0 = model.init([np.random.default_rng([spec.seed, 7])])
         return canaries.data_gradient_direction(model, theta0, X, y)[None, :]
-    if m == 1 and P == X.shape[1]:
+    if P == X.shape[1]:
         return canaries.least_used_direction(X)[None, :]
-    G = np.random.default_rng([spec.seed, 11]).standard_normal((m, P))
-    if m <= P:
-        return np.linalg.qr(G.T)[0].T
-    return G / np.linalg.norm(G, axis=1, keepdims=True)
+    g = np.random.default_rng([spec.seed, 11]).standard_normal(P)
+    return (g / np.linalg.norm(g))[None, :]

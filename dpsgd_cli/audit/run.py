@@ -10,7 +10,7 @@ from typing import Callable, Optional
 import numpy as np
 import pandas as pd
 
-from dpsgd_cli.audit.engine import COLUMNS, audit_cell
+from dpsgd_cli.audit.engine import COLUMNS, ONE_RUN_REFUSAL, audit_cell
 from dpsgd_cli.config import AuditSpec, Grid, expand
 from dpsgd_cli.errors import UserError
 
@@ -23,7 +23,10 @@ def audit_grid(grid: Grid, out_root: Path, trials: Optional[int] = None, confide
     """Audit every cell of `grid` (its `audit:` block, or the defaults); returns the CSV's path."""
     from dpsgd_cli.engine.checks import check_audit
 
-    spec = grid.audit or AuditSpec()
+    # no audit block: the defaults, with thresholds at ranks fixed from the claim (the most powerful rule here)
+    spec = grid.audit or AuditSpec(threshold="order")
+    if spec.statistic == "one_run" and set(spec.canaries) != {"dirac"}:
+        raise UserError(f"grid {grid.name!r}: audit.{ONE_RUN_REFUSAL}")
     check_audit(grid, trials)  # the trials multiply every training: bounded before any
     if confidence is not None and not 0.5 < confidence < 1:
         raise UserError(f"--confidence {confidence:g}: must be in (0.5, 1), e.g. 0.95")

@@ -6,14 +6,20 @@ false-positive rate FPR(t) (out-trials scoring ≥ t) and false-negative rate FN
 Ullman, Oprea 2020 and Nasr et al. 2021), so with Clopper–Pearson bounds holding with probability 1 − α,
 ε ≥ ln((TPR_lo − δ) / FPR_hi). The same numbers as JAX Privacy's `CanaryScoreAuditor` (`jax_privacy.auditing`),
 against which `tests/test_audit.py` checks them; no JAX needed here.
+
+The rule `order` goes further than a pair of Clopper–Pearson bounds: its threshold is an order statistic of the
+out-scores, whose false-positive rate has a known distribution, so one exact test of "TPR ≤ e^ε FPR + δ" replaces
+the union of two bounds (`order_p_value`).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Literal, Optional, Union
 
 import numpy as np
 import scipy.optimize
+import scipy.special
 import scipy.stats
 
 ThresholdRule = Union[Literal["bonferroni", "split", "order"], float]
@@ -57,16 +63,17 @@ def epsilon_from_counts(tp: np.ndarray, fp: np.ndarray, n_in: int, n_out: int, a
 
 
 def epsilon_clopper_pearson(scores_in, scores_out, confidence: float = 0.95, delta: float = 0.0,
-                            threshold: ThresholdRule = "bonferroni", seed: int = 0) -> float:
+                            threshold: ThresholdRule = "bonferroni", seed: int = 0,
+                            claim: Optional[float] = None) -> float:
     """ε_lo holding with probability `confidence` over the trials.
 
     threshold: a number (fixed in advance: one test); "bonferroni" — the best of all k thresholds, each bound at
     α/k (valid whatever threshold wins); "split" — the threshold that is best on half of the trials (a seeded
-    permutation), the bound computed on the other half at α; "order" — thresholds at pre-registered ranks j of the
-    out-scores (`order_ranks`: just above the j-th largest), each bound at α/#ranks. The last is exact for any
-    score distribution: the FPR of "score > j-th largest of N" is Beta(j, N − j + 1) for continuous scores (and
-    stochastically smaller with ties), whose upper α-quantile is Clopper–Pearson's for j − 1 of N; the in-scores
-    are independent of the threshold, so their bound holds given it.
+    permutation), the bound computed on the other half at α; "order" — thresholds just above the j-th largest
+    out-score for ranks j fixed before any score is seen (`order_ranks`: from the claimed ε when `claim` is given,
+    else 1, 2, 5, 10, ...), each judged by the exact test of `order_p_value` at α/#ranks. The last holds for any
+    score distribution: the FPR of "score > j-th largest of N" is Beta(j, N − j + 1) distributed for continuous
+    scores (stochastically smaller with ties), and the in-scores are independent of the threshold.
     """
     s_in, s_out = _scores(scores_in, scores_out)
     alpha = _alpha(confidence)
@@ -77,11 +84,11 @@ def epsilon_clopper_pearson(scores_in, scores_out, confidence: float = 0.95, del
                                   delta)
         return float(eps.max())
     if threshold == "order":
-        ranks = order_ranks(s_out.size)
+        ranks = order_ranks(s_out.size, s_in.size, claim, delta, alpha)
         top = np.sort(s_out)[::-1]
         t = np.nextafter(top[ranks - 1], np.inf)  # "score > the j-th largest out-score"
-        eps = epsilon_from_counts(positives(s_in, t), ranks - 1, s_in.size, s_out.size, alpha / ranks.size, delta)
-        return float(eps.max())
+        return max(epsilon_order(int(k), s_in.size, int(j), s_out.size, alpha / ranks.size, delta)
+                   for k, j in zip(positives(s_in, t), ranks))
     if threshold == "split":
         rng = np.random.default_rng(seed)
         (fit_in, test_in), (fit_out, test_out) = _halves(s_in, rng), _halves(s_out, rng)
@@ -90,16 +97,98 @@ def epsilon_clopper_pearson(scores_in, scores_out, confidence: float = 0.95, del
                                   delta)
         return epsilon_clopper_pearson(test_in, test_out, confidence, delta, float(t[int(np.argmax(eps))]))
     if isinstance(threshold, str):
-        raise ValueError(f"threshold = {threshold!r}: use 'bonferroni', 'split' or a number")
+        raise ValueError(f"threshold = {threshold!r}: use 'bonferroni', 'split', 'order' or a number")
     t = np.array([float(threshold)])
     return float(epsilon_from_counts(positives(s_in, t), positives(s_out, t), s_in.size, s_out.size, alpha,
                                      delta)[0])
 
 
-def order_ranks(n_out: int) -> np.ndarray:
-    """The ranks j fixed before any score is seen for the rule "order": 1, 2, 5, 10, ... up to n_out/2."""
-    ranks = np.array([j for j in ORDER_RANKS if j <= max(n_out // 2, 1)])
-    return ranks
+def order_ranks(n_out: int, n_in: Optional[int] = None, claim: Optional[float] = None, delta: float = 0.0,
+                alpha: float = 0.05) -> np.ndarray:
+    """The ranks j of the rule "order", fixed before any score is seen: `claim_ranks` when the claimed ε is given
+    (and finite, > 0), else 1, 2, 5, 10, ... up to n_out/2."""
+    if claim is not None and np.isfinite(claim) and claim > 0:
+        return claim_ranks(n_in or n_out, n_out, float(claim), delta, alpha)
+    return np.array([j for j in ORDER_RANKS if j <= max(n_out // 2, 1)])
+
+
+CLAIM_MULTIPLES = (1.0, 2.0, 4.0)
+
+
+def claim_ranks(n_in: int, n_out: int, epsilon: float, delta: float, alpha: float) -> np.ndarray:
+    """Ranks from the claim alone: for ε' = ε, 2ε, 4ε, the rank at which a Gaussian mechanism exactly ε'-DP at δ
+    (μ-GDP with ε(μ, δ) = ε', Dong, Roth, Su 2022, Cor. 2.13) gives the largest bound at its expected counts. The
+    first measures how close a tight mechanism comes to its claim; the others are where a breach shows first
+    (the more a mechanism leaks, the further out in the tail its best test lies, up to rank 1, which perfect
+    separation needs). Nothing here depends on the scores, so the Bonferroni over these (at most three) ranks is
+    all the choice costs."""
+    j = np.unique(np.round(np.geomspace(1, max(n_out // 2, 1), 200)).astype(int))
+    t = -scipy.stats.norm.ppf(j / (n_out + 1))  # the out-scores' j-th largest, in units of their spread
+    ranks = set()
+    for multiple in CLAIM_MULTIPLES:
+        mu = gdp_mu_of_epsilon(multiple * epsilon, delta)
+        tp = np.floor(scipy.stats.norm.sf(t - mu) * n_in)
+        bound = epsilon_from_counts(tp, j - 1, n_in, n_out, alpha / len(CLAIM_MULTIPLES), delta)
+        ranks.add(int(j[int(np.argmax(bound))]))  # all 0 (too few trials for this ε'): rank 1
+    return np.array(sorted(ranks))
+
+
+def order_p_value(k: int, n_in: int, j: int, n_out: int, epsilon: float, delta: float,
+                  alpha: Optional[float] = None, rtol: float = 1e-2) -> tuple[float, float]:
+    """Bounds (lower, upper) on the p-value of k of n_in in-scores above t, the j-th largest of n_out out-scores,
+    if the mechanism is (ε, δ)-DP.
+
+    The test "score > t" has FPR F = P[out-score > t], which is Beta(j, n_out − j + 1) distributed for continuous
+    out-scores (the j-th smallest of n_out uniforms) and stochastically smaller with ties; given t the in-count is
+    Binomial(n_in, TPR) with TPR ≤ e^ε F + δ (Kairouz, Oh, Viswanath 2015). So P[in-count ≥ k] ≤
+    p = ∫ P[Bin(n_in, min(1, e^ε x + δ)) ≥ k] dBeta(x), the integrand increasing in x. One exact test instead of a
+    Clopper–Pearson bound on each rate (the union of two): with 2 × 5,000 trials it lifts the bound on one Gaussian
+    step at ε = 1 by about 0.1. The integral is bracketed by the lower and upper Riemann–Stieltjes sums of a
+    partition of [0, 1] (the Beta's quantiles and the points where the binomial tail moves), refined until the
+    two fall on one side of `alpha` or agree to `rtol`; the upper one is a valid p-value."""
+    if k <= 0:
+        return 1.0, 1.0
+    c = float(np.exp(epsilon))
+    a, b = j, n_out - j + 1  # F ~ Beta(a, b); P[Bin(n_in, p) ≥ k] = I_p(k, n_in − k + 1)
+    x = np.unique(np.clip(np.r_[0.0, 1.0, _quantiles(a, b), (_quantiles(k, n_in - k + 1) - delta) / c], 0.0, 1.0))
+    lower = upper = 1.0
+    for _ in range(12):
+        G = scipy.special.betainc(a, b, x)
+        f = scipy.special.betainc(k, n_in - k + 1, np.minimum(1.0, c * x + delta))
+        dG = np.diff(G)
+        lower, upper = float(dG @ f[:-1]), float(dG @ f[1:])
+        if (alpha is not None and (upper <= alpha or lower > alpha)) or upper - lower <= rtol * upper:
+            break
+        gap = dG * np.diff(f)  # each interval's share of upper − lower: subdivide the large ones
+        wide = np.nonzero(gap > (upper - lower) / gap.size)[0]
+        x = np.unique(np.r_[x, (x[wide, None] + np.diff(x)[wide, None] * np.arange(1, 8) / 8).ravel()])
+    return lower, upper
+
+
+@functools.lru_cache(maxsize=256)
+def _quantiles(a: float, b: float) -> np.ndarray:
+    """Quantiles of Beta(a, b) at 255 even levels and towards both ends (10⁻³ … 10⁻¹⁵): a partition on which
+    its cdf moves by at most 1/256 per interval."""
+    edges = 10.0 ** -np.arange(3, 16)
+    levels = np.r_[np.linspace(0.0, 1.0, 257)[1:-1], edges, 1.0 - edges]
+    return scipy.special.betaincinv(a, b, levels)
+
+
+def epsilon_order(k: int, n_in: int, j: int, n_out: int, alpha: float, delta: float, tol: float = 1e-4) -> float:
+    """The largest ε (to `tol`, rounded down) whose p-value by `order_p_value` is certified ≤ α: if the mechanism
+    were ε_lo-DP this would have happened with probability ≤ α (the p-value grows with ε)."""
+    def rejects(eps: float) -> bool:
+        return order_p_value(k, n_in, j, n_out, eps, delta, alpha)[1] <= alpha
+
+    if not rejects(0.0):
+        return 0.0
+    lo, hi = 0.0, 1.0
+    while rejects(hi):  # p → 1 as ε → ∞ (every x > 0 gives TPR 1): the loop ends
+        lo, hi = hi, 2 * hi
+    while hi - lo > tol:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if rejects(mid) else (lo, mid)
+    return lo
 
 
 def _halves(scores: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -193,16 +282,18 @@ def tpr_at_fpr(scores_in, scores_out, fpr: float) -> float:
 # --- what an audit of N trials can show at all -------------------------------------------------------------------
 
 def ceiling(n_in: int, n_out: int, confidence: float = 0.95, delta: float = 0.0,
-            threshold: ThresholdRule = "bonferroni") -> float:
+            threshold: ThresholdRule = "bonferroni", claim: Optional[float] = None) -> float:
     """The largest ε_lo the rule can give with these trials: perfect separation (every in-trial above every
     out-trial). Bonferroni divides α by the n_in + n_out + 1 thresholds that distinct scores give; split bounds
-    on the held-out halves at α; a fixed threshold at α."""
+    on the held-out halves at α; order takes the best of its ranks (from `claim`), each at α/#ranks; a fixed
+    threshold at α."""
     alpha = _alpha(confidence)
     _check_delta(delta)
+    if threshold == "order":
+        ranks = order_ranks(n_out, n_in, claim, delta, alpha)
+        return max(epsilon_order(n_in, n_in, int(j), n_out, alpha / ranks.size, delta) for j in ranks)
     if threshold == "split":
         n_in, n_out = n_in - n_in // 2, n_out - n_out // 2  # the test halves
-    elif threshold == "order":
-        alpha = alpha / order_ranks(n_out).size
     elif threshold == "bonferroni":
         alpha = alpha / (n_in + n_out + 1)
     return float(epsilon_from_counts(np.array([n_in]), np.array([0]), n_in, n_out, alpha, delta)[0])
@@ -210,15 +301,17 @@ def ceiling(n_in: int, n_out: int, confidence: float = 0.95, delta: float = 0.0,
 
 def trials_needed(epsilon: float, confidence: float = 0.95, delta: float = 0.0,
                   threshold: ThresholdRule = "bonferroni", limit: int = 10**9) -> Optional[int]:
-    """The fewest trials N per world whose ceiling exceeds `epsilon` (None beyond `limit`)."""
-    if ceiling(limit, limit, confidence, delta, threshold) <= epsilon:
+    """The fewest trials N per world whose ceiling exceeds `epsilon` (None beyond `limit`); the rule "order"
+    with its ranks from the claim `epsilon`."""
+    claim = epsilon if threshold == "order" else None
+    if ceiling(limit, limit, confidence, delta, threshold, claim) <= epsilon:
         return None
     lo, hi = 1, 2
-    while ceiling(hi, hi, confidence, delta, threshold) <= epsilon:
+    while ceiling(hi, hi, confidence, delta, threshold, claim) <= epsilon:
         lo, hi = hi, hi * 2
     while hi - lo > 1:  # the ceiling grows with N: bisect on the integers
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if ceiling(mid, mid, confidence, delta, threshold) <= epsilon else (lo, mid)
+        lo, hi = (mid, hi) if ceiling(mid, mid, confidence, delta, threshold, claim) <= epsilon else (lo, mid)
     return hi
 
 
@@ -239,6 +332,16 @@ def gdp_mu(scores_in, scores_out) -> float:
     if pooled == 0:
         return float("inf") if s_in.mean() > s_out.mean() else 0.0
     return float(max(s_in.mean() - s_out.mean(), 0.0) / pooled)
+
+
+def gdp_mu_of_epsilon(epsilon: float, delta: float) -> float:
+    """The μ whose μ-GDP curve has ε(μ, δ) = `epsilon` (`gdp_epsilon` inverted; it grows with μ)."""
+    if epsilon <= 0:
+        return 0.0
+    hi = 1.0
+    while gdp_epsilon(hi, delta) < epsilon:
+        hi *= 2
+    return float(scipy.optimize.brentq(lambda m: gdp_epsilon(m, delta) - epsilon, 1e-9, hi, xtol=1e-10))
 
 
 def gdp_epsilon(mu: float, delta: float) -> float:
