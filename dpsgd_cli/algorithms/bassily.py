@@ -83,13 +83,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from dpsgd_cli import diskcache
 from dpsgd_cli.algorithms import kernels
 from dpsgd_cli.algorithms.base import ROW_NORM_TOLERANCE, Algorithm, Outcome, Setting
-from dpsgd_cli.algorithms.sampling import row_norms
-from dpsgd_cli.algorithms.chain import (Checkpoints, GradientChain, Schedule, add_l2, add_noise, inverse_sqrt,
-                                        inverse_time, project_to_ball)
+from dpsgd_cli.algorithms.chain import (Checkpoints, GradientChain, NoiseSource, Schedule, add_l2, add_noise,
+                                        inverse_sqrt, inverse_time, project_to_ball)
+from dpsgd_cli.algorithms.sampling import IndexedBatches
 from dpsgd_cli.algorithms.streams import BLOCK_STEPS, ReplicaStreams
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.lazy import LazyModule
-from dpsgd_cli.models import Batch, Model
+from dpsgd_cli.models import Model
+from dpsgd_cli.models.rows import cached_row_norms
 from dpsgd_cli.privacy.accounting import (CALIBRATION_VERSION, LIBRARY, calibrate, rdp_epsilon_and_order,
                                           rdp_epsilon_floor)
 from dpsgd_cli.privacy.mechanisms import (advanced_composition, advanced_composition_epsilon_per_step,
@@ -360,19 +361,17 @@ def _calibrate_bassily(epsilon: float, delta: float, n: int, steps: int, lipschi
 # --------------------------------------------------------------------------------------------------------------
 
 
-def uniform_example_blocks(X: np.ndarray, y: np.ndarray, streams: ReplicaStreams) -> Iterator[Batch]:
+def uniform_example_blocks(X: np.ndarray, y: np.ndarray, streams: ReplicaStreams) -> IndexedBatches:
     """One example drawn uniformly per step and replica: the same draws as `sampling.uniform_examples(X, y,
-    streams, 1)`, but the rows of BLOCK_STEPS steps are gathered at once (a step is then a slice, not a fancy
-    index: ~10 µs less per step, which matters for T ~ 10⁵ single-example steps)."""
+    streams, 1)`, as indices (a compiled step `take`s them)."""
     n = X.shape[0]
-    x_norm = row_norms(X)
-    gens = streams.generators("sampling")
-    ones = np.ones((BLOCK_STEPS, len(gens), 1), dtype=X.dtype)
-    while True:
-        idx = np.stack([g.integers(0, n, size=(BLOCK_STEPS, 1)) for g in gens], axis=1)  # (K, R, 1)
-        bx, by, bn = X[idx], y[idx], x_norm[idx]
-        for k in range(BLOCK_STEPS):
-            yield Batch(X=bx[k], y=by[k], weight=ones[k], x_norm=bn[k])
+
+    def blocks() -> Iterator[np.ndarray]:
+        gens = streams.generators("sampling")
+        while True:
+            yield np.stack([g.integers(0, n, size=(BLOCK_STEPS, 1)) for g in gens], axis=1)  # (K, R, 1)
+
+    return IndexedBatches(X, y, blocks(), streams.replicas)
 
 
 class BassilyParams(BaseModel):
@@ -456,6 +455,8 @@ class Bassily2014(Algorithm):
             project=project_to_ball(radius),
             checkpoints=Checkpoints(setting.trace_every, X, y) if setting.trace_every else None,
             examples_per_step=1,
+            backend=self.params.backend,  # the single-example kernel where it applies
+            noise_source=NoiseSource(streams, "noise", (model.n_params,)) if sigma > 0 else None,
         )
 
     def privacy(self, setting: Setting, lipschitz: float) -> Privacy:
@@ -471,20 +472,11 @@ class Bassily2014(Algorithm):
         radius = self.radius(setting, l_used)
         schedule, step_info = self.schedule(setting, priv.sigma, l_used, radius, model.n_params)
         init = model.init(streams.generators("init"))
-        x_norm = row_norms(X)  # once: the kernel's clip and max_row_norm (‖x‖ over a pass of 25 MB on adult)
-        backend = kernels.select_backend(self.params.backend, model, 1)
-        if backend == "numba":  # the same draws as `chain` (uniform_example_blocks, streams.normal), in one call
-            ckpt = Checkpoints(setting.trace_every, X, y) if setting.trace_every else None
-            # the noise's standard normals are drawn inside the kernel from the same generators, in the same order
-            theta = kernels.logreg_single_example_sgd(
-                init, X, y, kernels.uniform_example_index_blocks(X.shape[0], streams), steps, schedule,
-                clip=l_used, l2=setting.l2, radius=radius, noise_std=priv.sigma, checkpoints=ckpt, model=model,
-                noise_generators=streams.generators("noise") if priv.sigma > 0 else None, x_norm=x_norm)
-            trace = ckpt.rows if ckpt else []
-        else:
-            chain = self.chain(setting, X, y, streams, model, priv.sigma, l_used, radius, schedule)
-            theta = chain.run(model, init, steps)
-            trace = chain.checkpoints.rows if chain.checkpoints else []
+        x_norm = cached_row_norms(X)  # the batches' and the kernel's too (once per read-only X)
+        chain = self.chain(setting, X, y, streams, model, priv.sigma, l_used, radius, schedule)
+        theta = chain.run(model, init, steps)
+        trace = chain.checkpoints.rows if chain.checkpoints else []
+        backend = chain.ran_on
         max_norm = float(x_norm.max()) if len(X) else 0.0  # = max_row_norm(X): √ is monotone, correctly rounded
         derived = {"steps": steps, "sample_rate": 1.0 / setting.n, "sigma": priv.sigma,
                    "epsilon_achieved": priv.epsilon, "accountant": priv.accountant, "accountant_library": LIBRARY,

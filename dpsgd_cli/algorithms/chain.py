@@ -14,6 +14,8 @@ import numpy as np
 
 from dpsgd_cli import compiled
 from dpsgd_cli.errors import UserError
+from dpsgd_cli.algorithms import kernels, kernels_fullbatch, kernels_minibatch
+from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.models import Batch, Model
 
 _NO_NOISE = np.zeros((0, 0))  # the compiled update's z when the chain adds none (never read)
@@ -165,6 +167,17 @@ class Checkpoints:
                 self.rows.append((after, loss + model.penalty(theta), accuracy))
 
 
+@dataclass(frozen=True)
+class NoiseSource:
+    """The noise's standard draws as the replica streams make them: `streams.per_step(purpose, draw)` (draw given)
+    or `streams.normal(purpose, shape)` (draw None)."""
+
+    streams: ReplicaStreams
+    purpose: str
+    shape: tuple[int, ...] = ()
+    draw: Optional[Callable[[np.random.Generator, int], np.ndarray]] = None
+
+
 @dataclass
 class GradientChain:
     batches: Iterator[Batch]
@@ -188,6 +201,9 @@ class GradientChain:
     # transforms draw nothing: chains with equal keys, stream keys and θ_0 compute the same iterates, so
     # `run_together` runs only the longest and hands the others its θ at their last step. None: never shared.
     same_iterates: Optional[Hashable] = None
+    # How the noise transform's numbers are drawn, for a compiled step that draws the same numbers itself:
+    # `NoiseSource` (the single-example kernel); None: only from the transform's iterator.
+    noise_source: Optional["NoiseSource"] = None
 
     def ops(self) -> Optional[list[tuple]]:
         """The transforms as (kind, *params) in order, identities dropped; None when one is not a `Transform` (a
@@ -292,14 +308,15 @@ def run_together(model: Model, chains: Sequence[GradientChain], thetas: Sequence
     keys = [chain.stream if chain.stream is not None else ("own", k) for k, chain in enumerate(chains)]
     thetas = [theta.copy() for theta in thetas]
     numpy_side, sources, runs = list(range(len(chains))), {}, []
-    if any(chain.backend != "numpy" for chain in chains):
-        from dpsgd_cli.algorithms import kernels_minibatch
-
+    if any(chain.backend != "numpy" for chain in chains):  # single-example chains: each alone on its kernel
+        for k in [k for k in numpy_side if kernels.single_example_applies(model, chains[k], thetas[k])]:
+            thetas[k], chains[k].ran_on = kernels.run_single_example(model, chains[k], thetas[k], steps[k]), "numba"
+            numpy_side.remove(k)
+    if any(chains[k].backend != "numpy" for k in numpy_side):
         # each chain on the path it takes alone (so fused is alone, bit for bit): the compiled ones of a stream
         # together, the others on NumPy, replaying the batches the kernel takes
-        compiled = [k for k, chain in enumerate(chains)
-                    if kernels_minibatch.applies(model, [chain], [thetas[k]])]
-        numpy_side = [k for k in range(len(chains)) if k not in compiled]
+        compiled = [k for k in numpy_side if kernels_minibatch.applies(model, [chains[k]], [thetas[k]])]
+        numpy_side = [k for k in numpy_side if k not in compiled]
         for key in dict.fromkeys(keys[k] for k in compiled):
             group = [k for k in compiled if keys[k] == key]
             out: list = []
@@ -309,8 +326,6 @@ def run_together(model: Model, chains: Sequence[GradientChain], thetas: Sequence
             if any(keys[k] == key for k in numpy_side):
                 sources[key] = chains[group[0]].batches.replay(lambda run=run: next(run, None) is not None)
     if any(chains[k].backend != "numpy" for k in numpy_side):  # full-batch chains: the compiled full-batch step
-        from dpsgd_cli.algorithms import kernels_fullbatch
-
         full = [k for k in numpy_side if kernels_fullbatch.applies(model, chains[k], thetas[k])]
         numpy_side = [k for k in numpy_side if k not in full]
         if full:

@@ -389,6 +389,49 @@ def single_example_sgd(theta: np.ndarray, X: np.ndarray, y: np.ndarray, indices:
     return theta
 
 
+def single_example_applies(model, chain, theta: np.ndarray) -> bool:
+    """Whether a chain runs on the single-example kernel: one example per step cut by index from float64 X (an
+    `IndexedBatches` of width 1), transforms [noise] [scale] [l2] in that order with the noise's draws described
+    (`chain.noise_source`), a ball or no projection, a plain `LogisticRegression`, backend auto or numba."""
+    batches = chain.batches
+    if (chain.backend == "numpy" or chain.examples_per_step != 1 or not isinstance(batches, IndexedBatches)
+            or batches.full or batches.X.dtype != np.float64 or theta.dtype != np.float64):
+        return False
+    ops = chain.ops()
+    kinds = [op[0] for op in ops] if ops is not None else ["opaque"]
+    if kinds not in ([], ["l2"], ["scale"], ["scale", "l2"], ["noise"], ["noise", "l2"], ["noise", "scale"],
+                     ["noise", "scale", "l2"]) or ("noise" in kinds and chain.noise_source is None):
+        return False
+    try:
+        chain.ball_radius()
+    except ValueError:
+        return False
+    return select_backend(chain.backend, model, 1) == "numba"
+
+
+def run_single_example(model, chain, theta: np.ndarray, steps: int) -> np.ndarray:
+    """`steps` steps of a chain that `single_example_applies` to, in the kernel: the same indices (the chain's
+    batches, `take`n) and the same noise numbers (drawn from `chain.noise_source` as the transform draws them)."""
+    ops = {op[0]: op[1:] for op in chain.ops()}
+    batches, source = chain.batches, chain.noise_source
+    noise, generators = None, None
+    if "noise" in ops and source.draw is not None:
+        noise = block_draws(source.streams, source.purpose, source.draw)
+    elif "noise" in ops:  # standard normals: drawn inside the kernel from the same generators, in the same order
+        generators = source.streams.generators(source.purpose)
+
+    def indices() -> Iterator[np.ndarray]:
+        while True:
+            yield batches.take(BLOCK_STEPS)[:, :, 0]
+
+    return single_example_sgd(theta, batches.X, batches.y, indices(), steps, chain.schedule, clip=chain.clip,
+                              l2=float(ops["l2"][0] or 0.0) if "l2" in ops else 0.0, radius=chain.ball_radius(),
+                              noise=noise, noise_std=float(ops["noise"][0]) if "noise" in ops else 0.0,
+                              batch_scale=float(ops["scale"][0]) if "scale" in ops else 1.0,
+                              checkpoints=chain.checkpoints, model=model, noise_generators=generators,
+                              x_norm=batches.x_norm)
+
+
 logreg_single_example_sgd = single_example_sgd  # the name song2013 and bassily2014 call it by (logreg only)
 MLP_ACTIVATIONS = {"tanh": 0, "sigmoid": 1, "relu": 2}  # sgd1_mlp's `act`
 

@@ -10,8 +10,8 @@ B_t the t-th of the ⌊n/b⌋ disjoint batches of a uniformly random permutation
 projection onto {‖w‖ ≤ 1/λ}, η_t = c/√t (c = the grid's `lr`; the paper shows c = 1 and 10), 1/(λt), or a
 constant, and Z_t ∈ R^d with density ∝ exp(−(α/2)‖z‖) (‖Z_t‖ ~ Gamma(d, scale 2/α), direction uniform).
 
-With b = 1 and logistic regression the pass runs in the numba kernel of `kernels.py` when numba is installed
-(`backend: auto`; `numpy` forces the chain): the same permutations and Z_t, the same result.
+With b = 1 and logistic regression the chain runs on the single-example kernel of `kernels.py` when numba is
+installed (`backend: auto`; `numpy` forces NumPy): the same permutations and Z_t, the same result.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dpsgd_cli.algorithms import kernels
 from dpsgd_cli.algorithms.base import Algorithm, Outcome, Prepared, Setting, max_row_norm
-from dpsgd_cli.algorithms.chain import (Checkpoints, GradientChain, Schedule, Transform, add_l2, add_noise, constant,
+from dpsgd_cli.algorithms.chain import (Checkpoints, GradientChain, NoiseSource, Schedule, Transform, add_l2, add_noise,
+                                        constant,
                                         inverse_sqrt, inverse_time, project_to_ball, scale)
 from dpsgd_cli.algorithms.sampling import shuffled_batches
 from dpsgd_cli.algorithms.streams import ReplicaStreams
@@ -121,7 +122,7 @@ class Song2013NonPrivate(Algorithm):
         return constant(setting.lr)
 
     def chain(self, setting: Setting, X, y, streams: ReplicaStreams, noise: Optional[Transform] = None,
-              clip: Optional[float] = None) -> GradientChain:
+              clip: Optional[float] = None, noise_source: Optional[NoiseSource] = None) -> GradientChain:
         """Σ (clipped) ∇ℓ over the batch → [+ Z_t] → ·1/b → + λw → w − η_t · → Π onto the ball."""
         return GradientChain(
             batches=shuffled_batches(X, y, setting.batch_size, streams),
@@ -132,7 +133,8 @@ class Song2013NonPrivate(Algorithm):
             checkpoints=Checkpoints(setting.trace_every, X, y) if setting.trace_every else None,
             examples_per_step=setting.batch_size,
             stream=("shuffled", setting.batch_size),  # reshuffled every pass
-            backend=self.params.backend,  # b > 1: the compiled mini-batch step (kernels_minibatch) where it applies
+            backend=self.params.backend,  # the compiled single-example or mini-batch step where it applies
+            noise_source=noise_source,
         )
 
     def noise_draw(self, setting: Setting, model: Model, X, passes: int) -> tuple[Optional[NoiseDraw], dict, str]:
@@ -140,37 +142,17 @@ class Song2013NonPrivate(Algorithm):
         for the non-private version."""
         return None, {}, "non-private"
 
-    def prepare(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Optional[Prepared]:
-        """The NumPy chain; None where the numba kernel runs the passes instead (`fit`)."""
+    def prepare(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Prepared:
         per_pass, steps, passes = self.steps(setting)
-        if kernels.select_backend(self.params.backend, model, setting.batch_size) == "numba":
-            return None
         draw, derived, guarantee = self.noise_draw(setting, model, X, passes)
         clip = GRADIENT_BOUND if draw is not None else None
         noise = add_noise(self.noise_scale, streams.per_step("noise", draw)) if draw else None
-        chain = self.chain(setting, X, y, streams, noise=noise, clip=clip)
+        chain = self.chain(setting, X, y, streams, noise=noise, clip=clip,
+                           noise_source=NoiseSource(streams, "noise", draw=draw) if draw else None)
         finish = lambda theta: self._outcome(setting, model, X, y, theta, chain.schedule, chain.ran_on or "numpy",
                                              derived, clip,
                                              guarantee, chain.checkpoints.rows if chain.checkpoints else [])
         return Prepared(chain, model.init(streams.generators("init")), steps, finish)
-
-    def fit(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Outcome:
-        prepared = self.prepare(setting, model, X, y, streams)
-        if prepared is not None:
-            return prepared.train(model)
-        # numba (b = 1): the whole pass in one kernel call, same draws as the chain
-        per_pass, steps, passes = self.steps(setting)
-        draw, derived, guarantee = self.noise_draw(setting, model, X, passes)
-        clip = GRADIENT_BOUND if draw is not None else None
-        eta = self.schedule(setting)
-        ckpt = Checkpoints(setting.trace_every, X, y) if setting.trace_every else None
-        theta = kernels.logreg_single_example_sgd(
-            model.init(streams.generators("init")), X, y, kernels.shuffled_example_blocks(X.shape[0], streams), steps,
-            eta, clip=clip, l2=setting.l2, radius=self.radius(setting),
-            noise=kernels.block_draws(streams, "noise", draw) if draw else None, noise_std=self.noise_scale,
-            batch_scale=1.0 / setting.batch_size, checkpoints=ckpt, model=model)
-        return self._outcome(setting, model, X, y, theta, eta, "numba", derived, clip, guarantee,
-                             ckpt.rows if ckpt else [])
 
     def _outcome(self, setting: Setting, model: Model, X, y, theta, eta: Schedule, backend: str, derived: dict,
                  clip: Optional[float], guarantee: str, trace: list) -> Outcome:
