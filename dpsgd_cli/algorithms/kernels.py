@@ -37,10 +37,10 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
-from dpsgd_cli.algorithms.streams import BLOCK_STEPS, ReplicaStreams
-from dpsgd_cli.compiled import Backend
 from dpsgd_cli import compiled
 from dpsgd_cli.algorithms.sampling import IndexedBatches
+from dpsgd_cli.algorithms.streams import BLOCK_STEPS, ReplicaStreams
+from dpsgd_cli.compiled import Backend
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models.logreg import LogisticRegression
 from dpsgd_cli.models.mlp import MLP
@@ -432,7 +432,6 @@ def run_single_example(model, chain, theta: np.ndarray, steps: int) -> np.ndarra
                               x_norm=batches.x_norm)
 
 
-logreg_single_example_sgd = single_example_sgd  # the name song2013 and bassily2014 call it by (logreg only)
 MLP_ACTIVATIONS = {"tanh": 0, "sigmoid": 1, "relu": 2}  # sgd1_mlp's `act`
 
 
