@@ -1,4 +1,5 @@
-"""Print the audit's goals, measured: run from the repository root after `dpsgd audit experiments.yaml --only audit`.
+"""Print the audit's goals, measured: run from the repository root after
+`dpsgd audit experiments.yaml --only audit --only audit_power --out RESULTS`.
 
     python scripts/audit_goals.py [RESULTS]        (RESULTS: default results)
 
@@ -6,7 +7,12 @@
    rows of bolt_on and output_perturbation `not covered` (read from RESULTS/audit/audit.csv);
 2. DP-SGD with the noise removed (noise scale 0) refuted in every dp_sgd cell of `audit` at ε ≤ 1 under a
    white-box threat model (audited here, the grid's own audit block);
-3. the false-refutation rate over simulated exactly tight mechanisms (`tests/test_audit_power.py` asserts it).
+3. false refutations over simulated exactly tight mechanisms, for a fixed threshold and for the rule `order`
+   (`tests/test_audit_power.py` asserts both);
+4. one full-batch DP-SGD step (`audit_power`, read from RESULTS/audit_power/audit.csv): ε_lo ≥ 0.65·ε, the GDP
+   estimate ≥ 0.75·ε;
+5. one-run mode: the dp_sgd cells of `audit` at ε ≤ 1 with 100 Dirac canaries per training pooled over 10
+   trainings — the sound mechanism, its twin and the noiseless one (audited here).
 """
 
 from __future__ import annotations
@@ -20,9 +26,9 @@ import pandas as pd
 
 
 def main(results: Path) -> None:
-    from dpsgd_cli.audit.engine import audit_cell
     from dpsgd_cli.audit import stats
-    from dpsgd_cli.config import expand, load_grid_file, select
+    from dpsgd_cli.audit.engine import audit_cell
+    from dpsgd_cli.config import AuditSpec, expand, load_grid_file, select
 
     frame = pd.read_csv(results / "audit" / "audit.csv")
     ok = frame[frame["status"] == "ok"]
@@ -41,17 +47,21 @@ def main(results: Path) -> None:
     print(f"1c. bolt_on / output_perturbation all-iterates rows `not covered`: "
           f"{int((every['verdict'] == 'not covered').sum())} / {len(every)} "
           f"(output_perturbation has none: the Dirac canary is not applicable without iterates)")
-    verdicts = cells.apply(lambda g: next(v for v in ("refuted", "consistent", "uninformative", "not covered")
-                                          if (g["verdict"] == v).any() or v == "not covered"))
+    order = ("refuted", "consistent", "uninformative", "not covered")
+    verdicts = cells.apply(lambda g: next(v for v in order if (g["verdict"] == v).any() or v == "not covered"))
     print("    cell verdicts:", verdicts.value_counts().to_dict())
+    by_algorithm = pd.DataFrame({"algorithm": cells["algorithm"].first(), "epsilon": cells["epsilon"].first(),
+                                 "verdict": verdicts}).sort_values(["algorithm", "epsilon"])
+    for algorithm, group in by_algorithm.groupby("algorithm", sort=False):
+        print(f"    {algorithm}: " + ", ".join(f"ε = {e:g} {v}" for e, v in zip(group["epsilon"], group["verdict"])))
 
     grid = select(load_grid_file(Path("experiments.yaml")), ["audit"])[0]
-    spec = grid.audit.model_copy(update={"control": None})
+    spec = (grid.audit or AuditSpec()).model_copy(update={"control": None})
+    dp_cells = [cell for cell in expand(grid)
+                if cell.algorithm.name == "dp_sgd" and cell.epsilon is not None and cell.epsilon <= 1]
     start = time.perf_counter()
     print("2.  DP-SGD with the noise removed, every dp_sgd cell of `audit` at ε ≤ 1:")
-    for cell in expand(grid):
-        if cell.algorithm.name != "dp_sgd" or cell.epsilon > 1:
-            continue
+    for cell in dp_cells:
         rows = audit_cell(cell, spec, algorithm=cell.make_algorithm().with_noise_scale(0.0))
         white = [r for r in rows if r["threat_model"].startswith("white-box") and r["status"] == "ok"]
         best = max(white, key=lambda r: r["epsilon_lo"])
@@ -63,8 +73,51 @@ def main(results: Path) -> None:
     cells_n, rows_n, n, eps, p0 = 2000, 3, 500, 1.0, 0.2
     tp, fp = rng.binomial(n, np.exp(eps) * p0, (cells_n, rows_n)), rng.binomial(n, p0, (cells_n, rows_n))
     lo = stats.epsilon_from_counts(tp, fp, n, n, 0.05 / rows_n, 0.0)
-    print(f"3.  false refutations of an exactly tight ε = 1 mechanism, families of {rows_n} rows at 95%: "
-          f"{(lo > eps).any(axis=1).mean():.4f} of {cells_n} cells (stated α = 0.05)")
+    print(f"3a. false refutations of an exactly tight ε = 1 mechanism, fixed threshold, families of {rows_n} rows "
+          f"at 95%: {(lo > eps).any(axis=1).mean():.4f} of {cells_n} cells (stated α = 0.05)")
+    rng = np.random.default_rng(4)
+    cells_n, delta = 1000, 1e-5
+    ranks = stats.order_ranks(n, n, eps, delta, 0.05)
+    level = 0.05 / ranks.size
+    out, u = rng.random((cells_n, n)), rng.random((cells_n, n))
+    inn = np.where(u < delta, 2.0, 1.0 - (u - delta) / np.exp(eps))  # P[in > t] = min(1, e^ε P[out > t] + δ)
+    top = -np.sort(-out, axis=1)
+    rejected = np.array([[stats.order_p_value(int((inn[c] > top[c, j - 1]).sum()), n, int(j), n, eps, delta,
+                                              level)[0] <= level for j in ranks] for c in range(cells_n)])
+    print(f"3b. the same with the rule order (ranks {ranks.tolist()} from the claim, δ = 1e-5), tight at every "
+          f"threshold: {rejected.any(axis=1).mean():.4f} of {cells_n} cells at a stated 95% (per rank "
+          f"{np.round(rejected.mean(axis=0), 4).tolist()} at level {level:.4f} each)")
+
+    power = results / "audit_power" / "audit.csv"
+    if power.exists():
+        p = pd.read_csv(power)
+        p = p[(p["status"] == "ok") & p["epsilon_lo"].notna()]
+        print("4.  one full-batch DP-SGD step (audit_power), best covered row per cell:")
+        for eps_target, group in p.groupby("epsilon"):
+            best = group.loc[group["epsilon_lo"].idxmax()]
+            claim = best["epsilon_claimed"]
+            print(f"    ε = {claim:.3f}: ε_lo = {best['epsilon_lo']:.3f} = {best['epsilon_lo'] / claim:.2f}·ε "
+                  f"(goal 0.65·ε: {'met' if best['epsilon_lo'] >= 0.65 * claim else 'NOT met'}); GDP estimate "
+                  f"{best['gdp_epsilon']:.3f} = {best['gdp_epsilon'] / claim:.2f}·ε (goal 0.75·ε: "
+                  f"{'met' if best['gdp_epsilon'] >= 0.75 * claim else 'NOT met'}); {best['canary']}, "
+                  f"{best['threshold']}, family {best['family_size']:g}, {best['trials']:g} trials")
+    else:
+        print(f"4.  {power} missing: run dpsgd audit experiments.yaml --only audit_power --out {results}")
+
+    one_run = spec.model_copy(update={"canaries": ["dirac"], "statistic": "one_run", "m_canaries": 100,
+                                      "trials": 10, "chunk": 10, "control": grid.audit.control if grid.audit else 0.1})
+    start = time.perf_counter()
+    print("5.  one run (Steinke et al.), 100 Dirac canaries x 10 trainings pooled, dp_sgd cells of `audit`:")
+    for cell in dp_cells:
+        rows = audit_cell(cell, one_run)
+        noiseless = audit_cell(cell, one_run.model_copy(update={"control": None}),
+                               algorithm=cell.make_algorithm().with_noise_scale(0.0))
+        print(f"    ε = {cell.epsilon:g}: ε_lo = " + " / ".join(f"{r['epsilon_lo']:.3f}" for r in rows)
+              + " (last iterate / all iterates); twin (ε = " + f"{rows[0]['control_epsilon']:.3g}) "
+              + " / ".join(f"{r['control_epsilon_lo']:.3f}" for r in rows) + f", verdict {rows[1]['verdict']}; "
+              + "noise removed " + " / ".join(f"{r['epsilon_lo']:.3f}" for r in noiseless)
+              + f", {noiseless[1]['verdict']}")
+    print(f"    ({time.perf_counter() - start:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -121,16 +121,22 @@ def claim_ranks(n_in: int, n_out: int, epsilon: float, delta: float, alpha: floa
     first measures how close a tight mechanism comes to its claim; the others are where a breach shows first
     (the more a mechanism leaks, the further out in the tail its best test lies, up to rank 1, which perfect
     separation needs). Nothing here depends on the scores, so the Bonferroni over these (at most three) ranks is
-    all the choice costs."""
+    all the choice costs. A pure-DP claim (δ = 0), which no Gaussian meets, takes the curves at δ = 10⁻⁵."""
+    return np.array(_claim_ranks(int(n_in), int(n_out), float(epsilon), float(delta), float(alpha)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _claim_ranks(n_in: int, n_out: int, epsilon: float, delta: float, alpha: float) -> tuple[int, ...]:
+    curve_delta = delta if delta > 0 else 1e-5
     j = np.unique(np.round(np.geomspace(1, max(n_out // 2, 1), 200)).astype(int))
     t = -scipy.stats.norm.ppf(j / (n_out + 1))  # the out-scores' j-th largest, in units of their spread
     ranks = set()
     for multiple in CLAIM_MULTIPLES:
-        mu = gdp_mu_of_epsilon(multiple * epsilon, delta)
+        mu = gdp_mu_of_epsilon(multiple * epsilon, curve_delta)
         tp = np.floor(scipy.stats.norm.sf(t - mu) * n_in)
         bound = epsilon_from_counts(tp, j - 1, n_in, n_out, alpha / len(CLAIM_MULTIPLES), delta)
         ranks.add(int(j[int(np.argmax(bound))]))  # all 0 (too few trials for this ε'): rank 1
-    return np.array(sorted(ranks))
+    return tuple(sorted(ranks))
 
 
 def order_p_value(k: int, n_in: int, j: int, n_out: int, epsilon: float, delta: float,
@@ -174,9 +180,9 @@ def _quantiles(a: float, b: float) -> np.ndarray:
     return scipy.special.betaincinv(a, b, levels)
 
 
-def epsilon_order(k: int, n_in: int, j: int, n_out: int, alpha: float, delta: float, tol: float = 1e-4) -> float:
-    """The largest ε (to `tol`, rounded down) whose p-value by `order_p_value` is certified ≤ α: if the mechanism
-    were ε_lo-DP this would have happened with probability ≤ α (the p-value grows with ε)."""
+def epsilon_order(k: int, n_in: int, j: int, n_out: int, alpha: float, delta: float, tol: float = 1e-3) -> float:
+    """The largest ε (to `tol`, rounded down: the bound stays valid) whose p-value by `order_p_value` is certified
+    ≤ α: if the mechanism were ε_lo-DP this would have happened with probability ≤ α (the p-value grows with ε)."""
     def rejects(eps: float) -> bool:
         return order_p_value(k, n_in, j, n_out, eps, delta, alpha)[1] <= alpha
 
@@ -281,6 +287,7 @@ def tpr_at_fpr(scores_in, scores_out, fpr: float) -> float:
 
 # --- what an audit of N trials can show at all -------------------------------------------------------------------
 
+@functools.lru_cache(maxsize=1024)  # the rows of a cell and its twin share it; trials_needed bisects over it
 def ceiling(n_in: int, n_out: int, confidence: float = 0.95, delta: float = 0.0,
             threshold: ThresholdRule = "bonferroni", claim: Optional[float] = None) -> float:
     """The largest ε_lo the rule can give with these trials: perfect separation (every in-trial above every
@@ -291,7 +298,7 @@ def ceiling(n_in: int, n_out: int, confidence: float = 0.95, delta: float = 0.0,
     _check_delta(delta)
     if threshold == "order":
         ranks = order_ranks(n_out, n_in, claim, delta, alpha)
-        return max(epsilon_order(n_in, n_in, int(j), n_out, alpha / ranks.size, delta) for j in ranks)
+        return float(max(epsilon_order(n_in, n_in, int(j), n_out, alpha / ranks.size, delta) for j in ranks))
     if threshold == "split":
         n_in, n_out = n_in - n_in // 2, n_out - n_out // 2  # the test halves
     elif threshold == "bonferroni":
@@ -336,6 +343,8 @@ def gdp_mu(scores_in, scores_out) -> float:
 
 def gdp_mu_of_epsilon(epsilon: float, delta: float) -> float:
     """The μ whose μ-GDP curve has ε(μ, δ) = `epsilon` (`gdp_epsilon` inverted; it grows with μ)."""
+    if delta <= 0:
+        raise ValueError("no μ-GDP curve with μ > 0 is pure DP (δ = 0)")
     if epsilon <= 0:
         return 0.0
     hi = 1.0
