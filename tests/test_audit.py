@@ -285,7 +285,7 @@ grids:
     l2: 1.0e-3
     seeds: 1
     delta: 1.0e-5
-    audit: {canaries: [input], trials: 50}
+    audit: {canaries: [input], trials: 50, threshold: order}
 """
 
 
@@ -300,13 +300,18 @@ def test_cli_audit_writes_csv_figure_and_report(tmp_path):
                    "threat_model", "wall_time"):
         assert frame[column].notna().all(), column
     assert (tmp_path / "res" / "tiny_audit" / "figures" / "audit.png").exists()
-    # every bound recomputed from the raw scores saved beside the CSV, at the row's own confidence
+    # every bound recomputed from the raw scores saved beside the CSV, at the row's own confidence and claim (the
+    # rule order's ranks), the twin's at its own family's level
     for _, row in frame.iterrows():
         saved = np.load(tmp_path / "res" / "tiny_audit" / row["scores_file"])
         key = f"{row['canary']}.{row['threat_model'].replace(', ', '_').replace(' ', '_')}"
         again = stats.epsilon_clopper_pearson(saved[key + ".in"], saved[key + ".out"], row["row_confidence"],
-                                              row["delta"], row["threshold"])
+                                              row["delta"], row["threshold"], claim=row["epsilon_claimed"])
         assert again == pytest.approx(row["epsilon_lo"], abs=1e-12)
+        twin = stats.epsilon_clopper_pearson(saved["control." + key + ".in"], saved["control." + key + ".out"],
+                                             row["control_row_confidence"], row["delta"], row["threshold"],
+                                             claim=row["epsilon_claimed"])
+        assert twin == pytest.approx(row["control_epsilon_lo"], abs=1e-12)
         assert row["verdict"] in ("refuted", "consistent", "uninformative", "not covered")
     report = CliRunner().invoke(app, ["report", str(tmp_path / "res")])
     assert report.exit_code == 0, report.output

@@ -31,10 +31,10 @@ from dpsgd_cli.models import Model, make_model
 
 COLUMNS = ["grid", "cell_id", "dataset", "model", "algorithm", "algorithm_params", "epsilon", "epsilon_claimed",
            "delta", "epsilon_lo", "verdict", "reason", "covers", "ceiling", "trials_needed", "control",
-           "control_epsilon", "control_epsilon_lo", "gdp_mu", "gdp_epsilon", "epsilon_rdp", "noiseless_fraction",
-           "confidence", "family_size", "row_confidence", "statistic", "threshold", "auc", "tpr_at_fpr_1e-2",
-           "tpr_at_fpr_1e-3", "trials", "canary", "threat_model", "neighbours", "batch_size", "lr", "epochs", "steps",
-           "sigma", "guarantee", "scores_file", "wall_time", "status", "message"]
+           "control_epsilon", "control_epsilon_lo", "control_row_confidence", "gdp_mu", "gdp_epsilon", "epsilon_rdp",
+           "noiseless_fraction", "confidence", "family_size", "row_confidence", "statistic", "threshold", "auc",
+           "tpr_at_fpr_1e-2", "tpr_at_fpr_1e-3", "trials", "canary", "threat_model", "neighbours", "batch_size", "lr",
+           "epochs", "steps", "sigma", "guarantee", "scores_file", "wall_time", "status", "message"]
 THREATS = {"input": ["black-box, last iterate"],
            "gradient": ["white-box, last iterate", "white-box, all iterates"],
            "dirac": ["white-box, last iterate", "white-box, all iterates"]}
@@ -161,7 +161,7 @@ def _control_columns(control, threat: str, spec: AuditSpec, confidence: float, s
         scores["control." + _key(kind, threat, "in")], scores["control." + _key(kind, threat, "out")] = s_in, s_out
     stat = _statistics(s_in, s_out, spec, confidence, control, claim)
     return {"control": spec.control, "control_epsilon": control.derived.get("epsilon_noise_scaled"),
-            "control_epsilon_lo": stat.get("epsilon_lo")}
+            "control_epsilon_lo": stat.get("epsilon_lo"), "control_row_confidence": confidence}
 
 
 def _verdict(row: dict, covers: str, threat: str) -> dict[str, Any]:
