@@ -5,7 +5,8 @@ On a small synthetic logistic problem (rows in the unit ball), with 2 seeds: θ 
 the same seed gives the same θ bit for bit; each seed trains independently of the others (replica 1 trained
 beside replica 0 equals it trained alone, to 1e-12); the `guarantee` label is one of the documented forms
 (docs/algorithms.md, "Guarantee labels"); `check()` accepts a valid setting; the native neighbouring relation is
-add_remove or replace_one; `Params` is a frozen pydantic model that refuses unknown keys.
+add_remove or replace_one; `Params` is a frozen pydantic model that refuses unknown keys; the claimed ε holds,
+by dp-accounting's own accountants, for the mechanism as run (`dp_event`), or the algorithm names its own analysis.
 """
 
 from __future__ import annotations
@@ -118,3 +119,57 @@ def test_params_are_frozen_and_refuse_unknown_keys(name):
     for field in type(params).model_fields:
         with pytest.raises(pydantic.ValidationError):
             setattr(params, field, getattr(params, field))
+
+
+# integer orders (sampling without replacement has its RDP bound there), fractional ones below 64 and large ones
+RDP_ORDERS = sorted({*range(2, 300), *np.linspace(1.05, 64.0, 200).tolist(), *np.geomspace(300.0, 1e4, 60).tolist()})
+
+
+def _library_epsilon(event, delta: float, neighbours: str) -> float:
+    """The smallest ε that dp-accounting's own accountants (RDP on a dense order grid; PLD, pessimistic) give for
+    the event, independently of the project's accounting code."""
+    import dp_accounting
+    from dp_accounting.pld import PLDAccountant
+    from dp_accounting.rdp import RdpAccountant
+
+    relation = (dp_accounting.NeighboringRelation.REPLACE_ONE if neighbours == "replace_one"
+                else dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    found = []
+    for accountant in (RdpAccountant(RDP_ORDERS, relation), PLDAccountant(relation, 1e-4)):
+        if accountant.supports(event):
+            found.append(accountant.compose(event).get_epsilon(delta))
+    assert found, f"no dp-accounting accountant supports {event}"
+    return min(found)
+
+
+@pytest.mark.parametrize("name", TRAINED)
+def test_the_claim_holds_for_the_mechanism_as_run_or_names_its_analysis(trained, problem, name):
+    """A private algorithm states the mechanism it ran (with the noise it added) as a dp-accounting event, and the
+    library's accountants give that event an ε within the claimed one (at the setting's δ, under the claim's
+    relation); or, where the library has no event for it, it names the analysis its claim rests on."""
+    import dp_accounting
+
+    algo, setting = ALGORITHMS[name](), _setting(name)
+    outcome = trained(name)[3]
+    event = algo.dp_event(setting, outcome.derived)
+    if not algo.private:
+        assert isinstance(event, dp_accounting.NonPrivateDpEvent)
+        return
+    if event is None:
+        assert algo.own_analysis, f"{name}: no dp-accounting event and no own analysis named"
+        return
+    if outcome.guarantee != "proved":  # e.g. the classic Gaussian formula proves nothing at ε ≥ 1: check at ε = 0.5
+        setting = dataclasses.replace(setting, epsilon=0.5)
+        outcome = algo.fit(setting, problem[2], problem[0], problem[1], ReplicaStreams(SEEDS))
+        event = algo.dp_event(setting, outcome.derived)
+    claimed = outcome.derived["epsilon_achieved"]
+    assert outcome.guarantee == "proved" and claimed <= setting.epsilon
+    assert _library_epsilon(event, setting.delta, algo.neighbouring()) <= claimed * (1 + 1e-3)
+
+
+def test_the_check_of_the_claim_catches_too_little_noise(trained):
+    """The check above can fail: dp_sgd's event with half the noise it calibrated exceeds its claim."""
+    algo, setting = ALGORITHMS["dp_sgd"](), _setting("dp_sgd")
+    derived = dict(trained("dp_sgd")[3].derived)
+    derived["sigma"] /= 2
+    assert _library_epsilon(algo.dp_event(setting, derived), setting.delta, "add_remove") > 1.5 * setting.epsilon

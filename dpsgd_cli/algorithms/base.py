@@ -11,8 +11,11 @@ from pydantic import BaseModel, ConfigDict
 
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.models import Model
+from dpsgd_cli.privacy.accounting import dp_event
 
 if TYPE_CHECKING:
+    from dp_accounting.dp_event import DpEvent
+
     from dpsgd_cli.algorithms.chain import GradientChain
 
 
@@ -149,6 +152,18 @@ class Algorithm:
         """UserError for a setting this configuration cannot run (constraints across axes and parameters, e.g.
         a batch size its sampling does not allow). Called before any work by `dpsgd run` for every cell, and
         again where the algorithm trains."""
+
+    def dp_event(self, setting: Setting, derived: dict[str, Any]) -> Optional[DpEvent]:
+        """The mechanism as run, with the noise its run derived, as a dp-accounting event (under `neighbouring()`),
+        so that an independent accountant can check the claimed ε; None where the library has no event for it and
+        the claim rests on the algorithm's own analysis (`own_analysis` says which). A non-private algorithm is
+        `NonPrivateDpEvent`. Under replace-one a Gaussian's noise multiplier is relative to the replace-one
+        sensitivity (dp-accounting's RDP reading; its PLD reading doubles that sensitivity, which can only
+        over-state ε), a Poisson-sampled Gaussian's to the per-example bound (both accountants' reading)."""
+        return None if self.private else dp_event.NonPrivateDpEvent()
+
+    # Where `dp_event` is None for a private algorithm: the analysis its claim rests on (its docstring has the proof)
+    own_analysis: ClassVar[str] = ""
 
     def sigma_calibration(self, setting: Setting) -> Optional[tuple[float, float, float, int, str, str]]:
         """The (ε, δ, q, T, accountant, neighbours) this configuration calibrates DP-SGD's σ for

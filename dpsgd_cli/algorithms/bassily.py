@@ -425,6 +425,10 @@ class Bassily2014(Algorithm):
             return self.params.radius
         return lipschitz / setting.l2 if setting.l2 > 0 else 10.0
 
+    def dp_event(self, setting: Setting, derived: dict) -> "dp_event.DpEvent":
+        """T steps, each one uniformly drawn example's gradient (sensitivity 2l, replace-one) plus N(0, σ²I)."""
+        return rdp_event(derived["sigma"] / derived["sensitivity"], setting.n, derived["steps"])
+
     def check(self, setting: Setting, model_name: str = "") -> None:
         if self.params.schedule == "strongly_convex" and not setting.l2 > 0:
             raise UserError("bassily2014: schedule strongly_convex needs l2 > 0 (F is λ-strongly convex); "

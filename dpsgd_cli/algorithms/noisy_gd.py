@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import TYPE_CHECKING, Literal, Optional
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -15,7 +15,11 @@ from dpsgd_cli.algorithms.sampling import full_batches
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import Model
+from dpsgd_cli.privacy.accounting import dp_event
 from dpsgd_cli.privacy.dynamics import SATURATION_ROOT, calibrate_noisy_gd, noisy_gd_epsilon
+
+if TYPE_CHECKING:
+    from dp_accounting.dp_event import DpEvent
 
 
 def composition_is_smaller(K: int, eta: float, lam: float) -> bool:
@@ -73,6 +77,18 @@ class NoisyGD(Algorithm):
     execution_params = frozenset({"backend"})
     source = ("Chourasia, Ye, Shokri, Differential Privacy Dynamics of Langevin Diffusion and Noisy Gradient "
               "Descent, NeurIPS 2021")
+
+    own_analysis = "the privacy dynamics bound (Chourasia et al. 2021, Theorem 2): the last iterate only"
+
+    def dp_event(self, setting: Setting, derived: dict) -> Optional["DpEvent"]:
+        """Under the composition bound, K Gaussian mechanisms on θ: sensitivity η·S_g/n, std √(2η)σ (as added).
+        The dynamics bound is a claim about the last iterate that no library event states: None."""
+        if derived["bound_used"] != "composition":
+            return None
+        eta = setting.lr
+        std = (2.0 * eta) ** 0.5 * derived.get("sigma_used", derived["sigma"])
+        step = dp_event.GaussianDpEvent(std * setting.n / (eta * derived["sensitivity"]))
+        return dp_event.SelfComposedDpEvent(step, derived["steps"])
 
     def check(self, setting: Setting, model_name: str = "") -> None:
         self.steps(setting)

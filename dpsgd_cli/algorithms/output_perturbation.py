@@ -17,7 +17,7 @@ Balle–Wang curve: what the tight analysis of the same noise certifies.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Literal, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Literal, Optional
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -29,7 +29,11 @@ from dpsgd_cli.algorithms.sampling import shuffled_batches
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import Batch, Model
+from dpsgd_cli.privacy.accounting import dp_event
 from dpsgd_cli.privacy.mechanisms import analytic_gaussian_sigma, gaussian_sigma, gaussian_sigma_valid
+
+if TYPE_CHECKING:
+    from dp_accounting.dp_event import DpEvent
 
 Calibration = Literal["classic", "analytic"]
 # output_perturbation releases an L-BFGS iterate θ̂, not the exact θ*: ‖θ̂ − θ*‖ ≤ ‖∇F(θ̂)‖/λ by λ-strong convexity.
@@ -149,6 +153,10 @@ class OutputPerturbation(Algorithm):
     noise_scalable = True
     source = "Chaudhuri, Monteleoni & Sarwate, Differentially Private Empirical Risk Minimization, JMLR 2011"
 
+    def dp_event(self, setting: Setting, derived: dict) -> "DpEvent":
+        """The Gaussian mechanism on θ̂: std σ (as added) over its L2-sensitivity."""
+        return dp_event.GaussianDpEvent(derived.get("sigma_used", derived["sigma"]) / derived["sensitivity"])
+
     def check(self, setting: Setting, model_name: str = "") -> None:
         if not setting.l2 > 0:
             raise UserError(f"output_perturbation needs l2 > 0 (λ-strongly convex objective), got l2 = {setting.l2:g}; "
@@ -260,6 +268,10 @@ class BoltOn(Algorithm):
     noise_scalable = True
     source = ("Wu, Li, Kumar, Chaudhuri, Jha & Naughton, Bolt-on Differential Privacy for Scalable Stochastic "
               "Gradient Descent-based Analytics, SIGMOD 2017")
+
+    def dp_event(self, setting: Setting, derived: dict) -> "DpEvent":
+        """The Gaussian mechanism on θ̂: std σ (as added) over its L2-sensitivity."""
+        return dp_event.GaussianDpEvent(derived.get("sigma_used", derived["sigma"]) / derived["sensitivity"])
 
     def check(self, setting: Setting, model_name: str = "") -> None:
         if self.params.case == "strongly_convex" and not setting.l2 > 0:

@@ -691,6 +691,8 @@ class PIDPSGD(Algorithm):
     execution_params = frozenset({"backend"})
     Params = PIDPSGDParams
     source = "Kang, Li, Liu, Wang, Data Heterogeneity Differential Privacy: From Theory to Algorithm"
+    own_analysis = ("Kang et al.'s analysis of Algorithm 1: (ε₁, δ₁) for the noisy steps, (ε₂, δ₂) for the private "
+                    "influence test, with the labelled deviations of the module docstring")
 
     def native_neighbours(self) -> str:
         """Replace-one for one example per step (Remark 6); add/remove for the Poisson variant (dp_sgd's σ)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import TYPE_CHECKING, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -13,7 +13,10 @@ from dpsgd_cli.algorithms.sampling import poisson_batches
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.models import Model
 from dpsgd_cli.errors import UserError
-from dpsgd_cli.privacy.accounting import calibrate_sigma, check_dpsgd_neighbours, dpsgd_epsilon
+from dpsgd_cli.privacy.accounting import calibrate_sigma, check_dpsgd_neighbours, dpsgd_epsilon, dpsgd_event
+
+if TYPE_CHECKING:
+    from dp_accounting.dp_event import DpEvent
 
 
 BACKEND_HELP = ("logistic regression: the compiled mini-batch step (kernels_minibatch; auto: when numba is "
@@ -91,6 +94,10 @@ class DPSGD(SGD):
         except UserError as exc:
             return f"{self.name}: {exc}"
         return None
+
+    def dp_event(self, setting: Setting, derived: dict) -> "DpEvent":
+        """Poisson-sampled Gaussian at the noise multiplier added, composed T times (Abadi et al. 2016)."""
+        return dpsgd_event(derived.get("sigma_used", derived["sigma"]), setting.sample_rate, setting.steps)
 
     def sigma_calibration(self, setting: Setting) -> tuple[float, float, float, int, str, str]:
         return (setting.epsilon, setting.delta, setting.sample_rate, setting.steps, self.params.accountant,

@@ -186,6 +186,8 @@ class Song2013(Song2013NonPrivate):
     uses = frozenset({"epsilon", "batch_size", "lr", "epochs", "l2"})
     Params = Song2013PrivateParams
     noise_scalable = True
+    own_analysis = ("Song et al. 2013: noise of density ∝ exp(−(α/2)‖z‖) on a batch sum of sensitivity 2 is α-DP per "
+                    "pass, composed over the passes (basic or advanced composition)")
 
     def noise_draw(self, setting: Setting, model: Model, X, passes: int) -> tuple[Optional[NoiseDraw], dict, str]:
         alpha, delta_used = setting.epsilon / passes, 0.0
