@@ -265,7 +265,9 @@ def compact_table(rows: list[dict[str, Any]], title: str, keep: Sequence[str] = 
         found = {str(r[header]) for r in rows}
         return found - {MISSING} if header in sparse else found
 
-    fixed = [h for h in headers if h not in keep and len(rows) > 1 and len(values(h)) <= 1]
+    fixed = [h for h in headers if h not in keep and len(values(h)) <= 1]  # (one row: all of it in the title)
+    if headers and len(fixed) == len(headers):  # a table keeps one column
+        fixed.pop()
     said = [f"{h}={v}" if " " not in h else f"{h}: {v}" for h in fixed for v in values(h)
             if v not in (MISSING, "", DEFAULTS.get(h))]
     def longest_word(header: str) -> int:  # a column narrower than this would break a name, not wrap a text

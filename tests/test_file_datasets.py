@@ -173,7 +173,7 @@ def test_run_records_path_hash_and_statistics_and_prints_the_caveat_once(tmp_pat
     out = capsys.readouterr().out
     assert code == 0 and out.count("not covered by the accountant") == 1
     assert "mine: d.csv (csv, sha256 " in out and "60 rows read, 0 dropped" in out
-    assert "│ mine" in out  # the summary table finds the runs again from the manifest (its spec is trusted)
+    assert "dataset=mine" in out  # the summary table finds the runs again from the manifest (its spec is trusted)
     rows = pd.read_csv(tmp_path / "out" / "g" / "runs.csv")
     options = json.loads(rows["dataset_options"][0])
     assert list(rows["dataset"]) == ["mine"] and rows["status"][0] == "ok"
