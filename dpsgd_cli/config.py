@@ -373,8 +373,9 @@ class AuditSpec(_Strict):
     statistic: Literal["clopper_pearson", "one_run"] = Field(
         "clopper_pearson", description="Clopper–Pearson on FPR/FNR over trials, or Steinke et al.'s one-run bound")
     threshold: Literal["bonferroni", "split", "order"] = Field(
-        "bonferroni", description="how the attack's threshold is chosen: the best of all (bonferroni), on half the "
-        "trials (split), or at out-score ranks 1, 2, 5, 10, ... fixed in advance (order)")
+        "order", description="how the attack's threshold is chosen: at out-score ranks fixed from the claimed ε "
+        "before any score is seen, each by an exact test (order), the best of all (bonferroni), or on half the "
+        "trials (split)")
     m_canaries: int = Field(1000, ge=2, description="one_run: canaries per training, each in with probability 1/2")
     direction: Literal["unused", "against_data"] = Field(
         "unused", description="gradient canary: the data's least-used direction (random for the MLP), or against "

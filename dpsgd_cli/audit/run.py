@@ -24,7 +24,7 @@ def audit_grid(grid: Grid, out_root: Path, trials: Optional[int] = None, confide
     from dpsgd_cli.engine.checks import check_audit
 
     # no audit block: the defaults, with thresholds at ranks fixed from the claim (the most powerful rule here)
-    spec = grid.audit or AuditSpec(threshold="order")
+    spec = grid.audit or AuditSpec()
     if spec.statistic == "one_run" and set(spec.canaries) != {"dirac"}:
         raise UserError(f"grid {grid.name!r}: audit.{ONE_RUN_REFUSAL}")
     check_audit(grid, trials)  # the trials multiply every training: bounded before any
