@@ -4,11 +4,11 @@ line by line, the same numbers wherever they are computed; the tasks then submit
 import numpy as np
 import pytest
 
-from dpsgd_cli import diskcache
 from dpsgd_cli.algorithms import erm
 from dpsgd_cli.config import load_grid_file
 from dpsgd_cli.engine import execute, plan_grid, runner
 
+import test_caches
 from test_caches import forget_in_process
 from test_fusion import table
 
@@ -27,12 +27,7 @@ grids:
 """
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv(diskcache.CACHE_DIR_ENV, str(tmp_path / "cache"))
-    forget_in_process()
-    yield tmp_path / "cache" / "reference"
-    forget_in_process()
+cache = test_caches.cache  # the fixture: an empty disk cache, nothing remembered in the process
 
 
 def optima(tasks):
