@@ -500,7 +500,7 @@ def execute(run: GridRun, jobs: int = 1, on_rows: Optional[Callable[[list[dict]]
             lost = f"; the {len(writing)} run(s) being written were not saved" if writing else ""
             raise ResultsWriteError(
                 f"{run.folder}: cannot write ({exc.strerror or exc}); {run.done_before + done} of the grid's "
-                f"{run.total_runs} runs are saved in runs.csv ({done} from this session){lost}; fix it (free "
+                f"{run.total_runs} runs are saved in runs.csv ({done} from this command){lost}; fix it (free "
                 f"space, permissions) and run the same command again to resume") from None
     finally:
         release_lock(run.folder)
