@@ -253,8 +253,9 @@ def test_ctrl_c_keeps_finished_runs_and_the_rerun_completes_them(grid_file, tmp_
     total = (2 + len(epsilons)) * 2  # (erm, sgd, dp_sgd at each ε) × 2 seeds
     out = tmp_path / "results"
     command = [sys.executable, "-m", "dpsgd_cli", "run", str(grid_file), "--out", str(out)]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "DPSGD_DATA_DIR": str(tmp_path / "cache")})
+    # a task per cell (no fusion): the longest tasks go first, so a fused grid's first rows can be its last ones
+    env = {**os.environ, "DPSGD_DATA_DIR": str(tmp_path / "cache"), "DPSGD_FUSE": "0"}
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     csv = out / "tiny" / "runs.csv"
     deadline = time.time() + 120
     while time.time() < deadline and (not csv.exists() or len(csv.read_text().splitlines()) < 2):
@@ -264,8 +265,7 @@ def test_ctrl_c_keeps_finished_runs_and_the_rerun_completes_them(grid_file, tmp_
     saved = pd.read_csv(csv)
     assert proc.returncode == 130 and "interrupted" in stderr and "Traceback" not in stderr, stderr
     assert 0 < len(saved) < total and saved["run_id"].is_unique
-    rerun = subprocess.run(command, capture_output=True, text=True,
-                           env={**os.environ, "DPSGD_DATA_DIR": str(tmp_path / "cache")})
+    rerun = subprocess.run(command, capture_output=True, text=True, env=env)
     assert rerun.returncode == 0, rerun.stderr
     final = pd.read_csv(csv)
     assert len(final) == total and final["run_id"].is_unique
