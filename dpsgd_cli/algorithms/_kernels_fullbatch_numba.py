@@ -11,6 +11,8 @@ so no contraction of a multiply and an add either). Hence a replica's run does n
 import numba
 import numpy as np
 
+from dpsgd_cli.models._logreg_numba import clip_residual, residual_from_exp
+
 LANES = 8  # the columns are padded to a multiple of this (whole vectors)
 ROWS = 4  # rows per block of the gradient (written out below: G[j, k] + a_0 x_0 + … + a_3 x_3, left to right)
 NOISE, SCALE, L2 = 1, 2, 3  # op codes of the transforms (0: none)
@@ -76,9 +78,9 @@ def gd_logreg(TH, X, y, x_norm, clip, do_clip, ops, vals, slot, rep, noise, lrs,
                 yi = y[i + q]
                 xn = x_norm[i + q]
                 for k in range(K):
-                    a = -yi * (1.0 / (1.0 + np.exp(yi * S[k])))  # −y σ(−y θ·x), σ(−m) = 1/(1 + e^m) as expit
+                    a = residual_from_exp(yi, np.exp(yi * S[k]))
                     if do_clip[k]:
-                        a = a * clip[k] / max(abs(a) * xn, clip[k])
+                        a = clip_residual(a, xn, clip[k])
                     A[q, k] = a
             if rows == ROWS:
                 _add_rows4(G, A, X, i)

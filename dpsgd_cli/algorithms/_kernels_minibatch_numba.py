@@ -8,6 +8,8 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from dpsgd_cli.models._logreg_numba import clip_residual, residual_from_exp
+
 # (row, cell) pairs the pair path takes together: their dots 8 at a time (`dots8`, `sparse_dots8`: 8 chains of adds
 # in flight), then their residuals in vector lanes (exp_fixed's latency once per PAIRS pairs, not per 8). Measured
 # at 1 cell, R = 1 on adult, against one-at-a-time sparse dots: 16 (1.56×) ≈ 32 (1.58×) > 64 (1.46×) > 8 (1.21×);
@@ -352,8 +354,8 @@ def exp_fixed(x):  # pragma: no cover
 @numba.njit(cache=True, nogil=True, inline="always", error_model="numpy")
 def residual(yi, z, clip, do_clip, xn):  # pragma: no cover
     """a = −y σ(−y z), the logistic loss's ∇ = a x; clipped to ‖a x‖ ≤ clip when do_clip (branch-free: lanes)."""
-    a = -yi * (1.0 / (1.0 + exp_fixed(yi * z)))
-    return a * clip / max(abs(a) * xn, clip) if do_clip else a
+    a = residual_from_exp(yi, exp_fixed(yi * z))
+    return clip_residual(a, xn, clip) if do_clip else a
 
 
 @numba.njit(cache=True, nogil=True, inline="always", error_model="numpy")

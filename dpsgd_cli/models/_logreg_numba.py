@@ -16,6 +16,20 @@ import numba
 import numpy as np
 
 
+@numba.njit(cache=True, nogil=True, inline="always", error_model="numpy")
+def residual_from_exp(y, e):  # pragma: no cover
+    """∂ℓ/∂m of the logistic loss ℓ = log(1 + e^{−y m}) from e = e^{y m}: −y σ(−y m) = −y / (1 + e^{y m}), so that
+    ∇ℓ = (∂ℓ/∂m) x (as `LogisticRegression`'s `−y expit(−y m)`). The exp is the caller's: libm's, or the kernels'
+    lane-friendly `exp_fixed`."""
+    return -y * (1.0 / (1.0 + e))
+
+
+@numba.njit(cache=True, nogil=True, inline="always", error_model="numpy")
+def clip_residual(a, x_norm, clip):  # pragma: no cover
+    """The residual a scaled so that the per-example gradient a·x has norm ≤ clip (‖a x‖ = |a|·‖x‖)."""
+    return a * clip / max(abs(a) * x_norm, clip)
+
+
 @numba.njit(cache=True, nogil=True, inline="always")
 def _log1p_exp(z):  # pragma: no cover
     """log(1 + eᶻ) = max(z, 0) + log1p(e^−|z|) without overflow (as NumPy's `logaddexp(0, z)`), with log1p(u) =
