@@ -27,8 +27,9 @@ def fill_normals(g, out, r):
 # read from the generator once (`pcg64_state`) and then kept by the caller, who never draws from g again.
 try:
     from numba.np.random._constants import fi_double, ki_double, wi_double, ziggurat_nor_inv_r, ziggurat_nor_r
+    ZIGGURAT_TABLES = True
 except Exception:  # another numba layout: the Generator path (`fill_normals`) only
-    fi_double = None
+    ZIGGURAT_TABLES = False
 
 MULTIPLIER = 0x2360ED051FC65DA44385DF649FCCF645  # PCG_DEFAULT_MULTIPLIER_128
 _LOW = (1 << 64) - 1
@@ -121,7 +122,7 @@ def _state_array(g: np.random.Generator) -> np.ndarray:
 def pcg64_matches() -> bool:
     """Whether `fill_normals_pcg64` draws `Generator.standard_normal`'s numbers here, number for number (checked
     once per process on 3 × 40,000 draws, ~4 ms: the ziggurat's tail and wedges included)."""
-    if fi_double is None:
+    if not ZIGGURAT_TABLES:
         return False
     for seed in (0, 7, 20240917):
         want = np.random.default_rng([seed, 2]).standard_normal((2, 20_000))

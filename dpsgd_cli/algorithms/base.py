@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict
 
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.models import Model
-from dpsgd_cli.privacy.accounting import dp_event
+from dpsgd_cli.privacy.accounting import Neighbours, dp_event
 
 if TYPE_CHECKING:
     from dp_accounting.dp_event import DpEvent
@@ -52,13 +52,55 @@ class Setting:
     trace_every: Optional[int] = None
 
     @property
+    def required(self) -> RequiredAxes:
+        """The axes as an algorithm that uses them reads them: `setting.required.lr` is a float, never None."""
+        return RequiredAxes(self)
+
+    @property
     def sample_rate(self) -> float:
-        return self.batch_size / self.n
+        return self.required.batch_size / self.n
 
     @property
     def steps(self) -> int:
         """T = epochs · n / B, at least one step."""
-        return max(1, round(self.epochs * self.n / self.batch_size))
+        return max(1, round(self.required.epochs * self.n / self.required.batch_size))
+
+
+class RequiredAxes:
+    """A Setting's optional axes, typed without None. `expand` gives every axis in an algorithm's `uses` a value,
+    so an algorithm reads the axes it uses here; a None (a Setting built by hand without it) is reported by name
+    instead of failing later inside a formula."""
+
+    __slots__ = ("_setting",)
+
+    def __init__(self, setting: Setting):
+        self._setting = setting
+
+    def _value(self, axis: str) -> Any:
+        value = getattr(self._setting, axis)
+        if value is None:
+            raise ValueError(f"the setting has no {axis}, which this algorithm reads (Setting({axis}=...))")
+        return value
+
+    @property
+    def epsilon(self) -> float:
+        return self._value("epsilon")
+
+    @property
+    def batch_size(self) -> int:
+        return self._value("batch_size")
+
+    @property
+    def lr(self) -> float:
+        return self._value("lr")
+
+    @property
+    def epochs(self) -> float:
+        return self._value("epochs")
+
+    @property
+    def clip_norm(self) -> float:
+        return self._value("clip_norm")
 
 
 @dataclass
@@ -99,7 +141,7 @@ class Algorithm:
     execution_params: ClassVar[frozenset[str]] = frozenset()
     supports_float32: ClassVar[bool] = False  # trains correctly on float32 data (grid key dtype)
     # the neighbouring relation its analysis is stated for; the audit's "out" world is the worst-case neighbour
-    neighbours: ClassVar[Literal["add_remove", "replace_one"]] = "add_remove"
+    neighbours: ClassVar[Neighbours] = "add_remove"
 
     # What the privacy claim is a claim about: "final output" (only the released model: intermediate iterates
     # are not covered) or "every iterate" (an adversary who sees each update). `dpsgd audit` never refutes a claim
@@ -108,7 +150,7 @@ class Algorithm:
     # Whether `with_noise_scale` applies: the configuration multiplies every noise it adds by `noise_scale`.
     noise_scalable: ClassVar[bool] = False
 
-    def __init__(self, params: Optional[dict[str, Any]] = None, neighbours: Optional[str] = None):
+    def __init__(self, params: Optional[dict[str, Any]] = None, neighbours: Optional[Neighbours] = None):
         """`neighbours`: the relation the grid asks its ε to hold under (None: the algorithm's own)."""
         # an instance of the subclass's own `Params` (Any: each subclass reads its own fields)
         self.params: Any = self.Params(**(params or {}))
@@ -131,11 +173,11 @@ class Algorithm:
         """What this configuration's claim covers, given what its run derived (see `covers`)."""
         return self.covers
 
-    def native_neighbours(self) -> str:
+    def native_neighbours(self) -> Neighbours:
         """The relation this configuration's analysis is stated for when the grid asks for none."""
         return self.neighbours
 
-    def neighbouring(self) -> str:
+    def neighbouring(self) -> Neighbours:
         """The neighbouring relation this configuration's privacy claim (its calibrated ε) holds under."""
         return self._asked_neighbours or self.native_neighbours()
 

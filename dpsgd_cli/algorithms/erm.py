@@ -17,7 +17,7 @@ import hashlib
 import importlib.metadata
 import math
 import weakref
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 from threadpoolctl import threadpool_info, threadpool_limits
@@ -35,10 +35,16 @@ REFERENCE_VERSION = "1"  # part of the disk cache key: bump it when a change cou
 # L-BFGS settings. Convex: tight, the global minimum to ~machine precision. Non-convex: L-BFGS stops at a local
 # minimum (max |∂F/∂θ_j| ≤ gtol) or after `maxiter` iterations; on adult (P = 11,025) a start needs ~3,000 iterations
 # to converge (objective then stable to ~1e-8), so the capped L* is slightly above that local minimum.
-LBFGS_CONVEX = {"maxiter": 20000, "gtol": 1e-9, "ftol": 1e-15}
+class LBFGSOptions(TypedDict):
+    maxiter: int
+    gtol: float
+    ftol: float
+
+
+LBFGS_CONVEX: LBFGSOptions = {"maxiter": 20000, "gtol": 1e-9, "ftol": 1e-15}
 # Non-convex L*: a local optimum at best; capped so a Kang et al. grid computes it in about a minute per dataset
 # (uncapped: ~1000 s on adult, hours on kddcup99). Recorded as derived.optimum_method.
-LBFGS_NONCONVEX = {"maxiter": 300, "gtol": 1e-6, "ftol": 1e-13}
+LBFGS_NONCONVEX: LBFGSOptions = {"maxiter": 300, "gtol": 1e-6, "ftol": 1e-13}
 
 
 def minimize_objective(model: Model, X: np.ndarray, y: np.ndarray, theta0: np.ndarray,
@@ -73,7 +79,7 @@ def _data_digest(X: np.ndarray, y: np.ndarray) -> str:
     for array in (X, y):
         a = np.ascontiguousarray(array)
         digest.update(str((a.shape, a.dtype.str)).encode())
-        digest.update(a.view(np.uint8).reshape(-1) if a.size else b"")
+        digest.update(a.view(np.uint8).reshape(-1).data if a.size else b"")
     if memo:
         for key in [key for key, (rx, ry, _) in _DIGESTS.items() if rx() is None or ry() is None]:
             del _DIGESTS[key]  # arrays freed since: their ids may name other arrays now

@@ -53,6 +53,14 @@ def _ops(chain) -> Optional[list[tuple]]:
     return ops if sum(op[0] == "noise" for op in ops) <= 1 else None
 
 
+def _accepted_ops(chain) -> list[tuple]:
+    """`_ops` of a chain that `applies` accepted."""
+    ops = _ops(chain)
+    if ops is None:
+        raise ValueError("the chain has a transform the compiled full-batch step does not compute (see `applies`)")
+    return ops
+
+
 def _radius(chain) -> Optional[float]:
     return chain.ball_radius()
 
@@ -85,7 +93,7 @@ def run(model, chains: Sequence, thetas: Sequence[np.ndarray], steps: Sequence[i
     TH = np.zeros((d, K))
     for k, (c, r) in enumerate(cols):
         TH[:, k] = thetas[c][r]
-    ops = [_ops(chain) for chain in chains]
+    ops = [_accepted_ops(chain) for chain in chains]
     L = max(1, max(len(o) for o in ops))
     code = np.zeros((len(chains), L), dtype=np.int64)
     val = np.zeros((len(chains), L))

@@ -85,6 +85,14 @@ def _plan(chain) -> Optional[dict]:
     return params
 
 
+def _accepted_plan(chain) -> dict:
+    """`_plan` of a chain that `applies` accepted."""
+    plan = _plan(chain)
+    if plan is None:
+        raise ValueError("the chain has a part the compiled mini-batch step does not compute (see `applies`)")
+    return plan
+
+
 def applies(model, chains: Sequence, thetas: Sequence[np.ndarray]) -> bool:
     """Whether these chains (one batch stream) run on the compiled step (module docstring)."""
     if any(chain.backend == "numpy" for chain in chains):
@@ -112,7 +120,7 @@ def group_steps(model, chains: Sequence, thetas: Sequence[np.ndarray], steps: Se
     x_norm = batches.x_norm if any(c.clip is not None for c in chains) else np.zeros(X.shape[0])
     nonzeros = batches.nonzeros()  # rows read by their nonzeros when X is sparse (their own fixed order), less work
     P = nonzeros.packed if nonzeros is not None else np.zeros((0, 0), dtype=np.uint64)
-    plans = [_plan(chain) for chain in chains]
+    plans = [_accepted_plan(chain) for chain in chains]
     C, (R, d) = len(chains), thetas[0].shape
     TH = np.ascontiguousarray(np.stack(thetas).astype(np.float64))  # (C, R, d)
     std = np.array([p["noise"][0] if p["noise"] else 0.0 for p in plans], dtype=np.float64)
@@ -149,7 +157,9 @@ def noise_blocks(draws: Sequence[Optional[Iterator]], m: int) -> tuple[Optional[
     """(S, m, R, d) noise blocks of the next m steps, one per distinct draws iterator (tee copies of one
     `SharedStreams` stream yield the same arrays: read once), and each chain's slot in it (−1: `draws[c]` is
     None, no noise). Shared by the mini-batch and full-batch compiled steps."""
-    blocks, firsts, slot = [], [], np.full(len(draws), -1, dtype=np.int64)
+    blocks: list[np.ndarray] = []
+    firsts: list[list[np.ndarray]] = []
+    slot = np.full(len(draws), -1, dtype=np.int64)
     for c, chain_draws in enumerate(draws):
         if chain_draws is None:
             continue

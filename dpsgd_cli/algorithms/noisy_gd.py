@@ -85,7 +85,7 @@ class NoisyGD(Algorithm):
         The dynamics bound is a claim about the last iterate that no library event states: None."""
         if derived["bound_used"] != "composition":
             return None
-        eta = setting.lr
+        eta = setting.required.lr
         std = (2.0 * eta) ** 0.5 * derived.get("sigma_used", derived["sigma"])
         step = dp_event.GaussianDpEvent(std * setting.n / (eta * derived["sensitivity"]))
         return dp_event.SelfComposedDpEvent(step, derived["steps"])
@@ -98,7 +98,7 @@ class NoisyGD(Algorithm):
 
     @staticmethod
     def steps(setting: Setting) -> int:
-        K = round(setting.epochs)
+        K = round(setting.required.epochs)
         if K < 1:
             raise UserError(f"noisy_gd: epochs = {setting.epochs} gives K = {K} full-batch steps; use epochs ≥ 1 "
                             f"(K = round(epochs))")
@@ -111,7 +111,7 @@ class NoisyGD(Algorithm):
 
     def dynamics_guarantee(self, setting: Setting, model: Model, X: np.ndarray) -> tuple[str, Optional[float]]:
         """("proved" or the first failed assumption of the dynamics bound, the smoothness β of the regularised loss)."""
-        lam, C, eta = setting.l2, setting.clip_norm, setting.lr
+        lam, C, eta = setting.l2, setting.required.clip_norm, setting.required.lr
         smooth = model.smoothness(1.0)
         beta = None if smooth is None else smooth + lam
         lipschitz = model.lipschitz(1.0)
@@ -119,8 +119,9 @@ class NoisyGD(Algorithm):
             return "none: l2 = 0 (the dynamics bound needs a λ-strongly convex loss, λ > 0)", beta
         if not model.convex:
             return "none: non-convex model", beta
-        if unit_ball_violation(X):
-            return unit_ball_violation(X), beta
+        violation = unit_ball_violation(X)
+        if violation:
+            return violation, beta
         if lipschitz is None:
             return "none: the model has no Lipschitz bound", beta
         if C < lipschitz:
@@ -143,9 +144,9 @@ class NoisyGD(Algorithm):
         radius = self.params.radius
         return GradientChain(
             batches=full_batches(X, y, streams.replicas),
-            clip=setting.clip_norm,
+            clip=setting.required.clip_norm,
             transforms=transforms,
-            schedule=constant(setting.lr),
+            schedule=constant(setting.required.lr),
             project=project_to_ball(radius) if radius is not None else None,
             checkpoints=Checkpoints(setting.trace_every, X, y) if setting.trace_every else None,
             examples_per_step=setting.n,
@@ -156,15 +157,15 @@ class NoisyGD(Algorithm):
     def prepare(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Prepared:
         """One full-batch chain (so the cells of a grid train together: `run_together` runs them in one call of
         the compiled full-batch step, X read once a step for every cell and seed)."""
-        K, eta, n, lam = self.steps(setting), setting.lr, setting.n, setting.l2
-        sensitivity = 2.0 * setting.clip_norm  # replace-one: ‖clip(∇ℓ(θ; x)) − clip(∇ℓ(θ; x'))‖ ≤ 2C
+        K, eta, n, lam = self.steps(setting), setting.required.lr, setting.n, setting.l2
+        sensitivity = 2.0 * setting.required.clip_norm  # replace-one: ‖clip(∇ℓ(θ; x)) − clip(∇ℓ(θ; x'))‖ ≤ 2C
         accountant = self.params.accountant
         guarantee, beta = self.dynamics_guarantee(setting, model, X)
         if guarantee == "proved" and setting.trace_every:
             guarantee = ("none: intermediate θ recorded (trace_every); the dynamics bound assumes hidden "
                          "intermediate models")
         self.check(setting)
-        cal = calibrate_noisy_gd(setting.epsilon, setting.delta, K, eta, lam, n, sensitivity, accountant)
+        cal = calibrate_noisy_gd(setting.required.epsilon, setting.delta, K, eta, lam, n, sensitivity, accountant)
         if accountant == "composition" or (accountant == "minimum" and composition_is_smaller(K, eta, lam)):
             guarantee = "proved"
         noise_std = np.sqrt(2.0 * cal.sigma**2 / eta) * self.noise_scale  # on the gradient; × η: √(2ησ²) on θ

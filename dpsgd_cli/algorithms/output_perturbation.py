@@ -166,8 +166,8 @@ class OutputPerturbation(Algorithm):
         self.check(setting)
         L = _lipschitz(model, self.name)
         sensitivity = 2 * L / (setting.n * setting.l2)  # of the exact minimiser θ*
-        noise = calibrate_output_noise(sensitivity * (1 + 2 * ARGMIN_TOLERANCE), setting.epsilon, setting.delta,
-                                       self.params.calibration)
+        noise = calibrate_output_noise(sensitivity * (1 + 2 * ARGMIN_TOLERANCE), setting.required.epsilon,
+                                       setting.delta, self.params.calibration)
         # the exact minimiser (convex); for a non-convex model the best of several L-BFGS starts, the same θ for
         # every replica whatever seeds train together
         theta_star, _, info = reference_minimum(model, X, y)
@@ -276,10 +276,10 @@ class BoltOn(Algorithm):
     def check(self, setting: Setting, model_name: str = "") -> None:
         if self.params.case == "strongly_convex" and not setting.l2 > 0:
             raise UserError("bolt_on case strongly_convex needs l2 > 0 (γ = λ); set l2 > 0 or case: convex")
-        passes = setting.epochs
+        passes = setting.required.epochs
         if passes != int(passes) or passes < 1:
             raise UserError(f"bolt_on: epochs is the number k of passes and must be a whole number ≥ 1, got {passes:g}")
-        b = int(setting.batch_size)
+        b = int(setting.required.batch_size)
         if not 1 <= b <= setting.n:
             raise UserError(f"bolt_on: batch_size must be in [1, n = {setting.n}], got {b}")
 
@@ -288,14 +288,14 @@ class BoltOn(Algorithm):
         case = self.params.case
         if case == "auto":
             case = "strongly_convex" if setting.l2 > 0 else "convex"
-        passes, b = setting.epochs, int(setting.batch_size)
+        passes, b = setting.required.epochs, int(setting.required.batch_size)
         L = _lipschitz(model, self.name)
         smooth = model.smoothness(1.0)
         beta = float(smooth if smooth is not None else ASSUMED_SMOOTHNESS) + setting.l2
         per_pass = setting.n // b
         failure = None
         if case == "convex":
-            eta = float(setting.lr)
+            eta = float(setting.required.lr)
             sensitivity = convex_psgd_sensitivity(L, eta, int(passes), b)
             if eta > 2 / beta:
                 failure = f"none: lr = {eta:g} > 2/β = {2 / beta:.4g} (convex case needs η ≤ 2/β)"
@@ -321,7 +321,8 @@ class BoltOn(Algorithm):
 
     def prepare(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Prepared:
         plan = self.plan(setting, model)
-        noise = calibrate_output_noise(plan.sensitivity, setting.epsilon, setting.delta, self.params.calibration)
+        noise = calibrate_output_noise(plan.sensitivity, setting.required.epsilon, setting.delta,
+                                       self.params.calibration)
         checkpoints = Checkpoints(setting.trace_every, X, y) if setting.trace_every else None
         chain = self.chain(plan, setting.l2, shuffled_batches(X, y, plan.batch_size, streams, reshuffle=False),
                            checkpoints)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal, Optional
+from typing import TYPE_CHECKING, ClassVar, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -13,7 +13,8 @@ from dpsgd_cli.algorithms.sampling import poisson_batches
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.models import Model
 from dpsgd_cli.errors import UserError
-from dpsgd_cli.privacy.accounting import calibrate_sigma, check_dpsgd_neighbours, dpsgd_epsilon, dpsgd_event
+from dpsgd_cli.privacy.accounting import (AccountantName, Neighbours, calibrate_sigma, check_dpsgd_neighbours,
+                                          dpsgd_epsilon, dpsgd_event)
 
 if TYPE_CHECKING:
     from dp_accounting.dp_event import DpEvent
@@ -39,17 +40,17 @@ class SGD(Algorithm):
     uses = frozenset({"batch_size", "lr", "epochs", "l2"})
     source = "non-private mini-batch SGD"
     supports_float32 = True
-    Params = SGDParams
+    Params: ClassVar[type[BaseModel]] = SGDParams  # typed as the base declares it: subclasses bring their own
     execution_params = frozenset({"backend"})
 
     def chain(self, setting: Setting, X, y, streams: ReplicaStreams, clip=None, noise=()) -> GradientChain:
         return GradientChain(
             batches=poisson_batches(X, y, setting.sample_rate, streams),
             clip=clip,
-            transforms=[*noise, scale(1.0 / setting.batch_size), add_l2(setting.l2)],
-            schedule=constant(setting.lr),
+            transforms=[*noise, scale(1.0 / setting.required.batch_size), add_l2(setting.l2)],
+            schedule=constant(setting.required.lr),
             checkpoints=Checkpoints(setting.trace_every, X, y) if setting.trace_every else None,
-            examples_per_step=setting.batch_size,
+            examples_per_step=setting.required.batch_size,
             stream=("poisson", setting.sample_rate),
             backend=getattr(self.params, "backend", "auto"),
         )
@@ -82,7 +83,7 @@ class DPSGD(SGD):
     name = "dp_sgd"
     private = True
     uses = frozenset({"epsilon", "batch_size", "lr", "epochs", "l2", "clip_norm"})
-    Params = DPSGDParams
+    Params: ClassVar[type[BaseModel]] = DPSGDParams
     source = "Abadi et al., Deep Learning with Differential Privacy, CCS 2016"
 
     noise_scalable = True
@@ -99,16 +100,16 @@ class DPSGD(SGD):
         """Poisson-sampled Gaussian at the noise multiplier added, composed T times (Abadi et al. 2016)."""
         return dpsgd_event(derived.get("sigma_used", derived["sigma"]), setting.sample_rate, setting.steps)
 
-    def sigma_calibration(self, setting: Setting) -> tuple[float, float, float, int, str, str]:
-        return (setting.epsilon, setting.delta, setting.sample_rate, setting.steps, self.params.accountant,
+    def sigma_calibration(self, setting: Setting) -> tuple[float, float, float, int, AccountantName, Neighbours]:
+        return (setting.required.epsilon, setting.delta, setting.sample_rate, setting.steps, self.params.accountant,
                 self.neighbouring())
 
     def prepare(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Prepared:
         args = self.sigma_calibration(setting)
         cal = calibrate_sigma(*args)
         draws = streams.normal("noise", (model.n_params,))
-        std = cal.sigma * setting.clip_norm * self.noise_scale
-        chain = self.chain(setting, X, y, streams, clip=setting.clip_norm, noise=[add_noise(std, draws)])
+        std = cal.sigma * setting.required.clip_norm * self.noise_scale
+        chain = self.chain(setting, X, y, streams, clip=setting.required.clip_norm, noise=[add_noise(std, draws)])
         derived = {"sigma": cal.sigma, "epsilon_achieved": cal.epsilon, "accountant": cal.accountant,
                    "accountant_library": cal.library}
         if self.noise_scale != 1.0:  # the audit's broken twin: what the accountant gives for the noise it adds

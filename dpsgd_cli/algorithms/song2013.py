@@ -98,7 +98,7 @@ class Song2013NonPrivate(Algorithm):
         if setting.l2 is None or not setting.l2 > 0:
             raise UserError(f"{self.name}: l2 = {setting.l2}, but Song et al. 2013 need a λ-strongly convex "
                             f"objective (radius 1/λ, step 1/(λt)); set l2 > 0 in the grid (e.g. 1e-4)")
-        if not 1 <= setting.batch_size <= setting.n:
+        if not 1 <= setting.required.batch_size <= setting.n:
             raise UserError(f"{self.name}: batch_size = {setting.batch_size} must be in [1, n = {setting.n}]")
         if self.params.schedule != "inv_t" and not (setting.lr or 0) > 0:
             raise UserError(f"{self.name}: schedule {self.params.schedule} needs lr > 0 in the grid, "
@@ -107,8 +107,8 @@ class Song2013NonPrivate(Algorithm):
     def steps(self, setting: Setting) -> tuple[int, int, int]:
         """(per pass ⌊n/b⌋, steps T = round(epochs · ⌊n/b⌋) ≥ 1, passes touched k = ⌈T / ⌊n/b⌋⌉)."""
         self.check(setting)
-        per_pass = setting.n // setting.batch_size
-        steps = max(1, round(setting.epochs * per_pass))
+        per_pass = setting.n // setting.required.batch_size
+        steps = max(1, round(setting.required.epochs * per_pass))
         return per_pass, steps, math.ceil(steps / per_pass)
 
     def radius(self, setting: Setting) -> float:
@@ -116,23 +116,24 @@ class Song2013NonPrivate(Algorithm):
 
     def schedule(self, setting: Setting) -> Schedule:
         if self.params.schedule == "inv_sqrt":
-            return inverse_sqrt(setting.lr)
+            return inverse_sqrt(setting.required.lr)
         if self.params.schedule == "inv_t":
             return inverse_time(1.0 / setting.l2)
-        return constant(setting.lr)
+        return constant(setting.required.lr)
 
     def chain(self, setting: Setting, X, y, streams: ReplicaStreams, noise: Optional[Transform] = None,
               clip: Optional[float] = None, noise_source: Optional[NoiseSource] = None) -> GradientChain:
         """Σ (clipped) ∇ℓ over the batch → [+ Z_t] → ·1/b → + λw → w − η_t · → Π onto the ball."""
+        b = setting.required.batch_size
         return GradientChain(
-            batches=shuffled_batches(X, y, setting.batch_size, streams),
+            batches=shuffled_batches(X, y, b, streams),
             clip=clip,
-            transforms=[*([noise] if noise is not None else []), scale(1.0 / setting.batch_size), add_l2(setting.l2)],
+            transforms=[*([noise] if noise is not None else []), scale(1.0 / b), add_l2(setting.l2)],
             schedule=self.schedule(setting),
             project=project_to_ball(self.radius(setting)),
             checkpoints=Checkpoints(setting.trace_every, X, y) if setting.trace_every else None,
-            examples_per_step=setting.batch_size,
-            stream=("shuffled", setting.batch_size),  # reshuffled every pass
+            examples_per_step=b,
+            stream=("shuffled", b),  # reshuffled every pass
             backend=self.params.backend,  # the compiled single-example or mini-batch step where it applies
             noise_source=noise_source,
         )
@@ -157,7 +158,7 @@ class Song2013NonPrivate(Algorithm):
     def _outcome(self, setting: Setting, model: Model, X, y, theta, eta: Schedule, backend: str, derived: dict,
                  clip: Optional[float], guarantee: str, trace: list) -> Outcome:
         per_pass, steps, passes = self.steps(setting)
-        derived = {"steps": steps, "sample_rate": setting.batch_size / setting.n, "steps_per_pass": per_pass,
+        derived = {"steps": steps, "sample_rate": setting.required.batch_size / setting.n, "steps_per_pass": per_pass,
                    "passes": passes, "schedule": self.params.schedule, "step_size_first": eta(1),
                    "step_size_last": eta(steps), "radius": self.radius(setting), "backend": backend, **derived}
         if clip is not None:
@@ -190,10 +191,11 @@ class Song2013(Song2013NonPrivate):
                     "pass, composed over the passes (basic or advanced composition)")
 
     def noise_draw(self, setting: Setting, model: Model, X, passes: int) -> tuple[Optional[NoiseDraw], dict, str]:
-        alpha, delta_used = setting.epsilon / passes, 0.0
+        epsilon = setting.required.epsilon
+        alpha, delta_used = epsilon / passes, 0.0
         composition = "pure" if passes == 1 else "basic"
         if self.params.composition == "advanced" and passes > 1:
-            advanced, _ = advanced_composition_epsilon_per_step(setting.epsilon, setting.delta, passes,
+            advanced, _ = advanced_composition_epsilon_per_step(epsilon, setting.delta, passes,
                                                                 delta_prime=setting.delta)
             if advanced > alpha:
                 alpha, delta_used, composition = advanced, setting.delta, "advanced"
@@ -201,7 +203,7 @@ class Song2013(Song2013NonPrivate):
         x_max = max_row_norm(X)
         bound = model.lipschitz(x_max)
         derived = {
-            "epsilon_achieved": setting.epsilon,  # k · (ε/k) = ε, or the advanced-composition total ε (≤ target)
+            "epsilon_achieved": epsilon,  # k · (ε/k) = ε, or the advanced-composition total ε (≤ target)
             "delta_achieved": delta_used, "accountant": composition, "alpha_per_pass": alpha,
             "sensitivity": SENSITIVITY, "noise_norm_scale": 2.0 / alpha, "noise_norm_mean": 2.0 * d / alpha,
             "gradient_bound_without_clip": bound, "clip_active": bound is None or bound > GRADIENT_BOUND,
@@ -210,6 +212,6 @@ class Song2013(Song2013NonPrivate):
         # checked once (as gamma_norm_noise checks them), then every block drawn unchecked: the same numbers
         if self.noise_scale != 1.0:  # the audit's broken twin: density ∝ exp(−(α/2)‖z‖/s) is (α/s)-DP per pass
             derived.update(noise_scale=self.noise_scale, epsilon_noise_scaled=float("inf") if self.noise_scale <= 0
-                           else derived["epsilon_achieved"] / self.noise_scale)
+                           else epsilon / self.noise_scale)
         scale_, dim = 2.0 / check.positive("alpha", alpha), check.count("d", d)
         return (lambda g, k: gamma_norm_draws(g, scale_, dim, (k,))), derived, "proved"
