@@ -14,16 +14,19 @@ from __future__ import annotations
 import contextlib
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Sequence, TypeVar, Union
 
 from dpsgd_cli.errors import UserError
 
 if TYPE_CHECKING:
     import pandas as pd
+    from rich.progress import Progress
+
+    from dpsgd_cli.privacy.accounting import AccountantName, Neighbours
 
 PathLike = Union[str, Path]
-ACCOUNTANTS = ("rdp", "pld")
-NEIGHBOURS = ("add_remove", "replace_one")
+ACCOUNTANTS: tuple[AccountantName, ...] = ("rdp", "pld")
+NEIGHBOURS: tuple[Neighbours, ...] = ("add_remove", "replace_one")
 EXPORT_FORMATS = ("parquet", "csv")
 
 
@@ -139,7 +142,7 @@ class _Display:
 
         self.quiet = quiet
         self.console = Console()
-        self._progress = None
+        self._progress: Optional[Progress] = None
 
     def line(self, text: str) -> None:
         if not self.quiet:
@@ -176,9 +179,10 @@ class _Display:
 
         columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("runs"),
                    TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
-        with Progress(*columns, console=self.console, transient=False) as self._progress:
-            bar = self._progress.add_task(plan.grid.name, total=plan.pending_runs)
-            yield lambda rows: self._progress.advance(bar, len(rows))
+        with Progress(*columns, console=self.console, transient=False) as progress:
+            self._progress = progress
+            bar = progress.add_task(plan.grid.name, total=plan.pending_runs)
+            yield lambda rows: progress.advance(bar, len(rows))
         self._progress = None
 
     def stop(self) -> None:
@@ -439,7 +443,10 @@ def audit(grid_file: PathLike, *, only: Optional[Sequence[str]] = None, out: Pat
 
 
 # --- privacy calculators ---------------------------------------------------------------------------
-def _choice(option: str, value: Any, allowed: Sequence[str]) -> str:
+Choice = TypeVar("Choice", bound=str)
+
+
+def _choice(option: str, value: Any, allowed: Sequence[Choice]) -> Choice:
     value = getattr(value, "value", value)  # the CLI's enums
     if value not in allowed:
         raise UserError(f"--{option} {value}: choose one of {', '.join(allowed)}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Protocol, TypeGuard
 
 import typer
 from rich.console import Console
@@ -33,8 +33,9 @@ def _hide_flag_types() -> None:
         def display_type_rich(self, ctx, shown=shown, hidden=hidden):  # noqa: ANN001
             return None if hidden(self) else shown(self, ctx)
 
-        display_type_rich._types_hidden = True
-        cls.display_type_rich = display_type_rich
+        # typer's classes patched in place: attributes a type checker does not know of
+        setattr(display_type_rich, "_types_hidden", True)
+        setattr(cls, "display_type_rich", display_type_rich)
 
 
 _hide_flag_types()
@@ -500,17 +501,17 @@ def privacy_curve(
 
     p = _curve_params(alpha=alpha, sigma=sigma, sensitivity=sensitivity, eta=eta, lam=lam, n=n, k_max=k_max,
                       points=points, log_x=log_x)
-    out = out_root(out)
+    folder = out_root(out)
     frame = curve(k_values(p.k_max, p.points, log=p.log_x), **p.model_dump(exclude={"k_max", "points", "log_x"}))
-    out.mkdir(parents=True, exist_ok=True)
-    frame.to_csv(out / "privacy_curve.csv", index=False)
-    figure = plot_privacy_curve(frame, out / f"privacy_curve.{fmt.value}", log_x=log_x, log_y=log_y)
+    folder.mkdir(parents=True, exist_ok=True)
+    frame.to_csv(folder / "privacy_curve.csv", index=False)
+    figure = plot_privacy_curve(frame, folder / f"privacy_curve.{fmt.value}", log_x=log_x, log_y=log_y)
     saturation = alpha * sensitivity**2 / (lam * sigma**2 * n**2)
     console.print(f"dynamics bound saturates at ε(α={alpha:g}) = {saturation:.6g}; it is below the composition "
                   f"bound for K > {2 * SATURATION_ROOT / (lam * eta):.1f}")
     if "lower_bound_note" in frame.attrs:
         console.print(f"note: {frame.attrs['lower_bound_note']} (use --lam 1)")
-    console.print(str(out / "privacy_curve.csv"))
+    console.print(str(folder / "privacy_curve.csv"))
     console.print(str(figure))
 
 
@@ -551,6 +552,12 @@ def main() -> None:
     sys.exit(code if isinstance(code, int) else 0)
 
 
-def _is_usage_error(exc: Exception) -> bool:
+class _UsageError(Protocol):
+    ctx: Any
+
+    def format_message(self) -> str: ...
+
+
+def _is_usage_error(exc: Exception) -> TypeGuard[_UsageError]:
     """Click's usage errors (bad option, missing argument, ...), whether typer vendors click or not."""
     return hasattr(exc, "format_message") and getattr(exc, "exit_code", None) == 2

@@ -28,7 +28,7 @@ from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import MODELS
 from dpsgd_cli.privacy.accounting import Neighbours
 
-DELTA_RULE = "1/n^2"
+DELTA_RULE: Literal["1/n^2"] = "1/n^2"
 Number = Union[int, float]
 
 
@@ -661,16 +661,17 @@ class GridLoader(yaml.reader.Reader, yaml.scanner.Scanner, yaml.parser.Parser, y
         _GridResolver.__init__(self)
 
 
+FastGridLoader: type = GridLoader  # PyYAML built without libyaml
 if getattr(yaml, "__with_libyaml__", False):
-    class FastGridLoader(yaml.cyaml.CParser, _GridConstructor, _GridResolver):
+    class LibyamlGridLoader(yaml.cyaml.CParser, _GridConstructor, _GridResolver):
         """GridLoader on libyaml's parser (~10× faster on experiments.yaml; same constructor and resolver)."""
 
         def __init__(self, stream: Any) -> None:
             yaml.cyaml.CParser.__init__(self, stream)
             _GridConstructor.__init__(self)
             _GridResolver.__init__(self)
-else:  # PyYAML built without libyaml
-    FastGridLoader = GridLoader
+
+    FastGridLoader = LibyamlGridLoader
 
 
 def _expanded_nodes(root: yaml.Node) -> int:
@@ -781,7 +782,7 @@ def set_dotted(grid: Any, key: str, value: Any) -> None:
     if not isinstance(grid, dict) or not all(parts):
         raise UserError(f"--set {key}: expected KEY=VALUE with a dotted KEY (e.g. --set epochs=1, --set "
                         f"datasets.0.n=500)")
-    node = grid
+    node: Union[dict, list] = grid
     for i, part in enumerate(parts[:-1]):
         inside = ".".join(parts[: i + 1])
         if isinstance(node, list):

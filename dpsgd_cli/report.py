@@ -199,7 +199,7 @@ def _few_seeds(*stats: pd.DataFrame) -> Optional[str]:
         if low < 2 else None
 
 
-def _fluctuates(stats: pd.DataFrame, claim: ClaimSpec) -> tuple[Optional[bool], str]:
+def _fluctuates(stats: pd.DataFrame, claim: ClaimSpec) -> tuple[Optional[bool] | str, str]:
     """`fluctuates`: some consecutive step of the mean goes against `direction` by more than tolerance + 2·SE."""
     if len(stats) < 2:
         return None, f"{len(stats)} value(s) of {claim.over}"

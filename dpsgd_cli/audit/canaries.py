@@ -25,11 +25,11 @@ Two kinds (the worlds "in" and "out" always hold the same number of records, n +
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
-from dpsgd_cli.algorithms.chain import Transform
+from dpsgd_cli.algorithms.chain import Schedule, Transform
 from dpsgd_cli.models import Batch, Model
 
 
@@ -64,7 +64,13 @@ def input_canary(model: Model, X: np.ndarray, y: np.ndarray, reference: Optional
     return InputCanary(x, label)
 
 
-class _GradientCanary:
+if TYPE_CHECKING:  # a mixin: at run time its model class comes second in the bases (`with_gradient_canaries`)
+    _CanaryBase = Model
+else:
+    _CanaryBase = object
+
+
+class _GradientCanary(_CanaryBase):
     """Mixed into a model's own class (so `isinstance`, `convex`, the Lipschitz bounds stay the model's): marker
     rows (label 0) are canaries j = 0..m−1 whose per-example gradient is raw_norm·U_j (C·U_j after clipping to
     C), added with the weight `included[r, j]` per replica (1: in; out: 0 the null record, −1 the replace-one
@@ -115,9 +121,10 @@ def marker_rows(m: int, d: int) -> tuple[np.ndarray, np.ndarray]:
     return X, np.zeros(m)
 
 
-def with_gradient_canaries(model: Model, directions: np.ndarray, included: np.ndarray, raw_norm: float) -> Model:
+def with_gradient_canaries(model: Model, directions: np.ndarray, included: np.ndarray,
+                           raw_norm: float) -> _GradientCanary:
     """A copy of `model` whose marker rows are gradient canaries (see `_GradientCanary`)."""
-    cls = type(f"GradientCanary{type(model).__name__}", (_GradientCanary, type(model)), {})
+    cls: type[_GradientCanary] = type(f"GradientCanary{type(model).__name__}", (_GradientCanary, type(model)), {})
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(model.__dict__)
     wrapped.U, wrapped.included = np.atleast_2d(directions), np.asarray(included, dtype=float)
@@ -175,7 +182,7 @@ class StepModel:
     canary's inclusion (0/1, or −1 for a replace-one mirror), z_t standard normal. `q`: the chance that a step
     holds the canary (1: every step)."""
 
-    schedule: object  # t ↦ η_t (t = 1, 2, ...)
+    schedule: Schedule  # t ↦ η_t (t = 1, 2, ...)
     F: float          # the product of the scales applied to the gradient sum
     c: float          # the canary's gradient norm after clipping
     lam: float        # the weight decay's coefficient on the update

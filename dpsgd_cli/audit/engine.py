@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import scipy.stats
@@ -317,8 +317,8 @@ def gradient_worlds(cell: Cell, spec: AuditSpec, algorithm: Algorithm, trials: i
         last.append(s.last_iterate)
         every.append(s.all_iterates)
         guarantee = outcome.guarantee
-    last, every = np.concatenate(last), np.concatenate(every)
-    scores = {t: (s[:trials, 0], s[trials:, 0]) for t, s in zip(THREATS["gradient"], (last, every))}
+    stacked = np.concatenate(last), np.concatenate(every)
+    scores = {t: (s[:trials, 0], s[trials:, 0]) for t, s in zip(THREATS["gradient"], stacked)}
     return Worlds(scores, derived, guarantee)
 
 
@@ -396,8 +396,8 @@ def dirac_worlds(cell: Cell, spec: AuditSpec, algorithm: Algorithm, trials: int,
         every.append(canaries.step_likelihood_ratio(x.reshape(x.shape[0], -1), steps.sigma, q,
                                                     mirror=mirror).reshape(x.shape[1:]))
         guarantee = outcome.guarantee
-    last, every = np.concatenate(last), np.concatenate(every)
-    scores = {t: (s[included], s[~included]) for t, s in zip(THREATS["dirac"], (last, every))}
+    stacked = np.concatenate(last), np.concatenate(every)
+    scores = {t: (s[included], s[~included]) for t, s in zip(THREATS["dirac"], stacked)}
     return Worlds(scores, derived, guarantee)
 
 
@@ -417,7 +417,7 @@ def _post_processing(algorithm: Algorithm, setting: Setting, model: Model, X: np
     prepared = algorithm.prepare(setting, model, X, y, ReplicaStreams(range(1)))
     if prepared is None:
         return None
-    tail = []
+    tail: list[Callable[[np.ndarray, np.ndarray], np.ndarray]] = []
     for transform in reversed(list(prepared.chain.transforms)):
         kind = getattr(transform, "kind", None) or getattr(transform, "compiled", ("",))[0]  # its tag, if any
         if kind in ("noise", "scale", "l2"):

@@ -338,15 +338,16 @@ def _to_category(column: pd.Series) -> pd.Series:
 def _train_vocabulary(train: pp.Table, test: pp.Table) -> tuple[pp.Table, pp.Table, int]:
     """Categories restricted to those in the training part; test values of other categories get code -1
     (an all-zero one-hot block). Also returns how many test values that is."""
-    tr, te, vocab, unseen = train.codes.copy(), test.codes.copy(), [], 0
+    tr, te, unseen = train.codes.copy(), test.codes.copy(), 0
+    names_seen: list[tuple[str, ...]] = []
     for j, names in enumerate(train.vocab):
         seen = np.unique(train.codes[:, j][train.codes[:, j] >= 0])
         lookup = np.full(len(names) + 1, -1, dtype=np.int32)  # index -1 (missing) -> the last slot, -1
         lookup[seen] = np.arange(len(seen), dtype=np.int32)
         tr[:, j], te[:, j] = lookup[train.codes[:, j]], lookup[test.codes[:, j]]
         unseen += int(((te[:, j] < 0) & (test.codes[:, j] >= 0)).sum())
-        vocab.append(tuple(names[k] for k in seen))
-    vocab = tuple(vocab)
+        names_seen.append(tuple(names[k] for k in seen))
+    vocab = tuple(names_seen)
     return pp.Table(train.numeric, tr, vocab, train.y), pp.Table(test.numeric, te, vocab, test.y), unseen
 
 

@@ -31,7 +31,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -48,6 +48,9 @@ from dpsgd_cli.errors import DataError
 PREPROCESSING_VERSION = "2"
 
 ARRAYS = ("X_train", "y_train", "X_test", "y_test")
+# a zip member's local file header: its fixed part, then the name and extra field (PKWARE APPNOTE.TXT §4.3.7)
+ZIP_LOCAL_HEADER_SIZE = 30
+ZIP_LOCAL_HEADER_SIGNATURE = b"PK\x03\x04"
 
 
 def _where(spec: DatasetSpec) -> str:
@@ -75,6 +78,14 @@ def resolve_spec(spec: DatasetSpec) -> DatasetSpec:
             raise DataError(f"{where}: {key} applies only to synthetic; for fewer records use subsample")
     update = {k: v for k, v in entry.defaults.items() if getattr(spec, k) is None and v is not None}
     return spec.model_copy(update=update)
+
+
+def _resolved(spec: DatasetSpec, key: str) -> Any:
+    """A field of a `resolve_spec` result that its dataset's defaults always set (None only in an unresolved spec)."""
+    value = getattr(spec, key)
+    if value is None:
+        raise ValueError(f"{_where(spec)}: {key} is unset; pass the spec through resolve_spec first")
+    return value
 
 
 # ---------------------------------------------------------------- raw tables per dataset
@@ -126,7 +137,7 @@ def _mnist_tables(spec: DatasetSpec) -> list[pp.Table]:
 
 def _synthetic_tables(spec: DatasetSpec) -> list[pp.Table]:
     """[all points] of the Song-Chaudhuri-Sarwate synthetic set."""
-    X, y, _ = make_synthetic(n=spec.n, dim=spec.dim, seed=spec.seed)
+    X, y, _ = make_synthetic(n=_resolved(spec, "n"), dim=_resolved(spec, "dim"), seed=spec.seed)
     return [pp.array_table(X, y)]
 
 
@@ -150,9 +161,9 @@ def build_dataset(spec: DatasetSpec) -> Dataset:
     """
     where = _where(spec)
     tables = _TABLES[spec.name](spec)
-    train, test = pp.train_test(tables, split=spec.split, size=spec.subsample,
+    train, test = pp.train_test(tables, split=_resolved(spec, "split"), size=spec.subsample,
                                 test_fraction=spec.test_fraction, seed=spec.seed, where=where)
-    use_standardize = spec.standardize and spec.name != "synthetic"
+    use_standardize = _resolved(spec, "standardize") and spec.name != "synthetic"
     X_train, X_test = pp.features(train, test, one_hot=spec.one_hot, standardize=use_standardize,
                                   projection=spec.projection, unit_ball=spec.unit_ball, seed=spec.seed,
                                   order=spec.order)
@@ -183,7 +194,7 @@ def arrays_sha256(arrays: dict[str, np.ndarray]) -> str:
         array = np.ascontiguousarray(arrays[name])
         digest.update(f"{name}|{array.dtype.str}|{array.shape}|".encode())
         if array.size:  # an empty array (split: none has no test rows) has no bytes, and memoryview refuses it
-            digest.update(memoryview(array).cast("B"))
+            digest.update(array.data.cast("B"))
     return digest.hexdigest()
 
 
@@ -198,11 +209,11 @@ def _read_stored_arrays(fh) -> dict[str, np.ndarray]:
             if info.compress_type != zipfile.ZIP_STORED:
                 raise ValueError(f"{name} is compressed")
             fh.seek(info.header_offset)
-            local = fh.read(zipfile.sizeFileHeader)
-            if len(local) != zipfile.sizeFileHeader or local[:4] != zipfile.stringFileHeader:
+            local = fh.read(ZIP_LOCAL_HEADER_SIZE)
+            if len(local) != ZIP_LOCAL_HEADER_SIZE or local[:4] != ZIP_LOCAL_HEADER_SIGNATURE:
                 raise ValueError(f"{name}: bad local header")
             name_length, extra_length = struct.unpack("<HH", local[26:30])
-            fh.seek(info.header_offset + zipfile.sizeFileHeader + name_length + extra_length)
+            fh.seek(info.header_offset + ZIP_LOCAL_HEADER_SIZE + name_length + extra_length)
             version = np.lib.format.read_magic(fh)
             read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
                 np.lib.format.read_array_header_2_0
@@ -274,7 +285,7 @@ def load_dataset(spec: DatasetSpec, *, cache: bool = True) -> Dataset:
     if path is not None and path.exists():
         arrays, why = _read_processed(path, key)
         if arrays is not None:
-            return Dataset(spec, **arrays)
+            return Dataset(spec, arrays["X_train"], arrays["y_train"], arrays["X_test"], arrays["y_test"])
         print(f"dataset {spec.name}: the processed cache {path} {why}; rebuilding it from the raw files",
               file=sys.stderr)
     built = build_dataset(resolved)

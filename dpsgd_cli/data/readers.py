@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from numpy.typing import DTypeLike
 
 from dpsgd_cli.errors import DataError
 
@@ -123,7 +124,7 @@ def read_kddcup99(path: Path | str) -> pd.DataFrame:
         raise _parse_error(path, exc) from exc
 
 
-_IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+_IDX_DTYPES: dict[int, DTypeLike] = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
 
 
 def read_idx(path: Path | str) -> np.ndarray:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Literal, Optional, TypedDict
 
 from dpsgd_cli.errors import DataError
 
@@ -25,6 +25,17 @@ class RemoteFile:
     description: str
 
 
+class SpecDefaults(TypedDict, total=False):
+    """What a dataset's `DatasetSpec` fields left at None resolve to (fields of the same name and type)."""
+
+    split: Literal["official", "random", "none"]
+    standardize: bool
+    subsample: Optional[int]
+    positive_digit: int
+    n: int
+    dim: int
+
+
 @dataclass(frozen=True)
 class DatasetEntry:
     """A dataset of the registry.
@@ -41,7 +52,7 @@ class DatasetEntry:
     files: tuple[RemoteFile, ...]
     records: dict[str, int]
     official_split: bool
-    defaults: dict[str, object]
+    defaults: SpecDefaults
     notes: str = ""
     reference: str = ""
     # columns after encoding with one-hot (the most any option gives), before projection: sizes memory estimates

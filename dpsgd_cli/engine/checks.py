@@ -16,9 +16,10 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Union
 
 from dpsgd_cli.config import Cell, ClaimSpec, FigureSpec, Grid, _closest, axis_values, expand
+from dpsgd_cli.data.files import FileDatasetSpec
 from dpsgd_cli.data.registry import get_entry
 from dpsgd_cli.data.spec import DatasetSpec
 from dpsgd_cli.engine.analytic import ANALYTIC, NOISE_ACCOUNTINGS, NUMERIC_TABLE_COLUMNS, TABLE_COLUMNS
@@ -237,7 +238,7 @@ def out_root(value: str, option: str = "--out") -> Path:
 
 
 # --- work --------------------------------------------------------------------------------------------------------
-def _loaded_file(spec) -> tuple[int, int]:
+def _loaded_file(spec: FileDatasetSpec) -> tuple[int, int]:
     """(records, features) of a file dataset: its loader bounds its own memory (files.MAX_DENSE_BYTES), so it is
     loaded (once per process, the run reuses it) instead of estimated from a registry entry it does not have."""
     from dpsgd_cli.engine.runner import dataset
@@ -246,9 +247,9 @@ def _loaded_file(spec) -> tuple[int, int]:
     return len(data.y_train) + len(data.y_test), data.X_train.shape[1]
 
 
-def records(spec: DatasetSpec) -> int:
+def records(spec: Union[DatasetSpec, FileDatasetSpec]) -> int:
     """Records the dataset spec loads (before the train/test split), from the registry: an upper bound."""
-    if spec.name == "file":
+    if isinstance(spec, FileDatasetSpec):
         return _loaded_file(spec)[0]
     entry = get_entry(spec.name)
     total = spec.n if spec.name == "synthetic" and spec.n else entry.total_records
@@ -257,10 +258,10 @@ def records(spec: DatasetSpec) -> int:
     return min(total, spec.subsample) if spec.subsample else total
 
 
-def features(spec: DatasetSpec) -> int:
+def features(spec: Union[DatasetSpec, FileDatasetSpec]) -> int:
     """Columns after encoding, before projection (the registry's count with one-hot encoding: an upper bound;
     a file dataset's columns after its whole pipeline)."""
-    if spec.name == "file":
+    if isinstance(spec, FileDatasetSpec):
         return _loaded_file(spec)[1]
     if spec.name == "synthetic":
         return spec.dim or get_entry("synthetic").defaults["dim"]
@@ -324,7 +325,7 @@ def check_work(cell: Cell, where: str) -> None:
     need = memory_estimate(cell)
     have = MEMORY_SHARE * available_memory()
     if sum(need.values()) > have:
-        key = max(need, key=need.get)
+        key = max(need, key=lambda part: need[part])
         if key == "projection":
             what = f"datasets[].projection = {cell.dataset.projection:,}"
         elif key == "model":

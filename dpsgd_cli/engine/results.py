@@ -408,9 +408,15 @@ class ResultStore:
                 for path in (self.csv, self.traces_csv):
                     if path.exists():
                         shutil.move(path, path.with_name(f"{path.stem}.{stamp}.csv.bak"))
-            seen: set[str] = set()  # a run id counts once (the first final row)
-            final = self.runs_file.recover(
-                keep=lambda row: row.get("status") in FINAL and not (row["run_id"] in seen or seen.add(row["run_id"])))
+            seen: set[str] = set()
+
+            def first_final(row: dict[str, str]) -> bool:  # a run id counts once (the first final row)
+                if row.get("status") not in FINAL or row["run_id"] in seen:
+                    return False
+                seen.add(row["run_id"])
+                return True
+
+            final = self.runs_file.recover(keep=first_final)
             done = {row["run_id"] for row in final}
             # checkpoints of runs that never finished go, so that a run in runs.csv has exactly its traces
             self.traces_file.recover(keep=lambda row: row["run_id"] in done)

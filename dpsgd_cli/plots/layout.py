@@ -8,16 +8,17 @@ part measured as rendered, so that nothing is cut off and nothing overlaps.
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Any, Iterable
 
-import matplotlib.pyplot as plt
+import matplotlib
 
 from dpsgd_cli.plots.names import literal
 
-COLORS = list(plt.get_cmap("tab10").colors)
+COLORS = list(matplotlib.color_sequences["tab10"])
 MARKERS = ["o", "s", "^", "D", "v", "P", "X", "<", ">", "*"]
 LINESTYLES = ["-", "--", "-.", ":"]
 REFERENCE_STYLES = [("black", "--"), ("dimgray", ":"), ("gray", "-."), ("darkgray", (0, (5, 2, 1, 2)))]
+Style = dict[str, Any]  # a line's matplotlib keyword arguments
 PAD = 0.08  # inches between the parts and around the edge
 SLACK = 0.95  # text is measured at the figure's dpi; at a lower one (a thumbnail) it is relatively wider
 
@@ -28,11 +29,13 @@ class Styles:
     visible, one through the other (markers are hollow)."""
 
     def __init__(self, names: Iterable[str], references: Iterable[str] = ()):
-        self.lines = {name: {"color": COLORS[i % len(COLORS)], "marker": MARKERS[i % len(MARKERS)],
-                             "ls": LINESTYLES[i % len(LINESTYLES)], "mfc": "none", "mew": 1.2}
-                      for i, name in enumerate(dict.fromkeys(names))}
-        self.references = {name: dict(zip(("color", "ls"), REFERENCE_STYLES[i % len(REFERENCE_STYLES)]))
-                           for i, name in enumerate(dict.fromkeys(references))}
+        self.lines: dict[str, Style] = {
+            name: {"color": COLORS[i % len(COLORS)], "marker": MARKERS[i % len(MARKERS)],
+                   "ls": LINESTYLES[i % len(LINESTYLES)], "mfc": "none", "mew": 1.2}
+            for i, name in enumerate(dict.fromkeys(names))}
+        self.references: dict[str, Style] = {
+            name: dict(zip(("color", "ls"), REFERENCE_STYLES[i % len(REFERENCE_STYLES)]))
+            for i, name in enumerate(dict.fromkeys(references))}
 
 
 def wrap_phrases(fig, phrases: list[str], width: float, fontsize: float, sep: str = "; ") -> str:
@@ -167,7 +170,7 @@ def thin_ticks(fig) -> None:
             continue
         for axis, horizontal in ((ax.xaxis, True), (ax.yaxis, False)):
             lo, hi = sorted(ax.get_xlim() if horizontal else ax.get_ylim())
-            ticks = {}
+            ticks: dict[bool, list[tuple]] = {}  # minor → (location, text, box) of each visible label
             for minor in (False, True):
                 for tick in axis.get_minor_ticks() if minor else axis.get_major_ticks():
                     loc, label = tick.get_loc(), tick.label1
