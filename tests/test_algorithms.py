@@ -121,3 +121,12 @@ def test_float32_training_matches_float64_and_keeps_its_dtype(data, model_name):
     np.testing.assert_allclose(narrow, wide, rtol=1e-4, atol=1e-5)  # same batches and noise, rounding only
     accuracy = [np.mean(np.sign(model.decision(t.astype(np.float64), X)) == y, axis=-1) for t in (narrow, wide)]
     np.testing.assert_allclose(accuracy[0], accuracy[1], atol=1.5 / X.shape[0])  # at most one example flips
+
+
+def test_a_setting_reads_the_axes_an_algorithm_uses_without_none():
+    setting = Setting(n=10, d=2, delta=0.1, l2=0.0, batch_size=5, epochs=2, lr=0.5)
+    assert (setting.required.lr, setting.required.batch_size, setting.steps, setting.sample_rate) == (0.5, 5, 4, 0.5)
+    with pytest.raises(ValueError, match="no epsilon"):
+        setting.required.epsilon  # noqa: B018
+    with pytest.raises(ValueError, match="no batch_size"):
+        Setting(n=10, d=2, delta=0.1, l2=0.0, epochs=2).steps  # noqa: B018
