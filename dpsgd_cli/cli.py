@@ -14,8 +14,8 @@ from rich.table import Table
 from rich.text import Text
 
 from dpsgd_cli import __version__
-from dpsgd_cli.api import compact_table, settings_table
-from dpsgd_cli.api import fmt as _fmt
+from dpsgd_cli.tables import compact_table, settings_table, spread
+from dpsgd_cli.tables import fmt as _fmt
 from dpsgd_cli.errors import UserError
 
 def _hide_flag_types() -> None:
@@ -258,14 +258,13 @@ def select_command(
                                        help="A grid's results folder, or the results root."),
 ) -> None:
     """Print the hyperparameters each group's `select:` chose (and its privacy); write selection.csv."""
-    from dpsgd_cli import api
     from dpsgd_cli.engine.selection import write_selection_tables
 
     for folder, table in write_selection_tables(results_dir):
         for selection, part in table.groupby("selection", sort=False):
             rows = [{**dict(item.split("=", 1) for item in r["group"].split(", ")), "chosen": r["chosen"],
                      r["score"]: f"{r['score_mean']:.4f}", "runs": str(r["runs"]),
-                     "test accuracy": api.spread(r["test_accuracy_mean"], r["test_accuracy_std"]),
+                     "test accuracy": spread(r["test_accuracy_mean"], r["test_accuracy_std"]),
                      "ε": _fmt(r["epsilon"]), "ε total": _fmt(r["epsilon_total"], 4), "δ": _fmt(r["delta"], 3),
                      "privacy": _privacy(r)} for _, r in part.iterrows()]
             console.print(compact_table(
