@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from dpsgd_cli import compiled
 from dpsgd_cli.algorithms import ALGORITHMS, Setting, kernels
 from dpsgd_cli.algorithms.chain import constant, inverse_sqrt, inverse_time, min_inverse_time
+from dpsgd_cli.algorithms.sampling import uniform_examples
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import make_model
@@ -211,6 +212,20 @@ def test_cli_run_says_the_backend_once(tmp_path, monkeypatch):
 
 
 @needs_numba
+def test_the_mlp_takes_the_single_example_kernel_only_where_its_chain_allows_it():
+    """`sgd1_mlp` runs pidp_sgd's chains (`mlp_kernel`); the other single-example chains keep the MLP on NumPy."""
+    from dpsgd_cli.algorithms.chain import GradientChain, add_l2
+
+    X, y = _data()
+    mlp = make_model("mlp", X.shape[1], 1e-3)
+    theta = np.zeros((2, mlp.n_params))
+    chain = lambda allow: GradientChain(uniform_examples(X, y, ReplicaStreams([0, 1])), clip=1.0,  # noqa: E731
+                                        transforms=[add_l2(1e-3)], backend="auto", mlp_kernel=allow)
+    assert not kernels.single_example_applies(mlp, chain(False), theta)
+    assert kernels.single_example_applies(mlp, chain(True), theta)
+
+
+@needs_numba
 def test_noise_drawn_in_the_kernel_equals_the_noise_blocks_bit_for_bit(monkeypatch):
     """bassily2014's kernel draws its normals from the generators itself: the same numbers as the NumPy blocks,
     across chunk boundaries (small chunks) and for several replicas, so θ is identical bit for bit."""
@@ -220,8 +235,8 @@ def test_noise_drawn_in_the_kernel_equals_the_noise_blocks_bit_for_bit(monkeypat
     theta0 = np.zeros((len(SEEDS), X.shape[1]))
     kw = dict(clip=1.0, l2=1e-2, radius=2.0, noise_std=0.7)
     run = lambda **noise: kernels.single_example_sgd(  # noqa: E731
-        theta0, X, y, kernels.uniform_example_index_blocks(X.shape[0], streams), 400, lambda t: 0.5 / t ** 0.5,
-        **kw, **noise)
+        theta0, X, y, lambda m, batches=uniform_examples(X, y, streams): batches.take(m)[:, :, 0], 400,
+        lambda t: 0.5 / t ** 0.5, **kw, **noise)
     blocks = run(noise=kernels.block_draws(streams, "noise", lambda g, k: g.standard_normal((k, X.shape[1]))))
     drawn = run(noise_generators=streams.generators("noise"))
     np.testing.assert_array_equal(drawn, blocks)

@@ -387,6 +387,26 @@ def test_trace_counts_examples_across_rounds(data):
     assert all(row[1].shape == (2,) and np.isfinite(row[1]).all() for row in out.trace)
 
 
+@needs_numba
+def test_checkpoints_across_rounds_are_the_same_on_both_backends(data):
+    """Each round's chain counts its checkpoints from the examples of the rounds before it (`Checkpoints.offset`),
+    in the kernel as on NumPy; a round that is not a whole number of periods runs on NumPy."""
+    X, y = data
+    setting = _setting(*X.shape, trace_every=100)
+    model = make_model("logreg", X.shape[1], setting.l2)
+
+    def fit(backend, local):
+        algo = ALGORITHMS["pidp_sgd"]({"rounds": 3, "local_steps": local, "backend": backend})
+        return algo.fit(setting, model, X, y, ReplicaStreams([0, 1]))
+
+    a, b = fit("numpy", 200), fit("numba", 200)
+    assert (a.derived["backend"], b.derived["backend"]) == ("numpy", "numba")
+    assert [row[0] for row in a.trace] == [row[0] for row in b.trace] == list(range(100, 601, 100))
+    for row_a, row_b in zip(a.trace, b.trace):
+        np.testing.assert_allclose(row_a[1], row_b[1], rtol=1e-12)
+    assert fit("numba", 150).derived["backend"] == "numpy"
+
+
 # --- end to end ---------------------------------------------------------------------------------------------------
 
 
@@ -582,7 +602,7 @@ def test_mlp_kernel_step_is_minus_the_gradient_by_finite_differences(activation)
     model's loss on that example."""
     model, X, y, theta = _tiny_mlp(activation, R=1)
     for i in (0, 7, 31):
-        step = kernels.single_example_sgd(theta, X, y, iter([np.array([[i]])]), 1, constant(1.0), clip=None,
+        step = kernels.single_example_sgd(theta, X, y, lambda m: np.array([[i]]), 1, constant(1.0), clip=None,
                                           l2=0.0, radius=None, model=model)
         h = 1e-6
         fd = np.array([(model.data_loss(theta + h * e, X[i:i + 1], y[i:i + 1])

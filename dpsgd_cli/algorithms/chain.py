@@ -7,7 +7,8 @@ the papers differ only in their sampler, clip and transforms.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass, field, replace
 from typing import Callable, Hashable, Iterator, Optional, Sequence
 
 import numpy as np
@@ -15,6 +16,7 @@ import numpy as np
 from dpsgd_cli import compiled
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.algorithms import kernels, kernels_fullbatch, kernels_minibatch
+from dpsgd_cli.algorithms.sampling import IndexedBatches
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.models import Batch, Model
 
@@ -25,7 +27,8 @@ Schedule = Callable[[int], float]  # step t = 1, 2, ... → learning rate
 @dataclass(frozen=True, eq=False)
 class Transform:
     """One gradient transformation g ← fn(g, θ) on (R, P) arrays. `kind` and `params` say what it computes
-    ("noise" (std, draws), "scale" (factor,), "l2" (λ,), "smooth" (σ_ls,), "identity" ()), so that a compiled
+    ("noise" (std, draws), "masked_noise" (std, draws, noisy), "scale" (factor,), "l2" (λ,), "smooth" (σ_ls,),
+    "identity" ()), so that a compiled
     backend can run a chain made of known kinds; `fn` is the NumPy definition every backend reproduces."""
 
     kind: str
@@ -52,6 +55,14 @@ def add_noise(std: float, draws: Iterator[np.ndarray]) -> Transform:
     """g + std · z with z from `draws` (one (R, P) standard-normal array per step; float64 draws, so a seed
     gives the same noise whatever the training precision, cast to the gradient's dtype)."""
     return Transform("noise", (std, draws), lambda g, theta: g + (std * next(draws)).astype(g.dtype, copy=False))
+
+
+def masked_noise(std: float, draws: Iterator[np.ndarray], noisy: np.ndarray) -> Transform:
+    """g + std · z on the replicas whose step is noisy: step t adds the noise where noisy[t] (T, R) is True. z is
+    drawn at every step, noisy or not, so the noise stream does not depend on the decisions (pidp_sgd)."""
+    rows = iter(noisy)
+    return Transform("masked_noise", (std, draws, noisy),
+                     lambda g, theta: g + np.where(next(rows), std, 0.0)[:, None] * next(draws))
 
 
 def scale(factor: float) -> Transform:
@@ -152,15 +163,23 @@ class Checkpoints:
     X: np.ndarray
     y: np.ndarray
     rows: list[tuple[int, np.ndarray, np.ndarray]] = field(default_factory=list)
+    offset: int = 0  # examples processed before the chain's first step (a run of several chains: pidp_sgd's rounds)
+
+    def shifted(self, offset: int) -> "Checkpoints":
+        """These checkpoints (the same rows) for a chain that starts after `offset` examples."""
+        return replace(self, offset=offset)
 
     def record_steps(self, examples_per_step: float, steps: int) -> np.ndarray:
         """The steps t (1-based) after which `GradientChain.step` records a checkpoint (for compiled steps)."""
         t = np.arange(1, steps + 1)
-        before = np.array([round((s - 1) * examples_per_step) for s in t.tolist()])
-        after = np.array([round(s * examples_per_step) for s in t.tolist()])
+        before = np.array([self.offset + round((s - 1) * examples_per_step) for s in t.tolist()])
+        after = np.array([self.offset + round(s * examples_per_step) for s in t.tolist()])
         return t[after // self.every > before // self.every]
 
     def maybe_record(self, model: Model, theta: np.ndarray, before: int, after: int) -> None:
+        """Record after the step that took the chain from `before` to `after` examples, if it crossed a multiple of
+        `every` (counted from the run's start)."""
+        before, after = before + self.offset, after + self.offset
         if after // self.every > before // self.every:
             with np.errstate(all="ignore"):  # one forward pass: the numbers of `objective` and `accuracy`
                 loss, accuracy = model.data_loss_and_accuracy(theta, self.X, self.y)
@@ -176,6 +195,14 @@ class NoiseSource:
     purpose: str
     shape: tuple[int, ...] = ()
     draw: Optional[Callable[[np.random.Generator, int], np.ndarray]] = None
+    _generators: list[np.random.Generator] = field(default_factory=list, init=False, repr=False, compare=False)
+
+    def generators(self) -> list[np.random.Generator]:
+        """The replicas' generators of `purpose`, made at the first call: chains that share this source (pidp_sgd's
+        rounds) continue one stream of standard normals, as they share one `streams.normal` iterator on NumPy."""
+        if not self._generators:
+            self._generators.extend(self.streams.generators(self.purpose))
+        return self._generators
 
 
 @dataclass
@@ -204,6 +231,9 @@ class GradientChain:
     # How the noise transform's numbers are drawn, for a compiled step that draws the same numbers itself:
     # `NoiseSource` (the single-example kernel); None: only from the transform's iterator.
     noise_source: Optional["NoiseSource"] = None
+    # Whether an `MLP` may run on the single-example kernel (`sgd1_mlp`), besides logistic regression: pidp_sgd's
+    # chains; the other single-example chains keep their MLP runs on NumPy, where their numbers were made.
+    mlp_kernel: bool = False
 
     def ops(self) -> Optional[list[tuple]]:
         """The transforms as (kind, *params) in order, identities dropped; None when one is not a `Transform` (a
@@ -323,8 +353,9 @@ def run_together(model: Model, chains: Sequence[GradientChain], thetas: Sequence
             run = kernels_minibatch.group_steps(model, [chains[k] for k in group], [thetas[k] for k in group],
                                                 [steps[k] for k in group], out)
             runs.append((group, run, out))
-            if any(keys[k] == key for k in numpy_side):
-                sources[key] = chains[group[0]].batches.replay(lambda run=run: next(run, None) is not None)
+            taken = chains[group[0]].batches
+            if any(keys[k] == key for k in numpy_side) and isinstance(taken, IndexedBatches):  # applies needs them
+                sources[key] = taken.replay(functools.partial(_advance, run))
     if any(chains[k].backend != "numpy" for k in numpy_side):  # full-batch chains: the compiled full-batch step
         full = [k for k in numpy_side if kernels_fullbatch.applies(model, chains[k], thetas[k])]
         numpy_side = [k for k in numpy_side if k not in full]
@@ -358,6 +389,11 @@ def run_together(model: Model, chains: Sequence[GradientChain], thetas: Sequence
         for k, theta in zip(group, out):
             thetas[k], chains[k].ran_on = theta, "numba"
     return thetas
+
+
+def _advance(run: Iterator) -> bool:
+    """Let a compiled run take its next steps; False once it has finished."""
+    return next(run, None) is not None
 
 
 def _leaders(chains: Sequence[GradientChain], keys: list, thetas: list[np.ndarray], steps: Sequence[int],

@@ -3,8 +3,9 @@
 Only where one example per step is inherent: `song2013` with b = 1 and `bassily2014` (one uniformly drawn example
 per step). Their per-step work is a few d-vectors, so the NumPy chain spends ~25 µs per step in Python and array
 overhead; the kernel runs a whole pass (or a chunk of at most `CHUNK_ELEMENTS` noise numbers) in one call.
-`pidp_sgd` with one example per step (its default) uses the same kernel with a per-step noise mask (its noise
-decisions, computed in NumPy before the round), and on the one-hidden-layer MLP `sgd1_mlp`: the same step on the
+`pidp_sgd`'s rounds with one example per step (its default) are such chains too, their noise a `masked_noise`
+transform (the round's noise decisions, computed in NumPy before the round); on the one-hidden-layer MLP, which
+only pidp_sgd's chains bring here (`GradientChain.mlp_kernel`), `sgd1_mlp` runs the same step on the
 MLP's gradient (models/mlp.py: forward, ∂ℓ/∂f, the per-example norm for the clip, then every parameter updated in
 θ's layout order with its noise draw), where a NumPy step costs ~2 ms for P = 11,025 (adult). The mini-batch step of
 logistic-regression chains (`dp_sgd`, `sgd`, `song2013` with b > 1) has its own kernel, kernels_minibatch.py;
@@ -142,7 +143,8 @@ class _Reader:
     """Take the next m steps from an iterator of (K, ...) blocks (blocks split and joined as needed)."""
 
     def __init__(self, blocks: Iterator[np.ndarray]):
-        self.blocks, self.rest = blocks, None
+        self.blocks: Iterator[np.ndarray] = blocks
+        self.rest: Optional[np.ndarray] = None
 
     def take(self, m: int) -> np.ndarray:
         parts, have = [], 0
@@ -157,7 +159,7 @@ class _Reader:
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-def schedule_values(schedule: Callable[[int], float], start: int, stop: int) -> np.ndarray:
+def schedule_values(schedule: Callable[..., float], start: int, stop: int) -> np.ndarray:
     """η_t for t = start..stop−1: the schedule applied to an array of t when it is elementwise (the chain's
     `constant`, `inverse_sqrt`, `inverse_time`), else called step by step."""
     t = np.arange(start, stop, dtype=np.float64)
@@ -318,7 +320,7 @@ def warm_up() -> float:
     return time.perf_counter() - start
 
 
-def single_example_sgd(theta: np.ndarray, X: np.ndarray, y: np.ndarray, indices: Iterator[np.ndarray],
+def single_example_sgd(theta: np.ndarray, X: np.ndarray, y: np.ndarray, indices: Callable[[int], np.ndarray],
                        steps: int, schedule: Callable[[int], float], *, clip: Optional[float], l2: float,
                        radius: Optional[float], noise: Optional[Iterator[np.ndarray]] = None,
                        noise_std: float = 0.0, batch_scale: float = 1.0, checkpoints=None,
@@ -329,14 +331,14 @@ def single_example_sgd(theta: np.ndarray, X: np.ndarray, y: np.ndarray, indices:
     (θ (R, P), `sgd1_mlp`: the same step on the MLP's gradient, models/mlp.py). θ is not modified; the result is
     returned.
 
-    indices: (K, R) blocks of example indices; noise: (K, R, d) blocks of the noise's standard draws (None: no
-    noise); noise_generators: instead of `noise`, one generator per replica whose standard normals (d per step,
-    in order) the kernel draws itself: the numbers `block_draws(streams, purpose, lambda g, k:
+    indices: `indices(m)` the next m steps' example indices (m, R); noise: (K, R, d) blocks of the noise's
+    standard draws (None: no noise); noise_generators: instead of `noise`, one generator per replica whose standard
+    normals (d per step, in order) the kernel draws itself: the numbers `block_draws(streams, purpose, lambda g, k:
     g.standard_normal((k, d)))` yields (numba's Generator support runs NumPy's ziggurat on the same bit
     generator), never materialised (measured ~3× faster than NumPy drawing the blocks); noise_mask: (steps, R)
     bool, noise only on the True steps (pidp_sgd; the draws are consumed on every step either way);
-    checkpoints: a `chain.Checkpoints` (one example per step), recorded as `GradientChain.run` does; x_norm: ‖x_i‖
-    of every row (`rows.row_norms(X)`) when the caller has it already.
+    checkpoints: a `chain.Checkpoints` (one example per step, counted from its `offset`), recorded as
+    `GradientChain.run` does; x_norm: ‖x_i‖ of every row (`rows.row_norms(X)`) when the caller has it already.
     """
     if noise is not None and noise_generators is not None:
         raise ValueError("give noise blocks or noise generators, not both")
@@ -347,26 +349,25 @@ def single_example_sgd(theta: np.ndarray, X: np.ndarray, y: np.ndarray, indices:
     x_norm = row_norms(X) if x_norm is None else np.ascontiguousarray(x_norm)
     R, d = theta.shape
     chunk = max(BLOCK_STEPS, (CHUNK_ELEMENTS // max(1, R * d)) // BLOCK_STEPS * BLOCK_STEPS)
-    index_reader = _Reader(indices)
     noise_reader = _Reader(noise) if noise is not None else None
     no_noise = np.zeros((1, 1, 1), dtype=np.float64)
     no_gen = np.random.default_rng(0)  # a placeholder of the kernel's signature, never drawn from
-    draw = noise_generators is not None
-    if draw and len(noise_generators) != R:
+    if noise_generators is not None and len(noise_generators) != R:
         raise ValueError(f"{len(noise_generators)} noise generators for {R} replicas")
     every = checkpoints.every if checkpoints is not None else None
+    offset = checkpoints.offset if checkpoints is not None else 0
     done = 0
     while done < steps:
         m = min(chunk, steps - done)
-        idx = np.ascontiguousarray(index_reader.take(m), dtype=np.int64)
+        idx = np.ascontiguousarray(indices(m), dtype=np.int64)
         z = np.ascontiguousarray(noise_reader.take(m)) if noise_reader is not None else no_noise
         lrs = schedule_values(schedule, done + 1, done + m + 1)
-        idx_r = [np.ascontiguousarray(idx[:, r:r + 1]) for r in range(R)] if draw else None
         mask = (np.ascontiguousarray(noise_mask[done:done + m], dtype=np.bool_) if noise_mask is not None
                 else _NO_MASK)
+        idx_r = [np.ascontiguousarray(idx[:, r:r + 1]) for r in range(R)]  # per replica, for the drawing calls
         cuts = [m]
-        if every:  # stop after each step t (1-based, global) with t % every == 0, to record a checkpoint
-            first = (done // every + 1) * every
+        if every:  # stop after each step t (1-based) with (offset + t) % every == 0, to record a checkpoint
+            first = ((offset + done) // every + 1) * every - offset
             cuts = sorted({*range(first - done, m + 1, every), m}) if first - done <= m else [m]
         lo = 0
         for hi in cuts:
@@ -374,10 +375,10 @@ def single_example_sgd(theta: np.ndarray, X: np.ndarray, y: np.ndarray, indices:
                        float(radius) if radius is not None else 1.0, float(batch_scale), lo, hi, clip is not None)
             masked = noise_mask is not None
 
-            if draw:  # one call per replica: each draws from its own generator, steps in order
-                for r in range(R):
+            if noise_generators is not None:  # one call per replica: each draws from its own generator, in order
+                for r, gen in enumerate(noise_generators):
                     mask_r = np.ascontiguousarray(mask[:, r:r + 1]) if masked else _NO_MASK
-                    kernel(theta[r:r + 1], X, y, x_norm, idx_r[r], no_noise, noise_generators[r], *scalars, True,
+                    kernel(theta[r:r + 1], X, y, x_norm, idx_r[r], no_noise, gen, *scalars, True,
                            True, radius is not None, mask_r, masked, *extra)
             else:
                 kernel(theta, X, y, x_norm, idx, z, no_gen, *scalars, noise_reader is not None, False,
@@ -391,44 +392,44 @@ def single_example_sgd(theta: np.ndarray, X: np.ndarray, y: np.ndarray, indices:
 
 def single_example_applies(model, chain, theta: np.ndarray) -> bool:
     """Whether a chain runs on the single-example kernel: one example per step cut by index from float64 X (an
-    `IndexedBatches` of width 1), transforms [noise] [scale] [l2] in that order with the noise's draws described
-    (`chain.noise_source`), a ball or no projection, a plain `LogisticRegression`, backend auto or numba."""
+    `IndexedBatches` of width 1), transforms [noise or masked_noise] [scale] [l2] in that order with the noise's
+    draws described (`chain.noise_source`), a ball or no projection, a plain `LogisticRegression` (or `MLP` where
+    the chain allows it, `chain.mlp_kernel`), backend auto or numba."""
     batches = chain.batches
     if (chain.backend == "numpy" or chain.examples_per_step != 1 or not isinstance(batches, IndexedBatches)
             or batches.full or batches.X.dtype != np.float64 or theta.dtype != np.float64):
         return False
     ops = chain.ops()
     kinds = [op[0] for op in ops] if ops is not None else ["opaque"]
-    if kinds not in ([], ["l2"], ["scale"], ["scale", "l2"], ["noise"], ["noise", "l2"], ["noise", "scale"],
-                     ["noise", "scale", "l2"]) or ("noise" in kinds and chain.noise_source is None):
+    noise = [k for k in kinds if k in ("noise", "masked_noise")]
+    if kinds != [*noise[:1], *(k for k in ("scale", "l2") if k in kinds)] or (noise and chain.noise_source is None):
         return False
     try:
         chain.ball_radius()
     except ValueError:
         return False
-    return select_backend(chain.backend, model, 1) == "numba"
+    return select_backend(chain.backend, model, 1, mlp=chain.mlp_kernel) == "numba"
 
 
 def run_single_example(model, chain, theta: np.ndarray, steps: int) -> np.ndarray:
     """`steps` steps of a chain that `single_example_applies` to, in the kernel: the same indices (the chain's
-    batches, `take`n) and the same noise numbers (drawn from `chain.noise_source` as the transform draws them)."""
+    batches, `take`n) and the same noise numbers (drawn from `chain.noise_source` as the transform draws them), on
+    the steps its noise mask (masked_noise) says."""
     ops = {op[0]: op[1:] for op in chain.ops()}
+    noise_op = ops.get("noise", ops.get("masked_noise"))
     batches, source = chain.batches, chain.noise_source
     noise, generators = None, None
-    if "noise" in ops and source.draw is not None:
+    if noise_op is not None and source.draw is not None:
         noise = block_draws(source.streams, source.purpose, source.draw)
-    elif "noise" in ops:  # standard normals: drawn inside the kernel from the same generators, in the same order
-        generators = source.streams.generators(source.purpose)
-
-    def indices() -> Iterator[np.ndarray]:
-        while True:
-            yield batches.take(BLOCK_STEPS)[:, :, 0]
-
-    return single_example_sgd(theta, batches.X, batches.y, indices(), steps, chain.schedule, clip=chain.clip,
-                              l2=float(ops["l2"][0] or 0.0) if "l2" in ops else 0.0, radius=chain.ball_radius(),
-                              noise=noise, noise_std=float(ops["noise"][0]) if "noise" in ops else 0.0,
+    elif noise_op is not None:  # standard normals: drawn inside the kernel from the same generators, in the same order
+        generators = source.generators()
+    return single_example_sgd(theta, batches.X, batches.y, lambda m: batches.take(m)[:, :, 0], steps, chain.schedule,
+                              clip=chain.clip, l2=float(ops["l2"][0] or 0.0) if "l2" in ops else 0.0,
+                              radius=chain.ball_radius(), noise=noise,
+                              noise_std=float(noise_op[0]) if noise_op is not None else 0.0,
                               batch_scale=float(ops["scale"][0]) if "scale" in ops else 1.0,
                               checkpoints=chain.checkpoints, model=model, noise_generators=generators,
+                              noise_mask=ops["masked_noise"][2] if "masked_noise" in ops else None,
                               x_norm=batches.x_norm)
 
 

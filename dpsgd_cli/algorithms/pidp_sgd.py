@@ -96,21 +96,24 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterator, Literal, Optional, Union
+from typing import Iterator, Literal, Optional, Union
 
 import numpy as np
+from numpy.typing import ArrayLike
 from pydantic import BaseModel, ConfigDict, Field
 from scipy.special import expit, ndtr
 
 from dpsgd_cli.algorithms import kernels
 from dpsgd_cli.algorithms.base import Algorithm, Outcome, Setting
 from dpsgd_cli.algorithms.bassily import calibrate_bassily
-from dpsgd_cli.algorithms.chain import (Checkpoints, GradientChain, Transform, add_l2, constant, project_to_ball,
-                                        project_to_box, scale)
-from dpsgd_cli.algorithms.sampling import gather, poisson_batches, row_norms
+from dpsgd_cli.algorithms.chain import (Checkpoints, GradientChain, NoiseSource, Projection, add_l2, constant,
+                                        masked_noise, project_to_ball, project_to_box, scale)
+from dpsgd_cli.algorithms.sampling import fixed_batches, poisson_batches, uniform_examples
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import MLP, Batch, Model
+from dpsgd_cli.models.logreg import LogisticRegression, clipped_residual, logistic_residual
+from dpsgd_cli.models.rows import cached_row_norms
 from dpsgd_cli.privacy.accounting import calibrate_sigma
 from dpsgd_cli.privacy.mechanisms import advanced_composition_epsilon_per_step
 
@@ -122,6 +125,7 @@ GRADIENT_CLIP = 1.0  # G: every per-example gradient is clipped to it (= model.l
 # `influence: full` builds the dense P × P Hessian from P Hessian–vector products (cost ≈ P full-data passes, plus
 # n·P² per round for H⁻¹∇ℓ of every example): refused above this many parameters (use `output_layer`).
 FULL_INFLUENCE_MAX_PARAMS = 3000
+Num = Union[float, np.ndarray]  # a number, or one per replica
 _BLOCK_ELEMENTS = 1 << 21  # numbers per (R, chunk, P) temporary of the dense Hessian / per-example gradients
 
 
@@ -155,8 +159,8 @@ class PIDPSGDParams(BaseModel):
                             f"F, P ≤ {FULL_INFLUENCE_MAX_PARAMS}), output_layer (mlp: (w₂, b₂) only, Koh & Liang "
                             "2017; a deviation), auto (full for logreg and small networks, else output_layer)")
     backend: kernels.Backend = Field(
-        "auto", description="sampling single, logreg: the numba kernel (auto: when numba is installed) or numpy; "
-                            "same result")
+        "auto", description="sampling single (logreg, mlp): the numba single-example kernel (auto: when numba is "
+                            "installed) or numpy; same result")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -170,7 +174,7 @@ def contribution_sigma(G: float, rounds: int, delta_2: float, n: int, zeta: floa
     return c_prime * G * rounds * math.sqrt(math.log(1.25 * rounds / delta_2)) / (n * zeta * epsilon_2)
 
 
-def influence_error_bound(L: float, G: float, C: float, zeta: float, n: int) -> float:
+def influence_error_bound(L: Num, G: Num, C: Num, zeta: float, n: int) -> Num:
     """E = (2LG + CG²/ζ) / (ζ² n²) (Kang et al., Theorem 4): L smoothness, G Lipschitz, C Hessian-Lipschitz."""
     return (2.0 * L * G + C * G**2 / zeta) / (zeta**2 * n**2)
 
@@ -191,7 +195,7 @@ def paper_two_stage_test(c: np.ndarray, radius: float, epsilon_1: float, delta_1
     return bool(np.all(np.log(a / (a - k * np.sign(c) * c)) <= 2.0 * epsilon_1))
 
 
-def _interval_probability(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+def _interval_probability(lo: ArrayLike, hi: ArrayLike) -> np.ndarray:
     """P(lo ≤ Z ≤ hi), Z ~ N(0, 1), without cancellation in the upper tail."""
     lo, hi = np.asarray(lo, dtype=float), np.asarray(hi, dtype=float)
     return np.where(lo > 0, ndtr(-lo) - ndtr(-hi), ndtr(hi) - ndtr(lo))
@@ -287,14 +291,6 @@ def symmetric_inverse(H: np.ndarray) -> np.ndarray:
     """H⁻¹ for every replica (one solve against I), made exactly symmetric (`influence_norms` relies on it)."""
     H_inv = np.linalg.solve(H, np.broadcast_to(np.eye(H.shape[-1]), H.shape))
     return 0.5 * (H_inv + np.swapaxes(H_inv, 1, 2))
-
-
-def clipped_residuals(theta: np.ndarray, X: np.ndarray, y: np.ndarray, x_norm: np.ndarray, G: float) -> np.ndarray:
-    """a_i with clip_G(∇ℓ(θ; x_i, y_i)) = a_i x_i: (R, n) (∇ℓ = −y σ(−y θ·x) x, clipped to norm ≤ G).
-    X shared (n, d) or per replica (R, n, d) (then x_norm is (R, n))."""
-    residual = -y * expit(-y * _margins(theta, X))
-    norm = np.abs(residual) * x_norm
-    return residual * G / np.maximum(norm, G)
 
 
 def noised_norms(c_norm: np.ndarray, sigma_c: float, d: int, generators: list[np.random.Generator]) -> np.ndarray:
@@ -405,11 +401,11 @@ class RoundInfluence:
         if self.kind == "full" and isinstance(self.model, MLP):
             g = per_example_clipped_gradients(self.model, at, X, y, x_norm, self.G)
             return np.matmul(g, H_inv) / self.n
-        if self.kind == "output_layer":
+        if self.kind == "output_layer" and isinstance(self.model, MLP):
             F = output_features(self.model, at, X)  # (R', k, h + 1)
-            a = clipped_residuals(w, F, y, np.sqrt(np.einsum("rmd,rmd->rm", F, F)), self.G)
+            a = clipped_residual(logistic_residual(_margins(w, F), y), np.sqrt(np.einsum("rmd,rmd->rm", F, F)), self.G)
             return a[..., None] * np.matmul(F, H_inv) / self.n
-        a = clipped_residuals(w, X, y, x_norm, self.G)  # logistic regression
+        a = clipped_residual(logistic_residual(_margins(w, X), y), x_norm, self.G)  # logistic regression
         return a[..., None] * np.matmul(X[None], H_inv) / self.n
 
     def blocks(self, X: np.ndarray, y: np.ndarray, x_norm: np.ndarray,
@@ -426,24 +422,30 @@ class RoundInfluence:
         return out
 
 
+def _finite(theta: np.ndarray) -> np.ndarray:
+    """θ with each diverged replica (a non-finite entry) at 0: the round's computations stay finite for the others."""
+    return np.where(np.isfinite(theta).all(axis=1, keepdims=True), theta, 0.0)
+
+
 def round_influence(influence: str, model: Model | None, theta: np.ndarray, X: np.ndarray, y: np.ndarray,
                     x_norm: np.ndarray, l2: float, zeta: float, G: float) -> RoundInfluence:
     """The Hessian at the global model θ (R, P) for `influence` ∈ {full, output_layer}, damped and inverted once
     (line 5). A diverged replica (non-finite θ) is evaluated at 0 and stays NaN; the others are unaffected."""
-    at = np.where(np.isfinite(theta).all(axis=1, keepdims=True), theta, 0.0)
+    at = _finite(theta)
     n = X.shape[0]
     if influence == "full" and (model is None or model.name == "logreg"):
         H, was_damped = damped(logreg_hessian(at, X, y, l2), l2, zeta)
         return RoundInfluence("full", model, at, at, symmetric_inverse(H), n, G, was_damped)
-    if influence == "full":
+    if influence == "full" and model is not None:
         H, shift, mu = damped_by_spectrum(dense_hessian(model, at, X, y), zeta)
         return RoundInfluence("full", model, at, at, symmetric_inverse(H), n, G, shift > 0, shift, mu)
-    if influence == "output_layer":
-        w = output_layer_params(model, at)
-        H, was_damped = damped(logreg_hessian(w, X, y, l2, features=lambda rows: output_features(model, at, rows)),
+    if influence == "output_layer" and isinstance(model, MLP):
+        mlp = model
+        w = output_layer_params(mlp, at)
+        H, was_damped = damped(logreg_hessian(w, X, y, l2, features=lambda rows: output_features(mlp, at, rows)),
                                l2, zeta)
         return RoundInfluence("output_layer", model, at, w, symmetric_inverse(H), n, G, was_damped)
-    raise ValueError(f"unknown influence {influence!r}")
+    raise ValueError(f"influence {influence!r} is not defined for model {getattr(model, 'name', model)!r}")
 
 
 def with_error(v: np.ndarray, E) -> np.ndarray:
@@ -495,14 +497,18 @@ def step_noiseless(inf: RoundInfluence, rule: DecisionRule, E, X: np.ndarray, y:
     return out
 
 
+def _no_hessian(model_name) -> UserError:
+    return UserError(f"pidp_sgd needs the loss's Hessian: implemented for logreg and mlp; got model {model_name!r}: "
+                     f"use models: [logreg] or [mlp]")
+
+
 def resolve_influence(requested: str, model: Model) -> str:
     """`influence` as run: logreg → full (its only layer is its output layer); mlp: auto → full when
     P ≤ FULL_INFLUENCE_MAX_PARAMS else output_layer; full above the cap is refused."""
     if model.name == "logreg":
         return "full"
     if not isinstance(model, MLP):
-        raise UserError(f"pidp_sgd needs the loss's Hessian: implemented for logreg and mlp; got model "
-                        f"{getattr(model, 'name', model)!r}: use models: [logreg] or [mlp]")
+        raise _no_hessian(getattr(model, "name", model))
     P = model.n_params
     if requested == "auto":
         return "full" if P <= FULL_INFLUENCE_MAX_PARAMS else "output_layer"
@@ -525,7 +531,7 @@ class ErrorConstants:
     L: float | np.ndarray | None
     C: float | np.ndarray | None
     A: np.ndarray | None = None
-    E_unclipped: np.ndarray | None = None  # E with G = A, the Lipschitz constant of the unclipped output loss
+    E_unclipped: float | np.ndarray | None = None  # E with G = A, the Lipschitz constant of the unclipped output loss
 
 
 def error_constants(influence: str, model: Model, theta: np.ndarray, G: float, zeta: float, n: int) -> ErrorConstants:
@@ -533,14 +539,15 @@ def error_constants(influence: str, model: Model, theta: np.ndarray, G: float, z
     Hessian): E = 0. mlp, output_layer: ℓ as a function of (w₂, b₂) is logistic regression on ã with ‖ã‖ ≤ A
     (`output_feature_bound`), so L = A²/4 and C = max|σ''| A³; G is the clip bound (the test's gradients are
     clipped to it), E_unclipped uses G = A (the unclipped loss is A-Lipschitz)."""
-    if model.name == "logreg":
+    if isinstance(model, LogisticRegression):
         L, C = model.smoothness(1.0), MAX_ABS_SIGMOID_2ND
         return ErrorConstants(influence_error_bound(L, G, C, zeta, n), L, C)
-    if influence == "full":
+    if influence == "full" or not isinstance(model, MLP):
         return ErrorConstants(0.0, None, None)
-    A = output_feature_bound(model, np.where(np.isfinite(theta).all(axis=1, keepdims=True), theta, 0.0))
-    L, C = A**2 / 4.0, MAX_ABS_SIGMOID_2ND * A**3
-    return ErrorConstants(influence_error_bound(L, G, C, zeta, n), L, C, A, influence_error_bound(L, A, C, zeta, n))
+    A = output_feature_bound(model, _finite(theta))
+    L_A, C_A = A**2 / 4.0, MAX_ABS_SIGMOID_2ND * A**3
+    return ErrorConstants(influence_error_bound(L_A, G, C_A, zeta, n), L_A, C_A, A,
+                          influence_error_bound(L_A, A, C_A, zeta, n))
 
 
 def _per_replica(values: list, reduce) -> float | list | None:
@@ -587,17 +594,6 @@ PRIVACY_NOTES = {
                     "(‖ã‖ ≤ A, L = A²/4, C = max|σ''|A³, G = the clip), not for the network",
 }
 
-def indexed_poisson_batches(X: np.ndarray, y: np.ndarray, q: float,
-                            streams: ReplicaStreams) -> Iterator[tuple[np.ndarray, Batch]]:
-    """The batches of `poisson_batches` (same draws, so the same batches as `dp_sgd` for a seed) with their
-    example indices (R, M), −1 on padding. Runs the shared sampler on the column of row indices."""
-    n = X.shape[0]
-    x_norm = row_norms(X)
-    for b in poisson_batches(np.arange(n, dtype=float)[:, None], y, q, streams):
-        idx = np.where(b.weight > 0, b.X[..., 0], -1).astype(np.int64)
-        yield idx, gather(X, y, x_norm, idx)
-
-
 # ------------------------------------------------------------------------------------------------
 # Noise of the noisy steps
 # ------------------------------------------------------------------------------------------------
@@ -619,9 +615,7 @@ def calibrate_single_steps(epsilon_1: float, delta_1: float, n: int, steps: int,
     """One uniformly drawn example per step, replace-one neighbours (the paper's relation, Remark 6): the noise
     std s on the clipped gradient (sensitivity 2G) for (ε₁, δ₁) over T steps (`bassily.calibrate_bassily`, the
     same mechanism). auto: RDP, or PLD where no σ reaches ε₁ under RDP's conversion."""
-    if accountant == "composition":
-        raise UserError("pidp_sgd: accountant: composition is for sampling: poisson; use auto, rdp or pld")
-    try:
+    try:  # accountant composition is refused by `PIDPSGD.check`
         priv = calibrate_bassily(float(epsilon_1), float(delta_1), int(n), int(steps), float(G),
                                  "pld" if accountant == "pld" else "rdp")
     except UserError:
@@ -656,27 +650,12 @@ def calibrate_noisy_steps(epsilon_1: float, delta_1: float, q: float, steps: int
 # ------------------------------------------------------------------------------------------------
 
 
-class _OffsetCheckpoints:
-    """Checkpoints of a chain run that starts after `offset` examples (a round's chain counts from 0)."""
-
-    def __init__(self, inner: Checkpoints, offset: int):
-        self.inner, self.offset, self.every = inner, offset, inner.every
-
-    def maybe_record(self, model, theta, before, after):
-        self.inner.maybe_record(model, theta, before + self.offset, after + self.offset)
-
-
-def masked_noise(std: float, draws: Iterator[np.ndarray], noiseless: Iterator[np.ndarray]) -> Transform:
-    """g + std·z on the replicas whose step is noisy; z is drawn on every step (so the noise stream does not
-    depend on the decisions)."""
-    return lambda g, theta: g + np.where(next(noiseless), 0.0, std)[:, None] * next(draws)
-
-
-def single_example_batches(X: np.ndarray, y: np.ndarray, x_norm: np.ndarray, idx: np.ndarray) -> Iterator[Batch]:
-    """Batch t holds example idx[t, r] for replica r (idx (T, R))."""
-    ones = np.ones((idx.shape[1], 1))
-    for row in idx:
-        yield Batch(X=X[row][:, None, :], y=y[row][:, None], weight=ones, x_norm=x_norm[row][:, None])
+def round_noiseless(eligible: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """`contribution_noise: per_round`: step t of replica r is noiseless iff its batch idx[t, r] (−1 padded) is
+    non-empty and each of its examples passed the round's test `eligible` (R, n): (T, R) bool."""
+    valid = idx >= 0
+    passed = np.where(valid, eligible[np.arange(idx.shape[1])[:, None], np.maximum(idx, 0)], True)
+    return np.logical_and(passed.all(axis=2), valid.any(axis=2))
 
 
 class PIDPSGD(Algorithm):
@@ -694,13 +673,13 @@ class PIDPSGD(Algorithm):
     own_analysis = ("Kang et al.'s analysis of Algorithm 1: (ε₁, δ₁) for the noisy steps, (ε₂, δ₂) for the private "
                     "influence test, with the labelled deviations of the module docstring")
 
-    def native_neighbours(self) -> str:
+    def native_neighbours(self) -> Literal["add_remove", "replace_one"]:
         """Replace-one for one example per step (Remark 6); add/remove for the Poisson variant (dp_sgd's σ)."""
         return "add_remove" if self.params.sampling == "poisson" else "replace_one"
 
     def schedule(self, setting: Setting) -> tuple[int, int]:
         """(R, T_local)."""
-        rounds = self.params.rounds or max(1, round(setting.epochs))
+        rounds = self.params.rounds or max(1, round(setting.required.epochs))
         local = self.params.local_steps or max(1, round(setting.steps / rounds))
         return rounds, local
 
@@ -726,10 +705,9 @@ class PIDPSGD(Algorithm):
         return "; ".join(out)
 
     def check(self, setting: Setting, model_name: str = "") -> None:
-        p, n, B = self.params, setting.n, setting.batch_size
+        p, n, B = self.params, setting.n, setting.required.batch_size
         if model_name and model_name not in ("logreg", "mlp"):
-            raise UserError(f"pidp_sgd needs the loss's Hessian: implemented for logreg and mlp; got model "
-                            f"{model_name!r}: use models: [logreg] or [mlp]")
+            raise _no_hessian(model_name)
         if p.sampling == "single" and B != 1:
             raise UserError(f"pidp_sgd: sampling: single (Algorithm 1 line 6: one example per step) needs "
                             f"batch_size 1, got {B}: give pidp_sgd batch_size: [1], or sampling: poisson "
@@ -745,48 +723,57 @@ class PIDPSGD(Algorithm):
         p = self.params
         influence = resolve_influence(p.influence, model)
         self.check(setting, model.name)
-        n, B = setting.n, setting.batch_size
+        n, B, epsilon = setting.n, setting.required.batch_size, setting.required.epsilon
         rounds, local = self.schedule(setting)
         steps = rounds * local
-        eps_1, eps_2 = EPSILON_1_SHARE * setting.epsilon, (1 - EPSILON_1_SHARE) * setting.epsilon
+        eps_1, eps_2 = EPSILON_1_SHARE * epsilon, (1 - EPSILON_1_SHARE) * epsilon
         delta_1 = delta_2 = setting.delta / 2
         G = GRADIENT_CLIP
         sigma_c = contribution_sigma(G, rounds, delta_2, n, p.zeta, eps_2)
         tau = coordinate_threshold(p.radius, eps_1, delta_1)
         rule = DecisionRule(p.rule, sigma_c, tau if p.rule == "coordinate" else p.radius)
-        if p.sampling == "single":
-            cal = calibrate_single_steps(eps_1, delta_1, n, steps, G, p.accountant)
-        else:
-            cal = calibrate_noisy_steps(eps_1, delta_1, setting.sample_rate, steps, p.accountant)
+        single = p.sampling == "single"
+        cal = (calibrate_single_steps(eps_1, delta_1, n, steps, G, p.accountant) if single
+               else calibrate_noisy_steps(eps_1, delta_1, setting.sample_rate, steps, p.accountant))
 
-        x_norm = row_norms(X)
+        x_norm = cached_row_norms(X)
         test_gens = [g.spawn(1)[0] for g in streams.generators("noise")]  # independent of the step noise
         ckpt = Checkpoints(setting.trace_every, X, y) if setting.trace_every else None
-        compiled = p.sampling == "single" and p.project != "box"  # the kernel projects onto a ball only
-        backend = kernels.select_backend(p.backend, model, 1, mlp=True) if compiled else "numpy"
-        if backend == "numba" and ckpt is not None and local % ckpt.every:
-            backend = "numpy"  # the kernel's checkpoints are aligned to its call (module kernels)
-        step = (self._single_steps(setting, model, X, y, x_norm, streams, cal, rule, backend, test_gens)
-                if p.sampling == "single" else self._poisson_steps(setting, model, X, y, streams, cal))
+        sampler = uniform_examples(X, y, streams) if single else poisson_batches(X, y, setting.sample_rate, streams)
+        # the step noise: one stream for the whole run, continued by every round's chain on either backend
+        draws = streams.normal("noise", (model.n_params,))
+        source = NoiseSource(streams, "noise", (model.n_params,))
+        backend = self.backend(model, local, ckpt)
         noiseless = np.zeros(streams.replicas)
-        eligible_share, rounds_info = [], []
+        eligible_share, rounds_info, ran_on = [], [], backend
         theta = model.init(streams.generators("init"))
         for k in range(rounds):
             constants = error_constants(influence, model, theta, G, p.zeta, n)
             inf = round_influence(influence, model, theta, X, y, x_norm, setting.l2, p.zeta, G)
-            eligible = (round_eligible(inf, rule, constants.E, X, y, x_norm, test_gens)
-                        if p.contribution_noise == "per_round" else None)
             rounds_info.append((inf, constants))
-            if eligible is not None:
+            idx = (np.broadcast_to(np.arange(n), (local, streams.replicas, n)) if sampler.full  # q = 1
+                   else sampler.take(local))  # (T_local, R, M), −1 padded: the round's batches
+            if p.contribution_noise == "per_round":
+                eligible = round_eligible(inf, rule, constants.E, X, y, x_norm, test_gens)
                 eligible_share.append(eligible.mean(axis=1))
-            offset = _OffsetCheckpoints(ckpt, round(k * local * B)) if ckpt else None
-            theta, skipped = step(theta, local, inf, constants.E, eligible, offset)
-            noiseless += skipped
+                quiet = round_noiseless(eligible, idx)
+            else:
+                quiet = step_noiseless(inf, rule, constants.E, X, y, x_norm, idx[:, :, 0], test_gens)
+            chain = GradientChain(
+                batches=fixed_batches(X, y, idx, trim=not single), clip=G,
+                transforms=[masked_noise(cal.std, draws, ~quiet), *([] if single else [scale(1.0 / B)]),
+                            add_l2(setting.l2)],
+                schedule=constant(setting.required.lr), project=self._projection(),
+                checkpoints=ckpt.shifted(round(k * local * B)) if ckpt else None, examples_per_step=B,
+                backend=backend, noise_source=source, mlp_kernel=True)
+            theta = chain.run(model, theta, local)
+            ran_on = chain.ran_on or backend
+            noiseless += quiet.sum(axis=0)
 
         fraction = noiseless / steps
         p_step = self.skip_bound(rule, rounds_info[0][0].dim, rounds_info, setting, rounds, eps_2)
         guarantee, delta_cert = (f"none: {cal.note}", float("nan")) if not cal.valid else \
-            tv_guarantee(setting.epsilon, setting.delta, eps_1, steps, p_step)
+            tv_guarantee(epsilon, setting.delta, eps_1, steps, p_step)
         derived = {
             "steps": steps, "sample_rate": setting.sample_rate, "sigma": cal.multiplier,
             "epsilon_achieved": cal.epsilon + eps_2, "accountant": cal.accountant, "accountant_library": cal.library,
@@ -796,7 +783,7 @@ class PIDPSGD(Algorithm):
             "threshold": rule.threshold, "sampling": p.sampling, "contribution_noise": p.contribution_noise,
             "influence": influence, "influence_dim": rounds_info[0][0].dim,
             "lipschitz_G": G, **round_summary(rounds_info),
-            "zeta": p.zeta, "radius": p.radius, "backend": backend,
+            "zeta": p.zeta, "radius": p.radius, "backend": ran_on,
             "skip_probability_bound": p_step, "delta_certified": delta_cert,
             "noiseless_fraction": [float(f) for f in fraction],
             "noiseless_fraction_mean": float(fraction.mean()),
@@ -822,70 +809,16 @@ class PIDPSGD(Algorithm):
             bounds.append(skip_probability_bound(rule.rule, dim, sigma_c, rule.threshold, E * scale_n**2))
         return max(bounds)
 
-    def _projection(self) -> Optional[Callable[[np.ndarray], np.ndarray]]:
+    def backend(self, model: Model, local: int, ckpt: Optional[Checkpoints]) -> str:
+        """The chains' backend: the single-example kernel (`kernels.single_example_applies`: one example per step,
+        no box projection) where `select_backend` gives it, else NumPy. Also NumPy when a round is not a whole
+        number of `trace_every` periods: those runs were made on NumPy, and the backends agree up to rounding only."""
+        p = self.params
+        if p.sampling != "single" or p.project == "box":
+            return "numpy"
+        backend = kernels.select_backend(p.backend, model, 1, mlp=True)
+        return "numpy" if ckpt is not None and local % ckpt.every else backend
+
+    def _projection(self) -> Optional[Projection]:
         p = self.params
         return project_to_box(p.radius) if p.project == "box" else project_to_ball(p.radius) if p.project else None
-
-    def _single_steps(self, setting, model, X, y, x_norm, streams, cal, rule, backend, test_gens) -> Callable:
-        """One uniformly drawn example per step (lines 6-15), NumPy chain or numba kernel on the same draws."""
-        p = self.params
-        index_reader = kernels._Reader(kernels.uniform_example_index_blocks(setting.n, streams))
-        if backend == "numba":  # the kernel draws the step noise from these generators: the NumPy draws, in order
-            noise_gens = streams.generators("noise")
-        else:
-            draws = streams.normal("noise", (model.n_params,))
-
-        def run(theta, local, inf, E, eligible, checkpoints):
-            idx = np.ascontiguousarray(index_reader.take(local), dtype=np.int64)  # (T_local, R)
-            if eligible is not None:
-                quiet = eligible[np.arange(idx.shape[1])[None, :], idx]
-            else:
-                quiet = step_noiseless(inf, rule, E, X, y, x_norm, idx, test_gens)
-            if backend == "numba":
-                theta = kernels.single_example_sgd(
-                    theta, X, y, iter([idx]), local, constant(setting.lr), clip=GRADIENT_CLIP, l2=setting.l2,
-                    radius=p.radius if p.project is True else None, noise_generators=noise_gens,
-                    noise_std=cal.std, noise_mask=~quiet, checkpoints=checkpoints, model=model)
-            else:
-                chain = GradientChain(
-                    batches=single_example_batches(X, y, x_norm, idx), clip=GRADIENT_CLIP,
-                    transforms=[masked_noise(cal.std, draws, iter(quiet)), add_l2(setting.l2)],
-                    schedule=constant(setting.lr), project=self._projection(),
-                    checkpoints=checkpoints, examples_per_step=1)
-                theta = chain.run(model, theta, local)
-            return theta, quiet.sum(axis=0)
-
-        return run
-
-    def _poisson_steps(self, setting, model, X, y, streams, cal) -> Callable:
-        """Poisson mini-batches (non-paper variant): noiseless iff the batch is non-empty and all its examples
-        passed their round's test."""
-        B = setting.batch_size
-        batches = indexed_poisson_batches(X, y, setting.sample_rate, streams)
-        draws = streams.normal("noise", (model.n_params,))
-        rows = np.arange(streams.replicas)[:, None]
-        state: dict = {}
-
-        def tracked() -> Iterator[Batch]:
-            for idx, batch in batches:
-                passed = np.where(idx >= 0, state["eligible"][rows, np.maximum(idx, 0)], True).all(axis=1)
-                quiet = passed & (idx >= 0).any(axis=1)
-                state["skipped"] += quiet
-                state["quiet"] = quiet
-                yield batch
-
-        def quiet_flags() -> Iterator[np.ndarray]:
-            while True:
-                yield state["quiet"]
-
-        def run(theta, local, inf, E, eligible, checkpoints):
-            state.update(eligible=eligible, skipped=np.zeros(streams.replicas))
-            chain = GradientChain(
-                batches=tracked(), clip=GRADIENT_CLIP,
-                transforms=[masked_noise(cal.std, draws, quiet_flags()), scale(1.0 / B), add_l2(setting.l2)],
-                schedule=constant(setting.lr), project=self._projection(),
-                checkpoints=checkpoints, examples_per_step=B)
-            theta = chain.run(model, theta, local)
-            return theta, state["skipped"]
-
-        return run

@@ -5,13 +5,13 @@ from __future__ import annotations
 import functools
 import math
 from collections import deque
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Literal, Optional
 
 import numpy as np
 
 from dpsgd_cli.algorithms.streams import BLOCK_STEPS, ReplicaStreams
 from dpsgd_cli.models import Batch
-from dpsgd_cli.models.rows import RowNonzeros, cached_nonzeros, cached_row_norms, gather, row_norms
+from dpsgd_cli.models.rows import RowNonzeros, cached_nonzeros, cached_row_norms, gather
 
 
 def poisson_indices(g: np.random.Generator, n: int, q: float, steps: int, width: int) -> np.ndarray:
@@ -108,8 +108,12 @@ class IndexedBatches:
                  trim: bool = False):
         self.X, self.y, self.replicas = X, y, replicas
         self.full = blocks is None
-        self._blocks, self._block, self._pos, self._trim = blocks, None, 0, trim
-        self._x_norm, self._full, self._nonzeros = None, None, False
+        self._blocks: Iterator[np.ndarray] = iter(()) if blocks is None else blocks
+        self._block: np.ndarray = np.empty((0, replicas, 0), dtype=np.int64)  # the current block, read from _pos
+        self._pos, self._trim = 0, trim
+        self._x_norm: Optional[np.ndarray] = None
+        self._full: Optional[Batch] = None
+        self._nonzeros: Optional[RowNonzeros] | Literal[False] = False  # False: not looked up yet
         self.taps: list[deque] = []  # queues that receive a copy of every `take` (see `replay`)
 
     @property
@@ -136,7 +140,7 @@ class IndexedBatches:
                                    weight=np.ones((R, n), dtype=self.X.dtype),
                                    x_norm=np.broadcast_to(self.x_norm, (R, n)))
             return self._full
-        if self._block is None or self._pos == len(self._block):
+        if self._pos == len(self._block):
             self._block, self._pos = next(self._blocks), 0
         idx = self._block[self._pos]  # (R, M)
         self._pos += 1
@@ -150,7 +154,7 @@ class IndexedBatches:
             raise ValueError("the full batch has no indices to take")
         parts, have = [], 0
         while have < m:
-            if self._block is None or self._pos == len(self._block):
+            if self._pos == len(self._block):
                 self._block, self._pos = next(self._blocks), 0
             part = self._block[self._pos:self._pos + m - have]
             self._pos += len(part)
@@ -182,13 +186,24 @@ class IndexedBatches:
         return IndexedBatches(self.X, self.y, blocks(), self.replicas, trim=self._trim)
 
 
-def uniform_examples(X: np.ndarray, y: np.ndarray, streams: ReplicaStreams, batch_size: int = 1) -> Iterator[Batch]:
-    """`batch_size` examples drawn uniformly with replacement per step (Bassily et al. 2014 use one)."""
+def uniform_examples(X: np.ndarray, y: np.ndarray, streams: ReplicaStreams, batch_size: int = 1) -> IndexedBatches:
+    """`batch_size` examples drawn uniformly with replacement per step (Bassily et al. 2014 and Kang et al. use
+    one), BLOCK_STEPS steps per `integers` call (its buffering depends on the call's size)."""
     n = X.shape[0]
-    x_norm = row_norms(X)
-    draws = streams.per_step("sampling", lambda g, k: g.integers(0, n, size=(k, batch_size)))
-    for idx in draws:
-        yield gather(X, y, x_norm, idx)
+
+    def blocks() -> Iterator[np.ndarray]:  # (K, R, b)
+        gens = streams.generators("sampling")
+        while True:
+            yield np.stack([g.integers(0, n, size=(BLOCK_STEPS, batch_size)) for g in gens], axis=1)
+
+    return IndexedBatches(X, y, blocks(), streams.replicas)
+
+
+def fixed_batches(X: np.ndarray, y: np.ndarray, idx: np.ndarray, trim: bool = False) -> IndexedBatches:
+    """The T batches of the example indices idx (T, R, M), −1 padded (kept indices first; trim: cut each step to
+    its widest replica, as `poisson_batches` does): for a run that reads its steps' indices before it takes them
+    (pidp_sgd's noise decisions)."""
+    return IndexedBatches(X, y, iter([idx]), idx.shape[1], trim=trim)
 
 
 def shuffled_batches(X: np.ndarray, y: np.ndarray, batch_size: int, streams: ReplicaStreams,

@@ -46,12 +46,10 @@ class LogisticRegression(Model):
         return logistic_metrics(theta, X, y)
 
     def data_gradient(self, theta, X, y):
-        residual = -y * expit(-y * self.decision(theta, X))  # (R, n): dℓ/d(θ·x)
-        return residual @ X / X.shape[0]
+        return logistic_residual(self.decision(theta, X), y) @ X / X.shape[0]
 
     def _residual(self, theta: np.ndarray, batch: Batch) -> np.ndarray:
-        margin = batch.y * np.matmul(batch.X, theta[:, :, None])[..., 0]
-        return -batch.y * expit(-margin)
+        return logistic_residual(np.matmul(batch.X, theta[:, :, None])[..., 0], batch.y)
 
     def per_example_grad_norms(self, theta, batch):
         return np.abs(self._residual(theta, batch)) * batch.x_norm
@@ -61,10 +59,9 @@ class LogisticRegression(Model):
         if split is not None:
             return split
         residual = self._residual(theta, batch)
-        scale = batch.weight * residual
-        if clip is not None:
-            norm = np.abs(residual) * batch.x_norm
-            scale = scale * clip / np.maximum(norm, clip)  # = min(1, C/‖g‖), safe at ‖g‖ = 0
+        if clip is None:
+            return np.matmul((batch.weight * residual)[:, None, :], batch.X)[:, 0]
+        scale = clipped_residual(residual, batch.x_norm, clip, batch.weight)
         return np.matmul(scale[:, None, :], batch.X)[:, 0]
 
     def hvp(self, theta, X, y, v):
@@ -72,6 +69,19 @@ class LogisticRegression(Model):
         margin = self.decision(theta, X)  # (R, n)
         weight = expit(margin) * expit(-margin)
         return (weight * (v @ X.T)) @ X / X.shape[0] + self.l2 * v
+
+
+def logistic_residual(margin: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """dℓ/d(θ·x) = −y σ(−y θ·x) of the margins θ·x: ∇ℓ = residual · x."""
+    return -y * expit(-y * margin)
+
+
+def clipped_residual(residual: np.ndarray, x_norm: np.ndarray, clip: float,
+                     weight: Optional[np.ndarray] = None) -> np.ndarray:
+    """(weight ·) residual · min(1, C/‖∇ℓ‖) with ‖∇ℓ‖ = |residual|·‖x‖ (safe at ‖∇ℓ‖ = 0): the clipped gradient
+    (times its weight) is this times x."""
+    scale = residual if weight is None else weight * residual
+    return scale * clip / np.maximum(np.abs(residual) * x_norm, clip)
 
 
 # --- the metrics: mean logistic loss and accuracy of a stack of θs, one pass over the data ---------------------------
