@@ -20,7 +20,9 @@ from dpsgd_cli.cli import app
 from dpsgd_cli.config import load_grid_file
 from dpsgd_cli.engine import execute, plan_grid, runner
 from dpsgd_cli.engine.results import COLUMNS, ResultStore, ResultsWriteError, acquire_lock, release_lock
-from dpsgd_cli.engine.summary import read_results, results_frame, summary_frame
+from dpsgd_cli.engine.results import read_results
+from dpsgd_cli.engine.selection import results_frame
+from dpsgd_cli.engine.summary import summary_frame
 from dpsgd_cli.errors import UserError
 
 GRID = """

@@ -234,7 +234,7 @@ def _yaml(text: str) -> dict:
 
 def test_plots_and_claims_read_the_chosen_runs(run_grid):
     from dpsgd_cli.config import ClaimSpec
-    from dpsgd_cli.engine.summary import results_frame
+    from dpsgd_cli.engine.selection import results_frame
     from dpsgd_cli.report import claim_frame
 
     run_grid(GRID + "validation: 0.1\nselect: [{candidates: [lr]}, "

@@ -16,7 +16,7 @@ from dpsgd_cli.analytic_params import PrivacyCurveParams, bounds
 from dpsgd_cli.config import load_grid_file
 from dpsgd_cli.engine import checks
 from dpsgd_cli.engine.results import COLUMNS
-from dpsgd_cli.engine.summary import frame_columns, results_frame
+from dpsgd_cli.engine.selection import frame_columns, results_frame
 
 BASE = """
 grids:

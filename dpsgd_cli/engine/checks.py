@@ -24,7 +24,8 @@ from dpsgd_cli.data.registry import get_entry
 from dpsgd_cli.data.spec import DatasetSpec
 from dpsgd_cli.engine.analytic import ANALYTIC, NOISE_ACCOUNTINGS, NUMERIC_TABLE_COLUMNS, TABLE_COLUMNS
 from dpsgd_cli.engine.results import COLUMNS
-from dpsgd_cli.engine.summary import comparison, frame_columns
+from dpsgd_cli.engine.results import comparison
+from dpsgd_cli.engine.selection import frame_columns
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models.mlp import BLOCK_ELEMENTS as MLP_BLOCK
 from dpsgd_cli.privacy._validate import MEMORY_SHARE, available_memory

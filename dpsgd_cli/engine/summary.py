@@ -13,14 +13,12 @@ from dpsgd_cli.algorithms import ALGORITHMS
 from dpsgd_cli.config import SelectSpec
 from dpsgd_cli.data.files import FileDatasetSpec
 from dpsgd_cli.data.spec import DatasetSpec
-from dpsgd_cli.engine.results import (NUMERIC, comparison, grid_of, option_text, parse_options, read_results,
+from dpsgd_cli.engine.results import (NUMERIC, grid_of, option_text, parse_options, read_results,
                                       varying_label)
-from dpsgd_cli.engine.selection import frame_columns, results_frame, selections, tuned_for
+from dpsgd_cli.engine.selection import selections, tuned_for
 from dpsgd_cli.models import MODELS
 
-# comparison, frame_columns, read_results and results_frame are imported from here by the checks and tests
-__all__ = ["cell_labels", "comparison", "fixed_options", "frame_columns", "read_results", "results_frame",
-           "summary_frame", "summary_metrics"]
+__all__ = ["cell_labels", "fixed_options", "summary_frame", "summary_metrics"]
 
 AXES = ["epsilon", "batch_size", "lr", "epochs", "l2", "clip_norm", "dtype"]
 BASE_METRICS = ("test_accuracy", "optimality_gap")
