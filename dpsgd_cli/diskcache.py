@@ -1,11 +1,11 @@
-"""Small JSON entries kept on disk and shared by processes (calibrated σ, the reference optimum L*, bassily2014's
-calibration).
+"""Small JSON entries kept on disk and shared by processes (the calibrations of `dpsgd_cli.privacy.calibration`,
+the reference optimum L*).
 
 An entry is one file named by the sha256 of its key (a JSON-able dict that names everything the value depends
 on) and holds the key beside the value, so a hash collision or a stale file is recognised and ignored, and a
 checksum of both, so that a corrupt entry (a flipped bit, a torn copy) is told apart from a version change: it is
 discarded with one line on stderr. A checksum only detects accidents: whatever a privacy label or a figure rests on
-is also checked against its definition by the caller (`verify` of :func:`on_disk`, :class:`Rejected`). Writes
+is also checked against its definition by the caller (:class:`Rejected`). Writes
 are atomic (temporary file in the same folder + `os.replace`): two processes filling one folder see an old
 entry, a new one or none, never a torn one. Floats are written with `repr` (JSON's default), so a value read
 back is the float that was computed, bit for bit. Everything is best effort: an unreadable folder or entry is
@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import inspect
 import itertools
 import json
 import logging
@@ -26,7 +25,7 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 CACHE_DIR_ENV = "DPSGD_CACHE_DIR"
 
@@ -157,41 +156,3 @@ def _write_now(folder: Path, key: dict, field: str, value: Any) -> None:
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-
-
-def on_disk(name: str, versions: dict[str, Any], encode: Callable[[Any], Any] = lambda v: v,
-            decode: Callable[[Any], Any] = lambda v: v, verify: Callable[..., Any] | None = None) -> Callable:
-    """Decorator: keep a deterministic function's results in the folder `name`, keyed by the function, the repr of
-    its arguments (bound to its signature, defaults applied; floats: shortest round trip) and `versions` (code and
-    library versions that could change the value). `encode` makes the value JSON-able, `decode` rebuilds it
-    (raising TypeError, ValueError or KeyError for an entry that does not fit: then it is recomputed).
-    `verify(value, *args, **kwargs)` checks a value read back against what defines it and returns the value to use
-    (e.g. with its ε recomputed), or raises :class:`Rejected`: the entry is discarded with one line and recomputed.
-    Exceptions are not cached."""
-
-    def wrap(fn: Callable) -> Callable:
-        signature = inspect.signature(fn)
-
-        @functools.wraps(fn)
-        def cached(*args, **kwargs):
-            bound = signature.bind(*args, **kwargs)
-            bound.apply_defaults()
-            key = {"function": f"{fn.__module__}.{fn.__qualname__}",
-                   "args": {k: repr(v) for k, v in bound.arguments.items()}, **versions}
-            folder = cache_folder(name)
-            stored = read_entry(folder, key, "value")
-            if stored is not None:
-                try:
-                    value = decode(stored)
-                    return value if verify is None else verify(value, *args, **kwargs)
-                except Rejected as exc:
-                    discard(folder, key, str(exc))
-                except (TypeError, ValueError, KeyError):
-                    pass
-            value = fn(*args, **kwargs)
-            write_entry(folder, key, "value", encode(value))
-            return value
-
-        return cached
-
-    return wrap

@@ -8,12 +8,13 @@ import pytest
 from scipy import stats
 
 from dpsgd_cli.algorithms import ALGORITHMS, Setting
-from dpsgd_cli.algorithms.bassily import (Bassily2014, calibrate_bassily, chain_bound, closed_form_sigma,
-                                          pld_event, rdp_epsilon, rdp_event, uniform_example_blocks)
+from dpsgd_cli.algorithms.bassily import Bassily2014, uniform_example_blocks
 from dpsgd_cli.algorithms.chain import constant
 from dpsgd_cli.algorithms.sampling import uniform_examples
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.models import make_model
+from dpsgd_cli.privacy.single_example_gaussian import (calibrate_bassily, chain_bound, closed_form_sigma, pld_event,
+                                                       rdp_epsilon, rdp_event)
 
 
 @pytest.fixture(scope="module")

@@ -134,24 +134,25 @@ def test_off_disables_the_disk_cache(cache, monkeypatch):
 
 
 def test_bassily_calibration_is_kept_on_disk_exactly(cache, monkeypatch):
-    from dpsgd_cli.algorithms import bassily
+    from dpsgd_cli.privacy import single_example_gaussian as single
 
     args = (1.0, 1e-5, 500, 500, 1.0, "rdp")
-    cold = bassily.calibrate_bassily(*args)
-    eps = bassily._cached_rdp_epsilon(cold.sigma / 2.0, 500, 500, 1e-5)
-    bassily.calibrate_bassily.cache_clear()
-    bassily._cached_rdp_epsilon.cache_clear()
-    monkeypatch.setattr(bassily, "calibrate", no_lbfgs)  # a warm call must not calibrate again ...
+    cold = single.calibrate_bassily(*args)
+    eps = single.cached_rdp_epsilon(cold.sigma / 2.0, 500, 500, 1e-5)
+    single.calibrate_bassily.cache_clear()
+    single.cached_rdp_epsilon.cache_clear()
+    monkeypatch.setattr(single, "calibrate", no_lbfgs)  # a warm call must not calibrate again ...
     evaluations = []
-    real = bassily.rdp_epsilon
-    monkeypatch.setattr(bassily, "rdp_epsilon", lambda *a: evaluations.append(a) or real(*a))
-    assert bassily.calibrate_bassily(*args, formula="lecture") == cold  # same key with the default spelled out
+    real = single.rdp_epsilon
+    monkeypatch.setattr(single, "rdp_epsilon", lambda *a: evaluations.append(a) or real(*a))
+    assert single.calibrate_bassily(*args, formula="lecture") == cold  # same key with the default spelled out
     assert len(evaluations) == 1  # ... but checks its σ by one evaluation
-    assert bassily._cached_rdp_epsilon(cold.sigma / 2.0, 500, 500, 1e-5) == eps  # in the process only
-    (cache.parent / "bassily2014").joinpath("junk.json").write_text("{")  # a stray file is ignored
-    assert len(list((cache.parent / "bassily2014").glob("*.json"))) == 2
-    bassily.calibrate_bassily.cache_clear()
-    bassily._cached_rdp_epsilon.cache_clear()
+    assert single.cached_rdp_epsilon(cold.sigma / 2.0, 500, 500, 1e-5) == eps  # in the process only
+    folder = cache.parent / "calibration"  # one folder for every calibration
+    folder.joinpath("junk.json").write_text("{")  # a stray file is ignored
+    assert len(list(folder.glob("*.json"))) == 2
+    single.calibrate_bassily.cache_clear()
+    single.cached_rdp_epsilon.cache_clear()
 
 
 def test_deferred_writes_wait_for_the_block_and_are_read_meanwhile(tmp_path):
@@ -306,17 +307,16 @@ def test_a_changed_or_corrupt_reference_optimum_is_discarded_and_recomputed(mode
 
 
 def test_a_tampered_bassily_calibration_is_discarded(cache, monkeypatch, capsys):
-    from dpsgd_cli.algorithms import bassily
+    from dpsgd_cli.privacy import single_example_gaussian as single
 
     args = (1.0, 1e-5, 500, 500, 1.0, "rdp")
-    honest = bassily.calibrate_bassily(*args)
-    folder = cache.parent / "bassily2014"
-    (path,) = folder.glob("*.json")
+    honest = single.calibrate_bassily(*args)
+    (path,) = (cache.parent / "calibration").glob("*.json")
     for edit in (lambda p: {**p, "sigma": p["sigma"] / 4, "details": {**p["details"],
                                                                        "noise_multiplier": p["sigma"] / 8}},
                  lambda p: {**p, "epsilon": 0.1}):
         rewrite(path, edit)
-        bassily.calibrate_bassily.cache_clear()
-        assert bassily.calibrate_bassily(*args) == honest
+        single.calibrate_bassily.cache_clear()
+        assert single.calibrate_bassily(*args) == honest
     assert capsys.readouterr().err.count("discarded the cache entry") == 1  # ε is recomputed, not discarded
-    bassily.calibrate_bassily.cache_clear()
+    single.calibrate_bassily.cache_clear()

@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import optimize, stats
 
+from dpsgd_cli import diskcache
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.privacy import accounting as acc
 from dpsgd_cli.privacy import mechanisms as mech
@@ -271,7 +272,8 @@ def test_calibration_disk_cache_is_bit_identical_shared_and_robust(tmp_path, mon
     for corrupt in ("{not json", '{"key": 1}', files[0].read_text().replace(repr(cold.sigma), "-1.0")):
         files[0].write_text(corrupt)
         again = acc.calibrate_sigma.__wrapped__(*args)  # ignored, recomputed, rewritten
-        assert again == cold and acc._cache_read(tmp_path / "calibration", acc._cache_key(*args[:4], "rdp")) == cold
+        stored = diskcache.read_entry(tmp_path / "calibration", acc._cache_key(*args[:4], "rdp"), "calibration")
+        assert again == cold and acc.Calibration(**stored) == cold
     monkeypatch.setenv(acc.CACHE_DIR_ENV, "off")
     assert acc.calibration_cache_dir() is None and acc.calibrate_sigma.__wrapped__(*args) == cold
 
@@ -336,7 +338,7 @@ def test_sigma_of_a_target_does_not_depend_on_the_other_targets(accountant, monk
     assert acc.calibrate_sigmas(axis[::-1], delta, q, steps, accountant) == [alone[t] for t in axis[::-1]]
     shared = _looks(acc.dpsgd_curve(delta, q, steps, accountant))
     print(f"{accountant}: {cost_alone} evaluations one target at a time, {shared} on one curve")
-    assert shared < cost_alone  # the points of one target predict the next (measured: RDP 32 vs 39, PLD 29 vs 33)
+    assert shared <= cost_alone  # each target's search is its own; points two targets share are evaluated once
     for target, cal in alone.items():
         k = math.log(cal.sigma) / acc.LATTICE_STEP
         assert abs(k - round(k)) < 1e-6 and 0.999 * target <= cal.epsilon <= target
@@ -351,12 +353,14 @@ def test_epsilon_curve_on_known_functions():
         curve = acc.EpsilonCurve(lambda s: (3.0 / s, None))
         point = curve.calibrate(target)
         assert point.sigma == math.exp(math.ceil(math.log(3.0 / target) / h) * h) and point.in_window
-        assert point.evaluations == curve.evaluations <= 12
-    # on a shared curve a second target is cheaper, and the same as alone
+        # doubling steps out from σ = 1 to the bracket, then bisection down to adjacent lattice points
+        assert point.evaluations == curve.evaluations <= 2 * math.log2(abs(math.log(point.sigma)) / h / 64 + 1) + 10
+    # on a shared curve a second target reads the points it shares with the first, and is what it is alone
     curve = acc.EpsilonCurve(lambda s: (3.0 / s, None))
     curve.calibrate(0.5)
-    assert curve.calibrate(0.6).evaluations <= 4
-    assert curve.calibrate(0.6) == acc.EpsilonCurve(lambda s: (3.0 / s, None)).calibrate(0.6)._replace(evaluations=0)
+    alone = acc.EpsilonCurve(lambda s: (3.0 / s, None)).calibrate(0.6)
+    assert curve.calibrate(0.6)._replace(evaluations=0) == alone._replace(evaluations=0)
+    assert curve.calibrate(0.6).evaluations == 0
     # steep (epsilon ~ sigma^-40: one lattice step moves epsilon 1 %): halved steps land in the window
     steep = acc.EpsilonCurve(lambda s: (s**-40.0, None)).calibrate(0.5)
     assert 0.999 * 0.5 <= steep.epsilon <= 0.5 and steep.in_window

@@ -42,7 +42,7 @@ def noise_scale_table(params: dict[str, Any]) -> pd.DataFrame:
     (panel "T"), and over n at fixed T = `steps_fixed` and δ = `delta_fixed` (panel "n": the lecture's "more
     data (larger n) → less noise" is a statement at fixed T and δ). Columns panel, accounting, n, steps, delta,
     sigma, proved (False where the accounting's lemmas do not apply, e.g. per-step ε₀ > 1 for 2qε)."""
-    from dpsgd_cli.algorithms.bassily import calibrate_bassily
+    from dpsgd_cli.privacy.single_example_gaussian import calibrate_bassily
 
     p = NoiseScaleParams.model_validate(params)
     steps_fixed = p.steps_fixed or p.n

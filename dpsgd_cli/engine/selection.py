@@ -30,7 +30,8 @@ from dpsgd_cli.config import SelectSpec
 from dpsgd_cli.engine.results import (COLUMNS, TRACE_COLUMNS, ResultStore, grid_of, line_labels, read_results,
                                       result_folders, with_params)
 from dpsgd_cli.errors import UserError
-from dpsgd_cli.privacy.accounting import calibrate, calibrate_sigma
+from dpsgd_cli.privacy.accounting import calibrate_sigma
+from dpsgd_cli.privacy.calibration import calibrate
 from dpsgd_cli.privacy.tuning import (TUNING_ORDERS, Trials, dpsgd_rdp, liu_talwar_epsilon, score_laplace_scale,
                                       score_sigma, tuned_epsilon)
 

@@ -1,0 +1,327 @@
+"""Accounting of T steps that each add Gaussian noise to the clipped gradient of one example drawn uniformly.
+
+The mechanism of `bassily2014` (Bassily, Smith & Thakurta, FOCS 2014, Algorithm 1) and of `pidp_sgd`'s noisy
+steps: step t draws i_t uniformly from {1..n} (independently across steps) and releases a function of
+clip_l(∇ℓ(θ_t; z_{i_t})) + b_t, b_t ~ N(0, σ² I). Neighbouring datasets differ in one replaced record, so a step's
+L2 sensitivity is 2l; σ is on the mean-objective scale (the noise added to the single-example gradient).
+
+Accountings (`accounting`), each giving σ for a target (ε, δ) with the ε it achieves:
+
+* `closed_form`: σ = 16 · l · √(T ln(2/δ) ln(2.5T/(δn))) / (n ε) (`formula: lecture`; Bellet, lecture 5,
+  "Differentially private SGD: algorithm & privacy guarantees", the only σ in the source texts) or
+  σ = √32 · l · √(T ln(T/(nδ)) ln(1/δ)) / (n ε) (`formula: paper`: Bassily et al.'s σ_P² = 32 L² n² log(n/δ)
+  log(1/δ)/ε² at T = n², divided by n for our scale and generalised to T steps; recalled, NOT verified against the
+  paper, which is not among the sources). ε achieved = the target. "Proved" iff ε ≤ 1 and the chain below
+  (classical Gaussian with ε₀ < 1, tight amplification, advanced composition) certifies ε for that σ: for
+  T = epochs·n ≪ n² it does not (adult, T = 5n: ε₀ ≈ 3ε for the lecture's σ, ≈ 8.7ε for the paper's).
+* `advanced_composition`: per-step Gaussian mechanism (Δ = 2l, δ₀ = nδ/(2T)) → amplification by subsampling with
+  q = 1/n (`tight`: ε₁ = ln(1 + q(e^ε₀ − 1)) with the analytic Gaussian of Balle & Wang 2018, valid for every ε₀;
+  `approx`: the lecture's ε₁ = 2qε₀ with the classical Gaussian, both only for ε₀ ≤ 1) → advanced composition
+  over T steps with δ' = δ/2 (Dwork, Rothblum & Vadhan 2010). The lecture's constant 16 is this chain with
+  δ' = δ/2 and its leading term doubled to absorb the second.
+* `rdp`: dp-accounting's RdpAccountant, REPLACE_ONE, SelfComposed(SampledWithoutReplacement(n, 1,
+  Gaussian(σ/(2l))), T): one example drawn uniformly is a size-1 sample without replacement, so this is the
+  mechanism itself (Wang, Balle & Kasiviswanathan 2019, Thm 27; the library's SampledWithReplacement event is
+  supported by neither accountant).
+* `pld`: dp-accounting's PLDAccountant, REPLACE_ONE, SelfComposed(PoissonSampled(1/n, Gaussian(σ/(2l))), T): the
+  pair qN(∓2l, σ²) + (1−q)N(0, σ²), a valid (slightly conservative) dominating pair of a step by advanced joint
+  convexity (Balle, Barthe & Gaboardi 2018, Thm 2); dominating pairs compose (Zhu, Dong & Wang 2022).
+  tests/test_bassily.py checks it numerically.
+
+:func:`calibrate_bassily` searches σ with :func:`~dpsgd_cli.privacy.calibration.calibrate` and keeps it in the
+calibration disk cache, checked by one evaluation of its analysis when read back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.metadata
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, cast
+
+from dpsgd_cli import diskcache
+from dpsgd_cli.errors import UserError
+from dpsgd_cli.lazy import LazyModule
+from dpsgd_cli.privacy.accounting import (CALIBRATION_VERSION, LIBRARY, _memoised, _snap_down, rdp_epsilon_and_order,
+                                          rdp_epsilon_floor)
+from dpsgd_cli.privacy.calibration import cached, calibrate, check_window, positive_sigma
+from dpsgd_cli.privacy.mechanisms import (advanced_composition, advanced_composition_epsilon_per_step,
+                                          amplify_by_subsampling, analytic_gaussian_sigma, gaussian_sigma)
+
+if TYPE_CHECKING:
+    from dp_accounting.dp_event import DpEvent
+
+# dp-accounting (~1 s of imports) on first use: a run whose calibrations come from the disk cache never imports it
+_dp = LazyModule("dp_accounting")
+_events = LazyModule("dp_accounting.dp_event")
+
+__all__ = [
+    "PLD_RHO_SINGLE_EXAMPLE",
+    "ChainBound",
+    "Privacy",
+    "calibrate_bassily",
+    "cached_rdp_epsilon",
+    "chain_bound",
+    "closed_form_sigma",
+    "pld_epsilon",
+    "pld_event",
+    "rdp_epsilon",
+    "rdp_event",
+]
+
+PLD_RHO_SINGLE_EXAMPLE = 0.04  # see pld_epsilon
+VERSION = "1"  # part of the disk cache key: bump it with any change that could move σ or ε
+_VERSIONS = {"library": LIBRARY, "scipy": importlib.metadata.version("scipy"), "rho": repr(PLD_RHO_SINGLE_EXAMPLE),
+             "calibration_version": CALIBRATION_VERSION, "single_example_version": VERSION}
+
+Accounting = Literal["closed_form", "advanced_composition", "rdp", "pld"]
+Formula = Literal["paper", "lecture"]
+Amplification = Literal["tight", "approx"]
+Gaussian = Literal["classical", "analytic"]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Closed forms and the lecture's chain
+# --------------------------------------------------------------------------------------------------------------
+
+
+def closed_form_sigma(epsilon: float, delta: float, n: int, steps: int, lipschitz: float,
+                      formula: str = "lecture") -> float:
+    """σ on the mean-objective scale (see the module docstring).
+
+    paper:   σ = √32 · l · √(T ln(T/(nδ)) ln(1/δ)) / (n ε)   (BST14 Alg. 1 σ_P² = 32 L² n² log(n/δ) log(1/δ)/ε²,
+             divided by n, with T = n² generalised to T)
+    lecture: σ = 16 · l · √(T ln(2/δ) ln(2.5T/(δn))) / (n ε)   (Bellet, lecture 5)
+    """
+    T = steps
+    if formula == "paper":
+        inner = math.log(T / (n * delta))
+        if inner <= 0:
+            raise UserError(f"bassily2014: the paper's closed form needs T > nδ (ln(T/(nδ)) > 0), got T={T}, "
+                            f"n={n}, delta={delta:g}; use more epochs or accounting: rdp")
+        return math.sqrt(32.0) * lipschitz * math.sqrt(T * inner * math.log(1.0 / delta)) / (n * epsilon)
+    if formula == "lecture":
+        return 16.0 * lipschitz * math.sqrt(T * math.log(2.0 / delta) * math.log(2.5 * T / (delta * n))) / (
+            n * epsilon)
+    raise UserError(f"bassily2014: formula must be 'paper' or 'lecture', got {formula!r}")
+
+
+@dataclass(frozen=True)
+class ChainBound:
+    """Gaussian mechanism → amplification (q = 1/n) → advanced composition, for a given σ."""
+
+    eps0: float  # per-step Gaussian ε at δ₀ (before amplification)
+    delta0: float  # δ₀ = nδ/(2T)
+    eps1: float  # per-step ε after amplification
+    epsilon: float  # total ε after T-fold advanced composition with δ' = δ/2
+    valid: bool  # every lemma applies (classical Gaussian: ε₀ < 1; 2qε amplification: ε₀ ≤ 1)
+    reason: str  # why not valid ("" if valid)
+
+
+def chain_bound(sigma: float, delta: float, n: int, steps: int, lipschitz: float,
+                amplification: str = "tight", gaussian: str = "analytic") -> ChainBound:
+    """Total ε of T steps by the lecture's chain; δ is split δ' = δ/2 (composition) + T·qδ₀ = δ/2 (steps).
+
+    classical Gaussian: ε₀ = Δ √(2 ln(1.25/δ₀)) / σ with Δ = 2l (Dwork & Roth Thm A.1, ε₀ < 1 only);
+    analytic: the exact ε₀ of the Gaussian mechanism at δ₀ (Balle & Wang 2018, `get_epsilon_gaussian`).
+    """
+    q = 1.0 / n
+    delta0 = n * delta / (2.0 * steps)
+    if not 0 < delta0 < 1:
+        raise UserError(f"bassily2014: per-step delta n·δ/(2T) = {delta0:g} must be in (0, 1); use more epochs")
+    sensitivity = 2.0 * lipschitz
+    if gaussian == "classical":
+        eps0 = sensitivity * math.sqrt(2.0 * math.log(1.25 / delta0)) / sigma
+    else:
+        eps0 = float(_dp.get_epsilon_gaussian(sigma / sensitivity, delta0))
+    reasons = []
+    if gaussian == "classical" and not eps0 < 1:
+        reasons.append(f"per-step ε₀ = {eps0:.3g} ≥ 1 (classical Gaussian mechanism needs ε₀ < 1)")
+    if amplification == "tight":
+        eps1, delta1 = amplify_by_subsampling(eps0, q, delta0, tight=True)
+    elif eps0 <= 1:
+        eps1, delta1 = amplify_by_subsampling(eps0, q, delta0, tight=False)
+    else:  # the lecture's 2qε is no bound here: keep the formula's value, flagged as unproved
+        eps1, delta1 = 2.0 * q * eps0, q * delta0
+        reasons.append(f"per-step ε₀ = {eps0:.3g} > 1 (2qε amplification needs ε₀ ≤ 1)")
+    total, _ = advanced_composition(eps1, delta1, steps, delta / 2.0)
+    return ChainBound(eps0, delta0, eps1, total, not reasons, "; ".join(reasons))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# dp-accounting, replace-one relation
+# --------------------------------------------------------------------------------------------------------------
+
+
+def rdp_event(noise_multiplier: float, n: int, steps: int) -> DpEvent:
+    """T steps, each one example drawn uniformly (a size-1 sample without replacement) + Gaussian noise."""
+    return cast("DpEvent", _events.SelfComposedDpEvent(
+        _events.SampledWithoutReplacementDpEvent(n, 1, _events.GaussianDpEvent(noise_multiplier)), steps))
+
+
+def pld_event(noise_multiplier: float, n: int, steps: int) -> DpEvent:
+    """The dominating pair of the module docstring: Poisson(1/n)-sampled Gaussian under REPLACE_ONE (shifts ±2l)."""
+    return cast("DpEvent", _events.SelfComposedDpEvent(
+        _events.PoissonSampledDpEvent(1.0 / n, _events.GaussianDpEvent(noise_multiplier)), steps))
+
+
+def rdp_epsilon(noise_multiplier: float, n: int, steps: int, delta: float) -> tuple[float, float]:
+    """(ε, optimal order) of `rdp_event` under replace-one neighbours, over the shared order grid."""
+    return rdp_epsilon_and_order(rdp_event(noise_multiplier, n, steps), delta, _dp.NeighboringRelation.REPLACE_ONE)
+
+
+@functools.lru_cache(maxsize=256)
+def cached_rdp_epsilon(noise_multiplier: float, n: int, steps: int, delta: float) -> float:
+    """ε of `rdp_event`, kept in the process only: on disk, checking a cached ε would cost its computation."""
+    return rdp_epsilon(noise_multiplier, n, steps, delta)[0]
+
+
+def pld_epsilon(noise_multiplier: float, n: int, steps: int, delta: float) -> tuple[float, float]:
+    """(ε, discretisation h) of `pld_event`, pessimistic; h = PLD_RHO_SINGLE_EXAMPLE·ε/√T snapped to 10^(−k/4), by
+    the fixed-point rule of `dpsgd_cli.privacy.accounting` (each pass is an upper bound).
+
+    ρ = 0.04 instead of the shared 0.005: with T ~ 10⁵ steps the shared rule costs 5-10 s per evaluation
+    (h ~ 1e-5) and ~1-3 min per calibration; measured on adult (T = 5n, z = 0.63) h = 1e-4 (ρ ≈ 0.04) is within
+    0.3 % of h = 1e-5, and every h gives an upper bound (pessimistic rounding), so a coarser h only adds noise."""
+    event = pld_event(noise_multiplier, n, steps)
+
+    def once(h: float) -> float:
+        accountant = _dp.pld.PLDAccountant(_dp.NeighboringRelation.REPLACE_ONE, value_discretization_interval=h)
+        accountant.compose(event)
+        return float(accountant.get_epsilon(delta))
+
+    h = 1e-2
+    eps = once(h)
+    for _ in range(8):
+        if not (math.isfinite(eps) and eps > 0):
+            break
+        h_new = max(1e-10, _snap_down(PLD_RHO_SINGLE_EXAMPLE * eps / math.sqrt(steps)))
+        if h_new >= h:
+            break
+        h, eps = h_new, once(h_new)
+    return eps, h
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Calibration: σ for the target ε, per accounting
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Privacy:
+    sigma: float
+    epsilon: float  # achieved by the accounting's own analysis
+    accountant: str
+    details: dict[str, Any]
+    proved: bool = True  # the accounting's lemmas apply (closed forms and 2qε may not)
+    reason: str = ""
+
+
+def _advanced_composition_privacy(sigma: float, delta: float, n: int, steps: int, lipschitz: float,
+                                  amplification: str, gaussian: str) -> Privacy:
+    b = chain_bound(sigma, delta, n, steps, lipschitz, amplification, gaussian)
+    details = {"amplification": amplification, "gaussian": gaussian, "eps0": b.eps0, "delta0": b.delta0,
+               "eps1": b.eps1}
+    return Privacy(sigma, b.epsilon, f"advanced_composition_{amplification}", details, b.valid, b.reason)
+
+
+_DETAIL = {"rdp": "rdp_order", "pld": "value_discretization_interval"}  # what each accountant records at σ
+
+
+def _verified(stored: dict[str, Any], epsilon: float, delta: float, n: int, steps: int, lipschitz: float,
+              accounting: str, formula: str, amplification: str) -> Privacy:
+    """A cached calibration checked by one evaluation of its own analysis at its σ (ε in the window, or the
+    analysis steps over it just below σ); returned with that evaluation's ε. Closed forms cost no more than their
+    check: recomputed. Raises `diskcache.Rejected`."""
+    if accounting == "closed_form":
+        return _calibrate_bassily(epsilon, delta, n, steps, lipschitz, accounting, formula, amplification)
+    privacy = Privacy(**stored)
+    sigma = positive_sigma(privacy.sigma)
+    if accounting == "advanced_composition":
+        gaussian = privacy.details["gaussian"]
+        fresh = _advanced_composition_privacy(sigma, delta, n, steps, lipschitz, amplification, gaussian)
+        check_window(sigma, fresh.epsilon, epsilon, 1e-3, lambda: _advanced_composition_privacy(
+            sigma * (1.0 - 1e-6), delta, n, steps, lipschitz, amplification, gaussian).epsilon, f" by {accounting}")
+        return fresh
+    z = privacy.details["noise_multiplier"]
+    scale = 2.0 * lipschitz
+    if not (isinstance(z, float) and sigma == scale * z):
+        raise diskcache.Rejected(f"its sigma {sigma!r} is not 2·lipschitz × its noise multiplier {z!r}")
+    func = rdp_epsilon if accounting == "rdp" else pld_epsilon
+    e, x = func(z, n, steps, delta)
+    check_window(sigma, e, epsilon, 1e-3, lambda: func(sigma * (1.0 - 1e-6) / scale, n, steps, delta)[0],
+                 f" by {accounting}")
+    return Privacy(sigma, e, accounting, {**privacy.details, _DETAIL[accounting]: x})
+
+
+@_memoised(maxsize=256)
+def calibrate_bassily(epsilon: float, delta: float, n: int, steps: int, lipschitz: float, accounting: str,
+                      formula: str = "lecture", amplification: str = "tight") -> Privacy:
+    """σ (on the mean scale) whose ε under `accounting` is the target (within 0.1 % below; exact for closed forms),
+    kept in the process and in the calibration disk cache (checked against its analysis when read back)."""
+    key = {"mechanism": "single_example_gaussian", "target_epsilon": repr(epsilon), "delta": repr(delta), "n": n,
+           "steps": steps, "lipschitz": repr(lipschitz), "accounting": accounting, "formula": formula,
+           "amplification": amplification, **_VERSIONS}
+    return cached(key, lambda: _calibrate_bassily(epsilon, delta, n, steps, lipschitz, accounting, formula,
+                                                  amplification),
+                  lambda stored: _verified(stored, epsilon, delta, n, steps, lipschitz, accounting, formula,
+                                           amplification),
+                  dataclasses.asdict)
+
+
+def _calibrate_bassily(epsilon: float, delta: float, n: int, steps: int, lipschitz: float, accounting: str,
+                       formula: str = "lecture", amplification: str = "tight") -> Privacy:
+    context = f" (bassily2014, accounting={accounting}, n={n}, T={steps}, delta={delta:g})"
+    if accounting == "closed_form":
+        sigma = closed_form_sigma(epsilon, delta, n, steps, lipschitz, formula)
+        check = chain_bound(sigma, delta, n, steps, lipschitz, "tight", "classical")
+        proved, reason = True, ""
+        if epsilon > 1:
+            proved, reason = False, f"epsilon = {epsilon:g} > 1 (closed form valid for ε ≤ 1)"
+        elif not check.valid:
+            proved, reason = False, check.reason + f"; T = {steps} steps is too few for the closed form"
+        elif check.epsilon > epsilon * (1 + 1e-9):
+            proved, reason = False, (f"Gaussian + tight amplification + advanced composition certify only "
+                                     f"ε = {check.epsilon:.4g} > {epsilon:g} for this σ")
+        details = {"formula": formula, "eps0": check.eps0, "delta0": check.delta0,
+                   "epsilon_chain": check.epsilon}
+        return Privacy(sigma, epsilon, f"closed_form_{formula}", details, proved, reason)
+    if accounting == "advanced_composition":
+        gaussian = "analytic" if amplification == "tight" else "classical"
+        eps1, delta1 = advanced_composition_epsilon_per_step(epsilon, delta, steps)
+        q = 1.0 / n
+        eps0 = math.log1p(math.expm1(eps1) / q) if amplification == "tight" else eps1 / (2.0 * q)
+        delta0 = delta1 / q
+        if gaussian == "analytic":
+            guess = analytic_gaussian_sigma(2.0 * lipschitz, eps0, delta0)
+        else:
+            guess = gaussian_sigma(2.0 * lipschitz, eps0, delta0, strict=False)
+
+        def eps_of(sigma: float) -> float:
+            return chain_bound(sigma, delta, n, steps, lipschitz, amplification, gaussian).epsilon
+
+        point = calibrate(eps_of, epsilon, sigma_guess=guess, context=context)
+        return _advanced_composition_privacy(point.sigma, delta, n, steps, lipschitz, amplification, gaussian)
+    if accounting in ("rdp", "pld"):
+        if accounting == "rdp" and epsilon <= rdp_epsilon_floor(delta):
+            raise UserError(f"bassily2014: target epsilon={epsilon:g} is below what the RDP conversion can certify "
+                            f"at delta={delta:g}; use accounting: pld")
+        extra: dict[float, float] = {}
+        func = rdp_epsilon if accounting == "rdp" else pld_epsilon
+
+        def eps_of_multiplier(multiplier: float) -> float:
+            e, x = func(multiplier, n, steps, delta)
+            extra[multiplier] = x
+            return e
+
+        # guess: the CLT asymptote ε ≈ q√(2T ln(1/δ))·2/z (replace-one ~ twice add/remove)
+        guess = max(0.5, 2.0 * math.sqrt(2.0 * steps * math.log(1.0 / delta)) / (n * epsilon))
+        point = calibrate(eps_of_multiplier, epsilon, sigma_guess=guess, context=context)
+        details = {"noise_multiplier": point.sigma, _DETAIL[accounting]: extra[point.sigma],
+                   "neighboring_relation": "replace_one",
+                   "event": ("SampledWithoutReplacement(n, 1, Gaussian)" if accounting == "rdp"
+                             else "PoissonSampled(1/n, Gaussian) as a dominating pair")}
+        return Privacy(2.0 * lipschitz * point.sigma, point.epsilon, accounting, details)
+    raise UserError(f"bassily2014: unknown accounting {accounting!r}")
