@@ -62,13 +62,6 @@ __all__ = ["Bassily2014", "BassilyParams", "calibrate_bassily", "uniform_example
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _axis(value: Optional[float], name: str) -> float:
-    """An axis bassily2014 uses (`expand` always sets it; a Setting built by hand may not)."""
-    if value is None:
-        raise ValueError(f"bassily2014 reads the {name} axis, which the setting leaves unset")
-    return float(value)
-
-
 def uniform_example_blocks(X: np.ndarray, y: np.ndarray, streams: ReplicaStreams) -> IndexedBatches:
     """One example drawn uniformly per step and replica: the same draws as `sampling.uniform_examples(X, y,
     streams, 1)`, as indices (a compiled step `take`s them)."""
@@ -126,7 +119,7 @@ class Bassily2014(Algorithm):
     @staticmethod
     def steps(setting: Setting) -> int:
         """T = round(epochs · n) single-example steps."""
-        return max(1, round(_axis(setting.epochs, "epochs") * setting.n))
+        return max(1, round(setting.required.epochs * setting.n))
 
     def radius(self, setting: Setting, lipschitz: float) -> float:
         if self.params.radius is not None:
@@ -173,7 +166,7 @@ class Bassily2014(Algorithm):
 
     def privacy(self, setting: Setting, lipschitz: float) -> Privacy:
         p = self.params
-        return calibrate_bassily(_axis(setting.epsilon, "epsilon"), float(setting.delta), int(setting.n),
+        return calibrate_bassily(float(setting.required.epsilon), float(setting.delta), int(setting.n),
                                  self.steps(setting),
                                  float(lipschitz), p.accounting, p.formula, p.amplification)
 
