@@ -255,7 +255,10 @@ def test_ctrl_c_keeps_finished_runs_and_the_rerun_completes_them(grid_file, tmp_
     command = [sys.executable, "-m", "dpsgd_cli", "run", str(grid_file), "--out", str(out)]
     # a task per cell (no fusion): the longest tasks go first, so a fused grid's first rows can be its last ones
     env = {**os.environ, "DPSGD_DATA_DIR": str(tmp_path / "cache"), "DPSGD_FUSE": "0"}
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    # SIGINT's default disposition in the child: a child inherits an ignored SIGINT (a shell without job control
+    # ignores it in background jobs), and Python then installs no KeyboardInterrupt handler
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     csv = out / "tiny" / "runs.csv"
     deadline = time.time() + 120
     while time.time() < deadline and (not csv.exists() or len(csv.read_text().splitlines()) < 2):

@@ -141,8 +141,10 @@ def test_ctrl_c_with_jobs_exits_at_once_and_keeps_the_finished_runs(write_grid, 
     out = tmp_path / "results"
     command = [sys.executable, "-m", "dpsgd_cli", "run", str(grid), "--out", str(out), "--jobs", "2"]
     # a task per cell (no fusion): the longest tasks go first, so a fused grid's first rows can be its last ones
+    # SIGINT's default disposition in the child (it may inherit an ignored one: see test_cli's Ctrl-C test)
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env={**os.environ, "DPSGD_FUSE": "0"})
+                            start_new_session=True, env={**os.environ, "DPSGD_FUSE": "0"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     csv = out / "tiny" / "runs.csv"
     deadline = time.time() + 120
     while time.time() < deadline and (not csv.exists() or len(csv.read_text().splitlines()) < 2):
