@@ -77,7 +77,7 @@ def run(grid_file: PathLike, *, only: Optional[Sequence[str]] = None, out: PathL
         for plan in [] if dry_run else plans:
             with show.progress(plan) as advance:
                 try:
-                    execute(plan, jobs=jobs, backend=backend, on_rows=advance)
+                    execute(plan, jobs=jobs, backend=backend, on_rows=advance, on_status=show.line)
                 except KeyboardInterrupt:
                     _stop_workers()
                     show.stop()

@@ -146,3 +146,12 @@ def test_example_script_runs(tmp_path, monkeypatch):
                           env={**os.environ, "DPSGD_EXAMPLE_SMALL": "1"}, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "results" / "report.html").exists()
+
+
+def test_quiet_silences_the_reference_optimum_lines(grid_file, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("DPSGD_CACHE_DIR", str(tmp_path / "cache"))
+    for quiet, l2 in ((False, 1e-3), (True, 2e-3)):  # a λ of its own each: an L* this process has not computed
+        dpsgd.run(grid_file, only=["tiny"], out=tmp_path / str(quiet), set={"epochs": 1, "l2": l2}, seeds=1,
+                  quiet=quiet)
+        out, err = capsys.readouterr()
+        assert ("reference optimum" in out + err) is not quiet, (quiet, out, err)
