@@ -285,8 +285,10 @@ class GradientChain:
         ([add_noise,] scale, add_l2) and the compiled update may run (backend auto or numba, numba installed; θ and
         g C-contiguous (R, P) arrays of one float dtype; std, factor, λ and η Python numbers, which NumPy rounds to
         the array's dtype, unlike NumPy scalars), else None."""
+        if not self._compiled_rows():  # first: a NumPy chain's step reads no more of it
+            return None
         kinds = self.ops() or []
-        if [k[0] for k in kinds] not in (["noise", "scale", "l2"], ["scale", "l2"]) or not self._compiled_rows():
+        if [k[0] for k in kinds] not in (["noise", "scale", "l2"], ["scale", "l2"]):
             return None
         if not all(type(x) in (float, int) for x in (lr, kinds[-2][1], kinds[-1][1], *kinds[0][1:2])):
             return None

@@ -22,7 +22,7 @@ with ε₁ = 3ε/4, ε₂ = ε/4 (§7: "we set ε₁ = 3ε₂ = 3ε/4"), δ₁ =
 with c' = 2.83 (Theorem 5 and its proof), and s the noise of DP-SGD with one uniformly drawn example per step
 that is (ε₁, δ₁)-DP over T steps under replace-one neighbours (Theorem 5 asks σ ≥ cG√(T log(1/δ₁))/(nε₁) "via
 moments accountant"; the constant is computed: dp-accounting RDP of SampledWithoutReplacement(n, 1, Gaussian),
-or PLD where RDP cannot reach ε₁ (`bassily.calibrate_bassily`, the same single-example mechanism)).
+or PLD where RDP cannot reach ε₁ (`calibrate_bassily`, bassily2014's single-example mechanism)).
 
 The decision rule (`rule: coordinate`, the paper's). Write a = 2re^{ε₁}δ₁, k = e^{ε₁} − 1, x = |[c_t]_i|
 (sign(c)c = |c|). Stage 1 sends the step to the noisy branch iff some x ≥ a/k. Otherwise a − kx > 0 and
@@ -105,7 +105,6 @@ from scipy.special import expit, ndtr
 
 from dpsgd_cli.algorithms import kernels
 from dpsgd_cli.algorithms.base import Algorithm, Outcome, Setting
-from dpsgd_cli.algorithms.bassily import calibrate_bassily
 from dpsgd_cli.algorithms.chain import (Checkpoints, GradientChain, NoiseSource, Projection, add_l2, constant,
                                         masked_noise, project_to_ball, project_to_box, scale)
 from dpsgd_cli.algorithms.sampling import fixed_batches, poisson_batches, uniform_examples
@@ -116,6 +115,7 @@ from dpsgd_cli.models.logreg import LogisticRegression, clipped_residual, logist
 from dpsgd_cli.models.rows import cached_row_norms
 from dpsgd_cli.privacy.accounting import calibrate_sigma
 from dpsgd_cli.privacy.mechanisms import advanced_composition_epsilon_per_step
+from dpsgd_cli.privacy.single_example_gaussian import calibrate_bassily
 
 C_PRIME = 2.83  # the paper's constant in σ_c (proof of Theorem 5: "with c′ = 2.83")
 EPSILON_1_SHARE = 0.75  # ε₁ = 3ε/4 for the training steps, ε₂ = ε/4 for the contributions (§7)
@@ -613,7 +613,7 @@ class NoisyStepCalibration:
 def calibrate_single_steps(epsilon_1: float, delta_1: float, n: int, steps: int, G: float,
                            accountant: str) -> NoisyStepCalibration:
     """One uniformly drawn example per step, replace-one neighbours (the paper's relation, Remark 6): the noise
-    std s on the clipped gradient (sensitivity 2G) for (ε₁, δ₁) over T steps (`bassily.calibrate_bassily`, the
+    std s on the clipped gradient (sensitivity 2G) for (ε₁, δ₁) over T steps (`calibrate_bassily`, the
     same mechanism). auto: RDP, or PLD where no σ reaches ε₁ under RDP's conversion."""
     try:  # accountant composition is refused by `PIDPSGD.check`
         priv = calibrate_bassily(float(epsilon_1), float(delta_1), int(n), int(steps), float(G),
@@ -760,7 +760,7 @@ class PIDPSGD(Algorithm):
             else:
                 quiet = step_noiseless(inf, rule, constants.E, X, y, x_norm, idx[:, :, 0], test_gens)
             chain = GradientChain(
-                batches=fixed_batches(X, y, idx, trim=not single), clip=G,
+                batches=fixed_batches(X, y, idx, padded=not single), clip=G,
                 transforms=[masked_noise(cal.std, draws, ~quiet), *([] if single else [scale(1.0 / B)]),
                             add_l2(setting.l2)],
                 schedule=constant(setting.required.lr), project=self._projection(),

@@ -101,13 +101,15 @@ class IndexedBatches:
     blocks: (K, R, M) index blocks (−1 marks padding, kept indices first), or None for the full batch (every
     row at every step). Besides iteration (the NumPy chain), `take(m)` hands the next m steps' indices
     (m, R, M) to a compiled step (kernels_minibatch) that reads the rows itself: the same indices in the same
-    order, whichever way the steps are consumed.
+    order, whichever way the steps are consumed. plain: the blocks have no padding, and a step's batch is a plain
+    `Batch` of its rows (no padding weights, per-replica split or row nonzeros to look up: a single-example step
+    on NumPy costs half as much).
     """
 
     def __init__(self, X: np.ndarray, y: np.ndarray, blocks: Iterator[np.ndarray] | None, replicas: int,
-                 trim: bool = False):
+                 trim: bool = False, plain: bool = False):
         self.X, self.y, self.replicas = X, y, replicas
-        self.full = blocks is None
+        self.full, self._plain = blocks is None, plain
         self._blocks: Iterator[np.ndarray] = iter(()) if blocks is None else blocks
         self._block: np.ndarray = np.empty((0, replicas, 0), dtype=np.int64)  # the current block, read from _pos
         self._pos, self._trim = 0, trim
@@ -144,6 +146,9 @@ class IndexedBatches:
             self._block, self._pos = next(self._blocks), 0
         idx = self._block[self._pos]  # (R, M)
         self._pos += 1
+        if self._plain:
+            return Batch(X=self.X[idx], y=self.y[idx], weight=np.ones(idx.shape, dtype=self.X.dtype),
+                         x_norm=self.x_norm[idx])
         if self._trim:  # kept indices come first in each row, so trim the common padding
             idx = idx[:, : max(1, int((idx >= 0).sum(axis=1).max()))]
         return gather(self.X, self.y, self.x_norm, idx, self.nonzeros)
@@ -199,11 +204,11 @@ def uniform_examples(X: np.ndarray, y: np.ndarray, streams: ReplicaStreams, batc
     return IndexedBatches(X, y, blocks(), streams.replicas)
 
 
-def fixed_batches(X: np.ndarray, y: np.ndarray, idx: np.ndarray, trim: bool = False) -> IndexedBatches:
-    """The T batches of the example indices idx (T, R, M), −1 padded (kept indices first; trim: cut each step to
-    its widest replica, as `poisson_batches` does): for a run that reads its steps' indices before it takes them
-    (pidp_sgd's noise decisions)."""
-    return IndexedBatches(X, y, iter([idx]), idx.shape[1], trim=trim)
+def fixed_batches(X: np.ndarray, y: np.ndarray, idx: np.ndarray, padded: bool = False) -> IndexedBatches:
+    """The T batches of the example indices idx (T, R, M): for a run that reads its steps' indices before it takes
+    them (pidp_sgd's noise decisions). padded: −1 marks padding (kept indices first), each step cut to its widest
+    replica and gathered as `poisson_batches`' are; else every index is a row, and the batches are plain."""
+    return IndexedBatches(X, y, iter([idx]), idx.shape[1], trim=padded, plain=not padded)
 
 
 def shuffled_batches(X: np.ndarray, y: np.ndarray, batch_size: int, streams: ReplicaStreams,
