@@ -132,6 +132,21 @@ def test_draw_helpers_consume_the_streams_like_the_numpy_samplers():
     np.testing.assert_array_equal(noise, np.stack([next(per_step) for _ in range(70)]))
 
 
+def test_fixed_batches_plain_and_gathered_are_the_same_rows():
+    """A round's unpadded indices give plain batches of the rows (pidp_sgd's single-example steps), equal to the
+    gathered batches of the same indices; `take` hands a kernel the same indices."""
+    from dpsgd_cli.algorithms.sampling import fixed_batches
+
+    X, y = _data()
+    idx = uniform_examples(X, y, ReplicaStreams([4, 9])).take(70)  # (70, 2, 1)
+    plain, gathered = fixed_batches(X, y, idx), fixed_batches(X, y, idx, padded=True)
+    for _ in range(70):
+        a, b = next(plain), next(gathered)
+        for field in ("X", "y", "weight", "x_norm"):
+            np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
+    np.testing.assert_array_equal(fixed_batches(X, y, idx).take(70), idx)
+
+
 # --- backend selection (no numba needed) ---------------------------------------------------------------------------
 
 
