@@ -6,8 +6,8 @@ fresh process pinned to one core:
     the edge where the binomial sum's last term takes over): the row's task is that cell alone;
 (b) kang_lr on adult with one seed (erm, sgd and `dp_sgd` at 8 ε): sgd and the 8 `dp_sgd` cells train fused in
     one task whose time its rows share, the 8 σ calibrated at its start on one accountant curve.
-Inside each process the time spent in `accounting.cached` (the calibration cache's read and check, the search, the write)
-(the timers) is divided by the rows' summed `wall_time` (their tasks' time). Cold: a calibration cache with
+Inside each process the time spent in `accounting.cached` (the calibration cache's read and check, the search,
+the write: the timers) is divided by the rows' summed `wall_time` (their tasks' time). Cold: a calibration cache with
 nothing in it (L*'s cache holds the optimum, as after any first run); warm: every σ cached. Each round runs a
 cold and a warm process of each grid, interleaved. Two measures: the timers' share, median over the cold runs
 (an upper bound: a fresh process pays NumPy/SciPy first-call costs there that training would otherwise pay),

@@ -76,13 +76,12 @@ def _pair(ctx, case: str, what: str, algorithm: str, params: dict, data, setting
 
 
 def _rng_seconds(draws, steps: int):
-    """Seconds to draw the run's random numbers alone (the same blocks the fit draws), best of 3."""
-    from dpsgd_cli.algorithms.kernels import _Reader
-
+    """Seconds to draw the run's random numbers alone (the same blocks the fit draws), best of 3. `draws`: makers
+    of what the fit takes its steps from (a sampler, or a reader of noise blocks)."""
     def once() -> float:
         start = time.perf_counter()
         for make in draws:
-            _Reader(make()).take(steps)
+            make().take(steps)
         return time.perf_counter() - start
 
     return lambda: min(once() for _ in range(3))
@@ -90,6 +89,7 @@ def _rng_seconds(draws, steps: int):
 
 def run(ctx) -> list[Row]:
     from dpsgd_cli.algorithms import kernels
+    from dpsgd_cli.algorithms.sampling import shuffled_batches, uniform_examples
     from dpsgd_cli.algorithms.streams import ReplicaStreams
     from dpsgd_cli.privacy.mechanisms import gamma_norm_noise
 
@@ -100,9 +100,9 @@ def run(ctx) -> list[Row]:
         kdd = load(SONG_DATA)
         setting = logreg_setting(kdd, batch_size=1, lr=1.0, l2=1e-3, epsilon=1.0, clip_norm=None)
         streams = ReplicaStreams([0])
-        draws = [lambda: kernels.block_draws(streams, "noise",
-                                             lambda g, k: gamma_norm_noise(g, setting.epsilon, kdd.d, size=k)),
-                 lambda: kernels.shuffled_example_blocks(kdd.n, streams)]
+        draws = [lambda: kernels._Reader(kernels.block_draws(
+                     streams, "noise", lambda g, k: gamma_norm_noise(g, setting.epsilon, kdd.d, size=k))),
+                 lambda: shuffled_batches(kdd.X_train, kdd.y_train, 1, streams)]
         rows.append(_pair(ctx, "3a", what, "song2013", {}, kdd, setting, _rng_seconds(draws, kdd.n)))
     except Skip as skip:
         rows.append(Row("3a", what, goal=f"≥ {GOAL:g}×", note=f"skipped: {skip}"))
@@ -113,8 +113,9 @@ def run(ctx) -> list[Row]:
         adult = load({"name": "adult"})
         setting = logreg_setting(adult, batch_size=None, lr=None, clip_norm=None)
         streams = ReplicaStreams([0])
-        draws = [lambda: kernels.block_draws(streams, "noise", lambda g, k: g.standard_normal((k, adult.d))),
-                 lambda: kernels.uniform_example_index_blocks(adult.n, streams)]
+        draws = [lambda: kernels._Reader(kernels.block_draws(streams, "noise",
+                                                             lambda g, k: g.standard_normal((k, adult.d)))),
+                 lambda: uniform_examples(adult.X_train, adult.y_train, streams)]
         rows.append(_pair(ctx, "3b", what, "bassily2014", {}, adult, setting, _rng_seconds(draws, adult.n),
                           "drawing its random numbers with NumPy into blocks (the kernel draws its normals itself, "
                           "from the same generators, ~3× faster)"))

@@ -8,7 +8,7 @@ import pytest
 from scipy import stats
 
 from dpsgd_cli.algorithms import ALGORITHMS, Setting
-from dpsgd_cli.algorithms.bassily import Bassily2014, uniform_example_blocks
+from dpsgd_cli.algorithms.bassily import Bassily2014
 from dpsgd_cli.algorithms.chain import constant
 from dpsgd_cli.algorithms.sampling import uniform_examples
 from dpsgd_cli.algorithms.streams import ReplicaStreams
@@ -156,15 +156,6 @@ def test_pld_pair_dominates_one_step_of_the_mechanism():
 # ---------------------------------------------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def test_block_sampler_draws_what_the_shared_sampler_draws(data):
-    X, y = data
-    a, b = uniform_example_blocks(X, y, ReplicaStreams([4, 7])), uniform_examples(X, y, ReplicaStreams([4, 7]), 1)
-    for _ in range(150):  # across block boundaries
-        u, v = next(a), next(b)
-        for field in ("X", "y", "weight", "x_norm"):
-            np.testing.assert_array_equal(getattr(u, field), getattr(v, field))
 
 
 def test_noise_is_gaussian_with_std_sigma():

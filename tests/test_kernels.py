@@ -114,19 +114,8 @@ def test_schedule_values_match_step_by_step_calls():
         np.testing.assert_allclose(kernels.schedule_values(schedule, 7, 300), expected, rtol=1e-15)
 
 
-def test_draw_helpers_consume_the_streams_like_the_numpy_samplers():
-    from dpsgd_cli.algorithms.bassily import uniform_example_blocks
-    from dpsgd_cli.algorithms.sampling import shuffled_batches
-
-    X = np.arange(40, dtype=float)[:, None]
-    y = np.ones(40)
+def test_block_draws_consume_the_streams_like_the_numpy_step():
     streams = ReplicaStreams([4, 9])
-    order = kernels._Reader(kernels.shuffled_example_blocks(40, streams)).take(100)  # 2.5 passes
-    batches = shuffled_batches(X, y, 1, streams)
-    np.testing.assert_array_equal(order, np.stack([next(batches).X[:, 0, 0] for _ in range(100)]).astype(int))
-    idx = kernels._Reader(kernels.uniform_example_index_blocks(40, streams)).take(150)
-    blocks = uniform_example_blocks(X, y, streams)
-    np.testing.assert_array_equal(idx, np.stack([next(blocks).X[:, 0, 0] for _ in range(150)]).astype(int))
     noise = kernels._Reader(kernels.block_draws(streams, "noise", lambda g, k: g.standard_normal((k, 3)))).take(70)
     per_step = streams.normal("noise", (3,))
     np.testing.assert_array_equal(noise, np.stack([next(per_step) for _ in range(70)]))

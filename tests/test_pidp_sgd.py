@@ -14,7 +14,8 @@ from dpsgd_cli import compiled
 from dpsgd_cli.algorithms import ALGORITHMS, Setting
 from dpsgd_cli.algorithms import kernels
 from dpsgd_cli.algorithms import pidp_sgd as P
-from dpsgd_cli.algorithms.bassily import calibrate_bassily, uniform_example_blocks
+from dpsgd_cli.algorithms.sampling import uniform_examples
+from dpsgd_cli.privacy.single_example_gaussian import calibrate_bassily
 from dpsgd_cli.algorithms.chain import GradientChain, add_l2, add_noise, constant
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.models import make_model
@@ -290,7 +291,7 @@ def test_all_noiseless_is_sgd_and_all_noisy_is_single_example_dp_sgd(data):
     assert quiet.derived["noiseless_fraction"] == [1.0, 1.0] and quiet.derived["noiseless_fraction_mean"] == 1.0
     assert quiet.guarantee.startswith("none: a step may skip the noise")
     streams = ReplicaStreams([0, 1])
-    plain = GradientChain(uniform_example_blocks(X, y, streams), clip=1.0, transforms=[add_l2(s.l2)],
+    plain = GradientChain(uniform_examples(X, y, streams), clip=1.0, transforms=[add_l2(s.l2)],
                           schedule=constant(s.lr))
     np.testing.assert_allclose(quiet.theta, plain.run(model, np.zeros((2, d)), s.steps), rtol=1e-12)
 
@@ -299,7 +300,7 @@ def test_all_noiseless_is_sgd_and_all_noisy_is_single_example_dp_sgd(data):
     assert loud.guarantee.startswith("tv-bound: (1, 1e-05)-DP")
     streams = ReplicaStreams([0, 1])
     std = calibrate_bassily(0.75, 5e-6, n, s.steps, 1.0, "rdp").sigma
-    noisy = GradientChain(uniform_example_blocks(X, y, streams), clip=1.0,
+    noisy = GradientChain(uniform_examples(X, y, streams), clip=1.0,
                           transforms=[add_noise(std, streams.normal("noise", (d,))), add_l2(s.l2)],
                           schedule=constant(s.lr))
     np.testing.assert_allclose(loud.theta, noisy.run(model, np.zeros((2, d)), s.steps), rtol=1e-12)

@@ -34,17 +34,16 @@ installed (auto; `numpy` forces the chain): the same examples and noise draws, t
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Iterator, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dpsgd_cli.algorithms import kernels
 from dpsgd_cli.algorithms.base import ROW_NORM_TOLERANCE, Algorithm, Outcome, Setting
 from dpsgd_cli.algorithms.chain import (Checkpoints, GradientChain, NoiseSource, Schedule, add_l2, add_noise,
                                         inverse_sqrt, inverse_time, project_to_ball)
-from dpsgd_cli.algorithms.sampling import IndexedBatches
-from dpsgd_cli.algorithms.streams import BLOCK_STEPS, ReplicaStreams
+from dpsgd_cli.algorithms.sampling import uniform_examples
+from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import Model
 from dpsgd_cli.models.rows import cached_row_norms
@@ -54,25 +53,12 @@ from dpsgd_cli.privacy.single_example_gaussian import Privacy, cached_rdp_epsilo
 if TYPE_CHECKING:
     from dp_accounting.dp_event import DpEvent
 
-__all__ = ["Bassily2014", "BassilyParams", "calibrate_bassily", "uniform_example_blocks"]
+__all__ = ["Bassily2014", "BassilyParams", "calibrate_bassily"]
 
 
 # --------------------------------------------------------------------------------------------------------------
 # The algorithm
 # --------------------------------------------------------------------------------------------------------------
-
-
-def uniform_example_blocks(X: np.ndarray, y: np.ndarray, streams: ReplicaStreams) -> IndexedBatches:
-    """One example drawn uniformly per step and replica: the same draws as `sampling.uniform_examples(X, y,
-    streams, 1)`, as indices (a compiled step `take`s them)."""
-    n = X.shape[0]
-
-    def blocks() -> Iterator[np.ndarray]:
-        gens = streams.generators("sampling")
-        while True:
-            yield np.stack([g.integers(0, n, size=(BLOCK_STEPS, 1)) for g in gens], axis=1)  # (K, R, 1)
-
-    return IndexedBatches(X, y, blocks(), streams.replicas)
 
 
 class BassilyParams(BaseModel):
@@ -153,7 +139,7 @@ class Bassily2014(Algorithm):
               radius: float, schedule: Schedule) -> GradientChain:
         noise = [add_noise(sigma, streams.normal("noise", (model.n_params,)))] if sigma > 0 else []
         return GradientChain(
-            batches=uniform_example_blocks(X, y, streams),
+            batches=uniform_examples(X, y, streams),
             clip=lipschitz,
             transforms=[*noise, add_l2(setting.l2)],
             schedule=schedule,

@@ -122,23 +122,6 @@ def block_draws(streams: ReplicaStreams, purpose: str, draw: Callable[[np.random
         yield np.stack([draw(g, block) for g in gens], axis=1)
 
 
-def shuffled_example_blocks(n: int, streams: ReplicaStreams) -> Iterator[np.ndarray]:
-    """(n, R) example indices per pass: a fresh permutation per pass and replica, as
-    `sampling.shuffled_batches(X, y, 1, streams)` draws them (b = 1: ⌊n/1⌋ = n steps per pass)."""
-    gens = streams.generators("sampling")
-    while True:
-        yield np.stack([g.permutation(n)[:n] for g in gens]).T
-
-
-def uniform_example_index_blocks(n: int, streams: ReplicaStreams) -> Iterator[np.ndarray]:
-    """(K, R) indices, one uniform example per step and replica, as `bassily.uniform_example_blocks` and
-    `sampling.uniform_examples(X, y, streams, 1)` draw them."""
-    gens = streams.generators("sampling")
-    # BLOCK_STEPS per `integers` call as the samplers (its buffering depends on the call), 64 calls per yield
-    while True:
-        yield np.stack([np.concatenate([g.integers(0, n, size=BLOCK_STEPS) for _ in range(64)]) for g in gens], axis=1)
-
-
 class _Reader:
     """Take the next m steps from an iterator of (K, ...) blocks (blocks split and joined as needed)."""
 
@@ -185,6 +168,7 @@ def _kernels():
     except Exception as exc:  # installed but broken (e.g. a NumPy it does not support)
         raise UserError(f"numba could not be imported ({type(exc).__name__}: {exc}); reinstall it "
                         f"({compiled.NUMBA_HINT}) or use backend: numpy") from exc
+    from dpsgd_cli.models._logreg_numba import clip_residual, residual_from_exp
 
     @numba.njit(cache=True, nogil=True, inline="always")
     def _step_noise(zs, gen, noise, t, r, do_noise, draw_noise):  # pragma: no cover
@@ -226,10 +210,9 @@ def _kernels():
                 for j in range(d):
                     dot += X[i, j] * theta[r, j]
                 yi = y[i]
-                margin = yi * dot
-                a = -yi * (1.0 / (1.0 + np.exp(margin)))  # −y σ(−margin), σ(−m) = 1/(1 + e^m) as scipy's expit
+                a = residual_from_exp(yi, np.exp(yi * dot))
                 if do_clip:
-                    a = a * clip / max(abs(a) * x_norm[i], clip)
+                    a = clip_residual(a, x_norm[i], clip)
                 eta = lrs[t]
                 noisy = do_noise and (not use_mask or mask[t, r])  # pidp_sgd: the step's noise decision
                 _step_noise(zs, gen, noise, t, r, do_noise, draw_noise)
@@ -279,7 +262,7 @@ def _kernels():
                     sq_a += ak * ak
                     sq_u += u * u
                 yi = y[i]
-                res = -yi * (1.0 / (1.0 + np.exp(yi * f)))  # ∂ℓ/∂f = −y σ(−y f)
+                res = residual_from_exp(yi, np.exp(yi * f))  # ∂ℓ/∂f
                 if do_clip:  # ‖∇ℓ‖ = |res| √(1 + ‖a‖² + ‖u‖²(‖x‖² + 1)) (models/mlp.py)
                     norm = abs(res) * np.sqrt(1.0 + sq_a + sq_u * (x_norm[i] * x_norm[i] + 1.0))
                     res = res * (clip / max(norm, clip))
