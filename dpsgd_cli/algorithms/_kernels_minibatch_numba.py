@@ -11,11 +11,10 @@ from numba.extending import intrinsic
 from dpsgd_cli.models._logreg_numba import clip_residual, residual_from_exp
 
 # (row, cell) pairs the pair path takes together: their dots 8 at a time (`dots8`, `sparse_dots8`: 8 chains of adds
-# in flight), then their residuals in vector lanes (exp_fixed's latency once per PAIRS pairs, not per 8). Measured
-# at 1 cell, R = 1 on adult, against one-at-a-time sparse dots: 16 (1.56×) ≈ 32 (1.58×) > 64 (1.46×) > 8 (1.21×);
-# on dense rows 8 dots at a time ≥ 4 > 2 > 1.
+# in flight), then their residuals in vector lanes (exp_fixed's latency once per PAIRS pairs, not per 8); measured
+# best of 8/16/32/64 on adult.
 PAIRS = 16
-AHEAD = 4  # the batch row prefetched this many places ahead (random rows: measured 35 → 16 µs a step of dots)
+AHEAD = 4  # the batch row prefetched this many places ahead (random rows are latency-bound)
 
 
 @intrinsic

@@ -12,8 +12,8 @@ from numba.extending import intrinsic
 @numba.njit(cache=True, nogil=True)
 def fill_normals(g, out, r):
     """out[k, r, :] ← the next K·P standard normals of generator g, in the order of `g.standard_normal((K, P))`
-    (numba runs NumPy's ziggurat on g's own bit generator: the same numbers, ~3× faster here, and written straight
-    into the (K, R, P) block, without the per-replica arrays and their stacking)."""
+    (numba runs NumPy's ziggurat on g's own bit generator: the same numbers, written straight into the (K, R, P)
+    block, without the per-replica arrays and their stacking)."""
     K, P = out.shape[0], out.shape[2]
     for k in range(K):
         for p in range(P):
@@ -23,7 +23,7 @@ def fill_normals(g, out, r):
 # --- the same numbers with PCG64 inlined ------------------------------------------------------------------------
 # `fill_normals` calls g's bit generator through a function pointer per draw; here PCG64's step (numpy/random/src/
 # pcg64: state ← state · M + inc mod 2¹²⁸, output XSL-RR) is inlined into NumPy's ziggurat (distributions.c,
-# random_standard_normal, as numba transcribes it; its tables are numba's): ~20% faster per normal. The state is
+# random_standard_normal, as numba transcribes it; its tables are numba's). The state is
 # read from the generator once (`pcg64_state`) and then kept by the caller, who never draws from g again.
 try:
     from numba.np.random._constants import fi_double, ki_double, wi_double, ziggurat_nor_inv_r, ziggurat_nor_r
@@ -121,7 +121,7 @@ def _state_array(g: np.random.Generator) -> np.ndarray:
 @functools.lru_cache(maxsize=1)
 def pcg64_matches() -> bool:
     """Whether `fill_normals_pcg64` draws `Generator.standard_normal`'s numbers here, number for number (checked
-    once per process on 3 × 40,000 draws, ~4 ms: the ziggurat's tail and wedges included)."""
+    once per process on 3 × 40,000 draws: the ziggurat's tail and wedges included)."""
     if not ZIGGURAT_TABLES:
         return False
     for seed in (0, 7, 20240917):

@@ -26,7 +26,7 @@ Step sizes (`schedule`): `strongly_convex`: γ_t = 1/(s t) with s = λ (F is λ-
 paper's γ_t = ‖C‖₂/(G√t) with ‖C‖₂ = 2R the diameter of C and G² = dσ² + (l + λR)² ≥ E‖g_t‖² (the paper's
 G = √(pσ_P² + n²L²) on our scale, plus the regulariser's gradient); `auto`: strongly_convex if λ > 0 else convex.
 Radius R (`radius`): default l/λ (the minimiser of F satisfies ‖θ*‖ = ‖∇L(θ*)‖/λ ≤ l/λ) if λ > 0, else 10.
-Steps: T = round(epochs · n) (the paper's T = n² would be 30162² ≈ 9·10⁸ steps on adult).
+Steps: T = round(epochs · n) (the paper's T = n² is infeasible).
 Backend (`backend`): with logistic regression the steps run in the numba kernel of `kernels.py` when numba is
 installed (auto; `numpy` forces the chain): the same examples and noise draws, the same result.
 """
@@ -80,8 +80,8 @@ class BassilyParams(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _formula_default(cls, raw: Any) -> Any:
-        """`formula` acts only under closed_form; elsewhere an unset formula is pinned to 'paper', the default
-        before the lecture's became it, so that the run ids of unchanged mechanisms stay as they were."""
+        """`formula` acts only under closed_form; elsewhere an unset formula is pinned to 'paper', so that the
+        run ids of the other accountings do not depend on the closed form's default."""
         if isinstance(raw, dict) and "formula" not in raw and raw.get("accounting", "closed_form") != "closed_form":
             return {**raw, "formula": "paper"}
         return raw

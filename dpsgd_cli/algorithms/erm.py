@@ -1,7 +1,7 @@
 """Non-private reference: the minimiser of the regularised objective F (gives L* for the optimality gap).
 
 Convex models: one full-batch L-BFGS run from model.init (seed 0) gives the global minimum. Non-convex models
-(`mlp`): L* is no longer a global optimum; it is the best objective over `REFERENCE_STARTS` full-batch L-BFGS runs
+(`mlp`): L* is not a global optimum; it is the best objective over `REFERENCE_STARTS` full-batch L-BFGS runs
 from the initialisations of seeds 0..starts−1 (the same θ₀ a seed-s SGD run starts from), and the info records
 how it was obtained (every start's objective, iterations, convergence).
 
@@ -33,8 +33,8 @@ REFERENCE_VERSION = "1"  # part of the disk cache key: bump it when a change cou
 
 
 # L-BFGS settings. Convex: tight, the global minimum to ~machine precision. Non-convex: L-BFGS stops at a local
-# minimum (max |∂F/∂θ_j| ≤ gtol) or after `maxiter` iterations; on adult (P = 11,025) a start needs ~3,000 iterations
-# to converge (objective then stable to ~1e-8), so the capped L* is slightly above that local minimum.
+# minimum (max |∂F/∂θ_j| ≤ gtol) or after `maxiter` iterations, so the capped L* may lie slightly above that local
+# minimum.
 class LBFGSOptions(TypedDict):
     maxiter: int
     gtol: float
@@ -42,8 +42,8 @@ class LBFGSOptions(TypedDict):
 
 
 LBFGS_CONVEX: LBFGSOptions = {"maxiter": 20000, "gtol": 1e-9, "ftol": 1e-15}
-# Non-convex L*: a local optimum at best; capped so a Kang et al. grid computes it in about a minute per dataset
-# (uncapped: ~1000 s on adult, hours on kddcup99). Recorded as derived.optimum_method.
+# Non-convex L*: a local optimum at best; capped so a Kang et al. grid computes it in about a minute per dataset.
+# Recorded as derived.optimum_method.
 LBFGS_NONCONVEX: LBFGSOptions = {"maxiter": 300, "gtol": 1e-6, "ftol": 1e-13}
 
 
@@ -51,7 +51,7 @@ def minimize_objective(model: Model, X: np.ndarray, y: np.ndarray, theta0: np.nd
                        maxiter: int = 20000, gtol: float = 1e-9, ftol: float = 1e-15) -> tuple[np.ndarray, dict]:
     """Full-batch L-BFGS (tight tolerances by default) from θ0 (P,); returns (θ*, info)."""
 
-    from scipy.optimize import minimize  # ~0.15 s of imports, not needed when L* comes from the disk cache
+    from scipy.optimize import minimize  # imported here: not needed when L* comes from the disk cache
 
     def fun(flat: np.ndarray) -> tuple[float, np.ndarray]:
         value, grad = model.objective_and_gradient(flat[None, :], X, y)
@@ -183,7 +183,7 @@ def _verify(model: Model, X: np.ndarray, y: np.ndarray, starts: int, theta: np.n
     with np.errstate(all="ignore"):
         value, grad = model.objective_and_gradient(theta[None], X, y)
         # the starts' objectives only where their gradients are not used (a non-convex model: the backward pass
-        # is ~2/3 of an MLP's evaluation, ~2.5 s of the check on adult under load)
+        # is most of an MLP's evaluation)
         if model.convex:
             start_values, start_grads = model.objective_and_gradient(inits, X, y)
         else:

@@ -1,24 +1,19 @@
 """Numba kernels for the loops over single examples that cannot be vectorised (optional: `pip install 'dpsgd[numba]'`).
 
-Only where one example per step is inherent: `song2013` with b = 1 and `bassily2014` (one uniformly drawn example
-per step). Their per-step work is a few d-vectors, so the NumPy chain spends ~25 µs per step in Python and array
-overhead; the kernel runs a whole pass (or a chunk of at most `CHUNK_ELEMENTS` noise numbers) in one call.
-`pidp_sgd`'s rounds with one example per step (its default) are such chains too, their noise a `masked_noise`
-transform (the round's noise decisions, computed in NumPy before the round); on the one-hidden-layer MLP, which
-only pidp_sgd's chains bring here (`GradientChain.mlp_kernel`), `sgd1_mlp` runs the same step on the
-MLP's gradient (models/mlp.py: forward, ∂ℓ/∂f, the per-example norm for the clip, then every parameter updated in
-θ's layout order with its noise draw), where a NumPy step costs ~2 ms for P = 11,025 (adult). The mini-batch step of
-logistic-regression chains (`dp_sgd`, `sgd`, `song2013` with b > 1) has its own kernel, kernels_minibatch.py;
-`pidp_sgd` with Poisson batches and the MLP's mini-batches stay vectorised NumPy.
+Only where one example per step is inherent: `song2013` with b = 1, `bassily2014`, and `pidp_sgd`'s rounds with
+one example per step (their noise a `masked_noise` transform, the decisions computed in NumPy before the round).
+A step's work is a few d-vectors, dominated by NumPy's per-call overhead; the kernel runs a whole pass (or at most
+`CHUNK_ELEMENTS` noise numbers) in one call. On the one-hidden-layer MLP, which only pidp_sgd's chains bring here
+(`GradientChain.mlp_kernel`), `sgd1_mlp` runs the same step on the MLP's gradient (models/mlp.py), every parameter
+updated in θ's layout order with its noise draw.
 
 Same random numbers on both paths: the sampling indices and the noise are drawn with NumPy from the replica
 streams exactly as the NumPy samplers draw them (same generators, same calls, same block sizes: a permutation
 per pass, `integers` / noise draws in blocks of `BLOCK_STEPS` steps) and passed into the kernel, or, for standard
 normal noise (`bassily2014`), drawn inside the kernel from the same generators (numba's support for
-`np.random.Generator` runs NumPy's own ziggurat on the same bit generator: the same numbers, in the same order,
-without the 8-byte-per-number buffer; tests/test_kernels.py checks the equality), so a seed gives
-the same run whichever backend trains it (equal up to floating-point summation order, ~1e-15 relative per
-step; tests/test_kernels.py asserts rtol 1e-12).
+`np.random.Generator` runs NumPy's own ziggurat on the same bit generator: the same numbers, in the same order),
+so a seed gives the same run whichever backend trains it (equal up to floating-point summation order;
+tests/test_kernels.py asserts rtol 1e-12).
 
 The update of one step, for replica r, example i = idx[t, r] (logistic regression, ℓ = log(1 + e^{−y θ·x})):
 
@@ -173,7 +168,7 @@ def _kernels():
     @numba.njit(cache=True, nogil=True, inline="always")
     def _step_noise(zs, gen, noise, t, r, do_noise, draw_noise):  # pragma: no cover
         """zs ← the step's P standard normals (whenever there is noise, masked or not): drawn from `gen` in
-        coordinate order (the order the update used to draw them in), or noise[t, r]."""
+        coordinate order, or noise[t, r]."""
         if do_noise:
             for p in range(zs.shape[0]):
                 zs[p] = gen.standard_normal() if draw_noise else noise[t, r, p]
@@ -182,7 +177,7 @@ def _kernels():
     def _update(theta_p, g, z, noisy, noise_std, batch_scale, l2, eta):  # pragma: no cover
         """One coordinate of a single-example step (sgd1_logreg, sgd1_mlp): the new θ_p = θ_p − η((g + s z)·scale
         + λθ_p) (z only on noisy steps). Scalars in, scalar out: with θ, the noise and the generator as arguments
-        (drawing inside) the coordinate loop ran 3–8× slower (measured: 2.0 vs 0.56 µs a step, d = 104)."""
+        (drawing inside) the coordinate loop runs 3–8× slower."""
         if noisy:
             g = g + noise_std * z
         g = g * batch_scale
@@ -318,7 +313,7 @@ def single_example_sgd(theta: np.ndarray, X: np.ndarray, y: np.ndarray, indices:
     standard draws (None: no noise); noise_generators: instead of `noise`, one generator per replica whose standard
     normals (d per step, in order) the kernel draws itself: the numbers `block_draws(streams, purpose, lambda g, k:
     g.standard_normal((k, d)))` yields (numba's Generator support runs NumPy's ziggurat on the same bit
-    generator), never materialised (measured ~3× faster than NumPy drawing the blocks); noise_mask: (steps, R)
+    generator), never materialised; noise_mask: (steps, R)
     bool, noise only on the True steps (pidp_sgd; the draws are consumed on every step either way);
     checkpoints: a `chain.Checkpoints` (one example per step, counted from its `offset`), recorded as
     `GradientChain.run` does; x_norm: ‖x_i‖ of every row (`rows.row_norms(X)`) when the caller has it already.

@@ -1,9 +1,9 @@
 """The compiled full-batch step of logistic-regression chains (numba; optional: `pip install 'dpsgd[numba]'`).
 
 `noisy_gd` is full-batch gradient descent: every step reads all of X for every replica (and, fused, every cell).
-The NumPy chain does a gemv per replica and step (X read R times a step, memory-bound: ~5 ms a replica-step on
-adult); one gemm over the replicas would read it once but OpenBLAS rounds a row of a gemm differently with the
-number of rows (docs/design.md, the bit-for-bit rule). `gd_logreg` (_kernels_fullbatch_numba.py) reads each row
+The NumPy chain does a gemv per replica and step (X read R times a step, memory-bound); one gemm over the
+replicas would read it once but OpenBLAS rounds a row of a gemm differently with the number of rows
+(docs/design.md, the bit-for-bit rule). `gd_logreg` (_kernels_fullbatch_numba.py) reads each row
 of X once a step for all the (chain, replica) columns of the call, and computes each column's numbers in an order
 that does not depend on the others (a plain sum over the features for θ·x, over the rows for the gradient; the loops
 across columns are elementwise, vectorised without reassociation):

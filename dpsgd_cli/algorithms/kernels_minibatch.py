@@ -1,8 +1,7 @@
 """The compiled mini-batch step of logistic-regression chains (numba; optional: `pip install 'dpsgd[numba]'`).
 
 `dp_sgd`, `sgd` and `song2013` with b > 1 on `LogisticRegression` are `GradientChain`s whose NumPy step is
-~15–20 array calls from Python (gather the batch, margins, residual, clip, clipped sum, noise, scale, λθ,
-update, projection): ~60–80 µs a step on adult, ~10× the work. `mb_logreg` runs many steps per call, reading
+~15–20 array calls from Python, most of its time overhead. `mb_logreg` runs many steps per call, reading
 the batch rows from X by index (no gather), for every chain that shares the batch stream (a fused task):
 
     for each replica r and step t:  for each row i of the step's batch, for each chain c:
@@ -51,7 +50,7 @@ from dpsgd_cli.algorithms.kernels import CHUNK_ELEMENTS, schedule_values
 from dpsgd_cli.algorithms.sampling import IndexedBatches
 
 ORDER = ("noise", "scale", "l2")  # the kernel's order of the transforms
-LANES_FROM = 3  # from this many cells on one batch stream, they are the kernel's vector lanes (measured: 2 → 3 faster)
+LANES_FROM = 3  # from this many cells on one batch stream, they are the kernel's vector lanes (measured best)
 
 
 def lane_cells(C: int) -> int:

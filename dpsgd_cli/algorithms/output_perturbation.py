@@ -81,7 +81,7 @@ def calibrate_output_noise(sensitivity: float, epsilon: float, delta: float, cal
         failure, achieved = None, None
     else:
         raise UserError(f"calibration must be 'classic' or 'analytic', got {calibration!r}")
-    from dp_accounting import get_epsilon_gaussian  # ~1 s of imports: only when this algorithm runs
+    from dp_accounting import get_epsilon_gaussian  # imported here: only when this algorithm runs
 
     exact = float(get_epsilon_gaussian(sigma / sensitivity, delta))
     if calibration == "analytic":

@@ -65,7 +65,7 @@ Readings of the text (documented choices):
 
 Non-paper variants, kept named and labelled in `derived.deviations`:
 
-* `rule: l2_radius`: the earlier implementation's test ‖2c + N(0, σ_c² I)‖ ≤ r with ‖c‖ = ‖c_z‖ + E, which uses
+* `rule: l2_radius`: the test ‖2c + N(0, σ_c² I)‖ ≤ r with ‖c‖ = ‖c_z‖ + E, which uses
   neither ε₁ nor δ₁ and appears nowhere in the paper (sampled exactly through the norm: ‖2c + b‖² =
   (2‖c‖ + σ_c Z)² + σ_c² χ²_{m−1}).
 * `sampling: poisson`: Poisson mini-batches of expected size B (`batch_size`) and σ of `dp_sgd` (§5.3: "We only
@@ -216,7 +216,7 @@ def skip_probability_bound(rule: str, dim: int, sigma_c: float, threshold: float
         factor = float(_interval_probability((-threshold - 2.0 * E) / sigma_c, (threshold - 2.0 * E) / sigma_c))
         return float(math.exp(dim * math.log(factor))) if factor > 0 else 0.0
     x, nc = (threshold / sigma_c) ** 2, (2.0 * E / sigma_c) ** 2
-    from scipy.stats import chi2, ncx2  # scipy.stats: ~0.35 s of imports, only for this bound
+    from scipy.stats import chi2, ncx2  # imported here: slow to import, and only this bound needs it
 
     return float(ncx2.cdf(x, dim, nc) if nc > 0 else chi2.cdf(x, dim))
 

@@ -59,7 +59,7 @@ class ReplicaStreams:
         block, unreferenced = None, 0
         while True:
             # refill the last block when no step of it is referenced any more (its views hold it: a caller may
-            # keep a draw), else a fresh one (a fresh 5–50 MB block costs its page faults, ~20% of the draw). The
+            # keep a draw), else a fresh one (a fresh block costs its page faults). The
             # count of a block nobody else holds is read here, just after allocating it, not assumed: it depends on
             # the interpreter (CPython 3.14 borrows references that 3.11 counts)
             if block is None or sys.getrefcount(block) > unreferenced:
