@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from dp_accounting.privacy_accountant import NeighboringRelation
 
 
-# dp-accounting (with scipy.stats and scipy.signal, ~1 s of imports) only when an accountant runs: a run whose
+# dp-accounting (with scipy.stats and scipy.signal, slow to import) only when an accountant runs: a run whose
 # σ all come from the disk cache never imports it
 dp_event = LazyModule("dp_accounting.dp_event")
 _rdp_lib = LazyModule("dp_accounting.rdp.rdp_privacy_accountant")
@@ -204,7 +204,7 @@ def rdp_epsilon_and_order(event: DpEvent, delta: float,
 
 def dpsgd_rdp_epsilon(sigma: float, sample_rate: float, steps: int, delta: float) -> tuple[float, float]:
     """(ε, optimal order) of :func:`dpsgd_event` by the RDP accountant, without building the event: the library's
-    numbers bit for bit (:mod:`dpsgd_cli.privacy.rdp`), ~50-100x faster and without importing dp-accounting."""
+    numbers bit for bit (:mod:`dpsgd_cli.privacy.rdp`), without importing dp-accounting."""
     return _rdp_native.dpsgd_epsilon_and_order(sigma, sample_rate, steps, delta, RDP_BASE_ORDERS, RDP_EXTENSION_ORDERS)
 
 
@@ -217,8 +217,7 @@ def _rdp_epsilon_loud(event: DpEvent, delta: float, relation: NeighboringRelatio
     return _rdp_native.min_over_orders(epsilons, RDP_BASE_ORDERS, RDP_EXTENSION_ORDERS)
 
 
-# Beyond these the PLD's discretised support does not fit in memory or time (measured: σ = 0.01, q = 0.01,
-# T = 100 takes 13 s; q = 1, T = 1e5 takes 29 s; σ = 1e-3 or T = 1e12 end in MemoryError); RDP has no such limit.
+# Beyond these the PLD's discretised support does not fit in memory or time; RDP has no such limit.
 PLD_MIN_SIGMA = 0.05
 PLD_MAX_COMPOSITIONS = 10**6
 
@@ -407,7 +406,7 @@ def _sigma_guess(target: float, delta: float, q: float, steps: int) -> float:
     return max(0.5, q * math.sqrt(2.0 * steps * math.log(1.0 / delta)) / target)
 
 
-CALIBRATION_VERSION: str = "2"  # 2: sigma on the EpsilonCurve lattice (1: Brent's method per target)
+CALIBRATION_VERSION: str = "2"
 """Version of the calibration code (the lattice, :func:`calibrate_sigma`, the order grid, the PLD rule): part of
 every on-disk calibration key, so bump it whenever a change could alter a calibrated sigma."""
 
@@ -494,7 +493,7 @@ def calibrate_sigma(
     return cached(_cache_key(target, d, q, t, name, neighbours),
                   lambda: _calibrate_sigma(target, d, q, t, name, neighbours),
                   lambda stored: _verified(Calibration(**stored), target, d, q, t, name, neighbours),
-                  # the fields are flat: a copy of them, not dataclasses.asdict's deep copy (~20 µs a write)
+                  # the fields are flat: a copy of them, not dataclasses.asdict's deep copy
                   lambda cal: dict(vars(cal)))
 
 

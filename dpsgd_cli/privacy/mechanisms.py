@@ -17,7 +17,7 @@ from dpsgd_cli.errors import UserError
 from dpsgd_cli.lazy import LazyModule
 from dpsgd_cli.privacy import _validate as check
 
-# imported on first use (dp-accounting ~1 s): the algorithm registry imports this module for every run
+# imported on first use (dp-accounting is slow to import): the algorithm registry imports this module for every run
 _dp = LazyModule("dp_accounting")
 optimize = LazyModule("scipy.optimize")
 

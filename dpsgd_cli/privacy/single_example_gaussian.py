@@ -53,7 +53,7 @@ from dpsgd_cli.privacy.mechanisms import (advanced_composition, advanced_composi
 if TYPE_CHECKING:
     from dp_accounting.dp_event import DpEvent
 
-# dp-accounting (~1 s of imports) on first use: a run whose calibrations come from the disk cache never imports it
+# dp-accounting (slow to import) on first use: a run whose calibrations come from the disk cache never imports it
 _dp = LazyModule("dp_accounting")
 _events = LazyModule("dp_accounting.dp_event")
 
@@ -182,9 +182,9 @@ def pld_epsilon(noise_multiplier: float, n: int, steps: int, delta: float) -> tu
     """(ε, discretisation h) of `pld_event`, pessimistic; h = PLD_RHO_SINGLE_EXAMPLE·ε/√T snapped to 10^(−k/4), by
     the fixed-point rule of `dpsgd_cli.privacy.accounting` (each pass is an upper bound).
 
-    ρ = 0.04 instead of the shared 0.005: with T ~ 10⁵ steps the shared rule costs 5-10 s per evaluation
-    (h ~ 1e-5) and ~1-3 min per calibration; measured on adult (T = 5n, z = 0.63) h = 1e-4 (ρ ≈ 0.04) is within
-    0.3 % of h = 1e-5, and every h gives an upper bound (pessimistic rounding), so a coarser h only adds noise."""
+    ρ = 0.04 instead of the shared 0.005: with T ~ 10⁵ steps the shared rule's h ~ 1e-5 is far slower, and on
+    adult h = 1e-4 is within 0.3 % of it; every h gives an upper bound (pessimistic rounding), so a coarser h only
+    adds noise."""
     event = pld_event(noise_multiplier, n, steps)
 
     def once(h: float) -> float:
