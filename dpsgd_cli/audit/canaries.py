@@ -7,7 +7,7 @@ Three kinds, each a property of the data and the model's inputs (the optimizer t
   is tight. Scores: the last iterate's projection, and from every iterate the per-step likelihood-ratio statistic
   (`step_likelihood_ratio`, Nasr et al. 2023).
 
-Two kinds (the worlds "in" and "out" always hold the same number of records, n + m):
+The other two (the worlds "in" and "out" always hold the same number of records, n + m):
 - `input`: a real record (x_c, y_c), ‖x_c‖ = 1 along the direction the training data uses least (the smallest
   right singular vector of X), y_c the label whose gradient is largest at the non-private optimum. Out: the
   null record (0, 0), whose loss gradient is 0 for every θ (∇ℓ ∝ y for the logistic loss of both models): for

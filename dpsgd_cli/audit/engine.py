@@ -44,7 +44,7 @@ SEES = {"black-box, last iterate": "final output", "white-box, last iterate": "f
 VERDICTS = ("refuted", "consistent", "uninformative", "not covered")
 # Steinke, Nasr, Jagielski 2023 need canaries that do not interfere: each its own coordinate (their white-box
 # canaries are Dirac gradients too). A record in input space has none, and m gradient canaries along directions the
-# data uses mix with the data's gradients and with each other (AUC 0.53 with 1,000 of them in 5 parameters).
+# data uses mix with the data's gradients and with each other.
 ONE_RUN_REFUSAL = ("statistic: one_run needs canaries: [dirac] (one unused input coordinate per canary, pooled "
                    "over the trials); input and gradient canaries share the data's coordinates")
 

@@ -148,10 +148,10 @@ def order_p_value(k: int, n_in: int, j: int, n_out: int, epsilon: float, delta: 
     out-scores (the j-th smallest of n_out uniforms) and stochastically smaller with ties; given t the in-count is
     Binomial(n_in, TPR) with TPR ≤ e^ε F + δ (Kairouz, Oh, Viswanath 2015). So P[in-count ≥ k] ≤
     p = ∫ P[Bin(n_in, min(1, e^ε x + δ)) ≥ k] dBeta(x), the integrand increasing in x. One exact test instead of a
-    Clopper–Pearson bound on each rate (the union of two): with 2 × 5,000 trials it lifts the bound on one Gaussian
-    step at ε = 1 by about 0.1. The integral is bracketed by the lower and upper Riemann–Stieltjes sums of a
-    partition of [0, 1] (the Beta's quantiles and the points where the binomial tail moves), refined until the
-    two fall on one side of `alpha` or agree to `rtol`; the upper one is a valid p-value."""
+    Clopper–Pearson bound on each rate (the union of two), so a higher bound. The integral is bracketed by the
+    lower and upper Riemann–Stieltjes sums of a partition of [0, 1] (the Beta's quantiles and the points where the
+    binomial tail moves), refined until the two fall on one side of `alpha` or agree to `rtol`; the upper one is a
+    valid p-value."""
     if k <= 0:
         return 1.0, 1.0
     c = float(np.exp(epsilon))
