@@ -44,7 +44,7 @@ from dpsgd_cli.data.synthetic import make_synthetic
 from dpsgd_cli.errors import DataError
 
 # Bump whenever a change of this package changes the arrays a spec yields:
-# it is part of the processed-cache key, so old cache files are no longer used.
+# it is part of the processed-cache key, so cache files of another version are never read.
 PREPROCESSING_VERSION = "2"
 
 ARRAYS = ("X_train", "y_train", "X_test", "y_test")
@@ -231,7 +231,7 @@ def _read_stored_arrays(fh) -> dict[str, np.ndarray]:
 def _read_processed(path: Path, key: str) -> tuple[Optional[dict[str, np.ndarray]], str]:
     """(arrays, "") of a processed cache file; (None, why) if absent, unreadable, for another key, or if its
     arrays do not match the checksum stored with them (tampered or corrupt). The checksum is recomputed on every
-    read (~0.07 s for kang_lr's three sets): a stat-based stamp would miss a bit flipped in place."""
+    read: a stat-based stamp would miss a bit flipped in place."""
     try:
         # one open: a file replaced meanwhile cannot pair one file's key with another's arrays
         with open(path, "rb") as fh:

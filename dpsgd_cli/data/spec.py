@@ -49,7 +49,8 @@ class DatasetSpec(BaseModel):
 
     @model_serializer(mode="wrap")
     def _omit_default_order(self, handler):
-        """`order` at its default is left out of dumps, so run ids and cache keys of older specs stay as they were."""
+        """`order` at its default is left out of dumps, so the run ids and cache keys of specs that leave it at its
+        default do not depend on the key."""
         data = handler(self)
         if isinstance(data, dict) and self.order == "project_then_ball":
             data.pop("order", None)
