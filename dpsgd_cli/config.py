@@ -532,7 +532,7 @@ class Cell(_Strict):
         for name in ALGORITHMS[self.algorithm.name].execution_params:
             data["algorithm"]["params"].pop(name, None)
         for name, default in (("dtype", "float64"), ("validation", None), ("tuning", None), ("neighbours", None)):
-            if data[name] == default:  # the default keeps the run ids results had before the key existed
+            if data[name] == default:  # a key at its default is left out: run ids do not depend on it
                 data.pop(name)
         return data
 
@@ -664,7 +664,7 @@ class GridLoader(yaml.reader.Reader, yaml.scanner.Scanner, yaml.parser.Parser, y
 FastGridLoader: type = GridLoader  # PyYAML built without libyaml
 if getattr(yaml, "__with_libyaml__", False):
     class LibyamlGridLoader(yaml.cyaml.CParser, _GridConstructor, _GridResolver):
-        """GridLoader on libyaml's parser (~10× faster on experiments.yaml; same constructor and resolver)."""
+        """GridLoader on libyaml's parser (faster; the same constructor and resolver)."""
 
         def __init__(self, stream: Any) -> None:
             yaml.cyaml.CParser.__init__(self, stream)

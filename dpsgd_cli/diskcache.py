@@ -43,7 +43,7 @@ def cache_folder(name: str) -> Path | None:
     return cache_dir() / ".cache" / name
 
 
-ENTRY_FORMAT = 2  # 2: entries carry a checksum; an entry of another format has another file name (a miss)
+ENTRY_FORMAT = 2  # an entry of another format has another file name (a miss)
 
 
 def entry_path(folder: Path, key: dict) -> Path:
@@ -142,7 +142,7 @@ def _write_now(folder: Path, key: dict, field: str, value: Any) -> None:
         text = json.dumps({"key": key, field: value, "sha256": _checksum(key, field, value)})
         path = entry_path(folder, key)
         # a name no other live writer uses (pid, a random token per process, a counter), created exclusively;
-        # cheaper than tempfile's first call (~0.4 ms: it seeds a random name generator)
+        # cheaper than tempfile's first call, which seeds a random name generator
         name = path.with_name(f"{path.stem}.{os.getpid()}.{_process_token()}.{next(_tmp_counter)}.tmp")
         fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         tmp = name

@@ -14,7 +14,7 @@ class LazyModule:
         self._name = name
 
     def __getattr__(self, attr: str) -> Any:
-        if attr == "_module":  # the first access: import (importlib's lookup costs ~3 µs a call, in hot loops)
+        if attr == "_module":  # the first access: import once (importlib's lookup is too slow for hot loops)
             self._module: ModuleType = importlib.import_module(self._name)
             return self._module
         return getattr(self._module, attr)

@@ -274,7 +274,7 @@ RELATIONS = {"add_remove": "add/remove", "replace_one": "replace-one"}
 def relation_phrases(private: pd.DataFrame) -> list[str]:
     """The neighbouring relation the private rows' ε hold under: one phrase, or a warning naming each algorithm's
     relation where they differ (their ε are then not comparable)."""
-    if "neighbours" not in private or not private["neighbours"].notna().any():  # results from before the column
+    if "neighbours" not in private or not private["neighbours"].notna().any():  # results written without the column
         return []
     by_relation = {rel: sorted({names.algorithm(a) for a in rows["algorithm"]})
                    for rel, rows in private.groupby(private["neighbours"].fillna("unrecorded").astype(str))}
