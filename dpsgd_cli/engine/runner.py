@@ -21,7 +21,7 @@ import numpy as np
 
 from dpsgd_cli import __version__, diskcache
 from dpsgd_cli.algorithms import ALGORITHMS, Setting
-from dpsgd_cli.algorithms.base import Algorithm, Prepared
+from dpsgd_cli.algorithms.base import Algorithm, Outcome, Prepared
 from dpsgd_cli.algorithms.chain import train_together
 from dpsgd_cli.algorithms.erm import known_reference, reference_minimum, reference_start, reference_starts
 from dpsgd_cli.models.rows import cached_astype
@@ -32,7 +32,7 @@ from dpsgd_cli.engine.analytic import write_analytic_tables
 from dpsgd_cli.engine.results import COLUMNS, ResultStore, ResultsWriteError, now, release_lock
 from dpsgd_cli.engine.selection import base_epsilon
 from dpsgd_cli.errors import UserError
-from dpsgd_cli.models import make_model
+from dpsgd_cli.models import Model, make_model
 from dpsgd_cli.privacy.accounting import calibrate_sigma
 
 
@@ -56,7 +56,10 @@ def resolve_delta(delta: Any, n: int) -> float:
 def setting_of(cell: Cell, data: Dataset) -> Setting:
     """The algorithm's setting; a candidate of a calibrated private selection trains at its base ε."""
     delta = resolve_delta(cell.delta, data.n)
-    epsilon = base_epsilon(cell.tuning, cell.epsilon, data.n, delta) if cell.tuning else cell.epsilon
+    epsilon = cell.epsilon
+    if cell.tuning:
+        assert epsilon is not None  # a calibrated selection is for an ε (config's SelectSpec)
+        epsilon = base_epsilon(cell.tuning, epsilon, data.n, delta)
     return Setting(n=data.n, d=data.d, delta=delta, l2=cell.l2, epsilon=epsilon,
                    batch_size=cell.batch_size, lr=cell.lr, epochs=cell.epochs, clip_norm=cell.clip_norm,
                    trace_every=cell.trace_every)
@@ -90,7 +93,7 @@ def optimum_args(cell: Cell) -> tuple:
     return (cell.dataset, cell.model.name, json.dumps(cell.model.options, sort_keys=True), cell.l2, cell.validation)
 
 
-def _optimum_model(args: tuple):
+def _optimum_model(args: tuple) -> tuple[Model, np.ndarray, np.ndarray]:
     """(model, X, y) whose reference minimum L* is (`reference_optimum`'s)."""
     spec, model_name, model_options, l2, validation = args
     data = dataset(spec, validation)
@@ -260,7 +263,8 @@ def _run_fused(task: Task) -> TaskResult:
     start = time.perf_counter()
     model, X, y = _training_data(task.cell, data)  # the same for every cell of the task (the fusion key)
     streams = SharedStreams(task.seeds)
-    prepared, results = {}, {}
+    prepared: dict[str, Prepared] = {}
+    results: dict[str, Outcome | str] = {}
     calibrate_ahead(task.cells, data)  # an ε axis on one accountant curve, loosest first (in the task's time)
     for cell in task.cells:
         try:

@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Iterator, Literal, Optional
+from typing import Any, Iterator, Literal, Optional
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 from scipy.special import expit
 
 from dpsgd_cli.models.base import Batch, Model, logistic_loss
+from dpsgd_cli.models.rows import IndexedBatch, RowNonzeros
 
 Activation = Literal["tanh", "relu", "sigmoid"]
 # Full-data passes are cut into blocks of examples so that an (R, block, h) temporary holds at most this many numbers.
@@ -226,12 +227,12 @@ class MLP(Model):
             split = self._clipped_grad_sum_per_replica(theta, batch, clip)
             return split if split is not None else \
                 self._backward(theta, batch.X, batch.y, batch.weight, clip, batch.x_norm)[0]
-        kernels, nz = sparse
+        kernels, nz, batch_rows = sparse
         W1, b1, w2, b2 = self.unpack(theta)
-        R, (M, h, d) = theta.shape[0], (batch.rows.shape[1], self.hidden, self.d)
-        packed = _scratch("rows", (*batch.rows.shape, nz.packed.shape[1]), nz.packed.dtype)
+        R, (M, h, d) = theta.shape[0], (batch_rows.shape[1], self.hidden, self.d)
+        packed = _scratch("rows", (*batch_rows.shape, nz.packed.shape[1]), nz.packed.dtype)
         # the batch's nonzeros, gathered by NumPy (see _mlp_numba); the rows are valid, and mode "raise" would copy
-        rows = nz.split(np.take(nz.packed, batch.rows, axis=0, out=packed, mode="clip"))
+        rows = nz.split(np.take(nz.packed, batch_rows, axis=0, out=packed, mode="clip"))
         z, u = _scratch("z", (R, M, h), theta.dtype), _scratch("u", (R, M, h), theta.dtype)
         kernels.hidden(*rows, np.ascontiguousarray(W1.transpose(0, 2, 1)), np.ascontiguousarray(b1), z)
         a = _activate(self.activation, z, derivative=False)[0]
@@ -319,23 +320,25 @@ def _scratch(name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
     too small): the row-sparse step's MB-sized temporaries, which fresh each step cost ~90 page faults a step
     (glibc hands freed top-of-heap memory back to the kernel), ~4% of the MLP's step at R = 10."""
     size = math.prod(shape)
-    pool = _SCRATCH.__dict__
+    pool: dict[tuple[str, np.dtype], np.ndarray] = _SCRATCH.__dict__.setdefault("pool", {})
     buffer = pool.get((name, np.dtype(dtype)))
     if buffer is None or buffer.size < size:
         buffer = pool[(name, np.dtype(dtype))] = np.empty(size, dtype)
     return buffer[:size].reshape(shape)
 
 
-def _row_sparse(batch: Batch, theta: np.ndarray):
-    """(the numba kernels, the data's `RowNonzeros`) when the batch may be read row-sparse: cut from a dataset
+def _row_sparse(batch: Batch, theta: np.ndarray) -> Optional[tuple[Any, RowNonzeros, np.ndarray]]:
+    """(the numba kernels, the data's `RowNonzeros`, the batch's rows (R, M)) when the batch may be read row-sparse:
+    cut from a dataset
     (`rows.IndexedBatch`; a chain hands its model one only where its backend allows the compiled step) whose
     rows are sparse enough, θ of the data's dtype, numba importable; else None (the dense NumPy path)."""
-    nonzeros = getattr(batch, "nonzeros", None)
-    nz = nonzeros() if nonzeros is not None else None
+    if not isinstance(batch, IndexedBatch):
+        return None
+    nz = batch.nonzeros()
     if nz is None or nz.dtype != theta.dtype:
         return None
     try:
         from dpsgd_cli.models import _mlp_numba
     except Exception:  # numba missing or broken: the NumPy path gives the same numbers up to summation order
         return None
-    return _mlp_numba, nz
+    return _mlp_numba, nz, batch.rows
