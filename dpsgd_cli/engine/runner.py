@@ -531,15 +531,12 @@ def _results(tasks: list[Task], jobs: int) -> Iterator[TaskResult]:
 
 def calibrate_ahead(cells: Sequence[Cell], data: Dataset, accountants: Sequence[str] = ("rdp", "pld")) -> None:
     """σ of every cell (training on `data`) that calibrates DP-SGD's noise by one of `accountants`: one accountant
-    curve per (δ, q, T, accountant), walked loosest target first (its points are the cheapest, and they predict the
-    next target's σ). A fused task does this at its start; with `--jobs N` the driver does it for the RDP curves
-    before forking, so the workers receive σ (~50 ms an ε axis since RDP is computed natively; measured on kang_lr,
-    5 seeds, calibration cold, 9 interleaved triples, medians: `--jobs 1` 4.07 s, `--jobs 2` 3.69 s with the
-    driver's walk and 3.72 s without; a task split by `spread` would otherwise walk its curve in both halves).
-    PLD curves (~0.1 s an evaluation) stay in the workers, which walk them in parallel: serially in the driver,
-    cold curves made `--jobs 2` slower than `--jobs 1` (as RDP did, 1.35×, when it took ~2 s an axis). σ is the
-    same wherever and in whatever order it is computed (`EpsilonCurve`); a target that fails here fails again
-    when its cell prepares, which records the error."""
+    curve per (δ, q, T, accountant), loosest target first (its points are the cheapest; points two targets share are
+    evaluated once). A fused task does this at its start; with `--jobs N` the driver does it for the RDP curves
+    before forking (RDP is native and fast), so the workers receive σ and a task split by `spread` does not walk
+    its curve in both halves. PLD curves (~0.1 s an evaluation) stay in the workers, which walk them in parallel.
+    σ is the same wherever and in whatever order it is computed (`EpsilonCurve`); a target that fails here fails
+    again when its cell prepares, which records the error."""
     wanted: dict[tuple, set[float]] = {}
     for cell in cells:
         try:
