@@ -376,6 +376,12 @@ def test_epsilon_curve_on_known_functions():
         acc.EpsilonCurve(lambda s: (math.nan, None)).calibrate(1.0)
     with pytest.raises(RuntimeError, match="converge in 3"):
         acc.EpsilonCurve(lambda s: (3.0 / s, None), max_evaluations=3).calibrate(0.5)
+    # the evaluation budget is per target: a curve serves any number of targets (an ε axis, a selection's search)
+    shared = acc.EpsilonCurve(lambda s: (3.0 / s, None), max_evaluations=40)
+    targets = np.geomspace(0.05, 7.0, 25)
+    assert [shared.calibrate(t).sigma for t in targets] == [
+        acc.EpsilonCurve(lambda s: (3.0 / s, None)).calibrate(t).sigma for t in targets]
+    assert shared.evaluations > 40
     with pytest.raises(UserError, match="sigma_min"):
         acc.EpsilonCurve(lambda s: (1.0 / s, None), sigma_min=2.0, sigma_max=1.0)
 

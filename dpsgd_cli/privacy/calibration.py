@@ -221,7 +221,8 @@ class EpsilonCurve:
         if not self._k_min < self._k_max:
             raise UserError(f"sigma_min must be < sigma_max, got {s_min!r} and {s_max!r}")
         self.sigma_range = (s_min, s_max)
-        self.max_evaluations = max_evaluations
+        self.max_evaluations = max_evaluations  # per target: the curve's points outlive any one search
+        self._limit = max_evaluations
         self.context = context
         self.points: dict[float, float] = {}  # x = log sigma -> epsilon
         self.info: dict[float, object] = {}  # sigma -> info
@@ -235,7 +236,7 @@ class EpsilonCurve:
     def epsilon(self, x: float) -> float:
         """epsilon at sigma = exp(x), evaluated once per curve."""
         if x not in self.points:
-            if self.evaluations >= self.max_evaluations:
+            if self.evaluations >= self._limit:
                 raise RuntimeError(f"calibration did not converge in {self.max_evaluations} evaluations{self.context}")
             self.evaluations += 1
             sigma = math.exp(x)
@@ -254,6 +255,7 @@ class EpsilonCurve:
         target = check.positive("target_epsilon", target_epsilon)
         guess = math.log(check.positive("sigma_guess", sigma_guess)) / LATTICE_STEP
         start = self.evaluations
+        self._limit = start + self.max_evaluations
         k_above, k_below = self._bracket(target, min(self._k_max, max(self._k_min, round(guess))))
         if k_above is None:  # already sigma_min is private enough
             e = self._at(k_below)
