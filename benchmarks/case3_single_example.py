@@ -100,8 +100,8 @@ def run(ctx) -> list[Row]:
         kdd = load(SONG_DATA)
         setting = logreg_setting(kdd, batch_size=1, lr=1.0, l2=1e-3, epsilon=1.0, clip_norm=None)
         streams = ReplicaStreams([0])
-        draws = [lambda: kernels._Reader(kernels.block_draws(
-                     streams, "noise", lambda g, k: gamma_norm_noise(g, setting.epsilon, kdd.d, size=k))),
+        draws = [lambda: kernels._Reader(streams.blocks(
+                     "noise", lambda g, k: gamma_norm_noise(g, setting.epsilon, kdd.d, size=k))),
                  lambda: shuffled_batches(kdd.X_train, kdd.y_train, 1, streams)]
         rows.append(_pair(ctx, "3a", what, "song2013", {}, kdd, setting, _rng_seconds(draws, kdd.n)))
     except Skip as skip:
@@ -113,8 +113,7 @@ def run(ctx) -> list[Row]:
         adult = load({"name": "adult"})
         setting = logreg_setting(adult, batch_size=None, lr=None, clip_norm=None)
         streams = ReplicaStreams([0])
-        draws = [lambda: kernels._Reader(kernels.block_draws(streams, "noise",
-                                                             lambda g, k: g.standard_normal((k, adult.d)))),
+        draws = [lambda: kernels._Reader(streams.blocks("noise", lambda g, k: g.standard_normal((k, adult.d)))),
                  lambda: uniform_examples(adult.X_train, adult.y_train, streams)]
         rows.append(_pair(ctx, "3b", what, "bassily2014", {}, adult, setting, _rng_seconds(draws, adult.n),
                           "drawing its random numbers with NumPy into blocks (the kernel draws its normals itself, "

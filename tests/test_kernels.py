@@ -116,7 +116,7 @@ def test_schedule_values_match_step_by_step_calls():
 
 def test_block_draws_consume_the_streams_like_the_numpy_step():
     streams = ReplicaStreams([4, 9])
-    noise = kernels._Reader(kernels.block_draws(streams, "noise", lambda g, k: g.standard_normal((k, 3)))).take(70)
+    noise = kernels._Reader(streams.blocks("noise", lambda g, k: g.standard_normal((k, 3)))).take(70)
     per_step = streams.normal("noise", (3,))
     np.testing.assert_array_equal(noise, np.stack([next(per_step) for _ in range(70)]))
 
@@ -241,7 +241,7 @@ def test_noise_drawn_in_the_kernel_equals_the_noise_blocks_bit_for_bit(monkeypat
     run = lambda **noise: kernels.single_example_sgd(  # noqa: E731
         theta0, X, y, lambda m, batches=uniform_examples(X, y, streams): batches.take(m)[:, :, 0], 400,
         lambda t: 0.5 / t ** 0.5, **kw, **noise)
-    blocks = run(noise=kernels.block_draws(streams, "noise", lambda g, k: g.standard_normal((k, X.shape[1]))))
+    blocks = run(noise=streams.blocks("noise", lambda g, k: g.standard_normal((k, X.shape[1]))))
     drawn = run(noise_generators=streams.generators("noise"))
     np.testing.assert_array_equal(drawn, blocks)
     assert not np.array_equal(run(noise_generators=ReplicaStreams([1, 2, 3]).generators("noise")), blocks)

@@ -35,7 +35,7 @@ import numpy as np
 
 from dpsgd_cli import compiled
 from dpsgd_cli.algorithms.sampling import IndexedBatches
-from dpsgd_cli.algorithms.streams import BLOCK_STEPS, ReplicaStreams
+from dpsgd_cli.algorithms.streams import BLOCK_STEPS
 from dpsgd_cli.compiled import Backend
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models.logreg import LogisticRegression
@@ -107,14 +107,6 @@ def select_backend(requested: Backend, model, batch_size: Optional[int], mlp: bo
 
 
 # --- random numbers, drawn exactly as the NumPy samplers and `streams.per_step` draw them -----------------------
-
-
-def block_draws(streams: ReplicaStreams, purpose: str, draw: Callable[[np.random.Generator, int], np.ndarray],
-                block: int = BLOCK_STEPS) -> Iterator[np.ndarray]:
-    """(K, R, ...) blocks: the numbers `streams.per_step(purpose, draw, block)` yields one step at a time."""
-    gens = streams.generators(purpose)
-    while True:
-        yield np.stack([draw(g, block) for g in gens], axis=1)
 
 
 class _Reader:
@@ -311,7 +303,7 @@ def single_example_sgd(theta: np.ndarray, X: np.ndarray, y: np.ndarray, indices:
 
     indices: `indices(m)` the next m steps' example indices (m, R); noise: (K, R, d) blocks of the noise's
     standard draws (None: no noise); noise_generators: instead of `noise`, one generator per replica whose standard
-    normals (d per step, in order) the kernel draws itself: the numbers `block_draws(streams, purpose, lambda g, k:
+    normals (d per step, in order) the kernel draws itself: the numbers `streams.blocks(purpose, lambda g, k:
     g.standard_normal((k, d)))` yields (numba's Generator support runs NumPy's ziggurat on the same bit
     generator), never materialised; noise_mask: (steps, R)
     bool, noise only on the True steps (pidp_sgd; the draws are consumed on every step either way);
@@ -398,7 +390,7 @@ def run_single_example(model, chain, theta: np.ndarray, steps: int) -> np.ndarra
     batches, source = chain.batches, chain.noise_source
     noise, generators = None, None
     if noise_op is not None and source.draw is not None:
-        noise = block_draws(source.streams, source.purpose, source.draw)
+        noise = source.streams.blocks(source.purpose, source.draw)
     elif noise_op is not None:  # standard normals: drawn inside the kernel from the same generators, in the same order
         generators = source.generators()
     return single_example_sgd(theta, batches.X, batches.y, lambda m: batches.take(m)[:, :, 0], steps, chain.schedule,

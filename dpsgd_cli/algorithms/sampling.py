@@ -194,13 +194,8 @@ def uniform_examples(X: np.ndarray, y: np.ndarray, streams: ReplicaStreams, batc
     """`batch_size` examples drawn uniformly with replacement per step (Bassily et al. 2014 and Kang et al. use
     one), BLOCK_STEPS steps per `integers` call (its buffering depends on the call's size)."""
     n = X.shape[0]
-
-    def blocks() -> Iterator[np.ndarray]:  # (K, R, b)
-        gens = streams.generators("sampling")
-        while True:
-            yield np.stack([g.integers(0, n, size=(BLOCK_STEPS, batch_size)) for g in gens], axis=1)
-
-    return IndexedBatches(X, y, blocks(), streams.replicas)
+    blocks = streams.blocks("sampling", lambda g, k: g.integers(0, n, size=(k, batch_size)))  # (K, R, b)
+    return IndexedBatches(X, y, blocks, streams.replicas)
 
 
 def fixed_batches(X: np.ndarray, y: np.ndarray, idx: np.ndarray, padded: bool = False) -> IndexedBatches:

@@ -33,12 +33,18 @@ class ReplicaStreams:
     def generators(self, purpose: str) -> list[np.random.Generator]:
         return [np.random.default_rng([seed, STREAMS[purpose]]) for seed in self.seeds]
 
-    def per_step(self, purpose: str, draw: Callable[[np.random.Generator, int], np.ndarray],
-                 block: int = BLOCK_STEPS) -> Iterator[np.ndarray]:
-        """Yield (R, ...) arrays forever; `draw(g, K)` returns K steps (K, ...) from one replica's generator."""
+    def blocks(self, purpose: str, draw: Callable[[np.random.Generator, int], np.ndarray],
+               block: int = BLOCK_STEPS) -> Iterator[np.ndarray]:
+        """Yield (K, R, ...) blocks of K = `block` steps forever; `draw(g, K)` returns K steps (K, ...) from one
+        replica's generator (a fixed K per call: a generator's buffering can depend on the call's size)."""
         gens = self.generators(purpose)
         while True:
-            stacked = np.stack([draw(g, block) for g in gens], axis=1)  # (K, R, ...)
+            yield np.stack([draw(g, block) for g in gens], axis=1)
+
+    def per_step(self, purpose: str, draw: Callable[[np.random.Generator, int], np.ndarray],
+                 block: int = BLOCK_STEPS) -> Iterator[np.ndarray]:
+        """Yield (R, ...) arrays forever, one a step: the steps of `blocks`."""
+        for stacked in self.blocks(purpose, draw, block):
             yield from stacked
 
     def normal(self, purpose: str, shape: tuple[int, ...]) -> Iterator[np.ndarray]:
