@@ -352,8 +352,10 @@ def _private_at(column: str, value: str):
 KINDS = {
     "sweep": ("chourasia", "chourasia_utility", "runs.csv", "optimality_gap", _private_at("epsilon", "1.0")),
     "metric": ("chourasia", None, "runs.csv", "val_accuracy", _private_at("epsilon", "1.0")),
-    "traces": ("song_fig3", "song_fig3", "traces.csv", "train_objective", lambda t: t["examples"] == t["examples"].iloc[0]),
-    "privacy_curve": ("chourasia", "privacy_curve", "privacy_curve.csv", "rdp_epsilon", lambda t: t["K"] == t["K"].iloc[3]),
+    "traces": ("song_fig3", "song_fig3", "traces.csv", "train_objective",
+               lambda t: t["examples"] == t["examples"].iloc[0]),
+    "privacy_curve": ("chourasia", "privacy_curve", "privacy_curve.csv", "rdp_epsilon",
+                      lambda t: t["K"] == t["K"].iloc[3]),
     "noise_scale": ("bellet", "bellet_noise", "bellet_noise.csv", "sigma", lambda t: t.index == 2),
 }
 
@@ -415,11 +417,12 @@ def test_dpsgd_plot_of_a_metric_no_run_has_draws_nothing_and_exits_1(tmp_path):
 def test_the_audit_figure_draws_no_point_without_a_bound_or_a_claim():
     from dpsgd_cli.audit.plot import audit_figure
 
+    nan = float("nan")
     frame = pd.DataFrame({"status": "ok", "threat_model": "black-box, last iterate",
                           "algorithm": ["dp_sgd", "song2013", "bolt_on", "noisy_gd"],
-                          "epsilon_claimed": [1.0, 4.0, 8.0, float("nan")], "epsilon_lo": [0.5, float("nan"), 2.0, 1.0]})
-    assert audit_figure(frame.assign(epsilon_lo=float("nan"))) is None
-    assert audit_figure(frame.assign(epsilon_claimed=float("nan"))) is None
+                          "epsilon_claimed": [1.0, 4.0, 8.0, nan], "epsilon_lo": [0.5, nan, 2.0, 1.0]})
+    assert audit_figure(frame.assign(epsilon_lo=nan)) is None
+    assert audit_figure(frame.assign(epsilon_claimed=nan)) is None
     partial, whole = audit_figure(frame), audit_figure(frame.iloc[[0, 2]])
     try:
         assert _drawn(partial) == _drawn(whole)

@@ -9,8 +9,8 @@ import pandas as pd
 
 
 def audit_figure(frame: pd.DataFrame):
-    """The laid-out figure (None when no audit row is ok with both a bound and a claim): points at ε_lo = 0 drawn whole (the axes start
-    below 0), the legend below the panels, where it covers no point."""
+    """The laid-out figure (None when no audit row is ok with both a bound and a claim): points at ε_lo = 0 drawn
+    whole (the axes start below 0), the legend below the panels, where it covers no point."""
     import matplotlib
 
     matplotlib.use("Agg")
