@@ -238,7 +238,8 @@ def test_the_issues_examples_are_one_line_naming_the_argument(grid_file):
               "--epsilon [1, 'x']: expected a number or a list of numbers"),
              (lambda: dpsgd.epsilon(sigma=NAN, sample_rate=0.01, steps=10, delta=1e-5), ValueError,
               "--sigma nan: not a finite number"),
-             (lambda: dpsgd.run(grid_file, job=2), TypeError, "unexpected keyword argument 'job' (did you mean 'jobs'?)")]
+             (lambda: dpsgd.run(grid_file, job=2), TypeError,
+              "unexpected keyword argument 'job' (did you mean 'jobs'?)")]
     for call, error, message in cases:
         with pytest.raises(error, match=re.escape(message)):
             call()
