@@ -57,9 +57,8 @@ def draw_figure(folder: Path, spec: FigureSpec, fmt: str) -> list[Path]:
         from dpsgd_cli.plots.privacy_curve import plot_privacy_curve
 
         table = analytic_table(folder, spec)
-        if table.empty or table["rdp_epsilon"].isna().all():
-            note(f"{folder}: figure {spec.name!r} not drawn: its analytic table {folder / f'{spec.name}.csv'} has "
-                 f"no value of rdp_epsilon")
+        if _drawn_column(spec) not in table or table[_drawn_column(spec)].isna().all():
+            note(f"{folder}: figure {spec.name!r} not drawn: {_why_empty(folder, spec, table)}")
             return []
         table = table.pivot(index="K", columns="bound", values="rdp_epsilon").reset_index()
         table.attrs.update({k: v for k, v in spec.params.items() if k not in ("k_max", "points", "log_x")})
@@ -110,14 +109,14 @@ def _frame_for(folder: Path, spec: FigureSpec) -> pd.DataFrame:
 
 
 def _drawn_column(spec: FigureSpec) -> str:
-    """The column a sweep, traces or noise-scale figure draws over its x axis."""
-    return "sigma" if spec.kind == "noise_scale" else spec.metric
+    """The column the figure draws over its x axis."""
+    return {"noise_scale": "sigma", "privacy_curve": "rdp_epsilon"}.get(spec.kind, spec.metric)
 
 
 def _why_empty(folder: Path, spec: FigureSpec, rows: pd.DataFrame) -> str:
     """Why the figure has nothing to draw, given the `rows` it would draw from (before those without a value)."""
     column = _drawn_column(spec)
-    if spec.kind == "noise_scale":
+    if spec.kind in ("noise_scale", "privacy_curve"):
         return f"its analytic table has no value of {column}" if len(rows) else "its analytic table is empty"
     reason = read_results(folder).why_empty()
     if reason:
