@@ -5,8 +5,10 @@
     dpsgd.epsilon(sigma=1.1, sample_rate=0.01, steps=1000, delta=1e-5)
 
 The commands call these functions (one implementation); keyword arguments are named like the commands' options.
-Bad input raises `dpsgd_cli.UserError`, whose message is the line the command prints. Heavy modules (NumPy
-kernels, matplotlib, dp-accounting) are imported inside the functions, so `import dpsgd_cli` stays cheap.
+Bad input raises `dpsgd_cli.UserError`, whose message is the line the command prints; each argument's type and
+range are checked when the function is called, before any work (`dpsgd_cli.arguments`: a wrong type is also a
+TypeError, a value out of range also a ValueError). Heavy modules (NumPy kernels, matplotlib, dp-accounting) are
+imported inside the functions, so `import dpsgd_cli` stays cheap.
 """
 
 from __future__ import annotations
@@ -14,27 +16,29 @@ from __future__ import annotations
 import contextlib
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Sequence, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Mapping, Optional, Sequence, Union
 
-from dpsgd_cli.errors import UserError
+from dpsgd_cli.arguments import at_least, between, checked, each
+from dpsgd_cli.errors import ArgumentValueError, UserError
+from dpsgd_cli.privacy import AccountantName, Neighbours
+from dpsgd_cli.privacy import _validate as check
 from dpsgd_cli.tables import cells_frame, fmt, plan_table, summary_table
 
 if TYPE_CHECKING:
     import pandas as pd
     from rich.progress import Progress
 
-    from dpsgd_cli.privacy.accounting import AccountantName, Neighbours
-
 PathLike = Union[str, Path]
-ACCOUNTANTS: tuple[AccountantName, ...] = ("rdp", "pld")
-NEIGHBOURS: tuple[Neighbours, ...] = ("add_remove", "replace_one")
-EXPORT_FORMATS = ("parquet", "csv")
+Names = Union[str, Iterable[str], None]  # one name, or several (`only="a"` is `only=["a"]`)
+ExportFormat = Literal["parquet", "csv"]
+ImageFormat = Literal["png", "pdf", "svg"]
 
 
 # --- run -------------------------------------------------------------------------------------------
-def run(grid_file: PathLike, *, only: Optional[Sequence[str]] = None, out: PathLike = "results", jobs: int = 1,
+@checked(jobs=at_least(1))
+def run(grid_file: PathLike, *, only: Names = None, out: PathLike = "results", jobs: int = 1,
         dry_run: bool = False, no_resume: bool = False, scheduler: Optional[str] = None,
-        set: Union[Mapping[str, Any], Iterable[str], None] = None, seeds: Optional[int] = None,  # noqa: A002
+        set: Union[Mapping[str, Any], Names] = None, seeds: Optional[int] = None,  # noqa: A002
         quiet: bool = False) -> "pd.DataFrame":
     """`dpsgd run`: run every cell of the grid(s) in `grid_file` (resuming: runs already in runs.csv are
     skipped) and return the runs of the grids, one row per run (see `read_results`); `df.attrs["failed"]` counts
@@ -48,8 +52,6 @@ def run(grid_file: PathLike, *, only: Optional[Sequence[str]] = None, out: PathL
     from dpsgd_cli.engine.checks import check_grids, out_root
     from dpsgd_cli.engine.results import read_results as reading
 
-    if jobs < 1:
-        raise UserError(f"--jobs {jobs}: must be ≥ 1")
     overrides = list(set.items()) if isinstance(set, Mapping) else parse_overrides(_strings(set))
     if seeds is not None:
         overrides.append(("seeds", seeds))
@@ -94,7 +96,7 @@ def run(grid_file: PathLike, *, only: Optional[Sequence[str]] = None, out: PathL
     return frame
 
 
-def _strings(value: Union[str, Iterable[str], None]) -> list[str]:
+def _strings(value: Names) -> list[str]:
     """`only="a"` as `only=["a"]` (a string is one name, not its characters)."""
     return [value] if isinstance(value, str) else list(value or [])
 
@@ -203,6 +205,7 @@ class _Display:
 
 
 # --- results ---------------------------------------------------------------------------------------
+@checked()
 def read_results(folder: PathLike = "results") -> "pd.DataFrame":
     """The runs of a grid's results folder (or of every grid under a results root), one row per run id, as the
     summary, plots and report read them: malformed and cut rows of runs.csv skipped, rows of another or an
@@ -222,13 +225,12 @@ def read_results(folder: PathLike = "results") -> "pd.DataFrame":
     return pd.concat(frames, ignore_index=True)
 
 
-def export(results_dir: PathLike = "results", *, format: str = "parquet") -> list[Path]:  # noqa: A002
+@checked()
+def export(results_dir: PathLike = "results", *, format: ExportFormat = "parquet") -> list[Path]:  # noqa: A002
     """`dpsgd export`: each grid's runs (as `read_results` gives them) written beside its runs.csv as
     runs.parquet (or runs_valid.csv with format="csv"), and traces.csv as traces.parquet; returns the paths."""
     from dpsgd_cli.engine.results import ResultStore, result_folders
 
-    if format not in EXPORT_FORMATS:
-        raise UserError(f"--format {format}: choose one of {', '.join(EXPORT_FORMATS)}")
     if format == "parquet":
         try:
             import pyarrow  # noqa: F401
@@ -250,6 +252,7 @@ def export(results_dir: PathLike = "results", *, format: str = "parquet") -> lis
     return paths
 
 
+@checked()
 def report(results_dir: PathLike = "results") -> "pd.DataFrame":
     """`dpsgd report`: check the claims of every grid under `results_dir` and write report.md and report.html
     (the report with its figures embedded: one file to open in a browser or send); one row per claim: grid,
@@ -278,6 +281,7 @@ def metrics() -> list[str]:
     return ["accuracy", *(c for c in COLUMNS if c in NUMERIC and c != "seed")]
 
 
+@checked()
 def check_metric(metric: Optional[str]) -> Optional[str]:
     """`metric` if `plot` can draw it, else one UserError line (with the closest name)."""
     import difflib
@@ -286,20 +290,22 @@ def check_metric(metric: Optional[str]) -> Optional[str]:
         return metric
     match = difflib.get_close_matches(metric, metrics(), n=1)
     hint = f" (did you mean '{match[0]}'?)" if match else ""
-    raise UserError(f"--metric {metric}: not a numeric column of runs.csv{hint}; choose one of {', '.join(metrics())}")
+    raise ArgumentValueError(f"--metric {metric}: not a numeric column of runs.csv{hint}; choose one of "
+                             f"{', '.join(metrics())}")
 
 
-def plot(results_dir: PathLike = "results", *, metric: Optional[str] = None, format: str = "png") -> list[Path]:  # noqa: A002
+@checked()
+def plot(results_dir: PathLike = "results", *, metric: Optional[str] = None,
+         format: ImageFormat = "png") -> list[Path]:  # noqa: A002
     """`dpsgd plot`: the grid's paper figures, or `metric` (any numeric column of runs.csv) over ε; returns
     the files written (under each grid's figures/)."""
     from dpsgd_cli.plots import plot_results
 
-    if format not in ("png", "pdf", "svg"):
-        raise UserError(f"--format {format}: choose one of png, pdf, svg")
     return plot_results(Path(results_dir), metric=check_metric(metric), fmt=format)
 
 
-def audit(grid_file: PathLike, *, only: Optional[Sequence[str]] = None, out: PathLike = "results",
+@checked(trials=at_least(2), confidence=between(0.5, 1, "0.95"))
+def audit(grid_file: PathLike, *, only: Names = None, out: PathLike = "results",
           trials: Optional[int] = None, confidence: Optional[float] = None, dry_run: bool = False,
           on_rows: Optional[Callable[[list[dict]], None]] = None) -> "pd.DataFrame":
     """`dpsgd audit`: train with and without a canary and bound each cell's ε from below; returns the rows of
@@ -312,8 +318,6 @@ def audit(grid_file: PathLike, *, only: Optional[Sequence[str]] = None, out: Pat
     from dpsgd_cli.config import AuditSpec, expand, load_grid_file, select
     from dpsgd_cli.engine.checks import check_audit
 
-    if trials is not None and trials < 2:
-        raise UserError(f"--trials {trials}: must be ≥ 2")
     grids = select(load_grid_file(Path(grid_file)), _strings(only) or None)
     for grid in grids:  # every grid's trials bounded before the first training
         check_audit(grid, trials)
@@ -327,37 +331,31 @@ def audit(grid_file: PathLike, *, only: Optional[Sequence[str]] = None, out: Pat
 
 
 # --- privacy calculators ---------------------------------------------------------------------------
-Choice = TypeVar("Choice", bound=str)
+# the ranges the accountants check, at the door (σ's and T's upper limits depend on the accountant: checked there)
+PRIVACY_RULES = {"sample_rate": check.sample_rate, "steps": check.count, "delta": check.open_unit}
 
 
-def _choice(option: str, value: Any, allowed: Sequence[Choice]) -> Choice:
-    value = getattr(value, "value", value)  # the CLI's enums
-    if value not in allowed:
-        raise UserError(f"--{option} {value}: choose one of {', '.join(allowed)}")
-    return value
-
-
-def epsilon(*, sigma: float, sample_rate: float, steps: int, delta: float, accountant: str = "rdp",
-            neighbours: str = "add_remove") -> float:
+@checked(sigma=check.noise_multiplier, **PRIVACY_RULES)
+def epsilon(*, sigma: float, sample_rate: float, steps: int, delta: float, accountant: AccountantName = "rdp",
+            neighbours: Neighbours = "add_remove") -> float:
     """`dpsgd epsilon`: ε of DP-SGD (Poisson-subsampled Gaussian, `steps` steps) at `delta`."""
     from dpsgd_cli.privacy.accounting import dpsgd_epsilon
 
-    return float(dpsgd_epsilon(sigma, sample_rate, steps, delta,
-                               accountant=_choice("accountant", accountant, ACCOUNTANTS),
-                               neighbours=_choice("neighbours", neighbours, NEIGHBOURS)))
+    return float(dpsgd_epsilon(sigma, sample_rate, steps, delta, accountant=accountant, neighbours=neighbours))
 
 
+@checked(epsilon=each(check.positive), **PRIVACY_RULES)
 def calibrations(*, epsilon: Sequence[float], sample_rate: float, steps: int, delta: float,
-                 accountant: str = "rdp", neighbours: str = "add_remove") -> list:
+                 accountant: AccountantName = "rdp", neighbours: Neighbours = "add_remove") -> list:
     """`dpsgd sigma`'s calibrations: per target ε, σ with the ε it achieves, the accountant and its library."""
     from dpsgd_cli.privacy.accounting import calibrate_sigmas
 
-    return calibrate_sigmas(list(epsilon), delta, sample_rate, steps, _choice("accountant", accountant, ACCOUNTANTS),
-                            _choice("neighbours", neighbours, NEIGHBOURS))
+    return calibrate_sigmas(list(epsilon), delta, sample_rate, steps, accountant, neighbours)
 
 
+@checked(epsilon=each(check.positive), **PRIVACY_RULES)
 def sigma(*, epsilon: Union[float, Sequence[float]], sample_rate: float, steps: int, delta: float,
-          accountant: str = "rdp", neighbours: str = "add_remove") -> Union[float, list[float]]:
+          accountant: AccountantName = "rdp", neighbours: Neighbours = "add_remove") -> Union[float, list[float]]:
     """`dpsgd sigma`: the smallest noise multiplier σ giving ε ≤ target (within 0.1%); a list for a list."""
     targets = [epsilon] if isinstance(epsilon, (int, float)) else list(epsilon)
     found = [c.sigma for c in calibrations(epsilon=targets, sample_rate=sample_rate, steps=steps, delta=delta,

@@ -192,7 +192,7 @@ def plot(
     for path in paths:
         console.print(str(path), highlight=False, markup=False)
     if not paths:  # the notes above say why
-        typer.echo(f"error: nothing drawn from {results_dir}", err=True)
+        typer.echo(f"error: nothing could be drawn from {results_dir}", err=True)
         raise typer.Exit(1)
 
 

@@ -7,3 +7,11 @@ class UserError(Exception):
 
 class DataError(UserError):
     """A dataset could not be fetched, verified or parsed."""
+
+
+class ArgumentTypeError(UserError, TypeError):
+    """An argument of a Python API function of the wrong type (dpsgd_cli.arguments): also a TypeError."""
+
+
+class ArgumentValueError(UserError, ValueError):
+    """An argument of a Python API function out of its range (dpsgd_cli.arguments): also a ValueError."""

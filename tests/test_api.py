@@ -1,6 +1,9 @@
 """The Python API (`import dpsgd_cli as dpsgd`): the same functions the commands call, returning DataFrames."""
 
+import inspect
+import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -155,3 +158,99 @@ def test_quiet_silences_the_reference_optimum_lines(grid_file, tmp_path, capsys,
                   quiet=quiet)
         out, err = capsys.readouterr()
         assert ("reference optimum" in out + err) is not quiet, (quiet, out, err)
+
+
+# --- the door: every argument checked when called ------------------------------------------------------------------
+
+def public_functions() -> dict:
+    """What `import dpsgd_cli` exports and every public function of dpsgd_cli.api, as the api's functions."""
+    from dpsgd_cli import api
+
+    names = {n for n in dpsgd.__all__ if n != "UserError"}
+    names |= {n for n, f in vars(api).items() if inspect.isfunction(f) and not n.startswith("_")
+              and f.__module__ == api.__name__}
+    return {name: getattr(api, name) for name in sorted(names)}
+
+
+# a valid value of each parameter (by function where the same name takes another type), and wrong ones: of the
+# wrong type, and of the right type out of range
+VALID = {"only": ["tiny"], "jobs": 1, "dry_run": True, "no_resume": False, "scheduler": None, "set": {"epochs": 1},
+         "seeds": 1, "quiet": True, "metric": "accuracy", "format": "png", "trials": 10, "confidence": 0.95,
+         "on_rows": print, "sigma": 1.0, "sample_rate": 0.01, "steps": 100, "delta": 1e-5, "accountant": "rdp",
+         "neighbours": "add_remove", "epsilon": 1.0}
+VALID_IN = {"export": {"format": "csv"}, "calibrations": {"epsilon": [1.0]}}
+NAN, INF = math.nan, math.inf
+PATHS = [5, None, ["a"]]
+WRONG_TYPE = {
+    "grid_file": PATHS, "out": PATHS, "folder": PATHS, "results_dir": PATHS,
+    "only": [5, [1], {"tiny": 1}], "jobs": ["2", True, 2.5, None], "seeds": ["3", True, 2.5],
+    "dry_run": [1, "yes", None], "no_resume": [1, "yes"], "quiet": [1, "no"], "scheduler": [5, ["tcp://x:1"]],
+    "set": [{5: 1}, 5, [1], {"epochs": 1, 2: 3}], "metric": [3, ["accuracy"]], "format": [None, 5],
+    "trials": [2.5, "10", True], "confidence": ["0.9", True, [0.9]], "on_rows": [5, "print"],
+    "sigma": ["1", True, None, [1.0]], "sample_rate": ["0.1", None], "steps": ["100", 2.5, True],
+    "delta": ["1e-5", None], "accountant": [5, None], "neighbours": [5, ["add_remove"]],
+    "epsilon": [[1, "x"], "1", True, None, {1.0: 1}],
+}
+OUT_OF_RANGE = {
+    "jobs": [0, -1], "trials": [1, 0], "confidence": [NAN, INF, 1.5, 0.0], "format": ["jpg"],
+    "metric": ["val_acuracy"], "sigma": [NAN, INF, 0.0, -1.0], "sample_rate": [NAN, 0.0, 2.0], "steps": [0, -5],
+    "delta": [NAN, 1.5, 0.0], "accountant": ["xyz"], "neighbours": ["both"], "epsilon": [NAN, -1.0, [1.0, NAN], INF],
+}
+OUT_OF_RANGE_IN = {"export": {"format": ["xlsx"]}, "calibrations": {"epsilon": [[NAN], [-1.0], [1.0, INF]]}}
+
+
+def _calls(function, grid_file, tmp_path):
+    """(parameter, wrong value, error class) for every parameter of `function`, each with valid other arguments."""
+    valid = {**VALID, "grid_file": grid_file, "out": tmp_path / "results", "folder": tmp_path,
+             "results_dir": tmp_path, **VALID_IN.get(function.__name__, {})}
+    parameters = inspect.signature(function).parameters
+    for name in parameters:
+        assert name in valid and name in WRONG_TYPE, f"{function.__name__}({name}=...): no test values"
+        out_of_range = OUT_OF_RANGE_IN.get(function.__name__, {}).get(name, OUT_OF_RANGE.get(name, []))
+        for wrong, error in [*((w, TypeError) for w in WRONG_TYPE[name]), *((w, ValueError) for w in out_of_range)]:
+            args = {n: valid[n] for n in parameters if parameters[n].default is inspect.Parameter.empty}
+            yield name, {**args, name: wrong}, error
+
+
+def test_every_argument_of_every_public_function_is_checked_at_the_door(grid_file, tmp_path):
+    functions = public_functions()
+    assert {"run", "read_results", "export", "plot", "report", "audit", "epsilon", "sigma", "calibrations"} <= \
+        set(functions)
+    for function in functions.values():
+        for name, kwargs, error in _calls(function, grid_file, tmp_path):
+            with pytest.raises(dpsgd.UserError) as caught:
+                function(**kwargs)
+            message = str(caught.value)
+            where = f"{function.__name__}({name}={kwargs[name]!r})"
+            assert isinstance(caught.value, error), f"{where}: {type(caught.value).__name__}: {message}"
+            assert name in message or f"--{name.replace('_', '-')}" in message, f"{where}: {message}"
+            assert "\n" not in message, where
+    assert not (tmp_path / "results").exists()  # nothing ran
+
+
+def test_the_issues_examples_are_one_line_naming_the_argument(grid_file):
+    cases = [(lambda: dpsgd.audit(grid_file, trials=2.5), TypeError, "--trials 2.5: expected an integer"),
+             (lambda: dpsgd.run(grid_file, jobs="2"), TypeError, "--jobs '2': expected an integer, got str"),
+             (lambda: dpsgd.run(grid_file, jobs=True), TypeError, "--jobs True: expected an integer, got bool"),
+             (lambda: dpsgd.run(grid_file, set={5: 1}), TypeError, "--set {5: 1}: expected a mapping with string keys"),
+             (lambda: dpsgd.run(grid_file, scheduler=5), TypeError, "--scheduler 5: expected a string"),
+             (lambda: dpsgd.sigma(epsilon=[1, "x"], sample_rate=0.01, steps=10, delta=1e-5), TypeError,
+              "--epsilon [1, 'x']: expected a number or a list of numbers"),
+             (lambda: dpsgd.epsilon(sigma=NAN, sample_rate=0.01, steps=10, delta=1e-5), ValueError,
+              "--sigma nan: not a finite number"),
+             (lambda: dpsgd.run(grid_file, job=2), TypeError,
+              "unexpected keyword argument 'job' (did you mean 'jobs'?)")]
+    for call, error, message in cases:
+        with pytest.raises(error, match=re.escape(message)):
+            call()
+
+
+def test_integral_numbers_and_single_names_are_accepted_as_before(grid_file, tmp_path):
+    assert dpsgd.epsilon(sigma=1, sample_rate=0.01, steps=1e3, delta=1e-5) == \
+        dpsgd.epsilon(sigma=1.0, sample_rate=0.01, steps=1000, delta=1e-5)
+    import numpy as np
+
+    assert dpsgd.sigma(epsilon=np.array([2.0]), sample_rate=0.01, steps=np.int64(1000), delta=1e-5) == \
+        [dpsgd.sigma(epsilon=2, sample_rate=0.01, steps=1000, delta=1e-5)]
+    frame = dpsgd.run(grid_file, only=(name for name in ["tiny"]), out=tmp_path / "r", set={"epochs": 1}, quiet=True)
+    assert set(frame["grid"]) == {"tiny"} and len(frame) == 2

@@ -344,3 +344,22 @@ def test_cli_audit_bad_input_is_one_line_with_exit_code_2(tmp_path):
                           capture_output=True, text=True)
     assert proc.returncode == 2 and expected in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+@pytest.mark.parametrize("dry_run", [[], ["--dry-run"]], ids=["run", "dry-run"])
+def test_an_audit_of_a_non_private_algorithm_is_refused_before_any_work(tmp_path, dry_run):
+    import subprocess
+    import sys
+
+    from dpsgd_cli.algorithms import ALGORITHMS
+
+    public = sorted(name for name, algorithm in ALGORITHMS.items() if not algorithm.private)
+    assert public  # the refusal follows the algorithms' own `private`, whichever they are
+    grid = tmp_path / "grid.yaml"
+    grid.write_text(textwrap.dedent(GRID).replace("algorithms: [dp_sgd,", f"algorithms: [{', '.join(public)}, dp_sgd,"))
+    proc = subprocess.run([sys.executable, "-m", "dpsgd_cli", "audit", str(grid), "--out", str(tmp_path / "res"),
+                           *dry_run], capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert all(name in proc.stderr for name in public) and "dp_sgd" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "res").exists()  # nothing trained, nothing written

@@ -298,3 +298,134 @@ def test_a_log_axis_spanning_a_sliver_of_a_decade_labels_its_ticks_apart():
     thin_ticks(fig)
     assert not [p for p in layout_problems(fig) if "repeat" in p] and ax.get_ylim()[1] / ax.get_ylim()[0] > 9
     plt.close(fig)
+
+
+# --- missing values: no point, never a 0 -------------------------------------------------------------------------
+
+def _blank(path: Path, column: str, rows=None) -> None:
+    """`column` of the CSV at `path` emptied (a missing value) where `rows(table)` holds (everywhere by default),
+    the other cells kept as written."""
+    table = pd.read_csv(path, dtype=str, keep_default_na=False)
+    chosen = rows(table) if rows else slice(None)
+    assert rows is None or chosen.any()
+    table.loc[chosen, column] = ""
+    table.to_csv(path, index=False)
+
+
+def _drop(path: Path, rows) -> None:
+    table = pd.read_csv(path, dtype=str, keep_default_na=False)
+    table[~rows(table)].to_csv(path, index=False)
+
+
+def _drawn(fig) -> list:
+    """Every finite point the figure draws (lines, markers, bands), per panel: what the reader sees."""
+    from matplotlib.collections import Collection
+
+    panels = []
+    for ax in fig.axes:
+        points = [tuple(np.round(p, 9)) for line in ax.get_lines() for p in np.asarray(line.get_xydata(), float)
+                  if np.isfinite(p).all()]
+        for collection in ax.collections:
+            assert isinstance(collection, Collection)
+            for path in [*collection.get_paths(), *([] if collection.get_offsets() is None else
+                                                    [type("P", (), {"vertices": collection.get_offsets()})])]:
+                points += [tuple(np.round(p, 9)) for p in np.asarray(path.vertices, float) if np.isfinite(p).all()]
+        panels.append(sorted(points))
+    return panels
+
+
+def _grid_folder(tmp_path: Path, grid: str, spec: FigureSpec) -> Path:
+    """Synthetic results of a grid of experiments.yaml, with the analytic tables its figures read."""
+    folder = synthetic_results(GRIDS[grid], tmp_path / grid)
+    if spec.kind == "noise_scale":
+        noise_scale(spec).to_csv(folder / f"{spec.name}.csv", index=False)
+    if spec.kind == "privacy_curve":
+        privacy_curve_table(spec.params).to_csv(folder / f"{spec.name}.csv", index=False)
+    return folder
+
+
+def _private_at(column: str, value: str):
+    return lambda t: (t["epsilon"] != "") & (t[column] == value) if "epsilon" in t else t[column] == value
+
+
+# (grid, figure, the CSV its values come from, the column drawn, the rows of one point of one line)
+KINDS = {
+    "sweep": ("chourasia", "chourasia_utility", "runs.csv", "optimality_gap", _private_at("epsilon", "1.0")),
+    "metric": ("chourasia", None, "runs.csv", "val_accuracy", _private_at("epsilon", "1.0")),
+    "traces": ("song_fig3", "song_fig3", "traces.csv", "train_objective",
+               lambda t: t["examples"] == t["examples"].iloc[0]),
+    "privacy_curve": ("chourasia", "privacy_curve", "privacy_curve.csv", "rdp_epsilon",
+                      lambda t: t["K"] == t["K"].iloc[3]),
+    "noise_scale": ("bellet", "bellet_noise", "bellet_noise.csv", "sigma", lambda t: t.index == 2),
+}
+
+
+def _spec(grid: str, name, column: str) -> FigureSpec:
+    if name is None:  # `dpsgd plot --metric`: the metric over ε, as plot_results lays it out
+        return FigureSpec(name=column, metric=column, rows="model", cols="dataset")
+    return next(s for s in GRIDS[grid].figures if s.name == name)
+
+
+def _plotted(folder: Path, spec: FigureSpec, monkeypatch) -> tuple[list, list]:
+    """The files `dpsgd plot` writes for `spec`, and the figures it drew (kept open)."""
+    from dpsgd_cli.plots import draw_figure
+
+    figures: list = []
+    monkeypatch.setattr(plt, "close", lambda fig=None: figures.append(fig))
+    return draw_figure(folder, spec, "svg"), figures
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_figure_of_a_column_without_values_is_not_drawn(tmp_path, monkeypatch, capsys, kind):
+    grid, name, csv, column, _ = KINDS[kind]
+    spec = _spec(grid, name, column)
+    folder = _grid_folder(tmp_path, grid, spec)
+    _blank(folder / csv, column)
+    paths, figures = _plotted(folder, spec, monkeypatch)
+    assert paths == [] and figures == []
+    assert f"figure {spec.name!r} not drawn" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_missing_value_is_no_point_as_if_its_row_were_not_there(tmp_path, monkeypatch, kind):
+    grid, name, csv, column, rows = KINDS[kind]
+    spec = _spec(grid, name, column).model_copy(update={"log_y": False})  # a point drawn at 0 would show
+    blanked, dropped = (_grid_folder(tmp_path / case, grid, spec) for case in ("blanked", "dropped"))
+    _blank(blanked / csv, column, rows)
+    _drop(dropped / csv, rows)
+    drawn = [_plotted(folder, spec, monkeypatch)[1] for folder in (blanked, dropped)]
+    assert len(drawn[0]) == len(drawn[1]) == 1
+    assert _drawn(drawn[0][0]) == _drawn(drawn[1][0])
+    for fig in (*drawn[0], *drawn[1]):
+        plt.close(fig)
+
+
+def test_dpsgd_plot_of_a_metric_no_run_has_draws_nothing_and_exits_1(tmp_path):
+    """A grid without a validation split: val_accuracy has no value; nothing is drawn (not a line at 0)."""
+    from typer.testing import CliRunner
+
+    from dpsgd_cli.cli import app
+
+    folder = synthetic_results(GRIDS["chourasia"], tmp_path / "chourasia")
+    _blank(folder / "runs.csv", "val_accuracy")
+    result = CliRunner().invoke(app, ["plot", str(folder), "--metric", "val_accuracy"])
+    assert result.exit_code == 1, result.output
+    assert "nothing could be drawn" in result.output and "val_accuracy" in result.output, result.output
+    assert not list((folder / "figures").glob("val_accuracy.*"))
+
+
+def test_the_audit_figure_draws_no_point_without_a_bound_or_a_claim():
+    from dpsgd_cli.audit.plot import audit_figure
+
+    nan = float("nan")
+    frame = pd.DataFrame({"status": "ok", "threat_model": "black-box, last iterate",
+                          "algorithm": ["dp_sgd", "song2013", "bolt_on", "noisy_gd"],
+                          "epsilon_claimed": [1.0, 4.0, 8.0, nan], "epsilon_lo": [0.5, nan, 2.0, 1.0]})
+    assert audit_figure(frame.assign(epsilon_lo=nan)) is None
+    assert audit_figure(frame.assign(epsilon_claimed=nan)) is None
+    partial, whole = audit_figure(frame), audit_figure(frame.iloc[[0, 2]])
+    try:
+        assert _drawn(partial) == _drawn(whole)
+    finally:
+        plt.close(partial)
+        plt.close(whole)

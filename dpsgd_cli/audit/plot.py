@@ -9,8 +9,8 @@ import pandas as pd
 
 
 def audit_figure(frame: pd.DataFrame):
-    """The laid-out figure (None when no audit row is ok): points at ε_lo = 0 drawn whole (the axes start
-    below 0), the legend below the panels, where it covers no point."""
+    """The laid-out figure (None when no audit row is ok with both a bound and a claim): points at ε_lo = 0 drawn
+    whole (the axes start below 0), the legend below the panels, where it covers no point."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -19,7 +19,7 @@ def audit_figure(frame: pd.DataFrame):
     from dpsgd_cli.plots import names
     from dpsgd_cli.plots.layout import MARKERS, finish
 
-    ok = frame[(frame["status"] == "ok") & frame["epsilon_lo"].notna()]
+    ok = frame[(frame["status"] == "ok") & frame["epsilon_lo"].notna() & frame["epsilon_claimed"].notna()]
     if ok.empty:
         return None
     threats = sorted(ok["threat_model"].unique())

@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
+from dpsgd_cli.algorithms import ALGORITHMS
 from dpsgd_cli.config import Cell, ClaimSpec, FigureSpec, Grid, _closest, axis_values, expand
 from dpsgd_cli.data.files import FileDatasetSpec
 from dpsgd_cli.data.registry import get_entry
@@ -75,9 +76,16 @@ def check_grid(grid: Grid) -> list[Cell]:
 
 def check_audit(grid: Grid, trials: Optional[int] = None) -> None:
     """`dpsgd audit`: every run it trains bounded as `dpsgd run`'s (check_work), and the trials: at most
-    MAX_AUDIT_TRIALS, and trainings × examples per training at most MAX_EXAMPLES per cell."""
+    MAX_AUDIT_TRIALS, and trainings × examples per training at most MAX_EXAMPLES per cell; and every algorithm
+    private (a non-private one claims no ε to bound from below)."""
     from dpsgd_cli.config import AuditSpec
 
+    public = list(dict.fromkeys(a.name for a in grid.algorithms if not ALGORITHMS[a.name].private))
+    if public:
+        them = "it" if len(public) == 1 else "them"
+        raise UserError(f"grid {grid.name!r}: algorithms: {', '.join(public)}: not private, no ε to audit (an audit "
+                        f"bounds a private algorithm's ε from below); remove {them} from the grid's algorithms, or "
+                        f"audit another grid (--only NAME)")
     spec = grid.audit or AuditSpec()
     trials = trials or spec.trials
     where = f"grid {grid.name!r}: audit.trials = {trials:,}" + (" (--trials)" if trials != spec.trials else "")

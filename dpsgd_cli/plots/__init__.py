@@ -56,7 +56,11 @@ def draw_figure(folder: Path, spec: FigureSpec, fmt: str) -> list[Path]:
     if spec.kind == "privacy_curve":
         from dpsgd_cli.plots.privacy_curve import plot_privacy_curve
 
-        table = analytic_table(folder, spec).pivot(index="K", columns="bound", values="rdp_epsilon").reset_index()
+        table = analytic_table(folder, spec)
+        if _drawn_column(spec) not in table or table[_drawn_column(spec)].isna().all():
+            note(f"{folder}: figure {spec.name!r} not drawn: {_why_empty(folder, spec, table)}")
+            return []
+        table = table.pivot(index="K", columns="bound", values="rdp_epsilon").reset_index()
         table.attrs.update({k: v for k, v in spec.params.items() if k not in ("k_max", "points", "log_x")})
         if spec.title:
             table.attrs["title"] = spec.title
@@ -64,9 +68,10 @@ def draw_figure(folder: Path, spec: FigureSpec, fmt: str) -> list[Path]:
         if fmt == "png":
             paths.append(plot_privacy_curve(table, folder / "figures" / f"{spec.name}.pdf"))
         return paths
-    frame = _frame_for(folder, spec)
-    if frame.empty:
-        note(f"{folder}: figure {spec.name!r} not drawn: {_why_empty(folder, spec)}")
+    rows = _frame_for(folder, spec)
+    frame = rows[rows[_drawn_column(spec)].notna()] if _drawn_column(spec) in rows else rows.iloc[:0]
+    if frame.empty:  # a missing value is no point (never a 0): with none, no figure
+        note(f"{folder}: figure {spec.name!r} not drawn: {_why_empty(folder, spec, rows)}")
         return []
     fig = figure(frame, spec, grid_of(folder), folder.name)
     out = folder / "figures" / f"{spec.name}.{fmt}"
@@ -103,12 +108,24 @@ def _frame_for(folder: Path, spec: FigureSpec) -> pd.DataFrame:
         raise UserError(f"{folder}: figure {spec.name!r}: `where` {str(exc).strip(chr(34) + chr(39))}") from None
 
 
-def _why_empty(folder: Path, spec: FigureSpec) -> str:
-    if spec.kind == "noise_scale":
-        return "its analytic table is empty"
+def _drawn_column(spec: FigureSpec) -> str:
+    """The column the figure draws over its x axis."""
+    return {"noise_scale": "sigma", "privacy_curve": "rdp_epsilon"}.get(spec.kind, spec.metric)
+
+
+def _why_empty(folder: Path, spec: FigureSpec, rows: pd.DataFrame) -> str:
+    """Why the figure has nothing to draw, given the `rows` it would draw from (before those without a value)."""
+    column = _drawn_column(spec)
+    if spec.kind in ("noise_scale", "privacy_curve"):
+        return f"its analytic table has no value of {column}" if len(rows) else "its analytic table is empty"
     reason = read_results(folder).why_empty()
     if reason:
         return reason
+    if len(rows):
+        where = "checkpoint in traces.csv" if spec.kind == "traces" else "ok run"
+        hint = " (validation metrics need a validation split: set `validation: 0.1` in the grid and rerun)" \
+            if column.startswith("val_") else ""
+        return f"no {where} has a value of {column}{hint}"
     if spec.kind == "traces":
         return "no checkpoint in traces.csv matches its runs (set `trace_every` in the grid and rerun)"
     return f"no ok run matches its `where: {spec.where}`" if spec.where else "no ok run to draw"
@@ -180,7 +197,7 @@ def _draw_panel(ax, panel: pd.DataFrame, x: str, spec: FigureSpec, styles: Style
     if "run_id" in reference:  # the same reference run under each selection is one line
         reference = reference.drop_duplicates(["run_id", *([c for c in ("examples",) if c in reference])])
     for label, line in curves.groupby("_line", sort=False):
-        stats = line.groupby(x)[spec.metric].agg(["mean", "std"]).fillna(0.0)
+        stats = line.groupby(x)[spec.metric].agg(["mean", "std"]).fillna({"std": 0.0})  # one seed: no band
         if spec.log_y:
             stats = stats[stats["mean"] > 0]
         style = styles.lines[label]

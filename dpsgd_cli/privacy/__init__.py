@@ -1,1 +1,10 @@
 """Differential-privacy building blocks (:mod:`.mechanisms`) and accounting (:mod:`.accounting`)."""
+
+from typing import Literal
+
+# Light (no NumPy): the Python API's signatures name them, and `import dpsgd_cli` imports the API.
+AccountantName = Literal["rdp", "pld"]
+"""How ε is computed over the steps: Rényi DP converted to (ε, δ), or privacy loss distributions."""
+Neighbours = Literal["add_remove", "replace_one"]
+"""Neighbouring relations a privacy claim can be stated for: add or remove one record (the library's default,
+Abadi et al.'s), or replace one record by another (Song et al., Bassily et al., Kang et al., Chourasia et al.)."""

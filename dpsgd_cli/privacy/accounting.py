@@ -28,13 +28,14 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Sequence, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar, cast
 
 import numpy as np
 
 from dpsgd_cli.diskcache import CACHE_DIR_ENV
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.lazy import LazyModule
+from dpsgd_cli.privacy import AccountantName, Neighbours
 from dpsgd_cli.privacy import _validate as check
 from dpsgd_cli.privacy import rdp as _rdp_native
 from dpsgd_cli.privacy.calibration import LATTICE_STEP, CalibrationPoint, EpsilonCurve, cache_folder, cached, calibrate
@@ -58,6 +59,8 @@ __all__ = [
     "LATTICE_STEP",
     "LIBRARY",
     "NEIGHBOURS",
+    "AccountantName",
+    "Neighbours",
     "PLD_RHO",
     "RDP_BASE_ORDERS",
     "RDP_EXTENSION_ORDERS",
@@ -79,7 +82,6 @@ __all__ = [
     "rdp_epsilon_floor",
 ]
 
-AccountantName = Literal["rdp", "pld"]
 ACCOUNTANTS: tuple[str, ...] = ("rdp", "pld")
 
 LIBRARY: str = f"dp-accounting {importlib.metadata.version('dp-accounting')}"
@@ -241,10 +243,7 @@ def check_pld_event(event: DpEvent) -> None:
                         f"(its privacy loss range would not fit in memory); use accountant rdp")
 
 
-Neighbours = Literal["add_remove", "replace_one"]
 NEIGHBOURS: tuple[str, ...] = ("add_remove", "replace_one")
-"""Neighbouring relations a privacy claim can be stated for: add or remove one record (the library's default,
-Abadi et al.'s), or replace one record by another (Song et al., Bassily et al., Kang et al., Chourasia et al.)."""
 
 
 def _relation(neighbours: str) -> NeighboringRelation:
