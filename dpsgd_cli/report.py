@@ -409,7 +409,8 @@ def _section(folder: Path, root: Path, grid: dict, figures: list[FigureSpec], ve
     lines = [f"## {md_text(folder.name)}", ""]
     if grid.get("description"):
         lines += [md_text(grid["description"]), ""]
-    shown = figures or [FigureSpec(name=p.stem) for p in sorted((folder / "figures").glob("*.png"))]
+    shown = figures or [FigureSpec(name=p.stem) for p in sorted((folder / "figures").glob("*.png"))
+                        if NAME_PATTERN.fullmatch(p.stem)]  # a file the tool did not name is no figure
     for figure in shown:
         image = folder / "figures" / f"{figure.name}.png"
         if image.exists():
