@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import os
+import re
 import stat
 from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
@@ -37,6 +38,7 @@ img {{ max-width: 100%; height: auto; }}
 {body}
 </body></html>
 """
+_SPELLS_MARKUP = re.compile(r"(?i)(on\w+\s*)=|(?:java|vb|live)script\s*:|(?:data|file)\s*:")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 LINE_BREAK = "<br>"
 
@@ -51,10 +53,10 @@ def write_html(markdown: Path) -> Path:
 
 
 def _inert(text: str) -> str:
-    """Text escaped for HTML, `=` and `:` as character references too: text that spells an attribute (`onerror=`)
-    or a scheme (`javascript:`) does not spell it in the page's source either, where a mail filter or a scanner
-    reads it; the browser shows the same characters."""
-    return escapeHtml(text).replace("=", "&#61;").replace(":", "&#58;")
+    """Text escaped for HTML; where it spells an event attribute (`onerror=`) or a script scheme (`javascript:`),
+    its `=` or `:` as a character reference, so that the page's source does not spell them either (where a mail
+    filter or a scanner reads it); the browser shows the same characters."""
+    return _SPELLS_MARKUP.sub(lambda m: m.group(0)[:-1] + ("&#61;" if m.group(1) else "&#58;"), escapeHtml(text))
 
 
 def _line_break(state: StateInline, silent: bool) -> bool:
