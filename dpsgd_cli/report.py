@@ -67,7 +67,7 @@ def md_text(value: object) -> str:
 
 
 def md_path(path: Path, root: Path) -> str:
-    """`path` as a link target relative to `root`, every character outside [A-Za-z0-9_.-/] percent-encoded."""
+    """`path` as a Markdown link target relative to `root` (percent-encoded: a space or `)` ends no link)."""
     return quote(path.relative_to(root).as_posix())
 
 
@@ -497,7 +497,8 @@ def audit_lines(path: Path) -> list[str]:
               f"{md_text(v['algorithm'])} {md_text(_params(v))} | {_fmt(v['epsilon_claimed'])} | "
               f"{'**REFUTED**' if v['verdict'] == 'refuted' else v['verdict']} | {md_text(v['numbers'])} |"
               for v in verdicts]
-    grids = {str(v["grid"]) for v in verdicts if NAME_PATTERN.fullmatch(str(v["grid"]))}  # a folder of `path`
+    # a grid's figures are those of a folder of `path` it names: not `..`, not an absolute path
+    grids = {str(v["grid"]) for v in verdicts if NAME_PATTERN.fullmatch(str(v["grid"]))}
     for folder in sorted({Path(path) / grid for grid in grids} | {Path(path)}):
         image = folder / "figures" / "audit.png"
         if image.exists():

@@ -338,3 +338,15 @@ def test_a_figure_file_whose_name_is_no_figure_name_is_left_out_of_a_grid_withou
     assert verdicts is not None
     assert_inert(out, verdicts, _figures(out) - {PNG + b"dropped in"})
     assert "![acc](g/figures/acc.png)" in (out / "report.md").read_text()
+
+
+def test_an_audit_row_naming_a_grid_outside_the_folder_shows_no_figure_from_there(results, tmp_path):
+    out = _copy(results, tmp_path)
+    (tmp_path / "outside" / "figures").mkdir(parents=True)
+    (tmp_path / "outside" / "figures" / "audit.png").write_bytes(PNG + b"outside")
+    for grid in ["../outside", str(tmp_path / "outside")]:
+        pd.DataFrame([{**_audit_row(), "grid": grid}]).to_csv(out / "g" / "audit.csv", index=False)
+        verdicts = _report(out)
+        assert verdicts is not None
+        assert "outside/figures" not in (out / "report.md").read_text()
+        assert_inert(out, verdicts, _figures(out))
