@@ -72,8 +72,19 @@ def _is_model(annotation: Any) -> bool:
     return isinstance(annotation, type) and issubclass(annotation, BaseModel)
 
 
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The models a field holds, alone or in a list (through Optional, unions and Annotated)."""
+    found = []
+    for arg in _union_args(annotation):
+        if _is_model(arg):
+            found.append(arg)
+        elif typing.get_origin(arg) in (list, tuple):
+            found += [model for inner in typing.get_args(arg) for model in _models_in(inner)]
+    return found
+
+
 def _holds_text(annotation: Any) -> str | None:
-    """How a field holds free text: 'str', 'list' (of str), 'dict' (str keys, any values), or None."""
+    """How a field holds text: 'str', 'list' (of str), 'dict' (str keys, any values), or None."""
     for arg in _union_args(annotation):
         origin, args = typing.get_origin(arg), typing.get_args(arg)
         if arg is str:
@@ -89,9 +100,7 @@ def string_fields(model: type[BaseModel], raw: dict, path: tuple = ()) -> Iterat
     """(path into `raw`, how it holds text) of every string field of `model` and of the models it contains,
     located in the raw grid `raw` (a list of models: the first entry that validates as each of them)."""
     for name, field in model.model_fields.items():
-        models = [a for arg in _union_args(field.annotation)
-                  for a in ([arg] if _is_model(arg) else [x for inner in typing.get_args(arg) for x in
-                                                          _union_args(inner) if _is_model(x)])]
+        models = _models_in(field.annotation)
         if models:
             value = raw.setdefault(name, {})  # a list of models must be in the base grid
             for sub in models:
@@ -108,7 +117,7 @@ def string_fields(model: type[BaseModel], raw: dict, path: tuple = ()) -> Iterat
 def _validates(model: type[BaseModel], entry: Any) -> bool:
     try:
         model.model_validate(entry, context={"grid_dir": Path.cwd()})
-    except Exception:
+    except (ValueError, UserError):  # pydantic's ValidationError is a ValueError
         return False
     return True
 
