@@ -188,6 +188,16 @@ def _safe_name(value: str) -> str:
 
 
 SafeName = Annotated[str, AfterValidator(_safe_name)]
+
+
+def _one_line(value: str) -> str:
+    """Free text the report prints: one line (a line break would start a line of its own in report.md)."""
+    if "".join(value.splitlines()) != value:
+        raise ValueError("must be one line: replace its line breaks by spaces (in YAML, `>-` folds the lines)")
+    return value
+
+
+OneLine = Annotated[str, AfterValidator(_one_line)]
 Selection = dict[str, Any]  # column → value, list of values, or a comparison string like ">=1"
 
 
@@ -204,8 +214,8 @@ class FigureSpec(_Strict):
 
     name: SafeName = Field(description="file name of the figure")
     kind: Literal["sweep", "traces", "privacy_curve", "noise_scale"] = "sweep"
-    title: str = ""
-    paper: str = Field("", description="what the paper's figure shows, in one line (for the report)")
+    title: OneLine = ""
+    paper: OneLine = Field("", description="what the paper's figure shows, in one line (for the report)")
     x: str = "epsilon"
     metric: str = "test_accuracy"
     rows: Optional[str] = Field(None, description="column whose values make the panel rows")
@@ -266,11 +276,11 @@ class ClaimSpec(_Strict):
     """
 
     id: SafeName
-    text: str = Field(description="what is checked, in one line")
-    quote: str = Field("", description="the source sentence the claim tests, verbatim, with its place "
+    text: OneLine = Field(description="what is checked, in one line")
+    quote: OneLine = Field("", description="the source sentence the claim tests, verbatim, with its place "
                        "(e.g. 'Kang et al. §5.2: \"...\"'); required unless `own`")
     own: bool = Field(False, description="the project's own check, not a statement of a source")
-    reading: str = Field("", description="how the quote was encoded where that is a choice, and why (one or two "
+    reading: OneLine = Field("", description="how the quote was encoded where that is a choice, and why (one or two "
                          "sentences, shown in the report)")
     kind: Literal["finding", "formula_check"] = Field(
         "finding", description="formula_check: the numbers are the project's evaluation of a source's formula (an "
@@ -415,7 +425,7 @@ class Grid(Axes):
         None, gt=0, lt=0.5, description="share of the training set held out (seeded) for validation metrics; "
         "the test set is never used for selection")
     select: list[SelectSpec] = Field(default_factory=list, description="hyperparameter selection (post-processing)")
-    description: str = ""
+    description: OneLine = ""
     figures: list[FigureSpec] = Field(default_factory=list, description="the paper's figures drawn from this grid")
     claims: list[ClaimSpec] = Field(default_factory=list, description="the paper's findings, checked by the report")
     audit: Optional[AuditSpec] = Field(None, description="canaries and statistics of `dpsgd audit` for this grid")

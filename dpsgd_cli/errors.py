@@ -2,7 +2,11 @@
 
 
 class UserError(Exception):
-    """Bad input from the user: the message says what is wrong, where, and how to fix it."""
+    """Bad input from the user: the message says what is wrong, where, and how to fix it, in one line (a line
+    break in a value it quotes back, e.g. a grid's text or a path, becomes a space)."""
+
+    def __init__(self, message: object = "") -> None:
+        super().__init__(" ".join(str(message).splitlines()))
 
 
 class DataError(UserError):

@@ -22,14 +22,16 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+from urllib.parse import quote
 
 import numpy as np
 import pandas as pd
 
-from dpsgd_cli.config import ClaimSpec, FigureSpec
+from dpsgd_cli.config import NAME_PATTERN, ClaimSpec, FigureSpec
 from dpsgd_cli.engine.analytic import analytic_table
 from dpsgd_cli.engine.results import grid_of, note, read_results, result_folders, select
 from dpsgd_cli.engine.selection import results_frame
@@ -47,6 +49,26 @@ class Verdict:
     claim: ClaimSpec
     status: str  # one of STATUSES
     numbers: str
+
+
+# the characters Markdown reads as structure anywhere in a line: escapes, code, emphasis, links and images, HTML,
+# entities, table cells; `_` only where it can open or close emphasis (not between two letters or digits)
+_MARKUP = re.compile(r"[\\`*\[\]<>&|]|(?<![^\W_])_|_(?![^\W_])")
+_LINE_START = re.compile(r"^([#+=-]|\d{1,9}[.)])")  # a heading, list, setext rule or ordered list at the start
+
+
+def md_text(value: object) -> str:
+    """Text from a grid, a manifest, a CSV or a data file as one line of literal Markdown: line breaks (and any run
+    of white space) become one space, and every character that Markdown would read as structure is escaped, so that
+    the text can neither start a line of its own (a forged summary), add a table cell, nor open a link, an image
+    or HTML."""
+    line = _MARKUP.sub(lambda m: "\\" + m.group(0), " ".join(str(value).split()))
+    return _LINE_START.sub(lambda m: m.group(0)[:-1] + "\\" + m.group(0)[-1], line)
+
+
+def md_path(path: Path, root: Path) -> str:
+    """`path` as a Markdown link target relative to `root` (percent-encoded: a space or `)` ends no link)."""
+    return quote(path.relative_to(root).as_posix())
 
 
 def summary_line(verdicts: list[Verdict]) -> str:
@@ -299,7 +321,8 @@ def _mixed_relations(frame: pd.DataFrame, claim: ClaimSpec) -> str:
     """A warning when the rows a claim compares state their ε under different neighbouring relations."""
     if "neighbours" not in frame or "epsilon" not in frame:
         return ""
-    parts = [select(frame, sel) for sel in (claim.a, claim.b) if sel] or [frame]
+    # a selection the check does not use (`b` of a monotone claim) may name no column: it selects nothing here
+    parts = [select(frame, sel) for sel in (claim.a, claim.b) if sel and set(sel) <= set(frame)] or [frame]
     rows = pd.concat(parts)
     rows = rows[rows["epsilon"].notna()]
     relations = sorted(set(rows["neighbours"].fillna("unrecorded").astype(str)))
@@ -383,17 +406,18 @@ def build_report(path: Path) -> tuple[list[Verdict], Path]:
 
 
 def _section(folder: Path, root: Path, grid: dict, figures: list[FigureSpec], verdicts: list[Verdict]) -> list[str]:
-    lines = [f"## {folder.name}", ""]
+    lines = [f"## {md_text(folder.name)}", ""]
     if grid.get("description"):
-        lines += [grid["description"], ""]
-    shown = figures or [FigureSpec(name=p.stem) for p in sorted((folder / "figures").glob("*.png"))]
+        lines += [md_text(grid["description"]), ""]
+    shown = figures or [FigureSpec(name=p.stem) for p in sorted((folder / "figures").glob("*.png"))
+                        if NAME_PATTERN.fullmatch(p.stem)]  # a file the tool did not name is no figure
     for figure in shown:
         image = folder / "figures" / f"{figure.name}.png"
         if image.exists():
-            lines += [f"### {figure.title or figure.name}", ""]
+            lines += [f"### {md_text(figure.title or figure.name)}", ""]
             if figure.paper:
-                lines += [f"*The paper:* {figure.paper}", ""]
-            lines += [f"![{figure.name}]({image.relative_to(root).as_posix()})", ""]
+                lines += [f"*The paper:* {md_text(figure.paper)}", ""]
+            lines += [f"![{md_text(figure.name)}]({md_path(image, root)})", ""]
     if verdicts:
         lines += [*_table(verdicts), ""]
     return lines
@@ -404,16 +428,16 @@ def _table(verdicts: list[Verdict], grid_column: bool = False) -> list[str]:
     head = ["grid"] * grid_column + ["claim", "verdict", "numbers"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for v in verdicts:
-        cells = [v.grid] * grid_column + [f"**{v.claim.id}**: {v.claim.text}{_source_of(v.claim)}", v.status,
-                                          v.numbers]
-        lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+        cells = [md_text(v.grid)] * grid_column + [
+            f"**{md_text(v.claim.id)}**: {md_text(v.claim.text)}{_source_of(v.claim)}", v.status, md_text(v.numbers)]
+        lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
 def _source_of(claim: ClaimSpec) -> str:
     """The quoted source sentence under the claim (or the mark of the project's own check), then its reading."""
-    source = "<br>*(the project's own check)*" if claim.own else f"<br>*{claim.quote}*"
-    return source + (f"<br>reading: {claim.reading}" if claim.reading else "")
+    source = "<br>*(the project's own check)*" if claim.own else f"<br>*{md_text(claim.quote)}*"
+    return source + (f"<br>reading: {md_text(claim.reading)}" if claim.reading else "")
 
 
 # --- the audit's verdicts (`dpsgd audit` → audit.csv) ---------------------------------------------------------
@@ -469,13 +493,16 @@ def audit_lines(path: Path) -> list[str]:
              "verdict is no proof of privacy.", "",
              "| grid | dataset | model | algorithm | ε claimed | verdict | numbers |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {v['grid']} | {v['dataset']} | {v['model']} | {v['algorithm']} {_params(v)} | "
-              f"{_fmt(v['epsilon_claimed'])} | "
-              f"{'**REFUTED**' if v['verdict'] == 'refuted' else v['verdict']} | {v['numbers']} |" for v in verdicts]
-    for folder in sorted({Path(path) / v["grid"] for v in verdicts} | {Path(path)}):
+    lines += [f"| {md_text(v['grid'])} | {md_text(v['dataset'])} | {md_text(v['model'])} | "
+              f"{md_text(v['algorithm'])} {md_text(_params(v))} | {_fmt(v['epsilon_claimed'])} | "
+              f"{'**REFUTED**' if v['verdict'] == 'refuted' else v['verdict']} | {md_text(v['numbers'])} |"
+              for v in verdicts]
+    # a grid's figures are those of a folder of `path` it names: not `..`, not an absolute path
+    grids = {str(v["grid"]) for v in verdicts if NAME_PATTERN.fullmatch(str(v["grid"]))}
+    for folder in sorted({Path(path) / grid for grid in grids} | {Path(path)}):
         image = folder / "figures" / "audit.png"
         if image.exists():
-            lines += ["", f"![audit]({image.relative_to(path).as_posix()})"]
+            lines += ["", f"![audit]({md_path(image, Path(path))})"]
     return lines + [""]
 
 

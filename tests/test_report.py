@@ -312,7 +312,7 @@ def test_reading_is_shown_beside_the_claim():
 
     spec = ClaimSpec(id="c", text="t", check="monotone", quote='Kang et al.: "x | y"', reading="a choice, and why")
     row = _table([Verdict("g", spec, "PASS", "n")])[-1]
-    assert row.startswith("| **c**: t<br>*Kang et al.: \"x / y\"*<br>reading: a choice, and why | PASS | n |")
+    assert row.startswith("| **c**: t<br>*Kang et al.: \"x \\| y\"*<br>reading: a choice, and why | PASS | n |")
 
 
 def test_experiments_yaml_claims_on_analytic_tables_are_formula_checks():
