@@ -4,8 +4,10 @@ the reference optimum L*).
 An entry is one file named by the sha256 of its key (a JSON-able dict that names everything the value depends
 on) and holds the key beside the value, so a hash collision or a stale file is recognised and ignored, and a
 checksum of both, so that a corrupt entry (a flipped bit, a torn copy) is told apart from a version change: it is
-discarded with one line on stderr. A checksum only detects accidents: whatever a privacy label or a figure rests on
-is also checked against its definition by the caller (:class:`Rejected`). Writes
+discarded with one line on stderr. A checksum only detects accidents (anyone can recompute it): whatever a privacy
+label or a figure rests on is also checked against its definition by the caller (:class:`Rejected`), and an entry
+holds exactly the fields that check reads or recomputes (:func:`exact_fields`), so that no added field reaches a
+result. Writes
 are atomic (temporary file in the same folder + `os.replace`): two processes filling one folder see an old
 entry, a new one or none, never a torn one. Floats are written with `repr` (JSON's default), so a value read
 back is the float that was computed, bit for bit. Everything is best effort: an unreadable folder or entry is

@@ -28,7 +28,8 @@ grids:
     datasets: [{name: synthetic, n: 120, dim: 4}]
     models: [logreg]
     algorithms: [erm, dp_sgd, {name: bassily2014, accounting: rdp},
-                 {name: bassily2014, accounting: advanced_composition}, {name: bassily2014, accounting: closed_form}]
+                 {name: bassily2014, accounting: advanced_composition}, {name: bassily2014, accounting: closed_form},
+                 output_perturbation]
     epsilon: [1]
     batch_size: [20]
     lr: [0.5]

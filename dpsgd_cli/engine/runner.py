@@ -360,9 +360,9 @@ def reported_columns(derived: dict[str, Any], replicas: int, private: bool) -> d
     allowed = REPORTED_COLUMNS if private else tuple(c for c in REPORTED_COLUMNS if c not in PRIVACY_COLUMNS)
     foreign = [k for k in derived if k in COLUMNS and k not in allowed]
     if foreign:
-        whose = "the cell, the metrics or the runner" if private else "the cell, the metrics, the runner or a calibration"
         raise ValueError(f"the algorithm's derived values name the column{'s' * (len(foreign) > 1)} "
-                         f"{', '.join(map(repr, foreign))}, which {whose} set{'s' * (len(foreign) == 1)}")
+                         f"{', '.join(map(repr, foreign))}, which they cannot set (a row's columns come from the "
+                         f"cell, the metrics, the runner and a private algorithm's calibration)")
     reported = {k: derived[k] for k in allowed if k in derived}
     for column, value in reported.items():
         if column in PER_REPLICA_COLUMNS:
