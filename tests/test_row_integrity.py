@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 
+import numpy as np
 import pytest
 
 from dpsgd_cli import diskcache
@@ -17,6 +18,7 @@ from dpsgd_cli.algorithms.base import Outcome
 from dpsgd_cli.config import load_grid_file
 from dpsgd_cli.engine import runner
 from dpsgd_cli.engine.results import COLUMNS, NUMERIC
+from dpsgd_cli.models import make_model
 from dpsgd_cli.privacy import accounting
 from dpsgd_cli.privacy import single_example_gaussian as single
 
@@ -158,3 +160,50 @@ def test_a_reported_value_of_the_wrong_type_is_refused(derived, wrong):
 def test_the_reported_columns_are_columns():
     assert set(runner.REPORTED_COLUMNS) <= set(COLUMNS)
     assert {"sigma", "epsilon_achieved", "accountant"} <= set(runner.REPORTED_COLUMNS)
+
+
+def without(value, path):
+    """`value` without the field at `path` (a tuple of keys into nested dicts)."""
+    if len(path) == 1:
+        return {k: v for k, v in value.items() if k != path[0]}
+    return {**value, path[0]: without(value[path[0]], path[1:])}
+
+
+def fields(value, prefix=()):
+    """The paths of every field of `value`, nested ones included."""
+    for key, item in value.items():
+        yield (*prefix, key)
+        if isinstance(item, dict):
+            yield from fields(item, (*prefix, key))
+
+
+def exact(value) -> str:
+    """A calibration or a reference minimum as text, every float by repr."""
+    return json.dumps(value, default=lambda o: o.tolist() if isinstance(o, np.ndarray) else vars(o))
+
+
+@pytest.mark.parametrize("kind", ["dp_sgd", "bassily_advanced_composition", "reference"])
+def test_a_cache_entry_without_a_field_is_discarded_in_one_line(kind, cache, capsys):
+    model = make_model("logreg", 3, 1e-2, {})
+    X = np.random.default_rng(0).normal(size=(60, 3)) / 3
+    y = np.where(X[:, 0] > 0, 1.0, -1.0)
+    compute = {"dp_sgd": lambda: accounting.calibrate_sigma.__wrapped__(1.0, 1e-5, 0.05, 40, "rdp"),
+               "bassily_advanced_composition": lambda: single.calibrate_bassily.__wrapped__(
+                   1.0, 1e-5, 60, 60, 1.0, "advanced_composition"),
+               "reference": lambda: erm.reference_minimum(model, X, y)}[kind]
+    honest = compute()
+    (path,) = cache.glob("*/*.json")
+    text = path.read_text()
+    entry = json.loads(text)
+    field = next(k for k in entry if k not in ("key", "sha256"))
+    for missing in fields(entry[field]):
+        entry[field] = without(json.loads(text)[field], missing)
+        entry["sha256"] = diskcache._checksum(entry["key"], field, entry[field])
+        path.write_text(json.dumps(entry))
+        forget_in_process()
+        capsys.readouterr()
+        again = compute()
+        assert exact(again) == exact(honest), missing
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"discarded the cache entry {path}" in err, missing
+        assert path.read_text() == text
