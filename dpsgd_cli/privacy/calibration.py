@@ -11,8 +11,8 @@ Two searches, both over the exact accountant (ε must be non-increasing in σ):
 
 :func:`cached` keeps calibrations on disk (one folder, one entry format: key → value with a checksum,
 :mod:`dpsgd_cli.diskcache`); a value read back must hold exactly its fields, and is used only after its `verify`
-re-evaluates the accountant at its σ
-(:meth:`EpsilonCurve.verify`, :func:`check_window`), and the ε recorded is that evaluation's.
+re-evaluates the accountant at its σ (:meth:`EpsilonCurve.verify`, :func:`check_window`), and the ε recorded is
+that evaluation's.
 """
 
 from __future__ import annotations
