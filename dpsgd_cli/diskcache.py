@@ -4,8 +4,10 @@ the reference optimum L*).
 An entry is one file named by the sha256 of its key (a JSON-able dict that names everything the value depends
 on) and holds the key beside the value, so a hash collision or a stale file is recognised and ignored, and a
 checksum of both, so that a corrupt entry (a flipped bit, a torn copy) is told apart from a version change: it is
-discarded with one line on stderr. A checksum only detects accidents: whatever a privacy label or a figure rests on
-is also checked against its definition by the caller (:class:`Rejected`). Writes
+discarded with one line on stderr. A checksum only detects accidents (anyone can recompute it): whatever a privacy
+label or a figure rests on is also checked against its definition by the caller (:class:`Rejected`), and an entry
+holds exactly the fields that check reads or recomputes (:func:`exact_fields`), so that no added field reaches a
+result. Writes
 are atomic (temporary file in the same folder + `os.replace`): two processes filling one folder see an old
 entry, a new one or none, never a torn one. Floats are written with `repr` (JSON's default), so a value read
 back is the float that was computed, bit for bit. Everything is best effort: an unreadable folder or entry is
@@ -25,7 +27,7 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 CACHE_DIR_ENV = "DPSGD_CACHE_DIR"
 
@@ -65,6 +67,7 @@ def discard(folder: Path | None, key: dict, reason: str) -> None:
     if folder is None:
         return
     path = entry_path(folder, key)
+    reason = " ".join(reason.split())  # one line, whatever an entry's values put in it
     print(f"note: discarded the cache entry {path}: {reason}; recomputing it", file=sys.stderr)
     with contextlib.suppress(OSError):
         path.unlink()
@@ -88,11 +91,31 @@ def read_entry(folder: Path | None, key: dict, field: str) -> Any:
             return None
         value = entry[field]
         if entry["sha256"] == _checksum(key, field, value):
+            exact_fields(entry, ("key", field, "sha256"), "entry")
             return value
+    except Rejected as exc:
+        discard(folder, key, str(exc))
+        return None
     except (ValueError, KeyError, TypeError):
         pass
     discard(folder, key, "it is corrupt (unreadable, or its checksum does not match its content)")
     return None
+
+
+def exact_fields(value: Any, fields: Iterable[str], what: str) -> dict:
+    """`value` if it is a dict with exactly `fields`, else :class:`Rejected` naming the extra and missing ones. An
+    entry holds only what its check reads or recomputes: a checksum anyone can recompute does not stop a field
+    being added, and an added field must never reach a result (a row's column, its derived values)."""
+    if not isinstance(value, dict):
+        raise Rejected(f"its {what} is not a mapping of fields")
+    fields = list(fields)
+    extra = [k for k in value if k not in fields]
+    missing = [k for k in fields if k not in value]
+    if extra or missing:
+        said = ([f"the unexpected field{'s' * (len(extra) > 1)} {', '.join(map(repr, extra))}"] if extra else []) + \
+               ([f"no {', '.join(map(repr, missing))}"] if missing else [])
+        raise Rejected(f"its {what} has {' and '.join(said)}")
+    return value
 
 
 _tmp_counter = itertools.count()

@@ -19,6 +19,7 @@ import pytest
 
 from dpsgd_cli.algorithms import ALGORITHMS, Setting
 from dpsgd_cli.algorithms.streams import ReplicaStreams
+from dpsgd_cli.engine import runner
 from dpsgd_cli.models import make_model
 
 N, D = 400, 5
@@ -93,6 +94,15 @@ def test_guarantee_is_a_documented_label(trained, name):
         assert guarantee == "non-private"
     else:
         assert guarantee == "proved" or guarantee.startswith(("none: ", "tv-bound: ")), guarantee
+
+
+@pytest.mark.parametrize("name", TRAINED)
+def test_derived_values_set_only_the_columns_a_run_reports(trained, name):
+    """A row's other columns come from the cell, the metrics or the runner; a private algorithm's σ, achieved ε and
+    accountant are what its verified calibration gave. A collision would fail the run (`reported_columns`)."""
+    outcome = trained(name)[3]
+    reported = runner.reported_columns(outcome.derived, len(SEEDS), ALGORITHMS[name].private)
+    assert "epsilon_achieved" in reported or not ALGORITHMS[name].private
 
 
 @pytest.mark.parametrize("name", NAMES)

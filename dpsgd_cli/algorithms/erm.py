@@ -131,10 +131,10 @@ def known_reference(model: Model, X: np.ndarray, y: np.ndarray,
     starts = reference_starts(model, starts)
     key = _cache_key(model, X, y, starts)
     if key not in _REFERENCE_CACHE:
-        value = _reference_from_disk(model, key)
-        if value is None:
-            return None
         try:
+            value = _reference_from_disk(model, key)
+            if value is None:
+                return None
             _verify(model, X, y, starts, *value)
         except diskcache.Rejected as exc:
             diskcache.discard(diskcache.cache_folder("reference"), _disk_key(model, key), str(exc))
@@ -163,11 +163,21 @@ def _compute_reference(model: Model, X: np.ndarray, y: np.ndarray, starts: int,
     best = int(np.argmin(objectives))
     theta, best_info = runs[best]
     # per start: a dict keyed by seed, not a list (the runner spreads a list of length R over the replicas' rows)
-    info = {"optimum_method": "lbfgs" if model.convex else f"lbfgs_best_of_{starts}", "starts": starts,
+    info = {"optimum_method": _optimum_method(model, starts), "starts": starts,
             "best_start": best, **best_info,
             "start_results": {str(s): {"objective": objectives[s], "iterations": runs[s][1]["lbfgs_iterations"],
                                        "converged": runs[s][1]["lbfgs_converged"]} for s in range(starts)}}
     return theta, objectives[best], info
+
+
+def _optimum_method(model: Model, starts: int) -> str:
+    return "lbfgs" if model.convex else f"lbfgs_best_of_{starts}"
+
+
+# the fields of a reference minimum's info and of each start's result (`_compute_reference`)
+_INFO_FIELDS = ("optimum_method", "starts", "best_start", "lbfgs_iterations", "lbfgs_converged", "grad_norm",
+                "start_results")
+_START_FIELDS = ("objective", "iterations", "converged")
 
 
 CONVEX_GRADIENT_DROP = 1e-6  # a convex θ* must have ‖∇F‖ ≤ this × max(1, ‖∇F(θ₀)‖); L-BFGS reaches ~1e-9
@@ -178,7 +188,9 @@ def _verify(model: Model, X: np.ndarray, y: np.ndarray, starts: int, theta: np.n
     """Check a reference minimum against what defines it, recomputed from θ* and the data (~2 passes over X):
     its recorded F(θ*) and ‖∇F(θ*)‖ are what θ* gives; a convex θ* is a minimiser (the gradient has dropped by
     `CONVEX_GRADIENT_DROP` from the start θ₀); a non-convex one lies below every start (L-BFGS descends). Raises
-    `diskcache.Rejected`. L* itself is always recomputed from θ* (`runner.reference_optimum`)."""
+    `diskcache.Rejected`. L* itself is always recomputed from θ* (`runner.reference_optimum`). The info (a row's
+    derived values) must be what the starts give: its method and number of starts, the best start's objective F(θ*)
+    (the lowest, first on ties) and its iterations."""
     inits = np.asarray(model.init(ReplicaStreams(range(starts)).generators("init")))
     with np.errstate(all="ignore"):
         value, grad = model.objective_and_gradient(theta[None], X, y)
@@ -201,6 +213,7 @@ def _verify(model: Model, X: np.ndarray, y: np.ndarray, starts: int, theta: np.n
     elif not F < float(np.min(start_values)):
         raise diskcache.Rejected(f"its θ* (F = {F:.6g}) is not below the L-BFGS starts "
                                  f"(F = {np.min(start_values):.6g})")
+    _check_info(model, starts, objective, info)
 
 
 def _disk_key(model: Model, key: tuple) -> dict:
@@ -215,17 +228,44 @@ def _disk_key(model: Model, key: tuple) -> dict:
             "numpy": np.__version__, "scipy": importlib.metadata.version("scipy"), "blas": [list(b) for b in blas]}
 
 
+def _check_info(model: Model, starts: int, objective: float, info: dict) -> None:
+    results = [info["start_results"][str(s)] for s in range(starts)]
+    objectives = [r["objective"] for r in results]
+    best = info["best_start"]
+    plain = (all(isinstance(v, float) and math.isfinite(v) for v in objectives)
+             and all(type(r["iterations"]) is int and r["iterations"] >= 0 and type(r["converged"]) is bool
+                     for r in results)
+             and type(best) is int and type(info["starts"]) is int and type(info["lbfgs_iterations"]) is int
+             and isinstance(info["grad_norm"], float))
+    if not (plain and info["optimum_method"] == _optimum_method(model, starts) and info["starts"] == starts
+            and best == int(np.argmin(objectives)) and objectives[best] == objective
+            and info["lbfgs_iterations"] == results[best]["iterations"]
+            and info["lbfgs_converged"] is results[best]["converged"]):
+        raise diskcache.Rejected(f"its info is not what its {starts} L-BFGS start{'s' * (starts > 1)} give (method, "
+                                 f"best start, its objective and iterations)")
+
+
 def _reference_from_disk(model: Model, key: tuple) -> tuple[np.ndarray, float, dict] | None:
-    """(θ*, F(θ*), info) stored by an earlier process, bit for bit; None when absent or corrupt."""
+    """(θ*, F(θ*), info) stored by an earlier process, bit for bit; None when absent or corrupt. Raises
+    `diskcache.Rejected` for an entry with other fields than `_compute_reference` gives (an added field would
+    become an `erm` row's derived value) or values of the wrong shape."""
     entry = diskcache.read_entry(diskcache.cache_folder("reference"), _disk_key(model, key), "reference")
+    if entry is None:
+        return None
+    starts = key[3]
+    entry = diskcache.exact_fields(entry, ("theta", "objective", "info"), "reference minimum")
+    info = diskcache.exact_fields(entry["info"], _INFO_FIELDS, "info")
+    for seed, result in diskcache.exact_fields(info["start_results"], [str(s) for s in range(starts)],
+                                               "start results").items():
+        diskcache.exact_fields(result, _START_FIELDS, f"start {seed}'s result")
     try:
         theta = np.array(entry["theta"], dtype=np.float64)
-        objective, info = entry["objective"], entry["info"]
-        ok = (theta.shape == (model.n_params,) and np.isfinite(theta).all() and isinstance(objective, float)
-              and isinstance(info, dict) and "optimum_method" in info)
-        return (theta, objective, info) if ok else None
-    except (TypeError, KeyError, ValueError, AttributeError):
-        return None
+    except (TypeError, ValueError):
+        raise diskcache.Rejected("its θ* is not a list of numbers") from None
+    objective = entry["objective"]
+    if not (theta.shape == (model.n_params,) and np.isfinite(theta).all() and isinstance(objective, float)):
+        raise diskcache.Rejected(f"its θ* is not {model.n_params} finite numbers or its objective not a number")
+    return theta, objective, info
 
 
 def _reference_to_disk(model: Model, key: tuple, value: tuple[np.ndarray, float, dict]) -> None:

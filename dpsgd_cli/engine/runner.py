@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import numbers
 import os
 import signal
 import sys
@@ -321,15 +322,18 @@ def _result(task: Task, cell: Cell, model, outcome, elapsed: float,
         derived.setdefault("optimum_method", task.optimum_method)
     if data.train_statistics:  # preprocessing outside the accountant (file datasets), as one string
         derived.setdefault("train_statistics", ", ".join(data.train_statistics))
-    # a derived list with one value per replica (e.g. pidp_sgd's noiseless_fraction) belongs to each seed's row
+    try:
+        reported = reported_columns(derived, len(task.seeds), ALGORITHMS[cell.algorithm.name].private)
+    except ValueError as exc:  # a programming error: the run fails, no column takes the value
+        return failed_result(task, _failure(exc), elapsed)
+    derived = {k: v for k, v in derived.items() if k not in reported}
+    # a derived list with one value per replica (e.g. pidp_sgd's eligible_fraction) belongs to each seed's row
     per_replica = {k: derived.pop(k) for k in list(derived)
                    if isinstance(derived[k], (list, np.ndarray)) and len(derived[k]) == len(task.seeds)}
-    known = {k: derived.pop(k) for k in list(derived) if k in COLUMNS}
     rows = []
     for r, seed in enumerate(task.seeds):
-        own = {k: v[r] for k, v in per_replica.items()}
-        extra = {**derived, **{k: v for k, v in own.items() if k not in COLUMNS}}
-        row = {**base, **known, **{k: v for k, v in own.items() if k in COLUMNS},
+        extra = {**derived, **{k: v[r] for k, v in per_replica.items()}}
+        row = {**base, **{k: v[r] if k in PER_REPLICA_COLUMNS else v for k, v in reported.items()},
                **{k: v[r] for k, v in metrics.items()}, "run_id": cell.run_id(seed), "seed": seed,
                "guarantee": outcome.guarantee, "derived": json.dumps(extra, default=float) if extra else "",
                "wall_time": elapsed}
@@ -337,6 +341,39 @@ def _result(task: Task, cell: Cell, model, outcome, elapsed: float,
         row["status"], row["message"] = ("ok", "") if finite else ("diverged", "non-finite parameters or objective")
         rows.append(row)
     return TaskResult(rows, _trace_rows(cell, task, outcome.trace))
+
+
+# The columns an algorithm's derived values set: its schedule, its share of noiseless steps (one per replica) and,
+# for a private algorithm, what its verified calibration gives. Every other column has one source: the cell
+# (`_base_row`), the metrics or the runner.
+PRIVACY_COLUMNS = ("sigma", "epsilon_achieved", "accountant", "accountant_library", "delta_certified")
+PER_REPLICA_COLUMNS = ("noiseless_fraction",)
+REPORTED_COLUMNS = ("steps", "sample_rate", *PER_REPLICA_COLUMNS, *PRIVACY_COLUMNS)
+_REPORTED_TYPES: dict[str, tuple[type, ...]] = {"steps": (numbers.Integral,), "accountant": (str,),
+                                                 "accountant_library": (str,)}
+
+
+def reported_columns(derived: dict[str, Any], replicas: int, private: bool) -> dict[str, Any]:
+    """The columns `derived` sets (`REPORTED_COLUMNS`). ValueError for a key that names any other column, a privacy
+    column of a non-private algorithm, or a value that is not of the column's kind (None, or a number, a string,
+    one number per replica)."""
+    allowed = REPORTED_COLUMNS if private else tuple(c for c in REPORTED_COLUMNS if c not in PRIVACY_COLUMNS)
+    foreign = [k for k in derived if k in COLUMNS and k not in allowed]
+    if foreign:
+        raise ValueError(f"the algorithm's derived values name the column{'s' * (len(foreign) > 1)} "
+                         f"{', '.join(map(repr, foreign))}, which they cannot set (a row's columns come from the "
+                         f"cell, the metrics, the runner and a private algorithm's calibration)")
+    reported = {k: derived[k] for k in allowed if k in derived}
+    for column, value in reported.items():
+        if column in PER_REPLICA_COLUMNS:
+            fits = isinstance(value, (list, np.ndarray)) and len(value) == replicas and all(
+                isinstance(v, numbers.Real) and not isinstance(v, bool) for v in value)
+        else:
+            kinds = _REPORTED_TYPES.get(column, (numbers.Real,))
+            fits = value is None or (isinstance(value, kinds) and not isinstance(value, bool))
+        if not fits:
+            raise ValueError(f"the algorithm's derived value {column!r} = {value!r} is not of that column's kind")
+    return reported
 
 
 def failed_result(task: Task, message: str, wall_time: Optional[float] = None) -> TaskResult:

@@ -26,7 +26,7 @@ import importlib.metadata
 import inspect
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar, cast
 
@@ -489,7 +489,7 @@ def calibrate_sigma(
     t = check.count("steps", steps)
     name = _check_accountant(accountant)
     check_dpsgd_neighbours(name, neighbours)
-    return cached(_cache_key(target, d, q, t, name, neighbours),
+    return cached(_cache_key(target, d, q, t, name, neighbours), [f.name for f in fields(Calibration)],
                   lambda: _calibrate_sigma(target, d, q, t, name, neighbours),
                   lambda stored: _verified(Calibration(**stored), target, d, q, t, name, neighbours),
                   # the fields are flat: a copy of them, not dataclasses.asdict's deep copy

@@ -10,15 +10,16 @@ Two searches, both over the exact accountant (ε must be non-increasing in σ):
   mechanisms' calibrations keep it, as the lattice would move their σ.
 
 :func:`cached` keeps calibrations on disk (one folder, one entry format: key → value with a checksum,
-:mod:`dpsgd_cli.diskcache`); a value read back is used only after its `verify` re-evaluates the accountant at its σ
-(:meth:`EpsilonCurve.verify`, :func:`check_window`), and the ε recorded is that evaluation's.
+:mod:`dpsgd_cli.diskcache`); a value read back must hold exactly its fields, and is used only after its `verify`
+re-evaluates the accountant at its σ (:meth:`EpsilonCurve.verify`, :func:`check_window`), and the ε recorded is
+that evaluation's.
 """
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, TypeVar
+from typing import Any, Callable, Iterable, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -337,24 +338,27 @@ def cache_folder() -> Path | None:
     return diskcache.cache_folder("calibration")
 
 
-def cached(key: dict[str, Any], compute: Callable[[], _V], verify: Callable[[Any], _V],
+def cached(key: dict[str, Any], fields: Iterable[str], compute: Callable[[], _V], verify: Callable[[Any], _V],
            encode: Callable[[_V], Any]) -> _V:
     """The calibration stored under `key` (a JSON-able dict naming everything the value depends on, versions
-    included), passed through `verify`; else `compute()`, stored as `encode(value)`.
+    included), passed through `verify`; else `compute()`, stored as `encode(value)`, a dict of exactly `fields`.
 
-    `verify(stored)` rebuilds the value and checks it against its accountant by one evaluation, returning the
-    value with that evaluation's ε; it raises :class:`diskcache.Rejected` for a value that fails the check (the
-    entry is discarded with one line on stderr) and TypeError, ValueError, KeyError or AttributeError for one
-    that does not fit the value's shape (a miss). A corrupt entry (checksum) is discarded by the read itself."""
+    A stored value with any other field, or without one of them, is discarded with one line on stderr (its
+    checksum cannot tell: anyone can recompute it). `verify(stored)` rebuilds the value from the fields it reads,
+    checks it against its accountant by one evaluation and returns it with that evaluation's ε; it raises
+    :class:`diskcache.Rejected` for a value that fails the check (then also discarded with one line); a field of
+    the wrong type or out of range (TypeError, ValueError, KeyError, AttributeError, ArithmeticError) is discarded
+    the same way. A corrupt entry
+    (checksum) is discarded by the read itself."""
     folder = cache_folder()
     stored = diskcache.read_entry(folder, key, _FIELD)
     if stored is not None:
         try:
-            return verify(stored)
+            return verify(diskcache.exact_fields(stored, fields, "calibration"))
         except diskcache.Rejected as exc:
             diskcache.discard(folder, key, str(exc))
-        except (TypeError, ValueError, KeyError, AttributeError):
-            pass
+        except (TypeError, ValueError, KeyError, AttributeError, ArithmeticError) as exc:
+            diskcache.discard(folder, key, f"its check cannot evaluate it ({type(exc).__name__}: {exc})")
     value = compute()
     diskcache.write_entry(folder, key, _FIELD, encode(value))
     return value

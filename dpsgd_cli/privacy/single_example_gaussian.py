@@ -228,24 +228,40 @@ def _advanced_composition_privacy(sigma: float, delta: float, n: int, steps: int
 
 
 _DETAIL = {"rdp": "rdp_order", "pld": "value_discretization_interval"}  # what each accountant records at σ
+_GAUSSIAN = {"tight": "analytic", "approx": "classical"}  # advanced composition's Gaussian step, by amplification
+
+
+def _accountant_details(accounting: str, noise_multiplier: float, at_sigma: float) -> dict[str, Any]:
+    """The details of a calibration by the RDP or PLD accountant: the noise multiplier z = σ / (2·lipschitz) and
+    what the accountant records at it (`_DETAIL`)."""
+    return {"noise_multiplier": noise_multiplier, _DETAIL[accounting]: at_sigma, "neighboring_relation": "replace_one",
+            "event": ("SampledWithoutReplacement(n, 1, Gaussian)" if accounting == "rdp"
+                      else "PoissonSampled(1/n, Gaussian) as a dominating pair")}
 
 
 def _verified(stored: dict[str, Any], epsilon: float, delta: float, n: int, steps: int, lipschitz: float,
               accounting: str, formula: str, amplification: str) -> Privacy:
     """A cached calibration checked by one evaluation of its own analysis at its σ (ε in the window, or the
-    analysis steps over it just below σ); returned with that evaluation's ε. Closed forms cost no more than their
-    check: recomputed. Raises `diskcache.Rejected`."""
+    analysis steps over it just below σ); returned with that evaluation's ε and details, never the stored ones
+    (whose fields must be exactly those recomputed). Closed forms cost no more than their check: recomputed.
+    Raises `diskcache.Rejected`."""
     if accounting == "closed_form":
-        return _calibrate_bassily(epsilon, delta, n, steps, lipschitz, accounting, formula, amplification)
+        fresh = _calibrate_bassily(epsilon, delta, n, steps, lipschitz, accounting, formula, amplification)
+        diskcache.exact_fields(stored["details"], fresh.details, "details")
+        return fresh
     privacy = Privacy(**stored)
     sigma = positive_sigma(privacy.sigma)
     if accounting == "advanced_composition":
-        gaussian = privacy.details["gaussian"]
+        gaussian = _GAUSSIAN[amplification]
         fresh = _advanced_composition_privacy(sigma, delta, n, steps, lipschitz, amplification, gaussian)
+        if diskcache.exact_fields(privacy.details, fresh.details, "details")["gaussian"] != gaussian:
+            raise diskcache.Rejected(f"its Gaussian step {privacy.details['gaussian']!r} is not the {gaussian} one "
+                                     f"that {amplification} amplification calibrates")
         check_window(sigma, fresh.epsilon, epsilon, 1e-3, lambda: _advanced_composition_privacy(
             sigma * (1.0 - 1e-6), delta, n, steps, lipschitz, amplification, gaussian).epsilon, f" by {accounting}")
         return fresh
-    z = privacy.details["noise_multiplier"]
+    z = diskcache.exact_fields(privacy.details, _accountant_details(accounting, 0.0, 0.0),
+                               "details")["noise_multiplier"]
     scale = 2.0 * lipschitz
     if not (isinstance(z, float) and sigma == scale * z):
         raise diskcache.Rejected(f"its sigma {sigma!r} is not 2·lipschitz × its noise multiplier {z!r}")
@@ -253,7 +269,7 @@ def _verified(stored: dict[str, Any], epsilon: float, delta: float, n: int, step
     e, x = func(z, n, steps, delta)
     check_window(sigma, e, epsilon, 1e-3, lambda: func(sigma * (1.0 - 1e-6) / scale, n, steps, delta)[0],
                  f" by {accounting}")
-    return Privacy(sigma, e, accounting, {**privacy.details, _DETAIL[accounting]: x})
+    return Privacy(sigma, e, accounting, _accountant_details(accounting, z, x))
 
 
 @_memoised(maxsize=256)
@@ -264,8 +280,8 @@ def calibrate_bassily(epsilon: float, delta: float, n: int, steps: int, lipschit
     key = {"mechanism": "single_example_gaussian", "target_epsilon": repr(epsilon), "delta": repr(delta), "n": n,
            "steps": steps, "lipschitz": repr(lipschitz), "accounting": accounting, "formula": formula,
            "amplification": amplification, **_VERSIONS}
-    return cached(key, lambda: _calibrate_bassily(epsilon, delta, n, steps, lipschitz, accounting, formula,
-                                                  amplification),
+    return cached(key, [f.name for f in dataclasses.fields(Privacy)],
+                  lambda: _calibrate_bassily(epsilon, delta, n, steps, lipschitz, accounting, formula, amplification),
                   lambda stored: _verified(stored, epsilon, delta, n, steps, lipschitz, accounting, formula,
                                            amplification),
                   dataclasses.asdict)
@@ -289,7 +305,7 @@ def _calibrate_bassily(epsilon: float, delta: float, n: int, steps: int, lipschi
                    "epsilon_chain": check.epsilon}
         return Privacy(sigma, epsilon, f"closed_form_{formula}", details, proved, reason)
     if accounting == "advanced_composition":
-        gaussian = "analytic" if amplification == "tight" else "classical"
+        gaussian = _GAUSSIAN[amplification]
         eps1, delta1 = advanced_composition_epsilon_per_step(epsilon, delta, steps)
         q = 1.0 / n
         eps0 = math.log1p(math.expm1(eps1) / q) if amplification == "tight" else eps1 / (2.0 * q)
@@ -319,9 +335,6 @@ def _calibrate_bassily(epsilon: float, delta: float, n: int, steps: int, lipschi
         # guess: the CLT asymptote ε ≈ q√(2T ln(1/δ))·2/z (replace-one ~ twice add/remove)
         guess = max(0.5, 2.0 * math.sqrt(2.0 * steps * math.log(1.0 / delta)) / (n * epsilon))
         point = calibrate(eps_of_multiplier, epsilon, sigma_guess=guess, context=context)
-        details = {"noise_multiplier": point.sigma, _DETAIL[accounting]: extra[point.sigma],
-                   "neighboring_relation": "replace_one",
-                   "event": ("SampledWithoutReplacement(n, 1, Gaussian)" if accounting == "rdp"
-                             else "PoissonSampled(1/n, Gaussian) as a dominating pair")}
-        return Privacy(2.0 * lipschitz * point.sigma, point.epsilon, accounting, details)
+        return Privacy(2.0 * lipschitz * point.sigma, point.epsilon, accounting,
+                       _accountant_details(accounting, point.sigma, extra[point.sigma]))
     raise UserError(f"bassily2014: unknown accounting {accounting!r}")
