@@ -240,22 +240,22 @@ CheckKind = Literal["monotone", "better", "within", "not_worse", "above", "below
 
 
 class ClaimCondition(_Strict):
-    """One more condition of a claim's sentence (`also:`): its text and check; every other key it does not give
-    is the claim's (metric, where, a, b, over, ...)."""
+    """One more condition of a claim's sentence (`also:`): its text and check; every other key it leaves out
+    (None) is the claim's (metric, where, a, b, over, ...)."""
 
     text: str = Field(description="the condition, in the words of the claim's text")
     check: CheckKind
-    metric: str = "test_accuracy"
-    where: Selection = Field(default_factory=dict)
-    a: Selection = Field(default_factory=dict)
-    b: Selection = Field(default_factory=dict)
-    over: Optional[str] = "epsilon"
-    direction: Literal["increasing", "decreasing"] = "increasing"
-    higher_is_better: bool = True
-    tolerance: float = Field(0.0, ge=0)
-    relative: bool = False
-    confidence: float = Field(0.95, gt=0.5, lt=1)
-    value: float = 0.0
+    metric: Optional[str] = None
+    where: Optional[Selection] = None
+    a: Optional[Selection] = None
+    b: Optional[Selection] = None
+    over: Optional[str] = None
+    direction: Optional[Literal["increasing", "decreasing"]] = None
+    higher_is_better: Optional[bool] = None
+    tolerance: Optional[float] = Field(None, ge=0)
+    relative: Optional[bool] = None
+    confidence: Optional[float] = Field(None, gt=0.5, lt=1)
+    value: Optional[float] = None
 
 
 class ClaimSpec(_Strict):
@@ -337,8 +337,8 @@ class ClaimSpec(_Strict):
 
     def conditions(self) -> list["ClaimSpec"]:
         """The claim's own check, then each of `also:` as a claim of its own (keys it does not give inherited)."""
-        return [self] + [self.model_copy(update={**condition.model_dump(exclude_unset=True), "also": []})
-                         for condition in self.also]
+        given = [{k: v for k, v in c.model_dump().items() if v is not None} for c in self.also]
+        return [self] + [self.model_copy(update={**keys, "also": []}) for keys in given]
 
 
 SELECT_GROUPS = ["dataset", "model", "algorithm", "epsilon"]

@@ -5,9 +5,11 @@ A page keeps every number a run produced in a generated block: its template in t
 the template gives below it, up to the closing marker:
 
     <!-- numbers: grid=song_fig1
-    KDD {{ mean("train_objective", algorithm="song2013", batch_size=1, dataset="kddcup99") | .3g }}: {{ verdict("song1-b1-far-from-nonprivate") }}
+    KDD {{ mean("train_objective", algorithm="song2013", batch_size=1, dataset="kddcup99") | .3g }}:
+    {{ verdict("song1-b1-far-from-nonprivate") }}
     -->
-    KDD 0.651: PASS
+    KDD 0.651:
+    PASS
     <!-- /numbers -->
 
     python scripts/paper_numbers.py RESULTS_DIR            # rewrite each block whose grid RESULTS_DIR/GRID holds
@@ -19,8 +21,11 @@ rows as a claim's `where` does), then formatted (`.3g`, `.1%`; without a format 
 
     mean(metric, **where), std(metric, **where)   mean and std over the matching rows (std over seeds, ddof 1)
     lo(metric, **where), hi(metric, **where)      the smallest and largest value of the matching rows
-    runs(**where)                                 how many rows match; unselected(...) the same functions on
-                                                  every run, before the selection chose (e.g. unselected.mean)
+    derived(key, **where)                         the values of runs.csv's derived.KEY on the matching rows
+    spread(metric, a, b)                          (s_a/s_b, its one-sided 95% lower bound, upper bound) of two
+                                                  selections (dicts), as the `spread` check computes them
+    runs(**where)                                 how many rows match
+    unselected.mean(...), .std, .lo, .hi, .runs   the same on every run, before the grid's selection chose
     table(figure, column, **where)                the value of `column` in the one matching row of an analytic
                                                   figure's table; analytic(figure) the whole table (a DataFrame)
     verdict(id), held(id), numbers(id)            a claim's PASS/FAIL/..., its "k of n" groups, its numbers
@@ -28,15 +33,17 @@ rows as a claim's `where` does), then formatted (`.3g`, `.1%`; without a format 
     summary()                                     the grid's verdict counts, as the report prints them
 
 `grid=*` binds `summary()` and `verdicts()` to every grid of experiments.yaml with claims; such a block is
-written only when RESULTS_DIR holds all of them. A block whose grid is not in RESULTS_DIR is left as it is and
-listed. Text outside the blocks is the paper's or an input; tests/test_paper_numbers.py checks that no
-result-looking number stands outside a block unless marked (`<!-- given: paper -->…<!-- /given -->`, or
-`input`, `timing`: the paper's own numbers, an input parameter, a machine's wall time).
+written only when RESULTS_DIR holds all of them. A block whose grid has no finished run in RESULTS_DIR (its
+manifest records when the run finished) is left as it is and listed. Text outside the blocks is the paper's or
+an input: tests/test_paper_numbers.py checks that no result-looking number stands outside a block unless
+marked (`<!-- given: paper -->…<!-- /given -->`, or `input`, `timing`: the paper's own numbers, an input
+parameter, a machine's wall time).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 import sys
@@ -49,10 +56,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's
 
 from dpsgd_cli.config import ClaimSpec, FigureSpec, load_grid_file  # noqa: E402
 from dpsgd_cli.engine.analytic import analytic_table  # noqa: E402
-from dpsgd_cli.engine.results import grid_of, select  # noqa: E402
+from dpsgd_cli.engine.results import grid_of, read_manifest, select  # noqa: E402
 from dpsgd_cli.engine.selection import results_frame  # noqa: E402
 from dpsgd_cli.errors import UserError  # noqa: E402
-from dpsgd_cli.report import Verdict, _table, evaluate, summary_line  # noqa: E402
+from dpsgd_cli.report import Verdict, _table, evaluate, spread_ratio_bounds, summary_line  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = ROOT / "docs" / "papers"
@@ -92,6 +99,17 @@ class Runs:
     def runs(self, **where: Any) -> int:
         return len(self.rows(None, where))
 
+    def derived(self, key: str, **where: Any) -> list[float]:
+        values = [json.loads(d).get(key) for d in self.rows("derived", where) if isinstance(d, str) and d]
+        found = [float(v) for v in values if isinstance(v, (int, float))]
+        if not found:
+            raise LookupError(f"no run of {self.folder.name} matching {where} records derived.{key}")
+        return found
+
+    def spread(self, metric: str, a: dict, b: dict, confidence: float = 0.95) -> tuple[float, float, float]:
+        sa, sb = self.rows(metric, a), self.rows(metric, b)
+        return spread_ratio_bounds(float(sa.std()), len(sa), float(sb.std()), len(sb), confidence)
+
     def analytic(self, figure: str) -> pd.DataFrame:
         spec = next((FigureSpec(**f) for f in grid_of(self.folder).get("figures", []) if f["name"] == figure), None)
         if spec is None:
@@ -123,14 +141,17 @@ def namespace(grids: list[Runs]) -> dict[str, Callable[..., Any]]:
     verdicts = [v for runs in grids for v in runs.verdicts()]
     names: dict[str, Callable[..., Any]] = {
         "summary": lambda: summary_line(verdicts),
-        "verdicts": lambda width=400: "\n".join(_table([_cut(v, width) for v in verdicts], grid_column=True)),
+        "verdicts": lambda width=400: "\n".join(_table([_cut(v, width) for v in verdicts],
+                                                      grid_column=len(grids) > 1)),
         "abs": abs, "min": min, "max": max, "round": round, "len": len, "sqrt": math.sqrt,
     }
     if len(grids) == 1:
         (runs,) = grids
         unselected = Runs(runs.folder, selected=False)
         names.update(mean=runs.mean, std=runs.std, lo=runs.lo, hi=runs.hi, runs=runs.runs, table=runs.table,
-                     analytic=runs.analytic, verdict=lambda i: runs.verdict_of(i).status, numbers=lambda i: runs.verdict_of(i).numbers,
+                     derived=runs.derived, spread=runs.spread,
+                     analytic=runs.analytic, verdict=lambda i: runs.verdict_of(i).status,
+                     numbers=lambda i: runs.verdict_of(i).numbers,
                      held=lambda i: _held(runs.verdict_of(i)),
                      unselected=argparse.Namespace(mean=unselected.mean, std=unselected.std, lo=unselected.lo,
                                                    hi=unselected.hi, runs=unselected.runs))
@@ -185,9 +206,9 @@ def fill(page: str, results: Path) -> tuple[str, list[str]]:
         attrs = dict(part.split("=", 1) for part in match.group("attrs").split())
         grid = attrs.get("grid", "")
         wanted = claim_grids() if grid == "*" else [grid]
-        missing = [g for g in wanted if not (results / g / "runs.csv").exists()]
+        missing = [g for g in wanted if not (read_manifest(results / g) or {}).get("finished")]
         if missing:
-            left.append(f"grid={grid} (no results for {', '.join(missing)})")
+            left.append(f"grid={grid} (no finished run of {', '.join(missing)} in {results})")
             return match.group(0)
         try:
             text = render(match.group("template"), namespace([runs_of(g) for g in wanted]))

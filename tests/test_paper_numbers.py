@@ -36,7 +36,9 @@ PAGE = """# A page
 Setup: n = 400 (an input).
 
 <!-- numbers: grid=tiny
-DP-SGD at ε = 3: {{ mean("test_accuracy", algorithm="dp_sgd", epsilon=3) | .1% }} ± {{ std("test_accuracy", algorithm="dp_sgd", epsilon=3) | .1% }} over {{ runs(algorithm="dp_sgd", epsilon=3) }} seeds; tiny-learns {{ verdict("tiny-learns") }}.
+DP-SGD at ε = 3: {{ mean("test_accuracy", algorithm="dp_sgd", epsilon=3) | .1% }} ± {{
+std("test_accuracy", algorithm="dp_sgd", epsilon=3) | .1% }} over {{ runs(algorithm="dp_sgd", epsilon=3) }} seeds;
+tiny-learns {{ verdict("tiny-learns") }}.
 -->
 (not yet filled)
 <!-- /numbers -->
@@ -59,7 +61,7 @@ def test_blocks_are_written_from_the_runs_and_a_stale_number_fails_the_check(tmp
     assert paper_numbers.main([results, "--pages", str(pages)]) == 0
     text = (pages / "a.md").read_text()
     accuracy = runs[(runs["algorithm"] == "dp_sgd") & (runs["epsilon"] == 3)]["test_accuracy"]
-    assert f"DP-SGD at ε = 3: {accuracy.mean():.1%} ± {accuracy.std():.1%} over 2 seeds; tiny-learns PASS." in text
+    assert f"DP-SGD at ε = 3: {accuracy.mean():.1%} ± {accuracy.std():.1%} over 2 seeds;\ntiny-learns PASS." in text
     assert "left as it is" in text and "{{ mean(" in text  # no results for `absent`: the block stays
     assert paper_numbers.main([results, "--pages", str(pages), "--check"]) == 0
     (pages / "a.md").write_text(text.replace(f"{accuracy.mean():.1%} ±", "99.9% ±"))  # a hand-edited number
@@ -96,7 +98,7 @@ def _calls(template: str) -> set[str]:
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_every_block_of_the_pages_names_a_grid_and_known_functions(page):
     known = {"mean", "std", "lo", "hi", "runs", "table", "verdict", "numbers", "held", "verdicts", "summary",
-             "unselected", "analytic", "abs", "min", "max", "round", "len", "sqrt"}
+             "unselected", "analytic", "derived", "spread", "abs", "min", "max", "round", "len", "sqrt"}
     grids = {*paper_numbers.claim_grids(), "*"} | {
         g.name for g in paper_numbers.load_grid_file(ROOT / "experiments.yaml").grids}
     text = page.read_text()

@@ -451,3 +451,13 @@ def test_every_check_kind_is_in_the_docs_table():
     section = page.split("## How a check decides", 1)[1].split("\n## ", 1)[0]
     tabled = set(re.findall(r"^\| `(\w+)` \|", section, flags=re.MULTILINE))
     assert tabled == set(typing.get_args(CheckKind))
+
+
+def test_a_condition_inherits_what_it_leaves_out_after_a_manifest_round_trip():
+    spec = claim(check="better", metric="train_objective", a={"algorithm": "p", "batch_size": 10},
+                 b={"algorithm": "p", "batch_size": 50}, over=None, higher_is_better=False,
+                 also=[{"text": "b = 10 beats b = 1", "check": "better", "b": {"algorithm": "p", "batch_size": 1}}])
+    for spec in (spec, ClaimSpec(**spec.model_dump())):  # the manifest records every key, defaults included
+        second = spec.conditions()[1]
+        assert second.a == {"algorithm": "p", "batch_size": 10} and second.over is None
+        assert second.b == {"algorithm": "p", "batch_size": 1} and second.higher_is_better is False
