@@ -397,14 +397,14 @@ def selection_effect(status: str, fixed: list[tuple[str, str]], candidates: list
     if not fixed:
         return status, ""
     names = " × ".join(candidates)
-    text = f" | unselected runs at fixed {names}: " + ", ".join(f"{label} {s}" for label, s in fixed)
+    text = f"; unselected runs at fixed {names}: " + ", ".join(f"{label} {s}" for label, s in fixed)
     decided = [s for _, s in fixed if s in (PASS, FAIL)]
     holds = {"show": PASS in decided, "some": PASS in decided,
              "all": bool(decided) and FAIL not in decided}[claim.unselected]
     if status != PASS or holds or not decided:
         return status, text
     if claim.unselected == "show":
-        return status, text + f" — this PASS rests on the choice of {names} on validation: no fixed {names} passes"
+        return status, text + f" — this PASS rests on the selection's choice of {names}: no fixed {names} passes"
     need = "some" if claim.unselected == "some" else "every"
     return FAIL, text + (f" — FAIL: the claim holds through the choice of {names} only, and must also hold at "
                          f"{need} fixed {names}")

@@ -381,7 +381,7 @@ def test_a_pass_that_rests_on_the_selection_is_said_or_refused():
     assert all("erm" in set(rows["algorithm"]) for _, rows in fixed)  # the reference belongs to every T
     spec = claim(check="fluctuates")
     status, text = selection_effect("PASS", [("epochs=2", "FAIL"), ("epochs=5", "FAIL")], ["epochs"], spec)
-    assert status == "PASS" and "epochs=2 FAIL" in text and "rests on the choice of epochs" in text
+    assert status == "PASS" and "epochs=2 FAIL" in text and "rests on the selection's choice of epochs" in text
     strict = spec.model_copy(update={"unselected": "some"})
     assert selection_effect("PASS", [("epochs=2", "FAIL"), ("epochs=5", "FAIL")], ["epochs"], strict)[0] == "FAIL"
     assert selection_effect("PASS", [("epochs=2", "FAIL"), ("epochs=5", "PASS")], ["epochs"], strict)[0] == "PASS"
