@@ -14,6 +14,7 @@ the template gives below it, up to the closing marker:
 
     python scripts/paper_numbers.py RESULTS_DIR            # rewrite each block whose grid RESULTS_DIR/GRID holds
     python scripts/paper_numbers.py RESULTS_DIR --check    # exit 1 if a block differs from what the runs give
+                                                           # (or is not filled: --partial allows that)
 
 `{{ expression | format }}` is a Python expression over the functions below, bound to the block's grid (the
 runs as `dpsgd report` reads them: the grid's first selection where it has `select:`; keyword arguments select
@@ -222,18 +223,22 @@ def fill(page: str, results: Path) -> tuple[str, list[str]]:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", type=Path, help="results root: one folder per grid (RESULTS/<grid>/runs.csv)")
-    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a block is stale")
+    parser.add_argument("--check", action="store_true",
+                        help="write nothing; exit 1 if a block is stale, or not filled (its grid has no finished run)")
+    parser.add_argument("--partial", action="store_true",
+                        help="with --check: blocks whose grid RESULTS does not hold are listed, not failed")
     parser.add_argument("--pages", type=Path, default=PAGES, help="the folder of pages (default docs/papers)")
     args = parser.parse_args(argv)
     try:
         if not args.results.is_dir():
             raise UserError(f"{args.results}: no such results folder; give the --out of `dpsgd run`")
-        stale = []
+        stale, unfilled = [], []
         for path in sorted(args.pages.glob("*.md")):
             page = path.read_text()
             new, left = fill(page, args.results)
             for item in left:
                 print(f"{path.name}: not filled: {item}")
+            unfilled += [path.name] * bool(left)
             if new != page:
                 stale.append(path.name)
                 if not args.check:
@@ -244,6 +249,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.check and stale:
         print(f"stale numbers in {', '.join(stale)}: run python scripts/paper_numbers.py {args.results}",
               file=sys.stderr)
+        return 1
+    if args.check and unfilled and not args.partial:
+        print(f"blocks not filled in {', '.join(sorted(set(unfilled)))}: {args.results} lacks their grids (run them, "
+              f"or --partial to check only the grids it holds)", file=sys.stderr)
         return 1
     print(("stale: " if args.check else "rewritten: ") + (", ".join(stale) or "none"))
     return 0

@@ -57,17 +57,19 @@ def test_blocks_are_written_from_the_runs_and_a_stale_number_fails_the_check(tmp
     pages.mkdir()
     (pages / "a.md").write_text(PAGE)
     results = str(tmp_path / "out")
-    assert paper_numbers.main([results, "--pages", str(pages), "--check"]) == 1  # never filled: stale
+    check = [results, "--pages", str(pages), "--check", "--partial"]  # `absent` is not in the results
+    assert paper_numbers.main(check) == 1  # never filled: stale
     assert paper_numbers.main([results, "--pages", str(pages)]) == 0
+    assert paper_numbers.main(check) == 0
+    assert paper_numbers.main(check[:-1]) == 1  # a block whose grid was not run is no pass without --partial
     text = (pages / "a.md").read_text()
     accuracy = runs[(runs["algorithm"] == "dp_sgd") & (runs["epsilon"] == 3)]["test_accuracy"]
     assert f"DP-SGD at ε = 3: {accuracy.mean():.1%} ± {accuracy.std():.1%} over 2 seeds;\ntiny-learns PASS." in text
     assert "left as it is" in text and "{{ mean(" in text  # no results for `absent`: the block stays
-    assert paper_numbers.main([results, "--pages", str(pages), "--check"]) == 0
     (pages / "a.md").write_text(text.replace(f"{accuracy.mean():.1%} ±", "99.9% ±"))  # a hand-edited number
-    assert paper_numbers.main([results, "--pages", str(pages), "--check"]) == 1
+    assert paper_numbers.main(check) == 1
     run_grid(GRID.replace("seeds: 2", "seeds: 3"))  # a rerun with more seeds restates the page
-    assert paper_numbers.main([results, "--pages", str(pages), "--check"]) == 1
+    assert paper_numbers.main(check) == 1
     assert paper_numbers.main([results, "--pages", str(pages)]) == 0
     assert "over 3 seeds" in (pages / "a.md").read_text()
 
