@@ -1,13 +1,20 @@
 """Paper figures and claims: the filter language, each check (able to pass and to fail), and the report."""
 
+import re
+import typing
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import pytest
 
-from dpsgd_cli.config import ClaimSpec, FigureSpec
+from dpsgd_cli.config import CheckKind, ClaimSpec, FigureSpec, load_grid_file
+from dpsgd_cli.engine.checks import check_grid
 from dpsgd_cli.engine.results import select
+from dpsgd_cli.errors import UserError
 from dpsgd_cli.plots import plot_results
-from dpsgd_cli.report import VACUOUS, Verdict, _check_group, build_report, decide, quantified, summary_line
+from dpsgd_cli.report import (VACUOUS, Verdict, _check_group, build_report, check_conditions, decide,
+                              fixed_candidates, quantified, selection_effect, summary_line)
 
 
 def test_select_language():
@@ -353,8 +360,6 @@ def test_above_and_below_compare_the_mean_with_a_level():
 
 
 def test_a_claim_holds_where_every_condition_holds():
-    from dpsgd_cli.report import check_conditions
-
     grows_and_exceeds = claim(check="better", metric="test_accuracy", a={"algorithm": "pidp", "epsilon": 3.0},
                               b={"algorithm": "pidp", "epsilon": 0.01}, over=None,
                               also=[{"text": "exceeds 0 at epsilon = 3", "check": "above"}])
@@ -372,8 +377,6 @@ def test_a_claim_holds_where_every_condition_holds():
 
 
 def test_a_pass_that_rests_on_the_selection_is_said_or_refused():
-    from dpsgd_cli.report import fixed_candidates, selection_effect
-
     runs = _runs({"dp": {0.1: [0.8, 0.8], 1.0: [0.9, 0.9]}, "erm": {np.nan: [0.95]}})
     runs["epochs"] = [2, 5, 2, 5, np.nan]
     fixed = fixed_candidates(runs, ["epochs"])
@@ -427,10 +430,6 @@ def test_long_pointwise_checks_show_their_ends_and_where_they_fail():
 
 
 def test_claim_conditions_are_checked_before_any_work(tmp_path):
-    from dpsgd_cli.config import load_grid_file
-    from dpsgd_cli.engine.checks import check_grid
-    from dpsgd_cli.errors import UserError
-
     path = tmp_path / "g.yaml"
     path.write_text(SELECTED.replace("unselected: all}", "also: [{text: x, check: above, metric: nope}]}"))
     with pytest.raises(UserError, match=r"claims\[0\] \(grows\) also\[0\].*nope"):
@@ -441,12 +440,6 @@ def test_claim_conditions_are_checked_before_any_work(tmp_path):
 
 
 def test_every_check_kind_is_in_the_docs_table():
-    import re
-    import typing
-    from pathlib import Path
-
-    from dpsgd_cli.config import CheckKind
-
     page = (Path(__file__).parents[1] / "docs" / "papers" / "claims.md").read_text()
     section = page.split("## How a check decides", 1)[1].split("\n## ", 1)[0]
     tabled = set(re.findall(r"^\| `(\w+)` \|", section, flags=re.MULTILINE))
@@ -461,3 +454,10 @@ def test_a_condition_inherits_what_it_leaves_out_after_a_manifest_round_trip():
         second = spec.conditions()[1]
         assert second.a == {"algorithm": "p", "batch_size": 10} and second.over is None
         assert second.b == {"algorithm": "p", "batch_size": 1} and second.higher_is_better is False
+
+
+def test_every_check_kind_is_in_the_readme_grid_keys():
+    row = next(line for line in (Path(__file__).parents[1] / "README.md").read_text().splitlines()
+               if line.startswith("| `claims` |"))
+    listed = re.search(r"check \(([^)]*)\)", row).group(1).replace("\\|", "|").split("|")
+    assert set(listed) == set(typing.get_args(CheckKind))
