@@ -166,10 +166,11 @@ def _cut(verdict: Verdict, width: int) -> Verdict:
 
 
 def _held(verdict: Verdict) -> str:
+    """"k of n": the groups where the claim holds, of those decided ("0 of 0" when none is)."""
+    if not verdict.claim.group_by:
+        raise LookupError(f"claim {verdict.claim.id} has no groups (no group_by)")
     found = re.match(r"(\d+ of \d+) groups hold", verdict.numbers)
-    if found is None:
-        raise LookupError(f"claim {verdict.claim.id} has no groups")
-    return found.group(1)
+    return found.group(1) if found else "0 of 0"
 
 
 def render(template: str, names: dict[str, Any]) -> str:
