@@ -445,9 +445,8 @@ def quantified(decided: list[bool], quantifier: str) -> bool:
 
 
 def _limit(claim: ClaimSpec, figures: list[FigureSpec]) -> Optional[float]:
-    """The saturation value α S_g²/(λσ²n²) of a privacy-curve figure's parameters (for `saturates`)."""
-    if claim.check != "saturates":
-        return None
+    """The saturation value α S_g²/(λσ²n²) of a privacy-curve figure's parameters (what `saturates` compares
+    with, in the claim's check or one of its `also:`)."""
     figure = next((f for f in figures if f.name == claim.source), None)
     if figure is None or figure.kind != "privacy_curve":
         return None
