@@ -245,6 +245,29 @@ class FigureSpec(_Strict):
         return self
 
 
+CheckKind = Literal["monotone", "better", "within", "not_worse", "above", "below", "saturates", "spread",
+                    "fluctuates", "widens"]
+
+
+class ClaimCondition(_Strict):
+    """One more condition of a claim's sentence (`also:`): its text and check; every other key it leaves out
+    (None) is the claim's (metric, where, a, b, over, ...)."""
+
+    text: str = Field(description="the condition, in the words of the claim's text")
+    check: CheckKind
+    metric: Optional[str] = None
+    where: Optional[Selection] = None
+    a: Optional[Selection] = None
+    b: Optional[Selection] = None
+    over: Optional[str] = None
+    direction: Optional[Literal["increasing", "decreasing"]] = None
+    higher_is_better: Optional[bool] = None
+    tolerance: Optional[float] = Field(None, ge=0)
+    relative: Optional[bool] = None
+    confidence: Optional[float] = Field(None, gt=0.5, lt=1)
+    value: Optional[float] = None
+
+
 class ClaimSpec(_Strict):
     """A source's stated finding (its sentence in `quote`), or the project's own check (`own: true`),
     checked against the numbers just computed (`dpsgd report`).
@@ -261,13 +284,21 @@ class ClaimSpec(_Strict):
     `over` and ≥ 2 seeds per point);
     `not_worse`: the one-sided `within`: a falls short of b (a − b, or b − a when not `higher_is_better`) by at
     most tolerance (relative to |b| if `relative`) at every value of `over` (means; a claim that a never needs more,
-    never does worse);
+    never does worse); `above` / `below`: the mean of `metric` in `a` is above `value` + tolerance / below
+    `value` − tolerance at every value of `over` (a level the claim names: "exceeds 0", "below 0.001");
     `spread`: the spread over seeds of `a` exceeds that of `b` at every value of `over`: the one-sided
     `confidence` (default 95%) lower bound of the ratio of standard deviations s_a/s_b by the variance-ratio
     F-test, √(F / F_conf(n_a − 1, n_b − 1)) with F = s_a²/s_b², must exceed 1 + tolerance (tolerance 0: the
     F-test rejects equal variances at level 1 − confidence; tolerance 1: a's std is at least twice b's). The
     F-test assumes normal values over seeds and is sensitive to outliers; the report also shows the upper bound
     at the same confidence (lower and upper together: a 90% interval at 95%).
+
+    A claim whose sentence states several conditions lists the others under `also:` (each with its own check and
+    numbers, on the same groups): it holds where every condition holds. On a grid with `select:`, `unselected`
+    says what the runs the selection did not choose count for: `show` (the verdict at each fixed value of the
+    selection's candidates, e.g. each T, is shown beside the claim's), `some` / `all` (the claim must also hold
+    on the unselected runs at some / every fixed value: for a sentence whose finding would be an artefact of the
+    choice).
 
     A check whose compared values carry no evidence is VACUOUS rather than PASS or FAIL (dpsgd_cli/report.py says
     when, for each check). `reading` says how the quote was encoded where that is a choice; `kind: formula_check`
@@ -286,7 +317,7 @@ class ClaimSpec(_Strict):
         "finding", description="formula_check: the numbers are the project's evaluation of a source's formula (an "
         "analytic figure's table, or a noise scale calibrated from the run's sizes), computed without data or "
         "randomness; the verdict checks that implementation, not an experimental finding")
-    check: Literal["monotone", "better", "within", "not_worse", "saturates", "spread", "fluctuates", "widens"]
+    check: CheckKind
     metric: str = "test_accuracy"
     source: str = Field("runs", description="runs, traces, or the name of an analytic figure")
     where: Selection = Field(default_factory=dict)
@@ -301,12 +332,23 @@ class ClaimSpec(_Strict):
     tolerance: float = Field(0.0, ge=0)
     relative: bool = False
     confidence: float = Field(0.95, gt=0.5, lt=1, description="spread: confidence of the lower bound on s_a/s_b")
+    value: float = Field(0.0, description="above / below: the level the mean is compared with")
+    also: list[ClaimCondition] = Field(default_factory=list, description="the sentence's further conditions, "
+                                       "each checked on the same groups: the claim holds where all hold")
+    unselected: Literal["show", "some", "all"] = Field(
+        "show", description="with a grid's select: show the verdict at each fixed candidate value beside the "
+        "claim's; some / all: the claim must also hold on the unselected runs at some / every fixed value")
 
     @model_validator(mode="after")
     def _sourced(self) -> "ClaimSpec":
         if not self.own and not self.quote.strip():
             raise ValueError(f"claim {self.id}: give `quote:` (the source sentence it tests) or mark it `own: true`")
         return self
+
+    def conditions(self) -> list["ClaimSpec"]:
+        """The claim's own check, then each of `also:` as a claim of its own (keys it does not give inherited)."""
+        given = [{k: v for k, v in c.model_dump().items() if v is not None} for c in self.also]
+        return [self] + [self.model_copy(update={**keys, "also": []}) for keys in given]
 
 
 SELECT_GROUPS = ["dataset", "model", "algorithm", "epsilon"]

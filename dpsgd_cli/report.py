@@ -13,9 +13,18 @@ A group (or an ungrouped claim) is vacuous when no compared mean is finite (all 
   claim varies. (Not "within the tolerance": for these kinds values closer than the tolerance are the evidence,
   for or against);
 - `spread`: neither `a` nor `b` varies over seeds anywhere (every std 0): there is no spread to compare;
-- `saturates`: the curve takes one value: it reaches no limit, it starts there.
+- `saturates`: the curve takes one value: it reaches no limit, it starts there;
+- `above`, `below`: only when no mean is finite: the level itself is what they compare, so one value everywhere
+  (a noiseless fraction 0 at every ε) decides them.
 Equality allows a relative slack of 1e-9 (floating point). A grouped claim is decided on its non-vacuous groups
 (the quantifier counts those); it is VACUOUS when every group with data is vacuous.
+
+A claim whose sentence states several conditions (`also:`) holds in a group where every condition holds, fails
+where any fails, and is VACUOUS there only when none fails and some is vacuous: one condition the data cannot
+decide does not hide another it decides. On a grid with `select:` a claim is read through the selection's
+choice (e.g. T on validation); beside it the report gives the verdict on the unselected runs at each fixed value
+of the candidates, says when a PASS rests on the choice alone, and with `unselected: some` / `all` requires the
+claim to hold there too.
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ import pandas as pd
 from dpsgd_cli.config import NAME_PATTERN, ClaimSpec, FigureSpec
 from dpsgd_cli.engine.analytic import analytic_table
 from dpsgd_cli.engine.results import grid_of, note, read_results, result_folders, select
-from dpsgd_cli.engine.selection import results_frame
+from dpsgd_cli.engine.selection import results_frame, selections
 from dpsgd_cli.errors import UserError
 
 
@@ -171,6 +180,8 @@ def _check_group(frame: pd.DataFrame, claim: ClaimSpec, limit: Optional[float]) 
         last = float(series.iloc[-1])
         holds = last >= (1 - claim.tolerance) * limit and float(series.max()) <= limit * (1 + 1e-9)
         return holds, f"last {claim.metric} = {_fmt(last)} vs limit {_fmt(limit)} (tolerance {claim.tolerance:g})"
+    if claim.check in ("above", "below"):
+        return _level(_stats(select(frame, claim.a), claim.metric, claim.over), claim)
     a = _stats(select(frame, claim.a), claim.metric, claim.over)
     b = _stats(select(frame, claim.b), claim.metric, claim.over)
     common = a.index.intersection(b.index)
@@ -183,7 +194,7 @@ def _check_group(frame: pd.DataFrame, claim: ClaimSpec, limit: Optional[float]) 
         return VACUOUS, why
     if claim.check == "widens":
         return _widens(a, b, claim)
-    parts, holds = [], True
+    parts, oks = [], []
     for key in common:
         sa, sb = a.loc[key], b.loc[key]
         diff = sa["mean"] - sb["mean"]
@@ -205,8 +216,54 @@ def _check_group(frame: pd.DataFrame, claim: ClaimSpec, limit: Optional[float]) 
             bound = claim.tolerance * (abs(sb["mean"]) if claim.relative else 1.0)
             ok = abs(diff) <= bound
             parts.append(f"{where}a {_cell(sa)} vs b {_cell(sb)}, |a − b| = {_fmt(abs(diff))} (≤ {_fmt(bound)}?)")
-        holds &= bool(ok)
-    return holds, "; ".join(parts)
+        oks.append(bool(ok))
+    return all(oks), _pointwise(parts, oks, claim)
+
+
+def _pointwise(parts: list[str], oks: list[bool], claim: ClaimSpec) -> str:
+    """The numbers of a check made at every value of `over`: all of them, or for a long curve its ends and the
+    first values where it fails."""
+    if len(parts) <= 8:
+        return "; ".join(parts)
+    failing = [i for i, ok in enumerate(oks) if not ok]
+    shown = sorted({0, 1, 2, len(parts) - 3, len(parts) - 2, len(parts) - 1, *failing[:3]})
+    return "; ".join(parts[i] for i in shown) + (f" ({len(parts)} values of {claim.over}; it fails at "
+                                                 f"{len(failing)})")
+
+
+def _level(stats: pd.DataFrame, claim: ClaimSpec) -> tuple[Optional[bool] | str, str]:
+    """`above` / `below`: the mean of `a` against the level `value` (± tolerance) at every value of `over`."""
+    if stats.empty:
+        return None, "no rows in a"
+    if not np.isfinite(stats["mean"].to_numpy(dtype=float)).any():
+        return VACUOUS, f"no finite {claim.metric} in a"
+    sign, mark = (1.0, ">") if claim.check == "above" else (-1.0, "<")
+    bar = claim.value + sign * claim.tolerance
+    parts, oks = [], []
+    for key, row in stats.iterrows():
+        where = f"{claim.over}={key:g}: " if claim.over else ""
+        oks.append(bool(sign * (row["mean"] - bar) > 0))
+        parts.append(f"{where}{claim.metric} {_cell(row)} ({mark} {_fmt(bar)}?)")
+    return all(oks), _pointwise(parts, oks, claim)
+
+
+def check_conditions(frame: pd.DataFrame, claim: ClaimSpec,
+                     limit: Optional[float]) -> tuple[Optional[bool] | str, str]:
+    """(holds, numbers) of one group under every condition of the claim (its check and `also:`): False where any
+    fails, True where all hold, VACUOUS where none fails and some is vacuous, else None; each condition's numbers
+    are shown."""
+    if not claim.also:
+        return _check_group(frame, claim, limit)
+    found = [(c, *_check_group(frame, c, limit)) for c in claim.conditions()]
+    marks = {True: "✓", False: "✗", None: "?", VACUOUS: "○"}
+    text = " AND ".join(f"({i + 1}) {c.check if i == 0 else c.text}: {marks[h]} {numbers}"
+                        for i, (c, h, numbers) in enumerate(found))
+    held = [h for _, h, _ in found]
+    if False in held:
+        return False, text
+    if all(h is True for h in held):
+        return True, text
+    return (VACUOUS if VACUOUS in held else None), text
 
 
 def _diff_se(s0: pd.Series, s1: pd.Series) -> float:
@@ -303,18 +360,76 @@ def evaluate(folder: Path, claim: ClaimSpec, figures: list[FigureSpec]) -> Verdi
             reason = read_results(folder).why_empty() or f"no {claim.source} rows"
             return Verdict(grid, claim, NO_DATA, reason)
         limit = _limit(claim, figures)
-        groups = list(frame.groupby(claim.group_by, sort=True)) if claim.group_by else [((), frame)]
-        results = []
-        for key, group in groups:
-            holds, numbers = _check_group(group, claim, limit)
-            name = ", ".join(f"{k}" for k in (key if isinstance(key, tuple) else (key,)))
-            mark = {True: "✓", False: "✗", None: "?", VACUOUS: "○"}[holds]
-            results.append((holds, f"{mark} [{name}] {numbers}" if claim.group_by else numbers))
-        results.sort(key=lambda item: item[0] is not False)  # the groups where the claim fails come first
+        status, numbers = decide(_groups(frame, claim, limit), claim)
+        candidates = _selected_by(folder, claim)
+        if candidates:
+            fixed = [(label, *decide(_groups(rows, claim, limit), claim)[:1])
+                     for label, rows in fixed_candidates(results_frame(folder, traces=claim.source == "traces",
+                                                                         select=False), candidates)]
+            status, effect = selection_effect(status, fixed, candidates, claim)
+            numbers += effect
     except (KeyError, ValueError) as exc:
         return Verdict(grid, claim, NO_DATA, str(exc).strip("'\""))
-    status, numbers = decide(results, claim)
     return Verdict(grid, claim, status, numbers + _mixed_relations(frame, claim))
+
+
+def _groups(frame: pd.DataFrame, claim: ClaimSpec, limit: Optional[float]) -> list[tuple[Optional[bool] | str, str]]:
+    """(holds, numbers) of each group of the claim, the groups where it fails first."""
+    groups = list(frame.groupby(claim.group_by, sort=True)) if claim.group_by else [((), frame)]
+    results = []
+    for key, group in groups:
+        holds, numbers = check_conditions(group, claim, limit)
+        name = ", ".join(f"{k}" for k in (key if isinstance(key, tuple) else (key,)))
+        mark = {True: "✓", False: "✗", None: "?", VACUOUS: "○"}[holds]
+        results.append((holds, f"{mark} [{name}] {numbers}" if claim.group_by else numbers))
+    results.sort(key=lambda item: item[0] is not False)  # the groups where the claim fails come first
+    return results
+
+
+def _selected_by(folder: Path, claim: ClaimSpec) -> list[str]:
+    """The candidates (e.g. [epochs]) of the selection a claim's runs went through; [] when none did (no
+    `select:`, an analytic source, or a claim that names its selection)."""
+    if claim.source not in ("runs", "traces") or any("selection" in sel for sel in (claim.where, claim.a, claim.b)):
+        return []
+    specs = selections(grid_of(folder))
+    return list(specs[0].candidates) if specs else []
+
+
+def fixed_candidates(runs: pd.DataFrame, candidates: list[str]) -> list[tuple[str, pd.DataFrame]]:
+    """The unselected runs at each fixed value of the candidates ("epochs=2", its rows); rows without a value
+    (a non-private reference run once) belong to every one."""
+    present = [c for c in candidates if c in runs]
+    if not present or runs.empty:
+        return []
+    keys = runs[present].dropna().drop_duplicates().sort_values(present)
+    out = []
+    for _, key in keys.iterrows():
+        mask = pd.Series(True, index=runs.index)
+        for column in present:
+            mask &= (runs[column] == key[column]) | runs[column].isna()
+        out.append((", ".join(f"{c}={key[c]:g}" if isinstance(key[c], float) else f"{c}={key[c]}"
+                              for c in present), runs[mask]))
+    return out
+
+
+def selection_effect(status: str, fixed: list[tuple[str, str]], candidates: list[str],
+                     claim: ClaimSpec) -> tuple[str, str]:
+    """(status, text): the verdict at each fixed candidate value beside the selected one; a PASS that no fixed
+    value gives rests on the selection, said so, and with `unselected: some` / `all` it becomes a FAIL."""
+    if not fixed:
+        return status, ""
+    names = " × ".join(candidates)
+    text = f"; unselected runs at fixed {names}: " + ", ".join(f"{label} {s}" for label, s in fixed)
+    decided = [s for _, s in fixed if s in (PASS, FAIL)]
+    holds = {"show": PASS in decided, "some": PASS in decided,
+             "all": bool(decided) and FAIL not in decided}[claim.unselected]
+    if status != PASS or holds or not decided:
+        return status, text
+    if claim.unselected == "show":
+        return status, text + f" — this PASS rests on the selection's choice of {names}: no fixed {names} passes"
+    need = "some" if claim.unselected == "some" else "every"
+    return FAIL, text + (f" — FAIL: the claim holds through the choice of {names} only, and must also hold at "
+                         f"{need} fixed {names}")
 
 
 def _mixed_relations(frame: pd.DataFrame, claim: ClaimSpec) -> str:
@@ -353,9 +468,8 @@ def quantified(decided: list[bool], quantifier: str) -> bool:
 
 
 def _limit(claim: ClaimSpec, figures: list[FigureSpec]) -> Optional[float]:
-    """The saturation value α S_g²/(λσ²n²) of a privacy-curve figure's parameters (for `saturates`)."""
-    if claim.check != "saturates":
-        return None
+    """The saturation value α S_g²/(λσ²n²) of a privacy-curve figure's parameters (what `saturates` compares
+    with, in the claim's check or one of its `also:`)."""
     figure = next((f for f in figures if f.name == claim.source), None)
     if figure is None or figure.kind != "privacy_curve":
         return None

@@ -139,6 +139,14 @@ def test_readable_names_come_from_one_mapping():
     assert names.number(1e8) == "$10^{8}$" and names.number(3e9) == r"$3\times10^{9}$" and names.number(0.01) == "0.01"
 
 
+def test_a_legend_leaves_out_a_parameter_that_does_not_act():
+    # bassily2014 pins `formula` on every accounting (for stable run ids); only the closed form uses one
+    assert names.label("bassily2014 accounting=rdp formula=paper") == "DP-SGD (Bassily et al.), accounting: RDP"
+    assert names.label("bassily2014 accounting=closed_form formula=paper") == \
+        "DP-SGD (Bassily et al.), accounting: closed form, formula: the paper's"
+    assert names.label("bassily2014 formula=lecture") == "DP-SGD (Bassily et al.), formula: the lecture's"
+
+
 def test_each_check_catches_its_defect():
     """The checks fail on the defects they are for (so a passing figure test means something)."""
     # raw mathtext ticks (math parsing off) and overlapping tick labels

@@ -1,13 +1,20 @@
 """Paper figures and claims: the filter language, each check (able to pass and to fail), and the report."""
 
+import re
+import typing
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import pytest
 
-from dpsgd_cli.config import ClaimSpec, FigureSpec
+from dpsgd_cli.config import CheckKind, ClaimSpec, FigureSpec, load_grid_file
+from dpsgd_cli.engine.checks import check_grid
 from dpsgd_cli.engine.results import select
+from dpsgd_cli.errors import UserError
 from dpsgd_cli.plots import plot_results
-from dpsgd_cli.report import VACUOUS, Verdict, _check_group, build_report, decide, quantified, summary_line
+from dpsgd_cli.report import (VACUOUS, Verdict, _check_group, build_report, check_conditions, decide,
+                              fixed_candidates, quantified, selection_effect, summary_line)
 
 
 def test_select_language():
@@ -336,3 +343,121 @@ def test_a_claim_comparing_epsilons_under_different_relations_says_so():
     frame.loc[frame["algorithm"] == "dp", "neighbours"] = "add_remove"
     assert _mixed_relations(frame, better) == " [mixed neighbouring relations: add_remove, replace_one]"
     assert _mixed_relations(frame.drop(columns="neighbours"), better) == ""
+
+
+def test_above_and_below_compare_the_mean_with_a_level():
+    zeros = _runs({"pidp": {0.01: [0.0, 0.0], 3.0: [0.0, 0.0]}})  # no step ever skipped the noise
+    exceeds = claim(check="above", metric="test_accuracy", a={"algorithm": "pidp", "epsilon": 3.0}, over=None)
+    holds, numbers = _check_group(zeros, exceeds, None)
+    assert holds is False and "(> 0?)" in numbers  # one value everywhere decides a level: not VACUOUS
+    some = zeros.assign(test_accuracy=[0.0, 0.0, 0.0, 0.002])
+    assert _check_group(some, exceeds, None)[0] is True
+    assert _check_group(some, exceeds.model_copy(update={"tolerance": 0.01}), None)[0] is False
+    below = claim(check="below", metric="test_accuracy", a={"algorithm": "pidp"}, value=0.001)
+    assert _check_group(some, below, None)[0] is False  # ε = 3: mean 0.001 is not below 0.001
+    assert _check_group(zeros, below, None)[0] is True
+    assert _check_group(zeros.assign(test_accuracy=np.nan), below, None)[0] == VACUOUS
+
+
+def test_a_claim_holds_where_every_condition_holds():
+    grows_and_exceeds = claim(check="better", metric="test_accuracy", a={"algorithm": "pidp", "epsilon": 3.0},
+                              b={"algorithm": "pidp", "epsilon": 0.01}, over=None,
+                              also=[{"text": "exceeds 0 at epsilon = 3", "check": "above"}])
+    zeros = _runs({"pidp": {0.01: [0.0, 0.0, 0.0], 3.0: [0.0, 0.0, 0.0]}})
+    assert _check_group(zeros, grows_and_exceeds, None)[0] == VACUOUS  # the first condition alone
+    holds, numbers = check_conditions(zeros, grows_and_exceeds, None)
+    assert holds is False  # the text's own second condition fails: no longer VACUOUS
+    assert numbers.startswith("(1) better: ○ ") and "(2) exceeds 0 at epsilon = 3: ✗ " in numbers
+    rising = _runs({"pidp": {0.01: [0.0, 0.0, 0.0], 3.0: [0.2, 0.21, 0.2]}})
+    assert check_conditions(rising, grows_and_exceeds, None)[0] is True
+    flat_positive = _runs({"pidp": {0.01: [0.2, 0.2, 0.2], 3.0: [0.2, 0.2, 0.2]}})
+    assert check_conditions(flat_positive, grows_and_exceeds, None)[0] == VACUOUS  # one decided, one not
+    status, _ = decide([check_conditions(zeros, grows_and_exceeds, None)], grows_and_exceeds)
+    assert status == "FAIL"
+
+
+def test_a_pass_that_rests_on_the_selection_is_said_or_refused():
+    runs = _runs({"dp": {0.1: [0.8, 0.8], 1.0: [0.9, 0.9]}, "erm": {np.nan: [0.95]}})
+    runs["epochs"] = [2, 5, 2, 5, np.nan]
+    fixed = fixed_candidates(runs, ["epochs"])
+    assert [label for label, _ in fixed] == ["epochs=2", "epochs=5"]
+    assert all("erm" in set(rows["algorithm"]) for _, rows in fixed)  # the reference belongs to every T
+    spec = claim(check="fluctuates")
+    status, text = selection_effect("PASS", [("epochs=2", "FAIL"), ("epochs=5", "FAIL")], ["epochs"], spec)
+    assert status == "PASS" and "epochs=2 FAIL" in text and "rests on the selection's choice of epochs" in text
+    strict = spec.model_copy(update={"unselected": "some"})
+    assert selection_effect("PASS", [("epochs=2", "FAIL"), ("epochs=5", "FAIL")], ["epochs"], strict)[0] == "FAIL"
+    assert selection_effect("PASS", [("epochs=2", "FAIL"), ("epochs=5", "PASS")], ["epochs"], strict)[0] == "PASS"
+    every = spec.model_copy(update={"unselected": "all"})
+    assert selection_effect("PASS", [("epochs=2", "FAIL"), ("epochs=5", "PASS")], ["epochs"], every)[0] == "FAIL"
+    assert selection_effect("FAIL", [("epochs=2", "PASS")], ["epochs"], every)[0] == "FAIL"
+
+
+SELECTED = """
+grids:
+  - name: sel
+    datasets: [{name: synthetic, n: 400}]
+    algorithms: [{name: dp_sgd, accountant: pld}]
+    epsilon: [0.5, 2]
+    batch_size: [50]
+    lr: [0.5]
+    epochs: [1, 2]
+    seeds: 2
+    validation: 0.2
+    select: {name: T, candidates: [epochs], score: val_accuracy}
+    claims:
+      - {id: grows, text: accuracy grows, own: true, check: monotone, a: {algorithm: dp_sgd}, tolerance: 0.5,
+         unselected: all}
+"""
+
+
+def test_a_claim_on_a_selected_grid_shows_each_fixed_candidate(tmp_path, run_grid):
+    run_grid(SELECTED)
+    verdicts, _ = build_report(tmp_path / "out")
+    (verdict,) = verdicts
+    assert "unselected runs at fixed epochs: epochs=1 " in verdict.numbers and ", epochs=2 " in verdict.numbers
+
+
+def test_long_pointwise_checks_show_their_ends_and_where_they_fail():
+    table = pd.DataFrame({"K": np.arange(1, 101), "bound": "x", "rdp_epsilon": 0.01})
+    lower = table.assign(bound="y", rdp_epsilon=0.004)
+    lower.loc[lower["K"] == 50, "rdp_epsilon"] = 0.001
+    spec = claim(check="not_worse", metric="rdp_epsilon", higher_is_better=False, a={"bound": "x"},
+                 b={"bound": "y"}, over="K", tolerance=3.0, relative=True)
+    holds, numbers = _check_group(pd.concat([table, lower]), spec, None)
+    assert holds is False and "K=50:" in numbers and "K=1:" in numbers and "K=100:" in numbers
+    assert "K=20:" not in numbers and numbers.endswith("(100 values of K; it fails at 1)")
+
+
+def test_claim_conditions_are_checked_before_any_work(tmp_path):
+    path = tmp_path / "g.yaml"
+    path.write_text(SELECTED.replace("unselected: all}", "also: [{text: x, check: above, metric: nope}]}"))
+    with pytest.raises(UserError, match=r"claims\[0\] \(grows\) also\[0\].*nope"):
+        check_grid(load_grid_file(path).grids[0])
+    path.write_text(SELECTED.replace("    select: {name: T, candidates: [epochs], score: val_accuracy}\n", ""))
+    with pytest.raises(UserError, match="unselected = 'all' needs a grid with select"):
+        check_grid(load_grid_file(path).grids[0])
+
+
+def test_every_check_kind_is_in_the_docs_table():
+    page = (Path(__file__).parents[1] / "docs" / "papers" / "claims.md").read_text()
+    section = page.split("## How a check decides", 1)[1].split("\n## ", 1)[0]
+    tabled = set(re.findall(r"^\| `(\w+)` \|", section, flags=re.MULTILINE))
+    assert tabled == set(typing.get_args(CheckKind))
+
+
+def test_a_condition_inherits_what_it_leaves_out_after_a_manifest_round_trip():
+    spec = claim(check="better", metric="train_objective", a={"algorithm": "p", "batch_size": 10},
+                 b={"algorithm": "p", "batch_size": 50}, over=None, higher_is_better=False,
+                 also=[{"text": "b = 10 beats b = 1", "check": "better", "b": {"algorithm": "p", "batch_size": 1}}])
+    for spec in (spec, ClaimSpec(**spec.model_dump())):  # the manifest records every key, defaults included
+        second = spec.conditions()[1]
+        assert second.a == {"algorithm": "p", "batch_size": 10} and second.over is None
+        assert second.b == {"algorithm": "p", "batch_size": 1} and second.higher_is_better is False
+
+
+def test_every_check_kind_is_in_the_readme_grid_keys():
+    row = next(line for line in (Path(__file__).parents[1] / "README.md").read_text().splitlines()
+               if line.startswith("| `claims` |"))
+    listed = re.search(r"check \(([^)]*)\)", row).group(1).replace("\\|", "|").split("|")
+    assert set(listed) == set(typing.get_args(CheckKind))

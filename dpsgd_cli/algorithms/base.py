@@ -149,6 +149,9 @@ class Algorithm:
     covers: ClassVar[Literal["final output", "every iterate"]] = "every iterate"
     # Whether `with_noise_scale` applies: the configuration multiplies every noise it adds by `noise_scale`.
     noise_scalable: ClassVar[bool] = False
+    # A parameter that acts only when another has one value (name → (other, value)), e.g. a closed form's
+    # `formula`: a legend leaves it out of the lines where the other has a different value.
+    acts_when: ClassVar[dict[str, tuple[str, str]]] = {}
 
     def __init__(self, params: Optional[dict[str, Any]] = None, neighbours: Optional[Neighbours] = None):
         """`neighbours`: the relation the grid asks its ε to hold under (None: the algorithm's own)."""

@@ -98,6 +98,7 @@ class Bassily2014(Algorithm):
     private = True
     uses = frozenset({"epsilon", "epochs", "l2"})
     execution_params = frozenset({"backend"})
+    acts_when = {"formula": ("accounting", "closed_form"), "amplification": ("accounting", "advanced_composition")}
     Params = BassilyParams
     source = "Bassily, Smith & Thakurta, Private Empirical Risk Minimization: Efficient Algorithms and Tight " \
              "Error Bounds, FOCS 2014"

@@ -208,17 +208,23 @@ def _check_claim(grid: Grid, claim: ClaimSpec, where: str) -> None:
         valid = ["runs", "traces", *(f.name for f in grid.figures if f.kind in ANALYTIC)]
         raise UserError(f"{where}: source = {claim.source!r} is neither runs, traces nor an analytic figure of the "
                         f"grid{_closest(claim.source, valid)}; valid: {', '.join(valid)}")
-    if claim.check == "saturates" and source != "privacy_curve":
-        raise UserError(f"{where}: check saturates needs source = a privacy_curve figure of the grid")
-    if claim.check in ("fluctuates", "widens") and not claim.over:
-        raise UserError(f"{where}: check {claim.check} compares values along `over`: give over (e.g. over: epsilon)")
+    if claim.unselected != "show" and not grid.select:
+        raise UserError(f"{where}: unselected = {claim.unselected!r} needs a grid with select: (the runs a "
+                        f"selection did not choose); leave it out")
     columns, numeric = _columns(grid, source)
-    _name(claim.metric, "metric", columns, where, numeric)
-    _name(claim.over, "over", columns, where)
     for column in claim.group_by:
         _name(column, "group_by", columns, where)
-    for key in ("where", "a", "b"):
-        _selection(grid, getattr(claim, key), key, columns, where, numeric)
+    for i, condition in enumerate(claim.conditions()):
+        at = f"{where} also[{i - 1}]" if i else where
+        if condition.check == "saturates" and source != "privacy_curve":
+            raise UserError(f"{at}: check saturates needs source = a privacy_curve figure of the grid")
+        if condition.check in ("fluctuates", "widens") and not condition.over:
+            raise UserError(f"{at}: check {condition.check} compares values along `over`: give over (e.g. over: "
+                            f"epsilon)")
+        _name(condition.metric, "metric", columns, at, numeric)
+        _name(condition.over, "over", columns, at)
+        for key in ("where", "a", "b"):
+            _selection(grid, getattr(condition, key), key, columns, at, numeric)
 
 
 # --- paths -------------------------------------------------------------------------------------------------------

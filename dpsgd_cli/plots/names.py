@@ -12,6 +12,8 @@ import math
 import re
 from typing import Any, Iterable
 
+from dpsgd_cli.algorithms import ALGORITHMS as REGISTRY
+
 ALGORITHMS = {
     "erm": "ERM (exact minimiser)",
     "sgd": "SGD (non-private)",
@@ -138,9 +140,18 @@ def label(text: Any, drop: Iterable[str] = ()) -> str:
         text, tag = text.split(" [for ", 1)
         tag = f" [tuning for {literal(tag[:-1])}]"
     parts = _PARAM.split(text)
-    head, pairs = parts[0], list(zip(parts[1::2], parts[2::2]))
+    head, pairs = parts[0], [(k, v.strip()) for k, v in zip(parts[1::2], parts[2::2])]
     name = algorithm(head.strip())
-    return ", ".join([name, *(parameter(k, v.strip()) for k, v in pairs if k not in drop)]) + tag
+    return ", ".join([name, *(parameter(k, v) for k, v in pairs if k not in drop and _acts(head.strip(), k, pairs))]) \
+        + tag
+
+
+def _acts(algorithm_name: str, key: str, pairs: list[tuple[str, str]]) -> bool:
+    """Whether a parameter of the label acts on its line (see `Algorithm.acts_when`): not when the parameter it
+    depends on is shown with another value."""
+    cls = REGISTRY.get(algorithm_name)
+    other, value = cls.acts_when.get(key, (None, None)) if cls else (None, None)
+    return other is None or dict(pairs).get(other, value) == value
 
 
 def line_name(columns: list[str], values: tuple, drop: Iterable[str] = ()) -> str:
