@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Sequence, TypeVar, Union
 
-from dpsgd_cli.errors import UserError
+from dpsgd_cli.errors import UserError, file_errors
 from dpsgd_cli.tables import cells_frame, fmt, plan_table, summary_table
 
 if TYPE_CHECKING:
@@ -32,6 +32,7 @@ EXPORT_FORMATS = ("parquet", "csv")
 
 
 # --- run -------------------------------------------------------------------------------------------
+@file_errors()
 def run(grid_file: PathLike, *, only: Optional[Sequence[str]] = None, out: PathLike = "results", jobs: int = 1,
         dry_run: bool = False, no_resume: bool = False, scheduler: Optional[str] = None,
         set: Union[Mapping[str, Any], Iterable[str], None] = None, seeds: Optional[int] = None,  # noqa: A002
@@ -203,6 +204,7 @@ class _Display:
 
 
 # --- results ---------------------------------------------------------------------------------------
+@file_errors()
 def read_results(folder: PathLike = "results") -> "pd.DataFrame":
     """The runs of a grid's results folder (or of every grid under a results root), one row per run id, as the
     summary, plots and report read them: malformed and cut rows of runs.csv skipped, rows of another or an
@@ -222,9 +224,11 @@ def read_results(folder: PathLike = "results") -> "pd.DataFrame":
     return pd.concat(frames, ignore_index=True)
 
 
+@file_errors()
 def export(results_dir: PathLike = "results", *, format: str = "parquet") -> list[Path]:  # noqa: A002
     """`dpsgd export`: each grid's runs (as `read_results` gives them) written beside its runs.csv as
     runs.parquet (or runs_valid.csv with format="csv"), and traces.csv as traces.parquet; returns the paths."""
+    from dpsgd_cli.engine.folder import write_bytes, write_csv
     from dpsgd_cli.engine.results import ResultStore, result_folders
 
     if format not in EXPORT_FORMATS:
@@ -242,14 +246,12 @@ def export(results_dir: PathLike = "results", *, format: str = "parquet") -> lis
             frames["traces"] = ResultStore(folder).read_traces()
         for name, frame in frames.items():
             path = folder / (f"{name}.parquet" if format == "parquet" else f"{name}_valid.csv")
-            try:
-                frame.to_parquet(path, index=False) if format == "parquet" else frame.to_csv(path, index=False)
-            except OSError as exc:
-                raise UserError(f"{path}: cannot write ({exc.strerror or exc})") from None
-            paths.append(path)
+            paths.append(write_bytes(path, frame.to_parquet(index=False)) if format == "parquet" else
+                         write_csv(frame, path))
     return paths
 
 
+@file_errors()
 def report(results_dir: PathLike = "results") -> "pd.DataFrame":
     """`dpsgd report`: check the claims of every grid under `results_dir` and write report.md and report.html
     (the report with its figures embedded: one file to open in a browser or send); one row per claim: grid,
@@ -289,6 +291,7 @@ def check_metric(metric: Optional[str]) -> Optional[str]:
     raise UserError(f"--metric {metric}: not a numeric column of runs.csv{hint}; choose one of {', '.join(metrics())}")
 
 
+@file_errors()
 def plot(results_dir: PathLike = "results", *, metric: Optional[str] = None, format: str = "png") -> list[Path]:  # noqa: A002
     """`dpsgd plot`: the grid's paper figures, or `metric` (any numeric column of runs.csv) over ε; returns
     the files written (under each grid's figures/)."""
@@ -299,6 +302,7 @@ def plot(results_dir: PathLike = "results", *, metric: Optional[str] = None, for
     return plot_results(Path(results_dir), metric=check_metric(metric), fmt=format)
 
 
+@file_errors()
 def audit(grid_file: PathLike, *, only: Optional[Sequence[str]] = None, out: PathLike = "results",
           trials: Optional[int] = None, confidence: Optional[float] = None, dry_run: bool = False,
           on_rows: Optional[Callable[[list[dict]], None]] = None) -> "pd.DataFrame":
@@ -308,7 +312,7 @@ def audit(grid_file: PathLike, *, only: Optional[Sequence[str]] = None, out: Pat
     settings in runs.csv's columns, canaries and trials per world)."""
     import pandas as pd
 
-    from dpsgd_cli.audit.run import audit_grid
+    from dpsgd_cli.audit.run import audit_grid, read_audit_csv
     from dpsgd_cli.config import AuditSpec, expand, load_grid_file, select
     from dpsgd_cli.engine.checks import check_audit
 
@@ -323,7 +327,7 @@ def audit(grid_file: PathLike, *, only: Optional[Sequence[str]] = None, out: Pat
             grid=grid.name, canaries=", ".join(specs[grid.name].canaries),
             trials=trials or specs[grid.name].trials) for grid in grids], ignore_index=True)
     paths = [audit_grid(grid, Path(out), trials=trials, confidence=confidence, on_rows=on_rows) for grid in grids]
-    return pd.concat([pd.read_csv(p) for p in paths], ignore_index=True)
+    return pd.concat([read_audit_csv(p) for p in paths], ignore_index=True)
 
 
 # --- privacy calculators ---------------------------------------------------------------------------

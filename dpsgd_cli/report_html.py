@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dpsgd_cli.engine.folder import write_text
+
 HTML_PAGE = """<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>dpsgd reproduction report</title>
 <meta name="viewport" content="width=device-width, initial-scale=1">
@@ -38,5 +40,5 @@ def write_html(markdown: Path) -> Path:
         return f'src="data:image/png;base64,{base64.b64encode(image.read_bytes()).decode()}"'
 
     out = markdown.with_suffix(".html")
-    out.write_text(HTML_PAGE.format(body=re.sub(r'src="([^"]+\.png)"', embed, body)))
+    write_text(out, HTML_PAGE.format(body=re.sub(r'src="([^"]+\.png)"', embed, body)))
     return out
