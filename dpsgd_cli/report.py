@@ -33,9 +33,8 @@ from dpsgd_cli.audit.run import read_audit_csv
 from dpsgd_cli.config import ClaimSpec, FigureSpec
 from dpsgd_cli.engine.analytic import analytic_table
 from dpsgd_cli.engine.folder import write_text
-from dpsgd_cli.engine.results import grid_of, note, read_results, result_folders, select
+from dpsgd_cli.engine.results import NoResults, grid_of, note, read_results, result_folders, select
 from dpsgd_cli.engine.selection import results_frame
-from dpsgd_cli.errors import UserError
 
 
 PASS, FAIL, VACUOUS, NO_DATA = "PASS", "FAIL", "VACUOUS", "NO DATA"
@@ -358,7 +357,7 @@ def build_report(path: Path) -> tuple[list[Verdict], Path]:
     audits = audit_lines(path)
     try:
         folders = result_folders(path)
-    except UserError:
+    except NoResults:
         if not audits:
             raise
         folders = []  # an audit alone is worth a report

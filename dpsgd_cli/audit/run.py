@@ -45,6 +45,7 @@ def audit_grid(grid: Grid, out_root: Path, trials: Optional[int] = None, confide
         path = folder / AUDIT_CSV
         rows: list[dict] = []
         scores_folder = make_folder(folder / SCORES_FOLDER)
+        figures = make_folder(folder / "figures")  # before the training: an unusable one is refused at once
         cells = expand(grid)
         with _progress(len(cells), grid.name) as advance:
             for cell in cells:
@@ -64,7 +65,7 @@ def audit_grid(grid: Grid, out_root: Path, trials: Optional[int] = None, confide
                     on_rows(new)
         from dpsgd_cli.audit.plot import plot_audit
 
-        plot_audit(read_audit_csv(path), folder / "figures")
+        plot_audit(read_audit_csv(path), figures)
     return path
 
 

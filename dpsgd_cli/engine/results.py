@@ -69,9 +69,13 @@ def result_folders(path: str | Path) -> list[Path]:
         return [check_folder(path)]
     folders = sorted(p.parent for p in path.glob("*/runs.csv"))
     if not folders:
-        raise UserError(f"{path}: no runs.csv here or in its sub-folders; run `dpsgd run GRID.yaml` first or pass "
+        raise NoResults(f"{path}: no runs.csv here or in its sub-folders; run `dpsgd run GRID.yaml` first or pass "
                         f"a grid's results folder (e.g. results/smoke)")
     return [check_folder(folder) for folder in folders]
+
+
+class NoResults(UserError):
+    """No grid's results where some were expected (a folder with only an audit, or nothing)."""
 
 
 class ResultsWriteError(UserError):
