@@ -555,6 +555,7 @@ BROKEN = {
     "runs.csv lacks columns": (lambda f: (f / "runs.csv").write_text("run_id,test_accuracy\na,0.5\n"),
                                ["run", *READERS]),
     "runs.csv is not UTF-8": (lambda f: (f / "runs.csv").write_bytes(b"\xffrun_id,\xfe\n"), ["run", *READERS]),
+    "runs.csv is a FIFO": (lambda f: ((f / "runs.csv").unlink(), os.mkfifo(f / "runs.csv")), ["run", *READERS]),
     "traces.csv lacks columns": (lambda f: (f / "traces.csv").write_text("run_id,loss\na,1\n"), ["run", "export"]),
     "manifest.json is not UTF-8": (lambda f: (f / "manifest.json").write_bytes(b'{"grid": "\xff"}'), READERS),
     "audit.csv is empty": (lambda f: (f / "audit.csv").write_bytes(b""), ["report"]),
@@ -571,6 +572,19 @@ def test_an_unusable_folder_is_one_line_for_every_command(copy, capsys, case, co
     grid_file, folder = copy
     BROKEN[case][0](folder)
     refused(*dpsgd(capsys, command, grid_file, folder))
+
+
+@pytest.mark.parametrize("name", ["runs.csv", "traces.csv", "runs.lock"])
+def test_a_file_appended_to_with_another_hard_link_is_refused_before_any_work(copy, capsys, tmp_path, name):
+    """`cp -al` (a backup of hard links) shares the files: appending to one would change the other."""
+    grid_file, folder = copy
+    backup = tmp_path / "backup"
+    os.link(folder / name, backup)
+    before = backup.read_bytes()
+    grid_file = grid_file.with_name("more.yaml")
+    grid_file.write_text(FOLDER_GRID.replace("epsilon: [0.5, 2]", "epsilon: [0.5, 2, 3]"))  # runs to append
+    refused(*dpsgd(capsys, "run", grid_file, folder), "hard link")
+    assert backup.read_bytes() == before and "dp_sgd" not in capsys.readouterr().out
 
 
 def _failing_disk(monkeypatch, root: Path, code: int) -> None:

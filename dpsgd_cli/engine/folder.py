@@ -74,6 +74,15 @@ def open_file(path: Path, flags: int, mode: int = 0o644, in_place: bool = False)
     return fd
 
 
+def check_in_place(path: Path) -> None:
+    """Refuse now, before any work, a file that will be changed in place (appended to) but cannot be (see
+    `open_file`); a missing file is fine (it will be created)."""
+    try:
+        os.close(open_file(path, os.O_RDONLY, in_place=True))
+    except FileNotFoundError:
+        pass
+
+
 def read_bytes(path: Path) -> bytes:
     """A file's bytes (FileNotFoundError if it is missing)."""
     with os.fdopen(open_file(path, os.O_RDONLY), "rb") as fh:

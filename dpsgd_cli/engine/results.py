@@ -30,8 +30,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import numpy as np
 import pandas as pd
 
-from dpsgd_cli.engine.folder import (append_bytes, check_folder, ends_with_newline, first_line, make_folder,
-                                     open_file, read_bytes, read_text, write_text)
+from dpsgd_cli.engine.folder import (append_bytes, check_folder, check_in_place, ends_with_newline, first_line,
+                                     make_folder, open_file, read_bytes, read_text, write_text)
 from dpsgd_cli.errors import UserError, file_error
 
 COLUMNS = [
@@ -390,6 +390,8 @@ class ResultStore:
         try:
             make_folder(check_folder(self.folder))
             acquire_lock(self.folder)
+            for path in (self.csv, self.traces_csv):  # appended to after each task: refused before the first
+                check_in_place(path)
             if not resume:
                 stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
                 for path in (self.csv, self.traces_csv):
