@@ -588,9 +588,9 @@ def test_a_file_appended_to_with_another_hard_link_is_refused_before_any_work(co
 
 
 def _failing_disk(monkeypatch, root: Path, code: int) -> None:
-    """Every write under `root` fails with `code` (EROFS: a read-only filesystem; ENOSPC: a full disk), as the
-    kernel would say it. Simulated: the tests run as root (`id -u` = 0 here), whom chmod does not stop, and a real
-    read-only or full filesystem needs a mount (see the test below)."""
+    """Every write under `root` fails with `code` (EROFS: a read-only filesystem; ENOSPC: a full disk; EACCES: no
+    permission), as the kernel would say it. Simulated in this process: chmod does not stop root (these tests may run
+    as root), and a real read-only or full filesystem needs a mount (the next test, where it can)."""
     real_open, real_mkdir, real_replace = os.open, os.mkdir, os.replace
     writing = os.O_WRONLY | os.O_RDWR | os.O_CREAT
 

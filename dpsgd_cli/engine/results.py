@@ -296,7 +296,7 @@ class CsvFile:
         if not rows:
             return
         header = self._header()
-        if header is None or not set(self.columns) <= set(header) or not self._ends_with_newline():
+        if header is None or not set(self.columns) <= set(header) or not ends_with_newline(self.path):
             self.recover()
             header = self._header()
         text = "" if header else _csv_lines([self.columns])
@@ -307,9 +307,6 @@ class CsvFile:
     def _header(self) -> Optional[list[str]]:
         first = first_line(self.path)
         return next(csv.reader([first])) if first and first.endswith("\n") else None
-
-    def _ends_with_newline(self) -> bool:
-        return ends_with_newline(self.path)
 
 
 # --- the lock -----------------------------------------------------------------------------------------------
