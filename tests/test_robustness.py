@@ -581,7 +581,7 @@ def test_a_file_appended_to_with_another_hard_link_is_refused_before_any_work(co
     backup = tmp_path / "backup"
     os.link(folder / name, backup)
     before = backup.read_bytes()
-    grid_file = grid_file.with_name("more.yaml")
+    grid_file = tmp_path / "more.yaml"
     grid_file.write_text(FOLDER_GRID.replace("epsilon: [0.5, 2]", "epsilon: [0.5, 2, 3]"))  # runs to append
     refused(*dpsgd(capsys, "run", grid_file, folder), "hard link")
     assert backup.read_bytes() == before and "dp_sgd" not in capsys.readouterr().out
