@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Mapping, Optional, Sequence, Union
 
 from dpsgd_cli.arguments import at_least, between, checked, each
-from dpsgd_cli.errors import ArgumentValueError, UserError
+from dpsgd_cli.errors import ArgumentValueError, UserError, file_errors
 from dpsgd_cli.privacy import AccountantName, Neighbours
 from dpsgd_cli.privacy import _validate as check
 from dpsgd_cli.tables import cells_frame, fmt, plan_table, summary_table
@@ -35,6 +35,7 @@ ImageFormat = Literal["png", "pdf", "svg"]
 
 
 # --- run -------------------------------------------------------------------------------------------
+@file_errors()
 @checked(jobs=at_least(1))
 def run(grid_file: PathLike, *, only: Names = None, out: PathLike = "results", jobs: int = 1,
         dry_run: bool = False, no_resume: bool = False, scheduler: Optional[str] = None,
@@ -205,6 +206,7 @@ class _Display:
 
 
 # --- results ---------------------------------------------------------------------------------------
+@file_errors()
 @checked()
 def read_results(folder: PathLike = "results") -> "pd.DataFrame":
     """The runs of a grid's results folder (or of every grid under a results root), one row per run id, as the
@@ -225,10 +227,12 @@ def read_results(folder: PathLike = "results") -> "pd.DataFrame":
     return pd.concat(frames, ignore_index=True)
 
 
+@file_errors()
 @checked()
 def export(results_dir: PathLike = "results", *, format: ExportFormat = "parquet") -> list[Path]:  # noqa: A002
     """`dpsgd export`: each grid's runs (as `read_results` gives them) written beside its runs.csv as
     runs.parquet (or runs_valid.csv with format="csv"), and traces.csv as traces.parquet; returns the paths."""
+    from dpsgd_cli.engine.folder import write_bytes, write_csv
     from dpsgd_cli.engine.results import ResultStore, result_folders
 
     if format == "parquet":
@@ -244,14 +248,12 @@ def export(results_dir: PathLike = "results", *, format: ExportFormat = "parquet
             frames["traces"] = ResultStore(folder).read_traces()
         for name, frame in frames.items():
             path = folder / (f"{name}.parquet" if format == "parquet" else f"{name}_valid.csv")
-            try:
-                frame.to_parquet(path, index=False) if format == "parquet" else frame.to_csv(path, index=False)
-            except OSError as exc:
-                raise UserError(f"{path}: cannot write ({exc.strerror or exc})") from None
-            paths.append(path)
+            paths.append(write_bytes(path, frame.to_parquet(index=False)) if format == "parquet" else
+                         write_csv(frame, path))
     return paths
 
 
+@file_errors()
 @checked()
 def report(results_dir: PathLike = "results") -> "pd.DataFrame":
     """`dpsgd report`: check the claims of every grid under `results_dir` and write report.md and report.html
@@ -294,6 +296,7 @@ def check_metric(metric: Optional[str]) -> Optional[str]:
                              f"{', '.join(metrics())}")
 
 
+@file_errors()
 @checked()
 def plot(results_dir: PathLike = "results", *, metric: Optional[str] = None,
          format: ImageFormat = "png") -> list[Path]:  # noqa: A002
@@ -304,6 +307,7 @@ def plot(results_dir: PathLike = "results", *, metric: Optional[str] = None,
     return plot_results(Path(results_dir), metric=check_metric(metric), fmt=format)
 
 
+@file_errors()
 @checked(trials=at_least(2), confidence=between(0.5, 1, "0.95"))
 def audit(grid_file: PathLike, *, only: Names = None, out: PathLike = "results",
           trials: Optional[int] = None, confidence: Optional[float] = None, dry_run: bool = False,
@@ -314,7 +318,7 @@ def audit(grid_file: PathLike, *, only: Names = None, out: PathLike = "results",
     settings in runs.csv's columns, canaries and trials per world)."""
     import pandas as pd
 
-    from dpsgd_cli.audit.run import audit_grid
+    from dpsgd_cli.audit.run import audit_grid, read_audit_csv
     from dpsgd_cli.config import AuditSpec, expand, load_grid_file, select
     from dpsgd_cli.engine.checks import check_audit
 
@@ -327,7 +331,7 @@ def audit(grid_file: PathLike, *, only: Names = None, out: PathLike = "results",
             grid=grid.name, canaries=", ".join(specs[grid.name].canaries),
             trials=trials or specs[grid.name].trials) for grid in grids], ignore_index=True)
     paths = [audit_grid(grid, Path(out), trials=trials, confidence=confidence, on_rows=on_rows) for grid in grids]
-    return pd.concat([pd.read_csv(p) for p in paths], ignore_index=True)
+    return pd.concat([read_audit_csv(p) for p in paths], ignore_index=True)
 
 
 # --- privacy calculators ---------------------------------------------------------------------------

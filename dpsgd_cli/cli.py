@@ -16,7 +16,7 @@ from rich.text import Text
 from dpsgd_cli import __version__
 from dpsgd_cli.tables import compact_table, settings_table, spread
 from dpsgd_cli.tables import fmt as _fmt
-from dpsgd_cli.errors import UserError
+from dpsgd_cli.errors import UserError, file_errors
 
 def _hide_flag_types() -> None:
     """Show flags as `--dry-run`, not `--dry-run <bool>` (which suggests they take a value), and an argument as
@@ -494,6 +494,7 @@ def privacy_curve(
     """Rényi privacy of noisy GD over K steps: the dynamics bound vs composition, and the squared-loss lower
     bound (Chourasia, Ye, Shokri, NeurIPS 2021); defaults are the parameters of their talk."""
     from dpsgd_cli.engine.checks import out_root
+    from dpsgd_cli.engine.folder import make_folder, write_csv
     from dpsgd_cli.plots.privacy_curve import k_values, plot_privacy_curve
     from dpsgd_cli.privacy.dynamics import SATURATION_ROOT
     from dpsgd_cli.privacy.dynamics import privacy_curve as curve
@@ -502,8 +503,8 @@ def privacy_curve(
                       points=points, log_x=log_x)
     folder = out_root(out)
     frame = curve(k_values(p.k_max, p.points, log=p.log_x), **p.model_dump(exclude={"k_max", "points", "log_x"}))
-    folder.mkdir(parents=True, exist_ok=True)
-    frame.to_csv(folder / "privacy_curve.csv", index=False)
+    make_folder(folder)
+    write_csv(frame, folder / "privacy_curve.csv")
     figure = plot_privacy_curve(frame, folder / f"privacy_curve.{fmt.value}", log_x=log_x, log_y=log_y)
     saturation = alpha * sensitivity**2 / (lam * sigma**2 * n**2)
     console.print(f"dynamics bound saturates at ε(α={alpha:g}) = {saturation:.6g}; it is below the composition "
@@ -531,7 +532,8 @@ def _curve_params(**values: Any):
 def main() -> None:
     """Entry point: a user error is one line on stderr and exit code 2, never a traceback."""
     try:
-        code = app(standalone_mode=False)
+        with file_errors():  # a file no command could read or write: one line too
+            code = app(standalone_mode=False)
     except UserError as exc:
         typer.echo(f"error: {exc}", err=True)
         sys.exit(2)

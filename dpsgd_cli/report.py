@@ -40,11 +40,12 @@ from urllib.parse import quote
 import numpy as np
 import pandas as pd
 
+from dpsgd_cli.audit.run import read_audit_csv
 from dpsgd_cli.config import NAME_PATTERN, ClaimSpec, FigureSpec
 from dpsgd_cli.engine.analytic import analytic_table
-from dpsgd_cli.engine.results import grid_of, note, read_results, result_folders, select
+from dpsgd_cli.engine.folder import write_text
+from dpsgd_cli.engine.results import NoResults, grid_of, note, read_results, result_folders, select
 from dpsgd_cli.engine.selection import results_frame, selections
-from dpsgd_cli.errors import UserError
 
 
 PASS, FAIL, VACUOUS, NO_DATA = "PASS", "FAIL", "VACUOUS", "NO DATA"
@@ -493,7 +494,7 @@ def build_report(path: Path) -> tuple[list[Verdict], Path]:
     audits = audit_lines(path)
     try:
         folders = result_folders(path)
-    except UserError:
+    except NoResults:
         if not audits:
             raise
         folders = []  # an audit alone is worth a report
@@ -515,7 +516,7 @@ def build_report(path: Path) -> tuple[list[Verdict], Path]:
                      *_table(formulas, grid_column=True), ""]
     summary = [f"**{summary_line(verdicts)}**", ""] if verdicts else []
     out = path / "report.md"
-    out.write_text("\n".join(intro + summary + sections + audits) + "\n")
+    write_text(out, "\n".join(intro + summary + sections + audits) + "\n")
     return verdicts, out
 
 
@@ -560,7 +561,7 @@ def audit_frames(path: Path) -> list[pd.DataFrame]:
     """Every audit.csv at `path` or in its sub-folders."""
     path = Path(path)
     files = [path / "audit.csv"] if (path / "audit.csv").exists() else sorted(path.glob("*/audit.csv"))
-    return [pd.read_csv(f) for f in files]
+    return [read_audit_csv(f) for f in files]
 
 
 def audit_verdicts(frame: pd.DataFrame) -> list[dict]:

@@ -23,6 +23,8 @@ from markdown_it.renderer import RendererHTML
 from markdown_it.rules_inline import StateInline
 from markdown_it.token import Token
 
+from dpsgd_cli.engine.folder import write_text
+
 HTML_PAGE = """<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>dpsgd reproduction report</title>
 <meta name="viewport" content="width=device-width, initial-scale=1">
@@ -48,7 +50,7 @@ def write_html(markdown: Path) -> Path:
     that a collaborator opens in any browser (report.md needs the figures/ folders next to it)."""
     body = _ReportMarkdown(markdown.parent).render(markdown.read_text(encoding="utf-8"))
     out = markdown.with_suffix(".html")
-    out.write_text(HTML_PAGE.format(body=body), encoding="utf-8")
+    write_text(out, HTML_PAGE.format(body=body))
     return out
 
 

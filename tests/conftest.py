@@ -55,6 +55,8 @@ SLOW_TESTS = frozenset({
     "test_robustness.py::test_a_second_writer_exits_2_naming_the_holder_and_the_lock_dies_with_it",
     "test_robustness.py::test_two_concurrent_runs_never_duplicate",
     "test_row_integrity.py::test_no_key_of_a_cache_entry_reaches_a_row",
+    "test_robustness.py::test_a_real_read_only_and_a_real_full_filesystem",
+    "test_robustness.py::test_a_second_audit_of_a_folder_is_refused_and_readers_never_see_half_a_file",
 })
 # The fixtures that serve the real datasets: a test using one (directly or through another fixture) is `data`.
 DATA_FIXTURES = frozenset({"data_env", "dataset_mirror", "shared_datasets_dir"})

@@ -11,12 +11,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from dpsgd_cli.cli import app
+from dpsgd_cli.cli import app, main
 from dpsgd_cli.config import load_grid_file
 from dpsgd_cli.engine import execute, plan_grid, runner
 from dpsgd_cli.engine.results import COLUMNS, ResultStore, ResultsWriteError, acquire_lock, release_lock
@@ -406,3 +407,298 @@ def test_a_mirror_streaming_forever_is_stopped_at_the_registry_size(tmp_path, mo
         httpd.shutdown()
         httpd.server_close()
     assert list((tmp_path / "cache" / "mnist").iterdir()) == []
+
+
+# --- 7. a results folder received from anyone: links and unusable files ---------------------------------------
+FOLDER_GRID = GRID + """    select: {name: by_test, candidates: [lr], score: test_accuracy}
+    claims:
+      - {id: c, text: t, own: true, check: monotone, a: {algorithm: dp_sgd}}
+"""
+AUDIT_GRID = """
+grids:
+  - name: tiny
+    datasets: [{name: synthetic, n: 300, dim: 5}]
+    algorithms: [dp_sgd]
+    epsilon: [0.5, 1, 2]
+    batch_size: [32]
+    epochs: 1
+    lr: 0.5
+    seeds: 1
+    delta: 1.0e-5
+    audit: {canaries: [input], trials: 4, threshold: order}
+"""
+COMMANDS = {
+    "run": ["run", "{grid}", "--out", "{out}"],
+    "audit": ["audit", "{audit_grid}", "--out", "{out}"],
+    "plot": ["plot", "{folder}"],
+    "report": ["report", "{folder}"],
+    "select": ["select", "{folder}"],
+    "export": ["export", "{folder}", "--format", "csv"],
+}
+AUDIT_ROW = {"grid": "tiny", "cell_id": "x", "dataset": "synthetic", "model": "logreg", "algorithm": "dp_sgd",
+             "algorithm_params": "{}", "epsilon_claimed": 2.0, "delta": 1e-5, "epsilon_lo": 0.1,
+             "verdict": "uninformative", "canary": "input", "threat_model": "black-box, last iterate", "trials": 2,
+             "confidence": 0.95, "status": "ok"}
+
+
+@pytest.fixture(scope="module")
+def received(tmp_path_factory):
+    """A finished results folder (runs, traces, manifest, figures, an audit.csv) as a collaborator sends it."""
+    root = tmp_path_factory.mktemp("received")
+    grid_file = root / "grid.yaml"
+    grid_file.write_text(FOLDER_GRID)
+    grid_file.with_name("audit.yaml").write_text(AUDIT_GRID)  # the same grid name, private algorithms only
+    execute(plan_grid(load_grid_file(grid_file).grids[0], root / "out"))
+    folder = root / "out" / "tiny"
+    pd.DataFrame([AUDIT_ROW]).to_csv(folder / "audit.csv", index=False)
+    (folder / "figures").mkdir()
+    return grid_file, folder
+
+
+@pytest.fixture
+def copy(received, tmp_path):
+    """A fresh copy of the received folder; returns (grid file, the copy's grid folder)."""
+    grid_file, folder = received
+    shutil.copytree(folder.parent, tmp_path / "out", symlinks=True)
+    return grid_file, tmp_path / "out" / "tiny"
+
+
+def dpsgd(capsys, command, grid_file, folder):
+    """`dpsgd COMMAND ...` on the folder, in this process (so that a test can patch what the disk does), as the
+    console script runs it: the exit code and stderr."""
+    args = [a.format(grid=grid_file, audit_grid=grid_file.with_name("audit.yaml"), out=folder.parent, folder=folder)
+            for a in COMMANDS[command]]
+    capsys.readouterr()
+    with mock.patch.object(sys, "argv", ["dpsgd", *args]), pytest.raises(SystemExit) as done:
+        main()
+    return done.value.code, capsys.readouterr().err
+
+
+def refused(code, stderr, *words):
+    assert code == 2 and len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr, (code, stderr)
+    for word in words:
+        assert word in stderr, stderr
+
+
+# where a link is planted, what it points to (a file or a folder outside the results folder), the commands
+LINKS = [
+    ("runs.lock", "file", ["run", "audit"]),
+    ("manifest.json.tmp", "file", ["run"]),
+    ("runs.csv.tmp", "file", ["run"]),  # beside a cut runs.csv: recovery rewrites it
+    ("runs.csv", "file", ["run", "plot", "report", "select", "export"]),
+    ("traces.csv", "file", ["run", "export"]),
+    ("audit.csv", "file", ["audit", "report"]),
+    ("report.html", "file", ["report"]),
+    ("selection.csv", "file", ["select"]),
+    ("runs_valid.csv", "file", ["export"]),
+    ("figures", "folder", ["plot", "audit"]),
+    ("figures/accuracy.png", "file", ["plot"]),
+    (".", "folder", ["run", "audit", "plot", "report", "select", "export"]),  # the grid's folder itself
+]
+
+
+@pytest.mark.parametrize("name, kind, command", [(n, k, c) for n, k, cs in LINKS for c in cs])
+def test_a_link_in_a_results_folder_is_refused_and_its_target_untouched(copy, tmp_path, capsys, name, kind,
+                                                                        command):
+    grid_file, folder = copy
+    target = tmp_path / "outside"
+    if kind == "folder":
+        shutil.copytree(folder, target)  # a folder that holds what the tool would write, and more
+    else:
+        target.write_bytes(b"someone else's file\n")
+    before = {p: p.read_bytes() for p in [target, *target.rglob("*")] if p.is_file()}
+    if name == "runs.csv.tmp":
+        (folder / "runs.csv").write_bytes((folder / "runs.csv").read_bytes()[:-50])  # a run to recover
+    link = folder / name
+    if name == ".":
+        shutil.rmtree(folder)
+        link = folder
+    elif link.exists():
+        shutil.rmtree(link) if link.is_dir() else link.unlink()
+    link.symlink_to(target)
+    refused(*dpsgd(capsys, command, grid_file, folder), "symbolic link")
+    assert {p: p.read_bytes() for p in [target, *target.rglob("*")] if p.is_file()} == before
+    assert link.is_symlink()  # not replaced either: the user decides what to do with it
+
+
+def test_writes_go_to_a_fresh_file_created_in_the_folder_never_through_a_link(copy, monkeypatch):
+    """The check before a write is not the only guard: a link planted after it (another process) is not followed
+    either (O_NOFOLLOW, temporary files created exclusively)."""
+    from dpsgd_cli.engine import folder as files
+
+    _, folder = copy
+    outside = folder.parent.parent / "outside"
+    outside.write_bytes(b"kept\n")
+    monkeypatch.setattr(files, "refuse_link", lambda path: Path(path))  # as if the link came after the check
+    for name in ("runs.csv", "runs.lock"):
+        (folder / name).unlink()
+        (folder / name).symlink_to(outside)
+    with pytest.raises(OSError) as appending:
+        ResultStore(folder).append([{"run_id": "a", "status": "ok"}])
+    with pytest.raises(OSError) as locking:
+        acquire_lock(folder)
+    assert appending.value.errno == locking.value.errno == errno.ELOOP
+    files.write_text(folder / "runs.csv", "replaced\n")  # a rename replaces the link itself
+    assert outside.read_bytes() == b"kept\n" and (folder / "runs.csv").read_text() == "replaced\n"
+    assert not list(folder.glob(".*.tmp"))
+
+
+# an unusable folder: how it is made, the commands that use what it breaks (each exits 2 with one line)
+READERS = ["plot", "report", "select", "export"]
+BROKEN = {
+    "figures is a file": (lambda f: (shutil.rmtree(f / "figures"), (f / "figures").write_text("x")),
+                          ["plot", "audit"]),
+    "runs.csv is a folder": (lambda f: ((f / "runs.csv").unlink(), (f / "runs.csv").mkdir()), ["run", *READERS]),
+    "manifest.json is a folder": (lambda f: ((f / "manifest.json").unlink(), (f / "manifest.json").mkdir()),
+                                  ["run", *READERS]),
+    "runs.csv is empty": (lambda f: (f / "runs.csv").write_bytes(b""), READERS),
+    "runs.csv lacks columns": (lambda f: (f / "runs.csv").write_text("run_id,test_accuracy\na,0.5\n"),
+                               ["run", *READERS]),
+    "runs.csv is not UTF-8": (lambda f: (f / "runs.csv").write_bytes(b"\xffrun_id,\xfe\n"), ["run", *READERS]),
+    "runs.csv is a FIFO": (lambda f: ((f / "runs.csv").unlink(), os.mkfifo(f / "runs.csv")), ["run", *READERS]),
+    "traces.csv lacks columns": (lambda f: (f / "traces.csv").write_text("run_id,loss\na,1\n"), ["run", "export"]),
+    "manifest.json is not UTF-8": (lambda f: (f / "manifest.json").write_bytes(b'{"grid": "\xff"}'), READERS),
+    "audit.csv is empty": (lambda f: (f / "audit.csv").write_bytes(b""), ["report"]),
+    "audit.csv lacks columns": (lambda f: (f / "audit.csv").write_text("grid,epsilon_lo\ntiny,1\n"), ["report"]),
+    "audit.csv is not UTF-8": (lambda f: (f / "audit.csv").write_bytes(b"grid,\xff\n"), ["report"]),
+    "audit.csv has a word for a number": (
+        lambda f: pd.DataFrame([{**AUDIT_ROW, "epsilon_lo": "high"}]).to_csv(f / "audit.csv", index=False),
+        ["report"]),
+}
+
+
+@pytest.mark.parametrize("case, command", [(case, c) for case, (_, cs) in BROKEN.items() for c in cs])
+def test_an_unusable_folder_is_one_line_for_every_command(copy, capsys, case, command):
+    grid_file, folder = copy
+    BROKEN[case][0](folder)
+    refused(*dpsgd(capsys, command, grid_file, folder))
+
+
+@pytest.mark.parametrize("name", ["runs.csv", "traces.csv", "runs.lock"])
+def test_a_file_appended_to_with_another_hard_link_is_refused_before_any_work(copy, capsys, tmp_path, name):
+    """`cp -al` (a backup of hard links) shares the files: appending to one would change the other."""
+    grid_file, folder = copy
+    backup = tmp_path / "backup"
+    os.link(folder / name, backup)
+    before = backup.read_bytes()
+    grid_file = tmp_path / "more.yaml"
+    grid_file.write_text(FOLDER_GRID.replace("epsilon: [0.5, 2]", "epsilon: [0.5, 2, 3]"))  # runs to append
+    refused(*dpsgd(capsys, "run", grid_file, folder), "hard link")
+    assert backup.read_bytes() == before and "dp_sgd" not in capsys.readouterr().out
+
+
+def _failing_disk(monkeypatch, root: Path, code: int) -> None:
+    """Every write under `root` fails with `code` (EROFS: a read-only filesystem; ENOSPC: a full disk; EACCES: no
+    permission), as the kernel would say it. Simulated in this process: chmod does not stop root (these tests may run
+    as root), and a real read-only or full filesystem needs a mount (the next test, where it can)."""
+    real_open, real_mkdir, real_replace = os.open, os.mkdir, os.replace
+    writing = os.O_WRONLY | os.O_RDWR | os.O_CREAT
+
+    def fail(path):
+        raise OSError(code, os.strerror(code), os.fsdecode(path))
+
+    def open_(path, flags, *args, **kwargs):
+        if flags & writing and os.fspath(path).startswith(str(root)):
+            fail(path)
+        return real_open(path, flags, *args, **kwargs)
+
+    def mkdir(path, *args, **kwargs):
+        if os.fspath(path).startswith(str(root)) and not os.path.isdir(path):
+            fail(path)
+        return real_mkdir(path, *args, **kwargs)
+
+    def replace(source, target, *args, **kwargs):
+        if os.fspath(target).startswith(str(root)):
+            fail(target)
+        return real_replace(source, target, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", open_)
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    monkeypatch.setattr(os, "replace", replace)
+
+
+SAYS = {errno.EROFS: "read-only", errno.ENOSPC: "no space left", errno.EACCES: "permission denied"}
+
+
+@pytest.mark.parametrize("code", list(SAYS))
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_a_read_only_or_full_disk_is_one_line_for_every_command(copy, capsys, monkeypatch, command, code):
+    grid_file, folder = copy
+    for name in ("runs.lock", "figures", "audit.csv"):  # what each command creates first, created here
+        path = folder / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    _failing_disk(monkeypatch, folder, code)
+    refused(*dpsgd(capsys, command, grid_file, folder), str(folder), SAYS[code])
+    assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before  # nothing half-written
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="mounts need root and unshare")
+def test_a_real_read_only_and_a_real_full_filesystem(copy, tmp_path):
+    """The same on real filesystems, in a private mount namespace (nothing is mounted outside the test): the
+    folder bind-mounted read-only, and a copy on a 1 MiB tmpfs filled up."""
+    grid_file, folder = copy
+    full = tmp_path / "full"
+    full.mkdir()
+    script = f"""
+set -e
+mount --bind {folder} {folder} && mount -o remount,ro,bind {folder}
+mount -t tmpfs -o size=1m tmpfs {full}
+mkdir {full}/tiny && cp {folder}/runs.csv {folder}/manifest.json {full}/tiny/
+head -c 2000000 /dev/zero > {full}/filler 2>/dev/null || true
+for args in "plot {folder}" "report {folder}" "export {folder}" "plot {full}/tiny" "report {full}/tiny"; do
+  {sys.executable} -m dpsgd_cli $args > /dev/null 2> {tmp_path}/stderr && echo "exit 0: $args" || echo "exit $?: $args"
+  cat {tmp_path}/stderr
+done
+"""
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0 and "mount" in proc.stderr:
+        pytest.skip(f"no private mounts here: {proc.stderr.strip()}")
+    out = proc.stdout.splitlines()
+    exits = [line for line in out if line.startswith("exit ")]
+    assert len(exits) == 5 and all(line.startswith("exit 2:") for line in exits), proc.stdout + proc.stderr
+    errors = [line for line in out if line.startswith("error: ")]
+    assert len(errors) == 5 and "Traceback" not in proc.stdout, proc.stdout
+    assert sum("read-only" in line for line in errors) == 3 and sum("no space left" in line for line in errors) == 2
+
+
+def test_a_runs_csv_saved_by_a_spreadsheet_reads_back_the_same_rows(copy, capsys):
+    """A byte-order mark and CRLF line ends (Excel's "CSV UTF-8") are read as what they are: the same runs, and
+    `run` resumes from them without redoing or duplicating any."""
+    grid_file, folder = copy
+    before = read_results(folder).runs
+    csv_path = folder / "runs.csv"
+    csv_path.write_bytes(b"\xef\xbb\xbf" + csv_path.read_bytes().replace(b"\n", b"\r\n"))
+    after = read_results(folder)
+    pd.testing.assert_frame_equal(after.runs, before)
+    assert (after.malformed, after.incomplete) == (0, False)
+    grid = load_grid_file(grid_file, [("epsilon", [0.5, 2, 3])]).grids[0]  # one cell more to run
+    plan = plan_grid(grid, folder.parent)
+    assert plan.done_before == len(before) and plan.pending_runs == 2
+    execute(plan)
+    runs = read_results(folder).runs
+    assert len(runs) == len(before) + 2 and runs["run_id"].is_unique and (runs["status"] == "ok").all()
+
+
+
+def test_a_second_audit_of_a_folder_is_refused_and_readers_never_see_half_a_file(write_grid, tmp_path):
+    from dpsgd_cli.audit.run import read_audit_csv
+
+    grid_file = write_grid(AUDIT_GRID)
+    folder = tmp_path / "out" / "tiny"
+    env = {**os.environ, "DPSGD_DATA_DIR": str(tmp_path / "cache")}
+    command = [sys.executable, "-m", "dpsgd_cli", "audit", str(grid_file), "--out", str(tmp_path / "out")]
+    first = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.time() + 120
+    lock = folder / "runs.lock"
+    while time.time() < deadline and not (lock.exists() and lock.read_text()):
+        time.sleep(0.02)  # the first audit holds the folder
+    second = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    reads = 0
+    while first.poll() is None:  # every read while the first rewrites audit.csv: a whole file
+        if (folder / "audit.csv").exists():
+            assert len(read_audit_csv(folder / "audit.csv")) in (1, 2, 3)
+            reads += 1
+    assert first.wait() == 0, first.stderr.read()
+    refused(second.returncode, second.stderr, "another dpsgd process is writing", f"pid {first.pid}", "audit")
+    assert len(read_audit_csv(folder / "audit.csv")) == 3 and reads > 0

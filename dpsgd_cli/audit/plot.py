@@ -7,6 +7,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from dpsgd_cli.engine.folder import save_figure
+
 
 def audit_figure(frame: pd.DataFrame):
     """The laid-out figure (None when no audit row is ok with both a bound and a claim): points at ε_lo = 0 drawn
@@ -59,9 +61,6 @@ def plot_audit(frame: pd.DataFrame, folder: Path) -> list[Path]:
     fig = audit_figure(frame)
     if fig is None:
         return []
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = [folder / "audit.png", folder / "audit.pdf"]
-    for p in paths:
-        fig.savefig(p, dpi=130)
+    paths = [save_figure(fig, folder / name, dpi=130) for name in ("audit.png", "audit.pdf")]
     plt.close(fig)
     return paths

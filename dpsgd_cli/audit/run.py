@@ -1,9 +1,12 @@
 """Audit a whole grid: every cell's rows into OUT/<grid>/audit.csv (rewritten after each cell), its raw scores into
-OUT/<grid>/audit_scores/<cell_id>.npz (so that anyone can recompute every bound), then the figure."""
+OUT/<grid>/audit_scores/<cell_id>.npz (so that anyone can recompute every bound), then the figure. The audit holds
+the folder's lock (the one `dpsgd run` takes: one writer per folder), and every file is replaced atomically, so a
+reader (`dpsgd report`, another audit refused by the lock) never sees half of one."""
 
 from __future__ import annotations
 
 import contextlib
+import io
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -12,10 +15,17 @@ import pandas as pd
 
 from dpsgd_cli.audit.engine import COLUMNS, ONE_RUN_REFUSAL, audit_cell
 from dpsgd_cli.config import AuditSpec, Grid, expand
+from dpsgd_cli.engine.folder import check_folder, make_folder, read_table, write_bytes, write_csv
+from dpsgd_cli.engine.results import folder_lock
 from dpsgd_cli.errors import UserError
 
 AUDIT_CSV = "audit.csv"
 SCORES_FOLDER = "audit_scores"
+# what the readers (report, figure) take from audit.csv; a row that is ok with a bound needs numbers in NEEDED
+READ_COLUMNS = ["grid", "dataset", "model", "algorithm", "epsilon_claimed", "delta", "epsilon_lo", "canary",
+                "threat_model", "trials", "confidence", "status"]
+NUMERIC = ["epsilon_claimed", "delta", "epsilon_lo", "trials", "confidence", "ceiling", "family_size"]
+NEEDED = ["epsilon_claimed", "delta", "trials", "confidence"]
 
 
 def audit_grid(grid: Grid, out_root: Path, trials: Optional[int] = None, confidence: Optional[float] = None,
@@ -30,35 +40,33 @@ def audit_grid(grid: Grid, out_root: Path, trials: Optional[int] = None, confide
     check_audit(grid, trials)  # the trials multiply every training: bounded before any
     if confidence is not None and not 0.5 < confidence < 1:
         raise UserError(f"--confidence {confidence:g}: must be in (0.5, 1), e.g. 0.95")
-    folder = Path(out_root) / grid.name
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / AUDIT_CSV
-    rows: list[dict] = []
-    scores_folder = folder / SCORES_FOLDER
-    scores_folder.mkdir(exist_ok=True)
-    cells = expand(grid)
-    with _progress(len(cells), grid.name) as advance:
-        for cell in cells:
-            scores: dict = {}
-            new = audit_cell(cell, spec, trials, confidence, scores=scores)
-            if scores:
-                target = scores_folder / f"{cell.cell_id}.npz"
-                np.savez_compressed(target, **scores)
-                for row in new:
-                    row["scores_file"] = target.relative_to(folder).as_posix()
-            rows += new
-            advance(f"{cell.algorithm.name} ε = {cell.epsilon}")
-            _write(rows, path, on_rows, new)
-    from dpsgd_cli.audit.plot import plot_audit
+    folder = make_folder(check_folder(Path(out_root) / grid.name))
+    with folder_lock(folder):  # before any training: a second audit of the folder is refused at once
+        path = folder / AUDIT_CSV
+        rows: list[dict] = []
+        scores_folder = make_folder(folder / SCORES_FOLDER)
+        figures = make_folder(folder / "figures")  # before the training: an unusable one is refused at once
+        cells = expand(grid)
+        with _progress(len(cells), grid.name) as advance:
+            for cell in cells:
+                scores: dict = {}
+                new = audit_cell(cell, spec, trials, confidence, scores=scores)
+                if scores:
+                    target = scores_folder / f"{cell.cell_id}.npz"
+                    buffer = io.BytesIO()
+                    np.savez_compressed(buffer, **scores)
+                    write_bytes(target, buffer.getvalue())
+                    for row in new:
+                        row["scores_file"] = target.relative_to(folder).as_posix()
+                rows += new
+                advance(f"{cell.algorithm.name} ε = {cell.epsilon}")
+                write_csv(pd.DataFrame(rows, columns=COLUMNS), path)
+                if on_rows:
+                    on_rows(new)
+        from dpsgd_cli.audit.plot import plot_audit
 
-    plot_audit(pd.read_csv(path), folder / "figures")
+        plot_audit(read_audit_csv(path), figures)
     return path
-
-
-def _write(rows: list[dict], path: Path, on_rows, new: list[dict]) -> None:
-    pd.DataFrame(rows, columns=COLUMNS).to_csv(path, index=False)
-    if on_rows:
-        on_rows(new)
 
 
 @contextlib.contextmanager
@@ -77,6 +85,14 @@ def _progress(total: int, name: str):
         yield lambda what: bar.update(task, advance=1, description=what)
 
 
-def read_audit(folder: Path) -> Optional[pd.DataFrame]:
-    path = Path(folder) / AUDIT_CSV
-    return pd.read_csv(path) if path.exists() else None
+def read_audit_csv(path: Path) -> pd.DataFrame:
+    """An audit.csv as the report and the figure read it: a one-line UserError when it is empty, not a CSV, lacks
+    a column they use, or has an ok row without the numbers of its bound."""
+    remedy = "rerun `dpsgd audit` on its grid to rewrite it, or move it away"
+    frame = read_table(path, READ_COLUMNS, NUMERIC, remedy)
+    bounded = frame["status"].eq("ok") & frame["epsilon_lo"].notna()
+    lacking = frame.index[bounded & frame[NEEDED].isna().any(axis=1)]
+    if len(lacking):
+        raise UserError(f"{path}: line {lacking[0] + 2} is an ok row without all of {', '.join(NEEDED)}; {remedy}")
+    return frame
+

@@ -7,12 +7,15 @@ Each is written to `<results>/<grid>/<figure name>.csv`.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Callable
 
 import pandas as pd
 
 from dpsgd_cli.config import FigureSpec, Grid, NoiseScaleParams, PrivacyCurveParams
+from dpsgd_cli.engine.folder import read_table, write_csv
+from dpsgd_cli.errors import UserError
 
 # (label, accounting, formula, amplification) of bassily2014 in the noise-scale figure (Bellet's lecture)
 NOISE_ACCOUNTINGS = [
@@ -79,16 +82,16 @@ def write_analytic_tables(grid: Grid, folder: Path) -> list[Path]:
     for figure in grid.figures:
         if figure.kind in ANALYTIC:
             path = Path(folder) / f"{figure.name}.csv"
-            ANALYTIC[figure.kind](figure.params).to_csv(path, index=False)
+            write_csv(ANALYTIC[figure.kind](figure.params), path)
             paths.append(path)
     return paths
 
 
 def analytic_table(folder: Path, figure: FigureSpec) -> pd.DataFrame:
     path = Path(folder) / f"{figure.name}.csv"
-    if not path.exists():
-        from dpsgd_cli.errors import UserError
-
-        raise UserError(f"{path}: missing; run the grid again (`dpsgd run ... --only {Path(folder).name}`) "
-                        f"to compute the table of figure {figure.name}")
-    return pd.read_csv(path)
+    remedy = f"run the grid again (`dpsgd run ... --only {Path(folder).name}`) to compute the table of figure " \
+             f"{figure.name}"
+    if not os.path.lexists(path):
+        raise UserError(f"{path}: missing; {remedy}")
+    return read_table(path, TABLE_COLUMNS[figure.kind], NUMERIC_TABLE_COLUMNS & set(TABLE_COLUMNS[figure.kind]),
+                      remedy)

@@ -9,6 +9,8 @@ verbatim (values, number formats, columns a user added), and replaces the file a
 
 from __future__ import annotations
 
+import codecs
+import contextlib
 import csv
 import fcntl
 import functools
@@ -16,7 +18,6 @@ import io
 import json
 import os
 import platform
-import shutil
 import socket
 import sys
 import time
@@ -24,12 +25,14 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import numpy as np
 import pandas as pd
 
-from dpsgd_cli.errors import UserError
+from dpsgd_cli.engine.folder import (append_bytes, check_folder, check_in_place, ends_with_newline, first_line,
+                                     make_folder, open_file, read_bytes, read_text, write_text)
+from dpsgd_cli.errors import UserError, file_error
 
 COLUMNS = [
     "run_id", "cell_id", "grid", "dataset", "dataset_options", "n_train", "n_test", "d",
@@ -41,6 +44,11 @@ COLUMNS = [
     "n_val", "val_accuracy", "val_objective", "epsilon_base", "tuning", "delta_certified", "neighbours",
 ]
 TRACE_COLUMNS = ["run_id", "cell_id", "seed", "examples", "train_objective", "optimality_gap", "train_accuracy"]
+# the columns every version of the tool wrote (later ones are added when an older file is rewritten); a file
+# without them is not a results file
+RUN_KEYS = ["run_id", "cell_id", "grid", "dataset", "model", "algorithm", "algorithm_params", "seed", "epsilon",
+            "status", "message"]
+TRACE_KEYS = ["run_id", "cell_id", "seed", "examples"]
 NUMERIC = {
     "n_train", "n_test", "d", "seed", "epsilon", "epsilon_achieved", "delta", "sigma", "batch_size", "lr", "epochs",
     "steps", "sample_rate", "l2", "clip_norm", "test_accuracy", "test_loss", "train_accuracy", "train_objective",
@@ -54,15 +62,20 @@ LOCK_NAME = "runs.lock"
 
 
 def result_folders(path: str | Path) -> list[Path]:
-    """`path` itself if it holds runs.csv, else its sub-folders that do (a results root)."""
+    """`path` itself if it holds runs.csv, else its sub-folders that do (a results root); a grid's folder that is
+    a link or holds one is refused (`folder.check_folder`)."""
     path = Path(path)
-    if (path / "runs.csv").exists():
-        return [path]
+    if os.path.lexists(path / "runs.csv"):
+        return [check_folder(path)]
     folders = sorted(p.parent for p in path.glob("*/runs.csv"))
     if not folders:
-        raise UserError(f"{path}: no runs.csv here or in its sub-folders; run `dpsgd run GRID.yaml` first or pass "
+        raise NoResults(f"{path}: no runs.csv here or in its sub-folders; run `dpsgd run GRID.yaml` first or pass "
                         f"a grid's results folder (e.g. results/smoke)")
-    return folders
+    return [check_folder(folder) for folder in folders]
+
+
+class NoResults(UserError):
+    """No grid's results where some were expected (a folder with only an audit, or nothing)."""
 
 
 class ResultsWriteError(UserError):
@@ -112,24 +125,28 @@ class CsvScan:
         return pd.read_csv(io.StringIO(text), dtype=strings)
 
 
-def scan_csv(path: Path) -> CsvScan:
-    """Read a results CSV tolerantly (see `CsvScan`); a missing or empty file is an empty scan."""
+def scan_csv(path: Path, keys: Iterable[str] = ("run_id",)) -> CsvScan:
+    """Read a results CSV tolerantly (see `CsvScan`); a missing or empty file is an empty scan. A header without
+    one of the `keys` columns is a one-line UserError. A byte-order mark and CRLF line ends (a spreadsheet's
+    "save as CSV") are read as what they are."""
     path = Path(path)
     try:
-        data = path.read_bytes()
+        data = read_bytes(path)
     except FileNotFoundError:
         return CsvScan()
-    except OSError as exc:
-        raise UserError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    data = data.removeprefix(codecs.BOM_UTF8)
     cut = data.rfind(b"\n") + 1
     scan = CsvScan(partial=data[cut:])
     records, raws = _records([p + "\n" for p in data[:cut].decode("utf-8", errors="surrogateescape").split("\n")[:-1]])
     if not records:
         return scan
     scan.header, scan.header_text = records[0], raws[0]
-    if "run_id" not in scan.header or len(set(scan.header)) < len(scan.header):
-        raise UserError(f"{path}: the first line is not a results header (no run_id column, or a column twice); "
-                        f"move the file away and rerun")
+    missing = [c for c in keys if c not in scan.header]
+    problem = ("bytes that are not UTF-8" if any("\udc80" <= ch <= "\udcff" for ch in scan.header_text) else
+               f"no column {', '.join(missing[:3])}{' …' if len(missing) > 3 else ''}" if missing else
+               "a column twice" if len(set(scan.header)) < len(scan.header) else "")
+    if problem:
+        raise UserError(f"{path}: the first line is not a results header ({problem}); move the file away and rerun")
     valid = _valid(records[1:], raws[1:], scan.header)
     scan.rows = [r for r, ok in zip(records[1:], valid) if ok]
     scan.lines = [r for r, ok in zip(raws[1:], valid) if ok]
@@ -214,44 +231,10 @@ def _csv_lines(rows: Iterable[list[str]]) -> str:
     return buffer.getvalue()
 
 
-def _append_bytes(path: Path, data: bytes) -> None:
-    """One write of whole rows, then fsync; on failure the file is cut back to where it was."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        size = os.fstat(fd).st_size
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        except OSError:
-            try:
-                os.ftruncate(fd, size)  # leave no half row behind
-            except OSError:
-                pass
-            raise
-    finally:
-        os.close(fd)
-
-
-def _replace(path: Path, text: str) -> None:
-    """Replace `path` atomically (a crash leaves the old or the new file, never half of one)."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8", errors="surrogateescape", newline="") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def _set_aside(path: Path, lines: list[str], partial: bytes) -> Path:
     side = path.with_name(path.name + ".rejected")
     data = "".join(lines).encode("utf-8", errors="surrogateescape") + (partial + b"\n" if partial else b"")
-    _append_bytes(side, data)
+    append_bytes(side, data)
     return side
 
 
@@ -261,9 +244,10 @@ _FRAMES: dict[tuple, pd.DataFrame] = {}
 class CsvFile:
     """An append-only results CSV (runs.csv or traces.csv) with crash recovery."""
 
-    def __init__(self, path: Path, columns: list[str]):
+    def __init__(self, path: Path, columns: list[str], keys: list[str]):
         self.path = Path(path)
         self.columns = columns
+        self.keys = keys  # the columns without which it is not a results file
 
     def read(self) -> pd.DataFrame:
         """The valid rows (cached while the file is unchanged: figures and claims read it many times)."""
@@ -273,7 +257,7 @@ class CsvFile:
             return pd.DataFrame(columns=self.columns)
         key = (str(self.path.resolve()), stat.st_mtime_ns, stat.st_size)
         if key not in _FRAMES:
-            frame = scan_csv(self.path).frame()
+            frame = scan_csv(self.path, self.keys).frame()
             _FRAMES.clear()  # one file at a time is enough
             _FRAMES[key] = frame if len(frame.columns) else pd.DataFrame(columns=self.columns)
         return _FRAMES[key].copy()
@@ -282,7 +266,7 @@ class CsvFile:
         """Writers only (under the folder's lock): set aside an incomplete last line and malformed lines,
         add missing columns, drop the rows `keep` rejects; rewrite only if something changed. Returns the
         kept rows (as text)."""
-        scan = scan_csv(self.path)
+        scan = scan_csv(self.path, self.keys)
         if not scan.header_text:  # missing, empty, or only a cut header
             if scan.partial or scan.bad:
                 side = _set_aside(self.path, scan.bad, scan.partial)
@@ -304,7 +288,7 @@ class CsvFile:
             body = "".join(scan.lines[i] for i in kept)  # verbatim
         else:
             body = _csv_lines([records[i].get(c, "") for c in header] for i in kept)
-        _replace(self.path, _csv_lines([header]) + body)
+        write_text(self.path, _csv_lines([header]) + body)
         return [records[i] for i in kept]
 
     def append(self, rows: Iterable[dict[str, Any]]) -> None:
@@ -312,29 +296,17 @@ class CsvFile:
         if not rows:
             return
         header = self._header()
-        if header is None or not set(self.columns) <= set(header) or not self._ends_with_newline():
+        if header is None or not set(self.columns) <= set(header) or not ends_with_newline(self.path):
             self.recover()
             header = self._header()
         text = "" if header else _csv_lines([self.columns])
         header = header or self.columns
         text += _csv_lines([_text(row.get(c)) for c in header] for row in rows)
-        _append_bytes(self.path, text.encode("utf-8", errors="surrogateescape"))
+        append_bytes(self.path, text.encode("utf-8", errors="surrogateescape"))
 
     def _header(self) -> Optional[list[str]]:
-        try:
-            with open(self.path, newline="", encoding="utf-8", errors="surrogateescape") as fh:
-                first = fh.readline()
-        except FileNotFoundError:
-            return None
-        return next(csv.reader([first])) if first.endswith("\n") else None
-
-    def _ends_with_newline(self) -> bool:
-        with open(self.path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            if fh.tell() == 0:
-                return True
-            fh.seek(-1, os.SEEK_END)
-            return fh.read(1) == b"\n"
+        first = first_line(self.path)
+        return next(csv.reader([first])) if first and first.endswith("\n") else None
 
 
 # --- the lock -----------------------------------------------------------------------------------------------
@@ -347,8 +319,8 @@ def acquire_lock(folder: Path) -> None:
     key = os.path.realpath(folder)
     if key in _HELD:
         return
-    path = Path(folder) / LOCK_NAME
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    # not through a link, and a regular file with no other hard link: the holder's line truncates it
+    fd = open_file(Path(folder) / LOCK_NAME, os.O_RDWR | os.O_CREAT, in_place=True)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -378,6 +350,18 @@ def release_lock(folder: Path) -> None:
         os.close(fd)  # closing the last descriptor releases the flock
 
 
+@contextlib.contextmanager
+def folder_lock(folder: Path) -> Iterator[None]:
+    """The folder's writer lock for a block (kept if this process held it already)."""
+    held = os.path.realpath(folder) in _HELD
+    acquire_lock(folder)
+    try:
+        yield
+    finally:
+        if not held:
+            release_lock(folder)
+
+
 # --- the store ----------------------------------------------------------------------------------------------
 class ResultStore:
     """Append-only CSV of finished runs. Runs with status `ok` or `diverged` are final (diverging is a
@@ -387,8 +371,8 @@ class ResultStore:
         self.folder = Path(folder)
         self.csv = self.folder / "runs.csv"
         self.traces_csv = self.folder / "traces.csv"
-        self.runs_file = CsvFile(self.csv, COLUMNS)
-        self.traces_file = CsvFile(self.traces_csv, TRACE_COLUMNS)
+        self.runs_file = CsvFile(self.csv, COLUMNS, RUN_KEYS)
+        self.traces_file = CsvFile(self.traces_csv, TRACE_COLUMNS, TRACE_KEYS)
 
     def read(self) -> pd.DataFrame:
         """The valid rows of runs.csv (every status; see `read_results` for what readers show)."""
@@ -401,13 +385,15 @@ class ResultStore:
         """Take the folder's lock, recover the files from any crash, and return the run ids already final.
         Without resume, the old CSVs are kept as backups."""
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
+            make_folder(check_folder(self.folder))
             acquire_lock(self.folder)
+            for path in (self.csv, self.traces_csv):  # appended to after each task: refused before the first
+                check_in_place(path)
             if not resume:
                 stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
                 for path in (self.csv, self.traces_csv):
                     if path.exists():
-                        shutil.move(path, path.with_name(f"{path.stem}.{stamp}.csv.bak"))
+                        os.replace(path, path.with_name(f"{path.stem}.{stamp}.csv.bak"))
             seen: set[str] = set()
 
             def first_final(row: dict[str, str]) -> bool:  # a run id counts once (the first final row)
@@ -421,9 +407,12 @@ class ResultStore:
             # checkpoints of runs that never finished go, so that a run in runs.csv has exactly its traces
             self.traces_file.recover(keep=lambda row: row["run_id"] in done)
         except OSError as exc:
-            raise ResultsWriteError(f"{self.folder}: cannot write the results folder ({_reason(exc)}); nothing "
-                                    f"was run and the files there are unchanged; fix it (free space, "
-                                    f"permissions) or use another --out") from None
+            release_lock(self.folder)
+            raise ResultsWriteError(f"{file_error(exc)} (nothing was run and the files there are unchanged; or use "
+                                    f"another --out)") from None
+        except UserError:
+            release_lock(self.folder)
+            raise
         return done
 
     def append(self, rows: Iterable[dict[str, Any]]) -> None:
@@ -444,17 +433,17 @@ class ResultStore:
                         "processor": platform.processor() or platform.machine(), "cpus": os.cpu_count()},
             **extra,
         }
-        _replace(self.folder / "manifest.json", json.dumps(manifest, indent=2, default=str))
+        write_text(self.folder / "manifest.json", json.dumps(manifest, indent=2, default=str))
 
 
 def read_manifest(folder: Path) -> Optional[dict]:
     """The folder's manifest, None if there is none; a corrupt one is a one-line UserError."""
     path = Path(folder) / "manifest.json"
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
+        manifest = json.loads(read_text(path))
     except FileNotFoundError:
         return None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UserError(f"{path}: corrupt manifest ({exc}); rerun `dpsgd run` on its grid to rewrite it, or "
                         f"delete it (every row of runs.csv then counts)") from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("grid", {}), dict):
@@ -491,10 +480,6 @@ def _grid_shape(grid: dict) -> str:
         if key in grid and not isinstance(grid[key], kind):
             return f"grid.{key} is a {type(grid[key]).__name__}, not a {kind.__name__}"
     return ""
-
-
-def _reason(exc: OSError) -> str:
-    return f"{exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else "")
 
 
 def _iso(stamp: float) -> str:
@@ -676,7 +661,10 @@ def read_results(folder: Path) -> Reading:
     key = (str(folder.resolve()), *(_stamp(folder / name) for name in ("runs.csv", "manifest.json")))
     if key in _READINGS:
         return _READINGS[key]
-    scan = scan_csv(folder / "runs.csv")
+    scan = scan_csv(folder / "runs.csv", RUN_KEYS)
+    if not scan.header and os.path.lexists(folder / "runs.csv"):
+        raise UserError(f"{folder / 'runs.csv'}: no header line (an empty file, or one cut mid-write); it records "
+                        f"no run: rerun `dpsgd run` on its grid (it starts the file again), or move it away")
     frame = scan.frame()
     frame = frame.reindex(columns=[*COLUMNS, *(c for c in frame.columns if c not in COLUMNS)])  # older files too
     current = frame[frame["run_id"].isin(current_run_ids(folder, frame["run_id"]))]

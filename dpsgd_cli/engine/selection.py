@@ -27,6 +27,7 @@ import pandas as pd
 
 from dpsgd_cli.algorithms import Setting
 from dpsgd_cli.config import SelectSpec
+from dpsgd_cli.engine.folder import write_csv
 from dpsgd_cli.engine.results import (COLUMNS, TRACE_COLUMNS, ResultStore, grid_of, line_labels, read_results,
                                       result_folders, with_params)
 from dpsgd_cli.errors import UserError
@@ -300,7 +301,7 @@ def write_selection_tables(path) -> list[tuple[Path, pd.DataFrame]]:
             continue
         runs = results_frame(folder, select=False)
         table = selection_table(runs, grid)
-        table.to_csv(folder / "selection.csv", index=False)
+        write_csv(table, folder / "selection.csv")
         out.append((folder, table))
     if not out:
         raise UserError(f"{path}: no grid here has `select:`; add one (see docs/hyperparameters.md) and rerun "

@@ -18,6 +18,7 @@ import pandas as pd  # noqa: E402
 
 from dpsgd_cli.config import FigureSpec  # noqa: E402
 from dpsgd_cli.engine.analytic import analytic_table  # noqa: E402
+from dpsgd_cli.engine.folder import save_figure  # noqa: E402
 from dpsgd_cli.engine.results import grid_of, note, read_results, result_folders, select  # noqa: E402
 from dpsgd_cli.engine.selection import caption_of, results_frame  # noqa: E402
 from dpsgd_cli.errors import UserError  # noqa: E402
@@ -75,12 +76,9 @@ def draw_figure(folder: Path, spec: FigureSpec, fmt: str) -> list[Path]:
         return []
     fig = figure(frame, spec, grid_of(folder), folder.name)
     out = folder / "figures" / f"{spec.name}.{fmt}"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    paths = [out]
-    fig.savefig(out, dpi=DPI)
+    paths = [save_figure(fig, out, dpi=DPI)]
     if fmt == "png":
-        fig.savefig(out.with_suffix(".pdf"))
-        paths.append(out.with_suffix(".pdf"))
+        paths.append(save_figure(fig, out.with_suffix(".pdf")))
     plt.close(fig)
     return paths
 

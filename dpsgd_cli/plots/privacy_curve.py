@@ -15,6 +15,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from dpsgd_cli.engine.folder import save_figure  # noqa: E402
 from dpsgd_cli.errors import UserError  # noqa: E402
 from dpsgd_cli.plots.layout import finish  # noqa: E402
 
@@ -43,7 +44,6 @@ def plot_privacy_curve(frame: pd.DataFrame, path: Path, log_x: bool = False, log
         raise UserError(f"privacy curve frame lacks columns {missing}; build it with "
                         f"dpsgd_cli.privacy.dynamics.privacy_curve")
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     frame = frame.sort_values("K")
     attrs = frame.attrs
     fig, ax = plt.subplots(figsize=(7.0, 3.8), dpi=150)
@@ -73,6 +73,6 @@ def plot_privacy_curve(frame: pd.DataFrame, path: Path, log_x: bool = False, log
                                              "talk: \"up to a small constant of 4\")")]
     finish(fig, title=attrs.get("title", "Noisy GD: Rényi privacy loss over iterations"),
            caption=caption, legend_size=8)
-    fig.savefig(path, dpi=150)
+    save_figure(fig, path, dpi=150)
     plt.close(fig)
     return path
