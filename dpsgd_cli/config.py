@@ -253,7 +253,7 @@ class ClaimCondition(_Strict):
     """One more condition of a claim's sentence (`also:`): its text and check; every other key it leaves out
     (None) is the claim's (metric, where, a, b, over, ...)."""
 
-    text: str = Field(description="the condition, in the words of the claim's text")
+    text: OneLine = Field(description="the condition, in the words of the claim's text")
     check: CheckKind
     metric: Optional[str] = None
     where: Optional[Selection] = None

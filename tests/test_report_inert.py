@@ -53,7 +53,8 @@ BASE = {
     "validation": 0.1,
     "figures": [{"name": "acc", "title": "accuracy", "paper": "the paper's figure", "lines": ["algorithm"]}],
     "claims": [{"id": "grows", "text": "accuracy grows with epsilon", "quote": 'A: "it grows"', "reading": "r",
-                "check": "monotone", "a": {"algorithm": "dp_sgd"}, "group_by": ["dataset"], "tolerance": 0.5}],
+                "check": "monotone", "a": {"algorithm": "dp_sgd"}, "group_by": ["dataset"], "tolerance": 0.5,
+                "also": [{"text": "and stays above 0", "check": "above", "value": 0.0}]}],
     "select": [{"name": "tuned", "candidates": ["lr"]}],
     "audit": {"trials": 2},
 }
