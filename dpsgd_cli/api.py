@@ -19,8 +19,8 @@ import copy
 import os
 import sys
 from pathlib import Path
-from typing import (TYPE_CHECKING, Annotated, Any, Callable, Iterable, Literal, Mapping, Optional, Protocol, Sequence, Union,
-                    runtime_checkable)
+from typing import (TYPE_CHECKING, Annotated, Any, Callable, Iterable, Literal, Mapping, Optional, Protocol,
+                    Sequence, Union, runtime_checkable)
 
 from dpsgd_cli.arguments import at_least, between, checked, each
 from dpsgd_cli.errors import ArgumentValueError, UserError
@@ -70,14 +70,14 @@ def run(grid: GridSource, *, only: Names = None, out: PathLike = "results", jobs
     stdout)."""
     import pandas as pd
 
-    from dpsgd_cli.config import select
+    from dpsgd_cli import config
     from dpsgd_cli.engine import execute, plan_grid
     from dpsgd_cli.engine.checks import check_grids, out_root
     from dpsgd_cli.engine.results import read_results as reading
     from dpsgd_cli.engine.results import typed_runs
 
     only = _strings(only) or None
-    grids = select(_load_grids(grid, _overrides(set, seeds), only), only)
+    grids = config.select(_load_grids(grid, _overrides(set, seeds), only), only)
     root = out_root(str(out))
     if scheduler:  # checked at once, before any work (the connection itself waits until dry_run is ruled out)
         from dpsgd_cli.engine.distributed import check_scheduler
@@ -339,6 +339,20 @@ def report(results_dir: PathLike = "results") -> "pd.DataFrame":
     return frame
 
 
+@checked()
+def select(results_dir: PathLike = "results") -> "pd.DataFrame":
+    """`dpsgd select`: for each grid with `select:`, the candidate each group chose on validation, its scores
+    and what choosing cost in privacy (also written to selection.csv beside runs.csv); one row per selection and
+    group, the first column naming the grid."""
+    import pandas as pd
+
+    from dpsgd_cli.engine.selection import write_selection_tables
+
+    tables = [table.assign(grid=folder.name) for folder, table in write_selection_tables(results_dir)]
+    frame = pd.concat(tables, ignore_index=True)
+    return frame[["grid", *(c for c in frame.columns if c != "grid")]]
+
+
 # --- figures, audit --------------------------------------------------------------------------------
 def metrics() -> list[str]:
     """What `plot(metric=...)` accepts: `accuracy` (test accuracy) and every numeric column of runs.csv."""
@@ -382,11 +396,12 @@ def audit(grid: GridSource, *, only: Names = None, out: PathLike = "results",
     import pandas as pd
 
     from dpsgd_cli.audit.run import audit_grid
-    from dpsgd_cli.config import AuditSpec, expand, select
+    from dpsgd_cli import config
+    from dpsgd_cli.config import AuditSpec, expand
     from dpsgd_cli.engine.checks import check_audit
 
     only = _strings(only) or None
-    grids = select(_load_grids(grid, _overrides(set, seeds), only), only)
+    grids = config.select(_load_grids(grid, _overrides(set, seeds), only), only)
     for one in grids:  # every grid's trials bounded before the first training
         check_audit(one, trials)
     if dry_run:

@@ -132,16 +132,17 @@ def audit(
     """Train with and without a canary, attack, and bound each cell's ε from below (ε_lo beside the claimed ε)."""
     from dpsgd_cli import api
 
-    given = dict(only=only, out=out, trials=trials, confidence=confidence, set=overrides, seeds=seeds)
     if dry_run:
-        cells = api.audit(grid_file, **given, dry_run=True)
+        cells = api.audit(grid_file, only=only, out=out, trials=trials, confidence=confidence, set=overrides,
+                          seeds=seeds, dry_run=True)
         for grid, part in cells.groupby("grid", sort=False):
             console.print(settings_table(part, f"{grid}: {len(part)} cells to audit", numbers={
                 "canaries": list(part["canaries"]), "trials per world": list(part["trials"])}))
         return
     rows: list[dict] = []
     console.print(f"auditing → {out / '<grid>' / 'audit.csv'}", highlight=False)
-    frame = api.audit(grid_file, **given, on_rows=rows.extend)
+    frame = api.audit(grid_file, only=only, out=out, trials=trials, confidence=confidence, set=overrides,
+                      seeds=seeds, on_rows=rows.extend)
     for grid in dict.fromkeys(frame["grid"]):
         console.print(audit_table([r for r in rows if r["grid"] == grid], f"{grid}: audit"))
         path = out / grid / "audit.csv"

@@ -197,6 +197,19 @@ def test_read_results_gives_typed_columns_and_the_private_flag(grid_file, tmp_pa
     pd.testing.assert_frame_equal(parquet, frame)  # the same columns and types
 
 
+def test_select_returns_the_choices_as_the_command_writes_them(grid_file, tmp_path):
+    out = tmp_path / "results"
+    dpsgd.run(grid_file, only="tiny", out=out, quiet=True,
+              set={"epochs": 1, "lr": [0.25, 1], "select": [{"name": "tuned", "candidates": ["lr"]}]})
+    chosen = dpsgd.select(out)
+    on_disk = pd.read_csv(out / "tiny" / "selection.csv")
+    assert list(chosen.columns) == ["grid", *on_disk.columns] and set(chosen["grid"]) == {"tiny"}
+    assert chosen["chosen"].tolist() == on_disk["chosen"].tolist() and len(chosen) == 2  # erm and dp_sgd at ε=1
+    with pytest.raises(dpsgd.UserError, match="no grid here has `select:`"):
+        dpsgd.run(grid_file, only="other", out=tmp_path / "plain", quiet=True)
+        dpsgd.select(tmp_path / "plain")
+
+
 def test_typed_runs_keeps_one_kind_per_column(capsys):
     from dpsgd_cli.engine.results import typed_runs
 
