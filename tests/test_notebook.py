@@ -2,6 +2,7 @@
 user opening it would run it."""
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -42,11 +43,15 @@ def test_the_quickstart_notebook_runs_top_to_bottom(kernel, tmp_path, monkeypatc
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     work = tmp_path / "work"
     work.mkdir()
+    notebook.cells.append(nbformat.v4.new_code_cell("import sys; print(sys.executable, end='')"))
     start = time.perf_counter()
     nbclient.NotebookClient(notebook, kernel_name=kernel, timeout=600,
                             resources={"metadata": {"path": str(work)}}).execute()
     seconds = time.perf_counter() - start
-    outputs = [output for cell in notebook.cells if cell.cell_type == "code" for output in cell.outputs]
+    assert notebook.cells[-1].outputs[0]["text"] == sys.executable  # the kernel is this test's Python
+    if os.environ.get("DPSGD_KEEP_NOTEBOOK"):  # to look at the outputs: the executed notebook, there
+        nbformat.write(notebook, os.environ["DPSGD_KEEP_NOTEBOOK"])
+    outputs = [output for cell in notebook.cells[:-1] if cell.cell_type == "code" for output in cell.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     kinds = [kind for o in outputs for kind in o.get("data", {})]
     assert kinds.count("text/html") >= 4  # the runs, the ε table, the selection, the audit as DataFrames
