@@ -236,6 +236,19 @@ def test_audit_takes_set_and_seeds_as_run_does(write_grid, tmp_path):
         dpsgd.audit(grid, dry_run=True, set=["epoch=1"])
 
 
+def test_the_tutorial_of_python_api_md_runs_top_to_bottom(tmp_path, monkeypatch):
+    """Every Python block of docs/python-api.md's tutorial, in order, in one namespace, as a notebook runs them."""
+    tutorial = (Path(__file__).parents[1] / "docs" / "python-api.md").read_text().split("\n## Reference")[0]
+    blocks = re.findall(r"```python\n(.*?)```", tutorial, flags=re.S)
+    assert len(blocks) >= 6
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DPSGD_DATA_DIR", str(tmp_path / "cache"))
+    namespace: dict = {}
+    for block in blocks:
+        exec(compile(block, "docs/python-api.md", "exec"), namespace)
+    assert len(namespace["runs"]) == 18 and set(namespace["audited"]["algorithm"]) == {"dp_sgd"}
+
+
 def test_example_script_runs(tmp_path, monkeypatch):
     """examples/notebook.py, shortened by its SMALL switch, runs from a fresh folder."""
     example = Path(__file__).parents[1] / "examples" / "notebook.py"
