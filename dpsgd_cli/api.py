@@ -108,7 +108,7 @@ def run(grid: GridSource, *, only: Names = None, out: PathLike = "results", jobs
                           f"command again to resume", file=sys.stderr)
                     raise
     readings = [reading(plan.folder) for plan in plans]
-    frame = typed_runs(pd.concat([r.runs for r in readings], ignore_index=True) if readings else pd.DataFrame())
+    frame = typed_runs(pd.concat([r.runs for r in readings], ignore_index=True)) if readings else pd.DataFrame()
     failures = [row for plan in plans for row in plan.failures]
     if not dry_run:
         show.summaries(plans, readings)
@@ -395,8 +395,8 @@ def audit(grid: GridSource, *, only: Names = None, out: PathLike = "results",
     trained: a row per cell to audit (its grid, settings in runs.csv's columns, canaries and trials per world)."""
     import pandas as pd
 
-    from dpsgd_cli.audit.run import audit_grid
     from dpsgd_cli import config
+    from dpsgd_cli.audit.run import audit_grid
     from dpsgd_cli.config import AuditSpec, expand
     from dpsgd_cli.engine.checks import check_audit
 
