@@ -1,7 +1,7 @@
 """The `kang_lr` grid on a local Dask cluster vs `--jobs 1` / `--jobs 2`: wall time, ratios, identical results.
 
 `python -m benchmarks.distributed_grid [--reps K] [--modes jobs1,jobs2,local2,local2x3]` (needs the `dask`
-extra and the data: DPSGD_DATA_MIRROR=/work/shared/datasets or a filled DPSGD_DATA_DIR). Each trial is a fresh
+extra and the data: DPSGD_DATA_MIRROR=/path/to/mirror or a filled DPSGD_DATA_DIR). Each trial is a fresh
 process that plans the grid into a new folder (ERM optima included) and executes it — as `dpsgd run --only
 kang_lr` does; `local2` starts a LocalCluster of 2 worker processes inside the trial (its start-up and the
 workers' imports are timed), `local2xK` groups K cells per Dask task. Modes are interleaved (the machine is

@@ -1,8 +1,8 @@
 """dpsgd: reproduce and extend the experiments of differentially-private SGD papers.
 
 The Python API (docs/python-api.md): `import dpsgd_cli as dpsgd`, then `dpsgd.run`, `dpsgd.read_results`,
-`dpsgd.export`, `dpsgd.plot`, `dpsgd.report`, `dpsgd.audit`, `dpsgd.epsilon`, `dpsgd.sigma` (dpsgd_cli.api); the
-commands call the same functions.
+`dpsgd.export`, `dpsgd.plot`, `dpsgd.report`, `dpsgd.select`, `dpsgd.audit`, `dpsgd.epsilon`, `dpsgd.sigma`
+(dpsgd_cli.api); the commands call the same functions.
 """
 
 import importlib
@@ -10,11 +10,11 @@ import sys
 import types
 
 from dpsgd_cli import api
-from dpsgd_cli.api import epsilon, export, plot, read_results, run, sigma
+from dpsgd_cli.api import epsilon, export, plot, read_results, run, select, sigma
 from dpsgd_cli.errors import UserError
 
 __version__ = "0.1.0"
-__all__ = ["UserError", "audit", "epsilon", "export", "plot", "read_results", "report", "run", "sigma"]
+__all__ = ["UserError", "audit", "epsilon", "export", "plot", "read_results", "report", "run", "select", "sigma"]
 
 
 class _CallableModule(types.ModuleType):

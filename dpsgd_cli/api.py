@@ -2,6 +2,7 @@
 
     import dpsgd_cli as dpsgd
     df = dpsgd.run("experiments.yaml", only=["smoke"], out="results")   # a DataFrame, one row per run
+    df = dpsgd.run({"name": "mine", "datasets": ["synthetic"], "algorithms": ["dp_sgd"]})  # a grid as a dict
     dpsgd.epsilon(sigma=1.1, sample_rate=0.01, steps=1000, delta=1e-5)
 
 The commands call these functions (one implementation); keyword arguments are named like the commands' options.
@@ -14,9 +15,12 @@ imported inside the functions, so `import dpsgd_cli` stays cheap.
 from __future__ import annotations
 
 import contextlib
+import copy
+import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Mapping, Optional, Sequence, Union
+from typing import (TYPE_CHECKING, Annotated, Any, Callable, Iterable, Literal, Mapping, Optional, Protocol,
+                    Sequence, Union, runtime_checkable)
 
 from dpsgd_cli.arguments import at_least, between, checked, each
 from dpsgd_cli.errors import ArgumentValueError, UserError, file_errors
@@ -28,7 +32,23 @@ if TYPE_CHECKING:
     import pandas as pd
     from rich.progress import Progress
 
+    from dpsgd_cli.config import GridFile
+
 PathLike = Union[str, Path]
+
+
+@runtime_checkable
+class GridModel(Protocol):
+    """A validated grid, `dpsgd_cli.config.Grid` (recognised without importing pydantic here)."""
+
+    name: str
+
+    def model_dump(self, *, mode: str = ...) -> dict[str, Any]: ...
+
+
+# a grid file's path; its YAML text; the document as a dict ({"grids": [...]}, or one grid); one or more grids
+GridSource = Annotated[Union[str, Path, Mapping[str, Any], GridModel, Sequence[Union[Mapping[str, Any], GridModel]]],
+                       "a path, YAML text, a dict, a Grid or a list of grids"]
 Names = Union[str, Iterable[str], None]  # one name, or several (`only="a"` is `only=["a"]`)
 ExportFormat = Literal["parquet", "csv"]
 ImageFormat = Literal["png", "pdf", "svg"]
@@ -37,27 +57,28 @@ ImageFormat = Literal["png", "pdf", "svg"]
 # --- run -------------------------------------------------------------------------------------------
 @file_errors()
 @checked(jobs=at_least(1))
-def run(grid_file: PathLike, *, only: Names = None, out: PathLike = "results", jobs: int = 1,
+def run(grid: GridSource, *, only: Names = None, out: PathLike = "results", jobs: int = 1,
         dry_run: bool = False, no_resume: bool = False, scheduler: Optional[str] = None,
         set: Union[Mapping[str, Any], Names] = None, seeds: Optional[int] = None,  # noqa: A002
         quiet: bool = False) -> "pd.DataFrame":
-    """`dpsgd run`: run every cell of the grid(s) in `grid_file` (resuming: runs already in runs.csv are
-    skipped) and return the runs of the grids, one row per run (see `read_results`); `df.attrs["failed"]` counts
-    the runs that failed in this call. `set` overrides grid keys before validation, in every grid run: a mapping
-    ({"epochs": 1, "datasets.0.n": 500}) or `--set` strings (["epochs=1"]); `seeds=N` is `set={"seeds": N}`.
-    `quiet` prints nothing but errors (the progress bars and tables otherwise go to stdout)."""
+    """`dpsgd run`: run every cell of the grid(s) (resuming: runs already in runs.csv are skipped) and return
+    the runs of the grids, one row per run (see `read_results`); `df.attrs["failed"]` counts the runs that failed
+    in this call. `grid` is a grid file's path, its YAML text (a string that is no existing path and holds a
+    newline or `grids:`), the document as a dict ({"grids": [...]}, or one grid), a `dpsgd_cli.config.Grid`, or
+    a list of grids (dicts or Grids): each checked as a file is. `set` overrides grid keys before validation, in
+    every grid run: a mapping ({"epochs": 1, "datasets.0.n": 500}) or `--set` strings (["epochs=1"]); `seeds=N`
+    is `set={"seeds": N}`. `quiet` prints nothing but errors (the progress bars and tables otherwise go to
+    stdout)."""
     import pandas as pd
 
-    from dpsgd_cli.config import load_grid_file, parse_overrides, select
+    from dpsgd_cli import config
     from dpsgd_cli.engine import execute, plan_grid
     from dpsgd_cli.engine.checks import check_grids, out_root
     from dpsgd_cli.engine.results import read_results as reading
+    from dpsgd_cli.engine.results import typed_runs
 
-    overrides = list(set.items()) if isinstance(set, Mapping) else parse_overrides(_strings(set))
-    if seeds is not None:
-        overrides.append(("seeds", seeds))
     only = _strings(only) or None
-    grids = select(load_grid_file(Path(grid_file), overrides, only), only)
+    grids = config.select(_load_grids(grid, _overrides(set, seeds), only), only)
     root = out_root(str(out))
     if scheduler:  # checked at once, before any work (the connection itself waits until dry_run is ruled out)
         from dpsgd_cli.engine.distributed import check_scheduler
@@ -88,13 +109,56 @@ def run(grid_file: PathLike, *, only: Names = None, out: PathLike = "results", j
                           f"command again to resume", file=sys.stderr)
                     raise
     readings = [reading(plan.folder) for plan in plans]
-    frame = pd.concat([r.runs for r in readings], ignore_index=True) if readings else pd.DataFrame()
+    frame = typed_runs(pd.concat([r.runs for r in readings], ignore_index=True)) if readings else pd.DataFrame()
     failures = [row for plan in plans for row in plan.failures]
     if not dry_run:
         show.summaries(plans, readings)
         _print_failures(failures)
     frame.attrs["failed"] = len(failures)
     return frame
+
+
+def _load_grids(grid: GridSource, overrides: Sequence[tuple[str, Any]] = (),
+               only: Optional[list[str]] = None) -> "GridFile":
+    """The grids `run` and `audit` take, validated as a grid file is (the same checks, each problem one
+    UserError line): a path; a string that is no existing path and holds a newline or `grids:` is the file's
+    YAML text; a dict is the parsed document ({"grids": [...]}, or one grid) and a list holds grids (dicts or
+    Grids). A relative file dataset path in YAML text or a dict is relative to the working directory."""
+    from dpsgd_cli.config import load_grid_file, parse_yaml, validate_grids
+
+    if isinstance(grid, str) and _is_yaml_text(grid):
+        return validate_grids(parse_yaml(grid, "grid (YAML text)"), "grid (YAML text)", Path.cwd(), overrides,
+                              only)
+    if isinstance(grid, (str, os.PathLike)):
+        return load_grid_file(Path(grid), overrides, only)
+    if isinstance(grid, GridModel):
+        raw: Any = {"grids": [grid.model_dump(mode="json")]}
+    elif isinstance(grid, Mapping):
+        raw = copy.deepcopy(dict(grid))  # the overrides are set in it: the caller's dict stays as it was
+    else:
+        raw = {"grids": [g.model_dump(mode="json") if isinstance(g, GridModel) else copy.deepcopy(dict(g))
+                         for g in grid]}
+    kind = "a Grid" if isinstance(grid, GridModel) else "a dict" if isinstance(grid, Mapping) else "a list"
+    return validate_grids(raw, f"grid ({kind})", Path.cwd(), overrides, only)
+
+
+def _is_yaml_text(text: str) -> bool:
+    """A grid's YAML rather than a file name: no such path, and a newline or `grids:` in it."""
+    try:
+        exists = Path(text).exists()
+    except (OSError, ValueError):  # a name too long for the filesystem, a NUL byte: no file of that name
+        exists = False
+    return not exists and ("\n" in text or "grids:" in text)
+
+
+def _overrides(set: Union[Mapping[str, Any], Names], seeds: Optional[int]) -> list[tuple[str, Any]]:  # noqa: A002
+    """`set` ({"epochs": 1} or ["epochs=1"]) and `seeds` as (dotted key, value) pairs."""
+    from dpsgd_cli.config import parse_overrides
+
+    overrides = list(set.items()) if isinstance(set, Mapping) else parse_overrides(_strings(set))
+    if seeds is not None:
+        overrides.append(("seeds", seeds))
+    return overrides
 
 
 def _strings(value: Names) -> list[str]:
@@ -212,10 +276,12 @@ def read_results(folder: PathLike = "results") -> "pd.DataFrame":
     """The runs of a grid's results folder (or of every grid under a results root), one row per run id, as the
     summary, plots and report read them: malformed and cut rows of runs.csv skipped, rows of another or an
     earlier version of the grid left out (each omission noted on stderr). Every status is kept; the finished
-    runs are `df[df.status == "ok"]`."""
+    runs are `df[df.status == "ok"]`. The JSON columns of runs.csv are flattened into a column per key
+    (`algorithm_params.accountant`, `dataset_options.n`, `derived.*`), and `private` says whether a run's
+    algorithm is private: `epsilon` is NaN exactly on the rows where it is not (`engine.results.typed_runs`)."""
     import pandas as pd
 
-    from dpsgd_cli.engine.results import note, result_folders
+    from dpsgd_cli.engine.results import note, result_folders, typed_runs
     from dpsgd_cli.engine.results import read_results as reading
 
     frames = []
@@ -224,7 +290,7 @@ def read_results(folder: PathLike = "results") -> "pd.DataFrame":
         for line in found.notes():
             note(line)
         frames.append(found.runs)
-    return pd.concat(frames, ignore_index=True)
+    return typed_runs(pd.concat(frames, ignore_index=True))
 
 
 @file_errors()
@@ -275,6 +341,20 @@ def report(results_dir: PathLike = "results") -> "pd.DataFrame":
     return frame
 
 
+@checked()
+def select(results_dir: PathLike = "results") -> "pd.DataFrame":
+    """`dpsgd select`: for each grid with `select:`, the candidate each group chose on validation, its scores
+    and what choosing cost in privacy (also written to selection.csv beside runs.csv); one row per selection and
+    group, the first column naming the grid."""
+    import pandas as pd
+
+    from dpsgd_cli.engine.selection import write_selection_tables
+
+    tables = [table.assign(grid=folder.name) for folder, table in write_selection_tables(results_dir)]
+    frame = pd.concat(tables, ignore_index=True)
+    return frame[["grid", *(c for c in frame.columns if c != "grid")]]
+
+
 # --- figures, audit --------------------------------------------------------------------------------
 def metrics() -> list[str]:
     """What `plot(metric=...)` accepts: `accuracy` (test accuracy) and every numeric column of runs.csv."""
@@ -309,28 +389,31 @@ def plot(results_dir: PathLike = "results", *, metric: Optional[str] = None,
 
 @file_errors()
 @checked(trials=at_least(2), confidence=between(0.5, 1, "0.95"))
-def audit(grid_file: PathLike, *, only: Names = None, out: PathLike = "results",
+def audit(grid: GridSource, *, only: Names = None, out: PathLike = "results",
           trials: Optional[int] = None, confidence: Optional[float] = None, dry_run: bool = False,
+          set: Union[Mapping[str, Any], Names] = None, seeds: Optional[int] = None,  # noqa: A002
           on_rows: Optional[Callable[[list[dict]], None]] = None) -> "pd.DataFrame":
     """`dpsgd audit`: train with and without a canary and bound each cell's ε from below; returns the rows of
-    every audited grid's audit.csv (ε_lo beside the claimed ε). `on_rows` sees each cell's rows (their `grid`
-    column names the grid) as they come. With `dry_run`, nothing is trained: a row per cell to audit (its grid,
-    settings in runs.csv's columns, canaries and trials per world)."""
+    every audited grid's audit.csv (ε_lo beside the claimed ε). `grid`, `set` and `seeds` as for `run`.
+    `on_rows` sees each cell's rows (their `grid` column names the grid) as they come. With `dry_run`, nothing is
+    trained: a row per cell to audit (its grid, settings in runs.csv's columns, canaries and trials per world)."""
     import pandas as pd
 
+    from dpsgd_cli import config
     from dpsgd_cli.audit.run import audit_grid, read_audit_csv
-    from dpsgd_cli.config import AuditSpec, expand, load_grid_file, select
+    from dpsgd_cli.config import AuditSpec, expand
     from dpsgd_cli.engine.checks import check_audit
 
-    grids = select(load_grid_file(Path(grid_file)), _strings(only) or None)
-    for grid in grids:  # every grid's trials bounded before the first training
-        check_audit(grid, trials)
+    only = _strings(only) or None
+    grids = config.select(_load_grids(grid, _overrides(set, seeds), only), only)
+    for one in grids:  # every grid's trials bounded before the first training
+        check_audit(one, trials)
     if dry_run:
-        specs = {grid.name: grid.audit or AuditSpec() for grid in grids}
-        return pd.concat([cells_frame(expand(grid)).assign(
-            grid=grid.name, canaries=", ".join(specs[grid.name].canaries),
-            trials=trials or specs[grid.name].trials) for grid in grids], ignore_index=True)
-    paths = [audit_grid(grid, Path(out), trials=trials, confidence=confidence, on_rows=on_rows) for grid in grids]
+        specs = {one.name: one.audit or AuditSpec() for one in grids}
+        return pd.concat([cells_frame(expand(one)).assign(
+            grid=one.name, canaries=", ".join(specs[one.name].canaries),
+            trials=trials or specs[one.name].trials) for one in grids], ignore_index=True)
+    paths = [audit_grid(one, Path(out), trials=trials, confidence=confidence, on_rows=on_rows) for one in grids]
     return pd.concat([read_audit_csv(p) for p in paths], ignore_index=True)
 
 

@@ -1,13 +1,14 @@
 """The Python API's door: each argument of a public function is checked when it is called, before any work.
 
     @checked(jobs=at_least(1))
-    def run(grid_file: PathLike, *, jobs: int = 1, ...): ...
+    def run(grid: GridSource, *, jobs: int = 1, ...): ...
 
 The type is the parameter's annotation (int, float, bool, str, a path, Optional, Union, Literal, a sequence, a
-mapping, a callable); a rule given by name then checks the range. A wrong type raises `ArgumentTypeError`, a value
+mapping, a callable, a class such as a runtime-checkable protocol; `Annotated[type, "a noun"]` names it in the
+message); a rule given by name then checks the range. A wrong type raises `ArgumentTypeError`, a value
 out of range `ArgumentValueError`: both are `UserError`s (one line naming the argument, as the command prints it)
 and the `TypeError` / `ValueError` Python code expects. A keyword argument is named as the command's option
-(`--jobs`), a positional one by its name (`grid_file`). An int is an integral number (`steps=1e4` is 10000, `True`
+(`--jobs`), a positional one by its name (`grid`). An int is an integral number (`steps=1e4` is 10000, `True`
 is not a count); a float is finite; a string is one name where a list of names goes (`only="a"`).
 """
 
@@ -22,7 +23,7 @@ import numbers
 import os
 import types
 import typing
-from typing import Any, Callable, Literal, TypeVar, Union, cast
+from typing import Annotated, Any, Callable, Literal, TypeVar, Union, cast
 
 from dpsgd_cli.errors import ArgumentTypeError, ArgumentValueError, UserError
 
@@ -70,7 +71,7 @@ def checked(**rules: Rule) -> Callable[[F], F]:
 def _hints(function: Callable[..., Any], signature: inspect.Signature) -> dict[str, Any]:
     """The parameters' annotations as types (the return annotation may name what only a type checker imports)."""
     holder = types.SimpleNamespace(__annotations__={name: p.annotation for name, p in signature.parameters.items()})
-    return typing.get_type_hints(holder, getattr(function, "__globals__", None))
+    return typing.get_type_hints(holder, getattr(function, "__globals__", None), include_extras=True)
 
 
 def _suggestion(given: dict[str, Any], signature: inspect.Signature) -> str:
@@ -111,6 +112,8 @@ def _as(value: Any, hint: Any, label: str) -> Any:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if hint is Any:
         return value
+    if origin is Annotated:  # Annotated[type, "what it is, in a message"]
+        return _as(value, args[0], label)
     if origin in (Union, types.UnionType):
         if value is None and type(None) in args:
             return None
@@ -160,6 +163,10 @@ def _as(value: Any, hint: Any, label: str) -> Any:
         if not callable(value):
             raise _Mismatch
         return value
+    if isinstance(hint, type):  # any other class (e.g. a runtime-checkable protocol): an instance of it
+        if not isinstance(value, hint):
+            raise _Mismatch
+        return value
     raise TypeError(f"{label}: the door has no check for the annotation {hint!r}")  # a new kind of parameter
 
 
@@ -177,6 +184,8 @@ def _integer(value: Any) -> int:
 
 def _describe(hint: Any) -> str:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Annotated:
+        return str(args[1])
     if origin in (Union, types.UnionType):
         options = [_describe(a) for a in args if a is not type(None)]
         return " or ".join(dict.fromkeys(options)) + (" (or None)" if type(None) in args else "")

@@ -123,20 +123,26 @@ def audit(
                                          "as many without); default: the grid's audit.trials."),
     confidence: Optional[float] = typer.Option(None, "--confidence", metavar="P", help="Probability that ε_lo is a "
                                                "lower bound (default: the grid's, 0.95)."),
+    overrides: Optional[list[str]] = typer.Option(
+        None, "--set", metavar="KEY=VALUE", help="Set a grid key before validation, as `dpsgd run --set` does "
+        "(repeatable; e.g. --set epochs=1 --set audit.trials=50)."),
+    seeds: Optional[int] = typer.Option(None, "--seeds", metavar="N", help="As --set seeds=N."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Validate and show the cells to audit, then stop."),
 ) -> None:
     """Train with and without a canary, attack, and bound each cell's ε from below (ε_lo beside the claimed ε)."""
     from dpsgd_cli import api
 
     if dry_run:
-        cells = api.audit(grid_file, only=only, out=out, trials=trials, confidence=confidence, dry_run=True)
+        cells = api.audit(grid_file, only=only, out=out, trials=trials, confidence=confidence, set=overrides,
+                          seeds=seeds, dry_run=True)
         for grid, part in cells.groupby("grid", sort=False):
             console.print(settings_table(part, f"{grid}: {len(part)} cells to audit", numbers={
                 "canaries": list(part["canaries"]), "trials per world": list(part["trials"])}))
         return
     rows: list[dict] = []
     console.print(f"auditing → {out / '<grid>' / 'audit.csv'}", highlight=False)
-    frame = api.audit(grid_file, only=only, out=out, trials=trials, confidence=confidence, on_rows=rows.extend)
+    frame = api.audit(grid_file, only=only, out=out, trials=trials, confidence=confidence, set=overrides,
+                      seeds=seeds, on_rows=rows.extend)
     for grid in dict.fromkeys(frame["grid"]):
         console.print(audit_table([r for r in rows if r["grid"] == grid], f"{grid}: audit"))
         path = out / grid / "audit.csv"

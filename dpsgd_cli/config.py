@@ -774,6 +774,15 @@ def read_yaml(path: Path) -> Any:
     except UnicodeDecodeError as exc:
         line = data[: exc.start].count(b"\n") + 1
         raise UserError(f"{path}: not UTF-8 text (byte {exc.start}, line {line}); save the file as UTF-8") from None
+    return parse_yaml(text, str(path))
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """The YAML document in `text` (a grid file's, or a grid given as text), or one UserError line starting with
+    `where`: invalid YAML, a duplicate key, or aliases expanding beyond MAX_YAML_NODES."""
+    if len(text.encode("utf-8", errors="surrogatepass")) > MAX_GRID_FILE_BYTES:
+        raise UserError(f"{where}: larger than the {MAX_GRID_FILE_BYTES:,} bytes a grid may have; is it really a "
+                        f"grid?")
     loader = None
     try:
         if "\t" in text and FastGridLoader is not GridLoader:
@@ -787,16 +796,16 @@ def read_yaml(path: Path) -> Any:
             return None
         nodes = _expanded_nodes(node)
         if nodes > MAX_YAML_NODES:
-            raise UserError(f"{path}: the YAML document expands to more than {MAX_YAML_NODES:,} nodes (an alias "
+            raise UserError(f"{where}: the YAML document expands to more than {MAX_YAML_NODES:,} nodes (an alias "
                             f"bomb or a recursive alias?); write the grid without nested aliases")
         return loader.construct_document(node)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]  # a reader error has no mark
-        raise UserError(f"{path}: invalid YAML{where}: {problem}") from None
+        raise UserError(f"{where}: invalid YAML{at}: {problem}") from None
     except RecursionError:
-        raise UserError(f"{path}: the YAML document is nested too deeply; flatten it") from None
+        raise UserError(f"{where}: the YAML document is nested too deeply; flatten it") from None
     finally:
         if loader is not None:
             loader.dispose()
@@ -811,10 +820,17 @@ def load_grid_file(path: Path, overrides: typing.Sequence[tuple[str, Any]] = (),
     ((dotted key, value) pairs, e.g. ("epochs", 1), ("datasets.0.n", 500)) are set in every grid of the parsed
     file (with `only`, in the grids it names) before validation, so that they are checked exactly as the file's
     own values are."""
-    raw = read_yaml(path)
+    return validate_grids(read_yaml(path), str(path), Path(path).resolve().parent, overrides, only)
+
+
+def validate_grids(raw: Any, source: str, grid_dir: Path, overrides: typing.Sequence[tuple[str, Any]] = (),
+                   only: Optional[typing.Collection[str]] = None) -> GridFile:
+    """A parsed grid document (`{grids: [...]}`, or a single grid) validated as `load_grid_file` does, each
+    problem one UserError line naming `source` (and the overrides); a file dataset's relative path is resolved
+    against `grid_dir`. `raw` is changed by the overrides: pass a copy of what the caller keeps."""
     if isinstance(raw, dict) and "grids" not in raw and "name" in raw:
         raw = {"grids": [raw]}  # a file holding a single grid
-    where = str(path) + "".join(f" --set {key}={value!r}" for key, value in overrides)
+    where = source + "".join(f" --set {key}={value!r}" for key, value in overrides)
     if overrides and isinstance(raw, dict) and isinstance(raw.get("grids"), list):
         for grid in raw["grids"]:
             if only and not (isinstance(grid, dict) and grid.get("name") in only):
@@ -822,7 +838,7 @@ def load_grid_file(path: Path, overrides: typing.Sequence[tuple[str, Any]] = (),
             for key, value in overrides:
                 set_dotted(grid, key, value)
     try:
-        return GridFile.model_validate(raw, strict=True, context={"grid_dir": Path(path).resolve().parent})
+        return GridFile.model_validate(raw, strict=True, context={"grid_dir": grid_dir})
     except ValidationError as exc:
         raise UserError(f"{where}: {describe_validation_error(exc, raw)}") from None
 

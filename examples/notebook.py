@@ -19,9 +19,11 @@ SMALL = {"epochs": 1, "seeds": 2} if os.environ.get("DPSGD_EXAMPLE_SMALL") else 
 runs = dpsgd.run(GRID, out="results", set=SMALL)
 runs[["algorithm", "epsilon", "seed", "test_accuracy", "val_accuracy", "sigma", "status"]].head()
 
-# %% Mean ± std over seeds, per algorithm and ε: plain pandas from here on.
+# %% Mean ± std over seeds, per algorithm and ε: plain pandas from here on. `epsilon` is NaN exactly where
+# `private` is False (erm and sgd have no ε): the private runs by ε, the references by algorithm.
 ok = runs[runs["status"] == "ok"]
-print(ok.groupby(["algorithm", "epsilon"], dropna=False)["test_accuracy"].agg(["mean", "std", "count"]))
+print(ok[ok["private"]].groupby(["algorithm", "epsilon"])["test_accuracy"].agg(["mean", "std", "count"]))
+print(ok[~ok["private"]].groupby("algorithm")["test_accuracy"].agg(["mean", "std", "count"]))
 
 # %% Read the results again later (or another grid's folder): the same rows the summary, plots and report use.
 runs = dpsgd.read_results("results/notebook")

@@ -118,20 +118,23 @@ def test_plot_metric_accepts_every_numeric_column_of_runs_csv():
     assert set(dpsgd.api.metrics()) == {"accuracy"} | NUMERIC - {"seed", "examples"}  # examples: a traces.csv column
 
 
+AUDIT_GRID = """
+    grids:
+      - name: tiny_audit
+        datasets: [{name: synthetic, n: 300, dim: 5}]
+        algorithms: [dp_sgd]
+        epsilon: [1]
+        batch_size: [32]
+        epochs: 1
+        lr: 0.5
+        seeds: 1
+        delta: 1.0e-5
+        audit: {canaries: [input], trials: 20}
+    """
+
+
 def test_audit_returns_the_rows_of_audit_csv(write_grid, tmp_path):
-    grid = write_grid("""
-        grids:
-          - name: tiny_audit
-            datasets: [{name: synthetic, n: 300, dim: 5}]
-            algorithms: [dp_sgd]
-            epsilon: [1]
-            batch_size: [32]
-            epochs: 1
-            lr: 0.5
-            seeds: 1
-            delta: 1.0e-5
-            audit: {canaries: [input], trials: 20}
-        """)
+    grid = write_grid(AUDIT_GRID)
     seen = []
     frame = dpsgd.audit(grid, out=tmp_path / "res", trials=10, on_rows=seen.extend)
     on_disk = pd.read_csv(tmp_path / "res" / "tiny_audit" / "audit.csv")
@@ -139,6 +142,111 @@ def test_audit_returns_the_rows_of_audit_csv(write_grid, tmp_path):
     from dpsgd_cli.audit.engine import COLUMNS  # the subpackage of the same name, still a module
 
     assert list(frame.columns) == COLUMNS and dpsgd.audit.engine.COLUMNS is COLUMNS
+
+
+# --- grids from Python, typed results -----------------------------------------------------------------------------
+
+def test_run_takes_the_grid_as_a_path_yaml_text_a_dict_or_grids(grid_file, tmp_path, monkeypatch):
+    import yaml
+
+    from dpsgd_cli.config import load_grid_file
+
+    monkeypatch.chdir(tmp_path)
+    document = yaml.safe_load(GRID)
+    tiny = load_grid_file(grid_file).grids[0]
+    ids = {}
+    for kind, grid in [("path", grid_file), ("text", GRID), ("dict", document), ("one grid", document["grids"][0]),
+                       ("Grid", tiny), ("list", [tiny, document["grids"][1]])]:
+        frame = dpsgd.run(grid, only="tiny", out=tmp_path / kind, set={"epochs": 1}, quiet=True)
+        assert (tmp_path / kind / "tiny" / "runs.csv").exists(), kind  # the folder is named after the grid
+        ids[kind] = sorted(frame["run_id"])
+    assert all(found == ids["path"] for found in ids.values()), ids
+    assert document == yaml.safe_load(GRID)  # the overrides are set in a copy
+
+
+def test_a_grid_given_from_python_is_checked_as_a_file_is(grid_file):
+    bad = GRID.replace("epochs: 2", "epoch: 2")
+    import yaml
+
+    for grid, source in [(bad, "grid (YAML text)"), (yaml.safe_load(bad), "grid (a dict)")]:
+        with pytest.raises(dpsgd.UserError) as caught:
+            dpsgd.run(grid, dry_run=True, quiet=True)
+        assert str(caught.value) == f"{source}: grids[0]: unknown key 'epoch' (did you mean 'epochs'?)"
+    with pytest.raises(dpsgd.UserError, match=r"^grid \(YAML text\): invalid YAML at line \d+, column \d+: "):
+        dpsgd.run("grids:\n  - [", dry_run=True, quiet=True)
+    with pytest.raises(dpsgd.UserError, match=r"^missing.yaml: no such file"):
+        dpsgd.run("missing.yaml", dry_run=True, quiet=True)  # one line, no newline, no `grids:`: a path
+    with pytest.raises(TypeError, match=r"^grid \[5\]: expected .*a Grid"):
+        dpsgd.run([5])
+
+
+def test_read_results_gives_typed_columns_and_the_private_flag(grid_file, tmp_path):
+    out = tmp_path / "results"
+    frame = dpsgd.run(grid_file, only="tiny", out=out, set={"epochs": 1, "algorithms": ["erm", "sgd", "dp_sgd"]},
+                      quiet=True)
+    assert not {"dataset_options", "model_options", "algorithm_params", "derived"} & set(frame.columns)
+    assert frame["dataset_options.n"].tolist() == [300] * len(frame)
+    assert str(frame["dataset_options.n"].dtype) == "Int64"
+    assert frame["private"].dtype == bool
+    assert frame["private"].tolist() == [a == "dp_sgd" for a in frame["algorithm"]]
+    assert frame["epsilon"].isna().tolist() == (~frame["private"]).tolist()
+    assert set(frame.loc[frame["private"], "algorithm_params.accountant"]) == {"rdp"}
+    assert frame.groupby(["private", "algorithm"]).size().sum() == len(frame)  # no NaN key drops a row
+    pd.testing.assert_frame_equal(dpsgd.read_results(out), frame)
+    parquet = pd.read_parquet(dpsgd.export(out)[0])
+    pd.testing.assert_frame_equal(parquet, frame)  # the same columns and types
+
+
+def test_select_returns_the_choices_as_the_command_writes_them(grid_file, tmp_path):
+    out = tmp_path / "results"
+    dpsgd.run(grid_file, only="tiny", out=out, quiet=True,
+              set={"epochs": 1, "lr": [0.25, 1], "select": [{"name": "tuned", "candidates": ["lr"]}]})
+    chosen = dpsgd.select(out)
+    on_disk = pd.read_csv(out / "tiny" / "selection.csv")
+    assert list(chosen.columns) == ["grid", *on_disk.columns] and set(chosen["grid"]) == {"tiny"}
+    assert chosen["chosen"].tolist() == on_disk["chosen"].tolist() and len(chosen) == 2  # erm and dp_sgd at ε=1
+    with pytest.raises(dpsgd.UserError, match="no grid here has `select:`"):
+        dpsgd.run(grid_file, only="other", out=tmp_path / "plain", quiet=True)
+        dpsgd.select(tmp_path / "plain")
+
+
+def test_typed_runs_keeps_one_kind_per_column(capsys):
+    from dpsgd_cli.engine.results import typed_runs
+
+    frame = pd.DataFrame({"algorithm": ["dp_sgd", "erm", "gone"], "epsilon": [1.0, None, 2.0],
+                          "algorithm_params": ['{"a": 1, "b": true, "c": "x"}', "{}", '{"a": 2.5, "c": 3}'],
+                          "derived": ["", '{"d": {"e": 1}}', "not json"]})
+    typed = typed_runs(frame)
+    assert typed["algorithm_params.a"].tolist()[0::2] == [1.0, 2.5] and typed["algorithm_params.a"].isna()[1]
+    assert typed["algorithm_params.a"].dtype == float and str(typed["algorithm_params.b"].dtype) == "boolean"
+    assert typed["algorithm_params.c"].tolist()[0::2] == ["x", "3"]  # a column mixing kinds is text
+    assert typed["derived.d"].tolist()[1] == '{"e": 1}'
+    assert typed["private"].tolist() == [True, False, True]  # an unknown algorithm: private where it has an ε
+    assert "derived: 1 row(s) hold no JSON object" in capsys.readouterr().err
+
+
+def test_audit_takes_set_and_seeds_as_run_does(write_grid, tmp_path):
+    grid = write_grid(AUDIT_GRID)
+    cells = dpsgd.audit(grid, dry_run=True, set={"epsilon": [0.5, 2], "audit.trials": 30}, seeds=2)
+    assert sorted(cells["epsilon"]) == [0.5, 2] and set(cells["trials"]) == {30}
+    result = CliRunner().invoke(app, ["audit", str(grid), "--dry-run", "--set", "epsilon=[0.5, 2]", "--seeds", "2"])
+    assert result.exit_code == 0, result.output
+    assert "2 cells to audit" in result.output
+    with pytest.raises(dpsgd.UserError, match=r"--set epoch=1: grids\[0\]: unknown key 'epoch'"):
+        dpsgd.audit(grid, dry_run=True, set=["epoch=1"])
+
+
+def test_the_tutorial_of_python_api_md_runs_top_to_bottom(tmp_path, monkeypatch):
+    """Every Python block of docs/python-api.md's tutorial, in order, in one namespace, as a notebook runs them."""
+    tutorial = (Path(__file__).parents[1] / "docs" / "python-api.md").read_text().split("\n## Reference")[0]
+    blocks = re.findall(r"```python\n(.*?)```", tutorial, flags=re.S)
+    assert len(blocks) >= 6
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DPSGD_DATA_DIR", str(tmp_path / "cache"))
+    namespace: dict = {}
+    for block in blocks:
+        exec(compile(block, "docs/python-api.md", "exec"), namespace)
+    assert len(namespace["runs"]) == 18 and set(namespace["audited"]["algorithm"]) == {"dp_sgd"}
 
 
 def test_example_script_runs(tmp_path, monkeypatch):
@@ -182,7 +290,7 @@ VALID_IN = {"export": {"format": "csv"}, "calibrations": {"epsilon": [1.0]}}
 NAN, INF = math.nan, math.inf
 PATHS = [5, None, ["a"]]
 WRONG_TYPE = {
-    "grid_file": PATHS, "out": PATHS, "folder": PATHS, "results_dir": PATHS,
+    "grid": PATHS, "out": PATHS, "folder": PATHS, "results_dir": PATHS,
     "only": [5, [1], {"tiny": 1}], "jobs": ["2", True, 2.5, None], "seeds": ["3", True, 2.5],
     "dry_run": [1, "yes", None], "no_resume": [1, "yes"], "quiet": [1, "no"], "scheduler": [5, ["tcp://x:1"]],
     "set": [{5: 1}, 5, [1], {"epochs": 1, 2: 3}], "metric": [3, ["accuracy"]], "format": [None, 5],
@@ -201,7 +309,7 @@ OUT_OF_RANGE_IN = {"export": {"format": ["xlsx"]}, "calibrations": {"epsilon": [
 
 def _calls(function, grid_file, tmp_path):
     """(parameter, wrong value, error class) for every parameter of `function`, each with valid other arguments."""
-    valid = {**VALID, "grid_file": grid_file, "out": tmp_path / "results", "folder": tmp_path,
+    valid = {**VALID, "grid": grid_file, "out": tmp_path / "results", "folder": tmp_path,
              "results_dir": tmp_path, **VALID_IN.get(function.__name__, {})}
     parameters = inspect.signature(function).parameters
     for name in parameters:

@@ -532,6 +532,60 @@ def with_params(frame: pd.DataFrame) -> pd.DataFrame:
     return frame.assign(**{k: params.map(lambda p, k=k: p.get(k)) for k in keys}) if keys else frame
 
 
+OPTION_COLUMNS = ["dataset_options", "model_options", "algorithm_params", "derived"]  # JSON objects in runs.csv
+
+
+def typed_runs(frame: pd.DataFrame) -> pd.DataFrame:
+    """The runs as the Python API and `dpsgd export` give them: each JSON column of `OPTION_COLUMNS` flattened
+    in place into a column per key, `<column>.<key>` (e.g. `algorithm_params.accountant`, `dataset_options.n`;
+    a nested value stays JSON text), and `private`, whether the run's algorithm is private (its `epsilon` is NaN
+    exactly where it is not; an algorithm this version does not know is private where its row has an ε). Each
+    flattened column holds one kind, so that Parquet keeps the same types: integers (Int64), numbers (float64),
+    flags (boolean) or text (a column mixing kinds is all text); a key a row lacks is missing there."""
+    from dpsgd_cli.algorithms import ALGORITHMS  # every algorithm module: only when asked for
+
+    known = frame["algorithm"].map(lambda name: ALGORITHMS[name].private if name in ALGORITHMS else None)
+    private = known.where(known.notna(), frame["epsilon"].notna()).astype(bool)
+    parts = []
+    for column in frame.columns:
+        if column not in OPTION_COLUMNS:
+            parts.append(frame[[column]])
+            continue
+        objects = frame[column].map(_json_object)
+        if not objects.map(lambda o: o is not None).all():
+            note(f"{column}: {int(objects.isna().sum())} row(s) hold no JSON object; their {column} columns are "
+                 f"left empty")
+        keys = sorted({key for o in objects if o for key in o})
+        parts.append(pd.DataFrame({f"{column}.{key}": _one_kind([(o or {}).get(key) for o in objects], frame.index)
+                                   for key in keys}, index=frame.index))
+    return pd.concat([*parts, private.rename("private")], axis=1)
+
+
+def _json_object(text: Any) -> Optional[dict]:
+    """A JSON column's cell as a dict ({} when empty), None when it is not a JSON object."""
+    if not isinstance(text, str) or not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _one_kind(values: list, index: pd.Index) -> pd.Series:
+    """Values of one key as one column kind: Int64, float64, boolean, or text (nested values as JSON text, in
+    the string dtype pandas reads runs.csv's text columns with)."""
+    present = [v for v in values if v is not None]
+    if present and all(isinstance(v, bool) for v in present):
+        return pd.Series(values, index=index, dtype="boolean")
+    if present and all(isinstance(v, int) and not isinstance(v, bool) for v in present):
+        return pd.Series(values, index=index, dtype="Int64")
+    if present and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in present):
+        return pd.Series([np.nan if v is None else float(v) for v in values], index=index, dtype="float64")
+    return pd.Series([v if v is None or isinstance(v, str) else json.dumps(v, sort_keys=True) for v in values],
+                     index=index)
+
+
 HYPER = ["batch_size", "lr", "epochs", "l2", "clip_norm"]
 
 
