@@ -9,13 +9,14 @@ The commands call these functions (one implementation); keyword arguments are na
 Bad input raises `dpsgd_cli.UserError`, whose message is the line the command prints; each argument's type and
 range are checked when the function is called, before any work (`dpsgd_cli.arguments`: a wrong type is also a
 TypeError, a value out of range also a ValueError). Heavy modules (NumPy kernels, matplotlib, dp-accounting) are
-imported inside the functions, so `import dpsgd_cli` stays cheap.
+imported on first use (`dpsgd_cli.lazy`), so `import dpsgd_cli` stays cheap.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import difflib
 import os
 import sys
 from pathlib import Path
@@ -24,15 +25,40 @@ from typing import (TYPE_CHECKING, Annotated, Any, Callable, Iterable, Literal, 
 
 from dpsgd_cli.arguments import at_least, between, checked, each
 from dpsgd_cli.errors import ArgumentValueError, UserError, file_errors
+from dpsgd_cli.lazy import LazyModule, installed
 from dpsgd_cli.privacy import AccountantName, Neighbours
 from dpsgd_cli.privacy import _validate as check
-from dpsgd_cli.tables import cells_frame, fmt, plan_table, summary_table
 
 if TYPE_CHECKING:
     import pandas as pd
     from rich.progress import Progress
 
     from dpsgd_cli.config import GridFile
+else:
+    pd = LazyModule("pandas")
+
+# imported on first use: each pulls in pydantic, NumPy, pandas, matplotlib or rich (multiprocessing alone costs a
+# third of `import dpsgd_cli`)
+multiprocessing = LazyModule("multiprocessing")
+rich_console = LazyModule("rich.console")
+rich_markup = LazyModule("rich.markup")
+rich_progress = LazyModule("rich.progress")
+tables = LazyModule("dpsgd_cli.tables")
+config = LazyModule("dpsgd_cli.config")
+compiled = LazyModule("dpsgd_cli.compiled")
+data_files = LazyModule("dpsgd_cli.data.files")
+engine = LazyModule("dpsgd_cli.engine")
+checks = LazyModule("dpsgd_cli.engine.checks")
+distributed = LazyModule("dpsgd_cli.engine.distributed")
+engine_folder = LazyModule("dpsgd_cli.engine.folder")
+results = LazyModule("dpsgd_cli.engine.results")
+runner = LazyModule("dpsgd_cli.engine.runner")
+selection = LazyModule("dpsgd_cli.engine.selection")
+plots = LazyModule("dpsgd_cli.plots")
+claims_report = LazyModule("dpsgd_cli.report")
+report_html = LazyModule("dpsgd_cli.report_html")
+audit_run = LazyModule("dpsgd_cli.audit.run")
+accounting = LazyModule("dpsgd_cli.privacy.accounting")
 
 PathLike = Union[str, Path]
 
@@ -69,22 +95,12 @@ def run(grid: GridSource, *, only: Names = None, out: PathLike = "results", jobs
     every grid run: a mapping ({"epochs": 1, "datasets.0.n": 500}) or `--set` strings (["epochs=1"]); `seeds=N`
     is `set={"seeds": N}`. `quiet` prints nothing but errors (the progress bars and tables otherwise go to
     stdout)."""
-    import pandas as pd
-
-    from dpsgd_cli import config
-    from dpsgd_cli.engine import execute, plan_grid
-    from dpsgd_cli.engine.checks import check_grids, out_root
-    from dpsgd_cli.engine.results import read_results as reading
-    from dpsgd_cli.engine.results import typed_runs
-
     only = _strings(only) or None
     grids = config.select(_load_grids(grid, _overrides(set, seeds), only), only)
-    root = out_root(str(out))
+    root = checks.out_root(str(out))
     if scheduler:  # checked at once, before any work (the connection itself waits until dry_run is ruled out)
-        from dpsgd_cli.engine.distributed import check_scheduler
-
-        check_scheduler(scheduler)
-    check_grids(grids)  # every figure, claim and limit, before any work
+        distributed.check_scheduler(scheduler)
+    checks.check_grids(grids)  # every figure, claim and limit, before any work
     jobs = _cap_jobs(jobs)
     if scheduler and jobs > 1:
         raise UserError(f"--jobs {jobs} and --scheduler {scheduler}: choose one (the Dask workers are the processes)")
@@ -92,24 +108,22 @@ def run(grid: GridSource, *, only: Names = None, out: PathLike = "results", jobs
     with contextlib.ExitStack() as stack:
         backend = None
         if scheduler and not dry_run:  # connected first: an unreachable scheduler fails before anything is touched
-            from dpsgd_cli.engine.distributed import dask_backend
-
-            backend = stack.enter_context(dask_backend(scheduler))
+            backend = stack.enter_context(distributed.dask_backend(scheduler))
             show.line(backend.describe())
-        plans = [plan_grid(g, root, resume=not no_resume, dry_run=dry_run) for g in grids]
+        plans = [engine.plan_grid(g, root, resume=not no_resume, dry_run=dry_run) for g in grids]
         show.plans(plans, dry_run)
         for plan in [] if dry_run else plans:
             with show.progress(plan) as advance:
                 try:
-                    execute(plan, jobs=jobs, backend=backend, on_rows=advance, on_status=show.line)
+                    engine.execute(plan, jobs=jobs, backend=backend, on_rows=advance, on_status=show.line)
                 except KeyboardInterrupt:
                     _stop_workers()
                     show.stop()
                     print(f"interrupted: finished runs are saved in {plan.folder / 'runs.csv'}; run the same "
                           f"command again to resume", file=sys.stderr)
                     raise
-    readings = [reading(plan.folder) for plan in plans]
-    frame = typed_runs(pd.concat([r.runs for r in readings], ignore_index=True)) if readings else pd.DataFrame()
+    readings = [results.read_results(plan.folder) for plan in plans]
+    frame = results.typed_runs(pd.concat([r.runs for r in readings], ignore_index=True)) if readings else pd.DataFrame()
     failures = [row for plan in plans for row in plan.failures]
     if not dry_run:
         show.summaries(plans, readings)
@@ -124,13 +138,11 @@ def _load_grids(grid: GridSource, overrides: Sequence[tuple[str, Any]] = (),
     UserError line): a path; a string that is no existing path and holds a newline or `grids:` is the file's
     YAML text; a dict is the parsed document ({"grids": [...]}, or one grid) and a list holds grids (dicts or
     Grids). A relative file dataset path in YAML text or a dict is relative to the working directory."""
-    from dpsgd_cli.config import load_grid_file, parse_yaml, validate_grids
-
     if isinstance(grid, str) and _is_yaml_text(grid):
-        return validate_grids(parse_yaml(grid, "grid (YAML text)"), "grid (YAML text)", Path.cwd(), overrides,
-                              only)
+        return config.validate_grids(config.parse_yaml(grid, "grid (YAML text)"), "grid (YAML text)", Path.cwd(),
+                                     overrides, only)
     if isinstance(grid, (str, os.PathLike)):
-        return load_grid_file(Path(grid), overrides, only)
+        return config.load_grid_file(Path(grid), overrides, only)
     if isinstance(grid, GridModel):
         raw: Any = {"grids": [grid.model_dump(mode="json")]}
     elif isinstance(grid, Mapping):
@@ -139,7 +151,7 @@ def _load_grids(grid: GridSource, overrides: Sequence[tuple[str, Any]] = (),
         raw = {"grids": [g.model_dump(mode="json") if isinstance(g, GridModel) else copy.deepcopy(dict(g))
                          for g in grid]}
     kind = "a Grid" if isinstance(grid, GridModel) else "a dict" if isinstance(grid, Mapping) else "a list"
-    return validate_grids(raw, f"grid ({kind})", Path.cwd(), overrides, only)
+    return config.validate_grids(raw, f"grid ({kind})", Path.cwd(), overrides, only)
 
 
 def _is_yaml_text(text: str) -> bool:
@@ -153,9 +165,7 @@ def _is_yaml_text(text: str) -> bool:
 
 def _overrides(set: Union[Mapping[str, Any], Names], seeds: Optional[int]) -> list[tuple[str, Any]]:  # noqa: A002
     """`set` ({"epochs": 1} or ["epochs=1"]) and `seeds` as (dotted key, value) pairs."""
-    from dpsgd_cli.config import parse_overrides
-
-    overrides = list(set.items()) if isinstance(set, Mapping) else parse_overrides(_strings(set))
+    overrides = list(set.items()) if isinstance(set, Mapping) else config.parse_overrides(_strings(set))
     if seeds is not None:
         overrides.append(("seeds", seeds))
     return overrides
@@ -170,16 +180,12 @@ def _stop_workers() -> None:
     """Ctrl-C: end the worker processes now. The runs they were training are lost either way (a rerun redoes
     them), and the process pool's exit handler would otherwise wait for each to finish its task (seconds to
     minutes) before the interpreter exits."""
-    import multiprocessing
-
     for child in multiprocessing.active_children():
         child.kill()
 
 
 def _cap_jobs(jobs: int) -> int:
     """At most one worker per core available to this process: more only thrash (and multiply memory)."""
-    import os
-
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if jobs > cores:
         print(f"--jobs {jobs}: capped at {cores}, the number of cores available", file=sys.stderr)
@@ -197,7 +203,7 @@ def _print_failures(rows: list[dict]) -> None:
           f"command is rerun):", file=sys.stderr)
     for message, group in sorted(groups.items(), key=lambda item: -len(item[1])):
         cells = sorted({f"{r['grid']}: {r['algorithm']} on {r['dataset']}"
-                        + (f" ε={fmt(r['epsilon'])}" if r.get("epsilon") is not None else "") for r in group})
+                        + (f" ε={tables.fmt(r['epsilon'])}" if r.get("epsilon") is not None else "") for r in group})
         shown = ", ".join(cells[:3]) + (f", … ({len(cells)} cells)" if len(cells) > 3 else "")
         print(f"  {len(group)}× {message}  [{shown}]", file=sys.stderr)
 
@@ -206,10 +212,8 @@ class _Display:
     """What `run` shows while it works (rich renders it in a terminal and in a notebook); nothing when quiet."""
 
     def __init__(self, quiet: bool) -> None:
-        from rich.console import Console
-
         self.quiet = quiet
-        self.console = Console()
+        self.console = rich_console.Console()
         self._progress: Optional[Progress] = None
 
     def line(self, text: str) -> None:
@@ -219,22 +223,16 @@ class _Display:
     def plans(self, plans: list, dry_run: bool) -> None:
         if self.quiet:
             return
-        from rich.markup import escape
-
-        from dpsgd_cli.compiled import backend_description
-        from dpsgd_cli.data.files import run_notes
-        from dpsgd_cli.engine.runner import dataset
-
-        self.line(backend_description())
+        self.line(compiled.backend_description())
         specs = {c.dataset for plan in plans for c in plan.cells if c.dataset.name == "file"}
-        for note in run_notes(dataset(spec) for spec in sorted(specs, key=lambda s: s.id)):
+        for note in data_files.run_notes(runner.dataset(spec) for spec in sorted(specs, key=lambda s: s.id)):
             self.line(note)  # once per run: what each file dataset's loading did, and its privacy caveat
         for plan in plans:
-            self.console.print(f"[bold]{escape(plan.grid.name)}[/]: {len(plan.cells)} cells × {plan.grid.seeds} "
-                               f"seeds = {plan.total_runs} runs; {plan.done_before} already done, "
-                               f"{plan.pending_runs} to run → {escape(str(plan.folder))}")
+            self.console.print(f"[bold]{rich_markup.escape(plan.grid.name)}[/]: {len(plan.cells)} cells × "
+                               f"{plan.grid.seeds} seeds = {plan.total_runs} runs; {plan.done_before} already done, "
+                               f"{plan.pending_runs} to run → {rich_markup.escape(str(plan.folder))}")
             if dry_run:
-                self.console.print(plan_table(plan))
+                self.console.print(tables.plan_table(plan))
 
     @contextlib.contextmanager
     def progress(self, plan) -> Any:
@@ -242,12 +240,11 @@ class _Display:
         if self.quiet or not plan.tasks:  # nothing to train: the manifest and analytic tables are still refreshed
             yield None
             return
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                   TimeRemainingColumn)
-
-        columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("runs"),
-                   TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
-        with Progress(*columns, console=self.console, transient=False) as progress:
+        shown = rich_progress
+        columns = [shown.TextColumn("{task.description}"), shown.BarColumn(), shown.MofNCompleteColumn(),
+                   shown.TextColumn("runs"), shown.TimeElapsedColumn(), shown.TextColumn("ETA"),
+                   shown.TimeRemainingColumn()]
+        with shown.Progress(*columns, console=self.console, transient=False) as progress:
             self._progress = progress
             bar = progress.add_task(plan.grid.name, total=plan.pending_runs)
             yield lambda rows: progress.advance(bar, len(rows))
@@ -260,13 +257,10 @@ class _Display:
     def summaries(self, plans: list, readings: list) -> None:
         if self.quiet:
             return
-        from dpsgd_cli.engine import summary_frame
-        from dpsgd_cli.engine.results import note
-
         for plan, reading in zip(plans, readings):
             for line in reading.notes():  # rows the table leaves out, and why
-                note(line)
-            self.console.print(summary_table(summary_frame(plan.folder), plan.grid.name))
+                results.note(line)
+            self.console.print(tables.summary_table(engine.summary_frame(plan.folder), plan.grid.name))
 
 
 # --- results ---------------------------------------------------------------------------------------
@@ -279,18 +273,13 @@ def read_results(folder: PathLike = "results") -> "pd.DataFrame":
     runs are `df[df.status == "ok"]`. The JSON columns of runs.csv are flattened into a column per key
     (`algorithm_params.accountant`, `dataset_options.n`, `derived.*`), and `private` says whether a run's
     algorithm is private: `epsilon` is NaN exactly on the rows where it is not (`engine.results.typed_runs`)."""
-    import pandas as pd
-
-    from dpsgd_cli.engine.results import note, result_folders, typed_runs
-    from dpsgd_cli.engine.results import read_results as reading
-
     frames = []
-    for path in result_folders(folder):
-        found = reading(path)
+    for path in results.result_folders(folder):
+        found = results.read_results(path)
         for line in found.notes():
-            note(line)
+            results.note(line)
         frames.append(found.runs)
-    return typed_runs(pd.concat(frames, ignore_index=True))
+    return results.typed_runs(pd.concat(frames, ignore_index=True))
 
 
 @file_errors()
@@ -298,24 +287,19 @@ def read_results(folder: PathLike = "results") -> "pd.DataFrame":
 def export(results_dir: PathLike = "results", *, format: ExportFormat = "parquet") -> list[Path]:  # noqa: A002
     """`dpsgd export`: each grid's runs (as `read_results` gives them) written beside its runs.csv as
     runs.parquet (or runs_valid.csv with format="csv"), and traces.csv as traces.parquet; returns the paths."""
-    from dpsgd_cli.engine.folder import write_bytes, write_csv
-    from dpsgd_cli.engine.results import ResultStore, result_folders
-
     if format == "parquet":
-        try:
-            import pyarrow  # noqa: F401
-        except ImportError:
+        if not installed("pyarrow"):
             raise UserError("--format parquet needs pyarrow: pip install 'dpsgd[parquet]' (or pip install "
-                            "pyarrow)") from None
+                            "pyarrow)")
     paths = []
-    for folder in result_folders(results_dir):
+    for folder in results.result_folders(results_dir):
         frames = {"runs": read_results(folder)}
         if (folder / "traces.csv").exists():
-            frames["traces"] = ResultStore(folder).read_traces()
+            frames["traces"] = results.ResultStore(folder).read_traces()
         for name, frame in frames.items():
             path = folder / (f"{name}.parquet" if format == "parquet" else f"{name}_valid.csv")
-            paths.append(write_bytes(path, frame.to_parquet(index=False)) if format == "parquet" else
-                         write_csv(frame, path))
+            paths.append(engine_folder.write_bytes(path, frame.to_parquet(index=False)) if format == "parquet" else
+                         engine_folder.write_csv(frame, path))
     return paths
 
 
@@ -326,18 +310,14 @@ def report(results_dir: PathLike = "results") -> "pd.DataFrame":
     (the report with its figures embedded: one file to open in a browser or send); one row per claim: grid,
     claim, kind, text, quote, reading, own, verdict (PASS, FAIL, VACUOUS, NO DATA), numbers; `df.attrs["path"]` is
     report.md's path."""
-    import pandas as pd
-
-    from dpsgd_cli.report import build_report, summary_line
-    from dpsgd_cli.report_html import write_html
-
-    verdicts, path = build_report(Path(results_dir))
-    write_html(path)
+    verdicts, path = claims_report.build_report(Path(results_dir))
+    report_html.write_html(path)
     frame = pd.DataFrame([{"grid": v.grid, "claim": v.claim.id, "kind": v.claim.kind, "text": v.claim.text,
                            "quote": v.claim.quote, "reading": v.claim.reading, "own": v.claim.own,
                            "verdict": v.status, "numbers": v.numbers} for v in verdicts],
                          columns=["grid", "claim", "kind", "text", "quote", "reading", "own", "verdict", "numbers"])
-    frame.attrs.update(path=path, summary=summary_line(verdicts))  # report.md's path; the verdicts counted
+    # report.md's path; the verdicts counted
+    frame.attrs.update(path=path, summary=claims_report.summary_line(verdicts))
     return frame
 
 
@@ -346,11 +326,7 @@ def select(results_dir: PathLike = "results") -> "pd.DataFrame":
     """`dpsgd select`: for each grid with `select:`, the candidate each group chose on validation, its scores
     and what choosing cost in privacy (also written to selection.csv beside runs.csv); one row per selection and
     group, the first column naming the grid."""
-    import pandas as pd
-
-    from dpsgd_cli.engine.selection import write_selection_tables
-
-    tables = [table.assign(grid=folder.name) for folder, table in write_selection_tables(results_dir)]
+    tables = [table.assign(grid=folder.name) for folder, table in selection.write_selection_tables(results_dir)]
     frame = pd.concat(tables, ignore_index=True)
     return frame[["grid", *(c for c in frame.columns if c != "grid")]]
 
@@ -358,16 +334,12 @@ def select(results_dir: PathLike = "results") -> "pd.DataFrame":
 # --- figures, audit --------------------------------------------------------------------------------
 def metrics() -> list[str]:
     """What `plot(metric=...)` accepts: `accuracy` (test accuracy) and every numeric column of runs.csv."""
-    from dpsgd_cli.engine.results import COLUMNS, NUMERIC
-
-    return ["accuracy", *(c for c in COLUMNS if c in NUMERIC and c != "seed")]
+    return ["accuracy", *(c for c in results.COLUMNS if c in results.NUMERIC and c != "seed")]
 
 
 @checked()
 def check_metric(metric: Optional[str]) -> Optional[str]:
     """`metric` if `plot` can draw it, else one UserError line (with the closest name)."""
-    import difflib
-
     if metric is None or metric in metrics():
         return metric
     match = difflib.get_close_matches(metric, metrics(), n=1)
@@ -382,9 +354,7 @@ def plot(results_dir: PathLike = "results", *, metric: Optional[str] = None,
          format: ImageFormat = "png") -> list[Path]:  # noqa: A002
     """`dpsgd plot`: the grid's paper figures, or `metric` (any numeric column of runs.csv) over ε; returns
     the files written (under each grid's figures/)."""
-    from dpsgd_cli.plots import plot_results
-
-    return plot_results(Path(results_dir), metric=check_metric(metric), fmt=format)
+    return plots.plot_results(Path(results_dir), metric=check_metric(metric), fmt=format)
 
 
 @file_errors()
@@ -397,24 +367,18 @@ def audit(grid: GridSource, *, only: Names = None, out: PathLike = "results",
     every audited grid's audit.csv (ε_lo beside the claimed ε). `grid`, `set` and `seeds` as for `run`.
     `on_rows` sees each cell's rows (their `grid` column names the grid) as they come. With `dry_run`, nothing is
     trained: a row per cell to audit (its grid, settings in runs.csv's columns, canaries and trials per world)."""
-    import pandas as pd
-
-    from dpsgd_cli import config
-    from dpsgd_cli.audit.run import audit_grid, read_audit_csv
-    from dpsgd_cli.config import AuditSpec, expand
-    from dpsgd_cli.engine.checks import check_audit
-
     only = _strings(only) or None
     grids = config.select(_load_grids(grid, _overrides(set, seeds), only), only)
     for one in grids:  # every grid's trials bounded before the first training
-        check_audit(one, trials)
+        checks.check_audit(one, trials)
     if dry_run:
-        specs = {one.name: one.audit or AuditSpec() for one in grids}
-        return pd.concat([cells_frame(expand(one)).assign(
+        specs = {one.name: one.audit or config.AuditSpec() for one in grids}
+        return pd.concat([tables.cells_frame(config.expand(one)).assign(
             grid=one.name, canaries=", ".join(specs[one.name].canaries),
             trials=trials or specs[one.name].trials) for one in grids], ignore_index=True)
-    paths = [audit_grid(one, Path(out), trials=trials, confidence=confidence, on_rows=on_rows) for one in grids]
-    return pd.concat([read_audit_csv(p) for p in paths], ignore_index=True)
+    paths = [audit_run.audit_grid(one, Path(out), trials=trials, confidence=confidence, on_rows=on_rows)
+             for one in grids]
+    return pd.concat([audit_run.read_audit_csv(p) for p in paths], ignore_index=True)
 
 
 # --- privacy calculators ---------------------------------------------------------------------------
@@ -426,18 +390,15 @@ PRIVACY_RULES = {"sample_rate": check.sample_rate, "steps": check.count, "delta"
 def epsilon(*, sigma: float, sample_rate: float, steps: int, delta: float, accountant: AccountantName = "rdp",
             neighbours: Neighbours = "add_remove") -> float:
     """`dpsgd epsilon`: ε of DP-SGD (Poisson-subsampled Gaussian, `steps` steps) at `delta`."""
-    from dpsgd_cli.privacy.accounting import dpsgd_epsilon
-
-    return float(dpsgd_epsilon(sigma, sample_rate, steps, delta, accountant=accountant, neighbours=neighbours))
+    return float(accounting.dpsgd_epsilon(sigma, sample_rate, steps, delta, accountant=accountant,
+                                          neighbours=neighbours))
 
 
 @checked(epsilon=each(check.positive), **PRIVACY_RULES)
 def calibrations(*, epsilon: Sequence[float], sample_rate: float, steps: int, delta: float,
                  accountant: AccountantName = "rdp", neighbours: Neighbours = "add_remove") -> list:
     """`dpsgd sigma`'s calibrations: per target ε, σ with the ε it achieves, the accountant and its library."""
-    from dpsgd_cli.privacy.accounting import calibrate_sigmas
-
-    return calibrate_sigmas(list(epsilon), delta, sample_rate, steps, accountant, neighbours)
+    return accounting.calibrate_sigmas(list(epsilon), delta, sample_rate, steps, accountant, neighbours)
 
 
 @checked(epsilon=each(check.positive), **PRIVACY_RULES)

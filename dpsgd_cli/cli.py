@@ -8,22 +8,38 @@ from pathlib import Path
 from typing import Any, Optional, Protocol, TypeGuard
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
+from typer.core import TyperArgument, TyperOption
 
-from dpsgd_cli import __version__
+from dpsgd_cli import __version__, api
+from dpsgd_cli.analytic_params import PrivacyCurveParams, bounds
+from dpsgd_cli.errors import UserError, file_errors
+from dpsgd_cli.lazy import LazyModule
 from dpsgd_cli.tables import compact_table, settings_table, spread
 from dpsgd_cli.tables import fmt as _fmt
-from dpsgd_cli.errors import UserError, file_errors
+
+# imported by the commands that use them: `dpsgd --help` stays quick
+pd = LazyModule("pandas")
+yaml = LazyModule("yaml")
+data = LazyModule("dpsgd_cli.data")
+data_files = LazyModule("dpsgd_cli.data.files")
+checks = LazyModule("dpsgd_cli.engine.checks")
+engine_folder = LazyModule("dpsgd_cli.engine.folder")
+results = LazyModule("dpsgd_cli.engine.results")
+engine_selection = LazyModule("dpsgd_cli.engine.selection")
+summary = LazyModule("dpsgd_cli.engine.summary")
+curve_plot = LazyModule("dpsgd_cli.plots.privacy_curve")
+dynamics = LazyModule("dpsgd_cli.privacy.dynamics")
+claims_report = LazyModule("dpsgd_cli.report")
 
 def _hide_flag_types() -> None:
     """Show flags as `--dry-run`, not `--dry-run <bool>` (which suggests they take a value), and an argument as
     its metavar alone (`RESULTS_DIR`, not `RESULTS_DIR <path>`), as options are: typer's rich help prints a type
     for every parameter; a flag (and `--help`) has none, and a metavar already says what to give."""
-    from typer.core import TyperArgument, TyperOption
-
     for cls, hidden in ((TyperOption, lambda p: getattr(p, "is_flag", False) and p.metavar is None),
                         (TyperArgument, lambda p: p.metavar is not None)):
         shown = cls.display_type_rich
@@ -100,8 +116,6 @@ def run(
     interruption (Ctrl-C, a crash) continues where it stopped; --no-resume starts over. Data: datasets are
     downloaded (sha256-verified) into $DPSGD_DATA_DIR (default ./datasets); set DPSGD_DATA_MIRROR to a URL or
     folder serving <dataset>/<file> to fetch from a mirror instead of the canonical URLs."""
-    from dpsgd_cli import api
-
     try:
         frame = api.run(grid_file, only=only, out=out, jobs=jobs, dry_run=dry_run, no_resume=no_resume,
                         scheduler=scheduler, set=overrides, seeds=seeds)
@@ -130,8 +144,6 @@ def audit(
     dry_run: bool = typer.Option(False, "--dry-run", help="Validate and show the cells to audit, then stop."),
 ) -> None:
     """Train with and without a canary, attack, and bound each cell's ε from below (ε_lo beside the claimed ε)."""
-    from dpsgd_cli import api
-
     if dry_run:
         cells = api.audit(grid_file, only=only, out=out, trials=trials, confidence=confidence, set=overrides,
                           seeds=seeds, dry_run=True)
@@ -156,15 +168,10 @@ VERDICT_STYLES = {"refuted": "red", "consistent": "green"}
 
 def audit_table(rows: list[dict], title: str) -> Any:
     """audit.csv's rows, a row per cell and attack: ε_lo beside the claimed ε, and the verdict."""
-    import pandas as pd
-
-    from dpsgd_cli.engine.results import varying_label
-    from dpsgd_cli.engine.summary import fixed_options
-
     frame = pd.DataFrame(rows).reindex(columns=["dataset", "model", "algorithm", "algorithm_params", "canary",
                                                 "threat_model", "epsilon_claimed", "delta", "epsilon_lo", "verdict",
                                                 "status", "message"]).fillna({"algorithm_params": "{}"})
-    labels = varying_label(frame["algorithm"], frame["algorithm_params"])
+    labels = results.varying_label(frame["algorithm"], frame["algorithm_params"])
     shown = []
     for label, r in zip(labels, frame.to_dict("records")):
         verdict = r["verdict"] if isinstance(r["verdict"], str) else "—"
@@ -173,7 +180,7 @@ def audit_table(rows: list[dict], title: str) -> Any:
                       "ε": _fmt(r["epsilon_claimed"], 3), "δ": _fmt(r["delta"], 2), "ε_lo": _fmt(r["epsilon_lo"], 3),
                       "verdict": Text(verdict, style=VERDICT_STYLES.get(verdict, "")) if r["status"] == "ok"
                       else f"{r['status']}: {r['message']}"})
-    fixed = fixed_options(frame)
+    fixed = summary.fixed_options(frame)
     notes = ["attack: canary, and what the adversary sees (black box: the last model's outputs; white box: its "
              "parameters; all iterates: every step's)",
              *([f"options: {'; '.join(fixed)}"] if fixed else [])]
@@ -192,8 +199,6 @@ def plot(
                                     help="Image format (png also writes a PDF)."),
 ) -> None:
     """Draw the grid's paper figures, or a metric over ε (a panel per dataset and model, a line per algorithm)."""
-    from dpsgd_cli import api
-
     paths = api.plot(results_dir, metric=metric, format=fmt.value)
     for path in paths:
         console.print(str(path), highlight=False, markup=False)
@@ -216,8 +221,6 @@ def export(
 ) -> None:
     """Write each grid's valid runs (as plot and report read them) as runs.parquet beside runs.csv, and its traces
     as traces.parquet, for pandas, polars or DuckDB (csv: runs_valid.csv, traces_valid.csv)."""
-    from dpsgd_cli import api
-
     for path in api.export(results_dir, format=fmt.value):
         console.print(str(path), highlight=False, markup=False)
 
@@ -230,8 +233,6 @@ def report(
 ) -> None:
     """Check the papers' claims listed in the grids against the results; print PASS/FAIL and write report.md and
     report.html (the same with its figures embedded: one file to open in a browser or send)."""
-    from dpsgd_cli import api
-
     verdicts = api.report(results_dir)
     path = verdicts.attrs["path"]
     colours = {"PASS": "green", "FAIL": "red", "VACUOUS": "blue", "NO DATA": "yellow"}
@@ -264,9 +265,7 @@ def select_command(
                                        help="A grid's results folder, or the results root."),
 ) -> None:
     """Print the hyperparameters each group's `select:` chose (and its privacy); write selection.csv."""
-    from dpsgd_cli.engine.selection import write_selection_tables
-
-    for folder, table in write_selection_tables(results_dir):
+    for folder, table in engine_selection.write_selection_tables(results_dir):
         for selection, part in table.groupby("selection", sort=False):
             rows = [{**dict(item.split("=", 1) for item in r["group"].split(", ")), "chosen": r["chosen"],
                      r["score"]: f"{r['score_mean']:.4f}", "runs": str(r["runs"]),
@@ -288,17 +287,12 @@ def _privacy(row) -> str:
 
 
 def _print_audit_verdicts(results_dir: Path) -> None:
-    import pandas as pd
-
-    from dpsgd_cli.engine.results import varying_label
-    from dpsgd_cli.engine.summary import fixed_options
-    from dpsgd_cli.report import audit_frames, audit_verdicts
-
-    found = pd.DataFrame([v for frame in audit_frames(results_dir) for v in audit_verdicts(frame)])
+    found = pd.DataFrame([v for frame in claims_report.audit_frames(results_dir)
+                          for v in claims_report.audit_verdicts(frame)])
     if found.empty:
         return
-    labels = varying_label(found["algorithm"], found["algorithm_params"])
-    fixed = fixed_options(found)
+    labels = results.varying_label(found["algorithm"], found["algorithm_params"])
+    fixed = summary.fixed_options(found)
     console.print(compact_table([{
         "grid": v["grid"], "dataset": v["dataset"], "model": v["model"], "algorithm": label,
         "ε claimed": _fmt(v["epsilon_claimed"], 3), "audit": Text(v["verdict"], VERDICT_STYLES.get(v["verdict"], "")),
@@ -311,22 +305,19 @@ def _print_audit_verdicts(results_dir: Path) -> None:
 @datasets_app.command("list")
 def datasets_list() -> None:
     """What is known, whether it is cached, sizes and sources."""
-    from dpsgd_cli.data import list_datasets
-
     console.print(compact_table([{
         "name": info["name"], "records": f"{info['records']:,}" if info.get("records") else "", "cached":
         info["cache_state"], "size": _size(info.get("size_bytes", 0)), "source": str(info.get("source", "")),
-        "licence": str(info.get("license", ""))} for info in list_datasets()], "datasets", keep=["name", "source"]))
+        "licence": str(info.get("license", ""))} for info in data.list_datasets()], "datasets",
+        keep=["name", "source"]))
 
 
 @datasets_app.command("fetch")
 def datasets_fetch(names: list[str] = typer.Argument(..., metavar="NAME...",
                                                     help="Dataset names (see `dpsgd datasets list`).")) -> None:
     """Download and verify (sha256) the files of each dataset into the cache."""
-    from dpsgd_cli.data import fetch
-
     for name in names:
-        for path in fetch(name):
+        for path in data.fetch(name):
             console.print(f"{name}: {path}")
 
 
@@ -364,10 +355,6 @@ def datasets_info(
 
 def _file_info(path: Path, **given: Any) -> dict[str, Any]:
     """`datasets info --path`: the file spec from the options, loaded, described."""
-    import yaml
-
-    from dpsgd_cli.data.files import file_dataset_info, file_spec
-
     raw: dict[str, Any] = {"path": str(path)}
     for item in given.pop("options") or []:
         key, sep, value = item.partition("=")
@@ -380,14 +367,12 @@ def _file_info(path: Path, **given: Any) -> dict[str, Any]:
             raise UserError(f"--set {item}: the value is not valid YAML ({problem}); quote it (--set "
                             f"'{key.strip()}=\"...\"') or fix it") from None
     raw.update({k: (str(v) if isinstance(v, Path) else v) for k, v in given.items() if v not in (None, [])})
-    return file_dataset_info(file_spec(raw))
+    return data_files.file_dataset_info(data_files.file_spec(raw))
 
 
 def _print_dataset_info(name: str) -> None:
     """A built-in dataset: files, checksums, source, licence, default options."""
-    from dpsgd_cli.data import dataset_info
-
-    info = dataset_info(name)
+    info = data.dataset_info(name)
     console.print(f"[bold]{escape(info['name'])}[/]: {escape(info['description'])}")
     detail = ", ".join(f"{k} {v:,}" for k, v in info["records_detail"].items() if k != "total")
     fields = [
@@ -442,8 +427,6 @@ def epsilon(
                                           help=_NEIGHBOURS_HELP),
 ) -> None:
     """ε of DP-SGD (Poisson-subsampled Gaussian, T steps) at the given δ."""
-    from dpsgd_cli import api
-
     eps = api.epsilon(sigma=sigma, sample_rate=sample_rate, steps=steps, delta=delta, accountant=accountant.value,
                       neighbours=neighbours.value)
     console.print(f"ε = {eps:.6g}  (σ = {sigma:g}, q = {sample_rate:g}, T = {steps}, δ = {delta:g}, "
@@ -462,8 +445,6 @@ def sigma(
                                           help=_NEIGHBOURS_HELP),
 ) -> None:
     """The smallest noise multiplier σ giving ε ≤ target (within 0.1%) for DP-SGD."""
-    from dpsgd_cli import api
-
     calibrations = api.calibrations(epsilon=epsilon, sample_rate=sample_rate, steps=steps, delta=delta,
                                     accountant=accountant.value, neighbours=neighbours.value)
     for target, cal in zip(epsilon, calibrations):
@@ -473,8 +454,6 @@ def sigma(
 
 
 def _curve_help(field: str, text: str) -> str:
-    from dpsgd_cli.analytic_params import PrivacyCurveParams, bounds
-
     return f"{text}, {bounds(PrivacyCurveParams, field)}."
 
 
@@ -499,22 +478,17 @@ def privacy_curve(
 ) -> None:
     """Rényi privacy of noisy GD over K steps: the dynamics bound vs composition, and the squared-loss lower
     bound (Chourasia, Ye, Shokri, NeurIPS 2021); defaults are the parameters of their talk."""
-    from dpsgd_cli.engine.checks import out_root
-    from dpsgd_cli.engine.folder import make_folder, write_csv
-    from dpsgd_cli.plots.privacy_curve import k_values, plot_privacy_curve
-    from dpsgd_cli.privacy.dynamics import SATURATION_ROOT
-    from dpsgd_cli.privacy.dynamics import privacy_curve as curve
-
     p = _curve_params(alpha=alpha, sigma=sigma, sensitivity=sensitivity, eta=eta, lam=lam, n=n, k_max=k_max,
                       points=points, log_x=log_x)
-    folder = out_root(out)
-    frame = curve(k_values(p.k_max, p.points, log=p.log_x), **p.model_dump(exclude={"k_max", "points", "log_x"}))
-    make_folder(folder)
-    write_csv(frame, folder / "privacy_curve.csv")
-    figure = plot_privacy_curve(frame, folder / f"privacy_curve.{fmt.value}", log_x=log_x, log_y=log_y)
+    folder = checks.out_root(out)
+    frame = dynamics.privacy_curve(curve_plot.k_values(p.k_max, p.points, log=p.log_x),
+                                   **p.model_dump(exclude={"k_max", "points", "log_x"}))
+    engine_folder.make_folder(folder)
+    engine_folder.write_csv(frame, folder / "privacy_curve.csv")
+    figure = curve_plot.plot_privacy_curve(frame, folder / f"privacy_curve.{fmt.value}", log_x=log_x, log_y=log_y)
     saturation = alpha * sensitivity**2 / (lam * sigma**2 * n**2)
     console.print(f"dynamics bound saturates at ε(α={alpha:g}) = {saturation:.6g}; it is below the composition "
-                  f"bound for K > {2 * SATURATION_ROOT / (lam * eta):.1f}")
+                  f"bound for K > {2 * dynamics.SATURATION_ROOT / (lam * eta):.1f}")
     if "lower_bound_note" in frame.attrs:
         console.print(f"note: {frame.attrs['lower_bound_note']} (use --lam 1)")
     console.print(str(folder / "privacy_curve.csv"))
@@ -523,10 +497,6 @@ def privacy_curve(
 
 def _curve_params(**values: Any):
     """The privacy-curve parameters, checked by the same model (and bounds) as a grid's privacy_curve figure."""
-    from pydantic import ValidationError
-
-    from dpsgd_cli.analytic_params import PrivacyCurveParams, bounds
-
     try:
         return PrivacyCurveParams(**values)
     except ValidationError as exc:

@@ -27,6 +27,7 @@ from dpsgd_cli.data.spec import DatasetSpec
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import MODELS
 from dpsgd_cli.privacy.accounting import Neighbours
+from dpsgd_cli.privacy.tuning import Trials
 
 DELTA_RULE: Literal["1/n^2"] = "1/n^2"
 Number = Union[int, float]
@@ -407,8 +408,6 @@ class SelectSpec(_Strict):
 
     def trials(self):
         """The distribution of the number of trials (privacy/tuning.py)."""
-        from dpsgd_cli.privacy.tuning import Trials
-
         eta = {"geometric": 1.0, "logarithmic": 0.0}.get(self.distribution, self.eta)
         return Trials(self.distribution, self.mean, eta)
 

@@ -21,3 +21,12 @@ class LazyModule:
 
     def __repr__(self) -> str:
         return f"LazyModule({self._name!r})"
+
+
+def installed(name: str) -> bool:
+    """Whether the optional module `name` imports: a command that needs it says which extra to install instead."""
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        return False
+    return True

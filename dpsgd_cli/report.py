@@ -46,6 +46,9 @@ from dpsgd_cli.engine.analytic import analytic_table
 from dpsgd_cli.engine.folder import write_text
 from dpsgd_cli.engine.results import NoResults, grid_of, note, read_results, result_folders, select
 from dpsgd_cli.engine.selection import results_frame, selections
+from dpsgd_cli.lazy import LazyModule
+
+scipy_stats = LazyModule("scipy.stats")  # heavy: imported by the first F-test
 
 
 PASS, FAIL, VACUOUS, NO_DATA = "PASS", "FAIL", "VACUOUS", "NO DATA"
@@ -330,15 +333,13 @@ def spread_ratio_bounds(s_a: float, n_a: int, s_b: float, n_b: int, confidence: 
     """(s_a/s_b, one-sided lower bound at `confidence`, two-sided upper bound at `confidence`) of the ratio of
     standard deviations, from the variance-ratio F-test: (s_a²/σ_a²)/(s_b²/σ_b²) ~ F(n_a − 1, n_b − 1) for normal
     samples, so σ_a/σ_b ≥ √(F / F_conf) with F = s_a²/s_b² (F_conf the `confidence` quantile)."""
-    from scipy.stats import f as f_dist
-
     if n_a < 2 or n_b < 2:
         raise ValueError(f"spread needs at least 2 seeds per selection, got {n_a} and {n_b}")
     if s_b == 0:
         return (math.inf, math.inf if s_a > 0 else 0.0, math.inf)
     F = (s_a / s_b) ** 2
-    lower = math.sqrt(F / f_dist.ppf(confidence, n_a - 1, n_b - 1))
-    upper = math.sqrt(F / f_dist.ppf(1 - confidence, n_a - 1, n_b - 1))
+    lower = math.sqrt(F / scipy_stats.f.ppf(confidence, n_a - 1, n_b - 1))
+    upper = math.sqrt(F / scipy_stats.f.ppf(1 - confidence, n_a - 1, n_b - 1))
     return math.sqrt(F), lower, upper
 
 

@@ -3,10 +3,24 @@ that fits 80 columns by saying once, in the title, what every row shares; the ce
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+from rich import box
+from rich.console import Group
+from rich.markup import escape
+from rich.table import Column, Table
+from rich.text import Text
+
+from dpsgd_cli.lazy import LazyModule
 
 if TYPE_CHECKING:
     import pandas as pd
+else:
+    pd = LazyModule("pandas")
+
+# `dpsgd --help` imports this module: the engine (pandas, pydantic) waits until a table of results is built
+summary = LazyModule("dpsgd_cli.engine.summary")
 
 
 def plan_table(plan) -> Any:
@@ -19,18 +33,13 @@ def plan_table(plan) -> Any:
 
 def cells_frame(cells: Sequence) -> "pd.DataFrame":
     """Cells (config.Cell) as rows in runs.csv's columns, labelled as the runs will be."""
-    import json
-
-    import pandas as pd
-
-    from dpsgd_cli.engine.summary import AXES
-
     return pd.DataFrame([{
         "cell_id": c.cell_id, "dataset": getattr(c.dataset, "id", None) or c.dataset.name,
         "dataset_options": c.dataset.model_dump_json(exclude={"name"}), "model": c.model.name,
         "model_options": json.dumps(c.model.options, sort_keys=True), "algorithm": c.algorithm.name,
         "algorithm_params": json.dumps(c.algorithm.params, sort_keys=True),
-        "tuning": c.tuning["tag"] if c.tuning else None, **{axis: getattr(c, axis) for axis in AXES}} for c in cells])
+        "tuning": c.tuning["tag"] if c.tuning else None, **{axis: getattr(c, axis) for axis in summary.AXES}}
+        for c in cells])
 
 
 SETTINGS = {"dataset": "dataset", "model": "model", "algorithm": "label", "tuned for": "tuning", "ε": "epsilon",
@@ -45,15 +54,13 @@ def settings_table(frame: "pd.DataFrame", title: str, select: Sequence = (), num
     between that algorithm's cells), the selections it is a calibrated candidate for, and its axes; then the
     columns of `numbers`. What every row shares (but the `keep` columns) goes in the title or in a line above
     the table."""
-    from dpsgd_cli.engine.summary import cell_labels, fixed_options
-
     if "label" not in frame or "tuning" not in frame:
-        frame = frame.assign(**cell_labels(frame, select))
+        frame = frame.assign(**summary.cell_labels(frame, select))
     rows = [{h: fmt(r[c]) or MISSING for h, c in SETTINGS.items()} for _, r in frame.iterrows()]
     for header, values in (numbers or {}).items():
         for row, value in zip(rows, values):
             row[header] = value
-    fixed = fixed_options(frame) if "algorithm_params" in frame else frame.attrs.get("options", [])
+    fixed = summary.fixed_options(frame) if "algorithm_params" in frame else frame.attrs.get("options", [])
     above = [*notes, *([f"options: {'; '.join(fixed)}"] if fixed else [])]
     return compact_table(rows, title, keep=keep, notes=above, caption=caption)
 
@@ -65,12 +72,6 @@ def compact_table(rows: list[dict[str, Any]], title: str, keep: Sequence[str] = 
     instead, so that a row shows what sets it apart; the `keep` columns stay. `notes` are lines between the
     title and the table, `caption` a line below it; `lines` rules between rows (for cells of several lines).
     Nothing is cut: a cell too long for its column wraps."""
-    from rich import box
-    from rich.console import Group
-    from rich.markup import escape
-    from rich.table import Column, Table
-    from rich.text import Text
-
     headers = list(rows[0]) if rows else []
 
     def values(header: str) -> set[str]:
@@ -98,12 +99,10 @@ def compact_table(rows: list[dict[str, Any]], title: str, keep: Sequence[str] = 
 def summary_table(frame: "pd.DataFrame", name: str) -> Any:
     """A row per cell, mean ± std over its seeds of the metrics summary_frame chose; a value every seed gave
     (a deterministic algorithm such as erm) is shown once, without ± 0; a metric a cell lacks is '—'."""
-    from dpsgd_cli.engine.summary import prefix
-
     numbers = {"runs": [f"{ok}/{n}" for ok, n in zip(frame["ok"], frame["runs"])]}
     for m in frame.attrs.get("metrics", []):
         numbers[m.replace("_", " ")] = [spread(mean, std) for mean, std in
-                                        zip(frame[f"{prefix(m)}_mean"], frame[f"{prefix(m)}_std"])]
+                                        zip(frame[f"{summary.prefix(m)}_mean"], frame[f"{summary.prefix(m)}_std"])]
     single = any(v != MISSING and "±" not in v for values in list(numbers.values())[1:] for v in values)
     return settings_table(frame, f"{name}: mean ± std over seeds", numbers=numbers, keep=list(numbers)[1:],
                           caption="no ±: every seed gave the same result, or one run" if single else None,

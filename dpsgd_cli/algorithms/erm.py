@@ -25,7 +25,10 @@ from threadpoolctl import threadpool_info, threadpool_limits
 from dpsgd_cli import diskcache
 from dpsgd_cli.algorithms.base import Algorithm, Outcome, Setting
 from dpsgd_cli.algorithms.streams import ReplicaStreams
+from dpsgd_cli.lazy import LazyModule
 from dpsgd_cli.models import Model
+
+optimize = LazyModule("scipy.optimize")  # not needed when L* comes from the disk cache
 
 REFERENCE_STARTS = 3  # L-BFGS starts for a non-convex model's reference minimum
 _REFERENCE_CACHE: dict[tuple, tuple[np.ndarray, float, dict]] = {}  # in-process: the runner and `erm` share it
@@ -51,13 +54,11 @@ def minimize_objective(model: Model, X: np.ndarray, y: np.ndarray, theta0: np.nd
                        maxiter: int = 20000, gtol: float = 1e-9, ftol: float = 1e-15) -> tuple[np.ndarray, dict]:
     """Full-batch L-BFGS (tight tolerances by default) from θ0 (P,); returns (θ*, info)."""
 
-    from scipy.optimize import minimize  # imported here: not needed when L* comes from the disk cache
-
     def fun(flat: np.ndarray) -> tuple[float, np.ndarray]:
         value, grad = model.objective_and_gradient(flat[None, :], X, y)
         return float(value[0]), grad[0]
 
-    res = minimize(fun, theta0, jac=True, method="L-BFGS-B",
+    res = optimize.minimize(fun, theta0, jac=True, method="L-BFGS-B",
                    options={"maxiter": maxiter, "maxfun": 2 * maxiter, "gtol": gtol, "ftol": ftol})
     info = {"lbfgs_iterations": int(res.nit), "lbfgs_converged": bool(res.success),
             "grad_norm": float(np.linalg.norm(fun(res.x)[1]))}

@@ -29,6 +29,7 @@ which is, operation for operation, `GradientChain` with `clipped_grad_sum` → `
 from __future__ import annotations
 
 import functools
+import time
 from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
@@ -278,8 +279,6 @@ def _kernels():
 
 def warm_up() -> float:
     """Compile or load the kernels now; returns the seconds it took (the benchmark reports it)."""
-    import time
-
     start = time.perf_counter()
     kernel = _kernels()["sgd1_logreg"]
     X, y = np.ones((1, 1)), np.ones(1)

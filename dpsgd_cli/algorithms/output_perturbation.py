@@ -28,9 +28,12 @@ from dpsgd_cli.algorithms.erm import reference_minimum
 from dpsgd_cli.algorithms.sampling import shuffled_batches
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.errors import UserError
+from dpsgd_cli.lazy import LazyModule
 from dpsgd_cli.models import Batch, Model
 from dpsgd_cli.privacy.accounting import dp_event
 from dpsgd_cli.privacy.mechanisms import analytic_gaussian_sigma, gaussian_sigma, gaussian_sigma_valid
+
+dp_accounting = LazyModule("dp_accounting")  # imported when this algorithm runs
 
 if TYPE_CHECKING:
     from dp_accounting.dp_event import DpEvent
@@ -81,9 +84,7 @@ def calibrate_output_noise(sensitivity: float, epsilon: float, delta: float, cal
         failure, achieved = None, None
     else:
         raise UserError(f"calibration must be 'classic' or 'analytic', got {calibration!r}")
-    from dp_accounting import get_epsilon_gaussian  # imported here: only when this algorithm runs
-
-    exact = float(get_epsilon_gaussian(sigma / sensitivity, delta))
+    exact = float(dp_accounting.get_epsilon_gaussian(sigma / sensitivity, delta))
     if calibration == "analytic":
         achieved = exact
     return OutputNoise(float(sensitivity), float(sigma), calibration, achieved, exact, failure)
@@ -94,10 +95,8 @@ def scaled_noise(algorithm: Algorithm, noise: OutputNoise, delta: float) -> tupl
     Gaussian mechanism's at σ·scale (∞ without noise)."""
     if algorithm.noise_scale == 1.0:
         return noise.sigma, {}
-    from dp_accounting import get_epsilon_gaussian
-
     sigma = noise.sigma * algorithm.noise_scale
-    true = float(get_epsilon_gaussian(sigma / noise.sensitivity, delta)) if sigma > 0 else float("inf")
+    true = float(dp_accounting.get_epsilon_gaussian(sigma / noise.sensitivity, delta)) if sigma > 0 else float("inf")
     return sigma, {"noise_scale": algorithm.noise_scale, "sigma_used": sigma, "epsilon_noise_scaled": true}
 
 

@@ -4,23 +4,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-import pandas as pd
+import matplotlib
 
-from dpsgd_cli.engine.folder import save_figure
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from dpsgd_cli.engine.folder import save_figure  # noqa: E402
+from dpsgd_cli.plots import names  # noqa: E402
+from dpsgd_cli.plots.layout import MARKERS, finish  # noqa: E402
 
 
 def audit_figure(frame: pd.DataFrame):
     """The laid-out figure (None when no audit row is ok with both a bound and a claim): points at ε_lo = 0 drawn
     whole (the axes start below 0), the legend below the panels, where it covers no point."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from dpsgd_cli.plots import names
-    from dpsgd_cli.plots.layout import MARKERS, finish
-
     ok = frame[(frame["status"] == "ok") & frame["epsilon_lo"].notna() & frame["epsilon_claimed"].notna()]
     if ok.empty:
         return None
@@ -56,8 +54,6 @@ def audit_figure(frame: pd.DataFrame):
 
 
 def plot_audit(frame: pd.DataFrame, folder: Path) -> list[Path]:
-    import matplotlib.pyplot as plt
-
     fig = audit_figure(frame)
     if fig is None:
         return []

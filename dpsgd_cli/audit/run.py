@@ -12,12 +12,18 @@ from typing import Callable, Optional
 
 import numpy as np
 import pandas as pd
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from dpsgd_cli.audit.engine import COLUMNS, ONE_RUN_REFUSAL, audit_cell
 from dpsgd_cli.config import AuditSpec, Grid, expand
+from dpsgd_cli.engine.checks import check_audit
 from dpsgd_cli.engine.folder import check_folder, make_folder, read_table, write_bytes, write_csv
 from dpsgd_cli.engine.results import folder_lock
 from dpsgd_cli.errors import UserError
+from dpsgd_cli.lazy import LazyModule
+
+audit_plot = LazyModule("dpsgd_cli.audit.plot")  # matplotlib: imported when the figure is drawn
 
 AUDIT_CSV = "audit.csv"
 SCORES_FOLDER = "audit_scores"
@@ -31,8 +37,6 @@ NEEDED = ["epsilon_claimed", "delta", "trials", "confidence"]
 def audit_grid(grid: Grid, out_root: Path, trials: Optional[int] = None, confidence: Optional[float] = None,
                on_rows: Optional[Callable[[list[dict]], None]] = None) -> Path:
     """Audit every cell of `grid` (its `audit:` block, or the defaults); returns the CSV's path."""
-    from dpsgd_cli.engine.checks import check_audit
-
     # no audit block: the defaults, with thresholds at ranks fixed from the claim (the most powerful rule here)
     spec = grid.audit or AuditSpec()
     if spec.statistic == "one_run" and set(spec.canaries) != {"dirac"}:
@@ -63,18 +67,13 @@ def audit_grid(grid: Grid, out_root: Path, trials: Optional[int] = None, confide
                 write_csv(pd.DataFrame(rows, columns=COLUMNS), path)
                 if on_rows:
                     on_rows(new)
-        from dpsgd_cli.audit.plot import plot_audit
-
-        plot_audit(read_audit_csv(path), figures)
+        audit_plot.plot_audit(read_audit_csv(path), figures)
     return path
 
 
 @contextlib.contextmanager
 def _progress(total: int, name: str):
     """A progress bar over the cells on stderr (a terminal only: logs and pipes stay clean)."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     console = Console(stderr=True)
     if not console.is_terminal:
         yield lambda what: None

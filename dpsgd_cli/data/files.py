@@ -34,6 +34,9 @@ from dpsgd_cli.data import preprocess as pp
 from dpsgd_cli.data.download import sha256_of
 from dpsgd_cli.data.spec import Dataset
 from dpsgd_cli.errors import DataError
+from dpsgd_cli.lazy import LazyModule, installed
+
+sklearn_datasets = LazyModule("sklearn.datasets")  # heavy, and read for LIBSVM files only
 
 FORMATS = ("csv", "tsv", "parquet", "libsvm", "npz")
 TABULAR = ("csv", "tsv", "parquet")
@@ -184,10 +187,8 @@ def _one_line(exc: Exception) -> str:
 
 def _read_tabular(path: Path, spec: FileDatasetSpec) -> pd.DataFrame:
     if spec.format == "parquet":
-        try:
-            import pyarrow  # noqa: F401
-        except ImportError:
-            raise DataError(f"{path}: reading Parquet needs pyarrow: pip install 'dpsgd[parquet]'") from None
+        if not installed("pyarrow"):
+            raise DataError(f"{path}: reading Parquet needs pyarrow: pip install 'dpsgd[parquet]'")
         return pd.read_parquet(path)
     sep = spec.sep or ("," if spec.format == "csv" else "\t")
     return pd.read_csv(path, sep=sep, skipinitialspace=True)
@@ -226,9 +227,7 @@ def read_frames(spec: FileDatasetSpec) -> list[pd.DataFrame]:
             raise DataError(f"{path}: the file changed since the grid was read (sha256 {sha[:12]}...); run again")
     try:
         if spec.format == "libsvm":  # read together: the same number of features in train and test
-            from sklearn.datasets import load_svmlight_files
-
-            arrays = load_svmlight_files([str(p) for p in paths], dtype=np.float64)
+            arrays = sklearn_datasets.load_svmlight_files([str(p) for p in paths], dtype=np.float64)
             return [_array_frame(arrays[2 * i], arrays[2 * i + 1], p) for i, p in enumerate(paths)]
         if spec.format == "npz":
             return [_read_npz(p) for p in paths]

@@ -38,6 +38,7 @@ import numpy as np
 from dpsgd_cli.data import preprocess as pp
 from dpsgd_cli.data import readers
 from dpsgd_cli.data.download import cache_dir, fetch_file, make_readable
+from dpsgd_cli.data.files import load_file_dataset
 from dpsgd_cli.data.registry import files_for_split, get_entry
 from dpsgd_cli.data.spec import Dataset, DatasetSpec
 from dpsgd_cli.data.synthetic import make_synthetic
@@ -276,8 +277,6 @@ def load_dataset(spec: DatasetSpec, *, cache: bool = True) -> Dataset:
     `Dataset.spec` is `spec` as given; `resolve_spec(spec)` shows the defaults applied.
     """
     if spec.name == "file":  # a local file: no processed cache (its run id carries the file's sha256)
-        from dpsgd_cli.data.files import load_file_dataset
-
         return load_file_dataset(spec)
     resolved = resolve_spec(spec)
     path = processed_path(spec) if cache else None

@@ -16,6 +16,8 @@ import pandas as pd
 from dpsgd_cli.config import FigureSpec, Grid, NoiseScaleParams, PrivacyCurveParams
 from dpsgd_cli.engine.folder import read_table, write_csv
 from dpsgd_cli.errors import UserError
+from dpsgd_cli.privacy.dynamics import privacy_curve
+from dpsgd_cli.privacy.single_example_gaussian import calibrate_bassily
 
 # (label, accounting, formula, amplification) of bassily2014 in the noise-scale figure (Bellet's lecture)
 NOISE_ACCOUNTINGS = [
@@ -31,8 +33,7 @@ NOISE_ACCOUNTINGS = [
 def privacy_curve_table(params: dict[str, Any]) -> pd.DataFrame:
     """Long format K, bound (dynamics | composition | lower_bound), rdp_epsilon — so claims can compare bounds;
     params as `dpsgd privacy-curve` (the talk's defaults)."""
-    from dpsgd_cli.plots.privacy_curve import k_values
-    from dpsgd_cli.privacy.dynamics import privacy_curve
+    from dpsgd_cli.plots.privacy_curve import k_values  # plots imports this module: at the top, a cycle
 
     p = PrivacyCurveParams.model_validate(params)
     curve = p.model_dump(exclude={"k_max", "points", "log_x"})
@@ -45,8 +46,6 @@ def noise_scale_table(params: dict[str, Any]) -> pd.DataFrame:
     (panel "T"), and over n at fixed T = `steps_fixed` and δ = `delta_fixed` (panel "n": the lecture's "more
     data (larger n) → less noise" is a statement at fixed T and δ). Columns panel, accounting, n, steps, delta,
     sigma, proved (False where the accounting's lemmas do not apply, e.g. per-step ε₀ > 1 for 2qε)."""
-    from dpsgd_cli.privacy.single_example_gaussian import calibrate_bassily
-
     p = NoiseScaleParams.model_validate(params)
     steps_fixed = p.steps_fixed or p.n
     delta_fixed = p.delta_fixed or 1.0 / p.n**2

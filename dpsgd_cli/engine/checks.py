@@ -19,13 +19,14 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
 from dpsgd_cli.algorithms import ALGORITHMS
-from dpsgd_cli.config import Cell, ClaimSpec, FigureSpec, Grid, _closest, axis_values, expand
+from dpsgd_cli.config import AuditSpec, Cell, ClaimSpec, FigureSpec, Grid, _closest, axis_values, expand
 from dpsgd_cli.data.files import FileDatasetSpec
 from dpsgd_cli.data.registry import get_entry
 from dpsgd_cli.data.spec import DatasetSpec
 from dpsgd_cli.engine.analytic import ANALYTIC, NOISE_ACCOUNTINGS, NUMERIC_TABLE_COLUMNS, TABLE_COLUMNS
 from dpsgd_cli.engine.results import COLUMNS
 from dpsgd_cli.engine.results import comparison
+from dpsgd_cli.engine.runner import dataset
 from dpsgd_cli.engine.selection import frame_columns
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models.mlp import BLOCK_ELEMENTS as MLP_BLOCK
@@ -78,8 +79,6 @@ def check_audit(grid: Grid, trials: Optional[int] = None) -> None:
     """`dpsgd audit`: every run it trains bounded as `dpsgd run`'s (check_work), and the trials: at most
     MAX_AUDIT_TRIALS, and trainings × examples per training at most MAX_EXAMPLES per cell; and every algorithm
     private (a non-private one claims no ε to bound from below)."""
-    from dpsgd_cli.config import AuditSpec
-
     public = list(dict.fromkeys(a.name for a in grid.algorithms if not ALGORITHMS[a.name].private))
     if public:
         them = "it" if len(public) == 1 else "them"
@@ -256,8 +255,6 @@ def out_root(value: str, option: str = "--out") -> Path:
 def _loaded_file(spec: FileDatasetSpec) -> tuple[int, int]:
     """(records, features) of a file dataset: its loader bounds its own memory (files.MAX_DENSE_BYTES), so it is
     loaded (once per process, the run reuses it) instead of estimated from a registry entry it does not have."""
-    from dpsgd_cli.engine.runner import dataset
-
     data = dataset(spec)
     return len(data.y_train) + len(data.y_test), data.X_train.shape[1]
 

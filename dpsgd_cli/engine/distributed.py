@@ -21,6 +21,11 @@ from typing import Any, Callable, Iterator, Optional
 from dpsgd_cli.data.download import DATA_DIR_ENV, MIRROR_ENV, cache_dir
 from dpsgd_cli.engine.runner import Task, TaskResult, failed_result, run_task
 from dpsgd_cli.errors import UserError
+from dpsgd_cli.lazy import LazyModule, installed
+
+# optional (the `dask` extra): imported when a scheduler is used
+dask = LazyModule("dask")
+distributed = LazyModule("distributed")
 
 TIMEOUT_ENV = "DPSGD_SCHEDULER_TIMEOUT"  # seconds to wait for the scheduler when connecting
 CONNECT_TIMEOUT = 10.0
@@ -98,10 +103,8 @@ def run_tasks(tasks: list[Task], env: dict[str, str]) -> list[TaskResult]:
 def dask_backend(scheduler: str, cells_per_task: int = CELLS_PER_TASK) -> Iterator["DaskBackend"]:
     """Connect to the scheduler (or start a LocalCluster), yield the backend (tasks → results as they finish),
     close both at the end. Unreachable scheduler, missing `distributed`: a UserError (one line, exit code 2)."""
-    try:
-        import distributed
-    except ImportError:
-        raise UserError(f"--scheduler needs Dask's `distributed`, which is not installed: {INSTALL_HINT}") from None
+    if not installed("distributed"):
+        raise UserError(f"--scheduler needs Dask's `distributed`, which is not installed: {INSTALL_HINT}")
     address, workers = parse_scheduler(scheduler)
     cluster = None
     quiet = _silence_dask_logs()  # its reconnect tracebacks would bury our one-line errors
@@ -144,9 +147,6 @@ def local_cluster(workers: int) -> Any:
     MALLOC_TRIM_THRESHOLD_ = 65536: it fixes glibc's mmap threshold at 128 KiB, so every per-step temporary
     (a batch of kddcup99 rows is 240 KiB) is mmapped and zero-filled afresh: about 2× the CPU per task
     (docs/cluster.md, "Memory allocator")."""
-    import dask
-    import distributed
-
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None  # inherited by the workers:
     try:  # Ctrl-C (sent to the whole process group) is the driver's to handle, and it closes the cluster
@@ -187,8 +187,6 @@ def _connect(distributed: Any, address: str) -> Any:
 
 def _results(client: Any, address: str, tasks: list[Task], cells_per_task: int) -> Iterator[TaskResult]:
     """Submit the tasks in groups of `cells_per_task`; yield each group's results as it finishes."""
-    from distributed import as_completed
-
     if not tasks:
         return
     env = worker_environment()
@@ -197,7 +195,7 @@ def _results(client: Any, address: str, tasks: list[Task], cells_per_task: int) 
     futures = {client.submit(run_tasks, chunk, env, key=f"dpsgd-{chunk[0].cell.grid}-{i}-{tag}", retries=1): chunk
                for i, chunk in enumerate(chunks)}
     try:
-        for future in as_completed(futures, loop=client.loop):
+        for future in distributed.as_completed(futures, loop=client.loop):
             chunk = futures[future]
             if future.cancelled() or client.status != "running":
                 raise SchedulerLost(f"lost the Dask scheduler at {address} mid-grid; the runs received so far are "

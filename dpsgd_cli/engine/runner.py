@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import functools
 import hashlib
 import json
+import multiprocessing
 import numbers
 import os
 import signal
@@ -14,11 +16,13 @@ import sys
 import threading
 import time
 import traceback
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from dpsgd_cli import __version__, diskcache
 from dpsgd_cli.algorithms import ALGORITHMS, Setting
@@ -155,8 +159,6 @@ def resolve_optima(tasks: list[Task], jobs: int = 1, say: Optional[Callable[[str
 def _optima_in_workers(missing: list[tuple[tuple, int, int]], jobs: int, say: Callable[[str], None]) -> None:
     """The starts of the `missing` reference minima in `jobs` forked processes, the largest (data × parameters)
     first; each minimum is combined here as soon as its starts are in."""
-    from concurrent.futures import as_completed
-
     runs: dict[tuple, dict[int, tuple[np.ndarray, dict]]] = {args: {} for args, _, _ in missing}
     count = {args: starts for args, starts, _ in missing}
     begin = {args: time.perf_counter() for args, _, _ in missing}
@@ -215,8 +217,6 @@ def run_task(task: Task, single_thread: bool = False) -> TaskResult:
     disk-cache entries (calibrated σ, ...) are written after its clock stops, as its rows are (~0.4 ms a cold σ)."""
     with contextlib.ExitStack() as stack:
         if single_thread:
-            from threadpoolctl import threadpool_limits
-
             stack.enter_context(threadpool_limits(1))
         try:  # L* before the clock starts (`resolve_optima` has usually set it already)
             task = with_optimum(task)
@@ -652,8 +652,6 @@ def _forked_results(tasks: list[Task], jobs: int) -> Iterator[TaskResult]:
     """The tasks in `jobs` processes forked from the driver (copy-on-write): no worker imports the package or
     loads a dataset again (loky's fresh workers did, ~2 s each on kang_lr: `--jobs 2` was 2× slower than
     `--jobs 1`). A worker killed mid-task raises BrokenProcessPool here, as loky's TerminatedWorkerError did."""
-    from concurrent.futures import as_completed
-
     with _fork_pool(jobs) as pool:
         futures = [pool.submit(run_task, task, True) for task in tasks]
         for future in as_completed(futures):
@@ -664,9 +662,6 @@ def _forked_results(tasks: list[Task], jobs: int) -> Iterator[TaskResult]:
 def _fork_pool(jobs: int) -> Iterator[Any]:
     """`jobs` worker processes forked from this one, ended with it (`die_with_parent`); on leaving, the tasks
     not started are cancelled and nothing waits for the running ones."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
     pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"), initializer=die_with_parent,
                                initargs=(os.getpid(),))
     try:
@@ -683,8 +678,6 @@ def die_with_parent(parent: int) -> None:
     # and ends the workers); a worker's own KeyboardInterrupt would only print its traceback
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        import ctypes
-
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()

@@ -9,8 +9,14 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 
 from dpsgd_cli.errors import UserError
+from dpsgd_cli.lazy import LazyModule
+
+# `import dpsgd_cli` imports this module: NumPy waits until a PLD's size is estimated
+np = LazyModule("numpy")
+rdp = LazyModule("dpsgd_cli.privacy.rdp")
 
 
 def _as_float(name: str, value: object) -> float:
@@ -92,8 +98,6 @@ MEMORY_SHARE = 0.8  # of the memory available now, what one computation may plan
 
 def available_memory() -> int:
     """Bytes of memory available now (MemAvailable on Linux; else physical memory)."""
-    import os
-
     try:
         with open("/proc/meminfo") as fh:
             for line in fh:
@@ -117,14 +121,11 @@ def pld_points(sigma: float, q: float, steps: int, h: float) -> float:
     measured lengths): one step's loss spans about 2z/σ + 1/σ² (z = the tail's 8.3 standard deviations); the
     library truncates the T-fold composition by Chernoff bounds at orders |λ| ≤ 20/(one step's span), whose
     upper end is T·D_{1+λ} + log(2/τ)/λ (D: the step's Rényi divergence) and lower end ≥ -log(2/τ)/min(1, λ)."""
-    from dpsgd_cli.privacy.rdp import subsampled_gaussian_rdp
-    import numpy as np
-
     span = 2 * math.sqrt(_PLD_TAIL) * 1.0 / sigma + 1.0 / sigma**2
     top = 20.0 / span
     lams = top * np.geomspace(1e-3, 1.0, 40)
     with np.errstate(all="ignore"):
-        upper = steps * subsampled_gaussian_rdp(q, sigma, list(1.0 + lams)) + _PLD_TAIL / lams
+        upper = steps * rdp.subsampled_gaussian_rdp(q, sigma, list(1.0 + lams)) + _PLD_TAIL / lams
     width = min(steps * span, float(np.nanmin(upper)) + _PLD_TAIL / min(1.0, top) + span)
     return width / h
 
