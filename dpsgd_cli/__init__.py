@@ -14,6 +14,12 @@ from dpsgd_cli.api import epsilon, export, plot, read_results, run, select, sigm
 from dpsgd_cli.errors import UserError
 
 __version__ = "0.1.0"
+NUMERICS = 2
+"""The version of the numbers: a run is a pure function of its spec, its seed and this. Bumped on purpose whenever
+a change moves a run's numbers (a generator, a summation order, a search, what a default resolves to), and checked
+statistically against the previous version on every grid; runs.csv and the manifest record it, and `dpsgd run`
+never resumes into runs of another version. 1: every run before the version was recorded; 2: `pidp_sgd`'s
+`accountant: auto` calibrates by PLD."""
 __all__ = ["UserError", "audit", "epsilon", "export", "plot", "read_results", "report", "run", "select", "sigma"]
 
 

@@ -10,6 +10,7 @@ import tracemalloc
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from dpsgd_cli import cli
@@ -530,3 +531,26 @@ def test_pld_accountant_beyond_memory_is_one_line_at_once(capsys, monkeypatch):
     err = one_line_error(capsys, monkeypatch, "epsilon", "--accountant", "pld", "--sigma", "0.05", "--sample-rate",
                          "1", "--steps", "1000000", "--delta", "1e-5")
     assert "PLD accountant" in err and "GiB" in err and time.monotonic() - start < 10
+
+
+def test_a_run_never_resumes_into_runs_of_another_numerics_version(tmp_path, capsys, monkeypatch):
+    """runs.csv and the manifest record the numerics version; `run` (and its dry run) refuses to resume into rows of
+    another version (or of none: written before it was recorded) in one line, and --no-resume starts over."""
+    import dpsgd_cli
+    from dpsgd_cli.engine.results import read_manifest
+
+    grid, out = grid_with(tmp_path), tmp_path / "out"
+    assert dpsgd(capsys, monkeypatch, "run", grid, "--out", out)[0] == 0
+    runs = pd.read_csv(out / "tiny" / "runs.csv")
+    assert (runs["numerics"] == dpsgd_cli.NUMERICS).all()
+    assert read_manifest(out / "tiny")["numerics"] == dpsgd_cli.NUMERICS
+    assert dpsgd(capsys, monkeypatch, "run", grid, "--out", out)[0] == 0  # same version: resumes, nothing to run
+    for older in (dpsgd_cli.NUMERICS - 1, None):
+        runs.assign(numerics=older).to_csv(out / "tiny" / "runs.csv", index=False)
+        before = (out / "tiny" / "runs.csv").read_bytes()
+        for extra in ((), ("--dry-run",)):
+            err = one_line_error(capsys, monkeypatch, "run", grid, "--out", out, *extra)
+            assert "numerics version 1" in err and "--no-resume" in err, err
+        assert (out / "tiny" / "runs.csv").read_bytes() == before
+    assert dpsgd(capsys, monkeypatch, "run", grid, "--out", out, "--no-resume")[0] == 0
+    assert (pd.read_csv(out / "tiny" / "runs.csv")["numerics"] == dpsgd_cli.NUMERICS).all()

@@ -16,6 +16,7 @@ import fcntl
 import functools
 import io
 import json
+import math
 import os
 import platform
 import socket
@@ -30,6 +31,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import numpy as np
 import pandas as pd
 
+from dpsgd_cli import NUMERICS
 from dpsgd_cli.engine.folder import (append_bytes, check_folder, check_in_place, ends_with_newline, first_line,
                                      make_folder, open_file, read_bytes, read_text, write_text)
 from dpsgd_cli.errors import UserError, file_error
@@ -41,7 +43,7 @@ COLUMNS = [
     "batch_size", "lr", "epochs", "steps", "sample_rate", "l2", "clip_norm",
     "test_accuracy", "test_loss", "train_accuracy", "train_objective", "optimal_objective", "optimality_gap",
     "guarantee", "noiseless_fraction", "derived", "wall_time", "status", "message", "version", "dtype",
-    "n_val", "val_accuracy", "val_objective", "epsilon_base", "tuning", "delta_certified", "neighbours",
+    "n_val", "val_accuracy", "val_objective", "epsilon_base", "tuning", "delta_certified", "neighbours", "numerics",
 ]
 TRACE_COLUMNS = ["run_id", "cell_id", "seed", "examples", "train_objective", "optimality_gap", "train_accuracy"]
 # the columns every version of the tool wrote (later ones are added when an older file is rewritten); a file
@@ -52,7 +54,7 @@ TRACE_KEYS = ["run_id", "cell_id", "seed", "examples"]
 NUMERIC = {
     "n_train", "n_test", "d", "seed", "epsilon", "epsilon_achieved", "delta", "sigma", "batch_size", "lr", "epochs",
     "steps", "sample_rate", "l2", "clip_norm", "test_accuracy", "test_loss", "train_accuracy", "train_objective",
-    "optimal_objective", "optimality_gap", "noiseless_fraction", "wall_time", "examples", "delta_certified",
+    "optimal_objective", "optimality_gap", "noiseless_fraction", "wall_time", "examples", "delta_certified", "numerics",
     "n_val", "val_accuracy", "val_objective", "epsilon_base",
 }
 STATUSES = {"ok", "diverged", "failed"}
@@ -403,6 +405,7 @@ class ResultStore:
                 return True
 
             final = self.runs_file.recover(keep=first_final)
+            check_numerics(self.csv, final)
             done = {row["run_id"] for row in final}
             # checkpoints of runs that never finished go, so that a run in runs.csv has exactly its traces
             self.traces_file.recover(keep=lambda row: row["run_id"] in done)
@@ -418,6 +421,12 @@ class ResultStore:
     def append(self, rows: Iterable[dict[str, Any]]) -> None:
         self.runs_file.append(rows)
 
+    def done(self) -> set[str]:
+        """The run ids already final, as `start` finds them, without taking the lock or writing (a dry run)."""
+        final = self.read().query("status in ['ok', 'diverged']")
+        check_numerics(self.csv, final.to_dict("records"))
+        return set(final["run_id"].astype(str))
+
     def append_traces(self, rows: Iterable[dict[str, Any]]) -> None:
         self.traces_file.append(rows)
 
@@ -426,6 +435,7 @@ class ResultStore:
         manifest = {
             "grid": grid,
             "grid_hash": grid_hash,
+            "numerics": NUMERICS,
             "started": _iso(started),
             "finished": _iso(finished) if finished else None,
             "libraries": dict(library_versions()),
@@ -434,6 +444,22 @@ class ResultStore:
             **extra,
         }
         write_text(self.folder / "manifest.json", json.dumps(manifest, indent=2, default=str))
+
+
+def check_numerics(csv: Path, final: Iterable[dict[str, Any]]) -> None:
+    """A UserError if runs.csv holds final runs of another numerics version: resuming would put numbers of two
+    versions of the code side by side in one grid, and skip runs whose numbers this version would not give."""
+    other = sorted({_version_text(row.get("numerics")) for row in final} - {str(NUMERICS)})
+    if other:
+        raise UserError(f"{csv}: holds runs of numerics version {', '.join(other)}, this dpsgd computes version "
+                        f"{NUMERICS}; rerun with --no-resume (the old file is kept as a .bak) or use another --out")
+
+
+def _version_text(value: Any) -> str:
+    """The numerics version a row records: '1' for rows written before the version was recorded."""
+    if value is None or (isinstance(value, float) and math.isnan(value)) or str(value).strip() == "":
+        return "1"
+    return str(int(float(value))) if _is_float(str(value)) else str(value)
 
 
 def read_manifest(folder: Path) -> Optional[dict]:

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from dpsgd_cli import __version__, diskcache
+from dpsgd_cli import NUMERICS, __version__, diskcache
 from dpsgd_cli.algorithms import ALGORITHMS, Setting
 from dpsgd_cli.algorithms.base import Algorithm, Outcome, Prepared
 from dpsgd_cli.algorithms.chain import train_together
@@ -401,7 +401,7 @@ def _base_row(cell: Cell, data: Dataset, setting: Setting, optimal: float) -> di
         "epsilon": cell.epsilon, "epsilon_achieved": None, "delta": setting.delta, "accountant": None,
         "accountant_library": None, "sigma": None, "batch_size": cell.batch_size, "lr": cell.lr,
         "epochs": cell.epochs, "steps": None, "sample_rate": None, "l2": cell.l2, "clip_norm": cell.clip_norm,
-        "optimal_objective": optimal, "version": __version__, "dtype": cell.dtype,
+        "optimal_objective": optimal, "version": __version__, "numerics": NUMERICS, "dtype": cell.dtype,
         "n_val": 0 if data.X_val is None else len(data.X_val),
         "epsilon_base": setting.epsilon if cell.tuning else None,
         "tuning": cell.tuning["tag"] if cell.tuning else None,
@@ -472,7 +472,7 @@ def plan_grid(grid: Grid, out_root: Path, resume: bool = True, dry_run: bool = F
             raise UserError(f"{where}: {exc}") from None
     store = ResultStore(Path(out_root) / grid.name)
     if dry_run:
-        done = set(store.read().query("status in ['ok', 'diverged']")["run_id"].astype(str)) if resume else set()
+        done = store.done() if resume else set()
     else:
         done = store.start(resume)
     run = GridRun(grid, store.folder, cells)
