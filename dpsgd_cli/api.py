@@ -27,7 +27,7 @@ from dpsgd_cli.arguments import at_least, between, checked, each
 from dpsgd_cli.errors import ArgumentValueError, UserError, file_errors
 from dpsgd_cli.lazy import LazyModule, installed
 from dpsgd_cli.privacy import AccountantName, Neighbours
-from dpsgd_cli.privacy import _validate as check
+from dpsgd_cli.privacy import validate as check
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -58,7 +58,7 @@ def checked(**rules: Rule) -> Callable[[F], F]:
                         value = rules[name](label, value)
                     except ArgumentValueError:
                         raise
-                    except UserError as exc:  # a shared range check (privacy._validate): the same line
+                    except UserError as exc:  # a shared range check (privacy.validate): the same line
                         raise ArgumentValueError(str(exc)) from None
                 bound.arguments[name] = value
             return function(*bound.args, **bound.kwargs)

@@ -56,7 +56,7 @@ _SYNONYMS = {"learning_rate": "lr", "step_size": "lr", "eta": "lr", "eps": "epsi
              "epoch": "epochs", "seed": "seeds", "noise_multiplier": "sigma"}
 
 
-def _closest(word: str, candidates: typing.Iterable[str]) -> str:
+def closest(word: str, candidates: typing.Iterable[str]) -> str:
     candidates = list(candidates)
     if _SYNONYMS.get(word) in candidates:
         return f" (did you mean '{_SYNONYMS[word]}'?)"
@@ -82,7 +82,7 @@ class ModelEntry(_Strict):
             raw = {"name": raw["name"], **raw["options"]}
         name = raw.pop("name", None)
         if name not in MODELS:
-            raise ValueError(f"unknown model {name!r}{_closest(str(name), MODELS)}; known: {', '.join(MODELS)}")
+            raise ValueError(f"unknown model {name!r}{closest(str(name), MODELS)}; known: {', '.join(MODELS)}")
         return {"name": name, "options": MODELS[name].Options.model_validate(raw, strict=True).model_dump()}
 
 
@@ -108,14 +108,14 @@ class AlgorithmEntry(_Strict):
         name = raw.pop("name", None)
         if name not in ALGORITHMS:
             raise ValueError(
-                f"unknown algorithm {name!r}{_closest(str(name), ALGORITHMS)}; known: {', '.join(ALGORITHMS)}"
+                f"unknown algorithm {name!r}{closest(str(name), ALGORITHMS)}; known: {', '.join(ALGORITHMS)}"
             )
         overrides = {k: _as_list(raw.pop(k)) for k in list(raw) if k in AXES}
         check_axes(overrides)
         for key in raw:
             if key not in ALGORITHMS[name].Params.model_fields:
                 valid = [*ALGORITHMS[name].Params.model_fields, *AXES]
-                raise ValueError(f"unknown key {key!r} for algorithm {name}{_closest(key, valid)}")
+                raise ValueError(f"unknown key {key!r} for algorithm {name}{closest(key, valid)}")
         params = ALGORITHMS[name].Params.model_validate(raw, strict=True).model_dump()
         return {"name": name, "params": params, "overrides": overrides, "neighbours": neighbours}
 
@@ -240,7 +240,7 @@ class FigureSpec(_Strict):
             except ValidationError as exc:
                 err = exc.errors()[0]
                 key = ".".join(str(p) for p in err["loc"])
-                hint = _closest(key, model.model_fields) if err["type"] == "extra_forbidden" else ""
+                hint = closest(key, model.model_fields) if err["type"] == "extra_forbidden" else ""
                 got = f" (got {err['input']!r})" if err["type"] != "extra_forbidden" else ""
                 raise ValueError(f"figure {self.name}: params.{key}: {err['msg']}{hint}{got}") from None
         return self
@@ -500,7 +500,7 @@ class Grid(Axes):
             for column in spec.candidates:
                 if column not in AXES and column not in params:
                     raise ValueError(f"select {spec.name}: candidate {column!r} is neither an axis nor a parameter of "
-                                     f"the grid's algorithms{_closest(column, [*AXES, *params])}")
+                                     f"the grid's algorithms{closest(column, [*AXES, *params])}")
             for axis in AXES:
                 if len(getattr(self, axis)) > 1 and axis not in spec.candidates + spec.group_by:
                     raise ValueError(f"select {spec.name}: axis {axis} varies but is neither a candidate nor in "
@@ -898,7 +898,7 @@ def select(grid_file: GridFile, only: Optional[list[str]]) -> list[Grid]:
     names = [g.name for g in grid_file.grids]
     for name in only:
         if name not in names:
-            raise UserError(f"--only {name}: no such grid{_closest(name, names)}; "
+            raise UserError(f"--only {name}: no such grid{closest(name, names)}; "
                             f"grids in the file: {', '.join(names)}")
     return [g for g in grid_file.grids if g.name in only]
 
@@ -913,7 +913,7 @@ def describe_validation_error(exc: ValidationError, raw: Any) -> str:
     if err["type"] == "extra_forbidden":
         key = str(loc[-1])
         valid = _fields_at(GridFile, tagged[:-1])
-        message = f"unknown key {key!r}{_closest(key, valid)}"
+        message = f"unknown key {key!r}{closest(key, valid)}"
         path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[:-1]).lstrip(".") or "top level"
     elif err["type"] == "missing":
         message = f"required key {loc[-1]!r} is missing"
@@ -921,7 +921,7 @@ def describe_validation_error(exc: ValidationError, raw: Any) -> str:
     elif err["type"] == "literal_error" and len(loc) > 1 and loc[-1] == "name" and "datasets" in loc:
         known = [*typing.get_args(DatasetSpec.model_fields["name"].annotation), "file"]
         name = str(err["input"])
-        message = (f"unknown dataset {name!r}{_closest(name, known)}; known: {', '.join(known)} "
+        message = (f"unknown dataset {name!r}{closest(name, known)}; known: {', '.join(known)} "
                    f"(file: a data file of your own, {{name: file, path: ...}})")
     else:
         message = err["msg"].removeprefix("Value error, ")

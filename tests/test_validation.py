@@ -515,15 +515,15 @@ def test_readers_refuse_a_manifest_of_the_wrong_shape(tmp_path, capsys, monkeypa
 
 def test_pld_memory_is_estimated_and_refused_before_the_library_allocates(monkeypatch):
     from dpsgd_cli.errors import UserError
-    from dpsgd_cli.privacy import _validate
+    from dpsgd_cli.privacy import validate
     from dpsgd_cli.privacy.accounting import dpsgd_event
 
     with pytest.raises(UserError, match="GiB of memory"):
-        _validate.pld_memory(dpsgd_event(0.05, 1.0, 10**6), 1e-2)
-    _validate.pld_memory(dpsgd_event(1.0, 0.01, 10**4), 5e-5)  # a paper-sized one fits (~0.3 GiB)
-    monkeypatch.setattr(_validate, "available_memory", lambda: 64 << 20)
+        validate.pld_memory(dpsgd_event(0.05, 1.0, 10**6), 1e-2)
+    validate.pld_memory(dpsgd_event(1.0, 0.01, 10**4), 5e-5)  # a paper-sized one fits (~0.3 GiB)
+    monkeypatch.setattr(validate, "available_memory", lambda: 64 << 20)
     with pytest.raises(UserError, match="accountant rdp"):
-        _validate.pld_memory(dpsgd_event(1.0, 0.01, 10**4), 5e-5)
+        validate.pld_memory(dpsgd_event(1.0, 0.01, 10**4), 5e-5)
 
 
 def test_pld_accountant_beyond_memory_is_one_line_at_once(capsys, monkeypatch):

@@ -31,7 +31,7 @@ from dpsgd_cli.algorithms.sampling import shuffled_batches
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import Batch, Model
-from dpsgd_cli.privacy import _validate as check
+from dpsgd_cli.privacy import validate as check
 from dpsgd_cli.privacy.mechanisms import advanced_composition_epsilon_per_step, gamma_norm_draws
 
 GRADIENT_BOUND = 1.0  # the paper's ‖∇ℓ‖ ≤ 1, enforced by clipping each example's gradient to norm 1

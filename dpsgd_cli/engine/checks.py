@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
 from dpsgd_cli.algorithms import ALGORITHMS
-from dpsgd_cli.config import AuditSpec, Cell, ClaimSpec, FigureSpec, Grid, _closest, axis_values, expand
+from dpsgd_cli.config import AuditSpec, Cell, ClaimSpec, FigureSpec, Grid, closest, axis_values, expand
 from dpsgd_cli.data.files import FileDatasetSpec
 from dpsgd_cli.data.registry import get_entry
 from dpsgd_cli.data.spec import DatasetSpec
@@ -30,7 +30,7 @@ from dpsgd_cli.engine.runner import dataset
 from dpsgd_cli.engine.selection import frame_columns
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models.mlp import BLOCK_ELEMENTS as MLP_BLOCK
-from dpsgd_cli.privacy._validate import MEMORY_SHARE, available_memory
+from dpsgd_cli.privacy.validate import MEMORY_SHARE, available_memory
 from dpsgd_cli.privacy.accounting import PLD_MAX_COMPOSITIONS
 
 MAX_RUNS = 100_000  # runs of one grid (cells × seeds); the largest paper grid has 594
@@ -151,11 +151,11 @@ def _name(value: Optional[str], key: str, columns: list[str], where: str, numeri
     if value is None:
         return
     if value not in columns:
-        hint = _closest(value, columns) or f" (columns: {', '.join(columns)})"
+        hint = closest(value, columns) or f" (columns: {', '.join(columns)})"
         raise UserError(f"{where}: {key} = {value!r} is not a column of the results{hint}")
     if numeric is not None and value not in numeric:
         raise UserError(f"{where}: {key} = {value!r} is a text column; use a numeric one"
-                        f"{_closest(value, sorted(numeric))}")
+                        f"{closest(value, sorted(numeric))}")
 
 
 def _selection(grid: Grid, selection: dict[str, Any], key: str, columns: list[str], where: str,
@@ -174,7 +174,7 @@ def _selection(grid: Grid, selection: dict[str, Any], key: str, columns: list[st
             known = _NAMED[column](grid) if column in _NAMED else None
             if known is not None and comparison(value) is None and value not in known:
                 raise UserError(f"{where}: {key}.{column} = {value!r} is not among the grid's {column}s"
-                                f"{_closest(str(value), known)}; the grid has {', '.join(known)}")
+                                f"{closest(str(value), known)}; the grid has {', '.join(known)}")
 
 
 def _check_figure(grid: Grid, figure: FigureSpec, where: str) -> None:
@@ -183,7 +183,7 @@ def _check_figure(grid: Grid, figure: FigureSpec, where: str) -> None:
         labels = [label for label, *_ in NOISE_ACCOUNTINGS]
         for label in skip:
             if label not in labels:
-                raise UserError(f"{where}: params.skip: {label!r} is not an accounting{_closest(label, labels)}; "
+                raise UserError(f"{where}: params.skip: {label!r} is not an accounting{closest(label, labels)}; "
                                 f"known: {', '.join(labels)}")
         return
     columns, numeric = _columns(grid, figure.kind)
@@ -206,7 +206,7 @@ def _check_claim(grid: Grid, claim: ClaimSpec, where: str) -> None:
     else:
         valid = ["runs", "traces", *(f.name for f in grid.figures if f.kind in ANALYTIC)]
         raise UserError(f"{where}: source = {claim.source!r} is neither runs, traces nor an analytic figure of the "
-                        f"grid{_closest(claim.source, valid)}; valid: {', '.join(valid)}")
+                        f"grid{closest(claim.source, valid)}; valid: {', '.join(valid)}")
     if claim.unselected != "show" and not grid.select:
         raise UserError(f"{where}: unselected = {claim.unselected!r} needs a grid with select: (the runs a "
                         f"selection did not choose); leave it out")

@@ -36,7 +36,7 @@ from dpsgd_cli.diskcache import CACHE_DIR_ENV
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.lazy import LazyModule
 from dpsgd_cli.privacy import AccountantName, Neighbours
-from dpsgd_cli.privacy import _validate as check
+from dpsgd_cli.privacy import validate as check
 from dpsgd_cli.privacy import rdp as _rdp_native
 from dpsgd_cli.privacy.calibration import LATTICE_STEP, CalibrationPoint, EpsilonCurve, cache_folder, cached, calibrate
 
@@ -186,7 +186,7 @@ _FRAC_FILTER = _DropFracNonConvergence()
 
 
 @contextlib.contextmanager
-def _quiet_rdp() -> Iterator[None]:
+def quiet_rdp() -> Iterator[None]:
     logger = logging.getLogger("absl")
     logger.addFilter(_FRAC_FILTER)
     try:
@@ -200,7 +200,7 @@ def rdp_epsilon_and_order(event: DpEvent, delta: float,
     """(ε, optimal order) of the RDP accountant under `relation` (default add-or-remove-one), over
     :data:`RDP_ORDERS` (larger orders walked only when the base grid's top order is optimal)."""
     relation = _relations.NeighboringRelation.ADD_OR_REMOVE_ONE if relation is None else relation
-    with _quiet_rdp():
+    with quiet_rdp():
         return _rdp_epsilon_loud(event, delta, relation)
 
 
@@ -273,7 +273,7 @@ def _pld_once(event: DpEvent, delta: float, h: float, neighbours: str = "add_rem
     return float(accountant.get_epsilon(delta))
 
 
-def _snap_down(h: float) -> float:
+def snap_down(h: float) -> float:
     """Largest 10**(-k/4) <= h."""
     snapped: float = 10.0 ** (math.floor(4.0 * math.log10(h)) / 4.0)
     return snapped
@@ -293,7 +293,7 @@ def _pld_epsilon(
     for _ in range(_PLD_MAX_PASSES):
         if not (math.isfinite(eps) and eps > 0):
             break
-        h_new = max(_PLD_H_MIN, _snap_down(PLD_RHO * eps / root_n))
+        h_new = max(_PLD_H_MIN, snap_down(PLD_RHO * eps / root_n))
         if h_new >= h:
             break
         h = h_new
@@ -445,7 +445,7 @@ def _calibration(sigma: float, e: float, extra: object, target: float, d: float,
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def _memoised(maxsize: int) -> Callable[[_F], _F]:
+def memoised(maxsize: int) -> Callable[[_F], _F]:
     """functools.lru_cache keyed by the arguments as bound to the signature, defaults applied: a call that spells
     out a default (``neighbours="add_remove"``) and one that leaves it out share one entry."""
 
@@ -466,7 +466,7 @@ def _memoised(maxsize: int) -> Callable[[_F], _F]:
     return wrap
 
 
-@_memoised(maxsize=1024)
+@memoised(maxsize=1024)
 def calibrate_sigma(
     target_epsilon: float,
     delta: float,
@@ -511,7 +511,7 @@ def _calibrate_sigma(target: float, d: float, q: float, t: int, name: str,
     return _calibration(point.sigma, point.epsilon, curve.info[point.sigma], target, d, q, t, name, neighbours)
 
 
-@_memoised(maxsize=64)
+@memoised(maxsize=64)
 def dpsgd_curve(delta: float, sample_rate: float, steps: int, accountant: str,
                 neighbours: str = "add_remove") -> EpsilonCurve:
     """The accountant's epsilon(sigma) of DP-SGD at (delta, q, T) under `neighbours`: one curve per process for

@@ -26,7 +26,7 @@ import numpy as np
 from dpsgd_cli import diskcache
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.lazy import LazyModule
-from dpsgd_cli.privacy import _validate as check
+from dpsgd_cli.privacy import validate as check
 
 optimize = LazyModule("scipy.optimize")
 

@@ -38,7 +38,7 @@ import numpy as np
 import pandas as pd
 
 from dpsgd_cli.errors import UserError
-from dpsgd_cli.privacy import _validate as check
+from dpsgd_cli.privacy import validate as check
 from dpsgd_cli.privacy.accounting import RDP_ORDERS, rdp_curve_to_epsilon
 from dpsgd_cli.privacy.calibration import CalibrationPoint, calibrate
 

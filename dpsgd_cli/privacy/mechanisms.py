@@ -15,7 +15,7 @@ import numpy as np
 
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.lazy import LazyModule
-from dpsgd_cli.privacy import _validate as check
+from dpsgd_cli.privacy import validate as check
 
 # imported on first use (dp-accounting is slow to import): the algorithm registry imports this module for every run
 _dp = LazyModule("dp_accounting")

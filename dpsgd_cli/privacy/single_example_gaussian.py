@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 from dpsgd_cli import diskcache
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.lazy import LazyModule
-from dpsgd_cli.privacy.accounting import (CALIBRATION_VERSION, LIBRARY, _memoised, _snap_down, rdp_epsilon_and_order,
+from dpsgd_cli.privacy.accounting import (CALIBRATION_VERSION, LIBRARY, memoised, snap_down, rdp_epsilon_and_order,
                                           rdp_epsilon_floor)
 from dpsgd_cli.privacy.calibration import cached, calibrate, check_window, positive_sigma
 from dpsgd_cli.privacy.mechanisms import (advanced_composition, advanced_composition_epsilon_per_step,
@@ -197,7 +197,7 @@ def pld_epsilon(noise_multiplier: float, n: int, steps: int, delta: float) -> tu
     for _ in range(8):
         if not (math.isfinite(eps) and eps > 0):
             break
-        h_new = max(1e-10, _snap_down(PLD_RHO_SINGLE_EXAMPLE * eps / math.sqrt(steps)))
+        h_new = max(1e-10, snap_down(PLD_RHO_SINGLE_EXAMPLE * eps / math.sqrt(steps)))
         if h_new >= h:
             break
         h, eps = h_new, once(h_new)
@@ -272,7 +272,7 @@ def _verified(stored: dict[str, Any], epsilon: float, delta: float, n: int, step
     return Privacy(sigma, e, accounting, _accountant_details(accounting, z, x))
 
 
-@_memoised(maxsize=256)
+@memoised(maxsize=256)
 def calibrate_bassily(epsilon: float, delta: float, n: int, steps: int, lipschitz: float, accounting: str,
                       formula: str = "lecture", amplification: str = "tight") -> Privacy:
     """σ (on the mean scale) whose ε under `accounting` is the target (within 0.1 % below; exact for closed forms),

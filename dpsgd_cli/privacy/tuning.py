@@ -31,8 +31,8 @@ import numpy as np
 
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.lazy import LazyModule
-from dpsgd_cli.privacy import _validate as check
-from dpsgd_cli.privacy.accounting import RDP_EXTENSION_ORDERS, _quiet_rdp, dpsgd_event, rdp_curve_to_epsilon
+from dpsgd_cli.privacy import validate as check
+from dpsgd_cli.privacy.accounting import RDP_EXTENSION_ORDERS, quiet_rdp, dpsgd_event, rdp_curve_to_epsilon
 
 # imported on first use (dp-accounting is slow to import): only a tuned (private selection) cell needs them
 _rdp_lib = LazyModule("dp_accounting.rdp.rdp_privacy_accountant")
@@ -155,7 +155,7 @@ def tuned_epsilon(orders: Sequence[float], candidate_rdp: Sequence[Sequence[floa
 def dpsgd_rdp(sigma: float, sample_rate: float, steps: int) -> tuple[float, ...]:
     """RDP curve of DP-SGD (T Poisson-subsampled Gaussian steps, add-or-remove) on :data:`TUNING_ORDERS`."""
     accountant = _rdp_lib.RdpAccountant(list(TUNING_ORDERS))
-    with _quiet_rdp():
+    with quiet_rdp():
         accountant.compose(dpsgd_event(sigma, sample_rate, steps))
     return tuple(float(x) for x in accountant._rdp)  # the curve itself (the public API only converts it)
 
