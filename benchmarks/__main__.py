@@ -18,7 +18,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from benchmarks.common import REPO, Opacus, Row, busy_note, machine
 
@@ -61,14 +61,14 @@ class Context:
     quick: bool
     k: int
     opacus: Opacus
-    jax_python: Optional[str] = None  # interpreter of the JAX side (None: this one)
+    jax_python: str | None = None  # interpreter of the JAX side (None: this one)
     figure_set: str = "scaled"  # case 9b: scaled, full or none
     end_to_end: str = "all"  # case 11: every grid, or a comma-separated list of grids
     versions: dict[str, Any] = field(default_factory=dict)  # of the comparison tools (torch, opacus)
     shared: dict[str, Any] = field(default_factory=dict)  # measurements a later part of a case reuses
 
 
-def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[1])
     parser.add_argument("--quick", action="store_true", help="about a minute: fewer repetitions and smaller cases")
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated case numbers (default: all)")
@@ -159,7 +159,7 @@ def markdown(rows: list[Row], items: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
     args = parse(argv)

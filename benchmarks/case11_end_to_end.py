@@ -21,9 +21,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any
 
 from benchmarks.common import REPO, Row
 
@@ -42,7 +43,7 @@ class Step:
     command: list[str]
     wall_s: float = math.nan
     cpu_s: float = math.nan  # user + system of the process and its waited-for children (the workers)
-    returncode: Optional[int] = None
+    returncode: int | None = None
     runs: int = 0  # rows of runs.csv (a grid)
     not_ok: dict[str, int] = field(default_factory=dict)  # runs by status other than ok
     train_s: float = 0.0  # the rows' summed wall_time: training, summed over the workers
@@ -84,7 +85,7 @@ def environment(root: Path, cold: Iterable[str]) -> dict[str, str]:
     return env
 
 
-def timed(step: Step, env: dict[str, str], log: Optional[Path] = None) -> Step:
+def timed(step: Step, env: dict[str, str], log: Path | None = None) -> Step:
     """Run the step's command (cwd: the repository) and record its wall and CPU time and exit code; its output
     goes to `log`."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)

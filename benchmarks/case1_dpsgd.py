@@ -13,6 +13,7 @@ from scipy.special import expit
 
 from benchmarks.common import Row, Skip, accuracy, best_of, fmt_rate, fmt_time, load, logreg_setting
 
+
 def numpy_dpsgd(X: np.ndarray, y: np.ndarray, replicas: int, steps: int, q: float, clip: float, sigma: float,
                 lr: float, l2: float, batch_size: int) -> np.ndarray:
     """The baseline: DP-SGD written the obvious way, one replica after another (θ from 0, Poisson sampling by a

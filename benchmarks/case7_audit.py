@@ -6,7 +6,6 @@ The gradient canary (one fit of 2000 replicas, white box) is timed beside it. `-
 
 from __future__ import annotations
 
-
 from benchmarks.common import Row, Skip, best_of, fmt_time, load
 
 GOAL_S = 120.0

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -40,7 +40,7 @@ def per_step(m: Measured) -> float:
     return m.best / m.info["replica_steps"]
 
 
-def _safe_prepare(worker: Worker, name: str, kind: str, **spec) -> Optional[dict[str, Any]]:
+def _safe_prepare(worker: Worker, name: str, kind: str, **spec) -> dict[str, Any] | None:
     try:
         return worker.prepare(name, kind, **spec)
     except Skip:
@@ -110,7 +110,7 @@ def _logreg(ctx, common, rounds, replica_counts, dtypes) -> list[Row]:
                         sides[f"JAX {clip} clip"] = (lambda nm: lambda: workers["jax"].run(nm))(name)
                     else:
                         rows.append(Row("8a", f"logreg R = {R} {dtype}: JAX {clip} clip", note=f"error: {info}"))
-                if R == replica_counts[0] and "error" not in opacus_ok[dtype]:
+                if replica_counts[0] == R and "error" not in opacus_ok[dtype]:
                     for sampler, label in SAMPLERS.items():
                         sides[label] = (lambda nm: lambda: workers["opacus"].run(nm))(f"op-{dtype}-{sampler}")
                 measured = interleave(sides, rounds)
@@ -133,7 +133,7 @@ def _logreg(ctx, common, rounds, replica_counts, dtypes) -> list[Row]:
                         c = compile_s[f"j-{R}-{dtype}-{peer.split()[1]}"]
                         extra = (f"; JAX compile {c['compile_s']:.2f} s (apart), pad P = {c['pad']}, "
                                  f"overflowing steps {m.info.get('overflow_steps')}")
-                    if peer.startswith("Opacus") and R != replica_counts[0]:
+                    if peer.startswith("Opacus") and replica_counts[0] != R:
                         extra = "; Opacus trains one model at a time: its R = 1 per-replica-step time"
                     rows.append(Row(
                         "8a", f"dp_sgd logreg adult, R = {R}, {dtype}: ours vs {peer}",

@@ -60,7 +60,7 @@ def before_checkout(folder: Path) -> Path:
                                   check=True).stdout
             subprocess.run(["patch", "-s", "-p1", "-d", str(folder)], input=diff, check=True)
     except (OSError, subprocess.CalledProcessError) as exc:
-        raise Skip(f"cannot unpack commit {BEFORE} of this repository ({exc}); run from a git checkout")
+        raise Skip(f"cannot unpack commit {BEFORE} of this repository ({exc}); run from a git checkout") from exc
     return folder
 
 

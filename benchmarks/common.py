@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
-import contextlib
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import numpy as np
 
@@ -46,7 +47,7 @@ def best_of(fn: Callable[[], Any], k: int, warmup: int = 0) -> tuple[Timing, Any
 
 
 def interleaved_best(fns: dict[Any, Callable[[], Any]], rounds: int, reps: int = 3,
-                     contexts: Optional[dict[Any, Callable[[], Any]]] = None) -> dict[Any, Timing]:
+                     contexts: dict[Any, Callable[[], Any]] | None = None) -> dict[Any, Timing]:
     """Each fn once untimed, then `rounds` rounds, each running every fn `reps` times in turn (A A A B B B A A A …):
     the fns see the same moments of a shared machine, so their ratio is not one side's lucky time slice.
     contexts[name]() (e.g. a thread limit, slow to enter) is entered around a fn's reps, outside the clock."""
@@ -70,13 +71,13 @@ class Row:
     what: str
     ours: str = "–"
     comparison: str = "–"
-    ratio: Optional[float] = None  # the comparison's time / ours (> 1: ours faster); case 2: ours / the floor
+    ratio: float | None = None  # the comparison's time / ours (> 1: ours faster); case 2: ours / the floor
     ratio_label: str = "×"  # "× floor" for case 2
     goal: str = "–"
-    met: Optional[bool] = None  # None: no goal, or skipped
+    met: bool | None = None  # None: no goal, or skipped
     note: str = ""
     data: dict[str, Any] = field(default_factory=dict)  # numbers for the JSON
-    load: Optional[float] = None  # mean 1-minute load average over the measurements behind the ratio
+    load: float | None = None  # mean 1-minute load average over the measurements behind the ratio
     goal_id: str = ""  # the performance goal this row measures (see __main__.GOALS), if any
 
     def json(self) -> dict[str, Any]:
@@ -150,10 +151,10 @@ def _cache_sizes() -> dict[str, str]:
     return out
 
 
-def _versions() -> dict[str, Optional[str]]:
+def _versions() -> dict[str, str | None]:
     import importlib.metadata as md
 
-    out: dict[str, Optional[str]] = {"python": platform.python_version()}
+    out: dict[str, str | None] = {"python": platform.python_version()}
     for name in ("dpsgd", "numpy", "scipy", "numba", "llvmlite", "dp-accounting", "joblib", "torch", "opacus"):
         try:
             out[name] = md.version(name)
@@ -173,7 +174,7 @@ def _blas() -> list[dict[str, Any]]:
         return [{"error": str(exc)}]
 
 
-def _git_commit() -> Optional[str]:
+def _git_commit() -> str | None:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
                              timeout=5)
@@ -237,13 +238,13 @@ class Opacus:
              "venv (python -m venv /tmp/ov && /tmp/ov/bin/pip install torch opacus) and pass "
              "--opacus-python /tmp/ov/bin/python")
 
-    def __init__(self, python: Optional[str] = None):
+    def __init__(self, python: str | None = None):
         self.python = python
         try:
             import opacus  # noqa: F401
             import torch  # noqa: F401
 
-            self.mode: Optional[str] = "in-process"
+            self.mode: str | None = "in-process"
         except Exception:
             self.mode = "subprocess" if python else None
 
@@ -254,7 +255,7 @@ class Opacus:
             return f"via {self.python}"
         return "not available"
 
-    def run(self, request: dict[str, Any], arrays: Optional[dict[str, np.ndarray]] = None,
+    def run(self, request: dict[str, Any], arrays: dict[str, np.ndarray] | None = None,
             timeout: float = 900) -> dict[str, Any]:
         import json
         import tempfile

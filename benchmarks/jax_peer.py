@@ -35,9 +35,8 @@ def pad_size(n: int, q: float, steps: int) -> int:
 
 
 def prepare(spec: dict[str, Any]):
-    import numpy as np
-
     import jax
+    import numpy as np
 
     jax.config.update("jax_enable_x64", True)
     import jax.numpy as jnp

@@ -10,6 +10,7 @@ with it. The sides may run in different interpreters (`python=`): none imports a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -18,9 +19,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 from benchmarks.common import REPO, Skip
 
@@ -33,7 +35,7 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THRE
               "TF_CPP_MIN_LOG_LEVEL": "3"}
 
 
-def load1() -> Optional[float]:
+def load1() -> float | None:
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
 
@@ -42,7 +44,7 @@ def pin_prefix() -> list[str]:
     return ["taskset", "-c", str(CORE)] if shutil.which("taskset") else []
 
 
-def side_env(extra: Optional[dict[str, Optional[str]]] = None) -> dict[str, str]:
+def side_env(extra: dict[str, str | None] | None = None) -> dict[str, str]:
     """The driver's environment, one thread everywhere, the repo importable; `extra` sets (None: removes)."""
     env = {**os.environ, **ONE_THREAD, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     for key, value in (extra or {}).items():
@@ -57,10 +59,12 @@ class Worker:
     """One side's process; `prepare(kind, **spec)` sets a task up (warm-up and compilation included, their
     seconds reported), `run(name)` times it once inside the worker (only the work, no IPC)."""
 
-    def __init__(self, label: str, python: Optional[str] = None, env: Optional[dict[str, Optional[str]]] = None):
+    def __init__(self, label: str, python: str | None = None, env: dict[str, str | None] | None = None):
         self.label = label
         self.python = python or sys.executable
-        self._err = tempfile.NamedTemporaryFile(prefix=f"dpsgd-bench-{label}-", suffix=".log", delete=False)
+        # the worker's stderr, open while it runs; close() removes it
+        self._err = tempfile.NamedTemporaryFile(prefix=f"dpsgd-bench-{label}-", suffix=".log",  # noqa: SIM115
+                                                delete=False)
         self.proc = subprocess.Popen(pin_prefix() + [self.python, "-m", "benchmarks.sides"], cwd=REPO,
                                      env=side_env(env), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self._err, text=True, bufsize=1)
@@ -97,18 +101,14 @@ class Worker:
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            try:
+            with contextlib.suppress(Exception):
                 self.ask({"op": "quit"})
-            except Exception:
-                pass
             try:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(self._err.name)
-        except OSError:
-            pass
 
     def __enter__(self):
         return self
@@ -123,7 +123,7 @@ class Command:
     after :data:`MARK` (a JSON object, the last such line) is merged into its answer."""
 
     argv: list[str]
-    env: dict[str, Optional[str]] = field(default_factory=dict)
+    env: dict[str, str | None] = field(default_factory=dict)
     fresh_dir: bool = True  # an empty temporary folder substituted for "{out}" in argv at each run
 
     def __call__(self) -> dict[str, Any]:
@@ -156,7 +156,7 @@ class Measured:
     """Best of the rounds of one side, its median, and the load average at each of its measurements."""
 
     times: list[float]
-    loads: list[Optional[float]]
+    loads: list[float | None]
     info: dict[str, Any]
     cpu: list[float] = field(default_factory=list)  # CPU seconds per round, for sides that report them
 
@@ -198,6 +198,6 @@ def load_text(*measured: Measured) -> str:
     return f"load {statistics.mean(loads):.1f} ({min(loads):.1f}–{max(loads):.1f})"
 
 
-def mean_load(*measured: Measured) -> Optional[float]:
+def mean_load(*measured: Measured) -> float | None:
     loads = [v for m in measured for v in m.loads if v is not None]
     return round(statistics.mean(loads), 2) if loads else None

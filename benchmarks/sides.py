@@ -14,7 +14,8 @@ import json
 import sys
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 MARK = "@@bench "
 
@@ -46,9 +47,9 @@ def ours_fit(spec: dict[str, Any]) -> tuple[Runner, dict[str, Any]]:
     import numpy as np
 
     from dpsgd_cli.algorithms import ALGORITHMS
-    from dpsgd_cli.models.rows import cached_astype
     from dpsgd_cli.algorithms.streams import ReplicaStreams
     from dpsgd_cli.models import make_model
+    from dpsgd_cli.models.rows import cached_astype
 
     data = _data(spec["data"])
     dtype = np.dtype(spec.get("dtype", "float64"))

@@ -6,7 +6,7 @@ Kept free of heavy imports: the CLI reads them to build its help.
 
 from __future__ import annotations
 
-from typing import Optional, Annotated
+from typing import Annotated
 
 from annotated_types import Ge, Gt, Le, Lt
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -43,12 +43,12 @@ class NoiseScaleParams(_Params):
     n: int = Field(30162, ge=2, le=10**7, description="records of the T panel")
     epochs: list[Annotated[float, Field(gt=0, le=100)]] = Field([0.1, 0.3, 1, 3], min_length=1)
     n_values: list[Annotated[int, Field(ge=2, le=10**7)]] = Field([1000, 3000, 10000, 30000], min_length=1)
-    steps_fixed: Optional[int] = Field(None, ge=1, description="T of the n panel (default: n)")
-    delta_fixed: Optional[float] = Field(None, gt=0, lt=1, description="δ of the n panel (default: 1/n²)")
+    steps_fixed: int | None = Field(None, ge=1, description="T of the n panel (default: n)")
+    delta_fixed: float | None = Field(None, gt=0, lt=1, description="δ of the n panel (default: 1/n²)")
     skip: list[str] = Field(default_factory=list, description="accountings left out, by label")
 
     @model_validator(mode="after")
-    def _bounded(self) -> "NoiseScaleParams":
+    def _bounded(self) -> NoiseScaleParams:
         steps = max(max(self.epochs) * self.n, self.steps_fixed or self.n)
         if steps > NOISE_SCALE_MAX_STEPS:
             raise ValueError(f"T = epochs·n reaches {steps:.3g} steps, beyond the {NOISE_SCALE_MAX_STEPS:.0e} the PLD "

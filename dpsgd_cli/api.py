@@ -19,9 +19,16 @@ import copy
 import difflib
 import os
 import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import (TYPE_CHECKING, Annotated, Any, Callable, Iterable, Literal, Mapping, Optional, Protocol,
-                    Sequence, Union, runtime_checkable)
+from typing import (
+    TYPE_CHECKING,
+    Annotated,
+    Any,
+    Literal,
+    Protocol,
+    runtime_checkable,
+)
 
 from dpsgd_cli.arguments import at_least, between, checked, each
 from dpsgd_cli.errors import ArgumentValueError, UserError, file_errors
@@ -60,7 +67,7 @@ report_html = LazyModule("dpsgd_cli.report_html")
 audit_run = LazyModule("dpsgd_cli.audit.run")
 accounting = LazyModule("dpsgd_cli.privacy.accounting")
 
-PathLike = Union[str, Path]
+PathLike = str | Path
 
 
 @runtime_checkable
@@ -73,9 +80,9 @@ class GridModel(Protocol):
 
 
 # a grid file's path; its YAML text; the document as a dict ({"grids": [...]}, or one grid); one or more grids
-GridSource = Annotated[Union[str, Path, Mapping[str, Any], GridModel, Sequence[Union[Mapping[str, Any], GridModel]]],
+GridSource = Annotated[str | Path | Mapping[str, Any] | GridModel | Sequence[Mapping[str, Any] | GridModel],
                        "a path, YAML text, a dict, a Grid or a list of grids"]
-Names = Union[str, Iterable[str], None]  # one name, or several (`only="a"` is `only=["a"]`)
+Names = str | Iterable[str] | None  # one name, or several (`only="a"` is `only=["a"]`)
 ExportFormat = Literal["parquet", "csv"]
 ImageFormat = Literal["png", "pdf", "svg"]
 
@@ -84,9 +91,9 @@ ImageFormat = Literal["png", "pdf", "svg"]
 @file_errors()
 @checked(jobs=at_least(1))
 def run(grid: GridSource, *, only: Names = None, out: PathLike = "results", jobs: int = 1,
-        dry_run: bool = False, no_resume: bool = False, scheduler: Optional[str] = None,
-        set: Union[Mapping[str, Any], Names] = None, seeds: Optional[int] = None,  # noqa: A002
-        quiet: bool = False) -> "pd.DataFrame":
+        dry_run: bool = False, no_resume: bool = False, scheduler: str | None = None,
+        set: Mapping[str, Any] | Names = None, seeds: int | None = None,  # noqa: A002
+        quiet: bool = False) -> pd.DataFrame:
     """`dpsgd run`: run every cell of the grid(s) (resuming: runs already in runs.csv are skipped) and return
     the runs of the grids, one row per run (see `read_results`); `df.attrs["failed"]` counts the runs that failed
     in this call. `grid` is a grid file's path, its YAML text (a string that is no existing path and holds a
@@ -133,7 +140,7 @@ def run(grid: GridSource, *, only: Names = None, out: PathLike = "results", jobs
 
 
 def _load_grids(grid: GridSource, overrides: Sequence[tuple[str, Any]] = (),
-               only: Optional[list[str]] = None) -> "GridFile":
+               only: list[str] | None = None) -> GridFile:
     """The grids `run` and `audit` take, validated as a grid file is (the same checks, each problem one
     UserError line): a path; a string that is no existing path and holds a newline or `grids:` is the file's
     YAML text; a dict is the parsed document ({"grids": [...]}, or one grid) and a list holds grids (dicts or
@@ -163,7 +170,7 @@ def _is_yaml_text(text: str) -> bool:
     return not exists and ("\n" in text or "grids:" in text)
 
 
-def _overrides(set: Union[Mapping[str, Any], Names], seeds: Optional[int]) -> list[tuple[str, Any]]:  # noqa: A002
+def _overrides(set: Mapping[str, Any] | Names, seeds: int | None) -> list[tuple[str, Any]]:  # noqa: A002
     """`set` ({"epochs": 1} or ["epochs=1"]) and `seeds` as (dotted key, value) pairs."""
     overrides = list(set.items()) if isinstance(set, Mapping) else config.parse_overrides(_strings(set))
     if seeds is not None:
@@ -214,7 +221,7 @@ class _Display:
     def __init__(self, quiet: bool) -> None:
         self.quiet = quiet
         self.console = rich_console.Console()
-        self._progress: Optional[Progress] = None
+        self._progress: Progress | None = None
 
     def line(self, text: str) -> None:
         if not self.quiet:
@@ -266,7 +273,7 @@ class _Display:
 # --- results ---------------------------------------------------------------------------------------
 @file_errors()
 @checked()
-def read_results(folder: PathLike = "results") -> "pd.DataFrame":
+def read_results(folder: PathLike = "results") -> pd.DataFrame:
     """The runs of a grid's results folder (or of every grid under a results root), one row per run id, as the
     summary, plots and report read them: malformed and cut rows of runs.csv skipped, rows of another or an
     earlier version of the grid left out (each omission noted on stderr). Every status is kept; the finished
@@ -287,10 +294,8 @@ def read_results(folder: PathLike = "results") -> "pd.DataFrame":
 def export(results_dir: PathLike = "results", *, format: ExportFormat = "parquet") -> list[Path]:  # noqa: A002
     """`dpsgd export`: each grid's runs (as `read_results` gives them) written beside its runs.csv as
     runs.parquet (or runs_valid.csv with format="csv"), and traces.csv as traces.parquet; returns the paths."""
-    if format == "parquet":
-        if not installed("pyarrow"):
-            raise UserError("--format parquet needs pyarrow: pip install 'dpsgd[parquet]' (or pip install "
-                            "pyarrow)")
+    if format == "parquet" and not installed("pyarrow"):
+        raise UserError("--format parquet needs pyarrow: pip install 'dpsgd[parquet]' (or pip install pyarrow)")
     paths = []
     for folder in results.result_folders(results_dir):
         frames = {"runs": read_results(folder)}
@@ -305,7 +310,7 @@ def export(results_dir: PathLike = "results", *, format: ExportFormat = "parquet
 
 @file_errors()
 @checked()
-def report(results_dir: PathLike = "results") -> "pd.DataFrame":
+def report(results_dir: PathLike = "results") -> pd.DataFrame:
     """`dpsgd report`: check the claims of every grid under `results_dir` and write report.md and report.html
     (the report with its figures embedded: one file to open in a browser or send); one row per claim: grid,
     claim, kind, text, quote, reading, own, verdict (PASS, FAIL, VACUOUS, NO DATA), numbers; `df.attrs["path"]` is
@@ -322,7 +327,7 @@ def report(results_dir: PathLike = "results") -> "pd.DataFrame":
 
 
 @checked()
-def select(results_dir: PathLike = "results") -> "pd.DataFrame":
+def select(results_dir: PathLike = "results") -> pd.DataFrame:
     """`dpsgd select`: for each grid with `select:`, the candidate each group chose on validation, its scores
     and what choosing cost in privacy (also written to selection.csv beside runs.csv); one row per selection and
     group, the first column naming the grid."""
@@ -338,7 +343,7 @@ def metrics() -> list[str]:
 
 
 @checked()
-def check_metric(metric: Optional[str]) -> Optional[str]:
+def check_metric(metric: str | None) -> str | None:
     """`metric` if `plot` can draw it, else one UserError line (with the closest name)."""
     if metric is None or metric in metrics():
         return metric
@@ -350,7 +355,7 @@ def check_metric(metric: Optional[str]) -> Optional[str]:
 
 @file_errors()
 @checked()
-def plot(results_dir: PathLike = "results", *, metric: Optional[str] = None,
+def plot(results_dir: PathLike = "results", *, metric: str | None = None,
          format: ImageFormat = "png") -> list[Path]:  # noqa: A002
     """`dpsgd plot`: the grid's paper figures, or `metric` (any numeric column of runs.csv) over ε; returns
     the files written (under each grid's figures/)."""
@@ -360,9 +365,9 @@ def plot(results_dir: PathLike = "results", *, metric: Optional[str] = None,
 @file_errors()
 @checked(trials=at_least(2), confidence=between(0.5, 1, "0.95"))
 def audit(grid: GridSource, *, only: Names = None, out: PathLike = "results",
-          trials: Optional[int] = None, confidence: Optional[float] = None, dry_run: bool = False,
-          set: Union[Mapping[str, Any], Names] = None, seeds: Optional[int] = None,  # noqa: A002
-          on_rows: Optional[Callable[[list[dict]], None]] = None) -> "pd.DataFrame":
+          trials: int | None = None, confidence: float | None = None, dry_run: bool = False,
+          set: Mapping[str, Any] | Names = None, seeds: int | None = None,  # noqa: A002
+          on_rows: Callable[[list[dict]], None] | None = None) -> pd.DataFrame:
     """`dpsgd audit`: train with and without a canary and bound each cell's ε from below; returns the rows of
     every audited grid's audit.csv (ε_lo beside the claimed ε). `grid`, `set` and `seeds` as for `run`.
     `on_rows` sees each cell's rows (their `grid` column names the grid) as they come. With `dry_run`, nothing is
@@ -402,8 +407,8 @@ def calibrations(*, epsilon: Sequence[float], sample_rate: float, steps: int, de
 
 
 @checked(epsilon=each(check.positive), **PRIVACY_RULES)
-def sigma(*, epsilon: Union[float, Sequence[float]], sample_rate: float, steps: int, delta: float,
-          accountant: AccountantName = "rdp", neighbours: Neighbours = "add_remove") -> Union[float, list[float]]:
+def sigma(*, epsilon: float | Sequence[float], sample_rate: float, steps: int, delta: float,
+          accountant: AccountantName = "rdp", neighbours: Neighbours = "add_remove") -> float | list[float]:
     """`dpsgd sigma`: the smallest noise multiplier σ giving ε ≤ target (within 0.1%); a list for a list."""
     targets = [epsilon] if isinstance(epsilon, (int, float)) else list(epsilon)
     found = [c.sigma for c in calibrations(epsilon=targets, sample_rate=sample_rate, steps=steps, delta=delta,

@@ -23,7 +23,8 @@ import numbers
 import os
 import types
 import typing
-from typing import Annotated, Any, Callable, Literal, TypeVar, Union, cast
+from collections.abc import Callable
+from typing import Annotated, Any, Literal, TypeVar, Union, cast
 
 from dpsgd_cli.errors import ArgumentTypeError, ArgumentValueError, UserError
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import Any, Optional, Protocol, TypeGuard
+from typing import Any, Protocol, TypeGuard
 
 import typer
 from pydantic import ValidationError
@@ -93,18 +93,18 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 @app.command()
 def run(
     grid_file: Path = typer.Argument(..., metavar="GRID.yaml", help="YAML file with one or more named grids."),
-    only: Optional[list[str]] = typer.Option(None, "--only", metavar="NAME",
-                                             help="Run only this grid (repeatable: --only a --only b)."),
+    only: list[str] | None = typer.Option(None, "--only", metavar="NAME",
+                                          help="Run only this grid (repeatable: --only a --only b)."),
     out: str = typer.Option("results", "--out", metavar="DIR", help="Results root; grid G writes to DIR/G/."),
     jobs: int = typer.Option(1, "--jobs", min=1, metavar="N",
                              help="Worker processes (one BLAS thread each); capped at the number of cores."),
-    overrides: Optional[list[str]] = typer.Option(
+    overrides: list[str] | None = typer.Option(
         None, "--set", metavar="KEY=VALUE", help="Set a grid key before validation, in every grid run (repeatable; "
         "VALUE is YAML; dotted KEY for nested values: --set epochs=1 --set datasets.0.n=500)."),
-    seeds: Optional[int] = typer.Option(None, "--seeds", metavar="N", help="Runs per cell (as --set seeds=N)."),
+    seeds: int | None = typer.Option(None, "--seeds", metavar="N", help="Runs per cell (as --set seeds=N)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Validate and show what would run, then stop."),
     no_resume: bool = typer.Option(False, "--no-resume", help="Start over (the old runs.csv is kept as a backup)."),
-    scheduler: Optional[str] = typer.Option(
+    scheduler: str | None = typer.Option(
         None, "--scheduler", metavar="ADDRESS", envvar="DPSGD_SCHEDULER", show_envvar=True,
         help="Run the tasks on a Dask cluster: its scheduler's address (tcp://HOST:PORT) or local:N (a LocalCluster "
              "of N worker processes on this machine); needs the `dask` extra."),
@@ -120,7 +120,7 @@ def run(
         frame = api.run(grid_file, only=only, out=out, jobs=jobs, dry_run=dry_run, no_resume=no_resume,
                         scheduler=scheduler, set=overrides, seeds=seeds)
     except KeyboardInterrupt:  # api.run said what is saved
-        raise typer.Exit(130)
+        raise typer.Exit(130) from None
     if frame.attrs.get("failed"):
         raise typer.Exit(1)
 
@@ -130,17 +130,17 @@ def run(
 def audit(
     grid_file: Path = typer.Argument(..., metavar="GRID.yaml",
                                      help="YAML file with one or more named grids (their `audit:` blocks)."),
-    only: Optional[list[str]] = typer.Option(None, "--only", metavar="NAME", help="Audit only this grid (repeatable)."),
+    only: list[str] | None = typer.Option(None, "--only", metavar="NAME", help="Audit only this grid (repeatable)."),
     out: Path = typer.Option(Path("results"), "--out", metavar="DIR",
                              help="Results root; grid G writes DIR/G/audit.csv."),
-    trials: Optional[int] = typer.Option(None, "--trials", min=2, metavar="N", help="Trainings with the canary (and "
-                                         "as many without); default: the grid's audit.trials."),
-    confidence: Optional[float] = typer.Option(None, "--confidence", metavar="P", help="Probability that ε_lo is a "
-                                               "lower bound (default: the grid's, 0.95)."),
-    overrides: Optional[list[str]] = typer.Option(
+    trials: int | None = typer.Option(None, "--trials", min=2, metavar="N", help="Trainings with the canary (and "
+                                      "as many without); default: the grid's audit.trials."),
+    confidence: float | None = typer.Option(None, "--confidence", metavar="P", help="Probability that ε_lo is a "
+                                            "lower bound (default: the grid's, 0.95)."),
+    overrides: list[str] | None = typer.Option(
         None, "--set", metavar="KEY=VALUE", help="Set a grid key before validation, as `dpsgd run --set` does "
         "(repeatable; e.g. --set epochs=1 --set audit.trials=50)."),
-    seeds: Optional[int] = typer.Option(None, "--seeds", metavar="N", help="As --set seeds=N."),
+    seeds: int | None = typer.Option(None, "--seeds", metavar="N", help="As --set seeds=N."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Validate and show the cells to audit, then stop."),
 ) -> None:
     """Train with and without a canary, attack, and bound each cell's ε from below (ε_lo beside the claimed ε)."""
@@ -192,7 +192,7 @@ def audit_table(rows: list[dict], title: str) -> Any:
 def plot(
     results_dir: Path = typer.Argument(Path("results"), metavar="RESULTS_DIR",
                                        help="A grid's results folder, or the results root."),
-    metric: Optional[str] = typer.Option(
+    metric: str | None = typer.Option(
         None, "--metric", metavar="COLUMN", help="Any numeric column of runs.csv (accuracy = test_accuracy, "
         "optimality_gap, val_accuracy, ...) over ε (default: the grid's paper figures, or accuracy)."),
     fmt: ImageFormat = typer.Option(ImageFormat.png, "--format", metavar="png|pdf|svg",
@@ -323,22 +323,22 @@ def datasets_fetch(names: list[str] = typer.Argument(..., metavar="NAME...",
 
 @datasets_app.command("info")
 def datasets_info(
-    name: Optional[str] = typer.Argument(None, metavar="NAME",
-                                         help="Dataset name (or --path FILE for a file of your own)."),
-    path: Optional[Path] = typer.Option(None, "--path", metavar="FILE",
-                                        help="Preview what `{name: file, path: FILE}` loads."),
-    label: Optional[str] = typer.Option(None, "--label", metavar="COLUMN", help="File: the label column."),
-    positive: Optional[str] = typer.Option(None, "--positive", metavar="VALUE",
-                                           help="File: the label value of class +1."),
-    drop: Optional[list[str]] = typer.Option(None, "--drop", metavar="COLUMN",
-                                             help="File: a column not used (repeatable)."),
-    categorical: Optional[list[str]] = typer.Option(None, "--categorical", metavar="COLUMN",
-                                                    help="File: a one-hot column (repeatable)."),
-    test_path: Optional[Path] = typer.Option(None, "--test-path", metavar="FILE", help="File: the test file."),
-    missing: Optional[str] = typer.Option(None, "--missing", metavar="drop|impute",
-                                          help="File: drop or impute rows with missing values."),
-    options: Optional[list[str]] = typer.Option(None, "--set", metavar="KEY=VALUE",
-                                                help="File: any other option KEY=VALUE (YAML value)."),
+    name: str | None = typer.Argument(None, metavar="NAME",
+                                      help="Dataset name (or --path FILE for a file of your own)."),
+    path: Path | None = typer.Option(None, "--path", metavar="FILE",
+                                     help="Preview what `{name: file, path: FILE}` loads."),
+    label: str | None = typer.Option(None, "--label", metavar="COLUMN", help="File: the label column."),
+    positive: str | None = typer.Option(None, "--positive", metavar="VALUE",
+                                        help="File: the label value of class +1."),
+    drop: list[str] | None = typer.Option(None, "--drop", metavar="COLUMN",
+                                          help="File: a column not used (repeatable)."),
+    categorical: list[str] | None = typer.Option(None, "--categorical", metavar="COLUMN",
+                                                 help="File: a one-hot column (repeatable)."),
+    test_path: Path | None = typer.Option(None, "--test-path", metavar="FILE", help="File: the test file."),
+    missing: str | None = typer.Option(None, "--missing", metavar="drop|impute",
+                                       help="File: drop or impute rows with missing values."),
+    options: list[str] | None = typer.Option(None, "--set", metavar="KEY=VALUE",
+                                             help="File: any other option KEY=VALUE (YAML value)."),
 ) -> None:
     """Everything known about one dataset: files, checksums, source, licence, default options; with --path,
     what a file dataset's loader produces (rows read and dropped, features after encoding, label balance)."""

@@ -10,8 +10,9 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
+from collections.abc import Callable
 from types import ModuleType
-from typing import Callable, Literal, Optional
+from typing import Literal
 
 from dpsgd_cli.errors import UserError
 
@@ -29,7 +30,7 @@ def _numba_installed() -> bool:
 HAVE_NUMBA: bool = _numba_installed()  # numba itself is imported lazily, by the first compiled module
 
 
-def numba_version() -> Optional[str]:
+def numba_version() -> str | None:
     """The installed numba's version, without importing it (None when absent)."""
     if not HAVE_NUMBA:
         return None
@@ -65,7 +66,7 @@ def import_compiled(module: str) -> ModuleType:
                         f"({NUMBA_HINT}) or use backend: numpy") from exc
 
 
-def optional_compiled(module: str) -> Optional[ModuleType]:
+def optional_compiled(module: str) -> ModuleType | None:
     """The numba module `dpsgd_cli.<module>`, or None without numba or with a broken one (the callers then compute
     the same numbers with NumPy)."""
     if not HAVE_NUMBA:

@@ -14,11 +14,20 @@ import re
 import stat
 import typing
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError,
-                      field_validator, model_validator)
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from dpsgd_cli.algorithms import ALGORITHMS, AXES
 from dpsgd_cli.analytic_params import EPSILON_RANGE, NoiseScaleParams, PrivacyCurveParams
@@ -30,7 +39,7 @@ from dpsgd_cli.privacy.accounting import Neighbours
 from dpsgd_cli.privacy.tuning import Trials
 
 DELTA_RULE: Literal["1/n^2"] = "1/n^2"
-Number = Union[int, float]
+Number = int | float
 
 
 def _dataset_kind(value: Any) -> str:
@@ -40,7 +49,7 @@ def _dataset_kind(value: Any) -> str:
 
 # a grid's dataset: a built-in one (`kddcup99`, `{name: adult, ...}`) or a local file (`{name: file, path: ...}`)
 AnyDatasetSpec = typing.Annotated[
-    Union[typing.Annotated[DatasetSpec, Tag("builtin")], typing.Annotated[FileDatasetSpec, Tag("file")]],
+    typing.Annotated[DatasetSpec, Tag("builtin")] | typing.Annotated[FileDatasetSpec, Tag("file")],
     Discriminator(_dataset_kind),
 ]
 _DATASET_KINDS = {"builtin": DatasetSpec, "file": FileDatasetSpec}
@@ -95,7 +104,7 @@ class AlgorithmEntry(_Strict):
     name: str
     params: dict[str, Any] = Field(default_factory=dict)
     overrides: dict[str, list[Any]] = Field(default_factory=dict)
-    neighbours: Optional[Neighbours] = None  # the grid's relation, overridden for this algorithm
+    neighbours: Neighbours | None = None  # the grid's relation, overridden for this algorithm
 
     @model_validator(mode="before")
     @classmethod
@@ -219,8 +228,8 @@ class FigureSpec(_Strict):
     paper: OneLine = Field("", description="what the paper's figure shows, in one line (for the report)")
     x: str = "epsilon"
     metric: str = "test_accuracy"
-    rows: Optional[str] = Field(None, description="column whose values make the panel rows")
-    cols: Optional[str] = Field("dataset", description="column whose values make the panel columns")
+    rows: str | None = Field(None, description="column whose values make the panel rows")
+    cols: str | None = Field("dataset", description="column whose values make the panel columns")
     lines: list[str] = Field(["label"], description="columns whose values make one line")
     where: Selection = Field(default_factory=dict, description="keep only these runs")
     log_x: bool = True
@@ -228,7 +237,7 @@ class FigureSpec(_Strict):
     params: dict[str, Any] = Field(default_factory=dict, description="parameters of an analytic figure")
 
     @model_validator(mode="after")
-    def _analytic_params(self) -> "FigureSpec":
+    def _analytic_params(self) -> FigureSpec:
         """An analytic figure's params are checked now (by `dpsgd run`), not when its table is computed."""
         model = ANALYTIC_PARAMS.get(self.kind)
         if model is None and self.params:
@@ -256,17 +265,17 @@ class ClaimCondition(_Strict):
 
     text: OneLine = Field(description="the condition, in the words of the claim's text")
     check: CheckKind
-    metric: Optional[str] = None
-    where: Optional[Selection] = None
-    a: Optional[Selection] = None
-    b: Optional[Selection] = None
-    over: Optional[str] = None
-    direction: Optional[Literal["increasing", "decreasing"]] = None
-    higher_is_better: Optional[bool] = None
-    tolerance: Optional[float] = Field(None, ge=0)
-    relative: Optional[bool] = None
-    confidence: Optional[float] = Field(None, gt=0.5, lt=1)
-    value: Optional[float] = None
+    metric: str | None = None
+    where: Selection | None = None
+    a: Selection | None = None
+    b: Selection | None = None
+    over: str | None = None
+    direction: Literal["increasing", "decreasing"] | None = None
+    higher_is_better: bool | None = None
+    tolerance: float | None = Field(None, ge=0)
+    relative: bool | None = None
+    confidence: float | None = Field(None, gt=0.5, lt=1)
+    value: float | None = None
 
 
 class ClaimSpec(_Strict):
@@ -324,7 +333,7 @@ class ClaimSpec(_Strict):
     where: Selection = Field(default_factory=dict)
     a: Selection = Field(default_factory=dict)
     b: Selection = Field(default_factory=dict)
-    over: Optional[str] = "epsilon"
+    over: str | None = "epsilon"
     group_by: list[str] = Field(default_factory=list, description="check each group separately")
     quantifier: Literal["all", "most", "some"] = Field(
         "all", description="how many groups must hold: all; most (more than half of the decided groups); some (≥ 1)")
@@ -341,12 +350,12 @@ class ClaimSpec(_Strict):
         "claim's; some / all: the claim must also hold on the unselected runs at some / every fixed value")
 
     @model_validator(mode="after")
-    def _sourced(self) -> "ClaimSpec":
+    def _sourced(self) -> ClaimSpec:
         if not self.own and not self.quote.strip():
             raise ValueError(f"claim {self.id}: give `quote:` (the source sentence it tests) or mark it `own: true`")
         return self
 
-    def conditions(self) -> list["ClaimSpec"]:
+    def conditions(self) -> list[ClaimSpec]:
         """The claim's own check, then each of `also:` as a claim of its own (keys it does not give inherited)."""
         given = [{k: v for k, v in c.model_dump().items() if v is not None} for c in self.also]
         return [self] + [self.model_copy(update={**keys, "also": []}) for keys in given]
@@ -387,7 +396,7 @@ class SelectSpec(_Strict):
         return _as_list(value)
 
     @model_validator(mode="after")
-    def _consistent(self) -> "SelectSpec":
+    def _consistent(self) -> SelectSpec:
         if self.score == "test_accuracy" and self.privacy != "non_private":
             raise ValueError(f"select {self.name}: score test_accuracy (tuning on the test set) is only a "
                              "non_private, optimistic reference; use val_accuracy or val_objective")
@@ -431,14 +440,14 @@ class AuditSpec(_Strict):
     direction: Literal["unused", "against_data"] = Field(
         "unused", description="gradient canary: the data's least-used direction (random for the MLP), or against "
         "the data's gradient at θ₀ (the worst case for clipping a batch's sum)")
-    raw_norm: Optional[float] = Field(None, gt=0, description="gradient canary's norm before clipping (default "
-                                      "2(n+1)·max(C, 1) + C: it dominates any batch sum)")
+    raw_norm: float | None = Field(None, gt=0, description="gradient canary's norm before clipping (default "
+                                   "2(n+1)·max(C, 1) + C: it dominates any batch sum)")
     chunk: int = Field(32, ge=1, description="replicas per vectorised fit (32: fastest per replica-step on adult; "
                        "larger chunks pay in memory traffic)")
     seed: int = Field(0, ge=0, description="seed of the canary directions and one-run inclusion coins")
-    control: Optional[float] = Field(0.1, ge=0, lt=1, description="positive control: the same audit of each cell's "
-                                     "broken twin, its noise multiplied by this factor (null: none; then no verdict "
-                                     "is better than uninformative)")
+    control: float | None = Field(0.1, ge=0, lt=1, description="positive control: the same audit of each cell's "
+                                  "broken twin, its noise multiplied by this factor (null: none; then no verdict "
+                                  "is better than uninformative)")
 
     @field_validator("canaries", mode="before")
     @classmethod
@@ -454,22 +463,22 @@ class Grid(Axes):
     models: list[ModelEntry] = Field([ModelEntry(name="logreg")], min_length=1)
     algorithms: list[AlgorithmEntry] = Field(min_length=1)
     seeds: int = Field(3, ge=1, le=1000, description="runs per cell, seeds 0..seeds-1")
-    delta: Union[Literal["1/n^2"], float] = Field(DELTA_RULE, description="δ, a number in (0, 1) or 1/n^2")
-    neighbours: Optional[Neighbours] = Field(
+    delta: Literal["1/n^2"] | float = Field(DELTA_RULE, description="δ, a number in (0, 1) or 1/n^2")
+    neighbours: Neighbours | None = Field(
         None, description="the neighbouring relation every private algorithm's ε is calibrated under (add_remove | "
         "replace_one; an algorithm entry may override it); unset: each algorithm's own")
-    trace_every: Optional[int] = Field(None, ge=1, description="record the objective every k examples (traces.csv)")
+    trace_every: int | None = Field(None, ge=1, description="record the objective every k examples (traces.csv)")
     dtype: Literal["float64", "float32"] = Field(
         "float64", description="training precision; float32 applies to sgd, dp_sgd, dp_lssgd with logreg or mlp (the "
         "accounting does not depend on it), the others train in float64; the CSV's dtype column says which")
-    validation: Optional[float] = Field(
+    validation: float | None = Field(
         None, gt=0, lt=0.5, description="share of the training set held out (seeded) for validation metrics; "
         "the test set is never used for selection")
     select: list[SelectSpec] = Field(default_factory=list, description="hyperparameter selection (post-processing)")
     description: OneLine = ""
     figures: list[FigureSpec] = Field(default_factory=list, description="the paper's figures drawn from this grid")
     claims: list[ClaimSpec] = Field(default_factory=list, description="the paper's findings, checked by the report")
-    audit: Optional[AuditSpec] = Field(None, description="canaries and statistics of `dpsgd audit` for this grid")
+    audit: AuditSpec | None = Field(None, description="canaries and statistics of `dpsgd audit` for this grid")
 
     @field_validator("datasets", mode="before")
     @classmethod
@@ -482,7 +491,7 @@ class Grid(Axes):
         return _as_list(value)
 
     @model_validator(mode="after")
-    def _neighbours_supported(self) -> "Grid":
+    def _neighbours_supported(self) -> Grid:
         for algo in self.algorithms:
             asked = algo.neighbours or self.neighbours
             reason = asked and ALGORITHMS[algo.name](algo.params).refuses_neighbours(asked)
@@ -491,7 +500,7 @@ class Grid(Axes):
         return self
 
     @model_validator(mode="after")
-    def _selectable(self) -> "Grid":
+    def _selectable(self) -> Grid:
         names = [s.name for s in self.select]
         if len(set(names)) < len(names):
             raise ValueError(f"select: names must be unique, got {names}; give each a `name:`")
@@ -540,7 +549,7 @@ class GridFile(_Strict):
     grids: list[Grid] = Field(min_length=1)
 
     @model_validator(mode="after")
-    def _unique_names(self) -> "GridFile":
+    def _unique_names(self) -> GridFile:
         names = [g.name for g in self.grids]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
@@ -555,19 +564,19 @@ class Cell(_Strict):
     dataset: AnyDatasetSpec
     model: ModelEntry
     algorithm: AlgorithmEntry
-    epsilon: Optional[float]
-    delta: Union[Literal["1/n^2"], float]
-    batch_size: Optional[int]
-    lr: Optional[float]
-    epochs: Optional[float]
+    epsilon: float | None
+    delta: Literal["1/n^2"] | float
+    batch_size: int | None
+    lr: float | None
+    epochs: float | None
     l2: float
-    clip_norm: Optional[float]
+    clip_norm: float | None
     seeds: tuple[int, ...]
-    trace_every: Optional[int] = None
+    trace_every: int | None = None
     dtype: Literal["float64", "float32"] = "float64"
-    validation: Optional[float] = None  # held-out share of the training set (the model trains on the rest)
-    tuning: Optional[dict[str, Any]] = None  # private selection this cell is calibrated for (see tuning_cells)
-    neighbours: Optional[Neighbours] = None  # the relation asked of its ε where it is not the algorithm's own
+    validation: float | None = None  # held-out share of the training set (the model trains on the rest)
+    tuning: dict[str, Any] | None = None  # private selection this cell is calibrated for (see tuning_cells)
+    neighbours: Neighbours | None = None  # the relation asked of its ε where it is not the algorithm's own
 
     def make_algorithm(self) -> Any:
         """The algorithm of this cell, configured (parameters, neighbouring relation)."""
@@ -609,7 +618,7 @@ def axis_values(grid: Grid, algo: AlgorithmEntry) -> dict[str, list[Any]]:
 FLOAT32_MODELS = frozenset({"logreg", "mlp"})  # models whose training keeps float32 (dtype-preserving NumPy)
 
 
-def asked_neighbours(grid: Grid, algo: AlgorithmEntry) -> Optional[str]:
+def asked_neighbours(grid: Grid, algo: AlgorithmEntry) -> str | None:
     """The relation a grid asks of an algorithm's ε where it differs from the algorithm's own (None: its own, so
     a grid that names the relation an algorithm already has keeps its run ids)."""
     asked = algo.neighbours or grid.neighbours
@@ -811,7 +820,7 @@ def parse_yaml(text: str, where: str) -> Any:
 
 
 def load_grid_file(path: Path, overrides: typing.Sequence[tuple[str, Any]] = (),
-                   only: Optional[typing.Collection[str]] = None) -> GridFile:
+                   only: typing.Collection[str] | None = None) -> GridFile:
     """Parse and validate a grid file; every problem becomes one UserError line naming the path.
 
     Validation is strict: a bool or a quoted number where a number is expected is an error (`batch_size: true`
@@ -823,7 +832,7 @@ def load_grid_file(path: Path, overrides: typing.Sequence[tuple[str, Any]] = (),
 
 
 def validate_grids(raw: Any, source: str, grid_dir: Path, overrides: typing.Sequence[tuple[str, Any]] = (),
-                   only: Optional[typing.Collection[str]] = None) -> GridFile:
+                   only: typing.Collection[str] | None = None) -> GridFile:
     """A parsed grid document (`{grids: [...]}`, or a single grid) validated as `load_grid_file` does, each
     problem one UserError line naming `source` (and the overrides); a file dataset's relative path is resolved
     against `grid_dir`. `raw` is changed by the overrides: pass a copy of what the caller keeps."""
@@ -849,7 +858,7 @@ def set_dotted(grid: Any, key: str, value: Any) -> None:
     if not isinstance(grid, dict) or not all(parts):
         raise UserError(f"--set {key}: expected KEY=VALUE with a dotted KEY (e.g. --set epochs=1, --set "
                         f"datasets.0.n=500)")
-    node: Union[dict, list] = grid
+    node: dict | list = grid
     for i, part in enumerate(parts[:-1]):
         inside = ".".join(parts[: i + 1])
         if isinstance(node, list):
@@ -892,7 +901,7 @@ def parse_overrides(items: typing.Iterable[str]) -> list[tuple[str, Any]]:
     return pairs
 
 
-def select(grid_file: GridFile, only: Optional[list[str]]) -> list[Grid]:
+def select(grid_file: GridFile, only: list[str] | None) -> list[Grid]:
     if not only:
         return list(grid_file.grids)
     names = [g.name for g in grid_file.grids]

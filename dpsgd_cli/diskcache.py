@@ -26,8 +26,9 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 CACHE_DIR_ENV = "DPSGD_CACHE_DIR"
 
@@ -121,7 +122,7 @@ def exact_fields(value: Any, fields: Iterable[str], what: str) -> dict:
 _tmp_counter = itertools.count()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _process_token() -> str:
     """Random per process (pids repeat across containers sharing a folder); a fork gets its own pid."""
     return os.urandom(4).hex()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 
 class UserError(Exception):

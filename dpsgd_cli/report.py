@@ -34,7 +34,6 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 from urllib.parse import quote
 
 import numpy as np
@@ -109,7 +108,7 @@ def claim_frame(folder: Path, claim: ClaimSpec, figures: list[FigureSpec]) -> pd
     return frame
 
 
-def _stats(frame: pd.DataFrame, metric: str, over: Optional[str]) -> pd.DataFrame:
+def _stats(frame: pd.DataFrame, metric: str, over: str | None) -> pd.DataFrame:
     """mean, std, n of the metric at each value of `over` (or overall)."""
     keys = frame[over] if over else pd.Series(0, index=frame.index)
     out = frame.groupby(keys)[metric].agg(["mean", "std", "count"]).rename(columns={"count": "n"})
@@ -132,7 +131,7 @@ def _span(values: pd.Series) -> tuple[float, float]:
     return float(finite.max() - finite.min()), 1e-9 * float(finite.abs().max())
 
 
-def _flat(stats: pd.DataFrame, claim: ClaimSpec) -> Optional[str]:
+def _flat(stats: pd.DataFrame, claim: ClaimSpec) -> str | None:
     """Why a monotone or fluctuates curve is vacuous (its means span at most the tolerance), else None."""
     span, slack = _span(stats["mean"])
     if math.isnan(span):
@@ -143,7 +142,7 @@ def _flat(stats: pd.DataFrame, claim: ClaimSpec) -> Optional[str]:
     return None
 
 
-def _one_value(claim: ClaimSpec, *stats: pd.DataFrame) -> Optional[str]:
+def _one_value(claim: ClaimSpec, *stats: pd.DataFrame) -> str | None:
     """Why a comparison is vacuous (no finite mean, or one value on every compared row), else None."""
     span, slack = _span(pd.concat([s["mean"] for s in stats]))
     if math.isnan(span):
@@ -154,7 +153,7 @@ def _one_value(claim: ClaimSpec, *stats: pd.DataFrame) -> Optional[str]:
     return None
 
 
-def _check_group(frame: pd.DataFrame, claim: ClaimSpec, limit: Optional[float]) -> tuple[Optional[bool] | str, str]:
+def _check_group(frame: pd.DataFrame, claim: ClaimSpec, limit: float | None) -> tuple[bool | None | str, str]:
     """(holds, numbers) for one group; holds None when there is nothing to compare, VACUOUS when what is compared
     carries no evidence (module docstring)."""
     frame = select(frame, claim.where)
@@ -235,7 +234,7 @@ def _pointwise(parts: list[str], oks: list[bool], claim: ClaimSpec) -> str:
                                                  f"{len(failing)})")
 
 
-def _level(stats: pd.DataFrame, claim: ClaimSpec) -> tuple[Optional[bool] | str, str]:
+def _level(stats: pd.DataFrame, claim: ClaimSpec) -> tuple[bool | None | str, str]:
     """`above` / `below`: the mean of `a` against the level `value` (± tolerance) at every value of `over`."""
     if stats.empty:
         return None, "no rows in a"
@@ -252,7 +251,7 @@ def _level(stats: pd.DataFrame, claim: ClaimSpec) -> tuple[Optional[bool] | str,
 
 
 def check_conditions(frame: pd.DataFrame, claim: ClaimSpec,
-                     limit: Optional[float]) -> tuple[Optional[bool] | str, str]:
+                     limit: float | None) -> tuple[bool | None | str, str]:
     """(holds, numbers) of one group under every condition of the claim (its check and `also:`): False where any
     fails, True where all hold, VACUOUS where none fails and some is vacuous, else None; each condition's numbers
     are shown."""
@@ -275,14 +274,14 @@ def _diff_se(s0: pd.Series, s1: pd.Series) -> float:
     return math.sqrt(s0["std"] ** 2 / s0["n"] + s1["std"] ** 2 / s1["n"])
 
 
-def _few_seeds(*stats: pd.DataFrame) -> Optional[str]:
+def _few_seeds(*stats: pd.DataFrame) -> str | None:
     """Why a check against the seed noise cannot be decided (fewer than 2 seeds somewhere), else None."""
     low = min(int(s["n"].min()) for s in stats)
     return f"{low} seed(s) at some {stats[0].index.name or 'point'}: the seed noise is unknown (needs ≥ 2)" \
         if low < 2 else None
 
 
-def _fluctuates(stats: pd.DataFrame, claim: ClaimSpec) -> tuple[Optional[bool] | str, str]:
+def _fluctuates(stats: pd.DataFrame, claim: ClaimSpec) -> tuple[bool | None | str, str]:
     """`fluctuates`: some consecutive step of the mean goes against `direction` by more than tolerance + 2·SE."""
     if len(stats) < 2:
         return None, f"{len(stats)} value(s) of {claim.over}"
@@ -304,7 +303,7 @@ def _fluctuates(stats: pd.DataFrame, claim: ClaimSpec) -> tuple[Optional[bool] |
     return False, "no step reverses beyond the noise; the closest: " + max(steps)[1]
 
 
-def _widens(a: pd.DataFrame, b: pd.DataFrame, claim: ClaimSpec) -> tuple[Optional[bool], str]:
+def _widens(a: pd.DataFrame, b: pd.DataFrame, claim: ClaimSpec) -> tuple[bool | None, str]:
     """`widens`: the gain g_k = a − b (or b − a) grows along `over`: its weighted least-squares slope against
     x = log(over) (over itself if some value is ≤ 0), weights 1/SE_k² (the seed noise of each gain), exceeds
     tolerance + 2·SE(slope), SE(slope)² = 1/Σ w_k (x_k − x̄_w)²."""
@@ -375,7 +374,7 @@ def evaluate(folder: Path, claim: ClaimSpec, figures: list[FigureSpec]) -> Verdi
     return Verdict(grid, claim, status, numbers + _mixed_relations(frame, claim))
 
 
-def _groups(frame: pd.DataFrame, claim: ClaimSpec, limit: Optional[float]) -> list[tuple[Optional[bool] | str, str]]:
+def _groups(frame: pd.DataFrame, claim: ClaimSpec, limit: float | None) -> list[tuple[bool | None | str, str]]:
     """(holds, numbers) of each group of the claim, the groups where it fails first."""
     groups = list(frame.groupby(claim.group_by, sort=True)) if claim.group_by else [((), frame)]
     results = []
@@ -446,7 +445,7 @@ def _mixed_relations(frame: pd.DataFrame, claim: ClaimSpec) -> str:
     return f" [mixed neighbouring relations: {', '.join(relations)}]" if len(relations) > 1 else ""
 
 
-def decide(results: list[tuple[Optional[bool] | str, str]], claim: ClaimSpec) -> tuple[str, str]:
+def decide(results: list[tuple[bool | None | str, str]], claim: ClaimSpec) -> tuple[str, str]:
     """(status, numbers) of a claim from its groups' (holds, text): the quantifier counts the groups that hold or
     fail; VACUOUS and undecided (None) groups are shown but count neither way."""
     decided = [h for h, _ in results if isinstance(h, bool)]
@@ -469,7 +468,7 @@ def quantified(decided: list[bool], quantifier: str) -> bool:
     return {"all": held == len(decided), "most": 2 * held > len(decided), "some": held >= 1}[quantifier]
 
 
-def _limit(claim: ClaimSpec, figures: list[FigureSpec]) -> Optional[float]:
+def _limit(claim: ClaimSpec, figures: list[FigureSpec]) -> float | None:
     """The saturation value α S_g²/(λσ²n²) of a privacy-curve figure's parameters (what `saturates` compares
     with, in the claim's check or one of its `also:`)."""
     figure = next((f for f in figures if f.name == claim.source), None)

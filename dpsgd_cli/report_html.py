@@ -14,7 +14,7 @@ import re
 import stat
 from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
-from typing import Any, Optional
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from markdown_it import MarkdownIt  # rich's own dependency
@@ -117,7 +117,7 @@ class _ReportMarkdown(MarkdownIt):
         return _inside(self.root, unquote(parts.path)) is not None
 
 
-def _inside(root: Path, relative: str) -> Optional[PurePosixPath]:
+def _inside(root: Path, relative: str) -> PurePosixPath | None:
     """`relative` as a path inside `root` (None if it is absolute, climbs out with `..` or is empty)."""
     path = PurePosixPath(relative)
     if path.is_absolute() or not path.parts or ".." in path.parts or "\\" in relative:
@@ -125,7 +125,7 @@ def _inside(root: Path, relative: str) -> Optional[PurePosixPath]:
     return path
 
 
-def _figure(root: Path, src: str) -> Optional[bytes]:
+def _figure(root: Path, src: str) -> bytes | None:
     """The bytes of the PNG at `src` if it is a figure the tool drew: `<grid>/figures/<name>.png` (or
     `figures/<name>.png` in a grid's own folder) inside `root`, no link on the way (the resolved path is the
     path itself), a regular file that starts as a PNG does; else None."""

@@ -4,7 +4,8 @@ that fits 80 columns by saying once, in the title, what every row shares; the ce
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from rich import box
 from rich.console import Group
@@ -31,7 +32,7 @@ def plan_table(plan) -> Any:
         "to run": [f"{pending.get(c.cell_id, 0)}/{len(c.seeds)}" for c in plan.cells]})
 
 
-def cells_frame(cells: Sequence) -> "pd.DataFrame":
+def cells_frame(cells: Sequence) -> pd.DataFrame:
     """Cells (config.Cell) as rows in runs.csv's columns, labelled as the runs will be."""
     return pd.DataFrame([{
         "cell_id": c.cell_id, "dataset": getattr(c.dataset, "id", None) or c.dataset.name,
@@ -48,8 +49,8 @@ SPARSE = ("ε", "B", "lr", "epochs", "λ", "C")  # missing where the algorithm h
 DEFAULTS = {"dtype": "float64"}  # not worth a word when every row has it
 
 
-def settings_table(frame: "pd.DataFrame", title: str, select: Sequence = (), numbers: Optional[dict] = None,
-                   keep: Sequence[str] = (), notes: Sequence[str] = (), caption: Optional[str] = None) -> Any:
+def settings_table(frame: pd.DataFrame, title: str, select: Sequence = (), numbers: dict | None = None,
+                   keep: Sequence[str] = (), notes: Sequence[str] = (), caption: str | None = None) -> Any:
     """A row per cell of `frame` (runs.csv's columns): its dataset, model, algorithm (the options that differ
     between that algorithm's cells), the selections it is a calibrated candidate for, and its axes; then the
     columns of `numbers`. What every row shares (but the `keep` columns) goes in the title or in a line above
@@ -66,7 +67,7 @@ def settings_table(frame: "pd.DataFrame", title: str, select: Sequence = (), num
 
 
 def compact_table(rows: list[dict[str, Any]], title: str, keep: Sequence[str] = (), notes: Sequence[str] = (),
-                  caption: Optional[str] = None, lines: bool = False, sparse: Sequence[str] = SPARSE) -> Any:
+                  caption: str | None = None, lines: bool = False, sparse: Sequence[str] = SPARSE) -> Any:
     """`rows` (header → text, or a rich renderable) as a table that reads in 80 columns: a column with one value
     in every row (in `sparse` columns: wherever it has one) is said once in the title line (`λ=0.0001`)
     instead, so that a row shows what sets it apart; the `keep` columns stay. `notes` are lines between the
@@ -96,7 +97,7 @@ def compact_table(rows: list[dict[str, Any]], title: str, keep: Sequence[str] = 
     return Group(heading, *(Text(line) for line in notes), table, *([Text(caption)] if caption else []))
 
 
-def summary_table(frame: "pd.DataFrame", name: str) -> Any:
+def summary_table(frame: pd.DataFrame, name: str) -> Any:
     """A row per cell, mean ± std over its seeds of the metrics summary_frame chose; a value every seed gave
     (a deterministic algorithm such as erm) is shown once, without ± 0; a metric a cell lacks is '—'."""
     numbers = {"runs": [f"{ok}/{n}" for ok, n in zip(frame["ok"], frame["runs"])]}

@@ -37,7 +37,7 @@ def main(results: Path) -> None:
     refuted_controls = dp.groupby("cell_id").apply(lambda g: (g["control_epsilon_lo"] > g["epsilon_claimed"]).any())
     print(f"1a. dp_sgd cells whose positive control (noise x {dp['control'].iloc[0]:g}) is refuted: "
           f"{int(refuted_controls.sum())} / {len(refuted_controls)}")
-    for cell_id, group in dp.groupby("cell_id"):
+    for _cell_id, group in dp.groupby("cell_id"):
         best = group.loc[group["control_epsilon_lo"].idxmax()]
         print(f"    ε = {best['epsilon']:g}: twin's ε = {best['control_epsilon']:.3g}, its ε_lo = "
               f"{best['control_epsilon_lo']:.3f} ({best['canary']}, {best['threat_model']})")
@@ -93,7 +93,7 @@ def main(results: Path) -> None:
         p = pd.read_csv(power)
         p = p[(p["status"] == "ok") & p["epsilon_lo"].notna()]
         print("4.  one full-batch DP-SGD step (audit_power), best covered row per cell:")
-        for eps_target, group in p.groupby("epsilon"):
+        for _eps_target, group in p.groupby("epsilon"):
             best = group.loc[group["epsilon_lo"].idxmax()]
             claim = best["epsilon_claimed"]
             print(f"    ε = {claim:.3f}: ε_lo = {best['epsilon_lo']:.3f} = {best['epsilon_lo'] / claim:.2f}·ε "

@@ -48,8 +48,9 @@ import json
 import math
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import pandas as pd
 
@@ -77,9 +78,9 @@ class Runs:
         self.frame = results_frame(folder) if selected else results_frame(folder, select=False)
         if selected and "selection" in self.frame and self.frame["selection"].nunique() > 1:
             self.frame = self.frame[self.frame["selection"] == self.frame["selection"].iloc[0]]
-        self._verdicts: Optional[list[Verdict]] = None
+        self._verdicts: list[Verdict] | None = None
 
-    def rows(self, metric: Optional[str], where: dict) -> pd.Series:
+    def rows(self, metric: str | None, where: dict) -> pd.Series:
         rows = select(self.frame, where)
         if rows.empty:
             raise LookupError(f"no run of {self.folder.name} matches {where}")
@@ -221,7 +222,7 @@ def fill(page: str, results: Path) -> tuple[str, list[str]]:
     return BLOCK.sub(block, page), left
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", type=Path, help="results root: one folder per grid (RESULTS/<grid>/runs.csv)")
     parser.add_argument("--check", action="store_true",

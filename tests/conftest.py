@@ -13,24 +13,23 @@ import functools
 import http.server
 import os
 import shutil
+
+# Hermetic on-disk caches (calibrated sigmas): never a developer's cache, a fresh folder per session.
+import tempfile as _tempfile
 import textwrap
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
-import pandas as pd
 import numpy as np
+import pandas as pd
 import pytest
 
 from dpsgd_cli.config import load_grid_file
 
-# Hermetic on-disk caches (calibrated sigmas): never a developer's cache, a fresh folder per session.
-import tempfile as _tempfile
-
 os.environ["DPSGD_CACHE_DIR"] = _tempfile.mkdtemp(prefix="dpsgd-test-cache-")
 from dpsgd_cli.engine import execute, plan_grid
-
 
 # Tests that took more than 10 s in `python -m pytest --durations=30` on 2 cores (per test function, any
 # parameters): marked `slow`, so `python -m pytest -m "not slow"` is the quick subset.

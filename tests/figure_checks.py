@@ -121,7 +121,7 @@ def layout_problems(fig) -> list[str]:
     canvas = fig.bbox
     axes = [ax for ax in fig.axes if ax.get_visible()]
     for ax in axes:
-        for axis, horizontal, labels in _tick_labels(ax):
+        for _axis, horizontal, labels in _tick_labels(ax):
             name = "x" if horizontal else "y"
             for label in labels:
                 raw = _shown(label)

@@ -13,8 +13,14 @@ from dpsgd_cli.algorithms.chain import constant
 from dpsgd_cli.algorithms.sampling import uniform_examples
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.models import make_model
-from dpsgd_cli.privacy.single_example_gaussian import (calibrate_bassily, chain_bound, closed_form_sigma, pld_event,
-                                                       rdp_epsilon, rdp_event)
+from dpsgd_cli.privacy.single_example_gaussian import (
+    calibrate_bassily,
+    chain_bound,
+    closed_form_sigma,
+    pld_event,
+    rdp_epsilon,
+    rdp_event,
+)
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ import struct
 
 import numpy as np
 import pytest
+from test_fusion import run_grid, table
 
 from dpsgd_cli import diskcache
 from dpsgd_cli.algorithms import erm
@@ -12,8 +13,6 @@ from dpsgd_cli.config import load_grid_file
 from dpsgd_cli.engine import runner
 from dpsgd_cli.models import make_model
 from dpsgd_cli.privacy import accounting
-
-from test_fusion import run_grid, table
 
 GRID = """
 grids:

@@ -10,7 +10,6 @@ import math
 from pathlib import Path
 
 import pytest
-
 from calibration_checks import BRENT_SIGMA_RTOL, assert_in_window, assert_lattice_point
 
 from dpsgd_cli.engine import selection

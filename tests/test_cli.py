@@ -11,8 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from dpsgd_cli.cli import app
-from dpsgd_cli.engine import execute, plan_grid
 from dpsgd_cli.config import load_grid_file
+from dpsgd_cli.engine import execute, plan_grid
 
 GRID = """
 grids:

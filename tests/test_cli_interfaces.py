@@ -10,8 +10,8 @@ import time
 
 import pandas as pd
 import pytest
-
 from test_validation import dpsgd, one_line_error
+
 from dpsgd_cli.config import load_grid_file
 
 GRID = """

@@ -139,9 +139,8 @@ def test_scheduler_values():
 
 def test_without_distributed_the_flag_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "distributed", None)  # `import distributed` raises ImportError
-    with pytest.raises(UserError, match=r"pip install .*\[dask\]"):
-        with dask_backend("local:1"):
-            pass
+    with pytest.raises(UserError, match=r"pip install .*\[dask\]"), dask_backend("local:1"):
+        pass
 
 
 def test_a_lost_scheduler_stops_the_driver_and_keeps_what_was_received(grid_file, tmp_path):
@@ -157,9 +156,9 @@ def test_a_lost_scheduler_stops_the_driver_and_keeps_what_was_received(grid_file
             local.close()
 
     try:
-        with dask_backend(local.scheduler_address) as backend:
-            with pytest.raises(SchedulerLost, match="run the same command again"):
-                execute(plan_grid(grid, out), backend=backend, on_rows=stop_scheduler)
+        with dask_backend(local.scheduler_address) as backend, \
+                pytest.raises(SchedulerLost, match="run the same command again"):
+            execute(plan_grid(grid, out), backend=backend, on_rows=stop_scheduler)
     finally:
         local.close()
     saved = pd.read_csv(out / "tiny" / "runs.csv", dtype={"run_id": str})

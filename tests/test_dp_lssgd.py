@@ -7,8 +7,12 @@ from pydantic import ValidationError
 from scipy import stats
 
 from dpsgd_cli.algorithms import ALGORITHMS, Setting
-from dpsgd_cli.algorithms.chain import add_noise
-from dpsgd_cli.algorithms.chain import laplacian_eigenvalues, laplacian_smoothing, smoothed_noise_variance_factor
+from dpsgd_cli.algorithms.chain import (
+    add_noise,
+    laplacian_eigenvalues,
+    laplacian_smoothing,
+    smoothed_noise_variance_factor,
+)
 from dpsgd_cli.algorithms.sampling import poisson_batches
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.errors import UserError

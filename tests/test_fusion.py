@@ -5,15 +5,14 @@ import pandas as pd
 import pytest
 
 from dpsgd_cli import compiled
-from dpsgd_cli.models import rows
 from dpsgd_cli.algorithms.chain import run_together
 from dpsgd_cli.algorithms.sampling import poisson_batches
-from dpsgd_cli.models.rows import RowNonzeros
 from dpsgd_cli.algorithms.streams import ReplicaStreams, SharedStreams
 from dpsgd_cli.config import load_grid_file
 from dpsgd_cli.engine import execute, plan_grid
 from dpsgd_cli.engine.runner import FUSE_ENV
-from dpsgd_cli.models import logreg
+from dpsgd_cli.models import logreg, rows
+from dpsgd_cli.models.rows import RowNonzeros
 
 # Poisson (B = 40), full batch (B = n = 320 training rows: q = 1), shuffled (song2013, b = 20), float32 and an MLP,
 # with an ε axis, an lr axis, sgd beside dp_sgd and dp_lssgd, traces on; erm stays in tasks of its own.

@@ -239,7 +239,7 @@ def test_noise_drawn_in_the_kernel_equals_the_noise_blocks_bit_for_bit(monkeypat
     theta0 = np.zeros((len(SEEDS), X.shape[1]))
     kw = dict(clip=1.0, l2=1e-2, radius=2.0, noise_std=0.7)
     run = lambda **noise: kernels.single_example_sgd(  # noqa: E731
-        theta0, X, y, lambda m, batches=uniform_examples(X, y, streams): batches.take(m)[:, :, 0], 400,
+        theta0, X, y, lambda m, batches=uniform_examples(X, y, streams): batches.take(m)[:, :, 0], 400,  # noqa: B008
         lambda t: 0.5 / t ** 0.5, **kw, **noise)
     blocks = run(noise=streams.blocks("noise", lambda g, k: g.standard_normal((k, X.shape[1]))))
     drawn = run(noise_generators=streams.generators("noise"))

@@ -7,8 +7,15 @@ import pytest
 
 from dpsgd_cli import compiled
 from dpsgd_cli.algorithms import ALGORITHMS, Setting, kernels_fullbatch
-from dpsgd_cli.algorithms.chain import (GradientChain, add_l2, add_noise, constant, project_to_ball, scale,
-                                        train_together)
+from dpsgd_cli.algorithms.chain import (
+    GradientChain,
+    add_l2,
+    add_noise,
+    constant,
+    project_to_ball,
+    scale,
+    train_together,
+)
 from dpsgd_cli.algorithms.sampling import full_batches
 from dpsgd_cli.algorithms.streams import ReplicaStreams, SharedStreams
 from dpsgd_cli.errors import UserError

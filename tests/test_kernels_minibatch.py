@@ -6,8 +6,17 @@ import pytest
 
 from dpsgd_cli import compiled
 from dpsgd_cli.algorithms import ALGORITHMS, Setting, kernels_minibatch
-from dpsgd_cli.algorithms.chain import (Checkpoints, GradientChain, add_l2, add_noise, inverse_sqrt,
-                                        laplacian_smoothing, project_to_ball, scale, train_together)
+from dpsgd_cli.algorithms.chain import (
+    Checkpoints,
+    GradientChain,
+    add_l2,
+    add_noise,
+    inverse_sqrt,
+    laplacian_smoothing,
+    project_to_ball,
+    scale,
+    train_together,
+)
 from dpsgd_cli.algorithms.sampling import poisson_batches, shuffled_batches
 from dpsgd_cli.algorithms.streams import ReplicaStreams, SharedStreams
 from dpsgd_cli.errors import UserError

@@ -8,8 +8,7 @@ import pytest
 
 from dpsgd_cli import compiled
 from dpsgd_cli.engine import runner
-from dpsgd_cli.models import LogisticRegression
-from dpsgd_cli.models import logreg
+from dpsgd_cli.models import LogisticRegression, logreg
 from dpsgd_cli.models.base import accuracy_of, logistic_loss
 
 needs_numba = pytest.mark.skipif(not compiled.HAVE_NUMBA, reason="numba not installed (pip install 'dpsgd[numba]')")

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from dpsgd_cli.algorithms import ALGORITHMS
 from dpsgd_cli.algorithms.base import Setting
 from dpsgd_cli.algorithms.erm import REFERENCE_STARTS, reference_minimum
-from dpsgd_cli.models.rows import gather
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.models import Batch, Model, make_model
+from dpsgd_cli.models.rows import gather
 
 ACTIVATIONS = ["tanh", "sigmoid", "relu"]
 PHI = {"tanh": (np.tanh, lambda z: 1 - np.tanh(z) ** 2),

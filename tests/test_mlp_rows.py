@@ -5,15 +5,14 @@ others bit for bit. Also the numba fill of the noise streams: the same numbers a
 
 import numpy as np
 import pytest
+from test_mlp import naive_per_example
 
 from dpsgd_cli import compiled
 from dpsgd_cli.algorithms import ALGORITHMS
 from dpsgd_cli.algorithms.base import Setting
-from dpsgd_cli.models.rows import RowNonzeros, gather, row_norms
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.models import make_model
-
-from test_mlp import naive_per_example
+from dpsgd_cli.models.rows import RowNonzeros, gather, row_norms
 
 pytestmark = pytest.mark.skipif(not compiled.HAVE_NUMBA, reason="numba not installed (pip install 'dpsgd[numba]')")
 

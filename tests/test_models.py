@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from dpsgd_cli.models.rows import gather
 from dpsgd_cli.models import make_model
+from dpsgd_cli.models.rows import gather
 
 
 @pytest.fixture

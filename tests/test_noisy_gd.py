@@ -13,8 +13,16 @@ from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import make_model
 from dpsgd_cli.privacy.accounting import epsilon_for
-from dpsgd_cli.privacy.dynamics import (SATURATION_ROOT, calibrate_noisy_gd, composition_rdp, dynamics_rdp,
-                                        minimum_rdp, noisy_gd_epsilon, privacy_curve, squared_loss_lower_bound)
+from dpsgd_cli.privacy.dynamics import (
+    SATURATION_ROOT,
+    calibrate_noisy_gd,
+    composition_rdp,
+    dynamics_rdp,
+    minimum_rdp,
+    noisy_gd_epsilon,
+    privacy_curve,
+    squared_loss_lower_bound,
+)
 
 TALK = dict(alpha=30.0, sigma=0.02, sensitivity=4.0, eta=0.02, lam=1.0, n=5000)
 
@@ -83,7 +91,7 @@ def test_at_small_k_the_dynamics_bound_has_twice_the_composition_slope():
         k_cross = 2 * SATURATION_ROOT / (params["lam"] * params["eta"])
         assert dyn(k_cross, **params) == pytest.approx(comp(k_cross, **params), rel=1e-12)
         K = np.geomspace(k_cross / 100, k_cross * 100, 200)
-        before, after = K < k_cross * (1 - 1e-9), K > k_cross * (1 + 1e-9)
+        before, after = k_cross * (1 - 1e-9) > K, k_cross * (1 + 1e-9) < K
         assert np.all(dyn(K[before], **params) > comp(K[before], **params))
         assert np.all(dyn(K[after], **params) < comp(K[after], **params))
     assert 1 - math.exp(-SATURATION_ROOT) == pytest.approx(SATURATION_ROOT / 2, abs=1e-15)

@@ -11,15 +11,14 @@ from scipy import stats
 from scipy.special import expit
 
 from dpsgd_cli import compiled
-from dpsgd_cli.algorithms import ALGORITHMS, Setting
-from dpsgd_cli.algorithms import kernels
+from dpsgd_cli.algorithms import ALGORITHMS, Setting, kernels
 from dpsgd_cli.algorithms import pidp_sgd as P
-from dpsgd_cli.algorithms.sampling import uniform_examples
-from dpsgd_cli.privacy.single_example_gaussian import calibrate_bassily
 from dpsgd_cli.algorithms.chain import GradientChain, add_l2, add_noise, constant
+from dpsgd_cli.algorithms.sampling import uniform_examples
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.models import make_model
 from dpsgd_cli.privacy.accounting import calibrate_sigma
+from dpsgd_cli.privacy.single_example_gaussian import calibrate_bassily
 
 needs_numba = pytest.mark.skipif(not compiled.HAVE_NUMBA, reason="numba not installed")
 

@@ -3,14 +3,13 @@ line by line, the same numbers wherever they are computed; the tasks then submit
 
 import numpy as np
 import pytest
+import test_caches
+from test_caches import forget_in_process
+from test_fusion import table
 
 from dpsgd_cli.algorithms import erm
 from dpsgd_cli.config import load_grid_file
 from dpsgd_cli.engine import execute, plan_grid, runner
-
-import test_caches
-from test_caches import forget_in_process
-from test_fusion import table
 
 GRID = """
 grids:

@@ -13,10 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from calibration_checks import assert_lattice_point
 from dp_accounting.rdp import RdpAccountant
 from dp_accounting.rdp import rdp_privacy_accountant as lib
-
-from calibration_checks import assert_lattice_point
 
 from dpsgd_cli.privacy import accounting as acc
 from dpsgd_cli.privacy import rdp

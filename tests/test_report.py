@@ -13,8 +13,18 @@ from dpsgd_cli.engine.checks import check_grid
 from dpsgd_cli.engine.results import select
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.plots import plot_results
-from dpsgd_cli.report import (VACUOUS, Verdict, _check_group, build_report, check_conditions, decide,
-                              fixed_candidates, quantified, selection_effect, summary_line)
+from dpsgd_cli.report import (
+    VACUOUS,
+    Verdict,
+    _check_group,
+    build_report,
+    check_conditions,
+    decide,
+    fixed_candidates,
+    quantified,
+    selection_effect,
+    summary_line,
+)
 
 
 def test_select_language():
@@ -450,8 +460,8 @@ def test_a_condition_inherits_what_it_leaves_out_after_a_manifest_round_trip():
     spec = claim(check="better", metric="train_objective", a={"algorithm": "p", "batch_size": 10},
                  b={"algorithm": "p", "batch_size": 50}, over=None, higher_is_better=False,
                  also=[{"text": "b = 10 beats b = 1", "check": "better", "b": {"algorithm": "p", "batch_size": 1}}])
-    for spec in (spec, ClaimSpec(**spec.model_dump())):  # the manifest records every key, defaults included
-        second = spec.conditions()[1]
+    for one in (spec, ClaimSpec(**spec.model_dump())):  # the manifest records every key, defaults included
+        second = one.conditions()[1]
         assert second.a == {"algorithm": "p", "batch_size": 10} and second.over is None
         assert second.b == {"algorithm": "p", "batch_size": 1} and second.higher_is_better is False
 

@@ -14,9 +14,10 @@ import re
 import shutil
 import types
 import typing
+from collections.abc import Iterator
 from html.parser import HTMLParser
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pandas as pd
 import pytest

@@ -20,8 +20,7 @@ from typer.testing import CliRunner
 from dpsgd_cli.cli import app, main
 from dpsgd_cli.config import load_grid_file
 from dpsgd_cli.engine import execute, plan_grid, runner
-from dpsgd_cli.engine.results import COLUMNS, ResultStore, ResultsWriteError, acquire_lock, release_lock
-from dpsgd_cli.engine.results import read_results
+from dpsgd_cli.engine.results import COLUMNS, ResultStore, ResultsWriteError, acquire_lock, read_results, release_lock
 from dpsgd_cli.engine.selection import results_frame
 from dpsgd_cli.engine.summary import summary_frame
 from dpsgd_cli.errors import UserError
@@ -328,7 +327,8 @@ def _children(pid):
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                stat = open(f"/proc/{entry}/stat").read()
+                with open(f"/proc/{entry}/stat") as fh:
+                    stat = fh.read()
             except OSError:
                 continue
             if int(stat[stat.rindex(")") + 2:].split()[1]) == pid:
@@ -338,7 +338,8 @@ def _children(pid):
 
 def _alive(pid):
     try:
-        stat = open(f"/proc/{pid}/stat").read()
+        with open(f"/proc/{pid}/stat") as fh:
+            stat = fh.read()
     except OSError:
         return False
     return stat[stat.rindex(")") + 2] != "Z"  # a zombie is dead (its new parent may not reap it at once)

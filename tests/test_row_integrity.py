@@ -11,6 +11,7 @@ import json
 
 import numpy as np
 import pytest
+from test_fusion import run_grid, table
 
 from dpsgd_cli import diskcache
 from dpsgd_cli.algorithms import erm
@@ -21,8 +22,6 @@ from dpsgd_cli.engine.results import COLUMNS, NUMERIC
 from dpsgd_cli.models import make_model
 from dpsgd_cli.privacy import accounting
 from dpsgd_cli.privacy import single_example_gaussian as single
-
-from test_fusion import run_grid, table
 
 GRID = """
 grids:

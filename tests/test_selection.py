@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 import pandas as pd
 import pytest
@@ -15,8 +14,19 @@ from dpsgd_cli.engine import plan_grid
 from dpsgd_cli.engine.selection import base_epsilon, choose, write_selection_tables
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.privacy.accounting import dpsgd_event
-from dpsgd_cli.privacy.tuning import (TUNING_ORDERS, Trials, dpsgd_rdp, liu_talwar_epsilon, poisson_rdp,
-                                      score_laplace_scale, score_sigma, tnb_mean, tnb_rdp, tuned_epsilon, tuned_rdp)
+from dpsgd_cli.privacy.tuning import (
+    TUNING_ORDERS,
+    Trials,
+    dpsgd_rdp,
+    liu_talwar_epsilon,
+    poisson_rdp,
+    score_laplace_scale,
+    score_sigma,
+    tnb_mean,
+    tnb_rdp,
+    tuned_epsilon,
+    tuned_rdp,
+)
 
 GRID = """
 name: tiny

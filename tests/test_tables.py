@@ -5,7 +5,6 @@ import json
 
 import pytest
 from rich.console import Console
-
 from test_validation import dpsgd
 
 from dpsgd_cli.engine.summary import summary_frame

@@ -186,15 +186,14 @@ def lane_axpy2(typingctx, G, X, i0, i1, A, cb, d, two):
         is_two = builder.icmp_signed("!=", a["two"], ir.Constant(ir.IntType(64), 0))
         with builder.if_else(is_two) as (then, otherwise):
             for rows in ((then, 2), (otherwise, 1)):
-                with rows[0]:
-                    with cgutils.for_range(builder, a["d"]) as loop:
-                        j = loop.index
-                        gp = builder.bitcast(builder.gep(pg, [builder.mul(j, width)]), vec.as_pointer())
-                        g = builder.load(gp, align=8)
-                        for q in range(rows[1]):
-                            x = _splat8(builder, builder.load(builder.gep(px[q], [j])))
-                            g = builder.fadd(g, builder.fmul(av[q], x))
-                        builder.store(g, gp, align=8)
+                with rows[0], cgutils.for_range(builder, a["d"]) as loop:
+                    j = loop.index
+                    gp = builder.bitcast(builder.gep(pg, [builder.mul(j, width)]), vec.as_pointer())
+                    g = builder.load(gp, align=8)
+                    for q in range(rows[1]):
+                        x = _splat8(builder, builder.load(builder.gep(px[q], [j])))
+                        g = builder.fadd(g, builder.fmul(av[q], x))
+                    builder.store(g, gp, align=8)
         return context.get_dummy_value()
 
     return types.void(G, X, i0, i1, A, cb, d, two), codegen

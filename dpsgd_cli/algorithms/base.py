@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
@@ -26,7 +27,7 @@ def max_row_norm(X: np.ndarray) -> float:
     return float(np.sqrt(np.einsum("ij,ij->i", X, X).max())) if len(X) else 0.0
 
 
-def unit_ball_violation(X: np.ndarray) -> Optional[str]:
+def unit_ball_violation(X: np.ndarray) -> str | None:
     """The `guarantee` text when a row lies outside the unit ball (the proofs' Lipschitz bounds need ‖x‖ ≤ 1)."""
     top = max_row_norm(X)
     return f"none: rows outside the unit ball (max ‖x‖ = {top:.4g} > 1)" if top > 1 + ROW_NORM_TOLERANCE else None
@@ -44,12 +45,12 @@ class Setting:
     d: int
     delta: float
     l2: float
-    epsilon: Optional[float] = None
-    batch_size: Optional[int] = None
-    lr: Optional[float] = None
-    epochs: Optional[float] = None
-    clip_norm: Optional[float] = None
-    trace_every: Optional[int] = None
+    epsilon: float | None = None
+    batch_size: int | None = None
+    lr: float | None = None
+    epochs: float | None = None
+    clip_norm: float | None = None
+    trace_every: int | None = None
 
     @property
     def required(self) -> RequiredAxes:
@@ -119,7 +120,7 @@ class Prepared:
     """An iterative algorithm ready to train: its chain, initial θ (R, P), number of steps, and what turns the
     trained θ into the Outcome. `fit` runs it alone; the engine may run several in lockstep (`run_together`)."""
 
-    chain: "GradientChain"
+    chain: GradientChain
     theta: np.ndarray
     steps: int
     finish: Callable[[np.ndarray], Outcome]
@@ -153,14 +154,14 @@ class Algorithm:
     # `formula`: a legend leaves it out of the lines where the other has a different value.
     acts_when: ClassVar[dict[str, tuple[str, str]]] = {}
 
-    def __init__(self, params: Optional[dict[str, Any]] = None, neighbours: Optional[Neighbours] = None):
+    def __init__(self, params: dict[str, Any] | None = None, neighbours: Neighbours | None = None):
         """`neighbours`: the relation the grid asks its ε to hold under (None: the algorithm's own)."""
         # an instance of the subclass's own `Params` (Any: each subclass reads its own fields)
         self.params: Any = self.Params(**(params or {}))
         self._asked_neighbours = neighbours
         self.noise_scale = 1.0
 
-    def with_noise_scale(self, factor: float) -> "Algorithm":
+    def with_noise_scale(self, factor: float) -> Algorithm:
         """A copy whose noise is multiplied by `factor` while its calibration (and so its claimed ε) is unchanged:
         the broken twin `dpsgd audit` runs as a positive control. Its true ε is `derived["epsilon_noise_scaled"]`
         (what the accountant gives for the scaled noise). Never reachable from a grid's algorithm entry."""
@@ -184,7 +185,7 @@ class Algorithm:
         """The neighbouring relation this configuration's privacy claim (its calibrated ε) holds under."""
         return self._asked_neighbours or self.native_neighbours()
 
-    def refuses_neighbours(self, neighbours: str) -> Optional[str]:
+    def refuses_neighbours(self, neighbours: str) -> str | None:
         """Why this configuration cannot be calibrated under `neighbours` (None: it can)."""
         native = self.native_neighbours()
         if neighbours == native or not self.private:
@@ -198,7 +199,7 @@ class Algorithm:
         a batch size its sampling does not allow). Called before any work by `dpsgd run` for every cell, and
         again where the algorithm trains."""
 
-    def dp_event(self, setting: Setting, derived: dict[str, Any]) -> Optional[DpEvent]:
+    def dp_event(self, setting: Setting, derived: dict[str, Any]) -> DpEvent | None:
         """The mechanism as run, with the noise its run derived, as a dp-accounting event (under `neighbouring()`),
         so that an independent accountant can check the claimed ε; None where the library has no event for it and
         the claim rests on the algorithm's own analysis (`own_analysis` says which). A non-private algorithm is
@@ -210,14 +211,14 @@ class Algorithm:
     # Where `dp_event` is None for a private algorithm: the analysis its claim rests on (its docstring has the proof)
     own_analysis: ClassVar[str] = ""
 
-    def sigma_calibration(self, setting: Setting) -> Optional[tuple[float, float, float, int, str, str]]:
+    def sigma_calibration(self, setting: Setting) -> tuple[float, float, float, int, str, str] | None:
         """The (ε, δ, q, T, accountant, neighbours) this configuration calibrates DP-SGD's σ for
         (`calibrate_sigma`), if any: a fused task calibrates its cells' σ beforehand, one accountant curve per
         (δ, q, T, accountant, neighbours)."""
         return None
 
     def prepare(self, setting: Setting, model: Model, X: np.ndarray, y: np.ndarray,
-                streams: ReplicaStreams) -> Optional[Prepared]:
+                streams: ReplicaStreams) -> Prepared | None:
         """The training as one gradient chain, or None where it is not one (then only `fit` trains)."""
         return None
 

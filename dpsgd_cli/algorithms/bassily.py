@@ -34,14 +34,23 @@ installed (auto; `numpy` forces the chain): the same examples and noise draws, t
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dpsgd_cli.algorithms import kernels
 from dpsgd_cli.algorithms.base import ROW_NORM_TOLERANCE, Algorithm, Outcome, Setting
-from dpsgd_cli.algorithms.chain import (Checkpoints, GradientChain, NoiseSource, Schedule, add_l2, add_noise,
-                                        inverse_sqrt, inverse_time, project_to_ball)
+from dpsgd_cli.algorithms.chain import (
+    Checkpoints,
+    GradientChain,
+    NoiseSource,
+    Schedule,
+    add_l2,
+    add_noise,
+    inverse_sqrt,
+    inverse_time,
+    project_to_ball,
+)
 from dpsgd_cli.algorithms.sampling import uniform_examples
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.errors import UserError
@@ -71,7 +80,7 @@ class BassilyParams(BaseModel):
         "against a source text")
     amplification: Literal["tight", "approx"] = Field(
         "tight", description="advanced_composition only: ln(1 + q(e^ε − 1)) or the lecture's 2qε")
-    radius: Optional[float] = Field(None, gt=0, description="radius R of the ball C (default l/λ, or 10 if λ = 0)")
+    radius: float | None = Field(None, gt=0, description="radius R of the ball C (default l/λ, or 10 if λ = 0)")
     schedule: Literal["auto", "convex", "strongly_convex"] = Field(
         "auto", description="γ_t = 2R/(G√t) (convex) or 1/(λt) (strongly convex); auto: the latter if λ > 0")
     backend: kernels.Backend = Field(
@@ -182,7 +191,7 @@ class Bassily2014(Algorithm):
         return Outcome(theta, derived, guarantee=self.guarantee(model, lipschitz, max_norm, priv), trace=trace)
 
     @staticmethod
-    def guarantee(model: Model, lipschitz: Optional[float], max_norm: float, priv: Privacy) -> str:
+    def guarantee(model: Model, lipschitz: float | None, max_norm: float, priv: Privacy) -> str:
         if not model.convex:
             return "none: non-convex model"
         if max_norm > 1.0 + ROW_NORM_TOLERANCE:

@@ -8,16 +8,16 @@ the papers differ only in their sampler, clip and transforms.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Callable, Hashable, Iterator, Optional, Sequence
 
 import numpy as np
 
 from dpsgd_cli import compiled
-from dpsgd_cli.errors import UserError
 from dpsgd_cli.algorithms import kernels, kernels_fullbatch, kernels_minibatch
 from dpsgd_cli.algorithms.sampling import IndexedBatches
 from dpsgd_cli.algorithms.streams import ReplicaStreams
+from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import Batch, Model
 
 _NO_NOISE = np.zeros((0, 0))  # the compiled update's z when the chain adds none (never read)
@@ -118,7 +118,7 @@ def laplacian_eigenvalues(sigma_ls: float, P: int) -> np.ndarray:
     return 1.0 + 2.0 * sigma_ls * (1.0 - np.cos(2.0 * np.pi * k / P))
 
 
-def laplacian_smoothing(sigma_ls: float, P: Optional[int] = None) -> Transform:
+def laplacian_smoothing(sigma_ls: float, P: int | None = None) -> Transform:
     """g ← (I − σ_ls Δ)⁻¹ g for each replica's gradient (R, P), by FFT (O(P log P)).
 
     Δ is the 1-D discrete Laplacian with periodic boundary on the flat parameter vector (Wang et al., DP-LSSGD;
@@ -165,7 +165,7 @@ class Checkpoints:
     rows: list[tuple[int, np.ndarray, np.ndarray]] = field(default_factory=list)
     offset: int = 0  # examples processed before the chain's first step (a run of several chains: pidp_sgd's rounds)
 
-    def shifted(self, offset: int) -> "Checkpoints":
+    def shifted(self, offset: int) -> Checkpoints:
         """These checkpoints (the same rows) for a chain that starts after `offset` examples."""
         return replace(self, offset=offset)
 
@@ -194,7 +194,7 @@ class NoiseSource:
     streams: ReplicaStreams
     purpose: str
     shape: tuple[int, ...] = ()
-    draw: Optional[Callable[[np.random.Generator, int], np.ndarray]] = None
+    draw: Callable[[np.random.Generator, int], np.ndarray] | None = None
     _generators: list[np.random.Generator] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def generators(self) -> list[np.random.Generator]:
@@ -208,34 +208,34 @@ class NoiseSource:
 @dataclass
 class GradientChain:
     batches: Iterator[Batch]
-    clip: Optional[float]
+    clip: float | None
     transforms: Sequence[Callable[[np.ndarray, np.ndarray], np.ndarray]] = field(default_factory=list)
     schedule: Schedule = constant(0.1)
-    project: Optional[Callable[[np.ndarray], np.ndarray]] = None
-    checkpoints: Optional[Checkpoints] = None
+    project: Callable[[np.ndarray], np.ndarray] | None = None
+    checkpoints: Checkpoints | None = None
     examples_per_step: float = 1.0  # (expected) batch size, to count examples processed for checkpoints
     # What the batches depend on besides the data and the seeds (e.g. ("poisson", q)); chains with equal keys on
     # the same data and seeds draw identical batches, so `run_together` gathers them once. None: never shared.
-    stream: Optional[Hashable] = None
+    stream: Hashable | None = None
     # "auto"/"numba": run on the compiled mini-batch step where it applies (kernels_minibatch.applies: logistic
     # regression, known transforms, an indexed sampler), else on the compiled full-batch step where that applies
     # (kernels_fullbatch.applies: the full batch, transforms in any order); "numpy": never. How, not what: same
     # numbers up to summation order. `ran_on` says which ran ("numpy", "numba", or "numba-rows": NumPy steps whose
     # model read the batch rows in compiled kernels, the MLP's row-sparse step), once the chain has run.
     backend: str = "numpy"
-    ran_on: Optional[str] = None
+    ran_on: str | None = None
     # What the iterates depend on besides the stream, θ_0 and t (clip, transforms, schedule), for chains whose
     # transforms draw nothing: chains with equal keys, stream keys and θ_0 compute the same iterates, so
     # `run_together` runs only the longest and hands the others its θ at their last step. None: never shared.
-    same_iterates: Optional[Hashable] = None
+    same_iterates: Hashable | None = None
     # How the noise transform's numbers are drawn, for a compiled step that draws the same numbers itself:
     # `NoiseSource` (the single-example kernel); None: only from the transform's iterator.
-    noise_source: Optional["NoiseSource"] = None
+    noise_source: NoiseSource | None = None
     # Whether an `MLP` may run on the single-example kernel (`sgd1_mlp`), besides logistic regression: pidp_sgd's
     # chains; the other single-example chains keep their MLP runs on NumPy, where their numbers were made.
     mlp_kernel: bool = False
 
-    def ops(self) -> Optional[list[tuple]]:
+    def ops(self) -> list[tuple] | None:
         """The transforms as (kind, *params) in order, identities dropped; None when one is not a `Transform` (a
         function only NumPy runs). What every compiled backend reads of a chain."""
         ops = []
@@ -246,7 +246,7 @@ class GradientChain:
                 ops.append((transform.kind, *transform.params))
         return ops
 
-    def ball_radius(self) -> Optional[float]:
+    def ball_radius(self) -> float | None:
         """The radius of the projection onto a ball; None without a projection. ValueError for another one."""
         if self.project is None:
             return None

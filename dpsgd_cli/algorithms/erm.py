@@ -211,7 +211,7 @@ def _verify(model: Model, X: np.ndarray, y: np.ndarray, starts: int, theta: np.n
         if not g <= bound:
             raise diskcache.Rejected(f"its θ* is not a minimiser of the convex objective "
                                      f"(‖∇F‖ = {g:.3g} > {bound:.3g})")
-    elif not F < float(np.min(start_values)):
+    elif not float(np.min(start_values)) > F:
         raise diskcache.Rejected(f"its θ* (F = {F:.6g}) is not below the L-BFGS starts "
                                  f"(F = {np.min(start_values):.6g})")
     _check_info(model, starts, objective, info)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Callable, Iterator, Optional, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -47,7 +47,7 @@ _NO_MASK = np.zeros((1, 1), dtype=np.bool_)
 CHUNK_ELEMENTS = 1 << 23  # noise numbers per kernel call (64 MB in float64): a whole pass on adult / kddcup99
 
 
-def kernel_applies(model, batch_size: Optional[int], mlp: bool = False) -> bool:
+def kernel_applies(model, batch_size: int | None, mlp: bool = False) -> bool:
     """The kernels implement one example per step (batch size 1) on a `LogisticRegression`, or, where the caller
     allows it (`mlp`: pidp_sgd), an `MLP`, whose gradient is not overridden (the audit's canary models override
     it: they train on the NumPy chain, vectorised over the audit's many replicas)."""
@@ -87,7 +87,7 @@ def record_checkpoints(model, chains: Sequence, running, records: list[set], sto
                 chain.checkpoints.maybe_record(model, theta_of(c), round((stop - 1) * e), round(stop * e))
 
 
-def select_backend(requested: Backend, model, batch_size: Optional[int], mlp: bool = False) -> str:
+def select_backend(requested: Backend, model, batch_size: int | None, mlp: bool = False) -> str:
     """'numba' or 'numpy' for this run.
 
     auto: numba where a kernel applies (b = 1, logreg; or mlp when the caller allows it) and numba is installed,
@@ -115,7 +115,7 @@ class _Reader:
 
     def __init__(self, blocks: Iterator[np.ndarray]):
         self.blocks: Iterator[np.ndarray] = blocks
-        self.rest: Optional[np.ndarray] = None
+        self.rest: np.ndarray | None = None
 
     def take(self, m: int) -> np.ndarray:
         parts, have = [], 0
@@ -290,11 +290,11 @@ def warm_up() -> float:
 
 
 def single_example_sgd(theta: np.ndarray, X: np.ndarray, y: np.ndarray, indices: Callable[[int], np.ndarray],
-                       steps: int, schedule: Callable[[int], float], *, clip: Optional[float], l2: float,
-                       radius: Optional[float], noise: Optional[Iterator[np.ndarray]] = None,
+                       steps: int, schedule: Callable[[int], float], *, clip: float | None, l2: float,
+                       radius: float | None, noise: Iterator[np.ndarray] | None = None,
                        noise_std: float = 0.0, batch_scale: float = 1.0, checkpoints=None,
-                       model=None, noise_generators: Optional[list[np.random.Generator]] = None,
-                       noise_mask: Optional[np.ndarray] = None, x_norm: Optional[np.ndarray] = None) -> np.ndarray:
+                       model=None, noise_generators: list[np.random.Generator] | None = None,
+                       noise_mask: np.ndarray | None = None, x_norm: np.ndarray | None = None) -> np.ndarray:
     """`steps` single-example steps of projected (noisy, clipped) SGD for every replica, by the numba kernel
     (module docstring): logistic regression (θ (R, d)), or the one-hidden-layer `MLP` when `model` is one
     (θ (R, P), `sgd1_mlp`: the same step on the MLP's gradient, models/mlp.py). θ is not modified; the result is

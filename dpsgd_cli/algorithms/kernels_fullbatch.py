@@ -26,7 +26,7 @@ stops at each step that records one).
 from __future__ import annotations
 
 import functools
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -45,7 +45,7 @@ def _module():
     return compiled.import_compiled("algorithms._kernels_fullbatch_numba")
 
 
-def _ops(chain) -> Optional[list[tuple]]:
+def _ops(chain) -> list[tuple] | None:
     """The chain's transforms as (kind, *params), or None if one is not a kind the kernel computes."""
     ops = chain.ops()
     if ops is None or any(op[0] not in CODES for op in ops):
@@ -61,7 +61,7 @@ def _accepted_ops(chain) -> list[tuple]:
     return ops
 
 
-def _radius(chain) -> Optional[float]:
+def _radius(chain) -> float | None:
     return chain.ball_radius()
 
 

@@ -40,7 +40,7 @@ else keeps the NumPy chain.
 from __future__ import annotations
 
 import functools
-from typing import Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -68,7 +68,7 @@ def _kernel():
     return compiled.import_compiled("algorithms._kernels_minibatch_numba").mb_logreg
 
 
-def _plan(chain) -> Optional[dict]:
+def _plan(chain) -> dict | None:
     """The chain's step as the kernel's parameters, or None when it has a part the kernel does not compute."""
     params: dict = {"noise": None, "scale": 1.0, "l2": 0.0}
     ops, at = chain.ops(), 0
@@ -152,7 +152,7 @@ def group_steps(model, chains: Sequence, thetas: Sequence[np.ndarray], steps: Se
     out.extend(TH[c].astype(theta.dtype, copy=True) for c, theta in enumerate(thetas))
 
 
-def noise_blocks(draws: Sequence[Optional[Iterator]], m: int) -> tuple[Optional[np.ndarray], np.ndarray]:
+def noise_blocks(draws: Sequence[Iterator | None], m: int) -> tuple[np.ndarray | None, np.ndarray]:
     """(S, m, R, d) noise blocks of the next m steps, one per distinct draws iterator (tee copies of one
     `SharedStreams` stream yield the same arrays: read once), and each chain's slot in it (−1: `draws[c]` is
     None, no noise). Shared by the mini-batch and full-batch compiled steps."""

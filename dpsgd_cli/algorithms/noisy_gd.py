@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal, Optional
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from dpsgd_cli.compiled import Backend
 from dpsgd_cli.algorithms.base import Algorithm, Outcome, Prepared, Setting, unit_ball_violation
-from dpsgd_cli.algorithms.chain import (Checkpoints, GradientChain, add_l2, add_noise, constant, project_to_ball,
-                                        scale)
+from dpsgd_cli.algorithms.chain import Checkpoints, GradientChain, add_l2, add_noise, constant, project_to_ball, scale
 from dpsgd_cli.algorithms.sampling import full_batches
 from dpsgd_cli.algorithms.streams import ReplicaStreams
+from dpsgd_cli.compiled import Backend
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import Model
 from dpsgd_cli.privacy.accounting import dp_event
@@ -34,8 +33,8 @@ class NoisyGDParams(BaseModel):
     accountant: Literal["dynamics", "composition", "minimum"] = Field(
         "dynamics", description="dynamics: Chourasia et al. RDP bound; composition: K-fold RDP of the Gaussian step; "
                                 "minimum: the smaller of the two at each Rényi order")
-    radius: Optional[float] = Field(None, gt=0, allow_inf_nan=False,
-                                    description="project onto the L2 ball of this radius (None: no projection)")
+    radius: float | None = Field(None, gt=0, allow_inf_nan=False,
+                                 description="project onto the L2 ball of this radius (None: no projection)")
     backend: Backend = Field(
         "auto", description="logreg: the compiled full-batch step (kernels_fullbatch; auto: when numba is installed) "
                             "or numpy; same random numbers, same result up to summation order")
@@ -80,7 +79,7 @@ class NoisyGD(Algorithm):
 
     own_analysis = "the privacy dynamics bound (Chourasia et al. 2021, Theorem 2): the last iterate only"
 
-    def dp_event(self, setting: Setting, derived: dict) -> Optional["DpEvent"]:
+    def dp_event(self, setting: Setting, derived: dict) -> DpEvent | None:
         """Under the composition bound, K Gaussian mechanisms on θ: sensitivity η·S_g/n, std √(2η)σ (as added).
         The dynamics bound is a claim about the last iterate that no library event states: None."""
         if derived["bound_used"] != "composition":
@@ -109,7 +108,7 @@ class NoisyGD(Algorithm):
         intermediate models, so it covers the final output only."""
         return "every iterate" if derived.get("bound_used") == "composition" else "final output"
 
-    def dynamics_guarantee(self, setting: Setting, model: Model, X: np.ndarray) -> tuple[str, Optional[float]]:
+    def dynamics_guarantee(self, setting: Setting, model: Model, X: np.ndarray) -> tuple[str, float | None]:
         """("proved" or the first failed assumption of the dynamics bound, the smoothness β of the regularised loss)."""
         lam, C, eta = setting.l2, setting.required.clip_norm, setting.required.lr
         smooth = model.smoothness(1.0)
@@ -124,7 +123,7 @@ class NoisyGD(Algorithm):
             return violation, beta
         if lipschitz is None:
             return "none: the model has no Lipschitz bound", beta
-        if C < lipschitz:
+        if lipschitz > C:
             return (f"none: clipping active (C = {C:g} < L = {lipschitz:g}): the update is not the gradient of the "
                     f"strongly convex loss"), beta
         if beta is None:
@@ -134,7 +133,7 @@ class NoisyGD(Algorithm):
         return "proved", beta
 
     def chain(self, setting: Setting, X, y, streams: ReplicaStreams, noise_std: float,
-              n_params: Optional[int] = None) -> GradientChain:
+              n_params: int | None = None) -> GradientChain:
         """Full-batch chain; the noise is added to the gradient with std √(2σ²/η), i.e. √(2ησ²) on θ.
         n_params: the model's P (default d, logistic regression's)."""
         transforms = [scale(1.0 / setting.n), add_l2(setting.l2)]

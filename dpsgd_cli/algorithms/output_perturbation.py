@@ -16,8 +16,9 @@ Balle–Wang curve: what the tight analysis of the same noise certifies.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -62,9 +63,9 @@ class OutputNoise:
     sensitivity: float
     sigma: float
     calibration: str
-    epsilon_achieved: Optional[float]
+    epsilon_achieved: float | None
     epsilon_exact: float
-    failure: Optional[str]  # why the calibration proves nothing, else None
+    failure: str | None  # why the calibration proves nothing, else None
 
     def derived(self) -> dict[str, Any]:
         return {"sigma": self.sigma, "sensitivity": self.sensitivity, "epsilon_achieved": self.epsilon_achieved,
@@ -106,7 +107,7 @@ def add_output_noise(theta: np.ndarray, sigma: float, streams: ReplicaStreams) -
     return theta + sigma * z
 
 
-def _assumption_failure(model: Model, X: np.ndarray) -> Optional[str]:
+def _assumption_failure(model: Model, X: np.ndarray) -> str | None:
     """First failed assumption shared by both proofs (convex loss, rows in the unit ball), else None."""
     if not model.convex:
         return "none: non-convex model"
@@ -152,7 +153,7 @@ class OutputPerturbation(Algorithm):
     noise_scalable = True
     source = "Chaudhuri, Monteleoni & Sarwate, Differentially Private Empirical Risk Minimization, JMLR 2011"
 
-    def dp_event(self, setting: Setting, derived: dict) -> "DpEvent":
+    def dp_event(self, setting: Setting, derived: dict) -> DpEvent:
         """The Gaussian mechanism on θ̂: std σ (as added) over its L2-sensitivity."""
         return dp_event.GaussianDpEvent(derived.get("sigma_used", derived["sigma"]) / derived["sensitivity"])
 
@@ -219,7 +220,7 @@ class PSGDPlan:
     schedule: Schedule
     step_rule: str
     sensitivity: float
-    failure: Optional[str]  # a failed step-size condition, else None
+    failure: str | None  # a failed step-size condition, else None
     schedule_key: tuple = ()  # the schedule's exact parameters (step_rule rounds them for display)
 
     @property
@@ -268,7 +269,7 @@ class BoltOn(Algorithm):
     source = ("Wu, Li, Kumar, Chaudhuri, Jha & Naughton, Bolt-on Differential Privacy for Scalable Stochastic "
               "Gradient Descent-based Analytics, SIGMOD 2017")
 
-    def dp_event(self, setting: Setting, derived: dict) -> "DpEvent":
+    def dp_event(self, setting: Setting, derived: dict) -> DpEvent:
         """The Gaussian mechanism on θ̂: std σ (as added) over its L2-sensitivity."""
         return dp_event.GaussianDpEvent(derived.get("sigma_used", derived["sigma"]) / derived["sensitivity"])
 
@@ -307,7 +308,7 @@ class BoltOn(Algorithm):
                         ("min_inverse_time", beta, gamma))
 
     def chain(self, plan: PSGDPlan, l2: float, batches: Iterator[Batch],
-              checkpoints: Optional[Checkpoints] = None) -> GradientChain:
+              checkpoints: Checkpoints | None = None) -> GradientChain:
         """The non-private PSGD: clip each example's gradient to L, average over the batch, add λθ, step.
 
         The iterates do not depend on ε (only the output noise does) and a shorter run is a prefix of a longer one

@@ -5,7 +5,8 @@ from __future__ import annotations
 import functools
 import math
 from collections import deque
-from typing import Callable, Iterator, Literal, Optional
+from collections.abc import Callable, Iterator
+from typing import Literal
 
 import numpy as np
 
@@ -62,7 +63,7 @@ def _inversion_matches() -> bool:
 
 
 def poisson_batches(X: np.ndarray, y: np.ndarray, q: float, streams: ReplicaStreams,
-                    width: int | None = None) -> "IndexedBatches":
+                    width: int | None = None) -> IndexedBatches:
     """Poisson-sampled batches (Abadi et al. 2016) of expected size qn, forever (the chain stops after T steps)."""
     n = X.shape[0]
     if q >= 1:  # every example at every step: the full batch (the gap sampler would walk every row in Python)
@@ -112,9 +113,9 @@ class IndexedBatches:
         self._blocks: Iterator[np.ndarray] = iter(()) if blocks is None else blocks
         self._block: np.ndarray = np.empty((0, replicas, 0), dtype=np.int64)  # the current block, read from _pos
         self._pos, self._trim = 0, trim
-        self._x_norm: Optional[np.ndarray] = None
-        self._full: Optional[Batch] = None
-        self._nonzeros: Optional[RowNonzeros] | Literal[False] = False  # False: not looked up yet
+        self._x_norm: np.ndarray | None = None
+        self._full: Batch | None = None
+        self._nonzeros: RowNonzeros | None | Literal[False] = False  # False: not looked up yet
         self.taps: list[deque] = []  # queues that receive a copy of every `take` (see `replay`)
 
     @property
@@ -124,13 +125,13 @@ class IndexedBatches:
             self._x_norm = cached_row_norms(self.X)
         return self._x_norm
 
-    def nonzeros(self) -> Optional[RowNonzeros]:
+    def nonzeros(self) -> RowNonzeros | None:
         """`RowNonzeros.of(X)`, computed at the first call (None: X too dense for row-sparse products to pay)."""
         if self._nonzeros is False:
             self._nonzeros = cached_nonzeros(self.X)
         return self._nonzeros
 
-    def __iter__(self) -> "IndexedBatches":
+    def __iter__(self) -> IndexedBatches:
         return self
 
     def __next__(self) -> Batch:
@@ -169,7 +170,7 @@ class IndexedBatches:
             tap.append(out)
         return out
 
-    def replay(self, advance: Callable[[], bool]) -> "IndexedBatches":
+    def replay(self, advance: Callable[[], bool]) -> IndexedBatches:
         """Batches equal to these for a second consumer while a first one `take`s: the steps it took are
         replayed; when none is left, `advance()` makes it take more (False once it is done; then the steps
         come from these batches directly). The full batch is shared as is."""

@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Literal, Optional
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dpsgd_cli.compiled import Backend
 from dpsgd_cli.algorithms.base import Algorithm, Outcome, Prepared, Setting
 from dpsgd_cli.algorithms.chain import Checkpoints, GradientChain, add_l2, add_noise, constant, scale
 from dpsgd_cli.algorithms.sampling import poisson_batches
 from dpsgd_cli.algorithms.streams import ReplicaStreams
-from dpsgd_cli.models import Model
+from dpsgd_cli.compiled import Backend
 from dpsgd_cli.errors import UserError
-from dpsgd_cli.privacy.accounting import (AccountantName, Neighbours, calibrate_sigma, check_dpsgd_neighbours,
-                                          dpsgd_epsilon, dpsgd_event)
+from dpsgd_cli.models import Model
+from dpsgd_cli.privacy.accounting import (
+    AccountantName,
+    Neighbours,
+    calibrate_sigma,
+    check_dpsgd_neighbours,
+    dpsgd_epsilon,
+    dpsgd_event,
+)
 
 if TYPE_CHECKING:
     from dp_accounting.dp_event import DpEvent
@@ -88,7 +94,7 @@ class DPSGD(SGD):
 
     noise_scalable = True
 
-    def refuses_neighbours(self, neighbours: str) -> Optional[str]:
+    def refuses_neighbours(self, neighbours: str) -> str | None:
         """Both relations, through the accountant (RDP: add/remove only, see `check_dpsgd_neighbours`)."""
         try:
             check_dpsgd_neighbours(self.params.accountant, neighbours)
@@ -96,7 +102,7 @@ class DPSGD(SGD):
             return f"{self.name}: {exc}"
         return None
 
-    def dp_event(self, setting: Setting, derived: dict) -> "DpEvent":
+    def dp_event(self, setting: Setting, derived: dict) -> DpEvent:
         """Poisson-sampled Gaussian at the noise multiplier added, composed T times (Abadi et al. 2016)."""
         return dpsgd_event(derived.get("sigma_used", derived["sigma"]), setting.sample_rate, setting.steps)
 

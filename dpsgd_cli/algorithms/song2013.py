@@ -17,16 +17,28 @@ installed (`backend: auto`; `numpy` forces NumPy): the same permutations and Z_t
 from __future__ import annotations
 
 import math
-from typing import Callable, Literal, Optional
+from collections.abc import Callable
+from typing import Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from dpsgd_cli.algorithms import kernels
 from dpsgd_cli.algorithms.base import Algorithm, Outcome, Prepared, Setting, max_row_norm
-from dpsgd_cli.algorithms.chain import (Checkpoints, GradientChain, NoiseSource, Schedule, Transform, add_l2, add_noise,
-                                        constant,
-                                        inverse_sqrt, inverse_time, project_to_ball, scale)
+from dpsgd_cli.algorithms.chain import (
+    Checkpoints,
+    GradientChain,
+    NoiseSource,
+    Schedule,
+    Transform,
+    add_l2,
+    add_noise,
+    constant,
+    inverse_sqrt,
+    inverse_time,
+    project_to_ball,
+    scale,
+)
 from dpsgd_cli.algorithms.sampling import shuffled_batches
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.errors import UserError
@@ -42,7 +54,7 @@ class Song2013Params(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     schedule: Literal["inv_sqrt", "inv_t", "constant"] = Field(
         "inv_sqrt", description="η_t = lr/√t (inv_sqrt), 1/(λt) (inv_t: lr unused), or lr (constant)")
-    radius: Optional[float] = Field(None, gt=0, description="projection radius (default 1/λ, which holds w*)")
+    radius: float | None = Field(None, gt=0, description="projection radius (default 1/λ, which holds w*)")
     backend: kernels.Backend = Field(
         "auto", description="logreg: the numba kernels (b = 1: single-example, b > 1: the compiled mini-batch step; "
                             "auto: when numba is installed) or numpy; same random numbers, same result")
@@ -121,8 +133,8 @@ class Song2013NonPrivate(Algorithm):
             return inverse_time(1.0 / setting.l2)
         return constant(setting.required.lr)
 
-    def chain(self, setting: Setting, X, y, streams: ReplicaStreams, noise: Optional[Transform] = None,
-              clip: Optional[float] = None, noise_source: Optional[NoiseSource] = None) -> GradientChain:
+    def chain(self, setting: Setting, X, y, streams: ReplicaStreams, noise: Transform | None = None,
+              clip: float | None = None, noise_source: NoiseSource | None = None) -> GradientChain:
         """Σ (clipped) ∇ℓ over the batch → [+ Z_t] → ·1/b → + λw → w − η_t · → Π onto the ball."""
         b = setting.required.batch_size
         return GradientChain(
@@ -138,7 +150,7 @@ class Song2013NonPrivate(Algorithm):
             noise_source=noise_source,
         )
 
-    def noise_draw(self, setting: Setting, model: Model, X, passes: int) -> tuple[Optional[NoiseDraw], dict, str]:
+    def noise_draw(self, setting: Setting, model: Model, X, passes: int) -> tuple[NoiseDraw | None, dict, str]:
         """(draw of Z_t for K steps from one replica's generator, or None; derived values; guarantee): no noise
         for the non-private version."""
         return None, {}, "non-private"
@@ -156,7 +168,7 @@ class Song2013NonPrivate(Algorithm):
         return Prepared(chain, model.init(streams.generators("init")), steps, finish)
 
     def _outcome(self, setting: Setting, model: Model, X, y, theta, eta: Schedule, backend: str, derived: dict,
-                 clip: Optional[float], guarantee: str, trace: list) -> Outcome:
+                 clip: float | None, guarantee: str, trace: list) -> Outcome:
         per_pass, steps, passes = self.steps(setting)
         derived = {"steps": steps, "sample_rate": setting.required.batch_size / setting.n, "steps_per_pass": per_pass,
                    "passes": passes, "schedule": self.params.schedule, "step_size_first": eta(1),
@@ -190,7 +202,7 @@ class Song2013(Song2013NonPrivate):
     own_analysis = ("Song et al. 2013: noise of density ∝ exp(−(α/2)‖z‖) on a batch sum of sensitivity 2 is α-DP per "
                     "pass, composed over the passes (basic or advanced composition)")
 
-    def noise_draw(self, setting: Setting, model: Model, X, passes: int) -> tuple[Optional[NoiseDraw], dict, str]:
+    def noise_draw(self, setting: Setting, model: Model, X, passes: int) -> tuple[NoiseDraw | None, dict, str]:
         epsilon = setting.required.epsilon
         alpha, delta_used = epsilon / passes, 0.0
         composition = "pure" if passes == 1 else "basic"

@@ -11,7 +11,7 @@ import copy
 import itertools
 import math
 import sys
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 

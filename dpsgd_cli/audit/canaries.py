@@ -25,7 +25,7 @@ The other two (the worlds "in" and "out" always hold the same number of records,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -55,7 +55,7 @@ class InputCanary:
         return self.label * model.decision(theta, self.x[None, :])[:, 0]
 
 
-def input_canary(model: Model, X: np.ndarray, y: np.ndarray, reference: Optional[np.ndarray]) -> InputCanary:
+def input_canary(model: Model, X: np.ndarray, y: np.ndarray, reference: np.ndarray | None) -> InputCanary:
     """The input-space canary; `reference` a non-private model θ (1, P) to choose the label (None: +1)."""
     x = least_used_direction(X)
     label = 1.0
@@ -83,7 +83,7 @@ class _GradientCanary(_CanaryBase):
     raw_norm: float
     projections: list
 
-    def clipped_grad_sum(self, theta: np.ndarray, batch: Batch, clip: Optional[float]) -> np.ndarray:
+    def clipped_grad_sum(self, theta: np.ndarray, batch: Batch, clip: float | None) -> np.ndarray:
         if getattr(self, "_summing", False):  # the model's own per-replica split calls back in: the data alone
             return super().clipped_grad_sum(theta, batch, clip)
         self._summing = True
@@ -96,7 +96,7 @@ class _GradientCanary(_CanaryBase):
         self.projections.append(theta @ self.U.T)
         return g + self._canary_sum(batch, self.included, clip)
 
-    def _canary_sum(self, batch: Batch, included: np.ndarray, clip: Optional[float]):
+    def _canary_sum(self, batch: Batch, included: np.ndarray, clip: float | None):
         marker = (batch.y == 0) & (batch.weight > 0)
         if not marker.any():
             return 0.0
@@ -110,7 +110,7 @@ class _GradientCanary(_CanaryBase):
         m = self.U.shape[0]
         return np.clip(np.rint(x_norm * (m + 1)).astype(int) - 1, 0, m - 1)
 
-    def _norm(self, clip: Optional[float]) -> float:
+    def _norm(self, clip: float | None) -> float:
         return self.raw_norm if clip is None else min(self.raw_norm, clip)
 
 
@@ -233,7 +233,7 @@ def step_likelihood_ratio(x: np.ndarray, sigma: float, q: float, mirror: bool = 
     return inn.sum(axis=0)
 
 
-def iterate_projections(model: "_GradientCanary", theta_final: np.ndarray) -> np.ndarray:
+def iterate_projections(model: _GradientCanary, theta_final: np.ndarray) -> np.ndarray:
     """a_t = ⟨θ_t, U_0⟩ for t = 0..T (T + 1, R): recorded before every step, and the released θ_T."""
     blocks = [*model.projections, theta_final @ model.U.T]
     return np.concatenate([np.reshape(b, (-1, *b.shape[-2:])) for b in blocks])[:, :, 0]

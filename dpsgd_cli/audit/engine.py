@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import scipy.stats
@@ -63,9 +64,9 @@ class NotApplicable(ValueError):
     """This canary cannot be planted in this algorithm (the row says so; not a failure)."""
 
 
-def audit_cell(cell: Cell, spec: AuditSpec, trials: Optional[int] = None, confidence: Optional[float] = None,
-               algorithm: Optional[Algorithm] = None, data: Optional[Dataset] = None,
-               scores: Optional[dict[str, np.ndarray]] = None) -> list[dict[str, Any]]:
+def audit_cell(cell: Cell, spec: AuditSpec, trials: int | None = None, confidence: float | None = None,
+               algorithm: Algorithm | None = None, data: Dataset | None = None,
+               scores: dict[str, np.ndarray] | None = None) -> list[dict[str, Any]]:
     """Rows of audit.csv for one cell: one per threat model of each canary kind, each with its verdict.
 
     `confidence` is the family's: the k rows that can refute the cell's claim (the threat models it covers) are
@@ -114,7 +115,7 @@ def audit_cell(cell: Cell, spec: AuditSpec, trials: Optional[int] = None, confid
     return rows
 
 
-def _distinct_tests(worlds: list["Worlds"], covers: str) -> int:
+def _distinct_tests(worlds: list[Worlds], covers: str) -> int:
     """How many different tests the covered rows are (the family a verdict combines): rows whose scores order
     the trials identically give the same bound under every rule here (each depends on the scores' order only)
     and count once — one full-batch step's all-iterates ratio is an increasing function of its last iterate's
@@ -148,7 +149,7 @@ def _worlds(kind: str, cell: Cell, spec: AuditSpec, algorithm: Algorithm, trials
         return exc
 
 
-def _control_columns(control, threat: str, spec: AuditSpec, confidence: float, scores: Optional[dict],
+def _control_columns(control, threat: str, spec: AuditSpec, confidence: float, scores: dict | None,
                      kind: str, claim: float) -> dict[str, Any]:
     """The twin's row: its bound at `confidence`, the level of its own family (the same rule, the same claim)."""
     if control is None:
@@ -409,7 +410,7 @@ def _step_statistics(a: np.ndarray, v: np.ndarray, steps: canaries.StepModel) ->
 
 
 def _post_processing(algorithm: Algorithm, setting: Setting, model: Model, X: np.ndarray,
-                     y: np.ndarray) -> Optional[np.ndarray]:
+                     y: np.ndarray) -> np.ndarray | None:
     """Mᵀ (P, P) for a chain whose last transforms, after its noise, scale and weight decay, apply a fixed linear
     map M to the noisy gradient (dp_lssgd's Laplacian smoothing A⁻¹; data-independent post-processing), read by
     applying them to the identity; None when there are none, or when they are not linear or depend on θ (the
@@ -450,7 +451,7 @@ def _directions(spec: AuditSpec, model: Model, X: np.ndarray, y: np.ndarray) -> 
     if spec.direction == "against_data":
         theta0 = model.init([np.random.default_rng([spec.seed, 7])])
         return canaries.data_gradient_direction(model, theta0, X, y)[None, :]
-    if P == X.shape[1]:
+    if X.shape[1] == P:
         return canaries.least_used_direction(X)[None, :]
     g = np.random.default_rng([spec.seed, 11]).standard_normal(P)
     return (g / np.linalg.norm(g))[None, :]

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import numpy as np
 import pandas as pd
@@ -34,8 +34,8 @@ NUMERIC = ["epsilon_claimed", "delta", "epsilon_lo", "trials", "confidence", "ce
 NEEDED = ["epsilon_claimed", "delta", "trials", "confidence"]
 
 
-def audit_grid(grid: Grid, out_root: Path, trials: Optional[int] = None, confidence: Optional[float] = None,
-               on_rows: Optional[Callable[[list[dict]], None]] = None) -> Path:
+def audit_grid(grid: Grid, out_root: Path, trials: int | None = None, confidence: float | None = None,
+               on_rows: Callable[[list[dict]], None] | None = None) -> Path:
     """Audit every cell of `grid` (its `audit:` block, or the defaults); returns the CSV's path."""
     # no audit block: the defaults, with thresholds at ranks fixed from the claim (the most powerful rule here)
     spec = grid.audit or AuditSpec()

@@ -15,14 +15,14 @@ the union of two bounds (`order_p_value`).
 from __future__ import annotations
 
 import functools
-from typing import Literal, Optional, Union
+from typing import Literal
 
 import numpy as np
 import scipy.optimize
 import scipy.special
 import scipy.stats
 
-ThresholdRule = Union[Literal["bonferroni", "split", "order"], float]
+ThresholdRule = Literal["bonferroni", "split", "order"] | float
 ORDER_RANKS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
 
 
@@ -64,7 +64,7 @@ def epsilon_from_counts(tp: np.ndarray, fp: np.ndarray, n_in: int, n_out: int, a
 
 def epsilon_clopper_pearson(scores_in, scores_out, confidence: float = 0.95, delta: float = 0.0,
                             threshold: ThresholdRule = "bonferroni", seed: int = 0,
-                            claim: Optional[float] = None) -> float:
+                            claim: float | None = None) -> float:
     """ε_lo holding with probability `confidence` over the trials.
 
     threshold: a number (fixed in advance: one test); "bonferroni" — the best of all k thresholds, each bound at
@@ -103,7 +103,7 @@ def epsilon_clopper_pearson(scores_in, scores_out, confidence: float = 0.95, del
                                      delta)[0])
 
 
-def order_ranks(n_out: int, n_in: Optional[int] = None, claim: Optional[float] = None, delta: float = 0.0,
+def order_ranks(n_out: int, n_in: int | None = None, claim: float | None = None, delta: float = 0.0,
                 alpha: float = 0.05) -> np.ndarray:
     """The ranks j of the rule "order", fixed before any score is seen: `claim_ranks` when the claimed ε is given
     (and finite, > 0), else 1, 2, 5, 10, ... up to n_out/2."""
@@ -140,7 +140,7 @@ def _claim_ranks(n_in: int, n_out: int, epsilon: float, delta: float, alpha: flo
 
 
 def order_p_value(k: int, n_in: int, j: int, n_out: int, epsilon: float, delta: float,
-                  alpha: Optional[float] = None, rtol: float = 1e-2) -> tuple[float, float]:
+                  alpha: float | None = None, rtol: float = 1e-2) -> tuple[float, float]:
     """Bounds (lower, upper) on the p-value of k of n_in in-scores above t, the j-th largest of n_out out-scores,
     if the mechanism is (ε, δ)-DP.
 
@@ -289,7 +289,7 @@ def tpr_at_fpr(scores_in, scores_out, fpr: float) -> float:
 
 @functools.lru_cache(maxsize=1024)  # the rows of a cell and its twin share it; trials_needed bisects over it
 def ceiling(n_in: int, n_out: int, confidence: float = 0.95, delta: float = 0.0,
-            threshold: ThresholdRule = "bonferroni", claim: Optional[float] = None) -> float:
+            threshold: ThresholdRule = "bonferroni", claim: float | None = None) -> float:
     """The largest ε_lo the rule can give with these trials: perfect separation (every in-trial above every
     out-trial). Bonferroni divides α by the n_in + n_out + 1 thresholds that distinct scores give; split bounds
     on the held-out halves at α; order takes the best of its ranks (from `claim`), each at α/#ranks; a fixed
@@ -307,7 +307,7 @@ def ceiling(n_in: int, n_out: int, confidence: float = 0.95, delta: float = 0.0,
 
 
 def trials_needed(epsilon: float, confidence: float = 0.95, delta: float = 0.0,
-                  threshold: ThresholdRule = "bonferroni", limit: int = 10**9) -> Optional[int]:
+                  threshold: ThresholdRule = "bonferroni", limit: int = 10**9) -> int | None:
     """The fewest trials N per world whose ceiling exceeds `epsilon` (None beyond `limit`); the rule "order"
     with its ranks from the claim `epsilon`."""
     claim = epsilon if threshold == "order" else None

@@ -7,11 +7,12 @@ after the sha256 matched, so a failed or corrupt download leaves nothing behind.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, Optional
 from urllib.parse import unquote, urlparse
 
 import pooch
@@ -40,10 +41,8 @@ _UMASK = _read_umask()
 
 def make_readable(path: Path) -> None:
     """Give a file made by tempfile (mode 0600) the usual mode 0666 & ~umask; best effort."""
-    try:
+    with contextlib.suppress(OSError):
         os.chmod(path, 0o666 & ~_UMASK)
-    except OSError:
-        pass
 
 
 def cache_dir() -> Path:
@@ -51,7 +50,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get(DATA_DIR_ENV) or DEFAULT_DATA_DIR).expanduser().absolute()
 
 
-def mirror_base() -> Optional[str]:
+def mirror_base() -> str | None:
     """$DPSGD_DATA_MIRROR without trailing slash, or None when unset."""
     base = os.environ.get(MIRROR_ENV, "").strip()
     return base.rstrip("/") or None
@@ -83,7 +82,7 @@ def is_verified(dataset: str, remote: RemoteFile) -> bool:
     return path.is_file() and path.stat().st_size == remote.size and sha256_of(path) == remote.sha256
 
 
-def _local_source(url: str) -> Optional[Path]:
+def _local_source(url: str) -> Path | None:
     """The local path behind a file:// URL or a plain directory mirror, else None."""
     parsed = urlparse(url)
     if parsed.scheme == "file":

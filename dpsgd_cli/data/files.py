@@ -23,8 +23,9 @@ from __future__ import annotations
 import difflib
 import re
 import stat
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable, Literal, Optional, Union
+from typing import Any, Literal
 
 import numpy as np
 import pandas as pd
@@ -70,29 +71,29 @@ class FileDatasetSpec(BaseModel):
 
     name: Literal["file"]
     path: str = Field(description="the file; relative to the grid file's folder")
-    id: Optional[str] = Field(None, pattern=r"^[A-Za-z0-9_.-]+$",
-                              description="the dataset's name in results (default: the file name)")
-    format: Optional[Literal["csv", "tsv", "parquet", "libsvm", "npz"]] = Field(
+    id: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$",
+                           description="the dataset's name in results (default: the file name)")
+    format: Literal["csv", "tsv", "parquet", "libsvm", "npz"] | None = Field(
         None, description="default: from the extension (.csv .tsv .parquet .libsvm/.svm .npz, optionally .gz)")
-    sep: Optional[str] = Field(None, description="csv/tsv column separator (default ',' or tab)")
-    label: Optional[str] = Field(None, description="label column (csv, tsv, parquet; libsvm/npz use y)")
-    positive: Optional[Union[bool, int, float, str]] = Field(
+    sep: str | None = Field(None, description="csv/tsv column separator (default ',' or tab)")
+    label: str | None = Field(None, description="label column (csv, tsv, parquet; libsvm/npz use y)")
+    positive: bool | int | float | str | None = Field(
         None, description="label value of class +1, others -1 (default: the larger of exactly two values)")
     drop: tuple[str, ...] = Field((), description="columns not used")
-    categorical: Optional[tuple[str, ...]] = Field(
+    categorical: tuple[str, ...] | None = Field(
         None, description="columns one-hot encoded (default: the non-numeric columns)")
     missing: Literal["drop", "impute"] = Field(
         "drop", description="rows with a missing feature: drop, or impute (training mean; categorical: no category)")
-    test_path: Optional[str] = Field(None, description="test file (default: a seeded random split)")
+    test_path: str | None = Field(None, description="test file (default: a seeded random split)")
     test_fraction: float = Field(0.2, gt=0, lt=1, description="test share of the random split")
     seed: int = Field(0, ge=0, description="seed of subsampling, random split and projection")
-    subsample: Optional[int] = Field(None, gt=0, description="keep this many training-pool records (seeded)")
+    subsample: int | None = Field(None, gt=0, description="keep this many training-pool records (seeded)")
     one_hot: bool = Field(True, description="one-hot encode categorical columns (else integer codes)")
     standardize: bool = Field(True, description="standardise numeric columns with training statistics")
-    projection: Optional[int] = Field(None, gt=0, description="Gaussian random projection to k dimensions")
+    projection: int | None = Field(None, gt=0, description="Gaussian random projection to k dimensions")
     unit_ball: Literal["row", "max", "none"] = Field("row", description="as for the built-in datasets")
-    sha256: Optional[str] = Field(None, description="of `path` (filled in; written, it is checked)")
-    test_sha256: Optional[str] = Field(None, description="of `test_path` (filled in; written, it is checked)")
+    sha256: str | None = Field(None, description="of `path` (filled in; written, it is checked)")
+    test_sha256: str | None = Field(None, description="of `test_path` (filled in; written, it is checked)")
 
     @model_validator(mode="before")
     @classmethod

@@ -31,7 +31,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -229,7 +229,7 @@ def _read_stored_arrays(fh) -> dict[str, np.ndarray]:
     return arrays
 
 
-def _read_processed(path: Path, key: str) -> tuple[Optional[dict[str, np.ndarray]], str]:
+def _read_processed(path: Path, key: str) -> tuple[dict[str, np.ndarray] | None, str]:
     """(arrays, "") of a processed cache file; (None, why) if absent, unreadable, for another key, or if its
     arrays do not match the checksum stored with them (tampered or corrupt). The checksum is recomputed on every
     read: a stat-based stamp would miss a bit flipped in place."""

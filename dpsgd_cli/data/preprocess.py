@@ -9,8 +9,8 @@ changing `subsample` does not change the projection matrix.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import numpy as np
 import pandas as pd
@@ -44,7 +44,7 @@ class Table:
     def __len__(self) -> int:
         return self.y.shape[0]
 
-    def take(self, idx: np.ndarray) -> "Table":
+    def take(self, idx: np.ndarray) -> Table:
         """The records at positions `idx`."""
         return Table(self.numeric[idx], self.codes[idx], self.vocab, self.y[idx])
 
@@ -97,7 +97,7 @@ def concat_tables(a: Table, b: Table) -> Table:
     )
 
 
-def subsample(table: Table, size: Optional[int], seed: int, where: str) -> Table:
+def subsample(table: Table, size: int | None, seed: int, where: str) -> Table:
     """`size` records drawn without replacement (seeded), kept in file order; None keeps all."""
     if size is None:
         return table
@@ -124,7 +124,7 @@ def random_split(table: Table, test_fraction: float, seed: int, where: str) -> t
 
 
 def train_test(
-    tables: Sequence[Table], *, split: str, size: Optional[int], test_fraction: float, seed: int, where: str
+    tables: Sequence[Table], *, split: str, size: int | None, test_fraction: float, seed: int, where: str
 ) -> tuple[Table, Table]:
     """(train, test). official (tables = [train, test]): `size` records drawn from train only; none: train on
     the (sub)sampled training file, or the only pool, with an empty test set (Song et al. 2013 plot the
@@ -206,7 +206,7 @@ def projection_matrix(d: int, k: int, seed: int) -> np.ndarray:
 
 
 def project(
-    train: np.ndarray, test: np.ndarray, k: Optional[int], seed: int
+    train: np.ndarray, test: np.ndarray, k: int | None, seed: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """Gaussian random projection of train and test to `k` columns (None: unchanged)."""
     if k is None:
@@ -219,7 +219,7 @@ def project(
 
 
 def features(
-    train: Table, test: Table, *, one_hot: bool, standardize: bool, projection: Optional[int],
+    train: Table, test: Table, *, one_hot: bool, standardize: bool, projection: int | None,
     unit_ball: str, seed: int, order: str = "project_then_ball",
 ) -> tuple[np.ndarray, np.ndarray]:
     """The pipeline after the split: encode (one-hot, standardise), then projection and unit ball in `order`

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field
-from typing import Literal, Optional, TypedDict
+from typing import Literal, TypedDict
 
 from dpsgd_cli.errors import DataError
 
@@ -30,7 +30,7 @@ class SpecDefaults(TypedDict, total=False):
 
     split: Literal["official", "random", "none"]
     standardize: bool
-    subsample: Optional[int]
+    subsample: int | None
     positive_digit: int
     n: int
     dim: int
@@ -253,7 +253,7 @@ def get_entry(name: str) -> DatasetEntry:
                     f"--path FILE` to preview it)")
 
 
-def files_for_split(entry: DatasetEntry, split: Optional[str]) -> tuple[RemoteFile, ...]:
+def files_for_split(entry: DatasetEntry, split: str | None) -> tuple[RemoteFile, ...]:
     """The files a load with `split` reads (kddcup99 reads corrected.gz only for split 'official')."""
     if split == "official":
         return entry.files

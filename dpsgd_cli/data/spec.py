@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
@@ -23,25 +23,25 @@ class DatasetSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: DatasetName
-    subsample: Optional[int] = Field(None, gt=0, description="keep this many records (seeded) before splitting")
-    positive_digit: Optional[int] = Field(None, ge=0, le=9, description="MNIST one-vs-all: the positive class")
+    subsample: int | None = Field(None, gt=0, description="keep this many records (seeded) before splitting")
+    positive_digit: int | None = Field(None, ge=0, le=9, description="MNIST one-vs-all: the positive class")
     one_hot: bool = Field(True, description="one-hot encode categorical columns")
-    standardize: Optional[bool] = Field(
+    standardize: bool | None = Field(
         None, description="standardise numeric columns with train statistics (default: yes, but not MNIST pixels)"
     )
-    projection: Optional[int] = Field(None, gt=0, description="Gaussian random projection to k dimensions")
+    projection: int | None = Field(None, gt=0, description="Gaussian random projection to k dimensions")
     unit_ball: Literal["row", "max", "none"] = Field(
         "row", description="row: x/max(1,|x|) per row; max: divide by the largest train row norm; none"
     )
-    split: Optional[Literal["official", "random", "none"]] = Field(
+    split: Literal["official", "random", "none"] | None = Field(
         None, description="official train/test files where they exist, else a seeded random split; none: train on "
                           "every record of the pool or training file (after subsample), empty test set "
                           "(test metrics NaN)"
     )
     test_fraction: float = Field(0.2, gt=0, lt=1, description="test share of a random split")
     seed: int = Field(0, ge=0, description="seed of subsampling, random split, projection and synthetic data")
-    n: Optional[int] = Field(None, gt=0, description="synthetic: number of points (default 10,000)")
-    dim: Optional[int] = Field(None, gt=0, description="synthetic: dimension (default 5)")
+    n: int | None = Field(None, gt=0, description="synthetic: number of points (default 10,000)")
+    dim: int | None = Field(None, gt=0, description="synthetic: dimension (default 5)")
     order: Literal["project_then_ball", "ball_then_project"] = Field(
         "project_then_ball", description="project_then_ball: standardise -> projection -> unit ball (rows end in "
         "the ball); ball_then_project: standardise -> unit ball -> projection, Song et al. 2013 §IV-A's order "
@@ -69,8 +69,8 @@ class Dataset:
     # preprocessing that used statistics of the training set (not covered by the accountant); file datasets
     train_statistics: tuple[str, ...] = ()
     summary: str = ""  # what loading did, in one line (file datasets: rows read, dropped, features)
-    X_val: Optional[np.ndarray] = None  # held out of the training set by `with_validation` (never the test set)
-    y_val: Optional[np.ndarray] = None
+    X_val: np.ndarray | None = None  # held out of the training set by `with_validation` (never the test set)
+    y_val: np.ndarray | None = None
 
     @property
     def name(self) -> str:
@@ -103,7 +103,7 @@ def validation_split(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np
     return np.flatnonzero(~held), np.flatnonzero(held)
 
 
-def with_validation(data: Dataset, fraction: Optional[float]) -> Dataset:
+def with_validation(data: Dataset, fraction: float | None) -> Dataset:
     """`data` whose training set is split into the rows used for fitting (X_train) and a validation set
     (X_val), seeded by the dataset's seed; the test set is untouched. Without a fraction, `data` itself."""
     if not fraction:

@@ -8,8 +8,9 @@ Each is written to `<results>/<grid>/<figure name>.csv`.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pandas as pd
 

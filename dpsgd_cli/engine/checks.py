@@ -15,23 +15,23 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable, Optional, Union
+from typing import Any
 
 from dpsgd_cli.algorithms import ALGORITHMS
-from dpsgd_cli.config import AuditSpec, Cell, ClaimSpec, FigureSpec, Grid, closest, axis_values, expand
+from dpsgd_cli.config import AuditSpec, Cell, ClaimSpec, FigureSpec, Grid, axis_values, closest, expand
 from dpsgd_cli.data.files import FileDatasetSpec
 from dpsgd_cli.data.registry import get_entry
 from dpsgd_cli.data.spec import DatasetSpec
 from dpsgd_cli.engine.analytic import ANALYTIC, NOISE_ACCOUNTINGS, NUMERIC_TABLE_COLUMNS, TABLE_COLUMNS
-from dpsgd_cli.engine.results import COLUMNS
-from dpsgd_cli.engine.results import comparison
+from dpsgd_cli.engine.results import COLUMNS, comparison
 from dpsgd_cli.engine.runner import dataset
 from dpsgd_cli.engine.selection import frame_columns
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models.mlp import BLOCK_ELEMENTS as MLP_BLOCK
-from dpsgd_cli.privacy.validate import MEMORY_SHARE, available_memory
 from dpsgd_cli.privacy.accounting import PLD_MAX_COMPOSITIONS
+from dpsgd_cli.privacy.validate import MEMORY_SHARE, available_memory
 
 MAX_RUNS = 100_000  # runs of one grid (cells × seeds); the largest paper grid has 594
 MAX_STEPS = 10**8  # optimiser steps of one run (the paper grids: at most ~10^6)
@@ -75,7 +75,7 @@ def check_grid(grid: Grid) -> list[Cell]:
     return cells
 
 
-def check_audit(grid: Grid, trials: Optional[int] = None) -> None:
+def check_audit(grid: Grid, trials: int | None = None) -> None:
     """`dpsgd audit`: every run it trains bounded as `dpsgd run`'s (check_work), and the trials: at most
     MAX_AUDIT_TRIALS, and trainings × examples per training at most MAX_EXAMPLES per cell; and every algorithm
     private (a non-private one claims no ε to bound from below)."""
@@ -119,7 +119,7 @@ def check_selection(grid: Grid, spec, where: str) -> None:
     trials = spec.trials()
     try:
         if trials.kind != "poisson":
-            trials.gamma  # the distribution the readers sample from: solved for its mean
+            trials.gamma  # noqa: B018  (the distribution the readers sample from: solved for its mean)
     except (ValueError, ArithmeticError, RuntimeError) as exc:
         raise UserError(f"{where}: no {spec.distribution} number of trials with mean {spec.mean:g} and eta "
                         f"{spec.eta:g} can be simulated ({exc}); choose another mean or eta") from None
@@ -147,7 +147,7 @@ def _numeric_param(grid: Grid, column: str) -> bool:
                for a in grid.algorithms)
 
 
-def _name(value: Optional[str], key: str, columns: list[str], where: str, numeric: Optional[set[str]] = None) -> None:
+def _name(value: str | None, key: str, columns: list[str], where: str, numeric: set[str] | None = None) -> None:
     if value is None:
         return
     if value not in columns:
@@ -259,7 +259,7 @@ def _loaded_file(spec: FileDatasetSpec) -> tuple[int, int]:
     return len(data.y_train) + len(data.y_test), data.X_train.shape[1]
 
 
-def records(spec: Union[DatasetSpec, FileDatasetSpec]) -> int:
+def records(spec: DatasetSpec | FileDatasetSpec) -> int:
     """Records the dataset spec loads (before the train/test split), from the registry: an upper bound."""
     if isinstance(spec, FileDatasetSpec):
         return _loaded_file(spec)[0]
@@ -270,7 +270,7 @@ def records(spec: Union[DatasetSpec, FileDatasetSpec]) -> int:
     return min(total, spec.subsample) if spec.subsample else total
 
 
-def features(spec: Union[DatasetSpec, FileDatasetSpec]) -> int:
+def features(spec: DatasetSpec | FileDatasetSpec) -> int:
     """Columns after encoding, before projection (the registry's count with one-hot encoding: an upper bound;
     a file dataset's columns after its whole pipeline)."""
     if isinstance(spec, FileDatasetSpec):

@@ -15,8 +15,9 @@ import os
 import signal
 import threading
 import uuid
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 from dpsgd_cli.data.download import DATA_DIR_ENV, MIRROR_ENV, cache_dir
 from dpsgd_cli.engine.runner import Task, TaskResult, failed_result, run_task
@@ -40,7 +41,7 @@ class SchedulerLost(UserError):
 SCHEMES = ("tcp", "tls", "ws", "wss", "ucx", "inproc")  # distributed's comm backends (`HOST:PORT` is tcp)
 
 
-def parse_scheduler(value: str) -> tuple[str, Optional[int]]:
+def parse_scheduler(value: str) -> tuple[str, int | None]:
     """("local", N) for `local:N`, else (address, None); a malformed value or an unknown scheme is a UserError,
     at once (distributed would retry an unknown scheme until its timeout)."""
     value = value.strip()
@@ -100,7 +101,7 @@ def run_tasks(tasks: list[Task], env: dict[str, str]) -> list[TaskResult]:
 
 
 @contextmanager
-def dask_backend(scheduler: str, cells_per_task: int = CELLS_PER_TASK) -> Iterator["DaskBackend"]:
+def dask_backend(scheduler: str, cells_per_task: int = CELLS_PER_TASK) -> Iterator[DaskBackend]:
     """Connect to the scheduler (or start a LocalCluster), yield the backend (tasks → results as they finish),
     close both at the end. Unreachable scheduler, missing `distributed`: a UserError (one line, exit code 2)."""
     if not installed("distributed"):

@@ -10,13 +10,15 @@ written whole by creating a temporary file exclusively in its folder and renamin
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import os
 import stat
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any
 
 import pandas as pd
 
@@ -77,10 +79,8 @@ def open_file(path: Path, flags: int, mode: int = 0o644, in_place: bool = False)
 def check_in_place(path: Path) -> None:
     """Refuse now, before any work, a file that will be changed in place (appended to) but cannot be (see
     `open_file`); a missing file is fine (it will be created)."""
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.close(open_file(path, os.O_RDONLY, in_place=True))
-    except FileNotFoundError:
-        pass
 
 
 def read_bytes(path: Path) -> bytes:
@@ -94,7 +94,7 @@ def read_text(path: Path) -> str:
     return read_bytes(path).decode("utf-8-sig")
 
 
-def first_line(path: Path) -> Optional[str]:
+def first_line(path: Path) -> str | None:
     """The first line of a text file (with its line end, byte-order mark dropped); None if the file is missing."""
     try:
         fd = open_file(path, os.O_RDONLY)
@@ -166,10 +166,8 @@ def append_bytes(path: Path, data: bytes) -> None:
                 view = view[os.write(fd, view):]
             os.fsync(fd)
         except OSError:
-            try:
+            with contextlib.suppress(OSError):
                 os.ftruncate(fd, size)
-            except OSError:
-                pass
             raise
     finally:
         os.close(fd)

@@ -19,8 +19,9 @@ import functools
 import json
 import re
 import zlib
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -28,13 +29,28 @@ import pandas as pd
 from dpsgd_cli.algorithms import Setting
 from dpsgd_cli.config import SelectSpec
 from dpsgd_cli.engine.folder import write_csv
-from dpsgd_cli.engine.results import (COLUMNS, TRACE_COLUMNS, ResultStore, grid_of, line_labels, read_results,
-                                      result_folders, with_params)
+from dpsgd_cli.engine.results import (
+    COLUMNS,
+    TRACE_COLUMNS,
+    ResultStore,
+    grid_of,
+    line_labels,
+    read_results,
+    result_folders,
+    with_params,
+)
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.privacy.accounting import calibrate_sigma
 from dpsgd_cli.privacy.calibration import calibrate
-from dpsgd_cli.privacy.tuning import (TUNING_ORDERS, Trials, dpsgd_rdp, liu_talwar_epsilon, score_laplace_scale,
-                                      score_sigma, tuned_epsilon)
+from dpsgd_cli.privacy.tuning import (
+    TUNING_ORDERS,
+    Trials,
+    dpsgd_rdp,
+    liu_talwar_epsilon,
+    score_laplace_scale,
+    score_sigma,
+    tuned_epsilon,
+)
 
 TABLE_COLUMNS = ["selection", "privacy", "group", "chosen", "score", "score_mean", "test_accuracy_mean",
                  "test_accuracy_std", "runs", "epsilon", "epsilon_total", "delta", "expected_trials", "score_noise"]
@@ -256,7 +272,7 @@ def _draw(rng: np.random.Generator, spec: SelectSpec, scale: float) -> float:
 
 
 def _row(spec: SelectSpec, privacy: str, chosen: str, score: float, rows: pd.DataFrame, epsilon: float,
-         total: float, delta: float, expected: Optional[float]) -> dict:
+         total: float, delta: float, expected: float | None) -> dict:
     return {"privacy": privacy, "chosen": chosen, "score": spec.score, "score_mean": score,
             "test_accuracy_mean": rows["test_accuracy"].mean(), "test_accuracy_std": rows["test_accuracy"].std(),
             "runs": len(rows), "epsilon": epsilon, "epsilon_total": total, "delta": delta,

@@ -4,8 +4,9 @@ table and the dry run's share."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import pandas as pd
 
@@ -13,8 +14,7 @@ from dpsgd_cli.algorithms import ALGORITHMS
 from dpsgd_cli.config import SelectSpec
 from dpsgd_cli.data.files import FileDatasetSpec
 from dpsgd_cli.data.spec import DatasetSpec
-from dpsgd_cli.engine.results import (NUMERIC, grid_of, option_text, parse_options, read_results,
-                                      varying_label)
+from dpsgd_cli.engine.results import NUMERIC, grid_of, option_text, parse_options, read_results, varying_label
 from dpsgd_cli.engine.selection import selections, tuned_for
 from dpsgd_cli.models import MODELS
 

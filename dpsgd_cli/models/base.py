@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import ClassVar
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
@@ -63,12 +63,12 @@ class Model:
         reported as a chain's backend ("numba-rows"), since its sums are then the kernels'."""
         return False
 
-    def clipped_grad_sum(self, theta: np.ndarray, batch: Batch, clip: Optional[float]) -> np.ndarray:
+    def clipped_grad_sum(self, theta: np.ndarray, batch: Batch, clip: float | None) -> np.ndarray:
         """Σ_i weight_i · min(1, C/‖∇ℓ_i‖) ∇ℓ_i over the batch, without the regulariser: (R, P)."""
         raise NotImplementedError
 
     def _clipped_grad_sum_per_replica(self, theta: np.ndarray, batch: Batch,
-                                      clip: Optional[float]) -> Optional[np.ndarray]:
+                                      clip: float | None) -> np.ndarray | None:
         """`clipped_grad_sum` replica by replica, each on its own rows, where the batch's replicas keep different
         numbers of rows (`IndexedBatch.per_replica`: Poisson sampling), else None. A BLAS product over the M padded
         rows rounds differently with M (its kernels split the sum by length), so on the wide batch a seed's sums
@@ -128,7 +128,7 @@ class Model:
         return logistic_loss(decision, y), accuracy_of(decision, y)
 
     def inverse_hvp(self, theta: np.ndarray, X: np.ndarray, y: np.ndarray, v: np.ndarray, damping: float = 0.0,
-                    tol: float = 1e-10, max_iter: Optional[int] = None,
+                    tol: float = 1e-10, max_iter: int | None = None,
                     return_info: bool = False) -> np.ndarray | tuple[np.ndarray, dict]:
         """x ≈ (∇²F(θ) + ζI)⁻¹ v for every replica by conjugate gradients on Hessian–vector products (Koh & Liang 2017).
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
 from scipy.special import expit
 
@@ -54,7 +52,7 @@ class LogisticRegression(Model):
     def per_example_grad_norms(self, theta, batch):
         return np.abs(self._residual(theta, batch)) * batch.x_norm
 
-    def clipped_grad_sum(self, theta, batch, clip: Optional[float]):
+    def clipped_grad_sum(self, theta, batch, clip: float | None):
         split = self._clipped_grad_sum_per_replica(theta, batch, clip)  # the product below is BLAS's: rounds by M
         if split is not None:
             return split
@@ -77,7 +75,7 @@ def logistic_residual(margin: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def clipped_residual(residual: np.ndarray, x_norm: np.ndarray, clip: float,
-                     weight: Optional[np.ndarray] = None) -> np.ndarray:
+                     weight: np.ndarray | None = None) -> np.ndarray:
     """(weight ·) residual · min(1, C/‖∇ℓ‖) with ‖∇ℓ‖ = |residual|·‖x‖ (safe at ‖∇ℓ‖ = 0): the clipped gradient
     (times its weight) is this times x."""
     scale = residual if weight is None else weight * residual

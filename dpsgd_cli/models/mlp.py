@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Any, Iterator, Literal, Optional
+from collections.abc import Iterator
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -44,14 +45,14 @@ BLOCK_ELEMENTS = 1 << 22
 
 class MLPOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    hidden: Optional[int] = Field(None, ge=1, description="hidden units h (default: the input dimension d)")
+    hidden: int | None = Field(None, ge=1, description="hidden units h (default: the input dimension d)")
     activation: Activation = Field("tanh", description="φ: tanh (smooth, default), relu or sigmoid")
 
 
 # The (R, M, h) arrays are few and updated in place: a fresh multi-megabyte array costs page faults (~1 ms each
 # here, as much as a matmul), and an expression like `1.0 - a * a` also makes NumPy check whether it may elide the
 # temporary (a C backtrace, ~2 ms).
-def _activate(kind: str, z: np.ndarray, derivative: bool = True) -> tuple[np.ndarray, Optional[np.ndarray]]:
+def _activate(kind: str, z: np.ndarray, derivative: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
     """(φ(z), φ'(z) or None without `derivative`); overwrites z with φ(z)."""
     if kind == "tanh":
         a = np.tanh(z, out=z)
@@ -100,7 +101,7 @@ class MLP(Model):
     Options = MLPOptions
     convex = False
 
-    def __init__(self, d: int, l2: float, hidden: Optional[int] = None, activation: Activation = "tanh"):
+    def __init__(self, d: int, l2: float, hidden: int | None = None, activation: Activation = "tanh"):
         super().__init__(d, l2)
         self.hidden = int(hidden) if hidden is not None else int(d)
         self.activation = activation
@@ -170,7 +171,7 @@ class MLP(Model):
         return logistic_loss(self.decision(theta, X), y)
 
     def _backward(self, theta: np.ndarray, X: np.ndarray, y: np.ndarray, weight,
-                  clip: Optional[float], x_norm) -> tuple[np.ndarray, np.ndarray]:
+                  clip: float | None, x_norm) -> tuple[np.ndarray, np.ndarray]:
         """(Σ_i weight_i · min(1, C/‖∇ℓ_i‖) ∇ℓ_i (no clip when C is None) (R, P), Σ_i weight_i ℓ_i (R,));
         examples in blocks."""
         out = np.zeros_like(theta)
@@ -188,8 +189,8 @@ class MLP(Model):
                 gW1 += np.matmul(delta.transpose(0, 2, 1), Xs)
         return out, loss
 
-    def _accumulate(self, theta: np.ndarray, forward, y: np.ndarray, w, clip: Optional[float], x_norm,
-                    loss: Optional[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _accumulate(self, theta: np.ndarray, forward, y: np.ndarray, w, clip: float | None, x_norm,
+                    loss: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(δ (R, m, h), coef (R, m), a (R, m, h)): each example's clipped, weighted ∂ℓ/∂z and ∂ℓ/∂f, and its
         activations, whose sums over the examples are the gradient (`_add_sums`, and Σ_i δ_i x_iᵀ for W₁); adds the
         weighted losses to `loss` unless None."""
@@ -221,7 +222,7 @@ class MLP(Model):
     def reads_rows_compiled(self, batch: Batch, theta: np.ndarray) -> bool:
         return _row_sparse(batch, theta) is not None
 
-    def clipped_grad_sum(self, theta, batch: Batch, clip: Optional[float]):
+    def clipped_grad_sum(self, theta, batch: Batch, clip: float | None):
         sparse = _row_sparse(batch, theta)
         if sparse is None:  # the dense path's BLAS products round by M: replica by replica where M differs
             split = self._clipped_grad_sum_per_replica(theta, batch, clip)
@@ -300,7 +301,7 @@ class MLP(Model):
         return out
 
 
-def _coefficients(y: np.ndarray, f: np.ndarray, w, clip: Optional[float], x_norm, norms) -> np.ndarray:
+def _coefficients(y: np.ndarray, f: np.ndarray, w, clip: float | None, x_norm, norms) -> np.ndarray:
     """coef (R, m) = weight · ∂ℓ/∂f · min(1, C/‖∇ℓ‖) (no clip when C is None), with
     ‖∇ℓ‖² = r²(1 + ‖a‖² + ‖u‖²(‖x‖² + 1)) from norms = (‖a‖², ‖u‖²) (R, m)."""
     r = -y * expit(-y * f)  # ∂ℓ/∂f, (R, m)
@@ -327,7 +328,7 @@ def _scratch(name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
     return buffer[:size].reshape(shape)
 
 
-def _row_sparse(batch: Batch, theta: np.ndarray) -> Optional[tuple[Any, RowNonzeros, np.ndarray]]:
+def _row_sparse(batch: Batch, theta: np.ndarray) -> tuple[Any, RowNonzeros, np.ndarray] | None:
     """(the numba kernels, the data's `RowNonzeros`, the batch's rows (R, M)) when the batch may be read row-sparse:
     cut from a dataset
     (`rows.IndexedBatch`; a chain hands its model one only where its backend allows the compiled step) whose

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional, TypeVar
+from typing import TypeVar
 
 import numpy as np
 
@@ -29,7 +30,7 @@ def cached_row_norms(X: np.ndarray) -> np.ndarray:
     return per_array(X, "row_norms", row_norms)
 
 
-def cached_nonzeros(X: np.ndarray) -> Optional["RowNonzeros"]:
+def cached_nonzeros(X: np.ndarray) -> RowNonzeros | None:
     """`RowNonzeros.of(X)` (None: too dense), computed once per read-only X (`per_array`): the training steps,
     rows and checkpoints on a dataset share it."""
     return per_array(X, "RowNonzeros", RowNonzeros.of)
@@ -75,7 +76,7 @@ def per_array(X: np.ndarray, what: str, build: Callable[[np.ndarray], T]) -> T:
 
 
 def gather(X: np.ndarray, y: np.ndarray, x_norm: np.ndarray, idx: np.ndarray,
-           nonzeros: Optional[Callable[[], Optional["RowNonzeros"]]] = None) -> "IndexedBatch":
+           nonzeros: Callable[[], RowNonzeros | None] | None = None) -> IndexedBatch:
     """Batch of rows `idx` (R, M) with −1 marking padding, after each replica's rows (padding reads row 0, with
     weight 0)."""
     valid = idx >= 0
@@ -90,10 +91,10 @@ class IndexedBatch(Batch):
 
     data: np.ndarray
     rows: np.ndarray
-    nonzeros: Callable[[], Optional["RowNonzeros"]]
+    nonzeros: Callable[[], RowNonzeros | None]
 
     def __init__(self, data: np.ndarray, rows: np.ndarray, y: np.ndarray, weight: np.ndarray, x_norm: np.ndarray,
-                 nonzeros: Optional[Callable[[], Optional["RowNonzeros"]]] = None):
+                 nonzeros: Callable[[], RowNonzeros | None] | None = None):
         for name, value in dict(data=data, rows=rows, y=y, weight=weight, x_norm=x_norm,
                                 nonzeros=nonzeros or (lambda: None)).items():
             object.__setattr__(self, name, value)  # Batch is frozen
@@ -103,16 +104,16 @@ class IndexedBatch(Batch):
         return np.take(self.data, self.rows, axis=0)
 
     @functools.cached_property
-    def _plain(self) -> "IndexedBatch":
+    def _plain(self) -> IndexedBatch:
         return IndexedBatch(self.data, self.rows, self.y, self.weight, self.x_norm)
 
-    def plain(self) -> "IndexedBatch":
+    def plain(self) -> IndexedBatch:
         """The same batch without its rows' nonzeros: what a step that must not take the compiled rows path sees
         (one per batch: the chains that share it gather its X once)."""
         return self._plain
 
     @functools.cached_property
-    def per_replica(self) -> Optional[list[Batch]]:
+    def per_replica(self) -> list[Batch] | None:
         """Each replica's batch alone (views of its rows, which come before its padding) where the replicas keep
         different numbers of rows (a Poisson batch trimmed to the widest), else None: the batch it gets when its
         seed runs alone (see `Model._clipped_grad_sum_per_replica`)."""
@@ -167,7 +168,7 @@ class RowNonzeros:
         return self.split(np.take(self.packed, rows, axis=0))
 
     @classmethod
-    def of(cls, X: np.ndarray, max_density: Optional[float] = None) -> Optional["RowNonzeros"]:
+    def of(cls, X: np.ndarray, max_density: float | None = None) -> RowNonzeros | None:
         """X's nonzeros, or None when their (padded) mean count per row exceeds max_density · d (default
         MAX_DENSITY)."""
         n, d = X.shape

@@ -26,9 +26,10 @@ import importlib.metadata
 import inspect
 import logging
 import math
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
 
@@ -36,8 +37,8 @@ from dpsgd_cli.diskcache import CACHE_DIR_ENV
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.lazy import LazyModule
 from dpsgd_cli.privacy import AccountantName, Neighbours
-from dpsgd_cli.privacy import validate as check
 from dpsgd_cli.privacy import rdp as _rdp_native
+from dpsgd_cli.privacy import validate as check
 from dpsgd_cli.privacy.calibration import LATTICE_STEP, CalibrationPoint, EpsilonCurve, cache_folder, cached, calibrate
 
 if TYPE_CHECKING:

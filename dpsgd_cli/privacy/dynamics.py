@@ -30,12 +30,12 @@ dynamics bound is smaller and stays bounded. The lower bound's initial slope equ
 from __future__ import annotations
 
 import math
-from typing import Callable, Literal, Sequence
-
-from numpy.typing import ArrayLike
+from collections.abc import Callable, Sequence
+from typing import Literal
 
 import numpy as np
 import pandas as pd
+from numpy.typing import ArrayLike
 
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.privacy import validate as check

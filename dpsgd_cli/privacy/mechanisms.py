@@ -9,7 +9,6 @@ inputs raise :class:`~dpsgd_cli.errors.UserError` naming the parameter, value an
 from __future__ import annotations
 
 import math
-from typing import Union
 
 import numpy as np
 
@@ -35,7 +34,7 @@ __all__ = [
     "laplace_scale",
 ]
 
-Size = Union[int, tuple[int, ...], None]
+Size = int | tuple[int, ...] | None
 
 
 # --------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -59,7 +59,7 @@ _ABSORBED = 747.0  # a term this far below the running sum adds exactly 0 to it:
 _ULP_NATS, _ULP_TRY = 54 * math.log(2.0) + 1.0, 60.0
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cut_steps(bits: int) -> np.ndarray:
     return np.array(sorted({round(2.0 ** (m / 2)) for m in range(2 * bits + 2)}), dtype=np.int64)  # 1, 2, 3, 4, 6, ...
 

@@ -44,11 +44,22 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 from dpsgd_cli import diskcache
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.lazy import LazyModule
-from dpsgd_cli.privacy.accounting import (CALIBRATION_VERSION, LIBRARY, memoised, snap_down, rdp_epsilon_and_order,
-                                          rdp_epsilon_floor)
+from dpsgd_cli.privacy.accounting import (
+    CALIBRATION_VERSION,
+    LIBRARY,
+    memoised,
+    rdp_epsilon_and_order,
+    rdp_epsilon_floor,
+    snap_down,
+)
 from dpsgd_cli.privacy.calibration import cached, calibrate, check_window, positive_sigma
-from dpsgd_cli.privacy.mechanisms import (advanced_composition, advanced_composition_epsilon_per_step,
-                                          amplify_by_subsampling, analytic_gaussian_sigma, gaussian_sigma)
+from dpsgd_cli.privacy.mechanisms import (
+    advanced_composition,
+    advanced_composition_epsilon_per_step,
+    amplify_by_subsampling,
+    analytic_gaussian_sigma,
+    gaussian_sigma,
+)
 
 if TYPE_CHECKING:
     from dp_accounting.dp_event import DpEvent

@@ -24,15 +24,16 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Literal
 
 import numpy as np
 
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.lazy import LazyModule
 from dpsgd_cli.privacy import validate as check
-from dpsgd_cli.privacy.accounting import RDP_EXTENSION_ORDERS, quiet_rdp, dpsgd_event, rdp_curve_to_epsilon
+from dpsgd_cli.privacy.accounting import RDP_EXTENSION_ORDERS, dpsgd_event, quiet_rdp, rdp_curve_to_epsilon
 
 # imported on first use (dp-accounting is slow to import): only a tuned (private selection) cell needs them
 _rdp_lib = LazyModule("dp_accounting.rdp.rdp_privacy_accountant")
