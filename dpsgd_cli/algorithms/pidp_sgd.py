@@ -95,8 +95,9 @@ bound). It is never "proved" at the requested (ε, δ) once p > 0.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Literal, Optional, Union
+from typing import Literal
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -105,8 +106,18 @@ from scipy.special import expit, ndtr
 
 from dpsgd_cli.algorithms import kernels
 from dpsgd_cli.algorithms.base import Algorithm, Outcome, Setting
-from dpsgd_cli.algorithms.chain import (Checkpoints, GradientChain, NoiseSource, Projection, add_l2, constant,
-                                        masked_noise, project_to_ball, project_to_box, scale)
+from dpsgd_cli.algorithms.chain import (
+    Checkpoints,
+    GradientChain,
+    NoiseSource,
+    Projection,
+    add_l2,
+    constant,
+    masked_noise,
+    project_to_ball,
+    project_to_box,
+    scale,
+)
 from dpsgd_cli.algorithms.sampling import fixed_batches, poisson_batches, uniform_examples
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.errors import UserError
@@ -125,7 +136,7 @@ GRADIENT_CLIP = 1.0  # G: every per-example gradient is clipped to it (= model.l
 # `influence: full` builds the dense P × P Hessian from P Hessian–vector products (cost ≈ P full-data passes, plus
 # n·P² per round for H⁻¹∇ℓ of every example): refused above this many parameters (use `output_layer`).
 FULL_INFLUENCE_MAX_PARAMS = 3000
-Num = Union[float, np.ndarray]  # a number, or one per replica
+Num = float | np.ndarray  # a number, or one per replica
 _BLOCK_ELEMENTS = 1 << 21  # numbers per (R, chunk, P) temporary of the dense Hessian / per-example gradients
 
 
@@ -143,12 +154,12 @@ class PIDPSGDParams(BaseModel):
     contribution_noise: Literal["per_round", "per_step"] = Field(
         "per_round", description="b^(c) drawn once per example and round (the proof's R releases, default) or at "
                                  "every step (line 8 as written)")
-    project: Union[bool, Literal["box"]] = Field(
+    project: bool | Literal["box"] = Field(
         False, description="after each step, box: clip θ to [−r, r]^m (the parameter space Theorem 5's proof "
         "assumes); true: project onto ‖θ‖ ≤ r; false: none, as Algorithm 1 is written")
-    rounds: Optional[int] = Field(None, ge=1, description="R global rounds (Hessian recomputed each); "
+    rounds: int | None = Field(None, ge=1, description="R global rounds (Hessian recomputed each); "
                                                           "default one per epoch, round(epochs)")
-    local_steps: Optional[int] = Field(None, ge=1, description="T_local steps per round; default "
+    local_steps: int | None = Field(None, ge=1, description="T_local steps per round; default "
                                                                "round(epochs·n/B / R)")
     accountant: Literal["auto", "rdp", "pld", "composition"] = Field(
         "auto", description="σ of the noisy steps for (3ε/4, δ/2) over T steps. single: replace-one RDP of one "
@@ -376,15 +387,15 @@ class RoundInfluence:
     parameters c_z is taken over (θ_k, or the output layer (R, h + 1)); H_inv (R, m, m); dim = m; damped: ζ was
     added (bool, or (R,) for the dense mlp); shift, min_eigenvalue (R,): the dense mlp's spectral damping."""
     kind: str
-    model: Optional[Model]
+    model: Model | None
     at: np.ndarray
     w: np.ndarray
     H_inv: np.ndarray
     n: int
     G: float
     damped: bool | np.ndarray
-    shift: Optional[np.ndarray] = None
-    min_eigenvalue: Optional[np.ndarray] = None
+    shift: np.ndarray | None = None
+    min_eigenvalue: np.ndarray | None = None
 
     @property
     def dim(self) -> int:
@@ -809,7 +820,7 @@ class PIDPSGD(Algorithm):
             bounds.append(skip_probability_bound(rule.rule, dim, sigma_c, rule.threshold, E * scale_n**2))
         return max(bounds)
 
-    def backend(self, model: Model, local: int, ckpt: Optional[Checkpoints]) -> str:
+    def backend(self, model: Model, local: int, ckpt: Checkpoints | None) -> str:
         """The chains' backend: the single-example kernel (`kernels.single_example_applies`: one example per step,
         no box projection) where `select_backend` gives it, else NumPy. Also NumPy when a round is not a whole
         number of `trace_every` periods: those runs were made on NumPy, and the backends agree up to rounding only."""
@@ -819,6 +830,6 @@ class PIDPSGD(Algorithm):
         backend = kernels.select_backend(p.backend, model, 1, mlp=True)
         return "numpy" if ckpt is not None and local % ckpt.every else backend
 
-    def _projection(self) -> Optional[Projection]:
+    def _projection(self) -> Projection | None:
         p = self.params
         return project_to_box(p.radius) if p.project == "box" else project_to_ball(p.radius) if p.project else None

@@ -22,18 +22,29 @@ import platform
 import socket
 import sys
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from dpsgd_cli import NUMERICS
-from dpsgd_cli.engine.folder import (append_bytes, check_folder, check_in_place, ends_with_newline, first_line,
-                                     make_folder, open_file, read_bytes, read_text, write_text)
+from dpsgd_cli.engine.folder import (
+    append_bytes,
+    check_folder,
+    check_in_place,
+    ends_with_newline,
+    first_line,
+    make_folder,
+    open_file,
+    read_bytes,
+    read_text,
+    write_text,
+)
 from dpsgd_cli.errors import UserError, file_error
 
 COLUMNS = [
@@ -264,7 +275,7 @@ class CsvFile:
             _FRAMES[key] = frame if len(frame.columns) else pd.DataFrame(columns=self.columns)
         return _FRAMES[key].copy()
 
-    def recover(self, keep: Optional[Callable[[dict[str, str]], bool]] = None) -> list[dict[str, str]]:
+    def recover(self, keep: Callable[[dict[str, str]], bool] | None = None) -> list[dict[str, str]]:
         """Writers only (under the folder's lock): set aside an incomplete last line and malformed lines,
         add missing columns, drop the rows `keep` rejects; rewrite only if something changed. Returns the
         kept rows (as text)."""
@@ -306,7 +317,7 @@ class CsvFile:
         text += _csv_lines([_text(row.get(c)) for c in header] for row in rows)
         append_bytes(self.path, text.encode("utf-8", errors="surrogateescape"))
 
-    def _header(self) -> Optional[list[str]]:
+    def _header(self) -> list[str] | None:
         first = first_line(self.path)
         return next(csv.reader([first])) if first and first.endswith("\n") else None
 
@@ -345,10 +356,8 @@ def acquire_lock(folder: Path) -> None:
 def release_lock(folder: Path) -> None:
     fd = _HELD.pop(os.path.realpath(folder), None)
     if fd is not None:
-        try:
+        with contextlib.suppress(OSError):
             os.ftruncate(fd, 0)
-        except OSError:
-            pass
         os.close(fd)  # closing the last descriptor releases the flock
 
 
@@ -462,7 +471,7 @@ def _version_text(value: Any) -> str:
     return str(int(float(value))) if _is_float(str(value)) else str(value)
 
 
-def read_manifest(folder: Path) -> Optional[dict]:
+def read_manifest(folder: Path) -> dict | None:
     """The folder's manifest, None if there is none; a corrupt one is a one-line UserError."""
     path = Path(folder) / "manifest.json"
     try:
@@ -536,7 +545,7 @@ def varying_label(names: pd.Series, options: pd.Series) -> pd.Series:
     for name, rows in parsed.groupby(names, sort=False):
         keys = sorted({k for p in rows for k in p})
         varying = [k for k in keys if len({json.dumps(p.get(k)) for p in rows}) > 1]
-        label[rows.index] = str(name) + rows.map(lambda p: "".join(f" {k}={option_text(p.get(k))}" for k in varying))
+        label[rows.index] = str(name) + rows.map(lambda p: "".join(f" {k}={option_text(p.get(k))}" for k in varying))  # noqa: B023
     return label
 
 
@@ -587,7 +596,7 @@ def typed_runs(frame: pd.DataFrame) -> pd.DataFrame:
     return pd.concat([*parts, private.rename("private")], axis=1)
 
 
-def _json_object(text: Any) -> Optional[dict]:
+def _json_object(text: Any) -> dict | None:
     """A JSON column's cell as a dict ({} when empty), None when it is not a JSON object."""
     if not isinstance(text, str) or not text:
         return {}
@@ -628,7 +637,7 @@ def line_labels(frame: pd.DataFrame) -> pd.Series:
 _COMPARISONS = {">=": "ge", "<=": "le", "!=": "ne", ">": "gt", "<": "lt", "==": "eq"}
 
 
-def comparison(wanted: object) -> Optional[tuple[str, float]]:
+def comparison(wanted: object) -> tuple[str, float] | None:
     """(operator, number) of a selection value such as ">=1", None for a plain value; ValueError when it starts
     like a comparison but the rest is not a number (">=one")."""
     if not isinstance(wanted, str):

@@ -16,10 +16,11 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any
 
 import numpy as np
 from threadpoolctl import threadpool_limits
@@ -29,7 +30,6 @@ from dpsgd_cli.algorithms import ALGORITHMS, Setting
 from dpsgd_cli.algorithms.base import Algorithm, Outcome, Prepared
 from dpsgd_cli.algorithms.chain import train_together
 from dpsgd_cli.algorithms.erm import known_reference, reference_minimum, reference_start, reference_starts
-from dpsgd_cli.models.rows import cached_astype
 from dpsgd_cli.algorithms.streams import ReplicaStreams, SharedStreams
 from dpsgd_cli.config import DELTA_RULE, Cell, Grid, expand
 from dpsgd_cli.data import Dataset, DatasetSpec, load_dataset, with_validation
@@ -38,11 +38,12 @@ from dpsgd_cli.engine.results import COLUMNS, ResultStore, ResultsWriteError, no
 from dpsgd_cli.engine.selection import base_epsilon
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import Model, make_model
+from dpsgd_cli.models.rows import cached_astype
 from dpsgd_cli.privacy.accounting import calibrate_sigma
 
 
 @functools.lru_cache(maxsize=8)
-def dataset(spec: DatasetSpec, validation: Optional[float] = None) -> Dataset:
+def dataset(spec: DatasetSpec, validation: float | None = None) -> Dataset:
     """Loaded once per process (workers included); the data layer caches processed arrays on disk too. With
     `validation`, X_train holds only the rows used for fitting and X_val the held-out rows. Its arrays are
     read-only: every task of the process shares them (and L*'s key hashes them once)."""
@@ -72,7 +73,7 @@ def setting_of(cell: Cell, data: Dataset) -> Setting:
 
 @functools.lru_cache(maxsize=64)
 def reference_optimum(spec: DatasetSpec, model_name: str, model_options: str, l2: float,
-                      validation: Optional[float] = None) -> tuple[float, str]:
+                      validation: float | None = None) -> tuple[float, str]:
     """(L*, how it was obtained): min F on the training set (the rows used for fitting) by `reference_minimum` —
     the exact minimiser for a convex model ("lbfgs"), the best of several L-BFGS starts for a non-convex one
     ("lbfgs_best_of_3", capped). F(θ*) is evaluated as the rows' objectives are (`_metrics`), so an optimality
@@ -127,7 +128,7 @@ def with_optimum(task: Task) -> Task:
     return dataclasses.replace(task, optimal_objective=optimal, optimum_method=method)
 
 
-def resolve_optima(tasks: list[Task], jobs: int = 1, say: Optional[Callable[[str], None]] = None) -> list[Task]:
+def resolve_optima(tasks: list[Task], jobs: int = 1, say: Callable[[str], None] | None = None) -> list[Task]:
     """The tasks with their L*s. A reference minimum this process or the disk cache has (verified on read) is
     used as it is; the others are computed here, one line through `say` as each begins and ends (an MLP's
     takes minutes), and with `jobs` > 1 their L-BFGS starts run in that many forked processes (each start is a
@@ -309,7 +310,7 @@ def _stacked_metrics(model, data: Dataset, optimal: float, thetas: dict[str, np.
 
 
 def _result(task: Task, cell: Cell, model, outcome, elapsed: float,
-            metrics: Optional[dict[str, np.ndarray]] = None) -> TaskResult:
+            metrics: dict[str, np.ndarray] | None = None) -> TaskResult:
     """The rows (one per seed) and checkpoints of one cell's trained replicas; `metrics` when already computed
     (`_stacked_metrics`)."""
     data = dataset(cell.dataset, cell.validation)
@@ -376,7 +377,7 @@ def reported_columns(derived: dict[str, Any], replicas: int, private: bool) -> d
     return reported
 
 
-def failed_result(task: Task, message: str, wall_time: Optional[float] = None) -> TaskResult:
+def failed_result(task: Task, message: str, wall_time: float | None = None) -> TaskResult:
     """The task's runs as `failed` rows (retried on resume), with what is known of them before training."""
     data = dataset(task.cell.dataset)
     return TaskResult([{**_base_row(cell, data, setting_of(cell, data), task.optimal_objective),
@@ -510,9 +511,9 @@ def grid_hash(grid: Grid) -> str:
     return hashlib.sha256(grid.model_dump_json().encode()).hexdigest()[:16]
 
 
-def execute(run: GridRun, jobs: int = 1, on_rows: Optional[Callable[[list[dict]], None]] = None,
-            backend: Optional[Callable[[list[Task]], Iterator[TaskResult]]] = None,
-            on_status: Optional[Callable[[str], None]] = None) -> int:
+def execute(run: GridRun, jobs: int = 1, on_rows: Callable[[list[dict]], None] | None = None,
+            backend: Callable[[list[Task]], Iterator[TaskResult]] | None = None,
+            on_status: Callable[[str], None] | None = None) -> int:
     """Run the pending tasks, appending each task's rows to runs.csv (and traces.csv) as it finishes; `backend`
     (e.g. `distributed.dask_backend`) runs them elsewhere instead of in `jobs` local processes. First the L*s
     not yet computed (`resolve_optima`: in the `jobs` processes; with a backend, in this one), each announced
@@ -584,10 +585,8 @@ def calibrate_ahead(cells: Sequence[Cell], data: Dataset, accountants: Sequence[
             wanted.setdefault(request[1:], set()).add(request[0])
     for curve, targets in wanted.items():  # (δ, q, T, accountant, neighbours)
         for target in sorted(targets, reverse=True):  # loosest first: its points are the cheapest
-            try:
+            with contextlib.suppress(UserError, RuntimeError):
                 calibrate_sigma(target, *curve)
-            except (UserError, RuntimeError):
-                pass
 
 
 # Per-step work of a chain step beyond its examples', in units of one example's work on one parameter: the noise
@@ -601,7 +600,7 @@ SINGLE_EXAMPLE = frozenset({"bassily2014"})  # no batch size: epochs · n steps 
 
 
 @functools.lru_cache(maxsize=16)
-def _density(spec: DatasetSpec, validation: Optional[float]) -> float:
+def _density(spec: DatasetSpec, validation: float | None) -> float:
     """Share of nonzero entries of the training rows (what a row costs the kernels, which skip zeros)."""
     X = dataset(spec, validation).X_train
     return float(np.count_nonzero(X)) / max(1, X.size)

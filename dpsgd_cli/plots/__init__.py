@@ -7,7 +7,6 @@ A sweep figure is a grid of panels (rows × cols, from result columns), a line p
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import matplotlib
 
@@ -36,7 +35,7 @@ METRICS = {
 DPI = 150
 
 
-def plot_results(path: Path, metric: Optional[str] = None, fmt: str = "png") -> list[Path]:
+def plot_results(path: Path, metric: str | None = None, fmt: str = "png") -> list[Path]:
     """The grid's paper figures (when it lists some and no metric is asked for), else `metric` over ε: a name of
     METRICS or any numeric column of runs.csv (checked by the caller, `api.check_metric`)."""
     paths: list[Path] = []
@@ -179,7 +178,7 @@ def _num(value) -> str:
     return names.number(value)
 
 
-def _levels(frame: pd.DataFrame, column: Optional[str]) -> list:
+def _levels(frame: pd.DataFrame, column: str | None) -> list:
     if not column:
         return [None]
     values = list(frame[column].dropna().unique())

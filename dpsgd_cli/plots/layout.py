@@ -8,7 +8,8 @@ part measured as rendered, so that nothing is cut off and nothing overlaps.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import matplotlib
 
@@ -143,7 +144,7 @@ def _relabel_repeats(fig) -> None:
     for ax in fig.axes:
         for axis, lims in ((ax.xaxis, ax.get_xlim()), (ax.yaxis, ax.get_ylim())):
             lo, hi = sorted(lims)
-            if axis.get_scale() == "log" and 0 < lo and hi / lo < 1.001:
+            if axis.get_scale() == "log" and lo > 0 and hi / lo < 1.001:
                 middle = math.sqrt(lo * hi)
                 (ax.set_xlim if axis is ax.xaxis else ax.set_ylim)(middle / 10**0.5, middle * 10**0.5)
                 continue

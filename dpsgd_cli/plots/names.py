@@ -8,9 +8,11 @@ which escapes `$`, so that it prints as written (and an unbalanced `$` cannot ma
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from dpsgd_cli.algorithms import ALGORITHMS as REGISTRY
 
@@ -114,10 +116,8 @@ def parameter(name: str, value: Any) -> str:
     """`η = 1/√t`, `accountant: RDP`, `λ = 0.01`: one parameter's value, named."""
     label, values = PARAMETERS.get(name, (literal(name), {}))
     if isinstance(value, str):
-        try:
+        with contextlib.suppress(ValueError):
             value = float(value) if value not in ("None", "nan") else value
-        except ValueError:
-            pass
     shown = values.get(str(value)) if isinstance(value, str) else None
     if shown is not None:
         return shown if label is None else f"{label}: {shown}"
