@@ -17,6 +17,7 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
+from dpsgd_cli import NUMERICS
 from dpsgd_cli.cli import app, main
 from dpsgd_cli.config import load_grid_file
 from dpsgd_cli.engine import execute, plan_grid, runner
@@ -120,7 +121,7 @@ def test_a_cut_traces_row_and_a_real_retrain_give_the_same_numbers(grid_file, tm
 def test_rewrites_keep_every_value_dtype_and_user_column_exactly(tmp_path):
     store = ResultStore(tmp_path)
     old = [c for c in COLUMNS if c != "dtype"] + ["note"]  # an older version's file, plus a user's column
-    row = {c: "" for c in old}
+    row = {**{c: "" for c in old}, "numerics": str(NUMERICS)}  # runs of this numerics version resume
     rows = [
         {**row, "run_id": "a", "status": "ok", "seed": "0", "batch_size": "64", "test_accuracy": "0.8123456789012345",
          "sigma": "1.2345678901234567e-05", "note": 'kept, "quoted"'},
@@ -138,7 +139,8 @@ def test_rewrites_keep_every_value_dtype_and_user_column_exactly(tmp_path):
     assert after.loc[0, "test_accuracy"] == "0.8123456789012345" and after.loc[0, "sigma"] == "1.2345678901234567e-05"
     assert after.loc[0, "batch_size"] == "64" and after.loc[1, "batch_size"] == ""  # ints stay ints
     before = store.csv.read_bytes()
-    store.append([{"run_id": "d", "status": "ok", "seed": 3, "test_accuracy": 0.1 + 0.2, "batch_size": 64}])
+    store.append([{"run_id": "d", "status": "ok", "seed": 3, "test_accuracy": 0.1 + 0.2, "batch_size": 64,
+                   "numerics": NUMERICS}])
     assert store.csv.read_bytes().startswith(before)  # appending never rewrites
     frame = store.read()
     assert frame["test_accuracy"].tolist()[-1] == 0.1 + 0.2 and frame["note"].isna().tolist()[-1]
