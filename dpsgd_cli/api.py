@@ -247,11 +247,10 @@ class _Display:
         if self.quiet or not plan.tasks:  # nothing to train: the manifest and analytic tables are still refreshed
             yield None
             return
-        shown = rich_progress
-        columns = [shown.TextColumn("{task.description}"), shown.BarColumn(), shown.MofNCompleteColumn(),
-                   shown.TextColumn("runs"), shown.TimeElapsedColumn(), shown.TextColumn("ETA"),
-                   shown.TimeRemainingColumn()]
-        with shown.Progress(*columns, console=self.console, transient=False) as progress:
+        text = rich_progress.TextColumn
+        columns = [text("{task.description}"), rich_progress.BarColumn(), rich_progress.MofNCompleteColumn(),
+                   text("runs"), rich_progress.TimeElapsedColumn(), text("ETA"), rich_progress.TimeRemainingColumn()]
+        with rich_progress.Progress(*columns, console=self.console, transient=False) as progress:
             self._progress = progress
             bar = progress.add_task(plan.grid.name, total=plan.pending_runs)
             yield lambda rows: progress.advance(bar, len(rows))
