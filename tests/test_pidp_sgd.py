@@ -178,8 +178,9 @@ def test_fit_derives_the_paper_constants(data):
     assert d["threshold"] == pytest.approx(2 * 10 * 5e-6 * (1 + math.exp(-0.75)), rel=1e-12)
     E = (2 * 0.25 * 1.0 + (1 / (6 * math.sqrt(3))) / 0.05) / (0.05**2 * n**2)
     assert d["influence_error_bound"] == pytest.approx(E, rel=1e-12)
-    priv = calibrate_bassily(0.75, 5e-6, n, 600, 1.0, "rdp")  # one example per step, replace-one
+    priv = calibrate_bassily(0.75, 5e-6, n, 600, 1.0, "pld")  # one example per step, replace-one, PLD (auto)
     assert d["noise_std"] == priv.sigma and d["epsilon_achieved"] == pytest.approx(priv.epsilon + 0.25)
+    assert d["accountant"] == "pld"  # the name the baselines' rows record, so captions see one accountant
     assert d["epsilon_achieved"] <= 1.0 and d["hessian_damped"] is True
     p = P.skip_probability_bound("coordinate", 6, d["sigma_c"], d["threshold"], E)
     assert d["skip_probability_bound"] == pytest.approx(p) and out.guarantee.startswith("tv-bound: (1, 1e-05)-DP")
@@ -352,9 +353,23 @@ def test_poisson_variant_is_labelled_and_uses_dp_sgd_noise(data):
     assert d["deviations"] == ("rule l2_radius (not in the paper); poisson mini-batches (the paper: one example "
                                "per step); projection onto ‖θ‖ ≤ r (not in Algorithm 1); "
                                + ALGORITHM_1_READINGS.split("; ", 1)[1])
-    cal = calibrate_sigma(0.75, 5e-6, 10 / X.shape[0], s.steps, accountant="rdp")
+    cal = calibrate_sigma(0.75, 5e-6, 10 / X.shape[0], s.steps, accountant="pld")  # auto: PLD
     assert d["sigma"] == cal.sigma and d["noise_std"] == pytest.approx(cal.sigma / 10)
     assert (np.linalg.norm(out.theta, axis=1) <= 0.3 * (1 + 1e-12)).all()
+
+
+@pytest.mark.parametrize("accountant, single, pld", [("auto", True, True), ("pld", True, True), ("rdp", True, False),
+                                                     ("auto", False, True), ("rdp", False, False)])
+def test_auto_accountant_is_pld_the_baselines_footing(accountant, single, pld):
+    """auto calibrates the noisy steps by PLD, as the PLD-calibrated baselines of the comparison grids are; rdp
+    stays available (and falls back to PLD for one example per step only where RDP cannot reach ε₁)."""
+    n, steps = 400, 800
+    cal = (P.calibrate_single_steps(0.75, 5e-6, n, steps, 1.0, accountant) if single
+           else P.calibrate_noisy_steps(0.75, 5e-6, 10 / n, steps, accountant))
+    by = "pld" if pld else "rdp"
+    expected = (calibrate_bassily(0.75, 5e-6, n, steps, 1.0, by).sigma if single
+                else calibrate_sigma(0.75, 5e-6, 10 / n, steps, accountant=by).sigma)
+    assert cal.accountant == by and cal.std == expected
 
 
 def test_bad_combinations_are_refused(data):

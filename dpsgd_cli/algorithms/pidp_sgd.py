@@ -151,9 +151,10 @@ class PIDPSGDParams(BaseModel):
     local_steps: Optional[int] = Field(None, ge=1, description="T_local steps per round; default "
                                                                "round(epochs·n/B / R)")
     accountant: Literal["auto", "rdp", "pld", "composition"] = Field(
-        "auto", description="σ of the noisy steps for (3ε/4, δ/2) over T steps. single: replace-one RDP of one "
-                            "uniformly drawn example (auto: PLD where RDP cannot reach ε₁) or PLD; poisson: "
-                            "dp-accounting RDP (auto) or PLD, or classical Gaussian + amplification + composition")
+        "auto", description="σ of the noisy steps for (3ε/4, δ/2) over T steps: auto and pld: dp-accounting's PLD "
+                            "(the tightest accountant of the mechanism, as the baselines of a comparison grid get); "
+                            "rdp: its RDP (single: PLD where RDP cannot reach ε₁); poisson also: classical Gaussian "
+                            "+ amplification + composition")
     influence: Literal["auto", "full", "output_layer"] = Field(
         "auto", description="parameters the influence c_z = (1/n) H⁻¹∇ℓ is computed over: full (dense Hessian of "
                             f"F, P ≤ {FULL_INFLUENCE_MAX_PARAMS}), output_layer (mlp: (w₂, b₂) only, Koh & Liang "
@@ -610,27 +611,34 @@ class NoisyStepCalibration:
     note: str = ""
 
 
+def resolve_accountant(accountant: str) -> str:
+    """`accountant` as run: auto is PLD, the tightest accountant dp-accounting has for both samplings, so that
+    PIDP-SGD's ε holds on the footing of the PLD-calibrated baselines it is compared with."""
+    return "pld" if accountant == "auto" else accountant
+
+
 def calibrate_single_steps(epsilon_1: float, delta_1: float, n: int, steps: int, G: float,
                            accountant: str) -> NoisyStepCalibration:
     """One uniformly drawn example per step, replace-one neighbours (the paper's relation, Remark 6): the noise
     std s on the clipped gradient (sensitivity 2G) for (ε₁, δ₁) over T steps (`calibrate_bassily`, the
-    same mechanism). auto: RDP, or PLD where no σ reaches ε₁ under RDP's conversion."""
+    same mechanism). auto, pld: PLD; rdp: RDP, or PLD where no σ reaches ε₁ under RDP's conversion (the run's
+    `accountant` column then says pld)."""
     try:  # accountant composition is refused by `PIDPSGD.check`
         priv = calibrate_bassily(float(epsilon_1), float(delta_1), int(n), int(steps), float(G),
-                                 "pld" if accountant == "pld" else "rdp")
+                                 resolve_accountant(accountant))
     except UserError:
-        if accountant != "auto":
+        if accountant != "rdp":
             raise
         priv = calibrate_bassily(float(epsilon_1), float(delta_1), int(n), int(steps), float(G), "pld")
-    return NoisyStepCalibration(priv.sigma, priv.sigma / G, priv.epsilon, priv.accountant + " (replace-one)",
-                                "dp-accounting")
+    # the accountant's name alone, as the baselines record theirs: the relation is the run's `neighbours` column
+    return NoisyStepCalibration(priv.sigma, priv.sigma / G, priv.epsilon, priv.accountant, "dp-accounting")
 
 
 def calibrate_noisy_steps(epsilon_1: float, delta_1: float, q: float, steps: int,
                           accountant: str) -> NoisyStepCalibration:
     """`sampling: poisson`: the noise multiplier of `dp_sgd` (add/remove, Poisson rate q) for (ε₁, δ₁)."""
     if accountant in ("auto", "rdp", "pld"):
-        cal = calibrate_sigma(epsilon_1, delta_1, q, steps, accountant="pld" if accountant == "pld" else "rdp")
+        cal = calibrate_sigma(epsilon_1, delta_1, q, steps, accountant=resolve_accountant(accountant))
         return NoisyStepCalibration(cal.sigma, cal.sigma, cal.epsilon, cal.accountant, cal.library)
     # Classical: per-step (ε_s, δ_s) from the better of basic and advanced composition over T steps, then
     # invert tight Poisson amplification ε_s = ln(1 + q(e^{ε₀} − 1)), δ_s = q δ₀, then σ = √(2 ln(1.25/δ₀))/ε₀.
