@@ -336,3 +336,15 @@ def test_a_claim_comparing_epsilons_under_different_relations_says_so():
     frame.loc[frame["algorithm"] == "dp", "neighbours"] = "add_remove"
     assert _mixed_relations(frame, better) == " [mixed neighbouring relations: add_remove, replace_one]"
     assert _mixed_relations(frame.drop(columns="neighbours"), better) == ""
+
+
+def test_a_claim_comparing_rows_of_different_accountants_says_so():
+    from dpsgd_cli.report import _mixed_accountants
+
+    frame = _runs({"dp": {1.0: [0.80, 0.81]}, "pidp": {1.0: [0.82, 0.83]}})
+    better = claim(check="better", a={"algorithm": "pidp"}, b={"algorithm": "dp"})
+    frame["accountant"] = "pld"
+    assert _mixed_accountants(frame, better) == ""
+    frame.loc[frame["algorithm"] == "pidp", "accountant"] = "rdp"
+    assert _mixed_accountants(frame, better) == " [mixed accountants: pld, rdp]"
+    assert _mixed_accountants(frame.drop(columns="accountant"), better) == ""
