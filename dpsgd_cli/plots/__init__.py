@@ -286,7 +286,7 @@ def relation_phrases(private: pd.DataFrame) -> list[str]:
 
 # runs.csv's `accountant` values beyond the `accountant` parameter's own (names.PARAMETERS)
 ACCOUNTANTS = {**names.PARAMETERS["accountant"][1], "gaussian_analytic": "analytic Gaussian",
-               "gaussian_classical": "classical Gaussian", "pure": "pure ε (basic composition)",
+               "gaussian_classical": "classical Gaussian", "pure": "a pure ε-DP pass",
                "basic": "basic composition", "advanced": "advanced composition"}
 
 
