@@ -806,9 +806,10 @@ def test_privacy_note_prices_epsilon_2_from_what_the_run_recorded(data):
     assert loud.derived["noiseless_fraction"] == [0.0, 0.0] and quiet.derived["noiseless_fraction"] == [1.0, 1.0]
     assert "ε₂ = 0.25 is charged for the influence test (lines 7-10), which skipped the noise on no step" in \
         loud.derived["privacy_note"]
-    assert "skipped the noise on 1 of the steps" in quiet.derived["privacy_note"]
+    assert "skipped the noise on 100% of the steps" in quiet.derived["privacy_note"]
     assert "skipped the noise on no step" not in quiet.derived["privacy_note"]
     stated, line9 = P.contribution_release_epsilons(loud.derived["sigma_c"], 2, X.shape[0], 0.01, 1.0, 5e-6)
     assert (loud.derived["epsilon_2_stated_sensitivity"], loud.derived["epsilon_2_line9"]) == (stated, line9)
     assert "line 9 releases 2c_t^(o) + b^(c), sensitivity 4G/(nζ)" in loud.derived["privacy_note"]
     assert P.epsilon_2_note([0.0, 0.25], 0.1, 0.75, 0.25).startswith("the influence test")
+    assert "p = 0 per step in floating point" in P.epsilon_2_note([0.0], 0.0, 0.75, 0.25)

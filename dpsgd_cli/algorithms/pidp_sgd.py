@@ -661,13 +661,14 @@ def contribution_release_epsilons(sigma_c: float, rounds: int, n: int, zeta: flo
 
 def epsilon_2_note(fractions: list[float], p: float, epsilon_1: float, epsilon_2: float) -> str:
     """What ε₂ bought in this run, from its recorded noiseless fractions (one per seed) and its skip bound p."""
+    bound = f"p = {p:.3g} per step" if p > 0 else "p = 0 per step in floating point"
     if max(fractions) == 0.0:
         return (f"ε₂ = {epsilon_2:.3g} is charged for the influence test (lines 7-10), which skipped the noise on no "
-                f"step of this run (noiseless fraction 0 in every seed; p ≤ {p:.3g} per step): as run, the "
+                f"step of this run (noiseless fraction 0 in every seed; {bound}): as run, the "
                 f"single-example DP-SGD of lines 13-14 at ε₁ = {epsilon_1:.3g}, and the bound of `guarantee` holds "
                 f"at ε₁ already (the test's release is not part of the output)")
     return (f"the influence test (lines 7-10, charged ε₂ = {epsilon_2:.3g}) skipped the noise on "
-            f"{float(np.mean(fractions)):.3g} of the steps (mean over seeds; p ≤ {p:.3g} per step)")
+            f"{100 * float(np.mean(fractions)):.3g}% of the steps (mean over seeds; {bound})")
 
 
 def sensitivity_note(sigma_c: float, rounds: int, epsilon_2: float, delta_2: float, eps_stated: float,
