@@ -371,7 +371,7 @@ def evaluate(folder: Path, claim: ClaimSpec, figures: list[FigureSpec]) -> Verdi
             numbers += effect
     except (KeyError, ValueError) as exc:
         return Verdict(grid, claim, NO_DATA, str(exc).strip("'\""))
-    return Verdict(grid, claim, status, numbers + _mixed_relations(frame, claim))
+    return Verdict(grid, claim, status, numbers + _mixed_relations(frame, claim) + _mixed_accountants(frame, claim))
 
 
 def _groups(frame: pd.DataFrame, claim: ClaimSpec, limit: float | None) -> list[tuple[bool | None | str, str]]:
@@ -433,16 +433,26 @@ def selection_effect(status: str, fixed: list[tuple[str, str]], candidates: list
                          f"{need} fixed {names}")
 
 
-def _mixed_relations(frame: pd.DataFrame, claim: ClaimSpec) -> str:
-    """A warning when the rows a claim compares state their ε under different neighbouring relations."""
-    if "neighbours" not in frame or "epsilon" not in frame:
+def _mixed(frame: pd.DataFrame, claim: ClaimSpec, column: str, what: str) -> str:
+    """A warning when the private rows a claim compares differ in `column` (their ε are then not on one footing)."""
+    if column not in frame or "epsilon" not in frame:
         return ""
     # a selection the check does not use (`b` of a monotone claim) may name no column: it selects nothing here
     parts = [select(frame, sel) for sel in (claim.a, claim.b) if sel and set(sel) <= set(frame)] or [frame]
     rows = pd.concat(parts)
     rows = rows[rows["epsilon"].notna()]
-    relations = sorted(set(rows["neighbours"].fillna("unrecorded").astype(str)))
-    return f" [mixed neighbouring relations: {', '.join(relations)}]" if len(relations) > 1 else ""
+    values = sorted(set(rows[column].fillna("unrecorded").astype(str)))
+    return f" [{what}: {', '.join(values)}]" if len(values) > 1 else ""
+
+
+def _mixed_relations(frame: pd.DataFrame, claim: ClaimSpec) -> str:
+    """A warning when the rows a claim compares state their ε under different neighbouring relations."""
+    return _mixed(frame, claim, "neighbours", "mixed neighbouring relations")
+
+
+def _mixed_accountants(frame: pd.DataFrame, claim: ClaimSpec) -> str:
+    """A warning when the rows a claim compares were calibrated by different accountants (runs.csv's column)."""
+    return _mixed(frame, claim, "accountant", "mixed accountants")
 
 
 def decide(results: list[tuple[bool | None | str, str]], claim: ClaimSpec) -> tuple[str, str]:

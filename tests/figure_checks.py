@@ -32,6 +32,15 @@ def _unit(*parts) -> float:
     return int(hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:8], 16) / 2**32
 
 
+def _accountant(algorithm: str, params: dict) -> str:
+    """runs.csv's `accountant` as the algorithm records it: its accountant (or accounting) parameter, auto = PLD
+    (pidp_sgd's), RDP where unset; song2013's one pass is pure ε-DP."""
+    if algorithm == "song2013":
+        return "pure"
+    accountant = params.get("accountant", params.get("accounting", "rdp"))
+    return "pld" if accountant == "auto" else accountant
+
+
 def synthetic_results(grid, folder: Path, seeds: int = 3, checkpoints: int = 8) -> Path:
     grid = grid.model_copy(update={"seeds": seeds})
     folder = Path(folder)
@@ -61,8 +70,8 @@ def synthetic_results(grid, folder: Path, seeds: int = 3, checkpoints: int = 8) 
                 "n_test": 0 if no_test else n // 4, "d": d, "model": cell.model.name,
                 "model_options": json.dumps(cell.model.options, sort_keys=True), "algorithm": cell.algorithm.name,
                 "algorithm_params": json.dumps(cell.algorithm.params, sort_keys=True), "seed": seed,
-                "epsilon": eps, "delta": 1.0 / n**2, "accountant": ("pure" if cell.algorithm.name == "song2013" else
-                                                                   "rdp") if private else None,
+                "epsilon": eps, "delta": 1.0 / n**2, "accountant": _accountant(cell.algorithm.name, params) if private
+                else None,
                 "batch_size": cell.batch_size, "lr": cell.lr, "epochs": cell.epochs, "l2": cell.l2,
                 "clip_norm": cell.clip_norm, "sigma": 1.0 if private else None,
                 "steps": int(n * (cell.epochs or 1) / (cell.batch_size or n)),

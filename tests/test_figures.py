@@ -290,6 +290,21 @@ def test_captions_name_the_neighbouring_relation_and_warn_when_it_is_mixed():
     assert relation_phrases(mixed.assign(neighbours=float("nan"))) == []
 
 
+def test_captions_name_the_accountant_and_each_one_when_they_differ():
+    from dpsgd_cli.plots import accountant_phrases
+
+    one = pd.DataFrame({"algorithm": ["dp_sgd", "pidp_sgd"], "accountant": ["pld", "pld"]})
+    assert accountant_phrases(one) == ["$\\varepsilon$ calibrated by PLD"]
+    two = pd.DataFrame({"algorithm": ["dp_sgd", "pidp_sgd", "bolt_on"],
+                        "accountant": ["pld", "rdp", "gaussian_analytic"]})
+    (phrase,) = accountant_phrases(two)
+    assert phrase.startswith("$\\varepsilon$ calibrated by different accountants")
+    for named in ("PLD: DP-SGD", "RDP: PIDP-SGD", "analytic Gaussian: bolt-on (output"):
+        assert named in phrase, (named, phrase)
+    assert accountant_phrases(two.drop(columns="accountant")) == []  # results without the column
+    assert accountant_phrases(two.assign(accountant=float("nan"))) == []
+
+
 def test_a_log_axis_spanning_a_sliver_of_a_decade_labels_its_ticks_apart():
     """δ certified at 1e-5 and 1.00004e-5 on a log axis: matplotlib labels every tick "10⁻⁵"."""
     from dpsgd_cli.plots.layout import thin_ticks

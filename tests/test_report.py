@@ -355,6 +355,18 @@ def test_a_claim_comparing_epsilons_under_different_relations_says_so():
     assert _mixed_relations(frame.drop(columns="neighbours"), better) == ""
 
 
+def test_a_claim_comparing_rows_of_different_accountants_says_so():
+    from dpsgd_cli.report import _mixed_accountants
+
+    frame = _runs({"dp": {1.0: [0.80, 0.81]}, "pidp": {1.0: [0.82, 0.83]}})
+    better = claim(check="better", a={"algorithm": "pidp"}, b={"algorithm": "dp"})
+    frame["accountant"] = "pld"
+    assert _mixed_accountants(frame, better) == ""
+    frame.loc[frame["algorithm"] == "pidp", "accountant"] = "rdp"
+    assert _mixed_accountants(frame, better) == " [mixed accountants: pld, rdp]"
+    assert _mixed_accountants(frame.drop(columns="accountant"), better) == ""
+
+
 def test_above_and_below_compare_the_mean_with_a_level():
     zeros = _runs({"pidp": {0.01: [0.0, 0.0], 3.0: [0.0, 0.0]}})  # no step ever skipped the noise
     exceeds = claim(check="above", metric="test_accuracy", a={"algorithm": "pidp", "epsilon": 3.0}, over=None)

@@ -277,7 +277,7 @@ def _caption(grid: dict, grid_name: str, frame: pd.DataFrame, spec: FigureSpec) 
             phrases.append(f"{', '.join(exact)}: pure $\\varepsilon$-DP ($\\delta = 0$)")
         if private.empty and not runs.empty:
             phrases.append("no private line")
-        phrases += relation_phrases(private)
+        phrases += relation_phrases(private) + accountant_phrases(private)
     phrases += [names.literal(part) for part in _phrases(caption_of(grid).strip())]
     return phrases
 
@@ -296,6 +296,25 @@ def relation_phrases(private: pd.DataFrame) -> list[str]:
         return [f"$\\varepsilon$ under {RELATIONS.get(next(iter(by_relation)), next(iter(by_relation)))} neighbours"]
     mixed = "; ".join(f"{RELATIONS.get(rel, rel)}: {', '.join(algs)}" for rel, algs in by_relation.items())
     return [f"mixed neighbouring relations, $\\varepsilon$ not comparable across them ({mixed})"]
+
+
+# runs.csv's `accountant` values beyond the `accountant` parameter's own (names.PARAMETERS)
+ACCOUNTANTS = {**names.PARAMETERS["accountant"][1], "gaussian_analytic": "analytic Gaussian",
+               "gaussian_classical": "classical Gaussian", "pure": "a pure ε-DP pass",
+               "basic": "basic composition", "advanced": "advanced composition"}
+
+
+def accountant_phrases(private: pd.DataFrame) -> list[str]:
+    """The accountant that calibrated the private rows' ε (runs.csv's `accountant`): one phrase, or each
+    accountant with its algorithms where they differ (a looser accountant adds more noise for the same ε)."""
+    if "accountant" not in private or not private["accountant"].notna().any():
+        return []
+    by_accountant = {ACCOUNTANTS.get(acc, acc): sorted({names.algorithm(a) for a in rows["algorithm"]})
+                     for acc, rows in private.groupby(private["accountant"].fillna("unrecorded").astype(str))}
+    if len(by_accountant) == 1:
+        return [f"$\\varepsilon$ calibrated by {next(iter(by_accountant))}"]
+    mixed = "; ".join(f"{acc}: {', '.join(algs)}" for acc, algs in by_accountant.items())
+    return [f"$\\varepsilon$ calibrated by different accountants ({mixed})"]
 
 
 def _phrases(text: str) -> list[str]:

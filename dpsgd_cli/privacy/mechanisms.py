@@ -24,6 +24,7 @@ __all__ = [
     "advanced_composition",
     "advanced_composition_epsilon_per_step",
     "amplify_by_subsampling",
+    "analytic_gaussian_epsilon",
     "analytic_gaussian_sigma",
     "basic_composition",
     "gamma_norm_noise",
@@ -96,6 +97,21 @@ def analytic_gaussian_sigma(sensitivity: float, epsilon: float, delta: float) ->
     eps = check.positive("epsilon", epsilon)
     d = check.open_unit("delta", delta)
     return delta_2 * float(_dp.get_sigma_gaussian(eps, d))
+
+
+def analytic_gaussian_epsilon(sensitivity: float, sigma: float, delta: float, releases: int = 1) -> float:
+    """The exact ε at δ of `releases` Gaussian mechanisms N(f(D), σ²I) with L2 sensitivity Delta_2 each.
+
+    k releases at noise multiplier z = σ/Δ compose to exactly one release at z/√k (the privacy loss of each is
+    N(μ²/2, μ²) with μ = 1/z, and the sum of k is that of μ√k), whose ε is Balle & Wang's (2018, Thm 8), by
+    :func:`dp_accounting.get_epsilon_gaussian`.
+    """
+    delta_2 = check.positive("sensitivity", sensitivity)
+    s = check.positive("sigma", sigma)
+    d = check.open_unit("delta", delta)
+    if releases < 1:
+        raise UserError(f"releases must be >= 1, got {releases!r}")
+    return float(_dp.get_epsilon_gaussian(s / (delta_2 * math.sqrt(releases)), d))
 
 
 def gaussian_noise(rng: np.random.Generator, sigma: float, size: Size = None) -> np.ndarray:
