@@ -37,8 +37,9 @@ rows as a claim's `where` does), then formatted (`.3g`, `.1%`; without a format 
 written only when RESULTS_DIR holds all of them. A block whose grid has no finished run in RESULTS_DIR (its
 manifest records when the run finished) is left as it is and listed. Text outside the blocks is the paper's or
 an input: tests/test_paper_numbers.py checks that no result-looking number stands outside a block unless
-marked (`<!-- given: paper -->…<!-- /given -->`, or `input`, `timing`, `test`: the paper's own numbers, an
-input parameter, a machine's wall time, a number a named test recomputes).
+marked (`<!-- given: paper -->…<!-- /given -->`, or `input`, `timing`, `test`, `previous`: the paper's own numbers,
+an input parameter, a machine's wall time, a number a named test recomputes, a number of the run before a numerics
+change, kept beside the rerun's).
 """
 
 from __future__ import annotations
