@@ -29,7 +29,6 @@ claim to hold there too.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -44,7 +43,7 @@ from dpsgd_cli.audit.run import read_audit_csv
 from dpsgd_cli.config import NAME_PATTERN, ClaimSpec, FigureSpec
 from dpsgd_cli.engine.analytic import analytic_table
 from dpsgd_cli.engine.folder import write_text
-from dpsgd_cli.engine.results import NoResults, grid_of, note, read_results, result_folders, select
+from dpsgd_cli.engine.results import NoResults, grid_of, json_object, note, read_results, result_folders, select
 from dpsgd_cli.engine.selection import results_frame, selections
 
 
@@ -623,6 +622,6 @@ def audit_lines(path: Path) -> list[str]:
 
 def _params(verdict: dict) -> str:
     """An algorithm's non-default-looking parameters, compact (`{}` → nothing)."""
-    params = json.loads(verdict.get("algorithm_params") or "{}")
+    params = json_object(verdict.get("algorithm_params")) or {}
     shown = ", ".join(f"{k}={v}" for k, v in params.items() if v is not None)
     return f"({shown})" if shown else ""
