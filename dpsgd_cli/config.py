@@ -24,7 +24,7 @@ from dpsgd_cli.algorithms import ALGORITHMS, AXES
 from dpsgd_cli.analytic_params import EPSILON_RANGE, NoiseScaleParams, PrivacyCurveParams
 from dpsgd_cli.data.files import FileDatasetSpec
 from dpsgd_cli.data.spec import DatasetSpec
-from dpsgd_cli.errors import UserError
+from dpsgd_cli.errors import UserError, printable
 from dpsgd_cli.models import MODELS
 from dpsgd_cli.privacy.accounting import Neighbours
 
@@ -191,9 +191,12 @@ SafeName = Annotated[str, AfterValidator(_safe_name)]
 
 
 def _one_line(value: str) -> str:
-    """Free text the report prints: one line (a line break would start a line of its own in report.md)."""
+    """Free text the report prints: one line (a line break would start a line of its own in report.md), without
+    characters that act on a terminal (`errors.printable`: a printed claim could overwrite its verdict)."""
     if "".join(value.splitlines()) != value:
         raise ValueError("must be one line: replace its line breaks by spaces (in YAML, `>-` folds the lines)")
+    if printable(value) != value:
+        raise ValueError("holds a control character (an escape sequence, a bidirectional override); remove it")
     return value
 
 

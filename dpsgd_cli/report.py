@@ -45,6 +45,7 @@ from dpsgd_cli.engine.analytic import analytic_table
 from dpsgd_cli.engine.folder import write_text
 from dpsgd_cli.engine.results import NoResults, grid_of, json_object, note, read_results, result_folders, select
 from dpsgd_cli.engine.selection import results_frame, selections
+from dpsgd_cli.errors import printable
 
 
 PASS, FAIL, VACUOUS, NO_DATA = "PASS", "FAIL", "VACUOUS", "NO DATA"
@@ -70,8 +71,8 @@ def md_text(value: object) -> str:
     """Text from a grid, a manifest, a CSV or a data file as one line of literal Markdown: line breaks (and any run
     of white space) become one space, and every character that Markdown would read as structure is escaped, so that
     the text can neither start a line of its own (a forged summary), add a table cell, nor open a link, an image
-    or HTML."""
-    line = _MARKUP.sub(lambda m: "\\" + m.group(0), " ".join(str(value).split()))
+    or HTML; a control character is shown as � (`errors.printable`: report.md is also read in a terminal)."""
+    line = _MARKUP.sub(lambda m: "\\" + m.group(0), printable(" ".join(str(value).split())))
     return _LINE_START.sub(lambda m: m.group(0)[:-1] + "\\" + m.group(0)[-1], line)
 
 

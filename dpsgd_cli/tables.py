@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
+from dpsgd_cli.errors import printable
+
 if TYPE_CHECKING:
     import pandas as pd
 
@@ -89,8 +91,10 @@ def compact_table(rows: list[dict[str, Any]], title: str, keep: Sequence[str] = 
     # columns two spaces apart, a rule under the header: a boxed table spends three characters a column
     table = Table(*(Column(h, overflow="fold", min_width=longest_word(h)) for h in headers if h not in fixed),
                   show_lines=lines, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0))
-    def cell(value: Any) -> Any:  # text escaped (a `[` is not markup), a number (a NumPy one too) as text
-        return escape(value) if isinstance(value, str) else value if is_renderable(value) else escape(str(value))
+    def cell(value: Any) -> Any:  # text escaped (a `[` is not markup, an escape sequence no command), a number as text
+        if isinstance(value, str) or not is_renderable(value):
+            return escape(printable(str(value)))
+        return value
 
     for r in rows:
         table.add_row(*(cell(r[h]) for h in headers if h not in fixed))
