@@ -99,8 +99,9 @@ def compact_table(rows: list[dict[str, Any]], title: str, keep: Sequence[str] = 
     for r in rows:
         table.add_row(*(cell(r[h]) for h in headers if h not in fixed))
     # the title above the table, not in it: rich wraps a title to the table's width, a narrow table's to a column
-    heading = Text(title, style="bold") + (f" ({', '.join(said)})" if said else "")
-    return Group(heading, *(Text(line) for line in notes), table, *([Text(caption)] if caption else []))
+    heading = Text(printable(title), style="bold") + (printable(f" ({', '.join(said)})") if said else "")
+    return Group(heading, *(Text(printable(line)) for line in notes), table,
+                 *([Text(printable(caption))] if caption else []))
 
 
 def summary_table(frame: "pd.DataFrame", name: str) -> Any:

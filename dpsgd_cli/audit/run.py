@@ -92,7 +92,7 @@ def read_audit_csv(path: Path) -> pd.DataFrame:
     remedy = "rerun `dpsgd audit` on its grid to rewrite it, or move it away"
     frame = read_table(path, READ_COLUMNS, NUMERIC, remedy)
     params = frame["algorithm_params"] if "algorithm_params" in frame else pd.Series(dtype=object)
-    garbled = params.index[params.map(lambda text: json_object(text if isinstance(text, str) else "") is None)]
+    garbled = params.index[params.map(lambda v: json_object(v) is None if isinstance(v, str) else not pd.isna(v))]
     if len(garbled):
         raise UserError(f"{path}: line {garbled[0] + 2} has algorithm parameters that are not a JSON object; {remedy}")
     bounded = frame["status"].eq("ok") & frame["epsilon_lo"].notna()
