@@ -166,15 +166,20 @@ def _records(pieces: list[str]) -> tuple[list[list[str]], list[str]]:
     except csv.Error:
         pass
     records, raws, used = [], [], 0
-    reader = csv.reader(iter(pieces))
-    try:
-        for fields in reader:
-            records.append(fields)
-            raws.append("".join(pieces[used:reader.line_num]))
-            used = reader.line_num
-    except csv.Error:  # an unbalanced quote swallowed the rest of the file: one bad record
-        records.append([])
-        raws.append("".join(pieces[used:]))
+    while used < len(pieces):
+        reader, start = csv.reader(iter(pieces[used:])), used
+        try:
+            for fields in reader:
+                records.append(fields)
+                raws.append("".join(pieces[used:start + reader.line_num]))
+                used = start + reader.line_num
+        except csv.Error:
+            # one bad record, the lines the reader took for it: a field beyond csv's size limit (a received file
+            # may hold anything) is its own line, the next lines are read again; an unbalanced quote took them all
+            end = max(start + reader.line_num, used + 1)
+            records.append([])
+            raws.append("".join(pieces[used:end]))
+            used = end
     return records, raws
 
 
