@@ -246,3 +246,15 @@ def test_api_select_turns_a_folder_in_the_way_into_one_line(copy):  # noqa: F811
 def test_the_csv_writer_keeps_numbers_and_other_text_as_they_were():
     assert [inert_cell(v) for v in ["-0.5", "+1e-3", "dp_sgd", "", "=1+1", "\t=x", 3, None]] == \
         ["-0.5", "+1e-3", "dp_sgd", "", "'=1+1", "'\t=x", 3, None]
+
+
+@pytest.mark.parametrize("key, value", [
+    ("algorithms", [None]), ("algorithms", [5]), ("algorithms", [{"name": ["sgd"]}]),
+    ("algorithms", [{"name": "dp_sgd", "params": 5, "overrides": 1}]), ("models", [None]),
+    ("models", [{"name": ["logreg"]}]), ("models", [{"name": "logreg", "options": 5}]),
+    ("datasets", [{"name": "file", "path": None}]),
+])
+def test_a_grid_entry_of_the_wrong_shape_is_one_line(write_grid, key, value):
+    grid = {"name": "t", "datasets": ["synthetic"], "algorithms": ["erm"], key: value}
+    with pytest.raises(UserError, match=rf"grids\[0\]\.{key}\[0\]"):
+        load_grid_file(write_grid(json.dumps({"grids": [grid]})))
