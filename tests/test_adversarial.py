@@ -258,3 +258,12 @@ def test_a_grid_entry_of_the_wrong_shape_is_one_line(write_grid, key, value):
     grid = {"name": "t", "datasets": ["synthetic"], "algorithms": ["erm"], key: value}
     with pytest.raises(UserError, match=rf"grids\[0\]\.{key}\[0\]"):
         load_grid_file(write_grid(json.dumps({"grids": [grid]})))
+
+
+def test_a_folder_where_the_processed_cache_file_goes_only_loses_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("DPSGD_DATA_DIR", str(tmp_path))
+    spec = DatasetSpec(name="synthetic", n=60, dim=4)
+    load_module.processed_path(spec).mkdir(parents=True)
+    dataset = load_module.load_dataset(spec)
+    assert dataset.X_train.shape[1] == 4 and load_module.processed_path(spec).is_dir()
+    assert not list(load_module.processed_path(spec).parent.glob(".*.tmp"))

@@ -286,9 +286,10 @@ def _write_processed(path: Path, key: str, dataset: Dataset) -> None:
             np.savez(fh, key=np.array(key), sha256=np.array(arrays_sha256(arrays)), **arrays)
         make_readable(Path(tmp))
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
-        raise
+        if not isinstance(exc, OSError):  # a full disk, a folder in the file's place: work without the cache
+            raise
 
 
 def load_dataset(spec: DatasetSpec, *, cache: bool = True) -> Dataset:
