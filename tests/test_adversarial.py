@@ -267,3 +267,15 @@ def test_a_folder_where_the_processed_cache_file_goes_only_loses_the_cache(tmp_p
     dataset = load_module.load_dataset(spec)
     assert dataset.X_train.shape[1] == 4 and load_module.processed_path(spec).is_dir()
     assert not list(load_module.processed_path(spec).parent.glob(".*.tmp"))
+
+
+@pytest.mark.parametrize("column, value", [("train_objective", "inf"), ("examples", "inf"), ("examples", "-5")])
+def test_a_received_traces_csv_with_numbers_no_axis_holds_is_no_point(copy, capsys, column, value):  # noqa: F811
+    grid_file, folder = copy
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["grid"]["figures"] = [{"name": "tr", "kind": "traces", "metric": "train_objective"}]
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    traces = pd.read_csv(folder / "traces.csv", dtype=str, keep_default_na=False)
+    traces.assign(**{column: value}).to_csv(folder / "traces.csv", index=False)
+    for name in ("plot", "export"):
+        one_line_or_done(*command(capsys, name, grid_file, folder))

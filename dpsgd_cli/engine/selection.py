@@ -75,7 +75,7 @@ def results_frame(folder: Path, traces: bool = False, select: bool = True) -> pd
     `select` and a grid `select:`, only the chosen candidates' runs); with `traces`, their checkpoints (one row
     per run and checkpoint) joined with those run columns. An infinite number (which an ok run of the tool never
     has, but a received runs.csv may) is missing, as an empty cell: never a point, an axis value or a mean."""
-    runs = read_results(folder).ok.replace([np.inf, -np.inf], np.nan)
+    runs = read_results(folder).ok
     runs = (with_params(runs.assign(label=line_labels(runs))) if len(runs)
             else runs.assign(**{c: [] for c in ADDED_COLUMNS}))
     if select:
@@ -84,7 +84,7 @@ def results_frame(folder: Path, traces: bool = False, select: bool = True) -> pd
         checkpoints = ResultStore(folder).read_traces().drop_duplicates(["run_id", "examples"])
         keep = [c for c in runs.columns if c not in checkpoints.columns or c == "run_id"]
         runs = checkpoints.merge(runs[keep], on="run_id", how="inner")
-    return runs
+    return runs.replace([np.inf, -np.inf], np.nan)
 
 
 # ------------------------------------------------------------------------------ calibration of the candidates
