@@ -325,6 +325,7 @@ def report(results_dir: PathLike = "results") -> pd.DataFrame:
     return frame
 
 
+@file_errors()
 @checked()
 def select(results_dir: PathLike = "results") -> pd.DataFrame:
     """`dpsgd select`: for each grid with `select:`, the candidate each group chose on validation, its scores

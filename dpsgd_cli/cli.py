@@ -259,6 +259,20 @@ def report(
 
 
 # --- select --------------------------------------------------------------------------------------------
+def _group_columns(group: str) -> dict[str, str]:
+    """A selection's group, `dataset=adult, model=logreg, …`, as columns; a value holding ", " (a received
+    runs.csv may name a dataset anything) stays whole."""
+    columns: dict[str, str] = {}
+    for item in group.split(", "):
+        name, equals, value = item.partition("=")
+        if equals and name.isidentifier():
+            columns[name] = value
+        elif columns:
+            last = next(reversed(columns))
+            columns[last] += ", " + item
+    return columns
+
+
 @app.command("select")
 def select_command(
     results_dir: Path = typer.Argument(Path("results"), metavar="RESULTS_DIR",
@@ -267,7 +281,7 @@ def select_command(
     """Print the hyperparameters each group's `select:` chose (and its privacy); write selection.csv."""
     for folder, table in engine_selection.write_selection_tables(results_dir):
         for selection, part in table.groupby("selection", sort=False):
-            rows = [{**dict(item.split("=", 1) for item in r["group"].split(", ")), "chosen": r["chosen"],
+            rows = [{**_group_columns(r["group"]), "chosen": r["chosen"],
                      r["score"]: f"{r['score_mean']:.4f}", "runs": str(r["runs"]),
                      "test accuracy": spread(r["test_accuracy_mean"], r["test_accuracy_std"]),
                      "ε": _fmt(r["epsilon"]), "ε total": _fmt(r["epsilon_total"], 4), "δ": _fmt(r["delta"], 3),

@@ -33,7 +33,7 @@ from dpsgd_cli.algorithms import ALGORITHMS, AXES
 from dpsgd_cli.analytic_params import EPSILON_RANGE, NoiseScaleParams, PrivacyCurveParams
 from dpsgd_cli.data.files import FileDatasetSpec
 from dpsgd_cli.data.spec import DatasetSpec
-from dpsgd_cli.errors import UserError
+from dpsgd_cli.errors import UserError, printable
 from dpsgd_cli.models import MODELS
 from dpsgd_cli.privacy.accounting import Neighbours
 from dpsgd_cli.privacy.tuning import Trials
@@ -77,6 +77,17 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _entry(raw: Any, what: str) -> dict[str, Any]:
+    """A grid's entry given by its name (`dp_sgd`) or as a mapping with `name` (`{name: dp_sgd, ...}`), as a new
+    dict; anything else (a number, null, a list) is a ValueError, which validation reports in one line."""
+    if isinstance(raw, str):
+        return {"name": raw}
+    if not isinstance(raw, dict):
+        raise ValueError(f"an entry of {what}s is a name or a mapping with `name: ...`, not {type(raw).__name__} "
+                         f"{raw!r}")
+    return dict(raw)
+
+
 class ModelEntry(_Strict):
     """A model of the grid: `logreg`, or `{name: mlp, ...}` with the model's own options."""
 
@@ -86,11 +97,11 @@ class ModelEntry(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _split(cls, raw: Any) -> Any:
-        raw = {"name": raw} if isinstance(raw, str) else dict(raw)
-        if set(raw) == {"name", "options"}:  # as dumped in a manifest
+        raw = _entry(raw, "model")
+        if set(raw) == {"name", "options"} and isinstance(raw["options"], dict):  # as dumped in a manifest
             raw = {"name": raw["name"], **raw["options"]}
         name = raw.pop("name", None)
-        if name not in MODELS:
+        if not isinstance(name, str) or name not in MODELS:
             raise ValueError(f"unknown model {name!r}{closest(str(name), MODELS)}; known: {', '.join(MODELS)}")
         return {"name": name, "options": MODELS[name].Options.model_validate(raw, strict=True).model_dump()}
 
@@ -109,13 +120,14 @@ class AlgorithmEntry(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _split(cls, raw: Any) -> Any:
-        raw = {"name": raw} if isinstance(raw, str) else dict(raw)
-        if {"name", "params", "overrides"} <= set(raw) <= {"name", "params", "overrides", "neighbours"}:  # dumped
+        raw = _entry(raw, "algorithm")
+        if ({"name", "params", "overrides"} <= set(raw) <= {"name", "params", "overrides", "neighbours"}  # dumped
+                and isinstance(raw["params"], dict) and isinstance(raw["overrides"], dict)):
             raw = {"name": raw["name"], **raw["params"], **raw["overrides"],
                    **({"neighbours": raw["neighbours"]} if raw.get("neighbours") else {})}
         neighbours = raw.pop("neighbours", None)
         name = raw.pop("name", None)
-        if name not in ALGORITHMS:
+        if not isinstance(name, str) or name not in ALGORITHMS:
             raise ValueError(
                 f"unknown algorithm {name!r}{closest(str(name), ALGORITHMS)}; known: {', '.join(ALGORITHMS)}"
             )
@@ -201,9 +213,12 @@ SafeName = Annotated[str, AfterValidator(_safe_name)]
 
 
 def _one_line(value: str) -> str:
-    """Free text the report prints: one line (a line break would start a line of its own in report.md)."""
+    """Free text the report prints: one line (a line break would start a line of its own in report.md), without
+    characters that act on a terminal (`errors.printable`: a printed claim could overwrite its verdict)."""
     if "".join(value.splitlines()) != value:
         raise ValueError("must be one line: replace its line breaks by spaces (in YAML, `>-` folds the lines)")
+    if printable(value) != value:
+        raise ValueError("holds a control character (an escape sequence, a bidirectional override); remove it")
     return value
 
 

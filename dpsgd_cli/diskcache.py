@@ -97,7 +97,7 @@ def read_entry(folder: Path | None, key: dict, field: str) -> Any:
     except Rejected as exc:
         discard(folder, key, str(exc))
         return None
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: JSON nested too deep to parse
         pass
     discard(folder, key, "it is corrupt (unreadable, or its checksum does not match its content)")
     return None

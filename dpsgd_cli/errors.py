@@ -8,13 +8,23 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+# control characters (but the tab) and the bidirectional overrides: printed, they move the cursor, clear the screen
+# or reorder the text shown, so that text from a grid or a received file could overwrite a verdict on the terminal
+_UNPRINTABLE = dict.fromkeys([c for c in (*range(0x20), *range(0x7F, 0xA0), *range(0x202A, 0x202F),
+                                          *range(0x2066, 0x206A)) if c != ord("\t")], "\ufffd")
+
+
+def printable(text: str) -> str:
+    """`text` with every character that acts on a terminal instead of showing (see `_UNPRINTABLE`) shown as �."""
+    return text.translate(_UNPRINTABLE)
+
 
 class UserError(Exception):
     """Bad input from the user: the message says what is wrong, where, and how to fix it, in one line (a line
-    break in a value it quotes back, e.g. a grid's text or a path, becomes a space)."""
+    break in a value it quotes back, e.g. a grid's text or a path, becomes a space; a control character, �)."""
 
     def __init__(self, message: object = "") -> None:
-        super().__init__(" ".join(str(message).splitlines()))
+        super().__init__(printable(" ".join(str(message).splitlines())))
 
 
 class DataError(UserError):

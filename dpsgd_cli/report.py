@@ -29,7 +29,6 @@ claim to hold there too.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -43,8 +42,9 @@ from dpsgd_cli.audit.run import read_audit_csv
 from dpsgd_cli.config import NAME_PATTERN, ClaimSpec, FigureSpec
 from dpsgd_cli.engine.analytic import analytic_table
 from dpsgd_cli.engine.folder import write_text
-from dpsgd_cli.engine.results import NoResults, grid_of, note, read_results, result_folders, select
+from dpsgd_cli.engine.results import NoResults, grid_of, json_object, note, read_results, result_folders, select
 from dpsgd_cli.engine.selection import results_frame, selections
+from dpsgd_cli.errors import printable
 from dpsgd_cli.lazy import LazyModule
 
 scipy_stats = LazyModule("scipy.stats")  # heavy: imported by the first F-test
@@ -73,8 +73,8 @@ def md_text(value: object) -> str:
     """Text from a grid, a manifest, a CSV or a data file as one line of literal Markdown: line breaks (and any run
     of white space) become one space, and every character that Markdown would read as structure is escaped, so that
     the text can neither start a line of its own (a forged summary), add a table cell, nor open a link, an image
-    or HTML."""
-    line = _MARKUP.sub(lambda m: "\\" + m.group(0), " ".join(str(value).split()))
+    or HTML; a control character is shown as � (`errors.printable`: report.md is also read in a terminal)."""
+    line = _MARKUP.sub(lambda m: "\\" + m.group(0), printable(" ".join(str(value).split())))
     return _LINE_START.sub(lambda m: m.group(0)[:-1] + "\\" + m.group(0)[-1], line)
 
 
@@ -633,6 +633,6 @@ def audit_lines(path: Path) -> list[str]:
 
 def _params(verdict: dict) -> str:
     """An algorithm's non-default-looking parameters, compact (`{}` → nothing)."""
-    params = json.loads(verdict.get("algorithm_params") or "{}")
+    params = json_object(verdict.get("algorithm_params")) or {}
     shown = ", ".join(f"{k}={v}" for k, v in params.items() if v is not None)
     return f"({shown})" if shown else ""

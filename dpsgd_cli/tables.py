@@ -10,9 +10,11 @@ from typing import TYPE_CHECKING, Any
 from rich import box
 from rich.console import Group
 from rich.markup import escape
+from rich.protocol import is_renderable
 from rich.table import Column, Table
 from rich.text import Text
 
+from dpsgd_cli.errors import printable
 from dpsgd_cli.lazy import LazyModule
 
 if TYPE_CHECKING:
@@ -90,11 +92,17 @@ def compact_table(rows: list[dict[str, Any]], title: str, keep: Sequence[str] = 
     # columns two spaces apart, a rule under the header: a boxed table spends three characters a column
     table = Table(*(Column(h, overflow="fold", min_width=longest_word(h)) for h in headers if h not in fixed),
                   show_lines=lines, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0))
+    def cell(value: Any) -> Any:  # text escaped (a `[` is not markup, an escape sequence no command), a number as text
+        if isinstance(value, str) or not is_renderable(value):
+            return escape(printable(str(value)))
+        return value
+
     for r in rows:
-        table.add_row(*(escape(r[h]) if isinstance(r[h], str) else r[h] for h in headers if h not in fixed))
+        table.add_row(*(cell(r[h]) for h in headers if h not in fixed))
     # the title above the table, not in it: rich wraps a title to the table's width, a narrow table's to a column
-    heading = Text(title, style="bold") + (f" ({', '.join(said)})" if said else "")
-    return Group(heading, *(Text(line) for line in notes), table, *([Text(caption)] if caption else []))
+    heading = Text(printable(title), style="bold") + (printable(f" ({', '.join(said)})") if said else "")
+    return Group(heading, *(Text(printable(line)) for line in notes), table,
+                 *([Text(printable(caption))] if caption else []))
 
 
 def summary_table(frame: pd.DataFrame, name: str) -> Any:

@@ -492,7 +492,7 @@ def test_processed_cache_is_read_through_one_open(tmp_path, monkeypatch):
         return real_open(path, *args, **kwargs)
 
     monkeypatch.setattr("builtins.open", counting_open)
-    got, why = load_module._read_processed(tmp_path / "a.npz", "k")
+    got, why = load_module._read_processed(tmp_path / "a.npz", "k", DatasetSpec(name="synthetic", unit_ball="none"))
     assert why == "" and all(np.array_equal(got[k], arrays[k]) for k in arrays)
     assert opened == [str(tmp_path / "a.npz")]
 

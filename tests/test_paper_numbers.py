@@ -115,7 +115,8 @@ def test_every_block_of_the_pages_names_a_grid_and_known_functions(page):
 RESULT_LOOKING = re.compile(r"\d+(?:\.\d+)?\s?%|±|\d(?:\.\d+)?×|(?<![\w.])(?:0\.0*[1-9]\d+|[1-9]\d*\.\d+)(?![\w.])")
 EXEMPT = [
     re.compile(r"<!-- numbers:.*?<!-- /numbers -->", re.DOTALL),  # generated from the runs
-    re.compile(r"<!-- given: (?:paper|input|timing|test|previous) -->.*?<!-- /given -->", re.DOTALL),  # marked, with why
+    # marked, with why
+    re.compile(r"<!-- given: (?:paper|input|timing|test|previous) -->.*?<!-- /given -->", re.DOTALL),
     re.compile(r"```.*?```", re.DOTALL),  # commands
     re.compile(r"`[^`\n]*`"),
     re.compile(r"\]\([^)]*\)"),  # link targets

@@ -19,7 +19,7 @@ from dpsgd_cli.audit.engine import COLUMNS, ONE_RUN_REFUSAL, audit_cell
 from dpsgd_cli.config import AuditSpec, Grid, expand
 from dpsgd_cli.engine.checks import check_audit
 from dpsgd_cli.engine.folder import check_folder, make_folder, read_table, write_bytes, write_csv
-from dpsgd_cli.engine.results import folder_lock
+from dpsgd_cli.engine.results import folder_lock, json_object
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.lazy import LazyModule
 
@@ -86,9 +86,14 @@ def _progress(total: int, name: str):
 
 def read_audit_csv(path: Path) -> pd.DataFrame:
     """An audit.csv as the report and the figure read it: a one-line UserError when it is empty, not a CSV, lacks
-    a column they use, or has an ok row without the numbers of its bound."""
+    a column they use, has an ok row without the numbers of its bound, or algorithm parameters that are not a JSON
+    object."""
     remedy = "rerun `dpsgd audit` on its grid to rewrite it, or move it away"
     frame = read_table(path, READ_COLUMNS, NUMERIC, remedy)
+    params = frame["algorithm_params"] if "algorithm_params" in frame else pd.Series(dtype=object)
+    garbled = params.index[params.map(lambda v: json_object(v) is None if isinstance(v, str) else not pd.isna(v))]
+    if len(garbled):
+        raise UserError(f"{path}: line {garbled[0] + 2} has algorithm parameters that are not a JSON object; {remedy}")
     bounded = frame["status"].eq("ok") & frame["epsilon_lo"].notna()
     lacking = frame.index[bounded & frame[NEEDED].isna().any(axis=1)]
     if len(lacking):

@@ -99,8 +99,9 @@ class FileDatasetSpec(BaseModel):
     @classmethod
     def _locate(cls, raw: Any, info: ValidationInfo) -> Any:
         """Resolve the paths (grid folder), hash the files, default `format` and `id`."""
-        if not isinstance(raw, dict) or "path" not in raw:
-            return raw
+        if not (isinstance(raw, dict) and isinstance(raw.get("path"), str)
+                and isinstance(raw.get("test_path"), (str, type(None)))):
+            return raw  # no path, or one that is not text: the field's own check says so in one line
         raw = dict(raw)
         grid_dir = (info.context or {}).get("grid_dir")
         for key, sha_key in (("path", "sha256"), ("test_path", "test_sha256")):

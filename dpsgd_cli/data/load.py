@@ -229,10 +229,11 @@ def _read_stored_arrays(fh) -> dict[str, np.ndarray]:
     return arrays
 
 
-def _read_processed(path: Path, key: str) -> tuple[dict[str, np.ndarray] | None, str]:
-    """(arrays, "") of a processed cache file; (None, why) if absent, unreadable, for another key, or if its
-    arrays do not match the checksum stored with them (tampered or corrupt). The checksum is recomputed on every
-    read: a stat-based stamp would miss a bit flipped in place."""
+def _read_processed(path: Path, key: str, spec: DatasetSpec) -> tuple[dict[str, np.ndarray] | None, str]:
+    """(arrays, "") of a processed cache file; (None, why) if absent, unreadable, for another key, if its arrays
+    do not match the checksum stored with them (corrupt), or if they are not what preprocessing `spec` gives
+    (`_not_processed`: anyone can recompute the checksum). The checksum is recomputed on every read: a
+    stat-based stamp would miss a bit flipped in place."""
     try:
         # one open: a file replaced meanwhile cannot pair one file's key with another's arrays
         with open(path, "rb") as fh:
@@ -240,6 +241,7 @@ def _read_processed(path: Path, key: str) -> tuple[dict[str, np.ndarray] | None,
                 if str(npz["key"]) != key:
                     return None, "written for another spec"
                 stored = str(npz["sha256"]) if "sha256" in npz.files else ""
+                members = set(npz.files)
             arrays = _read_stored_arrays(fh)
     except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile):
         return None, "unreadable"
@@ -247,7 +249,29 @@ def _read_processed(path: Path, key: str) -> tuple[dict[str, np.ndarray] | None,
         return None, "has no checksum (written by an older version)"
     if arrays_sha256(arrays) != stored:
         return None, "does not match its checksum (modified or corrupt)"
-    return arrays, ""
+    extra = sorted(members - {"key", "sha256", *ARRAYS})
+    why = f"holds arrays it should not ({', '.join(extra)})" if extra else _not_processed(arrays, spec)
+    return (None, why) if why else (arrays, "")
+
+
+def _not_processed(arrays: dict[str, np.ndarray], spec: DatasetSpec) -> str:
+    """Why `arrays` cannot be what preprocessing `spec` gives ('' if they can): float64 features of one width and
+    labels, as many as rows, all finite, labels in {-1, +1}, and rows in the unit ball when the spec brings them
+    there last. A privacy guarantee rests on these (a row outside the ball breaks a sensitivity bound)."""
+    X_train, y_train, X_test, y_test = (arrays[name] for name in ARRAYS)
+    shapes_ok = (X_train.ndim == X_test.ndim == 2 and y_train.ndim == y_test.ndim == 1
+                 and X_train.shape[1] == X_test.shape[1] and len(X_train) == len(y_train) > 0
+                 and len(X_test) == len(y_test))
+    if not shapes_ok or any(a.dtype != np.float64 for a in arrays.values()):
+        return "holds arrays of the wrong shapes or types"
+    if not all(np.isfinite(a).all() for a in arrays.values()):
+        return "holds values that are not finite"
+    if not (np.isin(y_train, (-1.0, 1.0)).all() and np.isin(y_test, (-1.0, 1.0)).all()):
+        return "holds labels other than -1 and +1"
+    in_ball = spec.unit_ball != "none" and spec.order == "project_then_ball"
+    if in_ball and max(np.linalg.norm(X, axis=1).max(initial=0.0) for X in (X_train, X_test)) > 1.0 + 1e-9:
+        return "holds rows outside the unit ball"
+    return ""
 
 
 def _write_processed(path: Path, key: str, dataset: Dataset) -> None:
@@ -263,9 +287,10 @@ def _write_processed(path: Path, key: str, dataset: Dataset) -> None:
             np.savez(fh, key=np.array(key), sha256=np.array(arrays_sha256(arrays)), **arrays)
         make_readable(Path(tmp))
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
-        raise
+        if not isinstance(exc, OSError):  # a full disk, a folder in the file's place: work without the cache
+            raise
 
 
 def load_dataset(spec: DatasetSpec, *, cache: bool = True) -> Dataset:
@@ -282,7 +307,7 @@ def load_dataset(spec: DatasetSpec, *, cache: bool = True) -> Dataset:
     path = processed_path(spec) if cache else None
     key = _cache_text(spec)
     if path is not None and path.exists():
-        arrays, why = _read_processed(path, key)
+        arrays, why = _read_processed(path, key, resolved)
         if arrays is not None:
             return Dataset(spec, arrays["X_train"], arrays["y_train"], arrays["X_test"], arrays["y_test"])
         print(f"dataset {spec.name}: the processed cache {path} {why}; rebuilding it from the raw files",

@@ -142,8 +142,28 @@ def write_text(path: Path, text: str) -> Path:
     return write_bytes(path, text.encode("utf-8", errors="surrogateescape"))
 
 
+# what makes a spreadsheet read a cell as a formula (`=HYPERLINK(...)`, `+cmd|...`, `@SUM(...)`): text from a grid or
+# a received folder that starts so is written with a leading apostrophe (the spreadsheets' "this is text" mark)
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def inert_cell(value: Any) -> Any:
+    """A text cell a spreadsheet opens as text, never as a formula; numbers (also as text: `-0.5`) and other values
+    unchanged."""
+    if not (isinstance(value, str) and value.startswith(FORMULA_STARTS)):
+        return value
+    try:
+        float(value)
+        return value
+    except ValueError:
+        return "'" + value
+
+
 def write_csv(frame: pd.DataFrame, path: Path) -> Path:
-    return write_text(path, frame.to_csv(index=False))
+    """A table the tool exports (selection.csv, runs_valid.csv, audit.csv, …), its text cells inert in a
+    spreadsheet (`inert_cell`)."""
+    text = frame.select_dtypes(include=["object", "string"]).columns
+    return write_text(path, frame.assign(**{c: frame[c].map(inert_cell) for c in text}).to_csv(index=False))
 
 
 def save_figure(fig: Any, path: Path, **options: Any) -> Path:

@@ -68,6 +68,7 @@ NUMERIC = {
     "optimal_objective", "optimality_gap", "noiseless_fraction", "wall_time", "examples", "delta_certified", "numerics",
     "n_val", "val_accuracy", "val_objective", "epsilon_base",
 }
+OPTION_COLUMNS = ["dataset_options", "model_options", "algorithm_params", "derived"]  # JSON objects in runs.csv
 STATUSES = {"ok", "diverged", "failed"}
 FINAL = ("ok", "diverged")  # final results; `failed` runs are tried again when the grid resumes
 LIBRARIES = ["dpsgd", "numpy", "scipy", "pandas", "scikit-learn", "dp-accounting", "pydantic", "joblib"]
@@ -176,21 +177,26 @@ def _records(pieces: list[str]) -> tuple[list[list[str]], list[str]]:
     except csv.Error:
         pass
     records, raws, used = [], [], 0
-    reader = csv.reader(iter(pieces))
-    try:
-        for fields in reader:
-            records.append(fields)
-            raws.append("".join(pieces[used:reader.line_num]))
-            used = reader.line_num
-    except csv.Error:  # an unbalanced quote swallowed the rest of the file: one bad record
-        records.append([])
-        raws.append("".join(pieces[used:]))
+    while used < len(pieces):
+        reader, start = csv.reader(iter(pieces[used:])), used
+        try:
+            for fields in reader:
+                records.append(fields)
+                raws.append("".join(pieces[used:start + reader.line_num]))
+                used = start + reader.line_num
+        except csv.Error:
+            # one bad record, the lines the reader took for it: a field beyond csv's size limit (a received file
+            # may hold anything) is its own line, the next lines are read again; an unbalanced quote took them all
+            end = max(start + reader.line_num, used + 1)
+            records.append([])
+            raws.append("".join(pieces[used:end]))
+            used = end
     return records, raws
 
 
 def _valid(records: list[list[str]], raws: list[str], header: list[str]) -> np.ndarray:
-    """Per record: the header's number of fields, a run id, a known status, numbers in numeric columns,
-    UTF-8 text (column-wise: traces.csv can have 10⁵ rows)."""
+    """Per record: the header's number of fields, a run id, a known status, numbers in numeric columns, a JSON
+    object (or nothing) in each of `OPTION_COLUMNS`, UTF-8 text (column-wise: traces.csv can have 10⁵ rows)."""
     valid = np.fromiter((len(r) == len(header) for r in records), bool, len(records))
     complete = [r for r, ok in zip(records, valid) if ok]
     if complete:
@@ -200,6 +206,8 @@ def _valid(records: list[list[str]], raws: list[str], header: list[str]) -> np.n
             ok &= np.isin(columns["status"], sorted(STATUSES))
         for column in NUMERIC.intersection(header):
             ok &= _numbers(columns[column])
+        for column in set(OPTION_COLUMNS).intersection(header):
+            ok &= [json_object(cell) is not None for cell in columns[column]]
         valid[np.flatnonzero(valid)] = ok
     if not all(map(str.isascii, raws)):  # bytes that were not UTF-8 were decoded to lone surrogates
         valid &= [not any("\udc80" <= ch <= "\udcff" for ch in raw) for raw in raws]
@@ -478,7 +486,7 @@ def read_manifest(folder: Path) -> dict | None:
         manifest = json.loads(read_text(path))
     except FileNotFoundError:
         return None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise UserError(f"{path}: corrupt manifest ({exc}); rerun `dpsgd run` on its grid to rewrite it, or "
                         f"delete it (every row of runs.csv then counts)") from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("grid", {}), dict):
@@ -533,8 +541,9 @@ def grid_of(folder: Path) -> dict:
 
 
 def parse_options(options: pd.Series) -> pd.Series:
-    """A JSON column of options (`algorithm_params`, `dataset_options`, `model_options`) as dicts."""
-    return options.fillna("{}").map(lambda s: json.loads(s) if isinstance(s, str) and s else {})
+    """A JSON column of options (`algorithm_params`, `dataset_options`, `model_options`) as dicts (a cell that holds
+    no JSON object, which a valid row never has, as {})."""
+    return options.map(lambda text: json_object(text) or {})
 
 
 def varying_label(names: pd.Series, options: pd.Series) -> pd.Series:
@@ -567,8 +576,6 @@ def with_params(frame: pd.DataFrame) -> pd.DataFrame:
     return frame.assign(**{k: params.map(lambda p, k=k: p.get(k)) for k in keys}) if keys else frame
 
 
-OPTION_COLUMNS = ["dataset_options", "model_options", "algorithm_params", "derived"]  # JSON objects in runs.csv
-
 
 def typed_runs(frame: pd.DataFrame) -> pd.DataFrame:
     """The runs as the Python API and `dpsgd export` give them: each JSON column of `OPTION_COLUMNS` flattened
@@ -586,7 +593,7 @@ def typed_runs(frame: pd.DataFrame) -> pd.DataFrame:
         if column not in OPTION_COLUMNS:
             parts.append(frame[[column]])
             continue
-        objects = frame[column].map(_json_object)
+        objects = frame[column].map(json_object)
         if not objects.map(lambda o: o is not None).all():
             note(f"{column}: {int(objects.isna().sum())} row(s) hold no JSON object; their {column} columns are "
                  f"left empty")
@@ -596,13 +603,14 @@ def typed_runs(frame: pd.DataFrame) -> pd.DataFrame:
     return pd.concat([*parts, private.rename("private")], axis=1)
 
 
-def _json_object(text: Any) -> dict | None:
-    """A JSON column's cell as a dict ({} when empty), None when it is not a JSON object."""
+def json_object(text: Any) -> dict | None:
+    """A JSON column's cell as a dict ({} when empty), None when it is not a JSON object (a received file may hold
+    anything there, nesting deep enough to exhaust the parser's recursion included)."""
     if not isinstance(text, str) or not text:
         return {}
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return value if isinstance(value, dict) else None
 

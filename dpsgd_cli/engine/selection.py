@@ -89,7 +89,8 @@ def frame_columns(grid, traces: bool = False) -> list[str]:
 def results_frame(folder: Path, traces: bool = False, select: bool = True) -> pd.DataFrame:
     """The ok runs of a results folder (see `read_results`) with their line label and parameter columns (with
     `select` and a grid `select:`, only the chosen candidates' runs); with `traces`, their checkpoints (one row
-    per run and checkpoint) joined with those run columns."""
+    per run and checkpoint) joined with those run columns. An infinite number (which an ok run of the tool never
+    has, but a received runs.csv may) is missing, as an empty cell: never a point, an axis value or a mean."""
     runs = read_results(folder).ok
     runs = (with_params(runs.assign(label=line_labels(runs))) if len(runs)
             else runs.assign(**{c: [] for c in ADDED_COLUMNS}))
@@ -99,7 +100,7 @@ def results_frame(folder: Path, traces: bool = False, select: bool = True) -> pd
         checkpoints = ResultStore(folder).read_traces().drop_duplicates(["run_id", "examples"])
         keep = [c for c in runs.columns if c not in checkpoints.columns or c == "run_id"]
         runs = checkpoints.merge(runs[keep], on="run_id", how="inner")
-    return runs
+    return runs.replace([np.inf, -np.inf], np.nan)
 
 
 # ------------------------------------------------------------------------------ calibration of the candidates

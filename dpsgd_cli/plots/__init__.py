@@ -191,6 +191,8 @@ def _draw_panel(ax, panel: pd.DataFrame, x: str, spec: FigureSpec, styles: Style
         ax.set_visible(False)
         return
     curves, reference = panel[panel[x].notna()], panel[panel[x].isna()]
+    if spec.log_x:  # a value ≤ 0 has no place on a log axis (a received traces.csv may hold one)
+        curves = curves[curves[x] > 0]
     if "run_id" in reference:  # the same reference run under each selection is one line
         reference = reference.drop_duplicates(["run_id", *([c for c in ("examples",) if c in reference])])
     for label, line in curves.groupby("_line", sort=False):
