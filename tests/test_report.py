@@ -343,28 +343,22 @@ def test_experiments_yaml_claims_on_analytic_tables_are_formula_checks():
                 assert c.kind == "formula_check", c.id
 
 
-def test_a_claim_comparing_epsilons_under_different_relations_says_so():
-    from dpsgd_cli.report import _mixed_relations
+@pytest.mark.parametrize("column, which, same, other, said", [
+    ("neighbours", "dp", "replace_one", "add_remove", " [mixed neighbouring relations: add_remove, replace_one]"),
+    ("accountant", "pidp", "pld", "rdp", " [mixed accountants: pld, rdp]"),
+])
+def test_a_claim_comparing_epsilons_on_different_footings_says_so(column, which, same, other, said):
+    """Rows of one claim under different neighbouring relations, or calibrated by different accountants."""
+    from dpsgd_cli.report import _mixed_accountants, _mixed_relations
 
+    mixed = {"neighbours": _mixed_relations, "accountant": _mixed_accountants}[column]
     frame = _runs({"dp": {1.0: [0.80, 0.81]}, "pidp": {1.0: [0.82, 0.83]}})
     better = claim(check="better", a={"algorithm": "pidp"}, b={"algorithm": "dp"})
-    frame["neighbours"] = "replace_one"
-    assert _mixed_relations(frame, better) == ""
-    frame.loc[frame["algorithm"] == "dp", "neighbours"] = "add_remove"
-    assert _mixed_relations(frame, better) == " [mixed neighbouring relations: add_remove, replace_one]"
-    assert _mixed_relations(frame.drop(columns="neighbours"), better) == ""
-
-
-def test_a_claim_comparing_rows_of_different_accountants_says_so():
-    from dpsgd_cli.report import _mixed_accountants
-
-    frame = _runs({"dp": {1.0: [0.80, 0.81]}, "pidp": {1.0: [0.82, 0.83]}})
-    better = claim(check="better", a={"algorithm": "pidp"}, b={"algorithm": "dp"})
-    frame["accountant"] = "pld"
-    assert _mixed_accountants(frame, better) == ""
-    frame.loc[frame["algorithm"] == "pidp", "accountant"] = "rdp"
-    assert _mixed_accountants(frame, better) == " [mixed accountants: pld, rdp]"
-    assert _mixed_accountants(frame.drop(columns="accountant"), better) == ""
+    frame[column] = same
+    assert mixed(frame, better) == ""
+    frame.loc[frame["algorithm"] == which, column] = other
+    assert mixed(frame, better) == said
+    assert mixed(frame.drop(columns=column), better) == ""
 
 
 def test_above_and_below_compare_the_mean_with_a_level():

@@ -42,8 +42,6 @@ def audit_grid(grid: Grid, out_root: Path, trials: int | None = None, confidence
     if spec.statistic == "one_run" and set(spec.canaries) != {"dirac"}:
         raise UserError(f"grid {grid.name!r}: audit.{ONE_RUN_REFUSAL}")
     check_audit(grid, trials)  # the trials multiply every training: bounded before any
-    if confidence is not None and not 0.5 < confidence < 1:
-        raise UserError(f"--confidence {confidence:g}: must be in (0.5, 1), e.g. 0.95")
     folder = make_folder(check_folder(Path(out_root) / grid.name))
     with folder_lock(folder):  # before any training: a second audit of the folder is refused at once
         path = folder / AUDIT_CSV
