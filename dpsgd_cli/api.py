@@ -367,23 +367,57 @@ def plot(results_dir: PathLike = "results", *, metric: str | None = None,
 def audit(grid: GridSource, *, only: Names = None, out: PathLike = "results",
           trials: int | None = None, confidence: float | None = None, dry_run: bool = False,
           set: Mapping[str, Any] | Names = None, seeds: int | None = None,  # noqa: A002
-          on_rows: Callable[[list[dict]], None] | None = None) -> pd.DataFrame:
+          on_rows: Callable[[list[dict]], None] | None = None, selected: bool = False) -> pd.DataFrame:
     """`dpsgd audit`: train with and without a canary and bound each cell's ε from below; returns the rows of
     every audited grid's audit.csv (ε_lo beside the claimed ε). `grid`, `set` and `seeds` as for `run`.
     `on_rows` sees each cell's rows (their `grid` column names the grid) as they come. With `dry_run`, nothing is
-    trained: a row per cell to audit (its grid, settings in runs.csv's columns, canaries and trials per world)."""
+    trained: a row per cell to audit (its grid, settings in runs.csv's columns, canaries and trials per world).
+    With `selected`, `grid` is a results folder (or a root of them): each grid with `select:` is audited as it was
+    run (the same split, n and δ), only in the private configurations its selection chose, and its audit.csv is
+    written beside its runs.csv (`out` is not read)."""
     only = _strings(only) or None
-    grids = config.select(_load_grids(grid, _overrides(set, seeds), only), only)
-    for one in grids:  # every grid's trials bounded before the first training
-        checks.check_audit(one, trials)
+    audits: list[tuple[Any, frozenset[str] | None, Path]]
+    if selected:
+        if set or seeds is not None:
+            raise UserError("audit --selected audits the grid as it was run: --set and --seeds do not apply")
+        audits = [*_selected_audits(grid, only)]
+    else:
+        grids = config.select(_load_grids(grid, _overrides(set, seeds), only), only)
+        audits = [(one, None, Path(out)) for one in grids]
+    for one, cells, _ in audits:  # every grid's trials bounded before the first training
+        checks.check_audit(one, trials, cells)
     if dry_run:
-        specs = {one.name: one.audit or config.AuditSpec() for one in grids}
-        return pd.concat([tables.cells_frame(config.expand(one)).assign(
+        specs = {one.name: one.audit or config.AuditSpec() for one, _, _ in audits}
+        return pd.concat([tables.cells_frame(checks.audited_cells(one, cells)).assign(
             grid=one.name, canaries=", ".join(specs[one.name].canaries),
-            trials=trials or specs[one.name].trials) for one in grids], ignore_index=True)
-    paths = [audit_run.audit_grid(one, Path(out), trials=trials, confidence=confidence, on_rows=on_rows)
-             for one in grids]
-    return pd.concat([audit_run.read_audit_csv(p) for p in paths], ignore_index=True)
+            trials=trials or specs[one.name].trials) for one, cells, _ in audits], ignore_index=True)
+    paths = [audit_run.audit_grid(one, root, trials=trials, confidence=confidence, on_rows=on_rows, cells=cells)
+             for one, cells, root in audits]
+    frame = pd.concat([audit_run.read_audit_csv(p) for p in paths], ignore_index=True)
+    frame.attrs["paths"] = {one.name: path for (one, _, _), path in zip(audits, paths)}  # grid → its audit.csv
+    return frame
+
+
+def _selected_audits(folder: GridSource, only: list[str] | None) -> list[tuple[Any, frozenset[str], Path]]:
+    """(grid as run without its non-private algorithms, the private cells its selections chose, results root) for
+    each grid with `select:` under the results folder `folder`."""
+    if not isinstance(folder, (str, os.PathLike)):
+        raise UserError("audit --selected takes a results folder (where `dpsgd run` wrote runs.csv), not a grid")
+    audits = []
+    for path in results.result_folders(folder):
+        recorded = results.grid_of(path)
+        if not recorded.get("select") or (only and recorded.get("name") not in only):
+            continue
+        private = [a for a in recorded["algorithms"] if config.ALGORITHMS[a["name"]].private]
+        source = str(path / "manifest.json")
+        one = config.validate_grids({**recorded, "algorithms": private}, source, path).grids[0]
+        cells = frozenset(selection.chosen_cells(path) & {cell.cell_id for cell in config.expand(one)})
+        if cells:
+            audits.append((one, cells, path.parent))
+    if not audits:
+        raise UserError(f"{folder}: no grid here chose a private configuration with `select:`; run a grid with "
+                        f"`select:` first (docs/hyperparameters.md), or audit a grid file without --selected")
+    return audits
 
 
 # --- privacy calculators ---------------------------------------------------------------------------

@@ -128,9 +128,12 @@ def run(
 # --- audit -----------------------------------------------------------------------------------------
 @app.command()
 def audit(
-    grid_file: Path = typer.Argument(..., metavar="GRID.yaml",
-                                     help="YAML file with one or more named grids (their `audit:` blocks)."),
+    grid_file: Path = typer.Argument(..., metavar="GRID.yaml", help="YAML file with one or more named grids (their "
+                                     "`audit:` blocks); with --selected, a results folder."),
     only: list[str] | None = typer.Option(None, "--only", metavar="NAME", help="Audit only this grid (repeatable)."),
+    selected: bool = typer.Option(False, "--selected", help="Audit the private configurations `select:` chose in "
+                                  "the results folder GRID.yaml names, as they were run (same split, n and δ); "
+                                  "audit.csv beside their runs.csv."),
     out: Path = typer.Option(Path("results"), "--out", metavar="DIR",
                              help="Results root; grid G writes DIR/G/audit.csv."),
     trials: int | None = typer.Option(None, "--trials", min=2, metavar="N", help="Trainings with the canary (and "
@@ -146,18 +149,19 @@ def audit(
     """Train with and without a canary, attack, and bound each cell's ε from below (ε_lo beside the claimed ε)."""
     if dry_run:
         cells = api.audit(grid_file, only=only, out=out, trials=trials, confidence=confidence, set=overrides,
-                          seeds=seeds, dry_run=True)
+                          seeds=seeds, dry_run=True, selected=selected)
         for grid, part in cells.groupby("grid", sort=False):
             console.print(settings_table(part, f"{grid}: {len(part)} cells to audit", numbers={
                 "canaries": list(part["canaries"]), "trials per world": list(part["trials"])}))
         return
     rows: list[dict] = []
-    console.print(f"auditing → {out / '<grid>' / 'audit.csv'}", highlight=False)
+    console.print(f"auditing the configurations select chose in {grid_file}" if selected else
+                  f"auditing → {out / '<grid>' / 'audit.csv'}", highlight=False)
     frame = api.audit(grid_file, only=only, out=out, trials=trials, confidence=confidence, set=overrides,
-                      seeds=seeds, on_rows=rows.extend)
+                      seeds=seeds, on_rows=rows.extend, selected=selected)
     for grid in dict.fromkeys(frame["grid"]):
         console.print(audit_table([r for r in rows if r["grid"] == grid], f"{grid}: audit"))
-        path = out / grid / "audit.csv"
+        path = frame.attrs["paths"][grid]
         console.print(f"wrote {path} and {path.parent / 'figures' / 'audit.png'}", highlight=False)
 
 

@@ -78,7 +78,7 @@ def audit_cell(cell: Cell, spec: AuditSpec, trials: int | None = None, confidenc
     trials = trials or spec.trials
     confidence = confidence or spec.confidence
     algorithm = algorithm or cell.make_algorithm()
-    data = data or dataset(cell.dataset)
+    data = data or dataset(cell.dataset, cell.validation)  # the rows the run trained on: its n and δ
     base = _base_row(cell, data, algorithm, trials, confidence, spec)
     twin = None
     if spec.control is not None and algorithm.private and algorithm.noise_scalable:

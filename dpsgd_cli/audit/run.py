@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import io
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import numpy as np
@@ -16,8 +16,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from dpsgd_cli.audit.engine import COLUMNS, ONE_RUN_REFUSAL, audit_cell
-from dpsgd_cli.config import AuditSpec, Grid, expand
-from dpsgd_cli.engine.checks import check_audit
+from dpsgd_cli.config import AuditSpec, Grid
+from dpsgd_cli.engine.checks import audited_cells, check_audit
 from dpsgd_cli.engine.folder import check_folder, make_folder, read_table, write_bytes, write_csv
 from dpsgd_cli.engine.results import folder_lock, json_object
 from dpsgd_cli.errors import UserError
@@ -35,22 +35,23 @@ NEEDED = ["epsilon_claimed", "delta", "trials", "confidence"]
 
 
 def audit_grid(grid: Grid, out_root: Path, trials: int | None = None, confidence: float | None = None,
-               on_rows: Callable[[list[dict]], None] | None = None) -> Path:
-    """Audit every cell of `grid` (its `audit:` block, or the defaults); returns the CSV's path."""
+               on_rows: Callable[[list[dict]], None] | None = None, cells: Collection[str] | None = None) -> Path:
+    """Audit every cell of `grid` (its `audit:` block, or the defaults), or those whose id is in `cells`; returns
+    the CSV's path."""
     # no audit block: the defaults, with thresholds at ranks fixed from the claim (the most powerful rule here)
     spec = grid.audit or AuditSpec()
     if spec.statistic == "one_run" and set(spec.canaries) != {"dirac"}:
         raise UserError(f"grid {grid.name!r}: audit.{ONE_RUN_REFUSAL}")
-    check_audit(grid, trials)  # the trials multiply every training: bounded before any
+    check_audit(grid, trials, cells)  # the trials multiply every training: bounded before any
     folder = make_folder(check_folder(Path(out_root) / grid.name))
     with folder_lock(folder):  # before any training: a second audit of the folder is refused at once
         path = folder / AUDIT_CSV
         rows: list[dict] = []
         scores_folder = make_folder(folder / SCORES_FOLDER)
         figures = make_folder(folder / "figures")  # before the training: an unusable one is refused at once
-        cells = expand(grid)
-        with _progress(len(cells), grid.name) as advance:
-            for cell in cells:
+        audited = audited_cells(grid, cells)
+        with _progress(len(audited), grid.name) as advance:
+            for cell in audited:
                 scores: dict = {}
                 new = audit_cell(cell, spec, trials, confidence, scores=scores)
                 if scores:

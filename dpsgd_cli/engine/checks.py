@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -75,10 +75,10 @@ def check_grid(grid: Grid) -> list[Cell]:
     return cells
 
 
-def check_audit(grid: Grid, trials: int | None = None) -> None:
+def check_audit(grid: Grid, trials: int | None = None, cells: Collection[str] | None = None) -> None:
     """`dpsgd audit`: every run it trains bounded as `dpsgd run`'s (check_work), and the trials: at most
     MAX_AUDIT_TRIALS, and trainings × examples per training at most MAX_EXAMPLES per cell; and every algorithm
-    private (a non-private one claims no ε to bound from below)."""
+    private (a non-private one claims no ε to bound from below). `cells`: only these cell ids are audited."""
     public = list(dict.fromkeys(a.name for a in grid.algorithms if not ALGORITHMS[a.name].private))
     if public:
         them = "it" if len(public) == 1 else "them"
@@ -91,7 +91,7 @@ def check_audit(grid: Grid, trials: int | None = None) -> None:
     if trials > MAX_AUDIT_TRIALS:
         raise UserError(f"{where} is beyond the limit of {MAX_AUDIT_TRIALS:,} trials; lower it (a tighter bound "
                         f"comes from a larger δ or a stronger canary before more trials)")
-    for cell in expand(grid):
+    for cell in audited_cells(grid, cells):
         check_work(cell, f"grid {grid.name!r}")
         # with and without the canary, per canary kind, and again for the broken twin (the positive control)
         trainings = 2 * trials * len(spec.canaries) * (2 if spec.control is not None else 1)
@@ -100,6 +100,11 @@ def check_audit(grid: Grid, trials: int | None = None) -> None:
             raise UserError(f"{where}: {trainings:,} trainings of {cell.algorithm.name} on {cell.dataset.name} "
                             f"process {examples:.3g} examples, beyond the limit of {MAX_EXAMPLES:.0e} a cell; lower "
                             f"trials or epochs, or audit fewer canaries")
+
+
+def audited_cells(grid: Grid, cells: Collection[str] | None = None) -> list[Cell]:
+    """The grid's cells an audit trains: all, or those whose id is in `cells`."""
+    return [cell for cell in expand(grid) if cells is None or cell.cell_id in cells]
 
 
 def check_selection(grid: Grid, spec, where: str) -> None:

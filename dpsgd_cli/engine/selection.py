@@ -308,6 +308,17 @@ def _strip(labels: pd.Series, candidates: list[str]) -> pd.Series:
     return labels.astype(str).map(lambda s: pattern.sub("", s))
 
 
+def chosen_cells(folder: Path) -> set[str]:
+    """The cells (`cell_id`) whose runs the folder's selections chose: per group the best candidate, or every
+    candidate a simulated private search released. Empty without `select:`."""
+    grid = grid_of(folder)
+    specs = selections(grid)
+    if not specs:
+        return set()
+    runs = results_frame(folder, select=False)
+    return {str(cell) for spec in specs for cell in choose(runs, spec)[0]["cell_id"]}
+
+
 def write_selection_tables(path) -> list[tuple[Path, pd.DataFrame]]:
     """For each results folder under `path` whose grid has `select:`: its table of choices, also written to
     `selection.csv` there. A UserError when none has one."""
