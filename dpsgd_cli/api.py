@@ -356,10 +356,11 @@ def check_metric(metric: str | None) -> str | None:
 @file_errors()
 @checked()
 def plot(results_dir: PathLike = "results", *, metric: str | None = None,
-         format: ImageFormat = "png") -> list[Path]:  # noqa: A002
+         format: ImageFormat = "png", caption: bool = True) -> list[Path]:  # noqa: A002
     """`dpsgd plot`: the grid's paper figures, or `metric` (any numeric column of runs.csv) over ε; returns
-    the files written (under each grid's figures/)."""
-    return plots.plot_results(Path(results_dir), metric=check_metric(metric), fmt=format)
+    the files written (under each grid's figures/). `caption=False`: each caption in a .txt beside its figure
+    (for a LaTeX caption), not in the image."""
+    return plots.plot_results(Path(results_dir), metric=check_metric(metric), fmt=format, caption=caption)
 
 
 @file_errors()

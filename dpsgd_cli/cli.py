@@ -201,9 +201,11 @@ def plot(
         "optimality_gap, val_accuracy, ...) over ε (default: the grid's paper figures, or accuracy)."),
     fmt: ImageFormat = typer.Option(ImageFormat.png, "--format", metavar="png|pdf|svg",
                                     help="Image format (png also writes a PDF)."),
+    caption: bool = typer.Option(True, "--caption/--no-caption", help="Draw each caption below its figure, or "
+                                 "write it to a .txt beside the figure (for a LaTeX caption)."),
 ) -> None:
     """Draw the grid's paper figures, or a metric over ε (a panel per dataset and model, a line per algorithm)."""
-    paths = api.plot(results_dir, metric=metric, format=fmt.value)
+    paths = api.plot(results_dir, metric=metric, format=fmt.value, caption=caption)
     for path in paths:
         console.print(str(path), highlight=False, markup=False)
     if not paths:  # the notes above say why

@@ -6,7 +6,9 @@ second. Where two configurations must give the same numbers in reality (noisy GD
 the dynamics bound here), they give the same numbers here too, so the figures meet coinciding lines.
 
 `layout_problems(fig)` lists what makes a figure unfit to print: text shown as raw mathtext, overlapping tick
-labels, text outside the canvas, a legend over data, a line hidden under another, a repeated legend entry.
+labels, powers of ten where an axis spans less than two decades, text outside the canvas, a legend over data or
+repeating one phrase in every entry, a line hidden under another, more than three bands in one panel, a repeated
+legend entry.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import math
 from pathlib import Path
 
 import numpy as np
-from matplotlib.collections import PathCollection
+from matplotlib.collections import FillBetweenPolyCollection, PathCollection
 from matplotlib.text import Text
 
 from dpsgd_cli.config import expand
@@ -145,6 +147,16 @@ def layout_problems(fig) -> list[str]:
             repeated = sorted({t for t in texts if texts.count(t) > 1})
             if repeated:  # one label at several places: the axis cannot be read
                 problems.append(f"{name} tick labels repeat: {repeated}")
+            scale = ax.get_xscale() if horizontal else ax.get_yscale()
+            lo, hi = sorted(ax.get_xlim() if horizontal else ax.get_ylim())
+            if scale == "log" and lo >= 1e-3 and hi <= 1e6 and hi / lo < 100:
+                powers = [t for t in texts if "10^" in t or "10^{" in t or "×10" in t or "times10" in t]
+                if powers:  # 2.17×10⁻¹ where 0.2 belongs
+                    problems.append(f"{name} log axis over less than two decades labelled by powers: {powers}")
+        bands = [c for c in ax.collections if isinstance(c, FillBetweenPolyCollection)]
+        if len(bands) > 3:
+            problems.append(f"{len(bands)} std bands in panel {ax.get_title()!r}: more than three blend into one "
+                            "colour (error bars instead)")
     drawn_ticks = {id(lab) for ax in axes for _, _, labels in _tick_labels(ax) for lab in labels}
     all_ticks = {id(label) for ax in fig.axes for axis in (ax.xaxis, ax.yaxis)
                  for t in [*axis.majorTicks, *axis.minorTicks] for label in (t.label1, t.label2)}
@@ -167,6 +179,9 @@ def layout_problems(fig) -> list[str]:
         repeated = sorted({n for n in names if names.count(n) > 1})
         if repeated:
             problems.append(f"legend repeats entries: {repeated}")
+        shared = _shared_phrase(names)
+        if shared:
+            problems.append(f"legend repeats {shared!r} in each of its {len(names)} entries (say it once)")
         box = legend.get_window_extent(renderer)
         for ax in axes:
             for point in _data_points(ax):
@@ -180,6 +195,18 @@ def layout_problems(fig) -> list[str]:
     for ax in axes:
         problems += _hidden_lines(ax)
     return problems
+
+
+def _shared_phrase(names: list[str]) -> str:
+    """The leading phrase (up to a ', ' or ': ') that every one of three or more legend entries starts with."""
+    if len(names) < 3:
+        return ""
+    first = names[0]
+    for cut in sorted({m for m in range(len(first)) if first.startswith((", ", ": "), m)}, reverse=True):
+        prefix = first[:cut + 2]
+        if all(n.startswith(prefix) and len(n) > len(prefix) for n in names):
+            return prefix
+    return ""
 
 
 def _data_points(ax) -> np.ndarray:

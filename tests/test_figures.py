@@ -21,8 +21,9 @@ from matplotlib.testing.compare import compare_images
 
 from dpsgd_cli.config import FigureSpec, load_grid_file
 from dpsgd_cli.engine.analytic import privacy_curve_table
+from dpsgd_cli.engine.results import grid_of
 from dpsgd_cli.engine.summary import summary_frame
-from dpsgd_cli.plots import _caption, _frame_for, figure, names, plot_results
+from dpsgd_cli.plots import _caption, _frame_for, draw_figure, figure, names, plot_results
 from dpsgd_cli.plots.layout import finish, wrap_phrases
 
 ROOT = Path(__file__).parents[1]
@@ -125,8 +126,9 @@ def test_math_is_rendered_and_user_text_is_literal(tmp_path):
         assert ("costs $5 and $x_1$ (unbalanced $", False) in shown  # literal, as written
         assert any(t.get_text().startswith(r"grid dollar\$grid") for t in fig.texts)  # escaped: a dollar sign
         fig.savefig(tmp_path / "f.png", dpi=40)  # an unbalanced $ in user text does not make savefig raise
-        ticks = [t.label1 for ax in fig.axes for t in ax.yaxis.get_major_ticks()]
-        assert any(t._preprocess_math(t.get_text())[1] for t in ticks)  # 10^k as math
+        ticks = [t.label1 for ax in fig.axes for t in ax.yaxis.get_major_ticks() if t.label1.get_text()]
+        # 10^k as math, or plain numbers where the log axis spans less than two decades (no literal "$")
+        assert ticks and all(t._preprocess_math(t.get_text())[1] or "$" not in t.get_text() for t in ticks)
     finally:
         plt.close(fig)
 
@@ -452,3 +454,74 @@ def test_the_audit_figure_draws_no_point_without_a_bound_or_a_claim():
     finally:
         plt.close(partial)
         plt.close(whole)
+
+
+# --- captions out of the image, the one-example marker, legends and ticks -------------------------------------------
+
+ONE_OF_EACH_KIND = list({spec.kind: (grid, spec) for grid, spec in FIGURES}.values())
+
+
+@pytest.mark.parametrize("grid,spec", ONE_OF_EACH_KIND, ids=[spec.kind for _, spec in ONE_OF_EACH_KIND])
+def test_no_caption_writes_each_caption_beside_its_figure(results, grid, spec):
+    """Every kind of figure: without a caption the image holds none of its phrases, and <figure>.txt holds them."""
+    folder = results(grid)
+    if spec.kind in ("privacy_curve", "noise_scale"):  # the analytic table `dpsgd run` writes (σ made up)
+        table = privacy_curve_table(spec.params) if spec.kind == "privacy_curve" else noise_scale(spec)
+        table.to_csv(folder / f"{spec.name}.csv", index=False)
+    with_caption = draw_figure(folder, spec, "png")
+    assert not [p for p in with_caption if p.suffix == ".txt"]
+    paths = draw_figure(folder, spec, "png", caption=False)
+    text = next(p for p in paths if p.suffix == ".txt").read_text(encoding="utf-8")
+    assert len(text) > 20 and text.endswith(".\n")
+    if spec.kind != "privacy_curve":  # the panel figures: drawn again to look at their text
+        frame = FRAMES.get((str(folder), spec.name))
+        if frame is not None:
+            fig = figure(frame, spec, grid_of(folder), folder.name, caption=False)
+            shown = " ".join(t.get_text() for t in fig.texts)
+            assert text.split("; ")[0] not in shown
+            plt.close(fig)
+
+
+def test_a_small_test_set_marks_one_example_and_a_large_one_does_not(tmp_path):
+    spec = FigureSpec(name="f", metric="test_accuracy", cols="dataset", lines=["algorithm"])
+    base = pd.DataFrame({"algorithm": ["dp_sgd"] * 6, "dataset": ["d"] * 6, "epsilon": [1, 1, 2, 2, 4, 4],
+                         "test_accuracy": [0.70, 0.71, 0.72, 0.73, 0.74, 0.76], "label": ["DP-SGD"] * 6})
+    for n_test, marked in ((114, True), (14000, False)):
+        fig = figure(base.assign(n_test=n_test), spec, {}, "g")
+        texts = [t.get_text() for ax in fig.axes for t in ax.texts]
+        assert ("1 test\nexample" in texts) is marked, (n_test, texts)
+        plt.close(fig)
+
+
+def test_a_phrase_shared_by_every_legend_entry_is_said_once_as_its_title():
+    fig, ax = plt.subplots(figsize=(5, 3))
+    for k, accountant in enumerate(["RDP", "PLD", "dynamics"]):
+        ax.plot([1, 2], [k, k + 1], label=f"noisy GD, accountant: {accountant}")
+    finish(fig, title="t")
+    assert legend_names(fig) == ["RDP", "PLD", "dynamics"]
+    assert fig.legends[0].get_title().get_text() == "noisy GD, accountant"
+    assert layout_problems(fig) == []
+    plt.close(fig)
+
+
+def test_a_log_axis_under_two_decades_has_plain_ticks_and_the_check_sees_powers():
+    fig, ax = plt.subplots(figsize=(4, 3))
+    ax.plot([1, 2, 3], [0.17, 0.2, 0.24])
+    ax.set_yscale("log")
+    fig.canvas.draw()
+    assert any("log axis over less than two decades" in p for p in layout_problems(fig))  # matplotlib's own
+    finish(fig)
+    labels = [t.label1.get_text() for t in ax.yaxis.get_major_ticks() if t.label1.get_text()]
+    assert labels and all("10" not in lab or lab.startswith("0.") for lab in labels), labels
+    assert layout_problems(fig) == []
+    plt.close(fig)
+
+
+def test_more_than_three_bands_become_error_bars(tmp_path):
+    spec = FigureSpec(name="f", metric="test_accuracy", cols="dataset", lines=["algorithm"])
+    rows = [{"algorithm": f"a{k}", "label": f"line {k}", "dataset": "d", "epsilon": e, "n_test": 10000,
+             "test_accuracy": 0.5 + 0.013 * k + 0.02 * e + 0.01 * s} for k in range(5) for e in (1, 2, 4)
+            for s in range(3)]
+    fig = figure(pd.DataFrame(rows), spec, {}, "g")
+    assert layout_problems(fig) == []
+    plt.close(fig)

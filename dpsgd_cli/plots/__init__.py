@@ -17,12 +17,12 @@ import pandas as pd  # noqa: E402
 
 from dpsgd_cli.config import FigureSpec  # noqa: E402
 from dpsgd_cli.engine.analytic import analytic_table  # noqa: E402
-from dpsgd_cli.engine.folder import save_figure  # noqa: E402
+from dpsgd_cli.engine.folder import save_figure, write_text  # noqa: E402
 from dpsgd_cli.engine.results import grid_of, note, read_results, result_folders, select  # noqa: E402
 from dpsgd_cli.engine.selection import caption_of, results_frame  # noqa: E402
 from dpsgd_cli.errors import UserError  # noqa: E402
 from dpsgd_cli.plots import names  # noqa: E402
-from dpsgd_cli.plots.layout import Styles, finish  # noqa: E402
+from dpsgd_cli.plots.layout import Styles, caption_text, finish  # noqa: E402
 
 METRICS = {
     "accuracy": "test_accuracy",
@@ -33,11 +33,13 @@ METRICS = {
     "train_objective": "train_objective",
 }
 DPI = 150
+MAX_BANDS = 3  # std bands a panel shades; beyond, error bars (more blend into one colour)
 
 
-def plot_results(path: Path, metric: str | None = None, fmt: str = "png") -> list[Path]:
+def plot_results(path: Path, metric: str | None = None, fmt: str = "png", caption: bool = True) -> list[Path]:
     """The grid's paper figures (when it lists some and no metric is asked for), else `metric` over ε: a name of
-    METRICS or any numeric column of runs.csv (checked by the caller, `api.check_metric`)."""
+    METRICS or any numeric column of runs.csv (checked by the caller, `api.check_metric`). Without `caption`, each
+    figure's caption goes to a .txt beside it (for a LaTeX caption) instead of into the image."""
     paths: list[Path] = []
     for folder in result_folders(path):
         for line in read_results(folder).notes():
@@ -47,12 +49,13 @@ def plot_results(path: Path, metric: str | None = None, fmt: str = "png") -> lis
             column = METRICS.get(metric or "accuracy", metric)
             figures = [FigureSpec(name=metric or "accuracy", metric=column, rows="model", cols="dataset",
                                   log_y=column == "optimality_gap")]
-        paths += [p for spec in figures for p in draw_figure(folder, spec, fmt)]
+        paths += [p for spec in figures for p in draw_figure(folder, spec, fmt, caption)]
     return paths
 
 
-def draw_figure(folder: Path, spec: FigureSpec, fmt: str) -> list[Path]:
-    """Draw one figure; saved as `fmt` (and also PDF when fmt is png, for papers)."""
+def draw_figure(folder: Path, spec: FigureSpec, fmt: str, caption: bool = True) -> list[Path]:
+    """Draw one figure; saved as `fmt` (and also PDF when fmt is png, for papers); without `caption`, the caption
+    is written to <figure>.txt instead of drawn."""
     if spec.kind == "privacy_curve":
         from dpsgd_cli.plots.privacy_curve import plot_privacy_curve
 
@@ -64,35 +67,41 @@ def draw_figure(folder: Path, spec: FigureSpec, fmt: str) -> list[Path]:
         table.attrs.update({k: v for k, v in spec.params.items() if k not in ("k_max", "points", "log_x")})
         if spec.title:
             table.attrs["title"] = spec.title
-        paths = [plot_privacy_curve(table, folder / "figures" / f"{spec.name}.{fmt}", log_x=False)]
+        paths = [plot_privacy_curve(table, folder / "figures" / f"{spec.name}.{fmt}", log_x=False, caption=caption)]
         if fmt == "png":
-            paths.append(plot_privacy_curve(table, folder / "figures" / f"{spec.name}.pdf"))
-        return paths
+            paths.append(plot_privacy_curve(table, folder / "figures" / f"{spec.name}.pdf", caption=caption))
+        return paths if caption else [*paths, paths[0].with_suffix(".txt")]
     rows = _frame_for(folder, spec)
     frame = rows[rows[_drawn_column(spec)].notna()] if _drawn_column(spec) in rows else rows.iloc[:0]
     if frame.empty:  # a missing value is no point (never a 0): with none, no figure
         note(f"{folder}: figure {spec.name!r} not drawn: {_why_empty(folder, spec, rows)}")
         return []
-    fig = figure(frame, spec, grid_of(folder), folder.name)
+    fig = figure(frame, spec, grid_of(folder), folder.name, caption=caption)
     out = folder / "figures" / f"{spec.name}.{fmt}"
     paths = [save_figure(fig, out, dpi=DPI)]
+    if not caption:
+        paths.append(write_text(out.with_suffix(".txt"), caption_text(caption_for(frame, spec, grid_of(folder),
+                                                                                  folder.name))))
     if fmt == "png":
         paths.append(save_figure(fig, out.with_suffix(".pdf")))
     plt.close(fig)
     return paths
 
 
-def figure(frame: pd.DataFrame, spec: FigureSpec, grid: dict, grid_name: str):
-    """The laid-out figure of `spec` drawn from `frame` (runs, traces or an analytic table), not yet saved."""
-    if spec.kind == "noise_scale":
-        fig = _noise_scale_figure(frame, spec)
-        caption = [f"grid {names.literal(grid_name)}", "computed from the accountants (no training)"]
-    else:
-        fig = _panel_figure(frame, spec)
-        caption = _caption(grid, grid_name, frame, spec)
+def figure(frame: pd.DataFrame, spec: FigureSpec, grid: dict, grid_name: str, caption: bool = True):
+    """The laid-out figure of `spec` drawn from `frame` (runs, traces or an analytic table), not yet saved; its
+    caption drawn below it unless `caption` is False."""
+    fig = _noise_scale_figure(frame, spec) if spec.kind == "noise_scale" else _panel_figure(frame, spec)
     fig.set_dpi(DPI)
-    finish(fig, title=spec.title, caption=caption)
+    finish(fig, title=spec.title, caption=caption_for(frame, spec, grid, grid_name) if caption else [])
     return fig
+
+
+def caption_for(frame: pd.DataFrame, spec: FigureSpec, grid: dict, grid_name: str) -> list[str]:
+    """The caption's phrases of the figure of `spec`."""
+    if spec.kind == "noise_scale":
+        return [f"grid {names.literal(grid_name)}", "computed from the accountants (no training)"]
+    return _caption(grid, grid_name, frame, spec)
 
 
 def _frame_for(folder: Path, spec: FigureSpec) -> pd.DataFrame:
@@ -195,15 +204,21 @@ def _draw_panel(ax, panel: pd.DataFrame, x: str, spec: FigureSpec, styles: Style
         curves = curves[curves[x] > 0]
     if "run_id" in reference:  # the same reference run under each selection is one line
         reference = reference.drop_duplicates(["run_id", *([c for c in ("examples",) if c in reference])])
+    lines = {}
     for label, line in curves.groupby("_line", sort=False):
         stats = line.groupby(x)[spec.metric].agg(["mean", "std"]).fillna({"std": 0.0})  # one seed: no band
-        if spec.log_y:
-            stats = stats[stats["mean"] > 0]
+        lines[label] = stats[stats["mean"] > 0] if spec.log_y else stats
+    spread = sum(bool((stats["std"] > 0).any()) for stats in lines.values())
+    for label, stats in lines.items():
         style = styles.lines[label]
         ax.plot(stats.index, stats["mean"], label=label, lw=1.4, ms=4.5 if len(stats) < 30 else 0,
                 markevery=1, **style)
-        ax.fill_between(stats.index, stats["mean"] - stats["std"], stats["mean"] + stats["std"],
-                        color=style["color"], alpha=0.15, lw=0)
+        if spread > MAX_BANDS:  # more bands than the eye tells apart blend into one colour: error bars
+            ax.errorbar(stats.index, stats["mean"], yerr=stats["std"], fmt="none", ecolor=style["color"],
+                        elinewidth=0.9, capsize=2.5, alpha=0.8)
+        else:
+            ax.fill_between(stats.index, stats["mean"] - stats["std"], stats["mean"] + stats["std"],
+                            color=style["color"], alpha=0.15, lw=0)
     for label, ref in reference.groupby("_line", sort=False):
         mean, std = ref[spec.metric].mean(), ref[spec.metric].std() if len(ref) > 1 else 0.0
         if mean != mean or (spec.log_y and mean <= 1e-9):  # none, or numerically zero (erm's own optimality
@@ -220,7 +235,28 @@ def _draw_panel(ax, panel: pd.DataFrame, x: str, spec: FigureSpec, styles: Style
             ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     if spec.log_y:
         ax.set_yscale("log")
+    else:
+        _one_example_marker(ax, panel, spec.metric)
     ax.grid(True, which="both", alpha=0.25)
+
+
+def _one_example_marker(ax, panel: pd.DataFrame, metric: str) -> None:
+    """A bar one test example high at the panel's right edge, where one example is a visible step (≥ 1/40 of the
+    panel's height): a difference within it is one prediction, not a finding (a 114-row test set moves accuracy
+    in steps of 0.9 points)."""
+    if metric != "test_accuracy" or "n_test" not in panel or not (panel["n_test"] > 0).any():
+        return
+    step = 1.0 / float(panel.loc[panel["n_test"] > 0, "n_test"].min())
+    lo, hi = ax.get_ylim()
+    if step < (hi - lo) / 40:
+        return
+    edge = matplotlib.transforms.blended_transform_factory(ax.transAxes, ax.transData)
+    bottom = lo + 0.06 * (hi - lo)
+    ax.plot([0.985, 0.985], [bottom, bottom + step], color="0.25", lw=2.5, transform=edge, solid_capstyle="butt",
+            label="_one test example")
+    ax.text(0.975, bottom + step / 2, "1 test\nexample", transform=edge, ha="right", va="center", fontsize=6,
+            color="0.25")
+    ax.set_ylim(lo, hi)
 
 
 def _noise_scale_figure(table: pd.DataFrame, spec: FigureSpec):

@@ -8,10 +8,12 @@ part measured as rendered, so that nothing is cut off and nothing overlaps.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable
 from typing import Any
 
 import matplotlib
+import matplotlib.ticker
 
 from dpsgd_cli.plots.names import literal
 
@@ -90,15 +92,19 @@ def finish(fig, title: str = "", caption: list[str] | tuple = (), legend: bool =
     top = None
     if title:
         text = title if not title_literal else literal(title)
-        top = fig.text(0.5, 1, wrap_phrases(fig, text.split(" "), width - 2 * PAD, 12, sep=" "), fontsize=12,
+        phrases = re.split(r"(?<=[,;:]) (?![^()]*\))|(?<= —) ", text)  # wrapped between phrases, not inside one
+        top = fig.text(0.5, 1, wrap_phrases(fig, phrases, width - 2 * PAD, 12, sep=" "), fontsize=12,
                        ha="center", va="top")  # not suptitle: tight_layout would make room for it twice
     box = None
     if legend and handles:
+        shared = shared_phrase(list(handles))
+        labels = [name[len(shared):] for name in handles]
         for ncol in range(min(len(handles), 4), 0, -1):
             if box is not None:
                 box.remove()
-            box = fig.legend(list(handles.values()), list(handles.keys()), loc="lower center", ncol=ncol,
-                             fontsize=legend_size, frameon=False, handlelength=2.6, columnspacing=1.5)
+            box = fig.legend(list(handles.values()), labels, loc="lower center", ncol=ncol, fontsize=legend_size,
+                             frameon=False, handlelength=2.6, columnspacing=1.5,
+                             title=shared.rstrip(",: ") or None, title_fontsize=legend_size)
             if box.get_window_extent(renderer).width / fig.dpi <= (width - 2 * PAD) * SLACK:
                 break
     note = None
@@ -119,7 +125,50 @@ def finish(fig, title: str = "", caption: list[str] | tuple = (), legend: bool =
     if top is not None:
         top.set_y(1 - PAD / total)
     fig.tight_layout(rect=(0, y / total, 1, upper), pad=0.6)
+    plain_log_ticks(fig)
     thin_ticks(fig)
+
+
+def plain_log_ticks(fig) -> None:
+    """A log axis over less than two decades (between 10⁻³ and 10⁶) labelled by plain numbers at round values
+    (0.2, 0.5, 1, 2, 4), not by powers of ten at matplotlib's minor ticks (2.17×10⁻¹)."""
+    for ax in fig.axes:
+        for axis, lims in ((ax.xaxis, ax.get_xlim()), (ax.yaxis, ax.get_ylim())):
+            lo, hi = sorted(lims)
+            if axis.get_scale() != "log" or lo < 1e-3 or hi > 1e6 or hi / lo >= 100:
+                continue
+            if _is_fixed(axis):  # the swept values themselves (a log x over ≤ 12 values): already plain
+                continue
+            for mantissas in ((1, 2, 5), (1, 1.5, 2, 3, 4, 5, 7), tuple(range(1, 10))):
+                values = [m * 10.0**k for k in range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1)
+                          for m in mantissas if lo <= m * 10.0**k <= hi]
+                if len(values) >= 3:
+                    break
+            axis.set_ticks(values, [f"{v:.6g}" for v in values])
+            axis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            (ax.set_xlim if axis is ax.xaxis else ax.set_ylim)(*lims)
+
+
+def _is_fixed(axis) -> bool:
+    return isinstance(axis.get_major_locator(), matplotlib.ticker.FixedLocator)
+
+
+def caption_text(phrases: list[str] | tuple) -> str:
+    """A caption's phrases as one paragraph (for a LaTeX caption: its math is already LaTeX)."""
+    return "; ".join(phrases) + ".\n" if phrases else ""
+
+
+def shared_phrase(names: list[str]) -> str:
+    """The leading phrase (through a ', ' or ': ') that each of three or more legend entries starts with, said
+    once as the legend's title ('' when there is none)."""
+    if len(names) < 3:
+        return ""
+    first = names[0]
+    for cut in sorted((m for m in range(len(first)) if first.startswith((", ", ": "), m)), reverse=True):
+        prefix = first[:cut + 2]
+        if all(name.startswith(prefix) and len(name) > len(prefix) for name in names):
+            return prefix
+    return ""
 
 
 def distinct_labels(locs: list[float]) -> list[str]:

@@ -15,9 +15,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from dpsgd_cli.engine.folder import save_figure  # noqa: E402
+from dpsgd_cli.engine.folder import save_figure, write_text  # noqa: E402
 from dpsgd_cli.errors import UserError  # noqa: E402
-from dpsgd_cli.plots.layout import finish  # noqa: E402
+from dpsgd_cli.plots.layout import caption_text, finish  # noqa: E402
 
 COLUMNS = ("K", "dynamics", "composition", "lower_bound")
 LINES = {
@@ -37,8 +37,10 @@ def k_values(k_max: int, points: int = 200, log: bool = False) -> np.ndarray:
     return np.unique(np.round(spread(1, k_max, points))).astype(int)
 
 
-def plot_privacy_curve(frame: pd.DataFrame, path: Path, log_x: bool = False, log_y: bool = False) -> Path:
-    """Draw ε(α) against K for the columns of `privacy_curve(...)`; parameters from frame.attrs in the caption."""
+def plot_privacy_curve(frame: pd.DataFrame, path: Path, log_x: bool = False, log_y: bool = False,
+                       caption: bool = True) -> Path:
+    """Draw ε(α) against K for the columns of `privacy_curve(...)`; parameters from frame.attrs in the caption
+    (written to a .txt beside the figure instead when `caption` is False)."""
     missing = [c for c in COLUMNS if c not in frame.columns]
     if missing:
         raise UserError(f"privacy curve frame lacks columns {missing}; build it with "
@@ -65,14 +67,16 @@ def plot_privacy_curve(frame: pd.DataFrame, path: Path, log_x: bool = False, log
     keys = [("alpha", r"\alpha"), ("sigma", r"\sigma"), ("sensitivity", "S_g"), ("eta", r"\eta"), ("lam", r"\lambda"),
             ("n", "n")]
     params = ", ".join(f"${sym}$ = {attrs[k]:g}" for k, sym in keys if k in attrs)
-    caption = [r"noisy GD $\theta \leftarrow \Pi(\theta - \eta\nabla L_D(\theta) + \sqrt{2\eta\sigma^2}\,N(0, I))$",
+    phrases = [r"noisy GD $\theta \leftarrow \Pi(\theta - \eta\nabla L_D(\theta) + \sqrt{2\eta\sigma^2}\,N(0, I))$",
                "replace-one neighbours", "Chourasia, Ye & Shokri, NeurIPS 2021", *([params] if params else []),
                r"composition is the smaller bound while $\lambda\eta K/2 < 1.594$, then the dynamics bound "
                "(it saturates)",
                attrs.get("lower_bound_note", r"at $\lambda = 1$ the dynamics bound is 2-4 times the lower bound (the "
                                              "talk: \"up to a small constant of 4\")")]
     finish(fig, title=attrs.get("title", "Noisy GD: Rényi privacy loss over iterations"),
-           caption=caption, legend_size=8)
+           caption=phrases if caption else [], legend_size=8)
     save_figure(fig, path, dpi=150)
+    if not caption:
+        write_text(path.with_suffix(".txt"), caption_text(phrases))
     plt.close(fig)
     return path
