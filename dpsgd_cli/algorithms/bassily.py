@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dpsgd_cli.algorithms import kernels
-from dpsgd_cli.algorithms.base import ROW_NORM_TOLERANCE, Algorithm, Outcome, Setting
+from dpsgd_cli.algorithms.base import ROW_NORM_TOLERANCE, Algorithm, Outcome, Setting, Tags
 from dpsgd_cli.algorithms.chain import (
     Checkpoints,
     GradientChain,
@@ -103,8 +103,7 @@ class Bassily2014(Algorithm):
     """
 
     name = "bassily2014"
-    neighbours = "replace_one"
-    private = True
+    tags = Tags("DP-SGD (Bassily et al.)", private=True, batch="single_example", neighbours="replace_one")
     uses = frozenset({"epsilon", "epochs", "l2"})
     execution_params = frozenset({"backend"})
     acts_when = {"formula": ("accounting", "closed_form"), "amplification": ("accounting", "advanced_composition")}

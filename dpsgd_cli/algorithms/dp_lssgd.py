@@ -6,6 +6,7 @@ Privacy-Preserving ERM", MSML 2020 (arXiv:1906.12056).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -43,6 +44,7 @@ class DPLSSGD(DPSGD):
     """
 
     name = "dp_lssgd"
+    tags = dataclasses.replace(DPSGD.tags, display_name="DP-LSSGD")
     Params = DPLSSGDParams
     source = ("Wang, Gu, Boedihardjo, Barekat, Osher, DP-LSSGD: A Stochastic Optimization Method to Lift the Utility "
               "in Privacy-Preserving ERM, MSML 2020 (arXiv:1906.12056)")
