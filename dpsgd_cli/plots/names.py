@@ -1,4 +1,5 @@
-"""What figures call things: readable names of algorithms, parameters and result columns, in one place.
+"""What figures call things: readable names of parameters and result columns, in one place (an algorithm's is
+its `tags.display_name`).
 
 Text is of two kinds. The project's own (axis labels, legend names, tick labels) is written with mathtext
 (`$\\varepsilon$`, `$\\eta = 1/\\sqrt{t}$`) and rendered as math. Text that comes from the user — grid names,
