@@ -57,7 +57,13 @@ from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import Model
 from dpsgd_cli.models.rows import cached_row_norms
 from dpsgd_cli.privacy.accounting import LIBRARY
-from dpsgd_cli.privacy.single_example_gaussian import Privacy, cached_rdp_epsilon, calibrate_bassily, rdp_event
+from dpsgd_cli.privacy.single_example_gaussian import (
+    Accounting,
+    Privacy,
+    cached_rdp_epsilon,
+    calibrate_bassily,
+    rdp_event,
+)
 
 if TYPE_CHECKING:
     from dp_accounting.dp_event import DpEvent
@@ -72,7 +78,7 @@ __all__ = ["Bassily2014", "BassilyParams", "calibrate_bassily"]
 
 class BassilyParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    accounting: Literal["closed_form", "advanced_composition", "rdp", "pld"] = Field(
+    accounting: Accounting = Field(
         "closed_form", description="how σ is calibrated to (ε, δ)")
     formula: Literal["paper", "lecture"] = Field(
         "lecture", description="closed_form only: the lecture's σ = 16·l·√(T ln(2/δ) ln(2.5T/(δn)))/(nε) (the "
