@@ -409,7 +409,7 @@ def _selected_audits(folder: GridSource, only: list[str] | None) -> list[tuple[A
         recorded = results.grid_of(path)
         if not recorded.get("select") or (only and recorded.get("name") not in only):
             continue
-        private = [a for a in recorded["algorithms"] if config.ALGORITHMS[a["name"]].private]
+        private = [a for a in recorded["algorithms"] if config.ALGORITHMS[a["name"]].tags.private]
         source = str(path / "manifest.json")
         one = config.validate_grids({**recorded, "algorithms": private}, source, path).grids[0]
         cells = frozenset(selection.chosen_cells(path) & {cell.cell_id for cell in config.expand(one)})

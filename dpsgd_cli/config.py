@@ -377,9 +377,17 @@ class ClaimSpec(_Strict):
 
 
 SELECT_GROUPS = ["dataset", "model", "algorithm", "epsilon"]
-PRIVATE_SELECTION = {"papernot_steinke": frozenset({"dp_sgd", "dp_lssgd"}), "liu_talwar": frozenset({"song2013"})}
-"""The algorithms whose base mechanism each private selection can account (DP-SGD's subsampled Gaussian; the
-pure ε-DP song2013 with basic composition)."""
+
+
+def selectable_by(privacy: str) -> str:
+    """The algorithms whose base mechanism the private selection `privacy` can account (their `tags.selection`), with
+    the parameter value each needs: `song2013 with basic composition`."""
+    names = []
+    for name, algorithm in ALGORITHMS.items():
+        if privacy in algorithm.tags.selection:
+            required = algorithm.tags.selection_requires
+            names.append(name if required is None else f"{name} with {required[1]} {required[0]}")
+    return ", ".join(sorted(names))
 
 
 class SelectSpec(_Strict):
@@ -534,15 +542,12 @@ class Grid(Axes):
                                  "`validation: 0.1` to the grid")
             if spec.privacy != "non_private":
                 spec.trials()  # validates mean and eta
-                allowed = PRIVATE_SELECTION[spec.privacy]
                 for algo in self.algorithms:
-                    pure = algo.name != "song2013" or algo.params.get("composition", "basic") == "basic"
-                    if ALGORITHMS[algo.name].private and (algo.name not in allowed or not pure):
+                    algorithm = ALGORITHMS[algo.name](algo.params)
+                    if algorithm.tags.private and not algorithm.selectable(spec.privacy):
                         raise ValueError(
                             f"select {spec.name}: {spec.privacy} cannot account the selection of {algo.name} "
-                            f"(supported: {', '.join(sorted(allowed))}"
-                            f"{' with basic composition' * (spec.privacy == 'liu_talwar')}); "
-                            "use privacy: non_private or another grid")
+                            f"(supported: {selectable_by(spec.privacy)}); use privacy: non_private or another grid")
         return self
 
     @field_validator("delta", mode="before")
@@ -638,7 +643,7 @@ def asked_neighbours(grid: Grid, algo: AlgorithmEntry) -> str | None:
     a grid that names the relation an algorithm already has keeps its run ids)."""
     asked = algo.neighbours or grid.neighbours
     algorithm = ALGORITHMS[algo.name](algo.params)
-    return asked if asked and algorithm.private and asked != algorithm.native_neighbours() else None
+    return asked if asked and algorithm.tags.private and asked != algorithm.native_neighbours() else None
 
 
 def expand(grid: Grid) -> list[Cell]:
@@ -648,7 +653,7 @@ def expand(grid: Grid) -> list[Cell]:
         axes = axis_values(grid, algo)
         for values in itertools.product(*axes.values()):
             # like an unused axis, dtype applies where it is supported (float32 chains with logreg or mlp)
-            float32 = ALGORITHMS[algo.name].supports_float32 and model.name in FLOAT32_MODELS
+            float32 = ALGORITHMS[algo.name].tags.float32 and model.name in FLOAT32_MODELS
             cell = Cell(grid=grid.name, dataset=dataset, model=model, algorithm=algo, delta=grid.delta,
                         seeds=tuple(range(grid.seeds)), trace_every=grid.trace_every,
                         dtype=grid.dtype if float32 else "float64", validation=grid.validation,
@@ -677,7 +682,7 @@ def tuning_cells(spec: SelectSpec, cells: list[Cell]) -> list[Cell]:
     differs)."""
     if spec.privacy == "non_private" or not spec.calibrate:
         return []
-    private = [c for c in cells if ALGORITHMS[c.algorithm.name].private]
+    private = [c for c in cells if ALGORITHMS[c.algorithm.name].tags.private]
     groups: dict[str, list[Cell]] = {}
     for cell in private:
         groups.setdefault(json.dumps([str(cell_value(cell, g)) for g in spec.group_by]), []).append(cell)

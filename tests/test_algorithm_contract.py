@@ -90,7 +90,7 @@ def test_seeds_train_independently(trained, name):
 def test_guarantee_is_a_documented_label(trained, name):
     guarantee = trained(name)[3].guarantee
     assert isinstance(guarantee, str)
-    if not ALGORITHMS[name].private:
+    if not ALGORITHMS[name].tags.private:
         assert guarantee == "non-private"
     else:
         assert guarantee == "proved" or guarantee.startswith(("none: ", "tv-bound: ")), guarantee
@@ -101,8 +101,8 @@ def test_derived_values_set_only_the_columns_a_run_reports(trained, name):
     """A row's other columns come from the cell, the metrics or the runner; a private algorithm's σ, achieved ε and
     accountant are what its verified calibration gave. A collision would fail the run (`reported_columns`)."""
     outcome = trained(name)[3]
-    reported = runner.reported_columns(outcome.derived, len(SEEDS), ALGORITHMS[name].private)
-    assert "epsilon_achieved" in reported or not ALGORITHMS[name].private
+    reported = runner.reported_columns(outcome.derived, len(SEEDS), ALGORITHMS[name].tags.private)
+    assert "epsilon_achieved" in reported or not ALGORITHMS[name].tags.private
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -162,11 +162,11 @@ def test_the_claim_holds_for_the_mechanism_as_run_or_names_its_analysis(trained,
     algo, setting = ALGORITHMS[name](), _setting(name)
     outcome = trained(name)[3]
     event = algo.dp_event(setting, outcome.derived)
-    if not algo.private:
+    if not algo.tags.private:
         assert isinstance(event, dp_accounting.NonPrivateDpEvent)
         return
     if event is None:
-        assert algo.own_analysis, f"{name}: no dp-accounting event and no own analysis named"
+        assert algo.tags.own_analysis, f"{name}: no dp-accounting event and no own analysis named"
         return
     if outcome.guarantee != "proved":  # e.g. the classic Gaussian formula proves nothing at ε ≥ 1: check at ε = 0.5
         setting = dataclasses.replace(setting, epsilon=0.5)

@@ -3,6 +3,7 @@ DP-SGD variants caught, and the white-box audit's power (one step of DP-SGD is a
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import textwrap
@@ -191,7 +192,8 @@ def test_replace_one_audit_uses_the_mirror_record():
     exact = _gaussian_epsilon(z, 1e-2)
     assert mirror["neighbours"] == "replace_one" and mirror["steps"] == 1
     assert exact / 2 <= mirror["epsilon_lo"] <= exact <= mirror["epsilon_claimed"], (mirror, exact)
-    null_out = type("NullOut", (NoisyGD,), {"neighbours": "add_remove"})(cell.algorithm.params)  # test-only
+    null_tags = dataclasses.replace(NoisyGD.tags, neighbours="add_remove")
+    null_out = type("NullOut", (NoisyGD,), {"tags": null_tags})(cell.algorithm.params)  # test-only
     [null, _] = audit_cell(cell, spec, algorithm=null_out)
     assert null["epsilon_lo"] < exact / 2, null
 
@@ -353,7 +355,7 @@ def test_an_audit_of_a_non_private_algorithm_is_refused_before_any_work(tmp_path
 
     from dpsgd_cli.algorithms import ALGORITHMS
 
-    public = sorted(name for name, algorithm in ALGORITHMS.items() if not algorithm.private)
+    public = sorted(name for name, algorithm in ALGORITHMS.items() if not algorithm.tags.private)
     assert public  # the refusal follows the algorithms' own `private`, whichever they are
     grid = tmp_path / "grid.yaml"
     grid.write_text(textwrap.dedent(GRID).replace("algorithms: [dp_sgd,", f"algorithms: [{', '.join(public)}, dp_sgd,"))

@@ -130,26 +130,49 @@ class Prepared:
         return self.finish(self.chain.run(model, self.theta, self.steps))
 
 
+BatchRegime = Literal["mini_batch", "full_batch", "single_example", "none"]
+SelectionMethod = Literal["papernot_steinke", "liu_talwar"]
+
+
+@dataclass(frozen=True)
+class Tags:
+    """What an algorithm is, for the code around it (as scikit-learn's estimator tags): the engine, the grid's
+    checks, the audit and the figures read these, so that no fact of an algorithm is keyed by its name elsewhere.
+    `tests/test_algorithm_tags.py` checks every registered algorithm's tags against its `uses` and methods."""
+
+    display_name: str  # what figures and legends call it (mathtext)
+    private: bool
+    # How a step reads the data: a (sampled) batch of `batch_size` examples, all n examples (`epochs` steps), one
+    # example (epochs · n steps), or "none": no steps at all (a minimiser).
+    batch: BatchRegime = "mini_batch"
+    # the neighbouring relation its analysis is stated for; the audit's "out" world is the worst-case neighbour
+    neighbours: Neighbours = "add_remove"
+    # What the privacy claim is a claim about: "final output" (only the released model: intermediate iterates
+    # are not covered) or "every iterate" (an adversary who sees each update). `dpsgd audit` never refutes a claim
+    # with an attack on what it does not cover.
+    covers: Literal["final output", "every iterate"] = "every iterate"
+    # Where `dp_event` is None for a private algorithm: the analysis its claim rests on (its docstring has the proof)
+    own_analysis: str = ""
+    # Whether `with_noise_scale` applies: the configuration multiplies every noise it adds by `noise_scale`.
+    noise_scalable: bool = False
+    float32: bool = False  # trains correctly on float32 data (grid key dtype)
+    # The private selections (`select: privacy:`) that can account the tuning of its runs, and the parameter value
+    # they need, if any (parameter, value): song2013's pure ε-DP holds with basic composition only.
+    selection: frozenset[SelectionMethod] = frozenset()
+    selection_requires: tuple[str, str] | None = None
+
+
 class Algorithm:
-    """Base class. `uses` names the grid axes the algorithm reads; the others are left out of its cells."""
+    """Base class. `uses` names the grid axes the algorithm reads; the others are left out of its cells; `tags`
+    says what it is (see `Tags`)."""
 
     name: ClassVar[str]
-    private: ClassVar[bool]
+    tags: ClassVar[Tags]
     uses: ClassVar[frozenset[str]]
     Params: ClassVar[type[BaseModel]] = NoParams
     source: ClassVar[str] = ""
     # parameters that choose how, not what, is computed (e.g. backend): left out of the run id
     execution_params: ClassVar[frozenset[str]] = frozenset()
-    supports_float32: ClassVar[bool] = False  # trains correctly on float32 data (grid key dtype)
-    # the neighbouring relation its analysis is stated for; the audit's "out" world is the worst-case neighbour
-    neighbours: ClassVar[Neighbours] = "add_remove"
-
-    # What the privacy claim is a claim about: "final output" (only the released model: intermediate iterates
-    # are not covered) or "every iterate" (an adversary who sees each update). `dpsgd audit` never refutes a claim
-    # with an attack on what it does not cover.
-    covers: ClassVar[Literal["final output", "every iterate"]] = "every iterate"
-    # Whether `with_noise_scale` applies: the configuration multiplies every noise it adds by `noise_scale`.
-    noise_scalable: ClassVar[bool] = False
     # A parameter that acts only when another has one value (name → (other, value)), e.g. a closed form's
     # `formula`: a legend leaves it out of the lines where the other has a different value.
     acts_when: ClassVar[dict[str, tuple[str, str]]] = {}
@@ -165,7 +188,7 @@ class Algorithm:
         """A copy whose noise is multiplied by `factor` while its calibration (and so its claimed ε) is unchanged:
         the broken twin `dpsgd audit` runs as a positive control. Its true ε is `derived["epsilon_noise_scaled"]`
         (what the accountant gives for the scaled noise). Never reachable from a grid's algorithm entry."""
-        if not self.noise_scalable:
+        if not self.tags.noise_scalable:
             raise NotImplementedError(f"{self.name} has no noise-scale hook")
         if not (np.isfinite(factor) and factor >= 0):
             raise ValueError(f"noise scale must be a finite number ≥ 0, got {factor!r}")
@@ -174,12 +197,17 @@ class Algorithm:
         return twin
 
     def covered(self, derived: dict[str, Any]) -> str:
-        """What this configuration's claim covers, given what its run derived (see `covers`)."""
-        return self.covers
+        """What this configuration's claim covers, given what its run derived (see `Tags.covers`)."""
+        return self.tags.covers
+
+    def selectable(self, privacy: str) -> bool:
+        """Whether the private selection `privacy` can account the tuning of this configuration's runs."""
+        required = self.tags.selection_requires
+        return privacy in self.tags.selection and (required is None or getattr(self.params, required[0]) == required[1])
 
     def native_neighbours(self) -> Neighbours:
         """The relation this configuration's analysis is stated for when the grid asks for none."""
-        return self.neighbours
+        return self.tags.neighbours
 
     def neighbouring(self) -> Neighbours:
         """The neighbouring relation this configuration's privacy claim (its calibrated ε) holds under."""
@@ -188,7 +216,7 @@ class Algorithm:
     def refuses_neighbours(self, neighbours: str) -> str | None:
         """Why this configuration cannot be calibrated under `neighbours` (None: it can)."""
         native = self.native_neighbours()
-        if neighbours == native or not self.private:
+        if neighbours == native or not self.tags.private:
             return None
         spelled = {"add_remove": "add/remove", "replace_one": "replace-one"}[native]
         return (f"{self.name} is analysed under {spelled} neighbours only (its sensitivity and accounting are "
@@ -202,14 +230,11 @@ class Algorithm:
     def dp_event(self, setting: Setting, derived: dict[str, Any]) -> DpEvent | None:
         """The mechanism as run, with the noise its run derived, as a dp-accounting event (under `neighbouring()`),
         so that an independent accountant can check the claimed ε; None where the library has no event for it and
-        the claim rests on the algorithm's own analysis (`own_analysis` says which). A non-private algorithm is
+        the claim rests on the algorithm's own analysis (`tags.own_analysis` says which). A non-private algorithm is
         `NonPrivateDpEvent`. Under replace-one a Gaussian's noise multiplier is relative to the replace-one
         sensitivity (dp-accounting's RDP reading; its PLD reading doubles that sensitivity, which can only
         over-state ε), a Poisson-sampled Gaussian's to the per-example bound (both accountants' reading)."""
-        return None if self.private else dp_event.NonPrivateDpEvent()
-
-    # Where `dp_event` is None for a private algorithm: the analysis its claim rests on (its docstring has the proof)
-    own_analysis: ClassVar[str] = ""
+        return None if self.tags.private else dp_event.NonPrivateDpEvent()
 
     def sigma_calibration(self, setting: Setting) -> tuple[float, float, float, int, str, str] | None:
         """The (ε, δ, q, T, accountant, neighbours) this configuration calibrates DP-SGD's σ for

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dpsgd_cli.algorithms import kernels
-from dpsgd_cli.algorithms.base import ROW_NORM_TOLERANCE, Algorithm, Outcome, Setting
+from dpsgd_cli.algorithms.base import ROW_NORM_TOLERANCE, Algorithm, Outcome, Setting, Tags
 from dpsgd_cli.algorithms.chain import (
     Checkpoints,
     GradientChain,
@@ -57,7 +57,13 @@ from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import Model
 from dpsgd_cli.models.rows import cached_row_norms
 from dpsgd_cli.privacy.accounting import LIBRARY
-from dpsgd_cli.privacy.single_example_gaussian import Privacy, cached_rdp_epsilon, calibrate_bassily, rdp_event
+from dpsgd_cli.privacy.single_example_gaussian import (
+    Accounting,
+    Privacy,
+    cached_rdp_epsilon,
+    calibrate_bassily,
+    rdp_event,
+)
 
 if TYPE_CHECKING:
     from dp_accounting.dp_event import DpEvent
@@ -72,7 +78,7 @@ __all__ = ["Bassily2014", "BassilyParams", "calibrate_bassily"]
 
 class BassilyParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    accounting: Literal["closed_form", "advanced_composition", "rdp", "pld"] = Field(
+    accounting: Accounting = Field(
         "closed_form", description="how σ is calibrated to (ε, δ)")
     formula: Literal["paper", "lecture"] = Field(
         "lecture", description="closed_form only: the lecture's σ = 16·l·√(T ln(2/δ) ln(2.5T/(δn)))/(nε) (the "
@@ -103,8 +109,7 @@ class Bassily2014(Algorithm):
     """
 
     name = "bassily2014"
-    neighbours = "replace_one"
-    private = True
+    tags = Tags("DP-SGD (Bassily et al.)", private=True, batch="single_example", neighbours="replace_one")
     uses = frozenset({"epsilon", "epochs", "l2"})
     execution_params = frozenset({"backend"})
     acts_when = {"formula": ("accounting", "closed_form"), "amplification": ("accounting", "advanced_composition")}

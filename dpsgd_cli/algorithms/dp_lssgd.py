@@ -6,7 +6,7 @@ Privacy-Preserving ERM", MSML 2020 (arXiv:1906.12056).
 
 from __future__ import annotations
 
-from typing import Literal
+import dataclasses
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -15,13 +15,14 @@ from dpsgd_cli.algorithms.chain import GradientChain, laplacian_smoothing, smoot
 from dpsgd_cli.algorithms.sgd import DPSGD
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.models import Model
+from dpsgd_cli.privacy import AccountantName
 
 
 class DPLSSGDParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     smoothing: float = Field(1.0, ge=0, allow_inf_nan=False,
                              description="Laplacian smoothing constant σ_ls ≥ 0 (0: DP-SGD exactly)")
-    accountant: Literal["rdp", "pld"] = Field("rdp", description="dp-accounting accountant used to calibrate σ")
+    accountant: AccountantName = Field("rdp", description="dp-accounting accountant used to calibrate σ")
 
 
 class DPLSSGD(DPSGD):
@@ -43,6 +44,7 @@ class DPLSSGD(DPSGD):
     """
 
     name = "dp_lssgd"
+    tags = dataclasses.replace(DPSGD.tags, display_name="DP-LSSGD")
     Params = DPLSSGDParams
     source = ("Wang, Gu, Boedihardjo, Barekat, Osher, DP-LSSGD: A Stochastic Optimization Method to Lift the Utility "
               "in Privacy-Preserving ERM, MSML 2020 (arXiv:1906.12056)")

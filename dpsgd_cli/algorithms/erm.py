@@ -23,7 +23,7 @@ import numpy as np
 from threadpoolctl import threadpool_info, threadpool_limits
 
 from dpsgd_cli import diskcache
-from dpsgd_cli.algorithms.base import Algorithm, Outcome, Setting
+from dpsgd_cli.algorithms.base import Algorithm, Outcome, Setting, Tags
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.lazy import LazyModule
 from dpsgd_cli.models import Model
@@ -280,7 +280,7 @@ class ERM(Algorithm):
     deterministic, so every seed gets the same θ."""
 
     name = "erm"
-    private = False
+    tags = Tags("ERM (exact minimiser)", private=False, batch="none")
     uses = frozenset({"l2"})
     source = "non-private empirical risk minimiser"
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from dpsgd_cli.algorithms.base import Algorithm, Outcome, Prepared, Setting, unit_ball_violation
+from dpsgd_cli.algorithms.base import Algorithm, Outcome, Prepared, Setting, Tags, unit_ball_violation
 from dpsgd_cli.algorithms.chain import Checkpoints, GradientChain, add_l2, add_noise, constant, project_to_ball, scale
 from dpsgd_cli.algorithms.sampling import full_batches
 from dpsgd_cli.algorithms.streams import ReplicaStreams
@@ -68,16 +68,13 @@ class NoisyGD(Algorithm):
     """
 
     name = "noisy_gd"
-    neighbours = "replace_one"
-    noise_scalable = True
-    private = True
+    tags = Tags("noisy GD", private=True, batch="full_batch", neighbours="replace_one", noise_scalable=True,
+                own_analysis="the privacy dynamics bound (Chourasia et al. 2021, Theorem 2): the last iterate only")
     uses = frozenset({"epsilon", "lr", "epochs", "l2", "clip_norm"})
     Params = NoisyGDParams
     execution_params = frozenset({"backend"})
     source = ("Chourasia, Ye, Shokri, Differential Privacy Dynamics of Langevin Diffusion and Noisy Gradient "
               "Descent, NeurIPS 2021")
-
-    own_analysis = "the privacy dynamics bound (Chourasia et al. 2021, Theorem 2): the last iterate only"
 
     def dp_event(self, setting: Setting, derived: dict) -> DpEvent | None:
         """Under the composition bound, K Gaussian mechanisms on θ: sensitivity η·S_g/n, std √(2η)σ (as added).

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from dpsgd_cli.algorithms.base import Algorithm, Outcome, Prepared, Setting, unit_ball_violation
+from dpsgd_cli.algorithms.base import Algorithm, Outcome, Prepared, Setting, Tags, unit_ball_violation
 from dpsgd_cli.algorithms.chain import Checkpoints, GradientChain, Schedule, add_l2, constant, min_inverse_time, scale
 from dpsgd_cli.algorithms.erm import reference_minimum
 from dpsgd_cli.algorithms.sampling import shuffled_batches
@@ -145,12 +145,10 @@ class OutputPerturbation(Algorithm):
     """
 
     name = "output_perturbation"
-    neighbours = "replace_one"
-    private = True
+    tags = Tags("output perturbation", private=True, batch="none", neighbours="replace_one", covers="final output",
+                noise_scalable=True)
     uses = frozenset({"epsilon", "l2"})
     Params = OutputNoiseParams
-    covers = "final output"
-    noise_scalable = True
     source = "Chaudhuri, Monteleoni & Sarwate, Differentially Private Empirical Risk Minimization, JMLR 2011"
 
     def dp_event(self, setting: Setting, derived: dict) -> DpEvent:
@@ -260,12 +258,11 @@ class BoltOn(Algorithm):
     """
 
     name = "bolt_on"
-    neighbours = "replace_one"
-    private = True
+    # the iterates carry no noise: only the released θ is private
+    tags = Tags("bolt-on (output perturbation of SGD)", private=True, neighbours="replace_one", covers="final output",
+                noise_scalable=True)
     uses = frozenset({"epsilon", "batch_size", "lr", "epochs", "l2"})
     Params = BoltOnParams
-    covers = "final output"  # the iterates carry no noise: only the released θ is private
-    noise_scalable = True
     source = ("Wu, Li, Kumar, Chaudhuri, Jha & Naughton, Bolt-on Differential Privacy for Scalable Stochastic "
               "Gradient Descent-based Analytics, SIGMOD 2017")
 

@@ -130,7 +130,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from scipy.special import expit, ndtr
 
 from dpsgd_cli.algorithms import kernels
-from dpsgd_cli.algorithms.base import Algorithm, Outcome, Setting
+from dpsgd_cli.algorithms.base import Algorithm, Outcome, Setting, Tags
 from dpsgd_cli.algorithms.chain import (
     Checkpoints,
     GradientChain,
@@ -772,14 +772,13 @@ class PIDPSGD(Algorithm):
     Formulas, readings of the pseudo-code, non-paper variants and the guarantee: see the module docstring."""
 
     name = "pidp_sgd"
-    neighbours = "replace_one"
-    private = True
+    tags = Tags("PIDP-SGD", private=True, neighbours="replace_one",
+                own_analysis="Kang et al.'s analysis of Algorithm 1: (ε₁, δ₁) for the noisy steps, (ε₂, δ₂) for the "
+                             "private influence test, with the labelled deviations of the module docstring")
     uses = frozenset({"epsilon", "batch_size", "lr", "epochs", "l2"})
     execution_params = frozenset({"backend"})
     Params = PIDPSGDParams
     source = "Kang, Li, Liu, Wang, Data Heterogeneity Differential Privacy: From Theory to Algorithm"
-    own_analysis = ("Kang et al.'s analysis of Algorithm 1: (ε₁, δ₁) for the noisy steps, (ε₂, δ₂) for the private "
-                    "influence test, with the labelled deviations of the module docstring")
 
     def native_neighbours(self) -> Literal["add_remove", "replace_one"]:
         """Replace-one for one example per step (Remark 6); add/remove for the Poisson variant (dp_sgd's σ)."""

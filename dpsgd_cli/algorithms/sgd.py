@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dpsgd_cli.algorithms.base import Algorithm, Outcome, Prepared, Setting
+from dpsgd_cli.algorithms.base import Algorithm, Outcome, Prepared, Setting, Tags
 from dpsgd_cli.algorithms.chain import Checkpoints, GradientChain, add_l2, add_noise, constant, scale
 from dpsgd_cli.algorithms.sampling import poisson_batches
 from dpsgd_cli.algorithms.streams import ReplicaStreams
@@ -42,10 +42,9 @@ class SGD(Algorithm):
     """
 
     name = "sgd"
-    private = False
+    tags = Tags("SGD (non-private)", private=False, float32=True)
     uses = frozenset({"batch_size", "lr", "epochs", "l2"})
     source = "non-private mini-batch SGD"
-    supports_float32 = True
     Params: ClassVar[type[BaseModel]] = SGDParams  # typed as the base declares it: subclasses bring their own
     execution_params = frozenset({"backend"})
 
@@ -77,7 +76,7 @@ class SGD(Algorithm):
 
 class DPSGDParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    accountant: Literal["rdp", "pld"] = Field("rdp", description="dp-accounting accountant used to calibrate σ")
+    accountant: AccountantName = Field("rdp", description="dp-accounting accountant used to calibrate σ")
     backend: Backend = Field("auto", description=BACKEND_HELP)
 
 
@@ -87,12 +86,10 @@ class DPSGD(SGD):
     gives ε ≤ target after T = epochs·n/B steps (Abadi et al. 2016, Algorithm 1)."""
 
     name = "dp_sgd"
-    private = True
+    tags = Tags("DP-SGD", private=True, float32=True, noise_scalable=True, selection=frozenset({"papernot_steinke"}))
     uses = frozenset({"epsilon", "batch_size", "lr", "epochs", "l2", "clip_norm"})
     Params: ClassVar[type[BaseModel]] = DPSGDParams
     source = "Abadi et al., Deep Learning with Differential Privacy, CCS 2016"
-
-    noise_scalable = True
 
     def refuses_neighbours(self, neighbours: str) -> str | None:
         """Both relations, through the accountant (RDP: add/remove only, see `check_dpsgd_neighbours`)."""

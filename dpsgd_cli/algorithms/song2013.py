@@ -24,7 +24,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from dpsgd_cli.algorithms import kernels
-from dpsgd_cli.algorithms.base import Algorithm, Outcome, Prepared, Setting, max_row_norm
+from dpsgd_cli.algorithms.base import Algorithm, Outcome, Prepared, Setting, Tags, max_row_norm
 from dpsgd_cli.algorithms.chain import (
     Checkpoints,
     GradientChain,
@@ -98,7 +98,7 @@ class Song2013NonPrivate(Algorithm):
     """
 
     name = "song2013_nonprivate"
-    private = False
+    tags = Tags("non-private SGD (Song et al.)", private=False)
     uses = frozenset({"batch_size", "lr", "epochs", "l2"})
     execution_params = frozenset({"backend"})
     Params = Song2013Params
@@ -194,13 +194,12 @@ class Song2013(Song2013NonPrivate):
     """
 
     name = "song2013"
-    neighbours = "replace_one"
-    private = True
+    tags = Tags("private SGD (Song et al.)", private=True, neighbours="replace_one", noise_scalable=True,
+                own_analysis="Song et al. 2013: noise of density ∝ exp(−(α/2)‖z‖) on a batch sum of sensitivity 2 is "
+                             "α-DP per pass, composed over the passes (basic or advanced composition)",
+                selection=frozenset({"liu_talwar"}), selection_requires=("composition", "basic"))
     uses = frozenset({"epsilon", "batch_size", "lr", "epochs", "l2"})
     Params = Song2013PrivateParams
-    noise_scalable = True
-    own_analysis = ("Song et al. 2013: noise of density ∝ exp(−(α/2)‖z‖) on a batch sum of sensitivity 2 is α-DP per "
-                    "pass, composed over the passes (basic or advanced composition)")
 
     def noise_draw(self, setting: Setting, model: Model, X, passes: int) -> tuple[NoiseDraw | None, dict, str]:
         epsilon = setting.required.epsilon

@@ -81,7 +81,7 @@ def audit_cell(cell: Cell, spec: AuditSpec, trials: int | None = None, confidenc
     data = data or dataset(cell.dataset, cell.validation)  # the rows the run trained on: its n and δ
     base = _base_row(cell, data, algorithm, trials, confidence, spec)
     twin = None
-    if spec.control is not None and algorithm.private and algorithm.noise_scalable:
+    if spec.control is not None and algorithm.tags.noise_scalable:
         twin = algorithm.with_noise_scale(spec.control)
     runs = []  # (kind, worlds or exception, twin's worlds or exception or None, seconds)
     for kind in spec.canaries:
@@ -89,7 +89,7 @@ def audit_cell(cell: Cell, spec: AuditSpec, trials: int | None = None, confidenc
         worlds = _worlds(kind, cell, spec, algorithm, trials, data)
         control = _worlds(kind, cell, spec, twin, trials, data) if twin is not None else None
         runs.append((kind, worlds, control, time.perf_counter() - start))
-    covers = next((algorithm.covered(w.derived) for _, w, _, _ in runs if isinstance(w, Worlds)), algorithm.covers)
+    covers = next((algorithm.covered(w.derived) for _, w, _, _ in runs if isinstance(w, Worlds)), algorithm.tags.covers)
     family = _distinct_tests([w for _, w, _, _ in runs if isinstance(w, Worlds)], covers)
     twin_family = _distinct_tests([c for _, _, c, _ in runs if isinstance(c, Worlds)], covers)
     row_confidence = stats.family_confidence(confidence, family)

@@ -79,7 +79,7 @@ def check_audit(grid: Grid, trials: int | None = None, cells: Collection[str] | 
     """`dpsgd audit`: every run it trains bounded as `dpsgd run`'s (check_work), and the trials: at most
     MAX_AUDIT_TRIALS, and trainings × examples per training at most MAX_EXAMPLES per cell; and every algorithm
     private (a non-private one claims no ε to bound from below). `cells`: only these cell ids are audited."""
-    public = list(dict.fromkeys(a.name for a in grid.algorithms if not ALGORITHMS[a.name].private))
+    public = list(dict.fromkeys(a.name for a in grid.algorithms if not ALGORITHMS[a.name].tags.private))
     if public:
         them = "it" if len(public) == 1 else "them"
         raise UserError(f"grid {grid.name!r}: algorithms: {', '.join(public)}: not private, no ε to audit (an audit "

@@ -586,7 +586,7 @@ def typed_runs(frame: pd.DataFrame) -> pd.DataFrame:
     flags (boolean) or text (a column mixing kinds is all text); a key a row lacks is missing there."""
     from dpsgd_cli.algorithms import ALGORITHMS  # every algorithm module: only when asked for
 
-    known = frame["algorithm"].map(lambda name: ALGORITHMS[name].private if name in ALGORITHMS else None)
+    known = frame["algorithm"].map(lambda name: ALGORITHMS[name].tags.private if name in ALGORITHMS else None)
     private = known.where(known.notna(), frame["epsilon"].notna()).astype(bool)
     parts = []
     for column in frame.columns:

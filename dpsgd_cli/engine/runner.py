@@ -324,7 +324,7 @@ def _result(task: Task, cell: Cell, model, outcome, elapsed: float,
     if data.train_statistics:  # preprocessing outside the accountant (file datasets), as one string
         derived.setdefault("train_statistics", ", ".join(data.train_statistics))
     try:
-        reported = reported_columns(derived, len(task.seeds), ALGORITHMS[cell.algorithm.name].private)
+        reported = reported_columns(derived, len(task.seeds), ALGORITHMS[cell.algorithm.name].tags.private)
     except ValueError as exc:  # a programming error: the run fails, no column takes the value
         return failed_result(task, _failure(exc), elapsed)
     derived = {k: v for k, v in derived.items() if k not in reported}
@@ -406,7 +406,7 @@ def _base_row(cell: Cell, data: Dataset, setting: Setting, optimal: float) -> di
         "n_val": 0 if data.X_val is None else len(data.X_val),
         "epsilon_base": setting.epsilon if cell.tuning else None,
         "tuning": cell.tuning["tag"] if cell.tuning else None,
-        "neighbours": cell.make_algorithm().neighbouring() if ALGORITHMS[cell.algorithm.name].private else None,
+        "neighbours": cell.make_algorithm().neighbouring() if ALGORITHMS[cell.algorithm.name].tags.private else None,
     }
 
 
@@ -595,8 +595,6 @@ def calibrate_ahead(cells: Sequence[Cell], data: Dataset, accountants: Sequence[
 # logistic-regression steps of dp_sgd (B = 256, ~10 µs) and pidp_sgd (~4 µs).
 STEP_WORK_PER_PARAMETER = 5.0
 STEP_WORK_FIXED = 1600.0
-FULL_BATCH = frozenset({"noisy_gd"})  # no batch size: `epochs` steps, each over all n examples
-SINGLE_EXAMPLE = frozenset({"bassily2014"})  # no batch size: epochs · n steps of one example
 
 
 @functools.lru_cache(maxsize=16)
@@ -616,9 +614,10 @@ def task_cost(task: Task) -> float:
         params = make_model(cell.model.name, data.d, cell.l2, cell.model.options).n_params
         example = params * max(_density(cell.dataset, cell.validation), 1.0 / max(1, data.d))
         epochs = cell.epochs or 0.0
-        if cell.algorithm.name in FULL_BATCH:
+        batch = ALGORITHMS[cell.algorithm.name].tags.batch
+        if batch == "full_batch":
             steps = epochs
-        elif cell.algorithm.name in SINGLE_EXAMPLE or not cell.batch_size:
+        elif batch == "single_example" or not cell.batch_size:
             steps = epochs * data.n
         else:
             steps = epochs * data.n / min(cell.batch_size, data.n)

@@ -177,7 +177,7 @@ def _lines(frame: pd.DataFrame, x: str, spec: FigureSpec) -> pd.Series:
     if reference.any():
         label = frame["label"] if "label" in frame else frame["algorithm"]
         suffix = frame["algorithm"].map(
-            lambda a: "" if a in names.NON_PRIVATE or x != "epsilon" else " (non-private)") \
+            lambda a: "" if names.non_private(a) or x != "epsilon" else " (non-private)") \
             if "algorithm" in frame else ""
         named[reference] = (label.map(lambda v: names.label(v, shown)) + suffix)[reference]
     return named

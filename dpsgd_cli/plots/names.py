@@ -1,4 +1,5 @@
-"""What figures call things: readable names of algorithms, parameters and result columns, in one place.
+"""What figures call things: readable names of parameters and result columns, in one place (an algorithm's is
+its `tags.display_name`).
 
 Text is of two kinds. The project's own (axis labels, legend names, tick labels) is written with mathtext
 (`$\\varepsilon$`, `$\\eta = 1/\\sqrt{t}$`) and rendered as math. Text that comes from the user — grid names,
@@ -14,22 +15,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from dpsgd_cli.algorithms import ALGORITHMS as REGISTRY
-
-ALGORITHMS = {
-    "erm": "ERM (exact minimiser)",
-    "sgd": "SGD (non-private)",
-    "dp_sgd": "DP-SGD",
-    "dp_lssgd": "DP-LSSGD",
-    "pidp_sgd": "PIDP-SGD",
-    "noisy_gd": "noisy GD",
-    "bolt_on": "bolt-on (output perturbation of SGD)",
-    "output_perturbation": "output perturbation",
-    "song2013": "private SGD (Song et al.)",
-    "song2013_nonprivate": "non-private SGD (Song et al.)",
-    "bassily2014": "DP-SGD (Bassily et al.)",
-}
-NON_PRIVATE = {"erm", "sgd", "song2013_nonprivate"}  # their names say so already
+from dpsgd_cli.algorithms import ALGORITHMS
 
 # a parameter's name in a legend or title (None: the value alone says it) and the names of its values
 PARAMETERS: dict[str, tuple[str | None, dict[str, str]]] = {
@@ -104,7 +90,15 @@ def number(value: Any) -> str:
 
 
 def algorithm(name: Any) -> str:
-    return ALGORITHMS.get(str(name), literal(name))
+    """An algorithm's legend name (its `tags.display_name`); a name no algorithm is registered under, as written."""
+    cls = ALGORITHMS.get(str(name))
+    return cls.tags.display_name if cls else literal(name)
+
+
+def non_private(name: Any) -> bool:
+    """Whether `name` is a registered non-private algorithm: its lines are references without saying so."""
+    cls = ALGORITHMS.get(str(name))
+    return cls is not None and not cls.tags.private
 
 
 def column(name: str) -> str:
@@ -149,7 +143,7 @@ def label(text: Any, drop: Iterable[str] = ()) -> str:
 def _acts(algorithm_name: str, key: str, pairs: list[tuple[str, str]]) -> bool:
     """Whether a parameter of the label acts on its line (see `Algorithm.acts_when`): not when the parameter it
     depends on is shown with another value."""
-    cls = REGISTRY.get(algorithm_name)
+    cls = ALGORITHMS.get(algorithm_name)
     other, value = cls.acts_when.get(key, (None, None)) if cls else (None, None)
     return other is None or dict(pairs).get(other, value) == value
 
