@@ -66,6 +66,8 @@ claims_report = LazyModule("dpsgd_cli.report")
 report_html = LazyModule("dpsgd_cli.report_html")
 audit_run = LazyModule("dpsgd_cli.audit.run")
 accounting = LazyModule("dpsgd_cli.privacy.accounting")
+algorithm_plugins = LazyModule("dpsgd_cli.plugins")
+contract = LazyModule("dpsgd_cli.contract")
 
 PathLike = str | Path
 
@@ -83,6 +85,7 @@ class GridModel(Protocol):
 GridSource = Annotated[str | Path | Mapping[str, Any] | GridModel | Sequence[Mapping[str, Any] | GridModel],
                        "a path, YAML text, a dict, a Grid or a list of grids"]
 Names = str | Iterable[str] | None  # one name, or several (`only="a"` is `only=["a"]`)
+Plugins = PathLike | Sequence[PathLike]  # one plugin file, or several
 ExportFormat = Literal["parquet", "csv"]
 ImageFormat = Literal["png", "pdf", "svg"]
 
@@ -93,7 +96,7 @@ ImageFormat = Literal["png", "pdf", "svg"]
 def run(grid: GridSource, *, only: Names = None, out: PathLike = "results", jobs: int = 1,
         dry_run: bool = False, no_resume: bool = False, scheduler: str | None = None,
         set: Mapping[str, Any] | Names = None, seeds: int | None = None,  # noqa: A002
-        quiet: bool = False) -> pd.DataFrame:
+        quiet: bool = False, plugins: Plugins = ()) -> pd.DataFrame:
     """`dpsgd run`: run every cell of the grid(s) (resuming: runs already in runs.csv are skipped) and return
     the runs of the grids, one row per run (see `read_results`); `df.attrs["failed"]` counts the runs that failed
     in this call. `grid` is a grid file's path, its YAML text (a string that is no existing path and holds a
@@ -101,12 +104,15 @@ def run(grid: GridSource, *, only: Names = None, out: PathLike = "results", jobs
     a list of grids (dicts or Grids): each checked as a file is. `set` overrides grid keys before validation, in
     every grid run: a mapping ({"epochs": 1, "datasets.0.n": 500}) or `--set` strings (["epochs=1"]); `seeds=N`
     is `set={"seeds": N}`. `quiet` prints nothing but errors (the progress bars and tables otherwise go to
-    stdout)."""
+    stdout). `plugins`: Python files whose algorithms the grids may name (`--plugin`, docs/algorithms.md)."""
     only = _strings(only) or None
-    grids = config.select(_load_grids(grid, _overrides(set, seeds), only), only)
+    grids = config.select(_load_grids(grid, _overrides(set, seeds), only, plugins), only)
     root = checks.out_root(str(out))
     if scheduler:  # checked at once, before any work (the connection itself waits until dry_run is ruled out)
         distributed.check_scheduler(scheduler)
+        if any(a.name in algorithm_plugins.LOADED for g in grids for a in g.algorithms):
+            raise UserError(f"--scheduler {scheduler}: the Dask workers do not load plugin algorithms; run them in "
+                            f"local processes (--jobs N)")
     checks.check_grids(grids)  # every figure, claim and limit, before any work
     jobs = _cap_jobs(jobs)
     if scheduler and jobs > 1:
@@ -140,11 +146,13 @@ def run(grid: GridSource, *, only: Names = None, out: PathLike = "results", jobs
 
 
 def _load_grids(grid: GridSource, overrides: Sequence[tuple[str, Any]] = (),
-               only: list[str] | None = None) -> GridFile:
+               only: list[str] | None = None, plugins: Plugins = ()) -> GridFile:
     """The grids `run` and `audit` take, validated as a grid file is (the same checks, each problem one
     UserError line): a path; a string that is no existing path and holds a newline or `grids:` is the file's
     YAML text; a dict is the parsed document ({"grids": [...]}, or one grid) and a list holds grids (dicts or
-    Grids). A relative file dataset path in YAML text or a dict is relative to the working directory."""
+    Grids). A relative file dataset path in YAML text or a dict is relative to the working directory. The
+    `plugins` files are loaded first, so that the grids may name their algorithms."""
+    algorithm_plugins.load([plugins] if isinstance(plugins, (str, os.PathLike)) else plugins)
     if isinstance(grid, str) and _is_yaml_text(grid):
         return config.validate_grids(config.parse_yaml(grid, "grid (YAML text)"), "grid (YAML text)", Path.cwd(),
                                      overrides, only)
@@ -367,13 +375,13 @@ def plot(results_dir: PathLike = "results", *, metric: str | None = None,
 def audit(grid: GridSource, *, only: Names = None, out: PathLike = "results",
           trials: int | None = None, confidence: float | None = None, dry_run: bool = False,
           set: Mapping[str, Any] | Names = None, seeds: int | None = None,  # noqa: A002
-          on_rows: Callable[[list[dict]], None] | None = None) -> pd.DataFrame:
+          on_rows: Callable[[list[dict]], None] | None = None, plugins: Plugins = ()) -> pd.DataFrame:
     """`dpsgd audit`: train with and without a canary and bound each cell's ε from below; returns the rows of
-    every audited grid's audit.csv (ε_lo beside the claimed ε). `grid`, `set` and `seeds` as for `run`.
+    every audited grid's audit.csv (ε_lo beside the claimed ε). `grid`, `set`, `seeds` and `plugins` as for `run`.
     `on_rows` sees each cell's rows (their `grid` column names the grid) as they come. With `dry_run`, nothing is
     trained: a row per cell to audit (its grid, settings in runs.csv's columns, canaries and trials per world)."""
     only = _strings(only) or None
-    grids = config.select(_load_grids(grid, _overrides(set, seeds), only), only)
+    grids = config.select(_load_grids(grid, _overrides(set, seeds), only, plugins), only)
     for one in grids:  # every grid's trials bounded before the first training
         checks.check_audit(one, trials)
     if dry_run:
@@ -384,6 +392,16 @@ def audit(grid: GridSource, *, only: Names = None, out: PathLike = "results",
     paths = [audit_run.audit_grid(one, Path(out), trials=trials, confidence=confidence, on_rows=on_rows)
              for one in grids]
     return pd.concat([audit_run.read_audit_csv(p) for p in paths], ignore_index=True)
+
+
+@file_errors()
+@checked()
+def check_plugin(plugin: PathLike) -> pd.DataFrame:
+    """`dpsgd check`: the algorithm contract (`dpsgd_cli.contract`) on each algorithm the plugin file defines; one
+    row per algorithm and check: algorithm, check, status ("ok", "FAIL", "n/a"), message."""
+    names = algorithm_plugins.load([plugin])
+    return pd.DataFrame([row for name in names for row in contract.run_checks(algorithm_plugins.ALGORITHMS[name])],
+                        columns=["algorithm", "check", "status", "message"])
 
 
 # --- privacy calculators ---------------------------------------------------------------------------

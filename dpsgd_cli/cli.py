@@ -89,6 +89,10 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
     """Reproduce the figures of differentially-private SGD papers."""
 
 
+PLUGIN_HELP = ("Load the algorithms defined in this Python file, so that the grids may name them (repeatable; "
+               "docs/algorithms.md).")
+
+
 # --- run -------------------------------------------------------------------------------------------
 @app.command()
 def run(
@@ -108,6 +112,7 @@ def run(
         None, "--scheduler", metavar="ADDRESS", envvar="DPSGD_SCHEDULER", show_envvar=True,
         help="Run the tasks on a Dask cluster: its scheduler's address (tcp://HOST:PORT) or local:N (a LocalCluster "
              "of N worker processes on this machine); needs the `dask` extra."),
+    plugins: list[Path] | None = typer.Option(None, "--plugin", metavar="FILE.py", help=PLUGIN_HELP),
 ) -> None:
     """Run every cell of the grid(s), appending each finished run to DIR/<grid>/runs.csv.
 
@@ -118,7 +123,7 @@ def run(
     folder serving <dataset>/<file> to fetch from a mirror instead of the canonical URLs."""
     try:
         frame = api.run(grid_file, only=only, out=out, jobs=jobs, dry_run=dry_run, no_resume=no_resume,
-                        scheduler=scheduler, set=overrides, seeds=seeds)
+                        scheduler=scheduler, set=overrides, seeds=seeds, plugins=plugins or [])
     except KeyboardInterrupt:  # api.run said what is saved
         raise typer.Exit(130) from None
     if frame.attrs.get("failed"):
@@ -142,11 +147,12 @@ def audit(
         "(repeatable; e.g. --set epochs=1 --set audit.trials=50)."),
     seeds: int | None = typer.Option(None, "--seeds", metavar="N", help="As --set seeds=N."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Validate and show the cells to audit, then stop."),
+    plugins: list[Path] | None = typer.Option(None, "--plugin", metavar="FILE.py", help=PLUGIN_HELP),
 ) -> None:
     """Train with and without a canary, attack, and bound each cell's ε from below (ε_lo beside the claimed ε)."""
     if dry_run:
         cells = api.audit(grid_file, only=only, out=out, trials=trials, confidence=confidence, set=overrides,
-                          seeds=seeds, dry_run=True)
+                          seeds=seeds, dry_run=True, plugins=plugins or [])
         for grid, part in cells.groupby("grid", sort=False):
             console.print(settings_table(part, f"{grid}: {len(part)} cells to audit", numbers={
                 "canaries": list(part["canaries"]), "trials per world": list(part["trials"])}))
@@ -154,11 +160,26 @@ def audit(
     rows: list[dict] = []
     console.print(f"auditing → {out / '<grid>' / 'audit.csv'}", highlight=False)
     frame = api.audit(grid_file, only=only, out=out, trials=trials, confidence=confidence, set=overrides,
-                      seeds=seeds, on_rows=rows.extend)
+                      seeds=seeds, on_rows=rows.extend, plugins=plugins or [])
     for grid in dict.fromkeys(frame["grid"]):
         console.print(audit_table([r for r in rows if r["grid"] == grid], f"{grid}: audit"))
         path = out / grid / "audit.csv"
         console.print(f"wrote {path} and {path.parent / 'figures' / 'audit.png'}", highlight=False)
+
+
+@app.command()
+def check(plugin: Path = typer.Argument(..., metavar="FILE.py", help="A plugin file (docs/algorithms.md).")) -> None:
+    """Run the algorithm contract on each algorithm the plugin file defines: a line per check; exit 1 if any fails.
+
+    NumPy = compiled where both apply, fused = alone, the claimed ε = dp-accounting's for its `dp_event`, refusals
+    before work, the columns its derived values set, and more (dpsgd_cli/contract.py)."""
+    frame = api.check_plugin(plugin)
+    for row in frame.itertuples():
+        typer.echo(f"{row.status:4}  {row.algorithm}: {row.check}: {row.message}")
+    failed = int((frame["status"] == "FAIL").sum())
+    typer.echo(f"{len(frame) - failed} of {len(frame)} checks passed or do not apply; {failed} failed")
+    if failed:
+        raise typer.Exit(1)
 
 
 THREATS = {"black-box, last iterate": "black box", "white-box, last iterate": "white box",
