@@ -110,11 +110,13 @@ def run(grid: GridSource, *, only: Names = None, out: PathLike = "results", jobs
     root = checks.out_root(str(out))
     if scheduler:  # checked at once, before any work (the connection itself waits until dry_run is ruled out)
         distributed.check_scheduler(scheduler)
-        if any(a.name in algorithm_plugins.LOADED for g in grids for a in g.algorithms):
-            raise UserError(f"--scheduler {scheduler}: the Dask workers do not load plugin algorithms; run them in "
-                            f"local processes (--jobs N)")
     checks.check_grids(grids)  # every figure, claim and limit, before any work
     jobs = _cap_jobs(jobs)
+    # workers not forked from this process (Dask's; --jobs off Linux) have not loaded the plugin files
+    unforked = f"--jobs {jobs}" if jobs > 1 and sys.platform != "linux" else scheduler and f"--scheduler {scheduler}"
+    if unforked and any(a.name in algorithm_plugins.LOADED for g in grids for a in g.algorithms):
+        raise UserError(f"{unforked}: its worker processes do not load plugin algorithms (only forked ones, Linux's "
+                        f"--jobs, inherit them); run the grid with --jobs 1")
     if scheduler and jobs > 1:
         raise UserError(f"--jobs {jobs} and --scheduler {scheduler}: choose one (the Dask workers are the processes)")
     show = _Display(quiet)

@@ -1,14 +1,6 @@
-"""The contract every algorithm keeps, built in or a plugin: `dpsgd check FILE.py` runs it on a plugin's
-algorithms, tests/test_algorithm_contract.py on every built-in one (one definition of the checks).
-
-On a small logistic problem (rows in the unit ball) with 2 seeds, at the first contract setting the algorithm's
-`check()` accepts: θ has one finite row per seed; the same seed gives the same θ bit for bit; each seed trains
-independently of the others (to 1e-12); `guarantee` is a documented label (docs/algorithms.md); the derived values
-set only the columns a run reports; the native neighbouring relation is a known one; `Params` is frozen and refuses
-unknown keys; the claimed ε holds, by dp-accounting's own accountants, for the mechanism as run (`dp_event`), or
-the algorithm names its own analysis; NumPy = compiled to `COMPILED_RTOL` where the algorithm has a `backend`
-and the compiled step takes it; trained beside other chains (fused) = alone, bit for bit; a setting `check()`
-accepts trains (refusals come before any work).
+"""The contract every algorithm keeps, built in or a plugin (`CHECKS`, each function's docstring saying what it
+checks): `dpsgd check FILE.py` runs it on a plugin's algorithms, tests/test_algorithm_contract.py on every built-in
+one. On a small logistic problem (rows in the unit ball), 2 seeds, the first of `SETTINGS` that `check()` accepts.
 """
 
 from __future__ import annotations
@@ -34,7 +26,6 @@ from dpsgd_cli.models import make_model
 from dpsgd_cli.privacy.accounting import quiet_rdp
 
 N, D, SEEDS = 400, 5, (0, 1)
-WEIGHTS = (1.0, -2.0, 0.5, 0.0, 1.0)
 SETTING = Setting(n=N, d=D, delta=1e-5, l2=1e-2, epsilon=1.0, batch_size=40, lr=0.5, epochs=2, clip_norm=1.0)
 # the contract's settings, the first that `check()` accepts is used: mini-batches, then one example per step
 # (pidp_sgd's paper sampling)
@@ -60,7 +51,7 @@ def problem() -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(3)
     X = rng.normal(size=(N, D))
     X /= np.maximum(1.0, np.linalg.norm(X, axis=1, keepdims=True))
-    return X, np.where(X @ np.asarray(WEIGHTS) + 0.1 * rng.normal(size=N) > 0, 1.0, -1.0)
+    return X, np.where(X @ np.array([1.0, -2.0, 0.5, 0.0, 1.0]) + 0.1 * rng.normal(size=N) > 0, 1.0, -1.0)
 
 
 class Subject:
@@ -82,8 +73,8 @@ class Subject:
                 refusals.append(str(exc))
         raise Broken(f"check() refuses every contract setting: {' / '.join(refusals)}")
 
-    def fit(self, setting: Setting | None = None, seeds: tuple[int, ...] = SEEDS, **params: Any) -> Outcome:
-        return self.cls(params).fit(setting or self.setting, self.model, self.X, self.y, ReplicaStreams(seeds))
+    def fit(self, setting: Setting | None = None, seeds: tuple[int, ...] = SEEDS) -> Outcome:
+        return self.cls().fit(setting or self.setting, self.model, self.X, self.y, ReplicaStreams(seeds))
 
     @functools.cached_property
     def trained(self) -> tuple[Outcome, np.ndarray, np.ndarray]:

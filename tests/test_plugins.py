@@ -4,7 +4,9 @@ never loads one."""
 
 import hashlib
 import json
+import os
 import shutil
+import sys
 import textwrap
 from pathlib import Path
 
@@ -169,6 +171,11 @@ def test_an_installed_entry_point_is_loaded_when_a_grid_names_it(grid, tmp_path,
     assert set(mine["plugin"]) == {"my-pkg 1.2"} and set(mine["plugin_sha256"]) == {_sha256(EXAMPLE)}
 
 
-def test_dask_workers_do_not_run_plugins(grid, plugin, tmp_path):
-    with pytest.raises(dpsgd.UserError, match="the Dask workers do not load plugin algorithms"):
-        dpsgd.run(grid, out=tmp_path / "out", plugins=[plugin], scheduler="local:1")
+@pytest.mark.parametrize("platform, kwargs, option", [("linux", {"scheduler": "local:1"}, "--scheduler local:1"),
+                                                      ("darwin", {"jobs": 2}, "--jobs 2")])
+def test_workers_that_are_not_forked_do_not_run_plugins(grid, plugin, tmp_path, monkeypatch, platform, kwargs,
+                                                        option):
+    monkeypatch.setattr(sys, "platform", platform)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    with pytest.raises(dpsgd.UserError, match=f"^{option}: its worker processes do not load plugin algorithms"):
+        dpsgd.run(grid, out=tmp_path / "out", plugins=[plugin], **kwargs)
