@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import importlib.util
 import inspect
 import os
 import sys
+import traceback
+import types
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,16 +70,15 @@ def load_file(path: Path) -> tuple[str, ...]:
     if previous is not None and previous.sha256 == sha256:
         return previous.names
     module_name = f"dpsgd_plugin_{hashlib.sha256(str(real).encode()).hexdigest()[:12]}_{real.stem}"
-    spec = importlib.util.spec_from_file_location(module_name, real)
-    assert spec is not None and spec.loader is not None  # a .py path always has a source loader
-    module = importlib.util.module_from_spec(spec)
+    module = types.ModuleType(module_name)
+    module.__file__ = str(real)
     sys.modules[module_name] = module  # classes defined in it pickle and resolve their module
-    try:
-        spec.loader.exec_module(module)
+    try:  # the bytes hashed are the bytes run
+        exec(compile(text, str(real), "exec"), module.__dict__)
     except Exception as exc:
         del sys.modules[module_name]
-        line = exc.__traceback__ and [f for f in inspect.getinnerframes(exc.__traceback__) if f.filename == str(real)]
-        at = f" at line {line[-1].lineno}" if line else ""
+        lines = [frame.lineno for frame in traceback.extract_tb(exc.__traceback__) if frame.filename == str(real)]
+        at = f" at line {lines[-1]}" if lines else ""
         raise UserError(f"{where}: importing it raised {type(exc).__name__}: {exc}{at}") from None
     classes = [c for c in vars(module).values() if isinstance(c, type) and issubclass(c, Algorithm)
                and c.__module__ == module_name and "name" in c.__dict__]

@@ -132,6 +132,7 @@ def test_resuming_with_another_version_of_the_plugin_is_refused(grid, plugin, tm
      "class Mine: set uses = frozenset"),
     ("class Mine:\n    name = 'mine'\n", "defines no Algorithm subclass with a name"),
     ("x = 1\nraise RuntimeError('no')\n", "importing it raised RuntimeError: no at line 2"),
+    ("def broken(:\n", "importing it raised SyntaxError"),
 ])
 def test_a_plugin_that_cannot_be_registered_is_one_line(tmp_path, source, expected):
     path = tmp_path / "bad.py"
