@@ -5,11 +5,14 @@ adds it here without a line of test code."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
+import numpy as np
 import pytest
 
-from dpsgd_cli import contract
+from dpsgd_cli import compiled, contract
 from dpsgd_cli.algorithms import ALGORITHMS
+from dpsgd_cli.algorithms.chain import add_noise, constant
 
 NAMES = sorted(ALGORITHMS)
 # whose σ calibration takes > 10 s on a fresh cache: their training checks are marked slow
@@ -56,3 +59,37 @@ def test_params_that_take_any_key_break_the_contract():
 
     with pytest.raises(contract.Broken, match="not a pydantic model"):
         contract.check_params(contract.Subject(Lax))
+
+
+class _ByBackend(ALGORITHMS["dp_sgd"]):  # type: ignore[misc,valid-type]
+    """Trains another learning rate on the compiled step than on NumPy."""
+
+    def chain(self, setting, X, y, streams, clip=None, noise=()):
+        chain = super().chain(setting, X, y, streams, clip=clip, noise=noise)
+        if self.params.backend != "numpy":
+            chain.schedule = constant(setting.lr * 1.01)
+        return chain
+
+
+class _SharedGenerator(ALGORITHMS["sgd"]):  # type: ignore[misc,valid-type]
+    """Draws noise from one generator every training shares, not from its seeds' streams."""
+
+    generator = np.random.default_rng(0)
+
+    def prepare(self, setting, model, X, y, streams):
+        prepared = super().prepare(setting, model, X, y, streams)
+        draws = (self.generator.normal(size=prepared.theta.shape) for _ in itertools.count())
+        prepared.chain.transforms.insert(0, add_noise(0.1, draws))
+        return prepared
+
+
+@pytest.mark.parametrize("cls, check, message", [
+    (_ByBackend, "compiled", "the compiled θ differs from NumPy's"),
+    (_SharedGenerator, "deterministic", "training twice with the same seeds gives another θ"),
+    (_SharedGenerator, "fused", "θ trained beside other chains differs from θ trained alone"),
+])
+def test_the_compiled_and_fused_checks_can_fail(cls, check, message):
+    if check == "compiled" and not compiled.HAVE_NUMBA:
+        pytest.skip("numba not installed")
+    with pytest.raises(contract.Broken, match=message):
+        contract.CHECKS[check](contract.Subject(cls))
