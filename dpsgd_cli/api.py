@@ -154,7 +154,7 @@ def _load_grids(grid: GridSource, overrides: Sequence[tuple[str, Any]] = (),
     YAML text; a dict is the parsed document ({"grids": [...]}, or one grid) and a list holds grids (dicts or
     Grids). A relative file dataset path in YAML text or a dict is relative to the working directory. The
     `plugins` files are loaded first, so that the grids may name their algorithms."""
-    algorithm_plugins.load([plugins] if isinstance(plugins, (str, os.PathLike)) else plugins)
+    load_plugins(plugins)
     if isinstance(grid, str) and _is_yaml_text(grid):
         return config.validate_grids(config.parse_yaml(grid, "grid (YAML text)"), "grid (YAML text)", Path.cwd(),
                                      overrides, only)
@@ -169,6 +169,12 @@ def _load_grids(grid: GridSource, overrides: Sequence[tuple[str, Any]] = (),
                          for g in grid]}
     kind = "a Grid" if isinstance(grid, GridModel) else "a dict" if isinstance(grid, Mapping) else "a list"
     return config.validate_grids(raw, f"grid ({kind})", Path.cwd(), overrides, only)
+
+
+@checked()
+def load_plugins(plugins: Plugins) -> list[str]:
+    """Load plugin files (`--plugin`): the algorithms they define may then be named by grids; their names."""
+    return algorithm_plugins.load([plugins] if isinstance(plugins, (str, os.PathLike)) else plugins)
 
 
 def _is_yaml_text(text: str) -> bool:
@@ -282,13 +288,16 @@ class _Display:
 # --- results ---------------------------------------------------------------------------------------
 @file_errors()
 @checked()
-def read_results(folder: PathLike = "results") -> pd.DataFrame:
+def read_results(folder: PathLike = "results", *, plugins: Plugins = ()) -> pd.DataFrame:
     """The runs of a grid's results folder (or of every grid under a results root), one row per run id, as the
     summary, plots and report read them: malformed and cut rows of runs.csv skipped, rows of another or an
     earlier version of the grid left out (each omission noted on stderr). Every status is kept; the finished
     runs are `df[df.status == "ok"]`. The JSON columns of runs.csv are flattened into a column per key
     (`algorithm_params.accountant`, `dataset_options.n`, `derived.*`), and `private` says whether a run's
-    algorithm is private: `epsilon` is NaN exactly on the rows where it is not (`engine.results.typed_runs`)."""
+    algorithm is private: `epsilon` is NaN exactly on the rows where it is not (`engine.results.typed_runs`).
+    `plugins`: the files of the plugin algorithms the grids name (as for `run`), so that the grid as last run is
+    known; without them every row of such a grid is shown, and a note says so."""
+    load_plugins(plugins)
     frames = []
     for path in results.result_folders(folder):
         found = results.read_results(path)
@@ -300,9 +309,11 @@ def read_results(folder: PathLike = "results") -> pd.DataFrame:
 
 @file_errors()
 @checked()
-def export(results_dir: PathLike = "results", *, format: ExportFormat = "parquet") -> list[Path]:  # noqa: A002
+def export(results_dir: PathLike = "results", *, format: ExportFormat = "parquet",  # noqa: A002
+           plugins: Plugins = ()) -> list[Path]:
     """`dpsgd export`: each grid's runs (as `read_results` gives them) written beside its runs.csv as
     runs.parquet (or runs_valid.csv with format="csv"), and traces.csv as traces.parquet; returns the paths."""
+    load_plugins(plugins)
     if format == "parquet" and not installed("pyarrow"):
         raise UserError("--format parquet needs pyarrow: pip install 'dpsgd[parquet]' (or pip install pyarrow)")
     paths = []
@@ -319,11 +330,12 @@ def export(results_dir: PathLike = "results", *, format: ExportFormat = "parquet
 
 @file_errors()
 @checked()
-def report(results_dir: PathLike = "results") -> pd.DataFrame:
+def report(results_dir: PathLike = "results", *, plugins: Plugins = ()) -> pd.DataFrame:
     """`dpsgd report`: check the claims of every grid under `results_dir` and write report.md and report.html
     (the report with its figures embedded: one file to open in a browser or send); one row per claim: grid,
     claim, kind, text, quote, reading, own, verdict (PASS, FAIL, VACUOUS, NO DATA), numbers; `df.attrs["path"]` is
-    report.md's path."""
+    report.md's path. `plugins` as for `read_results`."""
+    load_plugins(plugins)
     verdicts, path = claims_report.build_report(Path(results_dir))
     report_html.write_html(path)
     frame = pd.DataFrame([{"grid": v.grid, "claim": v.claim.id, "kind": v.claim.kind, "text": v.claim.text,
@@ -337,10 +349,11 @@ def report(results_dir: PathLike = "results") -> pd.DataFrame:
 
 @file_errors()
 @checked()
-def select(results_dir: PathLike = "results") -> pd.DataFrame:
+def select(results_dir: PathLike = "results", *, plugins: Plugins = ()) -> pd.DataFrame:
     """`dpsgd select`: for each grid with `select:`, the candidate each group chose on validation, its scores
     and what choosing cost in privacy (also written to selection.csv beside runs.csv); one row per selection and
-    group, the first column naming the grid."""
+    group, the first column naming the grid. `plugins` as for `read_results`."""
+    load_plugins(plugins)
     tables = [table.assign(grid=folder.name) for folder, table in selection.write_selection_tables(results_dir)]
     frame = pd.concat(tables, ignore_index=True)
     return frame[["grid", *(c for c in frame.columns if c != "grid")]]
@@ -366,9 +379,10 @@ def check_metric(metric: str | None) -> str | None:
 @file_errors()
 @checked()
 def plot(results_dir: PathLike = "results", *, metric: str | None = None,
-         format: ImageFormat = "png") -> list[Path]:  # noqa: A002
+         format: ImageFormat = "png", plugins: Plugins = ()) -> list[Path]:  # noqa: A002
     """`dpsgd plot`: the grid's paper figures, or `metric` (any numeric column of runs.csv) over ε; returns
-    the files written (under each grid's figures/)."""
+    the files written (under each grid's figures/). `plugins` as for `read_results`."""
+    load_plugins(plugins)
     return plots.plot_results(Path(results_dir), metric=check_metric(metric), fmt=format)
 
 
@@ -401,7 +415,7 @@ def audit(grid: GridSource, *, only: Names = None, out: PathLike = "results",
 def check_plugin(plugin: PathLike) -> pd.DataFrame:
     """`dpsgd check`: the algorithm contract (`dpsgd_cli.contract`) on each algorithm the plugin file defines; one
     row per algorithm and check: algorithm, check, status ("ok", "FAIL", "n/a"), message."""
-    names = algorithm_plugins.load([plugin])
+    names = load_plugins(plugin)
     return pd.DataFrame([row for name in names for row in contract.run_checks(algorithm_plugins.ALGORITHMS[name])],
                         columns=["algorithm", "check", "status", "message"])
 

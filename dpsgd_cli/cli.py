@@ -91,6 +91,7 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 
 PLUGIN_HELP = ("Load the algorithms defined in this Python file, so that the grids may name them (repeatable; "
                "docs/algorithms.md).")
+PLUGIN_READ_HELP = "A plugin file whose algorithms the grids ran (repeatable): the grid as last run is known."
 
 
 # --- run -------------------------------------------------------------------------------------------
@@ -218,9 +219,10 @@ def plot(
         "optimality_gap, val_accuracy, ...) over ε (default: the grid's paper figures, or accuracy)."),
     fmt: ImageFormat = typer.Option(ImageFormat.png, "--format", metavar="png|pdf|svg",
                                     help="Image format (png also writes a PDF)."),
+    plugins: list[Path] | None = typer.Option(None, "--plugin", metavar="FILE.py", help=PLUGIN_READ_HELP),
 ) -> None:
     """Draw the grid's paper figures, or a metric over ε (a panel per dataset and model, a line per algorithm)."""
-    paths = api.plot(results_dir, metric=metric, format=fmt.value)
+    paths = api.plot(results_dir, metric=metric, format=fmt.value, plugins=plugins or [])
     for path in paths:
         console.print(str(path), highlight=False, markup=False)
     if not paths:  # the notes above say why
@@ -239,10 +241,11 @@ def export(
                                        help="A grid's results folder, or the results root."),
     fmt: ExportFormat = typer.Option(ExportFormat.parquet, "--format", metavar="parquet|csv",
                                      help="parquet (needs pyarrow: the `parquet` extra) or csv."),
+    plugins: list[Path] | None = typer.Option(None, "--plugin", metavar="FILE.py", help=PLUGIN_READ_HELP),
 ) -> None:
     """Write each grid's valid runs (as plot and report read them) as runs.parquet beside runs.csv, and its traces
     as traces.parquet, for pandas, polars or DuckDB (csv: runs_valid.csv, traces_valid.csv)."""
-    for path in api.export(results_dir, format=fmt.value):
+    for path in api.export(results_dir, format=fmt.value, plugins=plugins or []):
         console.print(str(path), highlight=False, markup=False)
 
 
@@ -251,10 +254,11 @@ def export(
 def report(
     results_dir: Path = typer.Argument(Path("results"), metavar="RESULTS_DIR",
                                        help="A grid's results folder, or the results root."),
+    plugins: list[Path] | None = typer.Option(None, "--plugin", metavar="FILE.py", help=PLUGIN_READ_HELP),
 ) -> None:
     """Check the papers' claims listed in the grids against the results; print PASS/FAIL and write report.md and
     report.html (the same with its figures embedded: one file to open in a browser or send)."""
-    verdicts = api.report(results_dir)
+    verdicts = api.report(results_dir, plugins=plugins or [])
     path = verdicts.attrs["path"]
     colours = {"PASS": "green", "FAIL": "red", "VACUOUS": "blue", "NO DATA": "yellow"}
     if len(verdicts):
@@ -298,8 +302,10 @@ def _group_columns(group: str) -> dict[str, str]:
 def select_command(
     results_dir: Path = typer.Argument(Path("results"), metavar="RESULTS_DIR",
                                        help="A grid's results folder, or the results root."),
+    plugins: list[Path] | None = typer.Option(None, "--plugin", metavar="FILE.py", help=PLUGIN_READ_HELP),
 ) -> None:
     """Print the hyperparameters each group's `select:` chose (and its privacy); write selection.csv."""
+    api.load_plugins(plugins or [])
     for folder, table in engine_selection.write_selection_tables(results_dir):
         for selection, part in table.groupby("selection", sort=False):
             rows = [{**_group_columns(r["group"]), "chosen": r["chosen"],

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -180,3 +181,14 @@ def test_workers_that_are_not_forked_do_not_run_plugins(grid, plugin, tmp_path, 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     with pytest.raises(dpsgd.UserError, match=f"^{option}: its worker processes do not load plugin algorithms"):
         dpsgd.run(grid, out=tmp_path / "out", plugins=[plugin], **kwargs)
+
+
+def test_the_readers_take_the_plugin_to_know_the_grid_as_last_run(grid, plugin, tmp_path):
+    folder = tmp_path / "out" / "mine"
+    dpsgd.run(grid, out=tmp_path / "out", plugins=[plugin], quiet=True)
+    for given in ([], ["--plugin", str(plugin)]):  # in a new process: the plugin is not loaded
+        done = subprocess.run([sys.executable, "-m", "dpsgd_cli", "plot", str(folder), *given], capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        note = "no longer validates" in done.stderr and "load their files with --plugin" in done.stderr
+        assert note is not bool(given), done.stderr  # without it every row is shown, and a note says why

@@ -711,8 +711,9 @@ def current_run_ids(folder: Path, fallback: pd.Series) -> set[str]:
     try:
         return set(_grid_run_ids(json.dumps(manifest["grid"], sort_keys=True)))
     except Exception as exc:  # a grid this version no longer accepts: show every row, and say so
+        hint = "; its grid names plugin algorithms: load their files with --plugin" if "plugins" in manifest else ""
         note(f"{Path(folder) / 'manifest.json'}: its grid no longer validates ({str(exc).splitlines()[0]}); "
-             f"showing every row of runs.csv")
+             f"showing every row of runs.csv{hint}")
         return set(fallback.astype(str))
 
 
