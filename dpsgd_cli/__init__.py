@@ -1,8 +1,8 @@
 """dpsgd: reproduce and extend the experiments of differentially-private SGD papers.
 
 The Python API (docs/python-api.md): `import dpsgd_cli as dpsgd`, then `dpsgd.run`, `dpsgd.read_results`,
-`dpsgd.export`, `dpsgd.plot`, `dpsgd.report`, `dpsgd.select`, `dpsgd.audit`, `dpsgd.epsilon`, `dpsgd.sigma`
-(dpsgd_cli.api); the commands call the same functions.
+`dpsgd.export`, `dpsgd.plot`, `dpsgd.report`, `dpsgd.select`, `dpsgd.audit`, `dpsgd.epsilon`, `dpsgd.sigma`,
+`dpsgd.check_plugin` (dpsgd_cli.api); the commands call the same functions.
 """
 
 import importlib
@@ -10,7 +10,7 @@ import sys
 import types
 
 from dpsgd_cli import api
-from dpsgd_cli.api import epsilon, export, plot, read_results, run, select, sigma
+from dpsgd_cli.api import check_plugin, epsilon, export, plot, read_results, run, select, sigma
 from dpsgd_cli.errors import UserError
 
 __version__ = "0.1.0"
@@ -20,7 +20,8 @@ a change moves a run's numbers (a generator, a summation order, a search, what a
 statistically against the previous version on every grid; runs.csv and the manifest record it, and `dpsgd run`
 never resumes into runs of another version. 1: every run before the version was recorded; 2: `pidp_sgd`'s
 `accountant: auto` calibrates by PLD."""
-__all__ = ["UserError", "audit", "epsilon", "export", "plot", "read_results", "report", "run", "select", "sigma"]
+__all__ = ["UserError", "audit", "check_plugin", "epsilon", "export", "plot", "read_results", "report", "run", "select",
+           "sigma"]
 
 
 class _CallableModule(types.ModuleType):

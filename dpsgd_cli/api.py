@@ -66,6 +66,8 @@ claims_report = LazyModule("dpsgd_cli.report")
 report_html = LazyModule("dpsgd_cli.report_html")
 audit_run = LazyModule("dpsgd_cli.audit.run")
 accounting = LazyModule("dpsgd_cli.privacy.accounting")
+algorithm_plugins = LazyModule("dpsgd_cli.plugins")
+contract = LazyModule("dpsgd_cli.contract")
 
 PathLike = str | Path
 
@@ -83,6 +85,7 @@ class GridModel(Protocol):
 GridSource = Annotated[str | Path | Mapping[str, Any] | GridModel | Sequence[Mapping[str, Any] | GridModel],
                        "a path, YAML text, a dict, a Grid or a list of grids"]
 Names = str | Iterable[str] | None  # one name, or several (`only="a"` is `only=["a"]`)
+Plugins = PathLike | Sequence[PathLike]  # one plugin file, or several
 ExportFormat = Literal["parquet", "csv"]
 ImageFormat = Literal["png", "pdf", "svg"]
 
@@ -93,7 +96,7 @@ ImageFormat = Literal["png", "pdf", "svg"]
 def run(grid: GridSource, *, only: Names = None, out: PathLike = "results", jobs: int = 1,
         dry_run: bool = False, no_resume: bool = False, scheduler: str | None = None,
         set: Mapping[str, Any] | Names = None, seeds: int | None = None,  # noqa: A002
-        quiet: bool = False) -> pd.DataFrame:
+        quiet: bool = False, plugins: Plugins = ()) -> pd.DataFrame:
     """`dpsgd run`: run every cell of the grid(s) (resuming: runs already in runs.csv are skipped) and return
     the runs of the grids, one row per run (see `read_results`); `df.attrs["failed"]` counts the runs that failed
     in this call. `grid` is a grid file's path, its YAML text (a string that is no existing path and holds a
@@ -101,14 +104,19 @@ def run(grid: GridSource, *, only: Names = None, out: PathLike = "results", jobs
     a list of grids (dicts or Grids): each checked as a file is. `set` overrides grid keys before validation, in
     every grid run: a mapping ({"epochs": 1, "datasets.0.n": 500}) or `--set` strings (["epochs=1"]); `seeds=N`
     is `set={"seeds": N}`. `quiet` prints nothing but errors (the progress bars and tables otherwise go to
-    stdout)."""
+    stdout). `plugins`: Python files whose algorithms the grids may name (`--plugin`, docs/algorithms.md)."""
     only = _strings(only) or None
-    grids = config.select(_load_grids(grid, _overrides(set, seeds), only), only)
+    grids = config.select(_load_grids(grid, _overrides(set, seeds), only, plugins), only)
     root = checks.out_root(str(out))
     if scheduler:  # checked at once, before any work (the connection itself waits until dry_run is ruled out)
         distributed.check_scheduler(scheduler)
     checks.check_grids(grids)  # every figure, claim and limit, before any work
     jobs = _cap_jobs(jobs)
+    # workers not forked from this process (Dask's; --jobs off Linux) have not loaded the plugin files
+    unforked = f"--jobs {jobs}" if jobs > 1 and sys.platform != "linux" else scheduler and f"--scheduler {scheduler}"
+    if unforked and any(a.name in algorithm_plugins.LOADED for g in grids for a in g.algorithms):
+        raise UserError(f"{unforked}: its worker processes do not load plugin algorithms (only forked ones, Linux's "
+                        f"--jobs, inherit them); run the grid with --jobs 1")
     if scheduler and jobs > 1:
         raise UserError(f"--jobs {jobs} and --scheduler {scheduler}: choose one (the Dask workers are the processes)")
     show = _Display(quiet)
@@ -140,11 +148,13 @@ def run(grid: GridSource, *, only: Names = None, out: PathLike = "results", jobs
 
 
 def _load_grids(grid: GridSource, overrides: Sequence[tuple[str, Any]] = (),
-               only: list[str] | None = None) -> GridFile:
+               only: list[str] | None = None, plugins: Plugins = ()) -> GridFile:
     """The grids `run` and `audit` take, validated as a grid file is (the same checks, each problem one
     UserError line): a path; a string that is no existing path and holds a newline or `grids:` is the file's
     YAML text; a dict is the parsed document ({"grids": [...]}, or one grid) and a list holds grids (dicts or
-    Grids). A relative file dataset path in YAML text or a dict is relative to the working directory."""
+    Grids). A relative file dataset path in YAML text or a dict is relative to the working directory. The
+    `plugins` files are loaded first, so that the grids may name their algorithms."""
+    load_plugins(plugins)
     if isinstance(grid, str) and _is_yaml_text(grid):
         return config.validate_grids(config.parse_yaml(grid, "grid (YAML text)"), "grid (YAML text)", Path.cwd(),
                                      overrides, only)
@@ -159,6 +169,12 @@ def _load_grids(grid: GridSource, overrides: Sequence[tuple[str, Any]] = (),
                          for g in grid]}
     kind = "a Grid" if isinstance(grid, GridModel) else "a dict" if isinstance(grid, Mapping) else "a list"
     return config.validate_grids(raw, f"grid ({kind})", Path.cwd(), overrides, only)
+
+
+@checked()
+def load_plugins(plugins: Plugins) -> list[str]:
+    """Load plugin files (`--plugin`): the algorithms they define may then be named by grids; their names."""
+    return algorithm_plugins.load([plugins] if isinstance(plugins, (str, os.PathLike)) else plugins)
 
 
 def _is_yaml_text(text: str) -> bool:
@@ -272,13 +288,16 @@ class _Display:
 # --- results ---------------------------------------------------------------------------------------
 @file_errors()
 @checked()
-def read_results(folder: PathLike = "results") -> pd.DataFrame:
+def read_results(folder: PathLike = "results", *, plugins: Plugins = ()) -> pd.DataFrame:
     """The runs of a grid's results folder (or of every grid under a results root), one row per run id, as the
     summary, plots and report read them: malformed and cut rows of runs.csv skipped, rows of another or an
     earlier version of the grid left out (each omission noted on stderr). Every status is kept; the finished
     runs are `df[df.status == "ok"]`. The JSON columns of runs.csv are flattened into a column per key
     (`algorithm_params.accountant`, `dataset_options.n`, `derived.*`), and `private` says whether a run's
-    algorithm is private: `epsilon` is NaN exactly on the rows where it is not (`engine.results.typed_runs`)."""
+    algorithm is private: `epsilon` is NaN exactly on the rows where it is not (`engine.results.typed_runs`).
+    `plugins`: the files of the plugin algorithms the grids name (as for `run`), so that the grid as last run is
+    known; without them every row of such a grid is shown, and a note says so."""
+    load_plugins(plugins)
     frames = []
     for path in results.result_folders(folder):
         found = results.read_results(path)
@@ -290,9 +309,11 @@ def read_results(folder: PathLike = "results") -> pd.DataFrame:
 
 @file_errors()
 @checked()
-def export(results_dir: PathLike = "results", *, format: ExportFormat = "parquet") -> list[Path]:  # noqa: A002
+def export(results_dir: PathLike = "results", *, format: ExportFormat = "parquet",  # noqa: A002
+           plugins: Plugins = ()) -> list[Path]:
     """`dpsgd export`: each grid's runs (as `read_results` gives them) written beside its runs.csv as
     runs.parquet (or runs_valid.csv with format="csv"), and traces.csv as traces.parquet; returns the paths."""
+    load_plugins(plugins)
     if format == "parquet" and not installed("pyarrow"):
         raise UserError("--format parquet needs pyarrow: pip install 'dpsgd[parquet]' (or pip install pyarrow)")
     paths = []
@@ -309,11 +330,12 @@ def export(results_dir: PathLike = "results", *, format: ExportFormat = "parquet
 
 @file_errors()
 @checked()
-def report(results_dir: PathLike = "results") -> pd.DataFrame:
+def report(results_dir: PathLike = "results", *, plugins: Plugins = ()) -> pd.DataFrame:
     """`dpsgd report`: check the claims of every grid under `results_dir` and write report.md and report.html
     (the report with its figures embedded: one file to open in a browser or send); one row per claim: grid,
     claim, kind, text, quote, reading, own, verdict (PASS, FAIL, VACUOUS, NO DATA), numbers; `df.attrs["path"]` is
-    report.md's path."""
+    report.md's path. `plugins` as for `read_results`."""
+    load_plugins(plugins)
     verdicts, path = claims_report.build_report(Path(results_dir))
     report_html.write_html(path)
     frame = pd.DataFrame([{"grid": v.grid, "claim": v.claim.id, "kind": v.claim.kind, "text": v.claim.text,
@@ -327,10 +349,11 @@ def report(results_dir: PathLike = "results") -> pd.DataFrame:
 
 @file_errors()
 @checked()
-def select(results_dir: PathLike = "results") -> pd.DataFrame:
+def select(results_dir: PathLike = "results", *, plugins: Plugins = ()) -> pd.DataFrame:
     """`dpsgd select`: for each grid with `select:`, the candidate each group chose on validation, its scores
     and what choosing cost in privacy (also written to selection.csv beside runs.csv); one row per selection and
-    group, the first column naming the grid."""
+    group, the first column naming the grid. `plugins` as for `read_results`."""
+    load_plugins(plugins)
     tables = [table.assign(grid=folder.name) for folder, table in selection.write_selection_tables(results_dir)]
     frame = pd.concat(tables, ignore_index=True)
     return frame[["grid", *(c for c in frame.columns if c != "grid")]]
@@ -356,10 +379,11 @@ def check_metric(metric: str | None) -> str | None:
 @file_errors()
 @checked()
 def plot(results_dir: PathLike = "results", *, metric: str | None = None,
-         format: ImageFormat = "png", caption: bool = True) -> list[Path]:  # noqa: A002
+         format: ImageFormat = "png", caption: bool = True, plugins: Plugins = ()) -> list[Path]:  # noqa: A002
     """`dpsgd plot`: the grid's paper figures, or `metric` (any numeric column of runs.csv) over ε; returns
     the files written (under each grid's figures/). `caption=False`: each caption in a .txt beside its figure
-    (for a LaTeX caption), not in the image."""
+    (for a LaTeX caption), not in the image. `plugins` as for `read_results`."""
+    load_plugins(plugins)
     return plots.plot_results(Path(results_dir), metric=check_metric(metric), fmt=format, caption=caption)
 
 
@@ -368,9 +392,10 @@ def plot(results_dir: PathLike = "results", *, metric: str | None = None,
 def audit(grid: GridSource, *, only: Names = None, out: PathLike = "results",
           trials: int | None = None, confidence: float | None = None, dry_run: bool = False,
           set: Mapping[str, Any] | Names = None, seeds: int | None = None,  # noqa: A002
-          on_rows: Callable[[list[dict]], None] | None = None, selected: bool = False) -> pd.DataFrame:
+          on_rows: Callable[[list[dict]], None] | None = None, selected: bool = False,
+          plugins: Plugins = ()) -> pd.DataFrame:
     """`dpsgd audit`: train with and without a canary and bound each cell's ε from below; returns the rows of
-    every audited grid's audit.csv (ε_lo beside the claimed ε). `grid`, `set` and `seeds` as for `run`.
+    every audited grid's audit.csv (ε_lo beside the claimed ε). `grid`, `set`, `seeds` and `plugins` as for `run`.
     `on_rows` sees each cell's rows (their `grid` column names the grid) as they come. With `dry_run`, nothing is
     trained: a row per cell to audit (its grid, settings in runs.csv's columns, canaries and trials per world).
     With `selected`, `grid` is a results folder (or a root of them): each grid with `select:` is audited as it was
@@ -381,9 +406,10 @@ def audit(grid: GridSource, *, only: Names = None, out: PathLike = "results",
     if selected:
         if set or seeds is not None:
             raise UserError("audit --selected audits the grid as it was run: --set and --seeds do not apply")
+        load_plugins(plugins)
         audits = [*_selected_audits(grid, only)]
     else:
-        grids = config.select(_load_grids(grid, _overrides(set, seeds), only), only)
+        grids = config.select(_load_grids(grid, _overrides(set, seeds), only, plugins), only)
         audits = [(one, None, Path(out)) for one in grids]
     for one, cells, _ in audits:  # every grid's trials bounded before the first training
         checks.check_audit(one, trials, cells)
@@ -419,6 +445,16 @@ def _selected_audits(folder: GridSource, only: list[str] | None) -> list[tuple[A
         raise UserError(f"{folder}: no grid here chose a private configuration with `select:`; run a grid with "
                         f"`select:` first (docs/hyperparameters.md), or audit a grid file without --selected")
     return audits
+
+
+@file_errors()
+@checked()
+def check_plugin(plugin: PathLike) -> pd.DataFrame:
+    """`dpsgd check`: the algorithm contract (`dpsgd_cli.contract`) on each algorithm the plugin file defines; one
+    row per algorithm and check: algorithm, check, status ("ok", "FAIL", "n/a"), message."""
+    names = load_plugins(plugin)
+    return pd.DataFrame([row for name in names for row in contract.run_checks(algorithm_plugins.ALGORITHMS[name])],
+                        columns=["algorithm", "check", "status", "message"])
 
 
 # --- privacy calculators ---------------------------------------------------------------------------

@@ -89,6 +89,11 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
     """Reproduce the figures of differentially-private SGD papers."""
 
 
+PLUGIN_HELP = ("Load the algorithms defined in this Python file, so that the grids may name them (repeatable; "
+               "docs/algorithms.md).")
+PLUGIN_READ_HELP = "A plugin file whose algorithms the grids ran (repeatable): the grid as last run is known."
+
+
 # --- run -------------------------------------------------------------------------------------------
 @app.command()
 def run(
@@ -108,6 +113,7 @@ def run(
         None, "--scheduler", metavar="ADDRESS", envvar="DPSGD_SCHEDULER", show_envvar=True,
         help="Run the tasks on a Dask cluster: its scheduler's address (tcp://HOST:PORT) or local:N (a LocalCluster "
              "of N worker processes on this machine); needs the `dask` extra."),
+    plugins: list[Path] | None = typer.Option(None, "--plugin", metavar="FILE.py", help=PLUGIN_HELP),
 ) -> None:
     """Run every cell of the grid(s), appending each finished run to DIR/<grid>/runs.csv.
 
@@ -118,7 +124,7 @@ def run(
     folder serving <dataset>/<file> to fetch from a mirror instead of the canonical URLs."""
     try:
         frame = api.run(grid_file, only=only, out=out, jobs=jobs, dry_run=dry_run, no_resume=no_resume,
-                        scheduler=scheduler, set=overrides, seeds=seeds)
+                        scheduler=scheduler, set=overrides, seeds=seeds, plugins=plugins or [])
     except KeyboardInterrupt:  # api.run said what is saved
         raise typer.Exit(130) from None
     if frame.attrs.get("failed"):
@@ -145,11 +151,12 @@ def audit(
         "(repeatable; e.g. --set epochs=1 --set audit.trials=50)."),
     seeds: int | None = typer.Option(None, "--seeds", metavar="N", help="As --set seeds=N."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Validate and show the cells to audit, then stop."),
+    plugins: list[Path] | None = typer.Option(None, "--plugin", metavar="FILE.py", help=PLUGIN_HELP),
 ) -> None:
     """Train with and without a canary, attack, and bound each cell's ε from below (ε_lo beside the claimed ε)."""
     if dry_run:
         cells = api.audit(grid_file, only=only, out=out, trials=trials, confidence=confidence, set=overrides,
-                          seeds=seeds, dry_run=True, selected=selected)
+                          seeds=seeds, dry_run=True, selected=selected, plugins=plugins or [])
         for grid, part in cells.groupby("grid", sort=False):
             console.print(settings_table(part, f"{grid}: {len(part)} cells to audit", numbers={
                 "canaries": list(part["canaries"]), "trials per world": list(part["trials"])}))
@@ -158,11 +165,26 @@ def audit(
     console.print(f"auditing the configurations select chose in {grid_file}" if selected else
                   f"auditing → {out / '<grid>' / 'audit.csv'}", highlight=False)
     frame = api.audit(grid_file, only=only, out=out, trials=trials, confidence=confidence, set=overrides,
-                      seeds=seeds, on_rows=rows.extend, selected=selected)
+                      seeds=seeds, on_rows=rows.extend, selected=selected, plugins=plugins or [])
     for grid in dict.fromkeys(frame["grid"]):
         console.print(audit_table([r for r in rows if r["grid"] == grid], f"{grid}: audit"))
         path = frame.attrs["paths"][grid]
         console.print(f"wrote {path} and {path.parent / 'figures' / 'audit.png'}", highlight=False)
+
+
+@app.command()
+def check(plugin: Path = typer.Argument(..., metavar="FILE.py", help="A plugin file (docs/algorithms.md).")) -> None:
+    """Run the algorithm contract on each algorithm the plugin file defines: a line per check; exit 1 if any fails.
+
+    NumPy = compiled where both apply, fused = alone, the claimed ε = dp-accounting's for its `dp_event`, refusals
+    before work, the columns its derived values set, and more (dpsgd_cli/contract.py)."""
+    frame = api.check_plugin(plugin)
+    for row in frame.itertuples():
+        typer.echo(f"{row.status:4}  {row.algorithm}: {row.check}: {row.message}")
+    failed = int((frame["status"] == "FAIL").sum())
+    typer.echo(f"{len(frame) - failed} of {len(frame)} checks passed or do not apply; {failed} failed")
+    if failed:
+        raise typer.Exit(1)
 
 
 THREATS = {"black-box, last iterate": "black box", "white-box, last iterate": "white box",
@@ -203,9 +225,10 @@ def plot(
                                     help="Image format (png also writes a PDF)."),
     caption: bool = typer.Option(True, "--caption/--no-caption", help="Draw each caption below its figure, or "
                                  "write it to a .txt beside the figure (for a LaTeX caption)."),
+    plugins: list[Path] | None = typer.Option(None, "--plugin", metavar="FILE.py", help=PLUGIN_READ_HELP),
 ) -> None:
     """Draw the grid's paper figures, or a metric over ε (a panel per dataset and model, a line per algorithm)."""
-    paths = api.plot(results_dir, metric=metric, format=fmt.value, caption=caption)
+    paths = api.plot(results_dir, metric=metric, format=fmt.value, caption=caption, plugins=plugins or [])
     for path in paths:
         console.print(str(path), highlight=False, markup=False)
     if not paths:  # the notes above say why
@@ -224,10 +247,11 @@ def export(
                                        help="A grid's results folder, or the results root."),
     fmt: ExportFormat = typer.Option(ExportFormat.parquet, "--format", metavar="parquet|csv",
                                      help="parquet (needs pyarrow: the `parquet` extra) or csv."),
+    plugins: list[Path] | None = typer.Option(None, "--plugin", metavar="FILE.py", help=PLUGIN_READ_HELP),
 ) -> None:
     """Write each grid's valid runs (as plot and report read them) as runs.parquet beside runs.csv, and its traces
     as traces.parquet, for pandas, polars or DuckDB (csv: runs_valid.csv, traces_valid.csv)."""
-    for path in api.export(results_dir, format=fmt.value):
+    for path in api.export(results_dir, format=fmt.value, plugins=plugins or []):
         console.print(str(path), highlight=False, markup=False)
 
 
@@ -236,10 +260,11 @@ def export(
 def report(
     results_dir: Path = typer.Argument(Path("results"), metavar="RESULTS_DIR",
                                        help="A grid's results folder, or the results root."),
+    plugins: list[Path] | None = typer.Option(None, "--plugin", metavar="FILE.py", help=PLUGIN_READ_HELP),
 ) -> None:
     """Check the papers' claims listed in the grids against the results; print PASS/FAIL and write report.md and
     report.html (the same with its figures embedded: one file to open in a browser or send)."""
-    verdicts = api.report(results_dir)
+    verdicts = api.report(results_dir, plugins=plugins or [])
     path = verdicts.attrs["path"]
     colours = {"PASS": "green", "FAIL": "red", "VACUOUS": "blue", "NO DATA": "yellow"}
     if len(verdicts):
@@ -283,8 +308,10 @@ def _group_columns(group: str) -> dict[str, str]:
 def select_command(
     results_dir: Path = typer.Argument(Path("results"), metavar="RESULTS_DIR",
                                        help="A grid's results folder, or the results root."),
+    plugins: list[Path] | None = typer.Option(None, "--plugin", metavar="FILE.py", help=PLUGIN_READ_HELP),
 ) -> None:
     """Print the hyperparameters each group's `select:` chose (and its privacy); write selection.csv."""
+    api.load_plugins(plugins or [])
     for folder, table in engine_selection.write_selection_tables(results_dir):
         for selection, part in table.groupby("selection", sort=False):
             rows = [{**_group_columns(r["group"]), "chosen": r["chosen"],

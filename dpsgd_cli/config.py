@@ -35,6 +35,7 @@ from dpsgd_cli.data.files import FileDatasetSpec
 from dpsgd_cli.data.spec import DatasetSpec
 from dpsgd_cli.errors import UserError, printable
 from dpsgd_cli.models import MODELS
+from dpsgd_cli.plugins import HOW_TO_LOAD, from_entry_point
 from dpsgd_cli.privacy.accounting import Neighbours
 from dpsgd_cli.privacy.tuning import Trials
 
@@ -127,10 +128,9 @@ class AlgorithmEntry(_Strict):
                    **({"neighbours": raw["neighbours"]} if raw.get("neighbours") else {})}
         neighbours = raw.pop("neighbours", None)
         name = raw.pop("name", None)
-        if not isinstance(name, str) or name not in ALGORITHMS:
-            raise ValueError(
-                f"unknown algorithm {name!r}{closest(str(name), ALGORITHMS)}; known: {', '.join(ALGORITHMS)}"
-            )
+        if not isinstance(name, str) or (name not in ALGORITHMS and not from_entry_point(name)):
+            raise ValueError(f"unknown algorithm {name!r}{closest(str(name), ALGORITHMS)}; known: "
+                             f"{', '.join(ALGORITHMS)}; {HOW_TO_LOAD}")
         overrides = {k: _as_list(raw.pop(k)) for k in list(raw) if k in AXES}
         check_axes(overrides)
         for key in raw:

@@ -26,6 +26,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from dpsgd_cli import plugins
+from dpsgd_cli.algorithms import ALGORITHMS
 from dpsgd_cli.config import load_grid_file
 
 os.environ["DPSGD_CACHE_DIR"] = _tempfile.mkdtemp(prefix="dpsgd-test-cache-")
@@ -68,6 +70,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.data)
         if f"{item.path.name}::{item.originalname if isinstance(item, pytest.Function) else item.name}" in SLOW_TESTS:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(autouse=True)
+def _builtin_algorithms_only() -> Iterator[None]:
+    """Every test leaves the algorithm registry as it found it: a plugin one loads is gone for the next."""
+    algorithms, loaded = dict(ALGORITHMS), dict(plugins.LOADED)
+    yield
+    ALGORITHMS.clear(), plugins.LOADED.clear()
+    ALGORITHMS.update(algorithms), plugins.LOADED.update(loaded)
 
 
 def shared_datasets_path() -> Path:

@@ -1,185 +1,95 @@
-"""The contract every registered algorithm keeps, checked the same way for each (as scikit-learn's common
-estimator checks do): adding an algorithm file adds it here without a line of test code.
-
-On a small synthetic logistic problem (rows in the unit ball), with 2 seeds: θ has shape (R, P) and is finite;
-the same seed gives the same θ bit for bit; each seed trains independently of the others (replica 1 trained
-beside replica 0 equals it trained alone, to 1e-12); the `guarantee` label is one of the documented forms
-(docs/algorithms.md, "Guarantee labels"); `check()` accepts a valid setting; the native neighbouring relation is
-add_remove or replace_one; `Params` is a frozen pydantic model that refuses unknown keys; the claimed ε holds,
-by dp-accounting's own accountants, for the mechanism as run (`dp_event`), or the algorithm names its own analysis.
-"""
+"""The contract every registered algorithm keeps (`dpsgd_cli.contract`, the checks `dpsgd check` runs on a
+plugin), checked the same way for each (as scikit-learn's common estimator checks do): adding an algorithm file
+adds it here without a line of test code."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
-import pydantic
 import pytest
 
-from dpsgd_cli.algorithms import ALGORITHMS, Setting
-from dpsgd_cli.algorithms.streams import ReplicaStreams
-from dpsgd_cli.engine import runner
-from dpsgd_cli.models import make_model
-
-N, D = 400, 5
-SETTING = Setting(n=N, d=D, delta=1e-5, l2=1e-2, epsilon=1.0, batch_size=40, lr=0.5, epochs=2, clip_norm=1.0)
-# what an algorithm's check() requires of the shared setting (pidp_sgd's paper sampling: one example per step)
-OVERRIDES: dict[str, dict[str, float]] = {"pidp_sgd": {"batch_size": 1, "epochs": 1}}
-SEEDS = [0, 1]
-
-
-def _setting(name: str) -> Setting:
-    return dataclasses.replace(SETTING, **OVERRIDES.get(name, {}))
-
-
-@pytest.fixture(scope="module")
-def problem(make_logistic_data):
-    X, y = make_logistic_data(3, N, [1.0, -2.0, 0.5, 0.0, 1.0], 0.1)
-    return X, y, make_model("logreg", D, SETTING.l2)
-
-
-@pytest.fixture(scope="module")
-def trained(problem):
-    """name → (θ with seeds 0 and 1, θ again with the same seeds, θ with seed 1 alone, the Outcome)."""
-    X, y, model = problem
-    cache = {}
-
-    def train(name: str):
-        if name not in cache:
-            algo, setting = ALGORITHMS[name](), _setting(name)
-            first = algo.fit(setting, model, X, y, ReplicaStreams(SEEDS))
-            again = algo.fit(setting, model, X, y, ReplicaStreams(SEEDS)).theta
-            alone = algo.fit(setting, model, X, y, ReplicaStreams(SEEDS[1:])).theta
-            cache[name] = first.theta, again, alone, first
-        return cache[name]
-
-    return train
-
+from dpsgd_cli import compiled, contract
+from dpsgd_cli.algorithms import ALGORITHMS
+from dpsgd_cli.algorithms.chain import add_noise, constant
 
 NAMES = sorted(ALGORITHMS)
 # whose σ calibration takes > 10 s on a fresh cache: their training checks are marked slow
 SLOW = {"bassily2014", "pidp_sgd"}
-TRAINED = [pytest.param(name, marks=pytest.mark.slow) if name in SLOW else name for name in NAMES]
+# the checks that train (the others read the class, or call check())
+TRAINING = {"theta", "deterministic", "independent", "guarantee", "columns", "claim", "compiled", "fused", "refusals"}
+SUBJECTS: dict[str, contract.Subject] = {}
+
+
+def _cases():
+    for name in NAMES:
+        for check in contract.CHECKS:
+            slow = name in SLOW and check in TRAINING
+            yield pytest.param(name, check, id=f"{name}-{check}", marks=[pytest.mark.slow] if slow else [])
 
 
 def test_every_algorithm_is_registered_under_its_name():
     assert NAMES and all(ALGORITHMS[name].name == name for name in NAMES)
 
 
-@pytest.mark.parametrize("name", TRAINED)
-def test_theta_has_one_finite_row_per_seed(trained, problem, name):
-    theta = trained(name)[0]
-    assert theta.shape == (len(SEEDS), problem[2].n_params)
-    assert np.all(np.isfinite(theta))
+@pytest.mark.parametrize("name, check", list(_cases()))
+def test_the_algorithm_keeps_the_contract(name, check):
+    subject = SUBJECTS.setdefault(name, contract.Subject(ALGORITHMS[name]))
+    try:
+        contract.CHECKS[check](subject)
+    except contract.NotApplicable as reason:
+        pytest.skip(str(reason))
 
 
-@pytest.mark.parametrize("name", TRAINED)
-def test_the_same_seed_gives_the_same_theta(trained, name):
-    first, again, _, _ = trained(name)
-    np.testing.assert_array_equal(first, again)
-
-
-@pytest.mark.parametrize("name", TRAINED)
-def test_seeds_train_independently(trained, name):
-    together, _, alone, _ = trained(name)
-    np.testing.assert_allclose(together[1], alone[0], rtol=1e-12, atol=0)
-
-
-@pytest.mark.parametrize("name", TRAINED)
-def test_guarantee_is_a_documented_label(trained, name):
-    guarantee = trained(name)[3].guarantee
-    assert isinstance(guarantee, str)
-    if not ALGORITHMS[name].tags.private:
-        assert guarantee == "non-private"
-    else:
-        assert guarantee == "proved" or guarantee.startswith(("none: ", "tv-bound: ")), guarantee
-
-
-@pytest.mark.parametrize("name", TRAINED)
-def test_derived_values_set_only_the_columns_a_run_reports(trained, name):
-    """A row's other columns come from the cell, the metrics or the runner; a private algorithm's σ, achieved ε and
-    accountant are what its verified calibration gave. A collision would fail the run (`reported_columns`)."""
-    outcome = trained(name)[3]
-    reported = runner.reported_columns(outcome.derived, len(SEEDS), ALGORITHMS[name].tags.private)
-    assert "epsilon_achieved" in reported or not ALGORITHMS[name].tags.private
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_check_accepts_a_valid_setting(name):
-    algo = ALGORITHMS[name]()
-    assert callable(algo.check)
-    algo.check(_setting(name), "logreg")
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_native_neighbours_is_a_known_relation(name):
-    assert ALGORITHMS[name]().native_neighbours() in {"add_remove", "replace_one"}
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_params_are_frozen_and_refuse_unknown_keys(name):
-    params_cls = ALGORITHMS[name].Params
-    assert issubclass(params_cls, pydantic.BaseModel)
-    assert params_cls.model_config.get("frozen") is True
-    assert params_cls.model_config.get("extra") == "forbid"
-    with pytest.raises(pydantic.ValidationError):
-        params_cls(not_a_parameter=1)
-    params = ALGORITHMS[name]().params
-    for field in type(params).model_fields:
-        with pytest.raises(pydantic.ValidationError):
-            setattr(params, field, getattr(params, field))
-
-
-# integer orders (sampling without replacement has its RDP bound there), fractional ones below 64 and large ones
-RDP_ORDERS = sorted({*range(2, 300), *np.linspace(1.05, 64.0, 200).tolist(), *np.geomspace(300.0, 1e4, 60).tolist()})
-
-
-def _library_epsilon(event, delta: float, neighbours: str) -> float:
-    """The smallest ε that dp-accounting's own accountants (RDP on a dense order grid; PLD, pessimistic) give for
-    the event, independently of the project's accounting code."""
-    import dp_accounting
-    from dp_accounting.pld import PLDAccountant
-    from dp_accounting.rdp import RdpAccountant
-
-    relation = (dp_accounting.NeighboringRelation.REPLACE_ONE if neighbours == "replace_one"
-                else dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
-    found = []
-    for accountant in (RdpAccountant(RDP_ORDERS, relation), PLDAccountant(relation, 1e-4)):
-        if accountant.supports(event):
-            found.append(accountant.compose(event).get_epsilon(delta))
-    assert found, f"no dp-accounting accountant supports {event}"
-    return min(found)
-
-
-@pytest.mark.parametrize("name", TRAINED)
-def test_the_claim_holds_for_the_mechanism_as_run_or_names_its_analysis(trained, problem, name):
-    """A private algorithm states the mechanism it ran (with the noise it added) as a dp-accounting event, and the
-    library's accountants give that event an ε within the claimed one (at the setting's δ, under the claim's
-    relation); or, where the library has no event for it, it names the analysis its claim rests on."""
-    import dp_accounting
-
-    algo, setting = ALGORITHMS[name](), _setting(name)
-    outcome = trained(name)[3]
-    event = algo.dp_event(setting, outcome.derived)
-    if not algo.tags.private:
-        assert isinstance(event, dp_accounting.NonPrivateDpEvent)
-        return
-    if event is None:
-        assert algo.tags.own_analysis, f"{name}: no dp-accounting event and no own analysis named"
-        return
-    if outcome.guarantee != "proved":  # e.g. the classic Gaussian formula proves nothing at ε ≥ 1: check at ε = 0.5
-        setting = dataclasses.replace(setting, epsilon=0.5)
-        outcome = algo.fit(setting, problem[2], problem[0], problem[1], ReplicaStreams(SEEDS))
-        event = algo.dp_event(setting, outcome.derived)
-    claimed = outcome.derived["epsilon_achieved"]
-    assert outcome.guarantee == "proved" and claimed <= setting.epsilon
-    assert _library_epsilon(event, setting.delta, algo.neighbouring()) <= claimed * (1 + 1e-3)
-
-
-def test_the_check_of_the_claim_catches_too_little_noise(trained):
-    """The check above can fail: dp_sgd's event with half the noise it calibrated exceeds its claim."""
-    algo, setting = ALGORITHMS["dp_sgd"](), _setting("dp_sgd")
-    derived = dict(trained("dp_sgd")[3].derived)
+def test_the_check_of_the_claim_catches_too_little_noise():
+    """The claim check can fail: dp_sgd's event with half the noise it calibrated exceeds its claim."""
+    subject = contract.Subject(ALGORITHMS["dp_sgd"])
+    derived = dict(subject.trained[0].derived)
     derived["sigma"] /= 2
-    assert _library_epsilon(algo.dp_event(setting, derived), setting.delta, "add_remove") > 1.5 * setting.epsilon
+    event = ALGORITHMS["dp_sgd"]().dp_event(subject.setting, derived)
+    assert contract.library_epsilon(event, subject.setting.delta, "add_remove") > 1.5 * subject.setting.epsilon
+
+
+def test_params_that_take_any_key_break_the_contract():
+    """The params check can fail: a Params model without extra="forbid" is reported."""
+
+    class Lax(ALGORITHMS["sgd"]):  # type: ignore[misc,valid-type]
+        Params = dataclasses.make_dataclass("P", [])  # not a pydantic model
+
+    with pytest.raises(contract.Broken, match="not a pydantic model"):
+        contract.check_params(contract.Subject(Lax))
+
+
+class _ByBackend(ALGORITHMS["dp_sgd"]):  # type: ignore[misc,valid-type]
+    """Trains another learning rate on the compiled step than on NumPy."""
+
+    def chain(self, setting, X, y, streams, clip=None, noise=()):
+        chain = super().chain(setting, X, y, streams, clip=clip, noise=noise)
+        if self.params.backend != "numpy":
+            chain.schedule = constant(setting.lr * 1.01)
+        return chain
+
+
+class _SharedGenerator(ALGORITHMS["sgd"]):  # type: ignore[misc,valid-type]
+    """Draws noise from one generator every training shares, not from its seeds' streams."""
+
+    generator = np.random.default_rng(0)
+
+    def prepare(self, setting, model, X, y, streams):
+        prepared = super().prepare(setting, model, X, y, streams)
+        draws = (self.generator.normal(size=prepared.theta.shape) for _ in itertools.count())
+        prepared.chain.transforms.insert(0, add_noise(0.1, draws))
+        return prepared
+
+
+@pytest.mark.parametrize("cls, check, message", [
+    (_ByBackend, "compiled", "the compiled θ differs from NumPy's"),
+    (_SharedGenerator, "deterministic", "training twice with the same seeds gives another θ"),
+    (_SharedGenerator, "fused", "θ trained beside other chains differs from θ trained alone"),
+])
+def test_the_compiled_and_fused_checks_can_fail(cls, check, message):
+    if check == "compiled" and not compiled.HAVE_NUMBA:
+        pytest.skip("numba not installed")
+    with pytest.raises(contract.Broken, match=message):
+        contract.CHECKS[check](contract.Subject(cls))

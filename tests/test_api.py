@@ -286,12 +286,13 @@ VALID = {"only": ["tiny"], "jobs": 1, "dry_run": True, "no_resume": False, "sele
          "set": {"epochs": 1}, "seeds": 1, "quiet": True, "metric": "accuracy", "format": "png", "trials": 10,
          "confidence": 0.95,
          "on_rows": print, "sigma": 1.0, "sample_rate": 0.01, "steps": 100, "delta": 1e-5, "accountant": "rdp",
-         "neighbours": "add_remove", "epsilon": 1.0}
+         "neighbours": "add_remove", "epsilon": 1.0, "plugins": [], "plugin": "my_alg.py"}
 VALID_IN = {"export": {"format": "csv"}, "calibrations": {"epsilon": [1.0]}}
 NAN, INF = math.nan, math.inf
 PATHS = [5, None, ["a"]]
 WRONG_TYPE = {
-    "grid": PATHS, "out": PATHS, "folder": PATHS, "results_dir": PATHS,
+    "grid": PATHS, "out": PATHS, "folder": PATHS, "results_dir": PATHS, "plugin": PATHS,
+    "plugins": [5, [5], {"a.py": 1}, None],
     "only": [5, [1], {"tiny": 1}], "jobs": ["2", True, 2.5, None], "seeds": ["3", True, 2.5],
     "dry_run": [1, "yes", None], "no_resume": [1, "yes"], "selected": [1, "yes", None],
     "quiet": [1, "no"], "scheduler": [5, ["tcp://x:1"]],

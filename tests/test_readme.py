@@ -123,6 +123,7 @@ def scenarios(dpsgd, write_grid, tmp_path) -> dict[tuple[int, str], list]:
         (1, "run"): [lambda: failed_runs("run")],
         (1, "plot"): [lambda: failed_runs("plot")],
         (1, "report"): [lambda: failed_runs("report")],
+        (1, "check"): [lambda: dpsgd("check", Path(__file__).parent / "data" / "plugins" / "broken.py")],
         (2, ""): [lambda: dpsgd("run", write_grid(GRID.replace("epochs:", "epoch:"))),  # unknown key
                   lambda: dpsgd(*calculator[:-1], 2.0),  # value out of range
                   lambda: dpsgd("run", tmp_path / "missing.yaml"),

@@ -10,7 +10,7 @@ import pkgutil
 # The grid axes an algorithm may use (or override); defined before the algorithm modules import it.
 AXES = ("epsilon", "batch_size", "lr", "epochs", "l2", "clip_norm")
 
-from dpsgd_cli.algorithms.base import Algorithm, Outcome, Setting  # noqa: E402
+from dpsgd_cli.algorithms.base import Algorithm, Outcome, Setting, Tags  # noqa: E402
 
 
 def _discover() -> dict[str, type[Algorithm]]:
@@ -28,4 +28,4 @@ def _discover() -> dict[str, type[Algorithm]]:
 
 ALGORITHMS: dict[str, type[Algorithm]] = _discover()
 
-__all__ = ["AXES", "ALGORITHMS", "Algorithm", "Outcome", "Setting"]
+__all__ = ["AXES", "ALGORITHMS", "Algorithm", "Outcome", "Setting", "Tags"]

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import scipy.stats
 
+from dpsgd_cli import plugins
 from dpsgd_cli.algorithms import Algorithm, Setting
 from dpsgd_cli.algorithms.erm import reference_minimum
 from dpsgd_cli.algorithms.streams import ReplicaStreams
@@ -35,7 +36,8 @@ COLUMNS = ["grid", "cell_id", "dataset", "model", "algorithm", "algorithm_params
            "control_epsilon", "control_epsilon_lo", "control_row_confidence", "gdp_mu", "gdp_epsilon", "epsilon_rdp",
            "noiseless_fraction", "confidence", "family_size", "row_confidence", "statistic", "threshold", "auc",
            "tpr_at_fpr_1e-2", "tpr_at_fpr_1e-3", "trials", "canary", "threat_model", "neighbours", "batch_size", "lr",
-           "epochs", "steps", "sigma", "guarantee", "scores_file", "wall_time", "status", "message"]
+           "epochs", "steps", "sigma", "guarantee", "scores_file", "wall_time", "status", "message", "plugin",
+           "plugin_sha256"]
 THREATS = {"input": ["black-box, last iterate"],
            "gradient": ["white-box, last iterate", "white-box, all iterates"],
            "dirac": ["white-box, last iterate", "white-box, all iterates"]}
@@ -209,7 +211,8 @@ def _base_row(cell: Cell, data: Dataset, algorithm: Algorithm, trials: int, conf
             "epsilon": cell.epsilon, "trials": trials, "confidence": confidence, "statistic": spec.statistic,
             "neighbours": algorithm.neighbouring(),
             "threshold": spec.threshold if spec.statistic == "clopper_pearson" else "bonferroni",
-            "batch_size": cell.batch_size, "lr": cell.lr, "epochs": cell.epochs, "status": "ok", "message": ""}
+            "batch_size": cell.batch_size, "lr": cell.lr, "epochs": cell.epochs, "status": "ok", "message": "",
+            **plugins.provenance(algorithm.name)}
 
 
 def _derived_columns(worlds: Worlds, cell: Cell, data: Dataset) -> dict[str, Any]:

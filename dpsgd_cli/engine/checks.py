@@ -42,7 +42,7 @@ MAX_SIMULATED_TRIALS = 10**5  # a private selection's searches × E[K] trials, e
 # runs.csv columns holding text (the others are numbers a metric or an x axis may use)
 TEXT_COLUMNS = {"run_id", "cell_id", "grid", "dataset", "dataset_options", "model", "model_options", "algorithm",
                 "algorithm_params", "accountant", "accountant_library", "guarantee", "derived", "status",
-                "message", "version", "dtype", "label"}
+                "message", "version", "dtype", "label", "plugin", "plugin_sha256"}
 # selection values that must name something of the grid
 _NAMED = {"algorithm": lambda g: [a.name for a in g.algorithms],
           "dataset": lambda g: [getattr(d, "id", None) or d.name for d in g.datasets],

@@ -55,6 +55,7 @@ COLUMNS = [
     "test_accuracy", "test_loss", "train_accuracy", "train_objective", "optimal_objective", "optimality_gap",
     "guarantee", "noiseless_fraction", "derived", "wall_time", "status", "message", "version", "dtype",
     "n_val", "val_accuracy", "val_objective", "epsilon_base", "tuning", "delta_certified", "neighbours", "numerics",
+    "plugin", "plugin_sha256",
 ]
 TRACE_COLUMNS = ["run_id", "cell_id", "seed", "examples", "train_objective", "optimality_gap", "train_accuracy"]
 # the columns every version of the tool wrote (later ones are added when an older file is rewritten); a file
@@ -400,9 +401,9 @@ class ResultStore:
     def read_traces(self) -> pd.DataFrame:
         return self.traces_file.read()
 
-    def start(self, resume: bool) -> set[str]:
+    def start(self, resume: bool, plugins: dict[str, str | None] | None = None) -> set[str]:
         """Take the folder's lock, recover the files from any crash, and return the run ids already final.
-        Without resume, the old CSVs are kept as backups."""
+        Without resume, the old CSVs are kept as backups. `plugins`: see `check_plugins`."""
         try:
             make_folder(check_folder(self.folder))
             acquire_lock(self.folder)
@@ -423,6 +424,7 @@ class ResultStore:
 
             final = self.runs_file.recover(keep=first_final)
             check_numerics(self.csv, final)
+            check_plugins(self.csv, final, plugins or {})
             done = {row["run_id"] for row in final}
             # checkpoints of runs that never finished go, so that a run in runs.csv has exactly its traces
             self.traces_file.recover(keep=lambda row: row["run_id"] in done)
@@ -438,10 +440,11 @@ class ResultStore:
     def append(self, rows: Iterable[dict[str, Any]]) -> None:
         self.runs_file.append(rows)
 
-    def done(self) -> set[str]:
+    def done(self, plugins: dict[str, str | None] | None = None) -> set[str]:
         """The run ids already final, as `start` finds them, without taking the lock or writing (a dry run)."""
         final = self.read().query("status in ['ok', 'diverged']")
         check_numerics(self.csv, final.to_dict("records"))
+        check_plugins(self.csv, final.to_dict("records"), plugins or {})
         return set(final["run_id"].astype(str))
 
     def append_traces(self, rows: Iterable[dict[str, Any]]) -> None:
@@ -470,6 +473,19 @@ def check_numerics(csv: Path, final: Iterable[dict[str, Any]]) -> None:
     if other:
         raise UserError(f"{csv}: holds runs of numerics version {', '.join(other)}, this dpsgd computes version "
                         f"{NUMERICS}; rerun with --no-resume (the old file is kept as a .bak) or use another --out")
+
+
+def check_plugins(csv: Path, final: Iterable[dict[str, Any]], plugins: dict[str, str | None]) -> None:
+    """A UserError if runs.csv holds final runs of an algorithm of `plugins` (name → the SHA-256 of the file that
+    defines it now, None for a built-in) made by another version of its file: their run ids are the same, so
+    resuming would skip runs this code would compute differently, and mix the two in one grid."""
+    for row in final:
+        name, sha = row.get("algorithm"), row.get("plugin_sha256")
+        sha = sha if isinstance(sha, str) and sha else None  # empty or NaN: a built-in's row
+        if name in plugins and sha != plugins[name]:
+            then, now = (f"plugin file of SHA-256 {s[:12]}…" if s else "built-in" for s in (sha, plugins[name]))
+            raise UserError(f"{csv}: holds runs of {name} made by its {then}, but this {name} is the {now}; rerun "
+                            f"with --no-resume (the old file is kept as a .bak) or use another --out")
 
 
 def _version_text(value: Any) -> str:
@@ -695,8 +711,9 @@ def current_run_ids(folder: Path, fallback: pd.Series) -> set[str]:
     try:
         return set(_grid_run_ids(json.dumps(manifest["grid"], sort_keys=True)))
     except Exception as exc:  # a grid this version no longer accepts: show every row, and say so
+        hint = "; its grid names plugin algorithms: load their files with --plugin" if "plugins" in manifest else ""
         note(f"{Path(folder) / 'manifest.json'}: its grid no longer validates ({str(exc).splitlines()[0]}); "
-             f"showing every row of runs.csv")
+             f"showing every row of runs.csv{hint}")
         return set(fallback.astype(str))
 
 

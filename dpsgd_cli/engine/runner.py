@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from dpsgd_cli import NUMERICS, __version__, diskcache
+from dpsgd_cli import NUMERICS, __version__, diskcache, plugins
 from dpsgd_cli.algorithms import ALGORITHMS, Setting
 from dpsgd_cli.algorithms.base import Algorithm, Outcome, Prepared
 from dpsgd_cli.algorithms.chain import train_together
@@ -407,6 +407,7 @@ def _base_row(cell: Cell, data: Dataset, setting: Setting, optimal: float) -> di
         "epsilon_base": setting.epsilon if cell.tuning else None,
         "tuning": cell.tuning["tag"] if cell.tuning else None,
         "neighbours": cell.make_algorithm().neighbouring() if ALGORITHMS[cell.algorithm.name].tags.private else None,
+        **plugins.provenance(cell.algorithm.name),
     }
 
 
@@ -472,10 +473,12 @@ def plan_grid(grid: Grid, out_root: Path, resume: bool = True, dry_run: bool = F
         except UserError as exc:
             raise UserError(f"{where}: {exc}") from None
     store = ResultStore(Path(out_root) / grid.name)
+    # each algorithm's code as it is now: rows another version of a plugin made are not resumed into
+    shas = {a.name: plugins.provenance(a.name)["plugin_sha256"] for a in grid.algorithms}
     if dry_run:
-        done = store.done() if resume else set()
+        done = store.done(shas) if resume else set()
     else:
-        done = store.start(resume)
+        done = store.start(resume, shas)
     run = GridRun(grid, store.folder, cells)
     for cell in cells:
         seeds = tuple(s for s in cell.seeds if cell.run_id(s) not in done)
@@ -522,8 +525,10 @@ def execute(run: GridRun, jobs: int = 1, on_rows: Callable[[list[dict]], None] |
     store = ResultStore(run.folder)
     started = now()
     done, writing = 0, []
+    loaded = {a.name: plugins.provenance(a.name) for a in run.grid.algorithms if a.name in plugins.LOADED}
     manifest = lambda finished: store.write_manifest(run.grid.model_dump(mode="json"), grid_hash(run.grid), started,
-                                                     finished, cells=len(run.cells), runs=run.total_runs)
+                                                     finished, cells=len(run.cells), runs=run.total_runs,
+                                                     **({"plugins": loaded} if loaded else {}))
     try:
         run.tasks = resolve_optima(run.tasks, 1 if backend else jobs, on_status)
         try:
