@@ -282,7 +282,8 @@ def public_functions() -> dict:
 
 # a valid value of each parameter (by function where the same name takes another type), and wrong ones: of the
 # wrong type, and of the right type out of range
-VALID = {"only": ["tiny"], "jobs": 1, "dry_run": True, "no_resume": False, "selected": False, "scheduler": None,
+VALID = {"only": ["tiny"], "jobs": 1, "dry_run": True, "no_resume": False, "selected": False, "caption": True,
+         "scheduler": None,
          "set": {"epochs": 1}, "seeds": 1, "quiet": True, "metric": "accuracy", "format": "png", "trials": 10,
          "confidence": 0.95,
          "on_rows": print, "sigma": 1.0, "sample_rate": 0.01, "steps": 100, "delta": 1e-5, "accountant": "rdp",
@@ -294,7 +295,7 @@ WRONG_TYPE = {
     "grid": PATHS, "out": PATHS, "folder": PATHS, "results_dir": PATHS, "plugin": PATHS,
     "plugins": [5, [5], {"a.py": 1}, None],
     "only": [5, [1], {"tiny": 1}], "jobs": ["2", True, 2.5, None], "seeds": ["3", True, 2.5],
-    "dry_run": [1, "yes", None], "no_resume": [1, "yes"], "selected": [1, "yes", None],
+    "dry_run": [1, "yes", None], "no_resume": [1, "yes"], "selected": [1, "yes", None], "caption": [1, "no"],
     "quiet": [1, "no"], "scheduler": [5, ["tcp://x:1"]],
     "set": [{5: 1}, 5, [1], {"epochs": 1, 2: 3}], "metric": [3, ["accuracy"]], "format": [None, 5],
     "trials": [2.5, "10", True], "confidence": ["0.9", True, [0.9]], "on_rows": [5, "print"],
