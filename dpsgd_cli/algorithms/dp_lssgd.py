@@ -6,8 +6,6 @@ Privacy-Preserving ERM", MSML 2020 (arXiv:1906.12056).
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import BaseModel, ConfigDict, Field
 
 from dpsgd_cli.algorithms.base import Prepared, Setting
@@ -15,13 +13,14 @@ from dpsgd_cli.algorithms.chain import GradientChain, laplacian_smoothing, smoot
 from dpsgd_cli.algorithms.sgd import DPSGD
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.models import Model
+from dpsgd_cli.privacy import AccountantName
 
 
 class DPLSSGDParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     smoothing: float = Field(1.0, ge=0, allow_inf_nan=False,
                              description="Laplacian smoothing constant σ_ls ≥ 0 (0: DP-SGD exactly)")
-    accountant: Literal["rdp", "pld"] = Field("rdp", description="dp-accounting accountant used to calibrate σ")
+    accountant: AccountantName = Field("rdp", description="dp-accounting accountant used to calibrate σ")
 
 
 class DPLSSGD(DPSGD):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -77,7 +77,7 @@ class SGD(Algorithm):
 
 class DPSGDParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    accountant: Literal["rdp", "pld"] = Field("rdp", description="dp-accounting accountant used to calibrate σ")
+    accountant: AccountantName = Field("rdp", description="dp-accounting accountant used to calibrate σ")
     backend: Backend = Field("auto", description=BACKEND_HELP)
 
 

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from dpsgd_cli.algorithms import ALGORITHMS as REGISTRY
+from dpsgd_cli.privacy import ACCOUNTANT_LABELS
 
 ALGORITHMS = {
     "erm": "ERM (exact minimiser)",
@@ -37,10 +38,10 @@ PARAMETERS: dict[str, tuple[str | None, dict[str, str]]] = {
                         "constant": r"constant $\eta$", "convex": "convex schedule",
                         "strongly_convex": "strongly convex schedule", "auto": "automatic schedule"}),
     "accountant": ("accountant", {"dynamics": "privacy dynamics", "composition": "composition",
-                                  "minimum": "min(dynamics, composition)", "rdp": "RDP", "pld": "PLD",
+                                  "minimum": "min(dynamics, composition)", **ACCOUNTANT_LABELS,
                                   "auto": "automatic"}),
     "accounting": ("accounting", {"closed_form": "closed form", "advanced_composition": "advanced composition",
-                                  "rdp": "RDP", "pld": "PLD"}),
+                                  **ACCOUNTANT_LABELS}),
     "composition": ("composition", {"basic": "basic", "advanced": "advanced"}),
     "amplification": ("amplification", {"tight": "tight", "approx": "approximate"}),
     "formula": ("formula", {"paper": "the paper's", "lecture": "the lecture's"}),

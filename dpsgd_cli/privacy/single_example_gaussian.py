@@ -46,8 +46,10 @@ from dpsgd_cli import diskcache
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.lazy import LazyModule
 from dpsgd_cli.privacy.accounting import (
+    ACCOUNTANTS,
     CALIBRATION_VERSION,
     LIBRARY,
+    AccountantName,
     memoised,
     rdp_epsilon_and_order,
     rdp_epsilon_floor,
@@ -88,7 +90,7 @@ VERSION = "2"  # part of the disk cache key: bump it with any change that could 
 _VERSIONS = {"library": LIBRARY, "scipy": importlib.metadata.version("scipy"), "rho": repr(PLD_RHO_SINGLE_EXAMPLE),
              "calibration_version": CALIBRATION_VERSION, "single_example_version": VERSION}
 
-Accounting = Literal["closed_form", "advanced_composition", "rdp", "pld"]
+Accounting = Literal["closed_form", "advanced_composition", AccountantName]
 Formula = Literal["paper", "lecture"]
 Amplification = Literal["tight", "approx"]
 Gaussian = Literal["classical", "analytic"]
@@ -333,7 +335,7 @@ def _calibrate_bassily(epsilon: float, delta: float, n: int, steps: int, lipschi
 
         point = calibrate(eps_of, epsilon, sigma_guess=guess, context=context)
         return _advanced_composition_privacy(point.sigma, delta, n, steps, lipschitz, amplification, gaussian)
-    if accounting in ("rdp", "pld"):
+    if accounting in ACCOUNTANTS:
         if accounting == "rdp" and epsilon <= rdp_epsilon_floor(delta):
             raise UserError(f"bassily2014: target epsilon={epsilon:g} is below what the RDP conversion can certify "
                             f"at delta={delta:g}; use accounting: pld")
