@@ -86,7 +86,7 @@ __all__ = [
 ]
 
 PLD_RHO_SINGLE_EXAMPLE = 0.04  # see pld_epsilon
-VERSION = "2"  # part of the disk cache key: bump it with any change that could move σ or ε (2: the lattice search)
+VERSION = "2"  # part of the disk cache key: bump it with any change that could move σ or ε
 _VERSIONS = {"library": LIBRARY, "scipy": importlib.metadata.version("scipy"), "rho": repr(PLD_RHO_SINGLE_EXAMPLE),
              "calibration_version": CALIBRATION_VERSION, "single_example_version": VERSION}
 
