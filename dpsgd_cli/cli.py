@@ -19,6 +19,7 @@ from dpsgd_cli import __version__, api
 from dpsgd_cli.analytic_params import PrivacyCurveParams, bounds
 from dpsgd_cli.errors import UserError, file_errors
 from dpsgd_cli.lazy import LazyModule
+from dpsgd_cli.privacy import ACCOUNTANTS, AccountantName
 from dpsgd_cli.tables import compact_table, settings_table, spread
 from dpsgd_cli.tables import fmt as _fmt
 
@@ -59,11 +60,6 @@ app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False, pret
 datasets_app = typer.Typer(help="List, fetch and describe the datasets.", no_args_is_help=True)
 app.add_typer(datasets_app, name="datasets")
 console = Console()
-
-
-class Accountant(str, Enum):
-    rdp = "rdp"
-    pld = "pld"
 
 
 class Neighbours(str, Enum):
@@ -456,6 +452,7 @@ _SIGMA_HELP = "Noise multiplier σ (noise std / clipping norm), in [1e-3, 1e6]; 
 _Q_HELP = "Poisson sampling rate q = B/n (each record joins a step with probability q), in (0, 1]."
 _STEPS_HELP = "Number of steps T (≥ 1; at most 1e6 with the PLD accountant, 1e12 with RDP)."
 _DELTA_HELP = "δ of the (ε, δ)-DP guarantee, in (0, 1); choose δ ≪ 1/n (e.g. 1/n², n = training records)."
+_ACCOUNTANT_CHOICES = "|".join(ACCOUNTANTS)
 _ACCOUNTANT_HELP = ("How ε is computed over the T steps (both dp-accounting, both valid upper bounds): rdp = Rényi "
                     "DP converted to (ε, δ) (fast, slightly looser); pld = privacy loss distributions "
                     "(tighter, slower).")
@@ -469,15 +466,16 @@ def epsilon(
     sample_rate: float = typer.Option(..., "--sample-rate", metavar="Q", help=_Q_HELP),
     steps: int = typer.Option(..., "--steps", metavar="T", help=_STEPS_HELP),
     delta: float = typer.Option(..., "--delta", metavar="D", help=_DELTA_HELP),
-    accountant: Accountant = typer.Option(Accountant.rdp, "--accountant", metavar="rdp|pld", help=_ACCOUNTANT_HELP),
+    accountant: AccountantName = typer.Option("rdp", "--accountant", metavar=_ACCOUNTANT_CHOICES,
+                                              help=_ACCOUNTANT_HELP),
     neighbours: Neighbours = typer.Option(Neighbours.add_remove, "--neighbours", metavar="add_remove|replace_one",
                                           help=_NEIGHBOURS_HELP),
 ) -> None:
     """ε of DP-SGD (Poisson-subsampled Gaussian, T steps) at the given δ."""
-    eps = api.epsilon(sigma=sigma, sample_rate=sample_rate, steps=steps, delta=delta, accountant=accountant.value,
+    eps = api.epsilon(sigma=sigma, sample_rate=sample_rate, steps=steps, delta=delta, accountant=accountant,
                       neighbours=neighbours.value)
     console.print(f"ε = {eps:.6g}  (σ = {sigma:g}, q = {sample_rate:g}, T = {steps}, δ = {delta:g}, "
-                  f"{accountant.value} accountant, {neighbours.value} neighbours)")
+                  f"{accountant} accountant, {neighbours.value} neighbours)")
 
 
 @app.command()
@@ -487,13 +485,14 @@ def sigma(
     sample_rate: float = typer.Option(..., "--sample-rate", metavar="Q", help=_Q_HELP),
     steps: int = typer.Option(..., "--steps", metavar="T", help=_STEPS_HELP),
     delta: float = typer.Option(..., "--delta", metavar="D", help=_DELTA_HELP),
-    accountant: Accountant = typer.Option(Accountant.rdp, "--accountant", metavar="rdp|pld", help=_ACCOUNTANT_HELP),
+    accountant: AccountantName = typer.Option("rdp", "--accountant", metavar=_ACCOUNTANT_CHOICES,
+                                              help=_ACCOUNTANT_HELP),
     neighbours: Neighbours = typer.Option(Neighbours.add_remove, "--neighbours", metavar="add_remove|replace_one",
                                           help=_NEIGHBOURS_HELP),
 ) -> None:
     """The smallest noise multiplier σ giving ε ≤ target (within 0.1%) for DP-SGD."""
     calibrations = api.calibrations(epsilon=epsilon, sample_rate=sample_rate, steps=steps, delta=delta,
-                                    accountant=accountant.value, neighbours=neighbours.value)
+                                    accountant=accountant, neighbours=neighbours.value)
     for target, cal in zip(epsilon, calibrations):
         console.print(f"σ = {cal.sigma:.6g}  (achieved ε = {cal.epsilon:.6g} ≤ {target:g}, q = {sample_rate:g}, "
                       f"T = {steps}, δ = {delta:g}, {cal.accountant} accountant, {cal.neighbours} neighbours, "

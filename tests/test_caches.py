@@ -319,3 +319,26 @@ def test_a_tampered_bassily_calibration_is_discarded(cache, monkeypatch, capsys)
         assert single.calibrate_bassily(*args) == honest
     assert capsys.readouterr().err.count("discarded the cache entry") == 1  # ε is recomputed, not discarded
     single.calibrate_bassily.cache_clear()
+
+
+# where Brent's method on log σ stopped for these arguments (1.0, 1e-5, 500, 500, 1.0, "rdp"): private, ε in the
+# window [0.999, 1] (0.99905), but not a point of the calibration lattice
+_BRENT_SIGMA = 1.8451008268666866
+
+
+def test_a_bassily_sigma_of_another_search_is_not_served(cache, capsys):
+    """A σ in the window that another search found (Brent's, before the lattice) is discarded, not served as the
+    lattice's σ: the check wants exactly a lattice point."""
+    from dpsgd_cli.privacy import single_example_gaussian as single
+
+    args = (1.0, 1e-5, 500, 500, 1.0, "rdp")
+    honest = single.calibrate_bassily(*args)
+    (path,) = (cache.parent / "calibration").glob("*.json")
+    rewrite(path, lambda p: {**p, "sigma": _BRENT_SIGMA,
+                             "details": {**p["details"], "noise_multiplier": _BRENT_SIGMA / 2.0}})
+    assert 0.999 <= single.cached_rdp_epsilon(_BRENT_SIGMA / 2.0, 500, 500, 1e-5) <= 1.0
+    single.calibrate_bassily.cache_clear()
+    assert single.calibrate_bassily(*args) == honest
+    err = capsys.readouterr().err
+    assert err.count("discarded the cache entry") == 1 and "not a point of the calibration lattice" in err
+    single.calibrate_bassily.cache_clear()

@@ -386,23 +386,25 @@ def test_epsilon_curve_on_known_functions():
         acc.EpsilonCurve(lambda s: (1.0 / s, None), sigma_min=2.0, sigma_max=1.0)
 
 
-def test_calibrate_generic_on_known_function():
-    calls = []
+def test_calibrate_is_the_lattice_search_on_a_curve_of_its_own():
+    """`calibrate` (every mechanism but DP-SGD's shared curves) answers what `EpsilonCurve` answers: the smallest
+    lattice σ whose ε meets the target, whatever the start."""
+    h = acc.LATTICE_STEP
+    for target in (0.05, 0.5, 2.0):
+        calls = []
 
-    def eps(sigma):
-        calls.append(sigma)
-        return 3.0 / sigma
+        def eps(sigma):
+            calls.append(sigma)
+            return 3.0 / sigma
 
-    point = acc.calibrate(eps, 0.5)
-    assert 0.999 * 0.5 <= point.epsilon <= 0.5 and point.epsilon == 3.0 / point.sigma
-    assert 6.0 <= point.sigma <= 6.0 / 0.999
-    assert point.evaluations == len(calls) <= 10
-    # Stopping rule is on epsilon: a looser window stops earlier, never outside the window.
-    loose = acc.calibrate(lambda s: 3.0 / s, 0.5, rel_tol=0.2)
-    assert 0.4 <= loose.epsilon <= 0.5
+        point = acc.calibrate(eps, target)
+        assert point.sigma == math.exp(math.ceil(math.log(3.0 / target) / h) * h) and point.epsilon == 3.0 / point.sigma
+        assert point.evaluations == len(calls) and point.in_window
+        for guess in (1e-2, 3.0 / target, 1e5):
+            assert acc.calibrate(eps, target, sigma_guess=guess).sigma == point.sigma
 
 
-def test_calibrate_generic_errors():
+def test_calibrate_errors():
     with pytest.raises(UserError, match="unreachable"):
         acc.calibrate(lambda s: 1.0 + 1.0 / s, 0.5)  # epsilon never below 1
     with pytest.raises(UserError, match="too loose"):

@@ -17,6 +17,7 @@ import pandas as pd
 from dpsgd_cli.config import FigureSpec, Grid, NoiseScaleParams, PrivacyCurveParams
 from dpsgd_cli.engine.folder import read_table, write_csv
 from dpsgd_cli.errors import UserError
+from dpsgd_cli.privacy import ACCOUNTANT_LABELS, ACCOUNTANTS
 from dpsgd_cli.privacy.dynamics import privacy_curve
 from dpsgd_cli.privacy.single_example_gaussian import calibrate_bassily
 
@@ -26,8 +27,7 @@ NOISE_ACCOUNTINGS = [
     ("closed form (√32·l, unverified)", "closed_form", "paper", "tight"),
     ("advanced composition, 2qε", "advanced_composition", "lecture", "approx"),
     ("advanced composition, tight amplification", "advanced_composition", "lecture", "tight"),
-    ("RDP (dp-accounting)", "rdp", "lecture", "tight"),
-    ("PLD (dp-accounting)", "pld", "lecture", "tight"),
+    *((f"{ACCOUNTANT_LABELS[name]} (dp-accounting)", name, "lecture", "tight") for name in ACCOUNTANTS),
 ]
 
 

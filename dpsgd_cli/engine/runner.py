@@ -39,7 +39,7 @@ from dpsgd_cli.engine.selection import base_epsilon
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import Model, make_model
 from dpsgd_cli.models.rows import cached_astype
-from dpsgd_cli.privacy.accounting import calibrate_sigma
+from dpsgd_cli.privacy.accounting import ACCOUNTANTS, calibrate_sigma
 
 
 @functools.lru_cache(maxsize=8)
@@ -572,7 +572,7 @@ def _results(tasks: list[Task], jobs: int) -> Iterator[TaskResult]:
     yield from parallel(delayed(run_task)(task, single_thread=True) for task in tasks)
 
 
-def calibrate_ahead(cells: Sequence[Cell], data: Dataset, accountants: Sequence[str] = ("rdp", "pld")) -> None:
+def calibrate_ahead(cells: Sequence[Cell], data: Dataset, accountants: Sequence[str] = ACCOUNTANTS) -> None:
     """σ of every cell (training on `data`) that calibrates DP-SGD's noise by one of `accountants`: one accountant
     curve per (δ, q, T, accountant), loosest target first (its points are the cheapest; points two targets share are
     evaluated once). A fused task does this at its start; with `--jobs N` the driver does it for the RDP curves

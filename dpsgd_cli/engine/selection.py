@@ -19,7 +19,7 @@ import functools
 import json
 import re
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -108,8 +108,9 @@ def results_frame(folder: Path, traces: bool = False, select: bool = True) -> pd
 
 def base_epsilon(tuning: dict[str, Any], target: float, n: int, delta: float) -> float:
     """The ε each candidate of a calibrated private selection is trained at, so that tuning + training is
-    (target, δ)-DP: Liu & Talwar: target/3; Papernot & Steinke: the largest common base ε whose candidates'
-    σ (calibrated to it by their own accountant) give a tuned mechanism within 0.1% below the target."""
+    (target, δ)-DP: Liu & Talwar: target/3; Papernot & Steinke: the common base ε = 1/x, x the smallest lattice
+    point (`calibration.calibrate`) whose candidates' σ (calibrated to 1/x by their own accountant) give a tuned
+    mechanism meeting the target (`total_epsilon`)."""
     return _base_epsilon(json.dumps(tuning, sort_keys=True), float(target), int(n), float(delta))
 
 
@@ -118,11 +119,20 @@ def _base_epsilon(tuning_json: str, target: float, n: int, delta: float) -> floa
     tuning = json.loads(tuning_json)
     if tuning["privacy"] == "liu_talwar":
         return target / 3.0
+    point = calibrate(total_epsilon(tuning, n, delta), target, sigma_min=1.0 / target, sigma_max=1e4,
+                      sigma_guess=2.0 / target,
+                      context=f" (base ε of a {tuning['privacy']} selection at ε = {target:g})")
+    return 1.0 / point.sigma
+
+
+def total_epsilon(tuning: dict[str, Any], n: int, delta: float) -> Callable[[float], float]:
+    """x = 1/ε_base ↦ ε of a Papernot & Steinke selection (tuning + training) whose candidates are calibrated to
+    ε_base, each by its own accountant: non-increasing in x, the curve `base_epsilon` calibrates x on."""
     trials = Trials(tuning["distribution"], tuning["mean"], tuning["eta"])
     candidates = [_event_of(n, batch_size, epochs) + (accountant,) for batch_size, epochs, accountant in
                   tuning["candidates"]]
 
-    def total(x: float) -> float:  # x = 1/ε_base: more "noise", less ε
+    def total(x: float) -> float:
         try:
             curves = [dpsgd_rdp(calibrate_sigma(1.0 / x, delta, q, steps, accountant).sigma, q, steps)
                       for q, steps, accountant in candidates]
@@ -130,9 +140,7 @@ def _base_epsilon(tuning_json: str, target: float, n: int, delta: float) -> floa
             return float("inf")
         return tuned_epsilon(TUNING_ORDERS, curves, trials, delta)
 
-    point = calibrate(total, target, sigma_min=1.0 / target, sigma_max=1e4, sigma_guess=2.0 / target,
-                      context=f" (base ε of a {tuning['privacy']} selection at ε = {target:g})")
-    return 1.0 / point.sigma
+    return total
 
 
 def _event_of(n: int, batch_size: int, epochs: float) -> tuple[float, int]:

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from dpsgd_cli.algorithms import ALGORITHMS
+from dpsgd_cli.privacy import ACCOUNTANT_LABELS
 
 # a parameter's name in a legend or title (None: the value alone says it) and the names of its values
 PARAMETERS: dict[str, tuple[str | None, dict[str, str]]] = {
@@ -23,10 +24,10 @@ PARAMETERS: dict[str, tuple[str | None, dict[str, str]]] = {
                         "constant": r"constant $\eta$", "convex": "convex schedule",
                         "strongly_convex": "strongly convex schedule", "auto": "automatic schedule"}),
     "accountant": ("accountant", {"dynamics": "privacy dynamics", "composition": "composition",
-                                  "minimum": "min(dynamics, composition)", "rdp": "RDP", "pld": "PLD",
+                                  "minimum": "min(dynamics, composition)", **ACCOUNTANT_LABELS,
                                   "auto": "automatic"}),
     "accounting": ("accounting", {"closed_form": "closed form", "advanced_composition": "advanced composition",
-                                  "rdp": "RDP", "pld": "PLD"}),
+                                  **ACCOUNTANT_LABELS}),
     "composition": ("composition", {"basic": "basic", "advanced": "advanced"}),
     "amplification": ("amplification", {"tight": "tight", "approx": "approximate"}),
     "formula": ("formula", {"paper": "the paper's", "lecture": "the lecture's"}),

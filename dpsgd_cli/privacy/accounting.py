@@ -36,7 +36,7 @@ import numpy as np
 from dpsgd_cli.diskcache import CACHE_DIR_ENV
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.lazy import LazyModule
-from dpsgd_cli.privacy import AccountantName, Neighbours
+from dpsgd_cli.privacy import ACCOUNTANT_LABELS, ACCOUNTANTS, AccountantName, Neighbours
 from dpsgd_cli.privacy import rdp as _rdp_native
 from dpsgd_cli.privacy import validate as check
 from dpsgd_cli.privacy.calibration import LATTICE_STEP, CalibrationPoint, EpsilonCurve, cache_folder, cached, calibrate
@@ -55,6 +55,7 @@ _relations = LazyModule("dp_accounting.privacy_accountant")
 
 __all__ = [
     "ACCOUNTANTS",
+    "ACCOUNTANT_LABELS",
     "CACHE_DIR_ENV",  # re-exported from dpsgd_cli.diskcache for callers that set the cache folder
     "CALIBRATION_VERSION",
     "LATTICE_STEP",
@@ -82,8 +83,6 @@ __all__ = [
     "rdp_curve_to_epsilon",
     "rdp_epsilon_floor",
 ]
-
-ACCOUNTANTS: tuple[str, ...] = ("rdp", "pld")
 
 LIBRARY: str = f"dp-accounting {importlib.metadata.version('dp-accounting')}"
 """Name and version of the accounting library, recorded in every :class:`Calibration`."""
@@ -304,7 +303,7 @@ def _pld_epsilon(
 
 def _check_accountant(accountant: object) -> str:
     if accountant not in ACCOUNTANTS:
-        raise UserError(f"accountant must be one of 'rdp', 'pld', got {accountant!r}")
+        raise UserError(f"accountant must be one of {', '.join(map(repr, ACCOUNTANTS))}, got {accountant!r}")
     return str(accountant)
 
 

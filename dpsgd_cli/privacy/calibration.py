@@ -1,18 +1,13 @@
-"""Calibration: the smallest noise σ whose ε, by an accountant, is in [(1 − rel_tol)·target, target], and the one
-disk cache of calibrated values.
+"""Calibration: the smallest noise σ whose ε, by an accountant, meets a target, and the one disk cache of calibrated
+values.
 
-Two searches, both over the exact accountant (ε must be non-increasing in σ):
-
-* :class:`EpsilonCurve`: σ on a fixed lattice in log σ (step 2⁻¹²), the smallest lattice point whose ε meets the
-  target, by bracketing and bisection: a function of the target alone, so one curve serves a whole ε axis.
-  DP-SGD's σ (:func:`dpsgd_cli.privacy.accounting.calibrate_sigma`).
-* :func:`calibrate`: Brent's method on log σ, stopped at the first σ whose ε is in the window; the other
-  mechanisms' calibrations keep it, as the lattice would move their σ.
+One search for every mechanism (:class:`EpsilonCurve`, :func:`calibrate`): over the exact accountant (ε must be
+non-increasing in σ), σ is the smallest point of a fixed lattice in log σ (step 2⁻¹²) whose ε is at most the
+target, found by bracketing and bisection: a function of the target alone, so one curve serves a whole ε axis.
 
 :func:`cached` keeps calibrations on disk (one folder, one entry format: key → value with a checksum,
 :mod:`dpsgd_cli.diskcache`); a value read back must hold exactly its fields, and is used only after its `verify`
-re-evaluates the accountant at its σ (:meth:`EpsilonCurve.verify`, :func:`check_window`), and the ε recorded is
-that evaluation's.
+re-evaluates the accountant at its σ (:func:`verify_lattice_point`), and the ε recorded is that evaluation's.
 """
 
 from __future__ import annotations
@@ -22,14 +17,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
-import numpy as np
-
 from dpsgd_cli import diskcache
 from dpsgd_cli.errors import UserError
-from dpsgd_cli.lazy import LazyModule
 from dpsgd_cli.privacy import validate as check
-
-optimize = LazyModule("scipy.optimize")
 
 __all__ = [
     "LATTICE_STEP",
@@ -38,13 +28,13 @@ __all__ = [
     "cache_folder",
     "cached",
     "calibrate",
-    "check_window",
     "positive_sigma",
+    "verify_lattice_point",
 ]
 
 
 class CalibrationPoint(NamedTuple):
-    """Result of :func:`calibrate`: the noise, its epsilon and how many evaluations it took."""
+    """Result of a calibration: the noise, its epsilon and how many evaluations it took."""
 
     sigma: float
     epsilon: float
@@ -59,139 +49,6 @@ def _unreachable(target: float, s_max: float, e: float, context: str) -> UserErr
 def _too_loose(target: float, e: float, low_ok: float, s_min: float, s_max: float, context: str) -> UserError:
     return UserError(f"target_epsilon={target:g} is too loose: already sigma={s_min:g} gives epsilon={e:.4g} < "
                      f"{low_ok:.4g}; calibration searches sigma in [{s_min:g}, {s_max:g}]{context}")
-
-
-class _Found(Exception):
-    def __init__(self, sigma: float, epsilon: float):
-        super().__init__(sigma, epsilon)
-        self.sigma = sigma
-        self.epsilon = epsilon
-
-
-_LOG_CLIP = 50.0
-
-
-def calibrate(
-    epsilon_of_sigma: Callable[[float], float],
-    target_epsilon: float,
-    *,
-    rel_tol: float = 1e-3,
-    sigma_min: float = 1e-2,
-    sigma_max: float = 1e6,
-    sigma_guess: float = 1.0,
-    max_evaluations: int = 200,
-    context: str = "",
-) -> CalibrationPoint:
-    """Smallest noise sigma with ``(1 - rel_tol) * target <= epsilon_of_sigma(sigma) <= target``.
-
-    Kept (not the lattice) for every calibration but DP-SGD's: their σ is where Brent stops, which the lattice moves.
-
-    ``epsilon_of_sigma`` must be non-increasing in sigma (the privacy loss of any noise-addition
-    mechanism) and continuous up to jumps much smaller than ``rel_tol``.  Works on x = log sigma:
-
-    1. bracket: from ``sigma_guess`` step in log sigma (first step predicted from
-       epsilon ~ 1/sigma, then doubling) until epsilon crosses the target, within
-       ``[sigma_min, sigma_max]``;
-    2. refine: Brent's method (bisection safeguarded by secant / inverse-quadratic steps, so it
-       can never do worse than bisection) on ``log epsilon(e^x) - log(target * (1 - rel_tol/2))``.
-
-    The stopping rule is on epsilon, not on sigma: it stops at the first evaluated sigma whose
-    epsilon lies in the window ``[(1 - rel_tol) * target, target]``; so the returned sigma is
-    private enough (epsilon <= target) and at most ~rel_tol too noisy.
-
-    Raises :class:`UserError` if even ``sigma_max`` gives epsilon > target (unreachable target) or
-    ``sigma_min`` already gives epsilon below the window (target too loose for the range);
-    :class:`RuntimeError` if the function jumps over the window (not continuous enough) or
-    ``max_evaluations`` is exhausted.  ``context`` is appended to error messages.
-    """
-    target = check.positive("target_epsilon", target_epsilon)
-    tol = check.open_unit("rel_tol", rel_tol)
-    s_min = check.positive("sigma_min", sigma_min)
-    s_max = check.positive("sigma_max", sigma_max)
-    if not s_min < s_max:
-        raise UserError(f"sigma_min must be < sigma_max, got {s_min!r} and {s_max!r}")
-    low_ok = (1.0 - tol) * target
-    log_aim = math.log(target) + 0.5 * math.log1p(-tol)
-    x_min, x_max = math.log(s_min), math.log(s_max)
-    n_evals = 0
-    # Closest evaluated points on either side of the window, for the error message.
-    above = [math.nan, math.nan]  # largest sigma seen with epsilon > target, its epsilon
-    below = [math.nan, math.nan]  # smallest sigma seen with epsilon < window, its epsilon
-
-    memo: dict[float, float] = {}  # brentq re-evaluates the bracket ends
-
-    def eps_at(x: float) -> float:
-        nonlocal n_evals
-        if x in memo:
-            return memo[x]
-        if n_evals >= max_evaluations:
-            raise RuntimeError(
-                f"calibration did not converge in {max_evaluations} evaluations{context}"
-            )
-        n_evals += 1
-        sigma = math.exp(x)
-        e = float(epsilon_of_sigma(sigma))
-        if math.isnan(e):
-            raise RuntimeError(f"epsilon is NaN at sigma={sigma!r}{context}")
-        if low_ok <= e <= target:
-            raise _Found(sigma, e)
-        if e > target and not sigma <= above[0]:
-            above[:] = [sigma, e]
-        if e < low_ok and not sigma >= below[0]:
-            below[:] = [sigma, e]
-        memo[x] = e
-        return e
-
-    def gap(e: float) -> float:  # log(e) - log_aim, clipped so that 0 and inf stay finite
-        if e <= 0:
-            return -_LOG_CLIP
-        if math.isinf(e):
-            return _LOG_CLIP
-        return min(_LOG_CLIP, max(-_LOG_CLIP, math.log(e) - log_aim))
-
-    try:
-        x0 = min(x_max, max(x_min, math.log(check.positive("sigma_guess", sigma_guess))))
-        e0 = eps_at(x0)
-        # Bracket [x_lo, x_hi]: epsilon(x_lo) > target >= epsilon(x_hi).  Move x away from x0
-        # (up if x0 is not private enough, down if it is too noisy) until epsilon crosses.
-        direction = 1.0 if e0 > target else -1.0
-        x_lo = x_hi = x = x0
-        e = e0
-        # First step from epsilon ~ 1/sigma (+30 %), at most a factor e^2 in sigma (evaluations
-        # far from the answer can be slow: tiny sigma for PLD, huge sigma for RDP), then doubling.
-        step = min(2.0, max(0.1, 1.3 * abs(gap(e0))))
-        while (e > target) == (direction > 0):  # not crossed yet
-            if (direction > 0 and x >= x_max) or (direction < 0 and x <= x_min):
-                break
-            if direction > 0:
-                x_lo = x
-            else:
-                x_hi = x
-            x = min(x_max, max(x_min, x + direction * step))
-            e = eps_at(x)
-            step *= 2.0
-        if direction > 0:
-            x_hi = x
-        else:
-            x_lo = x
-        if direction > 0 and e > target:
-            raise _unreachable(target, s_max, e, context)
-        if direction < 0 and e <= target:
-            raise _too_loose(target, e, low_ok, s_min, s_max, context)
-        optimize.brentq(
-            lambda xx: gap(eps_at(xx)), x_lo, x_hi, xtol=1e-15, rtol=4 * np.finfo(float).eps,
-            maxiter=max_evaluations,
-        )
-    except _Found as found:
-        return CalibrationPoint(found.sigma, found.epsilon, n_evals)
-    if math.isfinite(below[0]) and math.isfinite(above[0]) and above[0] < below[0] <= above[0] * (1 + 1e-6):
-        # epsilon(sigma) steps over the window (a discretised PLD is a step function of sigma): the smallest
-        # sigma seen on the private side is still private (epsilon < target), just not within rel_tol of it
-        return CalibrationPoint(below[0], below[1], n_evals, in_window=False)
-    raise RuntimeError(
-        f"calibration could not bring epsilon into [{low_ok:.6g}, {target:.6g}] between "
-        f"sigma={above[0]:.9g} (epsilon={above[1]:.6g}) and sigma={below[0]:.9g} (epsilon={below[1]:.6g}){context}"
-    )
 
 
 LATTICE_STEP: float = 2.0**-12
@@ -311,18 +168,42 @@ class EpsilonCurve:
         return x_below, e, e >= low_ok
 
     def verify(self, sigma: object, target: float) -> tuple[float, object]:
-        """(ε, info) at a σ read back from a cache, by one evaluation; :class:`diskcache.Rejected` unless σ is
-        exactly a point of the search's lattice (so a changed bit is seen) and ε(σ) is in the window (or ε jumps
-        over the window between σ and the finest lattice point below it)."""
-        x = positive_sigma(sigma)
-        finest = LATTICE_STEP / 2**_LATTICE_LEVELS  # the search's points are exp(k · finest), x = k · finest exactly
-        k = round(math.log(x) / finest)
-        if math.exp(k * finest) != x:
-            raise diskcache.Rejected(f"sigma = {x!r} is not a point of the calibration lattice")
-        e, info = self.evaluate(x)
-        check_window(x, e, target, self.rel_tol, lambda: self.evaluate(math.exp((k - 1) * finest))[0],
-                     self.context)
-        return e, info
+        """(ε, info) at a σ read back from a cache, by one evaluation (:func:`verify_lattice_point`)."""
+        return verify_lattice_point(sigma, target, self.evaluate, self.rel_tol, self.context)
+
+
+def calibrate(epsilon_of_sigma: Callable[[float], float], target_epsilon: float, *, sigma_guess: float = 1.0,
+              rel_tol: float = 1e-3, sigma_min: float = 1e-2, sigma_max: float = 1e6, max_evaluations: int = 200,
+              context: str = "") -> CalibrationPoint:
+    """The smallest lattice σ whose ε = `epsilon_of_sigma(σ)` meets `target_epsilon` (:meth:`EpsilonCurve.calibrate`
+    on a curve of its own), searched in [`sigma_min`, `sigma_max`] from `sigma_guess` (a start only). Raises
+    :class:`UserError` for a target no σ in the range reaches, or one that `sigma_min` already beats by more than
+    `rel_tol`; ``context`` is appended to error messages."""
+    curve = EpsilonCurve(lambda sigma: (epsilon_of_sigma(sigma), None), rel_tol=rel_tol, sigma_min=sigma_min,
+                         sigma_max=sigma_max, max_evaluations=max_evaluations, context=context)
+    return curve.calibrate(target_epsilon, sigma_guess)
+
+
+_I = TypeVar("_I")
+
+
+def verify_lattice_point(sigma: object, target: float, epsilon_and_info: Callable[[float], tuple[float, _I]],
+                         rel_tol: float = 1e-3, context: str = "") -> tuple[float, _I]:
+    """(ε, info) at a σ read back from a cache, by one evaluation of `epsilon_and_info`; :class:`diskcache.Rejected`
+    unless σ is exactly a point of the search's lattice (so a changed bit, or a σ some other search found, is seen)
+    and ε(σ) meets the target within `rel_tol` below it (or ε jumps over that window between σ and the finest
+    lattice point below it, evaluated only then)."""
+    x = positive_sigma(sigma)
+    finest = LATTICE_STEP / 2**_LATTICE_LEVELS  # the search's points are exp(k · finest), x = k · finest exactly
+    k = round(math.log(x) / finest)
+    if math.exp(k * finest) != x:
+        raise diskcache.Rejected(f"sigma = {x!r} is not a point of the calibration lattice")
+    e, info = epsilon_and_info(x)
+    if not (e <= target and (e >= (1.0 - rel_tol) * target
+                             or epsilon_and_info(math.exp((k - 1) * finest))[0] > target)):  # evaluated only then
+        raise diskcache.Rejected(f"sigma = {x!r} gives epsilon = {e:.6g}{context}, not the target {target:g} "
+                                 f"(within {rel_tol:g} below)")
+    return e, info
 
 
 # --------------------------------------------------------------------------------------------
@@ -370,13 +251,3 @@ def positive_sigma(sigma: object) -> float:
     if not (isinstance(sigma, float) and math.isfinite(sigma) and sigma > 0):
         raise diskcache.Rejected(f"sigma = {sigma!r} is not a positive number")
     return sigma
-
-
-def check_window(sigma: float, epsilon: float, target: float, rel_tol: float, epsilon_below: Callable[[], float],
-                 context: str = "") -> None:
-    """:class:`diskcache.Rejected` unless ε(σ) = `epsilon` meets the target within `rel_tol` below it, or ε jumps
-    over that window just below σ (`epsilon_below()`, evaluated only then, exceeds the target)."""
-    if epsilon <= target and (epsilon >= (1.0 - rel_tol) * target or epsilon_below() > target):
-        return
-    raise diskcache.Rejected(f"sigma = {sigma!r} gives epsilon = {epsilon:.6g}{context}, not the target {target:g} "
-                             f"(within {rel_tol:g} below)")

@@ -162,7 +162,7 @@ def noisy_gd_epsilon(sigma: float, delta: float, K: int, eta: float, lam: float,
 
 def calibrate_noisy_gd(target_epsilon: float, delta: float, K: int, eta: float, lam: float, n: int,
                        sensitivity: float, accountant: Accountant = "dynamics") -> CalibrationPoint:
-    """Smallest σ (the paper's noise parameter) with ε in [0.999·target, target] by ``calibrate``."""
+    """The smallest lattice σ (the paper's noise parameter) whose ε meets the target (``calibrate``)."""
     target = check.positive("target_epsilon", target_epsilon)
     d = check.open_unit("delta", delta)
     check.positive("sensitivity", sensitivity)

@@ -28,8 +28,9 @@ Accountings (`accounting`), each giving σ for a target (ε, δ) with the ε it 
   convexity (Balle, Barthe & Gaboardi 2018, Thm 2); dominating pairs compose (Zhu, Dong & Wang 2022).
   tests/test_bassily.py checks it numerically.
 
-:func:`calibrate_bassily` searches σ with :func:`~dpsgd_cli.privacy.calibration.calibrate` and keeps it in the
-calibration disk cache, checked by one evaluation of its analysis when read back.
+:func:`calibrate_bassily` finds σ by the one lattice search, :func:`~dpsgd_cli.privacy.calibration.calibrate` (on the
+noise multiplier σ/(2l) for the RDP and PLD accountants), and keeps it in the calibration disk cache, checked by one
+evaluation of its analysis when read back.
 """
 
 from __future__ import annotations
@@ -45,14 +46,16 @@ from dpsgd_cli import diskcache
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.lazy import LazyModule
 from dpsgd_cli.privacy.accounting import (
+    ACCOUNTANTS,
     CALIBRATION_VERSION,
     LIBRARY,
+    AccountantName,
     memoised,
     rdp_epsilon_and_order,
     rdp_epsilon_floor,
     snap_down,
 )
-from dpsgd_cli.privacy.calibration import cached, calibrate, check_window, positive_sigma
+from dpsgd_cli.privacy.calibration import cached, calibrate, positive_sigma, verify_lattice_point
 from dpsgd_cli.privacy.mechanisms import (
     advanced_composition,
     advanced_composition_epsilon_per_step,
@@ -83,11 +86,11 @@ __all__ = [
 ]
 
 PLD_RHO_SINGLE_EXAMPLE = 0.04  # see pld_epsilon
-VERSION = "1"  # part of the disk cache key: bump it with any change that could move σ or ε
+VERSION = "2"  # part of the disk cache key: bump it with any change that could move σ or ε
 _VERSIONS = {"library": LIBRARY, "scipy": importlib.metadata.version("scipy"), "rho": repr(PLD_RHO_SINGLE_EXAMPLE),
              "calibration_version": CALIBRATION_VERSION, "single_example_version": VERSION}
 
-Accounting = Literal["closed_form", "advanced_composition", "rdp", "pld"]
+Accounting = Literal["closed_form", "advanced_composition", AccountantName]
 Formula = Literal["paper", "lecture"]
 Amplification = Literal["tight", "approx"]
 Gaussian = Literal["classical", "analytic"]
@@ -252,34 +255,35 @@ def _accountant_details(accounting: str, noise_multiplier: float, at_sigma: floa
 
 def _verified(stored: dict[str, Any], epsilon: float, delta: float, n: int, steps: int, lipschitz: float,
               accounting: str, formula: str, amplification: str) -> Privacy:
-    """A cached calibration checked by one evaluation of its own analysis at its σ (ε in the window, or the
-    analysis steps over it just below σ); returned with that evaluation's ε and details, never the stored ones
-    (whose fields must be exactly those recomputed). Closed forms cost no more than their check: recomputed.
-    Raises `diskcache.Rejected`."""
+    """A cached calibration checked by one evaluation of its own analysis at its σ (a point of the calibration
+    lattice, ε in the window, or the analysis steps over it just below σ: `verify_lattice_point`); returned with that
+    evaluation's ε and details, never the stored ones (whose fields must be exactly those recomputed). Closed forms
+    cost no more than their check: recomputed. Raises `diskcache.Rejected`."""
     if accounting == "closed_form":
         fresh = _calibrate_bassily(epsilon, delta, n, steps, lipschitz, accounting, formula, amplification)
         diskcache.exact_fields(stored["details"], fresh.details, "details")
         return fresh
     privacy = Privacy(**stored)
     sigma = positive_sigma(privacy.sigma)
+    context = f" by {accounting}"
     if accounting == "advanced_composition":
         gaussian = _GAUSSIAN[amplification]
-        fresh = _advanced_composition_privacy(sigma, delta, n, steps, lipschitz, amplification, gaussian)
+
+        def chain(s: float) -> tuple[float, Privacy]:
+            at = _advanced_composition_privacy(s, delta, n, steps, lipschitz, amplification, gaussian)
+            return at.epsilon, at
+
+        fresh = verify_lattice_point(sigma, epsilon, chain, context=context)[1]
         if diskcache.exact_fields(privacy.details, fresh.details, "details")["gaussian"] != gaussian:
             raise diskcache.Rejected(f"its Gaussian step {privacy.details['gaussian']!r} is not the {gaussian} one "
                                      f"that {amplification} amplification calibrates")
-        check_window(sigma, fresh.epsilon, epsilon, 1e-3, lambda: _advanced_composition_privacy(
-            sigma * (1.0 - 1e-6), delta, n, steps, lipschitz, amplification, gaussian).epsilon, f" by {accounting}")
         return fresh
     z = diskcache.exact_fields(privacy.details, _accountant_details(accounting, 0.0, 0.0),
                                "details")["noise_multiplier"]
-    scale = 2.0 * lipschitz
-    if not (isinstance(z, float) and sigma == scale * z):
+    if not (isinstance(z, float) and sigma == 2.0 * lipschitz * z):
         raise diskcache.Rejected(f"its sigma {sigma!r} is not 2·lipschitz × its noise multiplier {z!r}")
     func = rdp_epsilon if accounting == "rdp" else pld_epsilon
-    e, x = func(z, n, steps, delta)
-    check_window(sigma, e, epsilon, 1e-3, lambda: func(sigma * (1.0 - 1e-6) / scale, n, steps, delta)[0],
-                 f" by {accounting}")
+    e, x = verify_lattice_point(z, epsilon, lambda m: func(m, n, steps, delta), context=context)
     return Privacy(sigma, e, accounting, _accountant_details(accounting, z, x))
 
 
@@ -331,7 +335,7 @@ def _calibrate_bassily(epsilon: float, delta: float, n: int, steps: int, lipschi
 
         point = calibrate(eps_of, epsilon, sigma_guess=guess, context=context)
         return _advanced_composition_privacy(point.sigma, delta, n, steps, lipschitz, amplification, gaussian)
-    if accounting in ("rdp", "pld"):
+    if accounting in ACCOUNTANTS:
         if accounting == "rdp" and epsilon <= rdp_epsilon_floor(delta):
             raise UserError(f"bassily2014: target epsilon={epsilon:g} is below what the RDP conversion can certify "
                             f"at delta={delta:g}; use accounting: pld")
