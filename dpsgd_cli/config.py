@@ -430,7 +430,7 @@ class SelectSpec(_Strict):
         not the name, so that renaming a selection keeps its runs."""
         return f"{self.privacy} {self.distribution} mean={self.mean:g} eta={self.trials().eta:g}"
 
-    def trials(self):
+    def trials(self) -> Trials:
         """The distribution of the number of trials (privacy/tuning.py)."""
         eta = {"geometric": 1.0, "logarithmic": 0.0}.get(self.distribution, self.eta)
         return Trials(self.distribution, self.mean, eta)
