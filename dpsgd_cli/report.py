@@ -11,6 +11,7 @@ from urllib.parse import quote
 import numpy as np
 import pandas as pd
 
+from dpsgd_cli.audit.engine import VERDICTS
 from dpsgd_cli.audit.run import read_audit_csv
 from dpsgd_cli.config import NAME_PATTERN, ClaimSpec, FigureSpec
 from dpsgd_cli.engine.analytic import analytic_table
@@ -542,8 +543,7 @@ def audit_verdicts(frame: pd.DataFrame) -> list[dict]:
         ok = ok.assign(verdict=np.where(ok["epsilon_lo"] > ok["epsilon_claimed"], "refuted", "consistent"),
                        reason="")
     for key, group in ok.groupby(keys, sort=True):
-        verdict = next(v for v in ("refuted", "consistent", "uninformative", "not covered")
-                       if (group["verdict"] == v).any() or v == "not covered")
+        verdict = next(v for v in VERDICTS if (group["verdict"] == v).any() or v == "not covered")
         chosen = group[group["verdict"] == verdict]
         best = chosen.loc[chosen["epsilon_lo"].idxmax()] if len(chosen) else group.iloc[0]
         sign = ">" if best["epsilon_lo"] > best["epsilon_claimed"] else "≤"
