@@ -1,15 +1,5 @@
-"""The Python API's door: each argument of a public function is checked when it is called, before any work.
-
-    @checked(jobs=at_least(1))
-    def run(grid: GridSource, *, jobs: int = 1, ...): ...
-
-The type is the parameter's annotation (int, float, bool, str, a path, Optional, Union, Literal, a sequence, a
-mapping, a callable, a class such as a runtime-checkable protocol; `Annotated[type, "a noun"]` names it in the
-message); a rule given by name then checks the range. A wrong type raises `ArgumentTypeError`, a value
-out of range `ArgumentValueError`: both are `UserError`s (one line naming the argument, as the command prints it)
-and the `TypeError` / `ValueError` Python code expects. A keyword argument is named as the command's option
-(`--jobs`), a positional one by its name (`grid`). An int is an integral number (`steps=1e4` is 10000, `True`
-is not a count); a float is finite; a string is one name where a list of names goes (`only="a"`).
+"""The Python API's door: each argument of a public function is checked when it is called, before any work
+(`@checked(jobs=at_least(1))`): the type its annotation names, then the rule's range (docs/python-api.md#exceptions).
 """
 
 from __future__ import annotations

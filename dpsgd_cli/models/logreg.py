@@ -86,15 +86,9 @@ def clipped_residual(residual: np.ndarray, x_norm: np.ndarray, clip: float,
 
 
 def logistic_metrics(theta: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(mean log(1 + exp(−y θ·x)) (K,), accuracy (K,)) of every θ (K, d) on (X (n, d), y (n,) in {−1, +1}),
-    in float64.
-
-    Each margin θ·x is summed over x's columns in increasing order and each mean over the rows in row order (TwoSum
-    compensated): a θ's numbers are the same bit for bit whatever θs it is stacked with (a fused task's cells equal
-    the cells run alone) and whether X is read by its nonzeros or densely. With numba, one pass over X for the whole
-    stack, read by its nonzeros (`rows.RowNonzeros`) when X is read-only and sparse enough; without, the same
-    margins in NumPy, the means by NumPy's pairwise sum (≤ ~1e-15 relative from the compiled ones).
-    """
+    """(mean log(1 + exp(−y θ·x)) (K,), accuracy (K,)) of every θ (K, d) on (X (n, d), y (n,) in {−1, +1}), in
+    float64, each θ's numbers in a fixed order (docs/design.md, bit-for-bit); without numba, the means by NumPy's
+    pairwise sum (≤ ~1e-15 relative from the compiled ones)."""
     theta = np.asarray(theta, dtype=np.float64)
     X = np.asarray(X)
     y = np.ascontiguousarray(y, dtype=np.float64)
@@ -140,9 +134,8 @@ def _compiled():
 
 
 def _row_nonzeros(X: np.ndarray):
-    """`RowNonzeros.of(X)` (None: too dense) for float64 X, kept per read-only X (`rows.per_array`: the
-    datasets the engine loads, so every row's and checkpoint's metrics reuse it); a writeable X may change between
-    calls and is read densely (the same numbers)."""
+    """`RowNonzeros.of(X)` (None: too dense) for float64 X, kept per read-only X (`rows.per_array`); a writeable X
+    is read densely (the same numbers)."""
     if X.flags.writeable or X.dtype != np.float64:
         return None
     return cached_nonzeros(X)
