@@ -120,10 +120,6 @@ def _as(value: Any, hint: Any, label: str) -> Any:
         if value not in args:
             raise ArgumentValueError(f"{label} {value}: choose one of {', '.join(args)}")
         return args[args.index(value)]  # the plain string (a str Enum member compares equal)
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise _Mismatch
-        return value
     if hint is int:
         return _integer(value)
     if hint is float:
@@ -132,14 +128,6 @@ def _as(value: Any, hint: Any, label: str) -> Any:
         if not math.isfinite(float(value)):
             raise ArgumentValueError(f"{label} {shown(value)}: not a finite number")
         return float(value)
-    if hint is str:
-        if not isinstance(value, str):
-            raise _Mismatch
-        return value
-    if isinstance(hint, type) and issubclass(hint, os.PathLike):  # Path: any path-like object is one
-        if not isinstance(value, os.PathLike):
-            raise _Mismatch
-        return value
     if origin is collections.abc.Mapping:
         if not isinstance(value, collections.abc.Mapping):
             raise _Mismatch
@@ -154,8 +142,8 @@ def _as(value: Any, hint: Any, label: str) -> Any:
         if not callable(value):
             raise _Mismatch
         return value
-    if isinstance(hint, type):  # any other class (e.g. a runtime-checkable protocol): an instance of it
-        if not isinstance(value, hint):
+    if isinstance(hint, type):  # bool, str, a path (any path-like object is one), any other class: an instance
+        if not isinstance(value, os.PathLike if issubclass(hint, os.PathLike) else hint):
             raise _Mismatch
         return value
     raise TypeError(f"{label}: the door has no check for the annotation {hint!r}")  # a new kind of parameter

@@ -118,8 +118,7 @@ _held = threading.local()  # .writes: the writes held by this thread's deferred_
 
 @contextlib.contextmanager
 def deferred_writes():
-    """Hold this thread's :func:`write_entry` calls until the block ends, then make them (nested blocks: the
-    outermost one). An entry lost with its process is only a cache miss."""
+    """Hold this thread's :func:`write_entry` calls until the (outermost) block ends; its reads see them."""
     if getattr(_held, "writes", None) is not None:
         yield
         return

@@ -220,8 +220,7 @@ def guess_counts(m: int) -> list[int]:
 
 
 def epsilon_one_run(scores_in, scores_out, confidence: float = 0.95, delta: float = 0.0) -> float:
-    """ε_lo of the one-run audit of Steinke, Nasr, Jagielski 2023 (Bonferroni over `guess_counts(m)`); ties at
-    the cut are broken against the attacker."""
+    """ε_lo of the one-run audit of Steinke, Nasr, Jagielski 2023; ties at the cut against the attacker."""
     s_in, s_out = _scores(scores_in, scores_out)
     alpha, m = _alpha(confidence), s_in.size + s_out.size
     _check_delta(delta)
@@ -253,8 +252,7 @@ def tpr_at_fpr(scores_in, scores_out, fpr: float) -> float:
 @functools.lru_cache(maxsize=1024)  # the rows of a cell and its twin share it; trials_needed bisects over it
 def ceiling(n_in: int, n_out: int, confidence: float = 0.95, delta: float = 0.0,
             threshold: ThresholdRule = "bonferroni", claim: float | None = None) -> float:
-    """The largest ε_lo the rule can give with these trials: perfect separation (every in-trial above every
-    out-trial)."""
+    """The largest ε_lo the rule can give with these trials: every in-trial above every out-trial."""
     alpha = _alpha(confidence)
     _check_delta(delta)
     if threshold == "order":

@@ -160,9 +160,6 @@ def file_spec(options: dict[str, Any]) -> FileDatasetSpec:
         raise DataError(f"{loc + ': ' if loc else ''}{err['msg'].removeprefix('Value error, ')}") from None
 
 
-# ---------------------------------------------------------------- reading
-
-
 def _one_line(exc: Exception) -> str:
     text = " ".join(str(exc).split()).rstrip(".") or type(exc).__name__
     return text[:200]
@@ -222,9 +219,6 @@ def read_frames(spec: FileDatasetSpec) -> list[pd.DataFrame]:
                         f"check the file or set format: ({', '.join(FORMATS)})") from None
 
 
-# ---------------------------------------------------------------- columns and labels
-
-
 def _closest(word: str, names: Iterable[str]) -> str:
     names = [str(n) for n in names]
     match = difflib.get_close_matches(word, names, n=1, cutoff=0.5) or [n for n in names if n.lower() == word.lower()]
@@ -266,8 +260,7 @@ def _check_numeric(frame: pd.DataFrame, numeric: list[str], where: str) -> None:
 
 
 def _check_finite(frame: pd.DataFrame, numeric: list[str], where: str) -> None:
-    """DataError naming the first numeric column holding an infinite value or values whose squares overflow
-    (standardisation and the unit ball would turn them into zeros or NaN)."""
+    """DataError naming the first numeric column with an infinite value or values whose squares overflow."""
     with np.errstate(over="ignore", invalid="ignore"):
         for c in numeric:
             values = frame[c].to_numpy(dtype=np.float64, na_value=np.nan)
@@ -313,12 +306,8 @@ def _to_category(column: pd.Series) -> pd.Series:
     return column.where(column.isna(), column.astype(str)).astype("category")
 
 
-# ---------------------------------------------------------------- pipeline
-
-
 def _train_vocabulary(train: pp.Table, test: pp.Table) -> tuple[pp.Table, pp.Table, int]:
-    """Categories restricted to those in the training part (other test values: code -1), and how many test values
-    had another."""
+    """Categories restricted to the training part's (others: code -1), and how many test values had another."""
     tr, te, unseen = train.codes.copy(), test.codes.copy(), 0
     names_seen: list[tuple[str, ...]] = []
     for j, names in enumerate(train.vocab):
@@ -408,18 +397,14 @@ def build_file_dataset(spec: FileDatasetSpec) -> tuple[Dataset, dict[str, Any]]:
                         f"spread for float64); rescale the file's columns")
     used = [name for name, on in (
         ("standardisation", spec.standardize and (numeric or (categorical and not spec.one_hot))),
-        ("category vocabulary", bool(categorical)),
-        ("imputation means", imputed > 0),
-        ("max-norm scaling", spec.unit_ball == "max"),
-    ) if on]
-    info.update(
-        positive=positive, training_values_imputed=imputed, numeric_columns=numeric,
-        categorical_columns={c: len(v) for c, v in zip(categorical, train.vocab)},
-        test_values_of_unseen_categories=unseen, n_train=X_train.shape[0], n_test=X_test.shape[0],
-        features=X_train.shape[1], positive_fraction_train=float(np.mean(train.y > 0)),
-        positive_fraction_test=float(np.mean(test.y > 0)) if len(test.y) else float("nan"),
-        train_statistics=used, caveat=CAVEAT.format(used=", ".join(used)) if used else "",
-    )
+        ("category vocabulary", bool(categorical)), ("imputation means", imputed > 0),
+        ("max-norm scaling", spec.unit_ball == "max")) if on]
+    info.update(positive=positive, training_values_imputed=imputed, numeric_columns=numeric,
+                categorical_columns={c: len(v) for c, v in zip(categorical, train.vocab)},
+                test_values_of_unseen_categories=unseen, n_train=X_train.shape[0], n_test=X_test.shape[0],
+                features=X_train.shape[1], positive_fraction_train=float(np.mean(train.y > 0)),
+                positive_fraction_test=float(np.mean(test.y > 0)) if len(test.y) else float("nan"),
+                train_statistics=used, caveat=CAVEAT.format(used=", ".join(used)) if used else "")
     dataset = Dataset(spec, X_train, train.y, X_test, test.y, train_statistics=tuple(used), summary=_summary(info))
     return dataset, info
 

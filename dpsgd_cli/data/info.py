@@ -36,14 +36,12 @@ def _cache_state(present: list[bool]) -> str:
 
 
 def list_datasets() -> list[dict[str, Any]]:
-    """One dict per dataset: name, description, records, files, cached (all files present), cache_state,
-    size_bytes (bytes of cached raw files), source (homepage URL), license."""
+    """One dict per dataset: name, description, records, files, cached, cache_state, size_bytes, source, license."""
     return [_summary(entry) for entry in REGISTRY.values()]
 
 
 def dataset_info(name: str) -> dict[str, Any]:
-    """`list_datasets()` fields of `name` plus records_detail, notes, reference, cache_dir, mirror,
-    defaults (the fully resolved default spec) and per-file details. Unknown name -> DataError."""
+    """`list_datasets()` fields of `name` plus its details, its resolved defaults and per-file details."""
     entry = get_entry(name)
     info = _summary(entry)
     info.update(records_detail=dict(entry.records), notes=entry.notes, reference=entry.reference,

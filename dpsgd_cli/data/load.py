@@ -43,10 +43,8 @@ def resolve_spec(spec: DatasetSpec) -> DatasetSpec:
     entry = get_entry(spec.name)
     where = _where(spec)
     if spec.split == "official" and not entry.official_split:
-        raise DataError(
-            f"{where}: there is no official train/test split for {spec.name}; "
-            "use split: random (with test_fraction) or leave split unset"
-        )
+        raise DataError(f"{where}: there is no official train/test split for {spec.name}; "
+                        "use split: random (with test_fraction) or leave split unset")
     if spec.positive_digit is not None and spec.name != "mnist":
         raise DataError(f"{where}: positive_digit applies only to mnist; remove it from this dataset")
     for key in ("n", "dim"):
@@ -62,9 +60,6 @@ def _resolved(spec: DatasetSpec, key: str) -> Any:
     if value is None:
         raise ValueError(f"{_where(spec)}: {key} is unset; pass the spec through resolve_spec first")
     return value
-
-
-# ---------------------------------------------------------------- raw tables per dataset
 
 
 def _paths(spec: DatasetSpec) -> dict[str, Path]:
@@ -102,9 +97,8 @@ def _mnist_tables(spec: DatasetSpec) -> list[pp.Table]:
     paths = _paths(spec)
     tables = []
     for part in ("train", "t10k"):
-        images, digits = readers.read_mnist(
-            paths[f"{part}-images-idx3-ubyte.gz"], paths[f"{part}-labels-idx1-ubyte.gz"]
-        )
+        images, digits = readers.read_mnist(paths[f"{part}-images-idx3-ubyte.gz"],
+                                            paths[f"{part}-labels-idx1-ubyte.gz"])
         X = images.astype(np.float64)
         X /= 255.0
         tables.append(pp.array_table(X, np.where(digits == spec.positive_digit, 1.0, -1.0)))
@@ -117,16 +111,8 @@ def _synthetic_tables(spec: DatasetSpec) -> list[pp.Table]:
     return [pp.array_table(X, y)]
 
 
-_TABLES = {
-    "adult": _adult_tables,
-    "bank": _bank_tables,
-    "kddcup99": _kddcup99_tables,
-    "mnist": _mnist_tables,
-    "synthetic": _synthetic_tables,
-}
-
-
-# ---------------------------------------------------------------- pipeline
+_TABLES = {"adult": _adult_tables, "bank": _bank_tables, "kddcup99": _kddcup99_tables, "mnist": _mnist_tables,
+           "synthetic": _synthetic_tables}
 
 
 def build_dataset(spec: DatasetSpec) -> Dataset:
@@ -261,8 +247,7 @@ def _write_processed(path: Path, key: str, dataset: Dataset) -> None:
 
 
 def load_dataset(spec: DatasetSpec, *, cache: bool = True) -> Dataset:
-    """The preprocessed dataset of `spec`, through the processed cache with `cache`; its `spec` is `spec` as given
-    (`resolve_spec(spec)` shows the defaults applied)."""
+    """The preprocessed dataset of `spec` (its `spec` as given), through the processed cache with `cache`."""
     if spec.name == "file":  # a local file: no processed cache (its run id carries the file's sha256)
         return load_file_dataset(spec)
     resolved = resolve_spec(spec)

@@ -24,8 +24,7 @@ def rng(seed: int, stream: int) -> np.random.Generator:
 
 @dataclass(frozen=True)
 class Table:
-    """Records before encoding: numeric block, categorical codes (`codes[:, j]` indexes `vocab[j]`, fixed before
-    any split) and labels in {-1, +1}."""
+    """Records before encoding: numeric block, categorical codes (indexing `vocab[j]`) and labels in {-1, +1}."""
 
     numeric: np.ndarray  # (n, p) float64
     codes: np.ndarray  # (n, c) int32
@@ -101,9 +100,8 @@ def random_split(table: Table, test_fraction: float, seed: int, where: str) -> t
 
 def train_test(tables: Sequence[Table], *, split: str, size: int | None, test_fraction: float, seed: int,
                where: str) -> tuple[Table, Table]:
-    """(train, test). official (tables = [train, test]): `size` records drawn from train only; none: train on
-    the (sub)sampled training file, or the only pool, with an empty test set (Song et al. 2013 plot the
-    training objective of the whole sample); random: all records concatenated, then a seeded random split."""
+    """(train, test) by `split` (docs/datasets.md); none: an empty test set (Song et al. 2013 plot the training
+    objective of the whole sample)."""
     if split in ("official", "none"):
         train = subsample(tables[0], size, seed, where)
         return train, (tables[1] if split == "official" else train.take(np.arange(0)))

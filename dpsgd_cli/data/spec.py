@@ -97,8 +97,7 @@ def validation_split(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np
 
 
 def with_validation(data: Dataset, fraction: float | None) -> Dataset:
-    """`data` with its training set split into fitting rows (X_train) and a validation set (X_val), seeded by the
-    dataset's seed; without a fraction, `data` itself."""
+    """`data` with its training set split into fitting rows (X_train) and a validation set (X_val)."""
     if not fraction:
         return data
     try:

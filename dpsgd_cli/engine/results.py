@@ -112,8 +112,7 @@ def library_versions() -> dict[str, str]:
 # --- reading a CSV line by line ----------------------------------------------------------------------------
 @dataclass
 class CsvScan:
-    """A results CSV split into its header, its valid rows (raw text and fields), its malformed complete
-    lines and an incomplete last line (no newline: cut mid-write)."""
+    """A results CSV split into its header, valid rows (text and fields), malformed lines and a cut last line."""
 
     header: list[str] = field(default_factory=list)
     header_text: str = ""
@@ -434,17 +433,11 @@ class ResultStore:
 
     def write_manifest(self, grid: dict[str, Any], grid_hash: str, started: float, finished: float | None,
                        **extra: Any) -> None:
-        manifest = {
-            "grid": grid,
-            "grid_hash": grid_hash,
-            "numerics": NUMERICS,
-            "started": _iso(started),
-            "finished": _iso(finished) if finished else None,
-            "libraries": dict(library_versions()),
-            "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                        "processor": platform.processor() or platform.machine(), "cpus": os.cpu_count()},
-            **extra,
-        }
+        manifest = {"grid": grid, "grid_hash": grid_hash, "numerics": NUMERICS, "started": _iso(started),
+                    "finished": _iso(finished) if finished else None, "libraries": dict(library_versions()),
+                    "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                                "processor": platform.processor() or platform.machine(), "cpus": os.cpu_count()},
+                    **extra}
         write_text(self.folder / "manifest.json", json.dumps(manifest, indent=2, default=str))
 
 

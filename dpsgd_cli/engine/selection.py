@@ -87,9 +87,6 @@ def results_frame(folder: Path, traces: bool = False, select: bool = True) -> pd
     return runs.replace([np.inf, -np.inf], np.nan)
 
 
-# ------------------------------------------------------------------------------ calibration of the candidates
-
-
 def base_epsilon(tuning: dict[str, Any], target: float, n: int, delta: float) -> float:
     """The ε each candidate of a calibrated private selection is trained at, so that tuning + training is
     (target, δ)-DP (Liu & Talwar: target/3; Papernot & Steinke: solved within 0.1% below the target)."""
@@ -121,9 +118,6 @@ def _base_epsilon(tuning_json: str, target: float, n: int, delta: float) -> floa
 def _event_of(n: int, batch_size: int, epochs: float) -> tuple[float, int]:
     setting = Setting(n=n, d=1, delta=0.5, l2=0.0, batch_size=batch_size, epochs=epochs)
     return setting.sample_rate, setting.steps
-
-
-# ------------------------------------------------------------------------------ choosing
 
 
 def apply_selections(runs: pd.DataFrame, grid: dict[str, Any]) -> pd.DataFrame:
@@ -291,8 +285,7 @@ def _strip(labels: pd.Series, candidates: list[str]) -> pd.Series:
 
 
 def write_selection_tables(path: str | Path) -> list[tuple[Path, pd.DataFrame]]:
-    """For each results folder under `path` whose grid has `select:`: its table of choices, also written to
-    `selection.csv` there. A UserError when none has one."""
+    """For each results folder under `path` whose grid has `select:`, its table of choices (also selection.csv)."""
     out = []
     for folder in result_folders(path):
         grid = grid_of(folder)

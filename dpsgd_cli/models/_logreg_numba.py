@@ -55,8 +55,7 @@ def _add_row(margin, y, hi, lo, correct, terms):  # pragma: no cover
 
 @numba.njit(cache=True, nogil=True)
 def dense_metrics(thetaT, X, y, hi, lo, correct):  # pragma: no cover
-    """Accumulate every θ's loss sum and correct count over the rows of X (n, d); θᵀ (d, K) C-contiguous; hi, lo
-    (K,) float64 and correct (K,) int64, zeroed by the caller."""
+    """Accumulate every θ's loss sum and correct count over the rows of X (n, d); θᵀ (d, K); hi, lo, correct (K,)."""
     n, d = X.shape
     margin, terms = np.empty(thetaT.shape[1]), np.empty(thetaT.shape[1])
     for i in range(n):

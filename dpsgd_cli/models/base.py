@@ -56,8 +56,7 @@ class Model:
         raise NotImplementedError
 
     def reads_rows_compiled(self, batch: Batch, theta: np.ndarray) -> bool:
-        """Whether `clipped_grad_sum` reads this batch's rows in compiled kernels (the MLP's row-sparse step):
-        reported as a chain's backend ("numba-rows"), since its sums are then the kernels'."""
+        """Whether `clipped_grad_sum` reads this batch's rows in compiled kernels (a chain's backend "numba-rows")."""
         return False
 
     def clipped_grad_sum(self, theta: np.ndarray, batch: Batch, clip: float | None) -> np.ndarray:
@@ -117,8 +116,8 @@ class Model:
         return accuracy_of(self.decision(theta, X), y)
 
     def data_loss_and_accuracy(self, theta: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(data_loss (R,), accuracy (R,)) from one forward pass: the numbers of the two calls (the metrics of a row),
-        for a model whose data_loss is `logistic_loss` of its decision (override otherwise)."""
+        """(data_loss (R,), accuracy (R,)) from one forward pass, for a data_loss that is `logistic_loss` of the
+        decision (override otherwise)."""
         decision = self.decision(theta, X)
         return logistic_loss(decision, y), accuracy_of(decision, y)
 

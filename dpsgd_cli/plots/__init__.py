@@ -27,8 +27,7 @@ DPI = 150
 
 
 def plot_results(path: Path, metric: str | None = None, fmt: str = "png") -> list[Path]:
-    """The grid's paper figures (when it lists some and no metric is asked for), else `metric` over ε: a name of
-    METRICS or any numeric column of runs.csv (checked by the caller, `api.check_metric`)."""
+    """The grid's paper figures (when it lists some and no metric is asked for), else `metric` over ε."""
     paths: list[Path] = []
     for folder in result_folders(path):
         for line in read_results(folder).notes():
@@ -244,8 +243,7 @@ def _noise_scale_figure(table: pd.DataFrame, spec: FigureSpec):
 
 
 def _caption(grid: dict, grid_name: str, frame: pd.DataFrame, spec: FigureSpec) -> list[str]:
-    """The caption's phrases: where the numbers come from, and each line's privacy guarantee (δ only for the
-    lines that have one)."""
+    """The caption's phrases: where the numbers come from, and each line's privacy guarantee."""
     seeds = grid.get("seeds", frame["seed"].nunique() if "seed" in frame else "?")
     band = "mean ± 1 std" if spec.kind != "traces" or seeds != 1 else "one run"
     phrases = [f"grid {names.literal(grid_name)}", f"{band} over {seeds} seeds"]
@@ -302,8 +300,7 @@ def accountant_phrases(private: pd.DataFrame) -> list[str]:
 
 
 def _algorithms_by(private: pd.DataFrame, column: str, shown: dict[str, str]) -> dict[str, list[str]]:
-    """Each value of `column` among the private rows, as `shown` names it → its algorithms ({} for results
-    written without the column)."""
+    """Each value of `column` among the private rows, as `shown` names it → its algorithms."""
     if column not in private or not private[column].notna().any():
         return {}
     return {shown.get(value, value): sorted({names.algorithm(a) for a in rows["algorithm"]})

@@ -35,8 +35,7 @@ class Styles:
 
 
 def wrap_phrases(fig, phrases: list[str], width: float, fontsize: float, sep: str = "; ") -> str:
-    """The phrases joined with `sep` into lines no wider than `width` inches as rendered, broken between phrases
-    (a phrase wider than a line between words)."""
+    """The phrases joined with `sep` into lines no wider than `width` inches as rendered, broken between phrases."""
     renderer = fig.canvas.get_renderer()
     probe = fig.text(0, 0, "", fontsize=fontsize)
 
@@ -118,8 +117,7 @@ def finish(fig, title: str = "", caption: list[str] | tuple = (), legend: bool =
 
 
 def distinct_labels(locs: list[float]) -> list[str]:
-    """Labels for tick positions that a short format would print alike: the fewest significant digits that tell
-    them apart."""
+    """Labels for tick positions with the fewest significant digits that tell them apart."""
     def fmt(v: float, digits: int) -> str:
         if v == 0 or 1e-3 <= abs(v) < 1e5:
             return f"{v:.{digits}g}"
