@@ -264,8 +264,7 @@ CheckKind = Literal["monotone", "better", "within", "not_worse", "above", "below
 
 
 class ClaimCondition(_Strict):
-    """One more condition of a claim's sentence (`also:`): its text and check; every key it leaves out is the
-    claim's."""
+    """One more condition of a claim's sentence (`also:`): its text and check; a key it leaves out is the claim's."""
 
     text: OneLine = Field(description="the condition, in the words of the claim's text")
     check: CheckKind
@@ -671,8 +670,7 @@ _GridResolver.add_implicit_resolver(
 
 class GridLoader(yaml.reader.Reader, yaml.scanner.Scanner, yaml.parser.Parser, yaml.composer.Composer,
                  _GridConstructor, _GridResolver):
-    """SafeLoader that rejects duplicate keys and reads `1e-3` as a number; `read_yaml` also refuses documents
-    whose aliases expand beyond MAX_YAML_NODES. Pure Python: `FastGridLoader` is the same on libyaml's parser."""
+    """SafeLoader that rejects duplicate keys and reads `1e-3` as a number (`FastGridLoader`: on libyaml's parser)."""
 
     def __init__(self, stream: Any) -> None:
         yaml.reader.Reader.__init__(self, stream)
@@ -754,8 +752,7 @@ def parse_yaml(text: str, where: str) -> Any:
     loader = None
     try:
         if "\t" in text and FastGridLoader is not GridLoader:
-            # libyaml takes a tab as a separator where PyYAML's own scanner refuses it ("a:<TAB>1"): refuse it here
-            # too, so that a grid file is valid or not whichever PyYAML build is installed
+            # libyaml takes a tab as a separator where PyYAML refuses it ("a:<TAB>1"): refused whichever is installed
             for _ in yaml.scan(text, Loader=GridLoader):
                 pass
         loader = FastGridLoader(text)  # the pure-Python reader checks the characters here

@@ -8,8 +8,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-# control characters (but the tab) and the bidirectional overrides: printed, they move the cursor, clear the screen
-# or reorder the text shown, so that text from a grid or a received file could overwrite a verdict on the terminal
+# control characters (but the tab) and bidirectional overrides: printed, received text could overwrite a verdict
 _UNPRINTABLE = dict.fromkeys([c for c in (*range(0x20), *range(0x7F, 0xA0), *range(0x202A, 0x202F),
                                           *range(0x2066, 0x206A)) if c != ord("\t")], "\ufffd")
 

@@ -127,23 +127,6 @@ def _one_value(claim: ClaimSpec, *stats: pd.DataFrame) -> str | None:
 def _check_group(frame: pd.DataFrame, claim: ClaimSpec, limit: float | None) -> tuple[bool | None | str, str]:
     """(holds, numbers) for one group; holds None when there is nothing to compare, else True, False or VACUOUS."""
     frame = select(frame, claim.where)
-    if claim.check == "monotone":
-        stats = _stats(select(frame, claim.a), claim.metric, claim.over)
-        if len(stats) < 2:
-            return None, f"{len(stats)} value(s) of {claim.over}"
-        if (why := _flat(stats, claim)) is not None:
-            return VACUOUS, why
-        steps = stats["mean"].diff().dropna()
-        steps = steps if claim.direction == "increasing" else -steps
-        keys = list(stats.index)
-        if len(keys) > 8:  # a long curve: its ends and its worst step
-            keys = sorted(set(keys[:3] + [steps.idxmin()] + keys[-3:]))
-        text = " → ".join(f"{claim.over}={k:g}: {_cell(stats.loc[k])}" for k in keys)
-        if len(stats) > 8:
-            text += f" ({len(stats)} values; worst step {_fmt(float(steps.min()))} at {claim.over}={steps.idxmin():g})"
-        return bool((steps >= -claim.tolerance).all()), text
-    if claim.check == "fluctuates":
-        return _fluctuates(_stats(select(frame, claim.a), claim.metric, claim.over), claim)
     if claim.check == "saturates":
         series = select(frame, claim.a).sort_values(claim.over)[claim.metric]
         if series.empty or limit is None:
@@ -153,9 +136,25 @@ def _check_group(frame: pd.DataFrame, claim: ClaimSpec, limit: float | None) -> 
         last = float(series.iloc[-1])
         holds = last >= (1 - claim.tolerance) * limit and float(series.max()) <= limit * (1 + 1e-9)
         return holds, f"last {claim.metric} = {_fmt(last)} vs limit {_fmt(limit)} (tolerance {claim.tolerance:g})"
-    if claim.check in ("above", "below"):
-        return _level(_stats(select(frame, claim.a), claim.metric, claim.over), claim)
     a = _stats(select(frame, claim.a), claim.metric, claim.over)
+    if claim.check == "fluctuates":
+        return _fluctuates(a, claim)
+    if claim.check in ("above", "below"):
+        return _level(a, claim)
+    if claim.check == "monotone":
+        if len(a) < 2:
+            return None, f"{len(a)} value(s) of {claim.over}"
+        if (why := _flat(a, claim)) is not None:
+            return VACUOUS, why
+        steps = a["mean"].diff().dropna()
+        steps = steps if claim.direction == "increasing" else -steps
+        keys = list(a.index)
+        if len(keys) > 8:  # a long curve: its ends and its worst step
+            keys = sorted(set(keys[:3] + [steps.idxmin()] + keys[-3:]))
+        text = " → ".join(f"{claim.over}={k:g}: {_cell(a.loc[k])}" for k in keys)
+        if len(a) > 8:
+            text += f" ({len(a)} values; worst step {_fmt(float(steps.min()))} at {claim.over}={steps.idxmin():g})"
+        return bool((steps >= -claim.tolerance).all()), text
     b = _stats(select(frame, claim.b), claim.metric, claim.over)
     common = a.index.intersection(b.index)
     if common.empty:
@@ -171,7 +170,7 @@ def _check_group(frame: pd.DataFrame, claim: ClaimSpec, limit: float | None) -> 
     for key in common:
         sa, sb = a.loc[key], b.loc[key]
         diff = sa["mean"] - sb["mean"]
-        se = math.sqrt(sa["std"] ** 2 / sa["n"] + sb["std"] ** 2 / sb["n"])
+        se = _diff_se(sa, sb)
         where = f"{claim.over}={key:g}: " if claim.over else ""
         if claim.check == "spread":
             ok, text = _spread(sa, sb, claim)

@@ -24,8 +24,7 @@ from dpsgd_cli.data.spec import Dataset, DatasetSpec
 from dpsgd_cli.data.synthetic import make_synthetic
 from dpsgd_cli.errors import DataError
 
-# Bump whenever a change of this package changes the arrays a spec yields:
-# it is part of the processed-cache key, so cache files of another version are never read.
+# bumped with any change to the arrays a spec yields: part of the processed-cache key
 PREPROCESSING_VERSION = "2"
 
 ARRAYS = ("X_train", "y_train", "X_test", "y_test")

@@ -130,8 +130,7 @@ def write_text(path: Path, text: str) -> Path:
     return write_bytes(path, text.encode("utf-8", errors="surrogateescape"))
 
 
-# what makes a spreadsheet read a cell as a formula (`=HYPERLINK(...)`, `+cmd|...`, `@SUM(...)`): text from a grid or
-# a received folder that starts so is written with a leading apostrophe (the spreadsheets' "this is text" mark)
+# what makes a spreadsheet read a cell as a formula (`=HYPERLINK(...)`): such text gets a leading apostrophe
 FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
 
 

@@ -51,8 +51,7 @@ COLUMNS = [
     "n_val", "val_accuracy", "val_objective", "epsilon_base", "tuning", "delta_certified", "neighbours", "numerics",
 ]
 TRACE_COLUMNS = ["run_id", "cell_id", "seed", "examples", "train_objective", "optimality_gap", "train_accuracy"]
-# the columns every version of the tool wrote (later ones are added when an older file is rewritten); a file
-# without them is not a results file
+# the columns every version of the tool wrote: a file without them is not a results file
 RUN_KEYS = ["run_id", "cell_id", "grid", "dataset", "model", "algorithm", "algorithm_params", "seed", "epsilon",
             "status", "message"]
 TRACE_KEYS = ["run_id", "cell_id", "seed", "examples"]
@@ -247,7 +246,7 @@ def _set_aside(path: Path, lines: list[str], partial: bytes) -> Path:
     return side
 
 
-_FRAMES: dict[tuple[str, int, int], pd.DataFrame] = {}
+_FRAMES: dict[tuple[Any, ...], pd.DataFrame] = {}
 
 
 class CsvFile:
@@ -260,11 +259,10 @@ class CsvFile:
 
     def read(self) -> pd.DataFrame:
         """The valid rows (cached while the file is unchanged: figures and claims read it many times)."""
-        try:
-            stat = self.path.stat()
-        except OSError:
+        stamp = _stamp(self.path)
+        if stamp[0] is None:
             return pd.DataFrame(columns=self.columns)
-        key = (str(self.path.resolve()), stat.st_mtime_ns, stat.st_size)
+        key = (str(self.path.resolve()), *stamp)
         if key not in _FRAMES:
             frame = scan_csv(self.path, self.keys).frame()
             _FRAMES.clear()  # one file at a time is enough

@@ -44,9 +44,8 @@ class MLPOptions(BaseModel):
     activation: Activation = Field("tanh", description="φ: tanh (smooth, default), relu or sigmoid")
 
 
-# The (R, M, h) arrays are few and updated in place: a fresh multi-megabyte array costs page faults (~1 ms each
-# here, as much as a matmul), and an expression like `1.0 - a * a` also makes NumPy check whether it may elide the
-# temporary (a C backtrace, ~2 ms).
+# (R, M, h) arrays updated in place: a fresh one costs page faults (~1 ms, as much as a matmul), and `1.0 - a * a`
+# a NumPy check whether it may elide the temporary (a C backtrace, ~2 ms)
 def _activate(kind: str, z: np.ndarray, derivative: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
     """(φ(z), φ'(z) or None without `derivative`); overwrites z with φ(z)."""
     if kind == "tanh":
