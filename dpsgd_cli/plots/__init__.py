@@ -54,10 +54,8 @@ def draw_figure(folder: Path, spec: FigureSpec, fmt: str) -> list[Path]:
         table.attrs.update({k: v for k, v in spec.params.items() if k not in ("k_max", "points", "log_x")})
         if spec.title:
             table.attrs["title"] = spec.title
-        paths = [plot_privacy_curve(table, folder / "figures" / f"{spec.name}.{fmt}", log_x=False)]
-        if fmt == "png":
-            paths.append(plot_privacy_curve(table, folder / "figures" / f"{spec.name}.pdf"))
-        return paths
+        return [plot_privacy_curve(table, folder / "figures" / f"{spec.name}.{suffix}", log_x=False)
+                for suffix in [fmt, *(["pdf"] if fmt == "png" else [])]]
     rows = _frame_for(folder, spec)
     frame = rows[rows[_drawn_column(spec)].notna()] if _drawn_column(spec) in rows else rows.iloc[:0]
     if frame.empty:  # a missing value is no point (never a 0): with none, no figure
