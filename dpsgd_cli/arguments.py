@@ -1,15 +1,5 @@
-"""The Python API's door: each argument of a public function is checked when it is called, before any work.
-
-    @checked(jobs=at_least(1))
-    def run(grid: GridSource, *, jobs: int = 1, ...): ...
-
-The type is the parameter's annotation (int, float, bool, str, a path, Optional, Union, Literal, a sequence, a
-mapping, a callable, a class such as a runtime-checkable protocol; `Annotated[type, "a noun"]` names it in the
-message); a rule given by name then checks the range. A wrong type raises `ArgumentTypeError`, a value
-out of range `ArgumentValueError`: both are `UserError`s (one line naming the argument, as the command prints it)
-and the `TypeError` / `ValueError` Python code expects. A keyword argument is named as the command's option
-(`--jobs`), a positional one by its name (`grid`). An int is an integral number (`steps=1e4` is 10000, `True`
-is not a count); a float is finite; a string is one name where a list of names goes (`only="a"`).
+"""The Python API's door: each argument of a public function is checked when it is called, before any work
+(`@checked(jobs=at_least(1))`): the type its annotation names, then the rule's range (docs/python-api.md#exceptions).
 """
 
 from __future__ import annotations
@@ -130,10 +120,6 @@ def _as(value: Any, hint: Any, label: str) -> Any:
         if value not in args:
             raise ArgumentValueError(f"{label} {value}: choose one of {', '.join(args)}")
         return args[args.index(value)]  # the plain string (a str Enum member compares equal)
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise _Mismatch
-        return value
     if hint is int:
         return _integer(value)
     if hint is float:
@@ -142,14 +128,6 @@ def _as(value: Any, hint: Any, label: str) -> Any:
         if not math.isfinite(float(value)):
             raise ArgumentValueError(f"{label} {shown(value)}: not a finite number")
         return float(value)
-    if hint is str:
-        if not isinstance(value, str):
-            raise _Mismatch
-        return value
-    if isinstance(hint, type) and issubclass(hint, os.PathLike):  # Path: any path-like object is one
-        if not isinstance(value, os.PathLike):
-            raise _Mismatch
-        return value
     if origin is collections.abc.Mapping:
         if not isinstance(value, collections.abc.Mapping):
             raise _Mismatch
@@ -164,8 +142,8 @@ def _as(value: Any, hint: Any, label: str) -> Any:
         if not callable(value):
             raise _Mismatch
         return value
-    if isinstance(hint, type):  # any other class (e.g. a runtime-checkable protocol): an instance of it
-        if not isinstance(value, hint):
+    if isinstance(hint, type):  # bool, str, a path (any path-like object is one), any other class: an instance
+        if not isinstance(value, os.PathLike if issubclass(hint, os.PathLike) else hint):
             raise _Mismatch
         return value
     raise TypeError(f"{label}: the door has no check for the annotation {hint!r}")  # a new kind of parameter

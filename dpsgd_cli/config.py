@@ -1,7 +1,5 @@
-"""Grid files: YAML → validated grids → run cells (a cell is one resolved spec; its seeds train together).
-
-Data flows one way: this module only parses and expands; it never loads data or trains.
-"""
+"""Grid files: YAML → validated grids → run cells (a cell is one resolved spec; its seeds train together). This
+module only parses and expands; it never loads data or trains."""
 
 from __future__ import annotations
 
@@ -79,8 +77,7 @@ class _Strict(BaseModel):
 
 
 def _entry(raw: Any, what: str) -> dict[str, Any]:
-    """A grid's entry given by its name (`dp_sgd`) or as a mapping with `name` (`{name: dp_sgd, ...}`), as a new
-    dict; anything else (a number, null, a list) is a ValueError, which validation reports in one line."""
+    """A grid's entry given by its name (`dp_sgd`) or as a mapping with `name`, as a new dict; else a ValueError."""
     if isinstance(raw, str):
         return {"name": raw}
     if not isinstance(raw, dict):
@@ -108,10 +105,8 @@ class ModelEntry(_Strict):
 
 
 class AlgorithmEntry(_Strict):
-    """An algorithm of the grid: `dp_sgd`, or `{name: dp_sgd, accountant: pld, lr: [0.1]}`.
-
-    Keys named like a grid axis override that axis for this algorithm; the others are its parameters.
-    """
+    """An algorithm of the grid: `dp_sgd`, or `{name: dp_sgd, accountant: pld, lr: [0.1]}`; keys named like a grid
+    axis override that axis for this algorithm, the others are its parameters."""
 
     name: str
     params: dict[str, Any] = Field(default_factory=dict)
@@ -178,8 +173,7 @@ assert set(_AXIS_RULES) == set(AXES) == set(Axes.model_fields)
 
 
 def check_axes(values: dict[str, list[Any]]) -> None:
-    """Raise ValueError naming the first axis value that is not a number (a bool is not one) in its range, or
-    an empty axis (it would expand to zero runs)."""
+    """Raise ValueError naming the first axis value that is not a number in its range, or an empty axis."""
     for axis, items in values.items():
         ok, rule = _AXIS_RULES[axis]
         if not items:
@@ -213,8 +207,7 @@ SafeName = Annotated[str, AfterValidator(_safe_name)]
 
 
 def _one_line(value: str) -> str:
-    """Free text the report prints: one line (a line break would start a line of its own in report.md), without
-    characters that act on a terminal (`errors.printable`: a printed claim could overwrite its verdict)."""
+    """Free text the report prints: one line, without characters that act on a terminal (docs/results.md#reports)."""
     if "".join(value.splitlines()) != value:
         raise ValueError("must be one line: replace its line breaks by spaces (in YAML, `>-` folds the lines)")
     if printable(value) != value:
@@ -230,12 +223,8 @@ ANALYTIC_PARAMS: dict[str, type[BaseModel]] = {"privacy_curve": PrivacyCurvePara
 
 
 class FigureSpec(_Strict):
-    """How a paper lays out one figure drawn from a grid's results (`dpsgd plot`).
-
-    kind `sweep`: a metric over a grid axis (x), a line per `lines` value, mean ± 1 std over seeds, the
-    non-private runs (no ε) as dashed references; `traces`: a metric over examples processed (traces.csv);
-    `privacy_curve`, `noise_scale`: analytic tables computed by `dpsgd run` (see engine/analytic.py).
-    """
+    """How a paper lays out one figure drawn from a grid's results (`dpsgd plot`): a `sweep` over a grid axis,
+    `traces` over examples processed, or an analytic table (`privacy_curve`, `noise_scale`)."""
 
     name: SafeName = Field(description="file name of the figure")
     kind: Literal["sweep", "traces", "privacy_curve", "noise_scale"] = "sweep"
@@ -275,8 +264,7 @@ CheckKind = Literal["monotone", "better", "within", "not_worse", "above", "below
 
 
 class ClaimCondition(_Strict):
-    """One more condition of a claim's sentence (`also:`): its text and check; every other key it leaves out
-    (None) is the claim's (metric, where, a, b, over, ...)."""
+    """One more condition of a claim's sentence (`also:`): its text and check; a key it leaves out is the claim's."""
 
     text: OneLine = Field(description="the condition, in the words of the claim's text")
     check: CheckKind
@@ -294,42 +282,8 @@ class ClaimCondition(_Strict):
 
 
 class ClaimSpec(_Strict):
-    """A source's stated finding (its sentence in `quote`), or the project's own check (`own: true`),
-    checked against the numbers just computed (`dpsgd report`).
-
-    check `monotone`: the mean of `metric` over `over` moves in `direction` (each step ≥ −tolerance);
-    `better`: selection `a` beats `b` (by more than `tolerance` and twice the standard error of the
-    difference over seeds) at every value of `over`; `within`: |a − b| ≤ tolerance (relative to |b| if
-    `relative`) at every value of `over`; `saturates`: an analytic curve reaches (1 − tolerance) of its limit;
-    `fluctuates`: the mean of `metric` over `over` moves against `direction` between some two consecutive values
-    by more than tolerance + twice the standard error of the difference over seeds (a reversal the seed noise does
-    not explain; needs ≥ 2 seeds per point); `widens`: the gain of `a` over `b` (a − b, or b − a when not
-    `higher_is_better`) grows along `over`: its least-squares slope against log(over) (over if some value is ≤ 0),
-    weighted by 1/SE² of each gain over seeds, exceeds tolerance + twice its standard error (needs ≥ 3 values of
-    `over` and ≥ 2 seeds per point);
-    `not_worse`: the one-sided `within`: a falls short of b (a − b, or b − a when not `higher_is_better`) by at
-    most tolerance (relative to |b| if `relative`) at every value of `over` (means; a claim that a never needs more,
-    never does worse); `above` / `below`: the mean of `metric` in `a` is above `value` + tolerance / below
-    `value` − tolerance at every value of `over` (a level the claim names: "exceeds 0", "below 0.001");
-    `spread`: the spread over seeds of `a` exceeds that of `b` at every value of `over`: the one-sided
-    `confidence` (default 95%) lower bound of the ratio of standard deviations s_a/s_b by the variance-ratio
-    F-test, √(F / F_conf(n_a − 1, n_b − 1)) with F = s_a²/s_b², must exceed 1 + tolerance (tolerance 0: the
-    F-test rejects equal variances at level 1 − confidence; tolerance 1: a's std is at least twice b's). The
-    F-test assumes normal values over seeds and is sensitive to outliers; the report also shows the upper bound
-    at the same confidence (lower and upper together: a 90% interval at 95%).
-
-    A claim whose sentence states several conditions lists the others under `also:` (each with its own check and
-    numbers, on the same groups): it holds where every condition holds. On a grid with `select:`, `unselected`
-    says what the runs the selection did not choose count for: `show` (the verdict at each fixed value of the
-    selection's candidates, e.g. each T, is shown beside the claim's), `some` / `all` (the claim must also hold
-    on the unselected runs at some / every fixed value: for a sentence whose finding would be an artefact of the
-    choice).
-
-    A check whose compared values carry no evidence is VACUOUS rather than PASS or FAIL (dpsgd_cli/report.py says
-    when, for each check). `reading` says how the quote was encoded where that is a choice; `kind: formula_check`
-    marks a claim whose numbers are the project's own evaluation of a source's formula (no data, no randomness),
-    which the report counts apart from the findings.
-    """
+    """A source's stated finding (its sentence in `quote`), or the project's own check (`own: true`), checked
+    against the numbers just computed (`dpsgd report`); the checks and verdicts: docs/results.md#claims."""
 
     id: SafeName
     text: OneLine = Field(description="what is checked, in one line")
@@ -391,14 +345,8 @@ def selectable_by(privacy: str) -> str:
 
 
 class SelectSpec(_Strict):
-    """How hyperparameters are chosen after the runs (`dpsgd select`, and the runs `plot`/`report` use).
-
-    Per group (`group_by`), the candidate (values of `candidates`: axes or algorithm parameters) with the best
-    `score`: `non_private` takes the best mean over seeds (the choice looks at the data outside any accountant);
-    `papernot_steinke` / `liu_talwar` is random search with a random number K of trials (K ~ `distribution`
-    with mean `mean`), simulated `searches` times over the grid's runs, whose privacy cost is accounted; with
-    `calibrate`, those candidates are trained at a smaller ε so that tuning + training meets the grid's ε.
-    """
+    """How hyperparameters are chosen after the runs (`dpsgd select`, and the runs `plot`/`report` use): per group,
+    the candidate with the best `score`, privately or not (docs/hyperparameters.md)."""
 
     name: str = Field("validation", pattern=r"^[A-Za-z0-9_.-]+$", description="the selection's name (a line label)")
     candidates: list[str] = Field(min_length=1, description="columns whose values are the candidates (lr, epochs, ...)")
@@ -438,7 +386,7 @@ class SelectSpec(_Strict):
         not the name, so that renaming a selection keeps its runs."""
         return f"{self.privacy} {self.distribution} mean={self.mean:g} eta={self.trials().eta:g}"
 
-    def trials(self):
+    def trials(self) -> Trials:
         """The distribution of the number of trials (privacy/tuning.py)."""
         eta = {"geometric": 1.0, "logarithmic": 0.0}.get(self.distribution, self.eta)
         return Trials(self.distribution, self.mean, eta)
@@ -677,9 +625,7 @@ def cell_value(cell: Cell, column: str) -> Any:
 
 def tuning_cells(spec: SelectSpec, cells: list[Cell]) -> list[Cell]:
     """The candidates of a calibrated private selection: each private cell again, marked with the selection's
-    privacy and its group's privacy-relevant candidates (batch size, epochs, accountant), so that σ can be
-    calibrated for tuning + training to meet the cell's ε (run ids differ from the plain cells': the mechanism
-    differs)."""
+    privacy and its group's privacy-relevant candidates, so that σ is calibrated for tuning + training."""
     if spec.privacy == "non_private" or not spec.calibrate:
         return []
     private = [c for c in cells if ALGORITHMS[c.algorithm.name].tags.private]
@@ -729,8 +675,7 @@ _GridResolver.add_implicit_resolver(
 
 class GridLoader(yaml.reader.Reader, yaml.scanner.Scanner, yaml.parser.Parser, yaml.composer.Composer,
                  _GridConstructor, _GridResolver):
-    """SafeLoader that rejects duplicate keys and reads `1e-3` as a number; `read_yaml` also refuses documents
-    whose aliases expand beyond MAX_YAML_NODES. Pure Python: `FastGridLoader` is the same on libyaml's parser."""
+    """SafeLoader that rejects duplicate keys and reads `1e-3` as a number (`FastGridLoader`: on libyaml's parser)."""
 
     def __init__(self, stream: Any) -> None:
         yaml.reader.Reader.__init__(self, stream)
@@ -776,8 +721,7 @@ def _expanded_nodes(root: yaml.Node) -> int:
 
 
 def read_yaml(path: Path) -> Any:
-    """The YAML document of a grid file, or one UserError line: missing, a folder, too large, binary, not UTF-8,
-    invalid YAML, a duplicate key, or aliases expanding beyond MAX_YAML_NODES."""
+    """The YAML document of a grid file, or one UserError line (docs/results.md#checked-before-any-work)."""
     path = Path(path)
     try:
         if path.is_dir():
@@ -806,16 +750,14 @@ def read_yaml(path: Path) -> Any:
 
 
 def parse_yaml(text: str, where: str) -> Any:
-    """The YAML document in `text` (a grid file's, or a grid given as text), or one UserError line starting with
-    `where`: invalid YAML, a duplicate key, or aliases expanding beyond MAX_YAML_NODES."""
+    """The YAML document in `text` (a grid file's, or a grid given as text), or one UserError line from `where`."""
     if len(text.encode("utf-8", errors="surrogatepass")) > MAX_GRID_FILE_BYTES:
         raise UserError(f"{where}: larger than the {MAX_GRID_FILE_BYTES:,} bytes a grid may have; is it really a "
                         f"grid?")
     loader = None
     try:
         if "\t" in text and FastGridLoader is not GridLoader:
-            # libyaml takes a tab as a separator where PyYAML's own scanner refuses it ("a:<TAB>1"): refuse it here
-            # too, so that a grid file is valid or not whichever PyYAML build is installed
+            # libyaml takes a tab as a separator where PyYAML refuses it ("a:<TAB>1"): refused whichever is installed
             for _ in yaml.scan(text, Loader=GridLoader):
                 pass
         loader = FastGridLoader(text)  # the pure-Python reader checks the characters here
@@ -841,21 +783,16 @@ def parse_yaml(text: str, where: str) -> Any:
 
 def load_grid_file(path: Path, overrides: typing.Sequence[tuple[str, Any]] = (),
                    only: typing.Collection[str] | None = None) -> GridFile:
-    """Parse and validate a grid file; every problem becomes one UserError line naming the path.
-
-    Validation is strict: a bool or a quoted number where a number is expected is an error (`batch_size: true`
-    is not 1). A file dataset's relative `path` is resolved against the grid file's folder. `overrides`
-    ((dotted key, value) pairs, e.g. ("epochs", 1), ("datasets.0.n", 500)) are set in every grid of the parsed
-    file (with `only`, in the grids it names) before validation, so that they are checked exactly as the file's
-    own values are."""
+    """Parse and validate a grid file strictly; every problem becomes one UserError line naming the path.
+    `overrides` ((dotted key, value) pairs, e.g. ("datasets.0.n", 500)) are set in every grid (with `only`, in
+    the grids it names) before validation, so that they are checked as the file's own values are."""
     return validate_grids(read_yaml(path), str(path), Path(path).resolve().parent, overrides, only)
 
 
 def validate_grids(raw: Any, source: str, grid_dir: Path, overrides: typing.Sequence[tuple[str, Any]] = (),
                    only: typing.Collection[str] | None = None) -> GridFile:
-    """A parsed grid document (`{grids: [...]}`, or a single grid) validated as `load_grid_file` does, each
-    problem one UserError line naming `source` (and the overrides); a file dataset's relative path is resolved
-    against `grid_dir`. `raw` is changed by the overrides: pass a copy of what the caller keeps."""
+    """A parsed grid document validated as `load_grid_file` does, each problem one UserError line naming `source`;
+    relative paths are resolved against `grid_dir`. `raw` is changed by the overrides: pass a copy."""
     if isinstance(raw, dict) and "grids" not in raw and "name" in raw:
         raw = {"grids": [raw]}  # a file holding a single grid
     where = source + "".join(f" --set {key}={value!r}" for key, value in overrides)

@@ -1,19 +1,6 @@
-"""Small JSON entries kept on disk and shared by processes (the calibrations of `dpsgd_cli.privacy.calibration`,
-the reference optimum L*).
-
-An entry is one file named by the sha256 of its key (a JSON-able dict that names everything the value depends
-on) and holds the key beside the value, so a hash collision or a stale file is recognised and ignored, and a
-checksum of both, so that a corrupt entry (a flipped bit, a torn copy) is told apart from a version change: it is
-discarded with one line on stderr. A checksum only detects accidents (anyone can recompute it): whatever a privacy
-label or a figure rests on is also checked against its definition by the caller (:class:`Rejected`), and an entry
-holds exactly the fields that check reads or recomputes (:func:`exact_fields`), so that no added field reaches a
-result. Writes
-are atomic (temporary file in the same folder + `os.replace`): two processes filling one folder see an old
-entry, a new one or none, never a torn one. Floats are written with `repr` (JSON's default), so a value read
-back is the float that was computed, bit for bit. Everything is best effort: an unreadable folder or entry is
-a miss, and the value is recomputed. Inside :func:`deferred_writes` a thread's writes wait until the block ends
-(a task's entries are written after its clock stops, as its rows are) and its reads see them meanwhile.
-"""
+"""Small JSON entries kept on disk and shared by processes (the calibrations, the reference optimum L*): one file
+per key (named by its sha256, holding the key, the value and a checksum of both), written atomically, floats by
+`repr` (read back bit for bit); best effort: an unreadable entry is a miss (docs/accounting.md#the-σ-cache)."""
 
 from __future__ import annotations
 
@@ -34,8 +21,7 @@ CACHE_DIR_ENV = "DPSGD_CACHE_DIR"
 
 
 def cache_folder(name: str) -> Path | None:
-    """$DPSGD_CACHE_DIR/<name>, else <DPSGD_DATA_DIR>/.cache/<name>; None (no disk cache) when DPSGD_CACHE_DIR
-    is ``off``."""
+    """$DPSGD_CACHE_DIR/<name>, else <DPSGD_DATA_DIR>/.cache/<name>; None when DPSGD_CACHE_DIR is ``off``."""
     root = os.environ.get(CACHE_DIR_ENV, "").strip()
     if root.lower() == "off":
         return None
@@ -75,8 +61,8 @@ def discard(folder: Path | None, key: dict, reason: str) -> None:
 
 
 def read_entry(folder: Path | None, key: dict, field: str) -> Any:
-    """The stored `field` of the entry for `key`; None when absent, unreadable, for another key (a version change)
-    or corrupt (its checksum does not match: then it is discarded with one line)."""
+    """The stored `field` of the entry for `key`; None when absent, unreadable, for another key or corrupt (then
+    discarded with one line)."""
     if folder is None:
         return None
     for held_folder, held_key, held_field, value in getattr(_held, "writes", None) or ():
@@ -104,9 +90,8 @@ def read_entry(folder: Path | None, key: dict, field: str) -> Any:
 
 
 def exact_fields(value: Any, fields: Iterable[str], what: str) -> dict:
-    """`value` if it is a dict with exactly `fields`, else :class:`Rejected` naming the extra and missing ones. An
-    entry holds only what its check reads or recomputes: a checksum anyone can recompute does not stop a field
-    being added, and an added field must never reach a result (a row's column, its derived values)."""
+    """`value` if it is a dict with exactly `fields`, else :class:`Rejected` naming the extra and missing ones: an
+    added field must never reach a result, and anyone can recompute a checksum."""
     if not isinstance(value, dict):
         raise Rejected(f"its {what} is not a mapping of fields")
     fields = list(fields)
@@ -133,8 +118,7 @@ _held = threading.local()  # .writes: the writes held by this thread's deferred_
 
 @contextlib.contextmanager
 def deferred_writes():
-    """Hold this thread's :func:`write_entry` calls until the block ends, then make them (nested blocks: the
-    outermost one). An entry lost with its process is only a cache miss."""
+    """Hold this thread's :func:`write_entry` calls until the (outermost) block ends; its reads see them."""
     if getattr(_held, "writes", None) is not None:
         yield
         return

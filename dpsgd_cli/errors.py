@@ -8,8 +8,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-# control characters (but the tab) and the bidirectional overrides: printed, they move the cursor, clear the screen
-# or reorder the text shown, so that text from a grid or a received file could overwrite a verdict on the terminal
+# control characters (but the tab) and bidirectional overrides: printed, received text could overwrite a verdict
 _UNPRINTABLE = dict.fromkeys([c for c in (*range(0x20), *range(0x7F, 0xA0), *range(0x202A, 0x202F),
                                           *range(0x2066, 0x206A)) if c != ord("\t")], "\ufffd")
 
@@ -40,8 +39,7 @@ class ArgumentValueError(UserError, ValueError):
 
 
 def link_refused(path: str | os.PathLike) -> UserError:
-    """A symbolic link where a file or folder of the tool goes: following it could read or write a file outside the
-    folder (a folder received from someone else may hold `runs.csv → ~/.bashrc`)."""
+    """A symbolic link where a file or folder of the tool goes: following it could reach outside the folder."""
     return UserError(f"{path}: is a symbolic link; dpsgd neither reads nor writes through links in a results folder; "
                      f"put the file or folder itself in its place (or remove the link) and rerun")
 
@@ -76,8 +74,7 @@ def file_error(exc: OSError) -> UserError:
 
 @contextlib.contextmanager
 def file_errors() -> Iterator[None]:
-    """Around a whole command: a file it cannot read or write (read-only, disk full, a file where a folder goes,
-    a link) is one UserError line naming the path, whichever call met it."""
+    """Around a whole command: a file it cannot read or write is one UserError line naming the path."""
     try:
         yield
     except OSError as exc:

@@ -1,31 +1,4 @@
-"""`dpsgd report`: check the papers' claims (experiments.yaml `claims:`) against the numbers just computed.
-
-Each claim gets PASS, FAIL, VACUOUS or NO DATA with the numbers behind it (mean ± std over seeds, n seeds); a
-FAIL is a finding, reported as it is. `report.md` gathers every grid's figures and its claims table; the formula
-checks (`kind: formula_check`) get their own table and their own counts.
-
-VACUOUS: the compared values carry no evidence either way, so the check's outcome says nothing about the claim.
-A group (or an ungrouped claim) is vacuous when no compared mean is finite (all missing or NaN), or
-- `monotone`, `fluctuates`: the means of `a` along `over` span at most the tolerance: no step can move beyond it
-  in either direction, so `monotone` would pass and `fluctuates` fail whatever the direction claimed;
-- `better`, `not_worse`, `within`, `widens`: the metric takes one value on every compared row (every mean of `a`
-  and `b` equal, every std over seeds 0), e.g. a noiseless fraction of 0 at every ε: it responds to nothing the
-  claim varies. (Not "within the tolerance": for these kinds values closer than the tolerance are the evidence,
-  for or against);
-- `spread`: neither `a` nor `b` varies over seeds anywhere (every std 0): there is no spread to compare;
-- `saturates`: the curve takes one value: it reaches no limit, it starts there;
-- `above`, `below`: only when no mean is finite: the level itself is what they compare, so one value everywhere
-  (a noiseless fraction 0 at every ε) decides them.
-Equality allows a relative slack of 1e-9 (floating point). A grouped claim is decided on its non-vacuous groups
-(the quantifier counts those); it is VACUOUS when every group with data is vacuous.
-
-A claim whose sentence states several conditions (`also:`) holds in a group where every condition holds, fails
-where any fails, and is VACUOUS there only when none fails and some is vacuous: one condition the data cannot
-decide does not hide another it decides. On a grid with `select:` a claim is read through the selection's
-choice (e.g. T on validation); beside it the report gives the verdict on the unselected runs at each fixed value
-of the candidates, says when a PASS rests on the choice alone, and with `unselected: some` / `all` requires the
-claim to hold there too.
-"""
+"""`dpsgd report`: the papers' claims checked against the computed runs (the verdicts: docs/results.md#claims)."""
 
 from __future__ import annotations
 
@@ -38,6 +11,7 @@ from urllib.parse import quote
 import numpy as np
 import pandas as pd
 
+from dpsgd_cli.audit.engine import VERDICTS
 from dpsgd_cli.audit.run import read_audit_csv
 from dpsgd_cli.config import NAME_PATTERN, ClaimSpec, FigureSpec
 from dpsgd_cli.engine.analytic import analytic_table
@@ -70,10 +44,7 @@ _LINE_START = re.compile(r"^([#+=-]|\d{1,9}[.)])")  # a heading, list, setext ru
 
 
 def md_text(value: object) -> str:
-    """Text from a grid, a manifest, a CSV or a data file as one line of literal Markdown: line breaks (and any run
-    of white space) become one space, and every character that Markdown would read as structure is escaped, so that
-    the text can neither start a line of its own (a forged summary), add a table cell, nor open a link, an image
-    or HTML; a control character is shown as � (`errors.printable`: report.md is also read in a terminal)."""
+    """Untrusted text as one line of literal Markdown, control characters as � (docs/results.md#reports)."""
     line = _MARKUP.sub(lambda m: "\\" + m.group(0), printable(" ".join(str(value).split())))
     return _LINE_START.sub(lambda m: m.group(0)[:-1] + "\\" + m.group(0)[-1], line)
 
@@ -154,26 +125,8 @@ def _one_value(claim: ClaimSpec, *stats: pd.DataFrame) -> str | None:
 
 
 def _check_group(frame: pd.DataFrame, claim: ClaimSpec, limit: float | None) -> tuple[bool | None | str, str]:
-    """(holds, numbers) for one group; holds None when there is nothing to compare, VACUOUS when what is compared
-    carries no evidence (module docstring)."""
+    """(holds, numbers) for one group; holds None when there is nothing to compare, else True, False or VACUOUS."""
     frame = select(frame, claim.where)
-    if claim.check == "monotone":
-        stats = _stats(select(frame, claim.a), claim.metric, claim.over)
-        if len(stats) < 2:
-            return None, f"{len(stats)} value(s) of {claim.over}"
-        if (why := _flat(stats, claim)) is not None:
-            return VACUOUS, why
-        steps = stats["mean"].diff().dropna()
-        steps = steps if claim.direction == "increasing" else -steps
-        keys = list(stats.index)
-        if len(keys) > 8:  # a long curve: its ends and its worst step
-            keys = sorted(set(keys[:3] + [steps.idxmin()] + keys[-3:]))
-        text = " → ".join(f"{claim.over}={k:g}: {_cell(stats.loc[k])}" for k in keys)
-        if len(stats) > 8:
-            text += f" ({len(stats)} values; worst step {_fmt(float(steps.min()))} at {claim.over}={steps.idxmin():g})"
-        return bool((steps >= -claim.tolerance).all()), text
-    if claim.check == "fluctuates":
-        return _fluctuates(_stats(select(frame, claim.a), claim.metric, claim.over), claim)
     if claim.check == "saturates":
         series = select(frame, claim.a).sort_values(claim.over)[claim.metric]
         if series.empty or limit is None:
@@ -183,9 +136,25 @@ def _check_group(frame: pd.DataFrame, claim: ClaimSpec, limit: float | None) -> 
         last = float(series.iloc[-1])
         holds = last >= (1 - claim.tolerance) * limit and float(series.max()) <= limit * (1 + 1e-9)
         return holds, f"last {claim.metric} = {_fmt(last)} vs limit {_fmt(limit)} (tolerance {claim.tolerance:g})"
-    if claim.check in ("above", "below"):
-        return _level(_stats(select(frame, claim.a), claim.metric, claim.over), claim)
     a = _stats(select(frame, claim.a), claim.metric, claim.over)
+    if claim.check == "fluctuates":
+        return _fluctuates(a, claim)
+    if claim.check in ("above", "below"):
+        return _level(a, claim)
+    if claim.check == "monotone":
+        if len(a) < 2:
+            return None, f"{len(a)} value(s) of {claim.over}"
+        if (why := _flat(a, claim)) is not None:
+            return VACUOUS, why
+        steps = a["mean"].diff().dropna()
+        steps = steps if claim.direction == "increasing" else -steps
+        keys = list(a.index)
+        if len(keys) > 8:  # a long curve: its ends and its worst step
+            keys = sorted(set(keys[:3] + [steps.idxmin()] + keys[-3:]))
+        text = " → ".join(f"{claim.over}={k:g}: {_cell(a.loc[k])}" for k in keys)
+        if len(a) > 8:
+            text += f" ({len(a)} values; worst step {_fmt(float(steps.min()))} at {claim.over}={steps.idxmin():g})"
+        return bool((steps >= -claim.tolerance).all()), text
     b = _stats(select(frame, claim.b), claim.metric, claim.over)
     common = a.index.intersection(b.index)
     if common.empty:
@@ -201,7 +170,7 @@ def _check_group(frame: pd.DataFrame, claim: ClaimSpec, limit: float | None) -> 
     for key in common:
         sa, sb = a.loc[key], b.loc[key]
         diff = sa["mean"] - sb["mean"]
-        se = math.sqrt(sa["std"] ** 2 / sa["n"] + sb["std"] ** 2 / sb["n"])
+        se = _diff_se(sa, sb)
         where = f"{claim.over}={key:g}: " if claim.over else ""
         if claim.check == "spread":
             ok, text = _spread(sa, sb, claim)
@@ -224,8 +193,7 @@ def _check_group(frame: pd.DataFrame, claim: ClaimSpec, limit: float | None) -> 
 
 
 def _pointwise(parts: list[str], oks: list[bool], claim: ClaimSpec) -> str:
-    """The numbers of a check made at every value of `over`: all of them, or for a long curve its ends and the
-    first values where it fails."""
+    """The numbers at every value of `over`, or for a long curve its ends and its first failures."""
     if len(parts) <= 8:
         return "; ".join(parts)
     failing = [i for i, ok in enumerate(oks) if not ok]
@@ -252,9 +220,7 @@ def _level(stats: pd.DataFrame, claim: ClaimSpec) -> tuple[bool | None | str, st
 
 def check_conditions(frame: pd.DataFrame, claim: ClaimSpec,
                      limit: float | None) -> tuple[bool | None | str, str]:
-    """(holds, numbers) of one group under every condition of the claim (its check and `also:`): False where any
-    fails, True where all hold, VACUOUS where none fails and some is vacuous, else None; each condition's numbers
-    are shown."""
+    """(holds, numbers) of one group under every condition of the claim (its check and `also:`)."""
     if not claim.also:
         return _check_group(frame, claim, limit)
     found = [(c, *_check_group(frame, c, limit)) for c in claim.conditions()]
@@ -304,9 +270,8 @@ def _fluctuates(stats: pd.DataFrame, claim: ClaimSpec) -> tuple[bool | None | st
 
 
 def _widens(a: pd.DataFrame, b: pd.DataFrame, claim: ClaimSpec) -> tuple[bool | None, str]:
-    """`widens`: the gain g_k = a − b (or b − a) grows along `over`: its weighted least-squares slope against
-    x = log(over) (over itself if some value is ≤ 0), weights 1/SE_k² (the seed noise of each gain), exceeds
-    tolerance + 2·SE(slope), SE(slope)² = 1/Σ w_k (x_k − x̄_w)²."""
+    """`widens`: the gain a − b (or b − a) has a weighted least-squares slope along log(over) (over if some value
+    is ≤ 0), weights 1/SE_k², above tolerance + 2·SE(slope), SE(slope)² = 1/Σ w_k (x_k − x̄_w)²."""
     if len(a) < 3:
         return None, f"{len(a)} common value(s) of {claim.over} (a slope needs 3)"
     if (why := _few_seeds(a, b)) is not None:
@@ -329,9 +294,8 @@ def _widens(a: pd.DataFrame, b: pd.DataFrame, claim: ClaimSpec) -> tuple[bool | 
 
 
 def spread_ratio_bounds(s_a: float, n_a: int, s_b: float, n_b: int, confidence: float) -> tuple[float, float, float]:
-    """(s_a/s_b, one-sided lower bound at `confidence`, two-sided upper bound at `confidence`) of the ratio of
-    standard deviations, from the variance-ratio F-test: (s_a²/σ_a²)/(s_b²/σ_b²) ~ F(n_a − 1, n_b − 1) for normal
-    samples, so σ_a/σ_b ≥ √(F / F_conf) with F = s_a²/s_b² (F_conf the `confidence` quantile)."""
+    """(s_a/s_b, one-sided lower and upper bounds at `confidence`) of the ratio of standard deviations, by the
+    variance-ratio F-test: (s_a²/σ_a²)/(s_b²/σ_b²) ~ F(n_a − 1, n_b − 1), so σ_a/σ_b ≥ √(F / F_conf)."""
     if n_a < 2 or n_b < 2:
         raise ValueError(f"spread needs at least 2 seeds per selection, got {n_a} and {n_b}")
     if s_b == 0:
@@ -371,7 +335,7 @@ def evaluate(folder: Path, claim: ClaimSpec, figures: list[FigureSpec]) -> Verdi
             numbers += effect
     except (KeyError, ValueError) as exc:
         return Verdict(grid, claim, NO_DATA, str(exc).strip("'\""))
-    return Verdict(grid, claim, status, numbers + _mixed_relations(frame, claim) + _mixed_accountants(frame, claim))
+    return Verdict(grid, claim, status, numbers + _mixed_footings(frame, claim))
 
 
 def _groups(frame: pd.DataFrame, claim: ClaimSpec, limit: float | None) -> list[tuple[bool | None | str, str]]:
@@ -388,8 +352,7 @@ def _groups(frame: pd.DataFrame, claim: ClaimSpec, limit: float | None) -> list[
 
 
 def _selected_by(folder: Path, claim: ClaimSpec) -> list[str]:
-    """The candidates (e.g. [epochs]) of the selection a claim's runs went through; [] when none did (no
-    `select:`, an analytic source, or a claim that names its selection)."""
+    """The candidates (e.g. [epochs]) of the selection a claim's runs went through; [] when none did."""
     if claim.source not in ("runs", "traces") or any("selection" in sel for sel in (claim.where, claim.a, claim.b)):
         return []
     specs = selections(grid_of(folder))
@@ -397,8 +360,8 @@ def _selected_by(folder: Path, claim: ClaimSpec) -> list[str]:
 
 
 def fixed_candidates(runs: pd.DataFrame, candidates: list[str]) -> list[tuple[str, pd.DataFrame]]:
-    """The unselected runs at each fixed value of the candidates ("epochs=2", its rows); rows without a value
-    (a non-private reference run once) belong to every one."""
+    """The unselected runs at each fixed value of the candidates ("epochs=2", its rows); a row without a value
+    (a non-private reference) belongs to every one."""
     present = [c for c in candidates if c in runs]
     if not present or runs.empty:
         return []
@@ -415,8 +378,7 @@ def fixed_candidates(runs: pd.DataFrame, candidates: list[str]) -> list[tuple[st
 
 def selection_effect(status: str, fixed: list[tuple[str, str]], candidates: list[str],
                      claim: ClaimSpec) -> tuple[str, str]:
-    """(status, text): the verdict at each fixed candidate value beside the selected one; a PASS that no fixed
-    value gives rests on the selection, said so, and with `unselected: some` / `all` it becomes a FAIL."""
+    """(status, text): the verdict at each fixed candidate value beside the selected one (`unselected:`)."""
     if not fixed:
         return status, ""
     names = " × ".join(candidates)
@@ -433,31 +395,25 @@ def selection_effect(status: str, fixed: list[tuple[str, str]], candidates: list
                          f"{need} fixed {names}")
 
 
-def _mixed(frame: pd.DataFrame, claim: ClaimSpec, column: str, what: str) -> str:
-    """A warning when the private rows a claim compares differ in `column` (their ε are then not on one footing)."""
-    if column not in frame or "epsilon" not in frame:
+def _mixed_footings(frame: pd.DataFrame, claim: ClaimSpec) -> str:
+    """A warning when the private rows a claim compares state their ε under different neighbouring relations or
+    accountants (their ε are then not on one footing)."""
+    if "epsilon" not in frame:
         return ""
     # a selection the check does not use (`b` of a monotone claim) may name no column: it selects nothing here
     parts = [select(frame, sel) for sel in (claim.a, claim.b) if sel and set(sel) <= set(frame)] or [frame]
     rows = pd.concat(parts)
     rows = rows[rows["epsilon"].notna()]
-    values = sorted(set(rows[column].fillna("unrecorded").astype(str)))
-    return f" [{what}: {', '.join(values)}]" if len(values) > 1 else ""
+    warnings = ""
+    for column, what in (("neighbours", "mixed neighbouring relations"), ("accountant", "mixed accountants")):
+        values = sorted(set(rows[column].fillna("unrecorded").astype(str))) if column in rows else []
+        warnings += f" [{what}: {', '.join(values)}]" if len(values) > 1 else ""
+    return warnings
 
-
-def _mixed_relations(frame: pd.DataFrame, claim: ClaimSpec) -> str:
-    """A warning when the rows a claim compares state their ε under different neighbouring relations."""
-    return _mixed(frame, claim, "neighbours", "mixed neighbouring relations")
-
-
-def _mixed_accountants(frame: pd.DataFrame, claim: ClaimSpec) -> str:
-    """A warning when the rows a claim compares were calibrated by different accountants (runs.csv's column)."""
-    return _mixed(frame, claim, "accountant", "mixed accountants")
 
 
 def decide(results: list[tuple[bool | None | str, str]], claim: ClaimSpec) -> tuple[str, str]:
-    """(status, numbers) of a claim from its groups' (holds, text): the quantifier counts the groups that hold or
-    fail; VACUOUS and undecided (None) groups are shown but count neither way."""
+    """(status, numbers) of a claim from its groups': VACUOUS and undecided groups count neither way."""
     decided = [h for h, _ in results if isinstance(h, bool)]
     vacuous = sum(h == VACUOUS for h, _ in results)
     if decided:
@@ -479,8 +435,7 @@ def quantified(decided: list[bool], quantifier: str) -> bool:
 
 
 def _limit(claim: ClaimSpec, figures: list[FigureSpec]) -> float | None:
-    """The saturation value α S_g²/(λσ²n²) of a privacy-curve figure's parameters (what `saturates` compares
-    with, in the claim's check or one of its `also:`)."""
+    """The saturation value α S_g²/(λσ²n²) of a privacy-curve figure's parameters (what `saturates` compares)."""
     figure = next((f for f in figures if f.name == claim.source), None)
     if figure is None or figure.kind != "privacy_curve":
         return None
@@ -575,11 +530,9 @@ def audit_frames(path: Path) -> list[pd.DataFrame]:
 
 
 def audit_verdicts(frame: pd.DataFrame) -> list[dict]:
-    """Per grid, dataset, model, algorithm (with its parameters) and claimed ε: the cell's verdict from its rows'
-    (audit.csv's `verdict`): `refuted` when a row the claim covers has ε_lo > ε (the claim is false, with the
-    family's confidence), else `consistent` when a row's broken twin was refuted by the same audit (the audit could
-    have seen a broken mechanism and saw none), else `uninformative` (with why), or `not covered` when no row
-    attacks what the claim covers. Files written before verdicts existed: refuted when ε_lo > ε, else consistent."""
+    """Per grid, dataset, model, algorithm (with its parameters) and claimed ε: the verdict of its rows, the first
+    of refuted, consistent, uninformative, not covered (docs/audit.md); files without verdicts: refuted when
+    ε_lo > ε, else consistent."""
     ok = frame[(frame["status"] == "ok") & frame["epsilon_lo"].notna()]
     out = []
     keys = ["grid", "dataset", "model", "algorithm", "algorithm_params", "epsilon_claimed"]
@@ -589,8 +542,7 @@ def audit_verdicts(frame: pd.DataFrame) -> list[dict]:
         ok = ok.assign(verdict=np.where(ok["epsilon_lo"] > ok["epsilon_claimed"], "refuted", "consistent"),
                        reason="")
     for key, group in ok.groupby(keys, sort=True):
-        verdict = next(v for v in ("refuted", "consistent", "uninformative", "not covered")
-                       if (group["verdict"] == v).any() or v == "not covered")
+        verdict = next(v for v in VERDICTS if (group["verdict"] == v).any() or v == "not covered")
         chosen = group[group["verdict"] == verdict]
         best = chosen.loc[chosen["epsilon_lo"].idxmax()] if len(chosen) else group.iloc[0]
         sign = ">" if best["epsilon_lo"] > best["epsilon_claimed"] else "≤"

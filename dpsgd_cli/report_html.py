@@ -1,10 +1,4 @@
-"""report.html: report.md rendered, its figures embedded, one self-contained file to open in a browser or send.
-
-The page is inert whatever the results folder holds: Markdown is rendered without raw HTML (a tag in the text is
-shown as text; the one tag passed is `<br>`, the line break report.md's table cells use); a link goes only to an
-http(s) address or to a file inside the folder; an image is embedded only from a grid's own `figures/` folder (a
-PNG file there, no link on the way), anything else is shown by its alt text.
-"""
+"""report.html: report.md rendered, its figures embedded; inert whatever the folder holds (docs/results.md#reports)."""
 
 from __future__ import annotations
 
@@ -46,8 +40,7 @@ LINE_BREAK = "<br>"
 
 
 def write_html(markdown: Path) -> Path:
-    """report.html beside report.md: the same report, its figures embedded (base64 PNG), one self-contained file
-    that a collaborator opens in any browser (report.md needs the figures/ folders next to it)."""
+    """report.html beside report.md, its figures embedded (report.md needs the figures/ folders next to it)."""
     body = _ReportMarkdown(markdown.parent).render(markdown.read_text(encoding="utf-8"))
     out = markdown.with_suffix(".html")
     write_text(out, HTML_PAGE.format(body=body))
@@ -55,9 +48,8 @@ def write_html(markdown: Path) -> Path:
 
 
 def _inert(text: str) -> str:
-    """Text escaped for HTML; where it spells an event attribute (`onerror=`) or a script scheme (`javascript:`),
-    its `=` or `:` as a character reference, so that the page's source does not spell them either (where a mail
-    filter or a scanner reads it); the browser shows the same characters."""
+    """Text escaped for HTML, with the `=` or `:` of an event attribute or script scheme as a character reference:
+    the page's source does not spell them either (for a mail filter or a scanner)."""
     return _SPELLS_MARKUP.sub(lambda m: m.group(0)[:-1] + ("&#61;" if m.group(1) else "&#58;"), escapeHtml(text))
 
 
@@ -126,9 +118,8 @@ def _inside(root: Path, relative: str) -> PurePosixPath | None:
 
 
 def _figure(root: Path, src: str) -> bytes | None:
-    """The bytes of the PNG at `src` if it is a figure the tool drew: `<grid>/figures/<name>.png` (or
-    `figures/<name>.png` in a grid's own folder) inside `root`, no link on the way (the resolved path is the
-    path itself), a regular file that starts as a PNG does; else None."""
+    """The bytes at `src` if it is a PNG the tool drew: `[<grid>/]figures/<name>.png` inside `root`, no link on
+    the way, a regular file; else None."""
     parts = urlsplit(src)
     path = None if parts.scheme or parts.netloc else _inside(root, unquote(parts.path))
     if path is None or len(path.parts) not in (2, 3) or path.parts[-2] != "figures" or path.suffix != ".png":

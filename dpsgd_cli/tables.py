@@ -53,10 +53,8 @@ DEFAULTS = {"dtype": "float64"}  # not worth a word when every row has it
 
 def settings_table(frame: pd.DataFrame, title: str, select: Sequence = (), numbers: dict | None = None,
                    keep: Sequence[str] = (), notes: Sequence[str] = (), caption: str | None = None) -> Any:
-    """A row per cell of `frame` (runs.csv's columns): its dataset, model, algorithm (the options that differ
-    between that algorithm's cells), the selections it is a calibrated candidate for, and its axes; then the
-    columns of `numbers`. What every row shares (but the `keep` columns) goes in the title or in a line above
-    the table."""
+    """A row per cell of `frame` (runs.csv's columns): its labels and axes, then the columns of `numbers`; what
+    every row shares (but the `keep` columns) goes in the title or a line above the table."""
     if "label" not in frame or "tuning" not in frame:
         frame = frame.assign(**summary.cell_labels(frame, select))
     rows = [{h: fmt(r[c]) or MISSING for h, c in SETTINGS.items()} for _, r in frame.iterrows()]
@@ -71,10 +69,8 @@ def settings_table(frame: pd.DataFrame, title: str, select: Sequence = (), numbe
 def compact_table(rows: list[dict[str, Any]], title: str, keep: Sequence[str] = (), notes: Sequence[str] = (),
                   caption: str | None = None, lines: bool = False, sparse: Sequence[str] = SPARSE) -> Any:
     """`rows` (header → text, or a rich renderable) as a table that reads in 80 columns: a column with one value
-    in every row (in `sparse` columns: wherever it has one) is said once in the title line (`λ=0.0001`)
-    instead, so that a row shows what sets it apart; the `keep` columns stay. `notes` are lines between the
-    title and the table, `caption` a line below it; `lines` rules between rows (for cells of several lines).
-    Nothing is cut: a cell too long for its column wraps."""
+    in every row (in `sparse` columns: wherever it has one) is said once in the title line (`λ=0.0001`), but the
+    `keep` columns; `notes` above the table, `caption` below, `lines` rules between rows; a long cell wraps."""
     headers = list(rows[0]) if rows else []
 
     def values(header: str) -> set[str]:
@@ -106,8 +102,7 @@ def compact_table(rows: list[dict[str, Any]], title: str, keep: Sequence[str] = 
 
 
 def summary_table(frame: pd.DataFrame, name: str) -> Any:
-    """A row per cell, mean ± std over its seeds of the metrics summary_frame chose; a value every seed gave
-    (a deterministic algorithm such as erm) is shown once, without ± 0; a metric a cell lacks is '—'."""
+    """A row per cell, mean ± std over its seeds of the metrics summary_frame chose (no ± 0; missing: '—')."""
     numbers = {"runs": [f"{ok}/{n}" for ok, n in zip(frame["ok"], frame["runs"])]}
     for m in frame.attrs.get("metrics", []):
         numbers[m.replace("_", " ")] = [spread(mean, std) for mean, std in

@@ -349,9 +349,8 @@ def test_experiments_yaml_claims_on_analytic_tables_are_formula_checks():
 ])
 def test_a_claim_comparing_epsilons_on_different_footings_says_so(column, which, same, other, said):
     """Rows of one claim under different neighbouring relations, or calibrated by different accountants."""
-    from dpsgd_cli.report import _mixed_accountants, _mixed_relations
+    from dpsgd_cli.report import _mixed_footings as mixed
 
-    mixed = {"neighbours": _mixed_relations, "accountant": _mixed_accountants}[column]
     frame = _runs({"dp": {1.0: [0.80, 0.81]}, "pidp": {1.0: [0.82, 0.83]}})
     better = claim(check="better", a={"algorithm": "pidp"}, b={"algorithm": "dp"})
     frame[column] = same

@@ -1,14 +1,5 @@
-"""Audit a grid: for every cell, train N replicas with the canary and N without, score them, bound ε from below.
-
-The two worlds differ in one record only, and their replicas are
-seeds of one chain: the input canary trains the two worlds as two vectorised fits, the gradient canary as one
-(its inclusion is a per-replica mask). Nothing here changes how an algorithm trains.
-
-The record in the canary's place is the worst-case neighbour of the algorithm's privacy claim
-(`Algorithm.neighbouring`): under add/remove, the null record (zero gradient: the canary removed); under
-replace-one, the canary's mirror image (label flipped; gradient −C·u), so the two worlds' gradients differ by 2C,
-the sensitivity the replace-one accountants are calibrated for.
-"""
+"""Audit a grid: for every cell, train N replicas with the canary and N without (the worst-case neighbour of the
+algorithm's claim), score them, bound ε from below (docs/audit.md#canaries-and-threat-models)."""
 
 from __future__ import annotations
 
@@ -45,17 +36,14 @@ THREATS = {"input": ["black-box, last iterate"],
 SEES = {"black-box, last iterate": "final output", "white-box, last iterate": "final output",
         "white-box, all iterates": "every iterate"}
 VERDICTS = ("refuted", "consistent", "uninformative", "not covered")
-# Steinke, Nasr, Jagielski 2023 need canaries that do not interfere: each its own coordinate (their white-box
-# canaries are Dirac gradients too). A record in input space has none, and m gradient canaries along directions the
-# data uses mix with the data's gradients and with each other.
+# Steinke, Nasr, Jagielski 2023 need canaries that do not interfere: each its own coordinate (docs/audit.md)
 ONE_RUN_REFUSAL = ("statistic: one_run needs canaries: [dirac] (one unused input coordinate per canary, pooled "
                    "over the trials); input and gradient canaries share the data's coordinates")
 
 
 @dataclasses.dataclass
 class Worlds:
-    """Scores of the trials with the canary (`inp`) and without (`out`), per threat model, and what the runs
-    derived (σ, the achieved ε, ...)."""
+    """Scores of the trials with the canary and without, per threat model, and what the runs derived."""
 
     scores: dict[str, tuple[np.ndarray, np.ndarray]]
     derived: dict[str, Any]
@@ -69,14 +57,9 @@ class NotApplicable(ValueError):
 def audit_cell(cell: Cell, spec: AuditSpec, trials: int | None = None, confidence: float | None = None,
                algorithm: Algorithm | None = None, data: Dataset | None = None,
                scores: dict[str, np.ndarray] | None = None) -> list[dict[str, Any]]:
-    """Rows of audit.csv for one cell: one per threat model of each canary kind, each with its verdict.
-
-    `confidence` is the family's: the k rows that can refute the cell's claim (the threat models it covers) are
-    each bounded at 1 − α/k, so that all k hold together with probability `confidence` (Bonferroni). The same
-    audit runs on the cell's broken twin (`spec.control`: its noise multiplied by that factor, the claim unchanged);
-    a row is `consistent` only when it refutes the twin. `algorithm` and `data` replace the cell's (tests: a
-    deliberately broken variant, a dataset built in the test); `scores`, when given, receives every row's raw
-    scores (keys `<canary>.<threat>.<in|out>`, `control.` before them for the twin's)."""
+    """Rows of audit.csv for one cell: one per threat model of each canary kind, each with its verdict (the
+    family's `confidence`, the broken twin: docs/audit.md). `algorithm` and `data` replace the cell's; `scores`
+    receives every row's raw scores (keys `<canary>.<threat>.<in|out>`, `control.` before them for the twin's)."""
     trials = trials or spec.trials
     confidence = confidence or spec.confidence
     algorithm = algorithm or cell.make_algorithm()
@@ -118,10 +101,8 @@ def audit_cell(cell: Cell, spec: AuditSpec, trials: int | None = None, confidenc
 
 
 def _distinct_tests(worlds: list[Worlds], covers: str) -> int:
-    """How many different tests the covered rows are (the family a verdict combines): rows whose scores order
-    the trials identically give the same bound under every rule here (each depends on the scores' order only)
-    and count once — one full-batch step's all-iterates ratio is an increasing function of its last iterate's
-    projection. The union bound over the family holds with the distinct tests alone."""
+    """How many different tests the covered rows are: rows whose scores order the trials identically give the
+    same bound under every rule here and count once (the union bound holds with the distinct tests alone)."""
     seen = set()
     for w in worlds:
         for threat, (s_in, s_out) in w.scores.items():
@@ -168,9 +149,7 @@ def _control_columns(control, threat: str, spec: AuditSpec, confidence: float, s
 
 
 def _verdict(row: dict, covers: str, threat: str) -> dict[str, Any]:
-    """refuted (ε_lo > ε, on a threat model the claim covers) · not covered (the claim says nothing about what
-    this adversary sees) · consistent (ε_lo ≤ ε, and the same audit refuted the broken twin) · uninformative
-    (ε_lo ≤ ε, and nothing shows that this audit could have seen a broken mechanism), each with its reason."""
+    """The row's verdict (one of VERDICTS, docs/audit.md) with its reason."""
     failed = row.pop("_control_failed", None)
     if row.get("status") != "ok" or row.get("epsilon_lo") is None:
         return {"verdict": None, "reason": ""}
@@ -228,8 +207,7 @@ def _derived_columns(worlds: Worlds, cell: Cell, data: Dataset) -> dict[str, Any
 
 def _statistics(s_in: np.ndarray, s_out: np.ndarray, spec: AuditSpec, confidence: float, worlds: Worlds,
                 claim: float) -> dict:
-    """The row's numbers; `claim` (the ε the row is judged against) fixes the rule "order"'s ranks before any
-    score is seen."""
+    """The row's numbers; `claim` fixes the rule "order"'s ranks before any score is seen."""
     delta = worlds.derived.get("_delta_audit", 0.0)
     finite = np.isfinite(s_in).all() and np.isfinite(s_out).all()
     if not finite:
@@ -329,9 +307,8 @@ def gradient_worlds(cell: Cell, spec: AuditSpec, algorithm: Algorithm, trials: i
 def dirac_setup(cell: Cell, data: Dataset, m: int = 1,
                 watch: int = 0) -> tuple[Model, Setting, np.ndarray, np.ndarray, np.ndarray]:
     """(model, setting, U (m + watch, P), X, y): the data with m more input coordinates, zero for every real
-    record, and m marker rows that carry the canaries' gradients. U's first m rows are the canaries' directions
-    e_k, the parameters those coordinates feed; the `watch` rows after them are zero, for directions the caller
-    wants recorded that no marker row feeds (the marker rows' norms index all m + watch rows)."""
+    record, and m marker rows that carry the canaries' gradients along U's first m rows; the `watch` rows after
+    them are zero, for directions the caller wants recorded that no marker row feeds."""
     X = np.hstack([data.X_train, np.zeros((data.X_train.shape[0], m), dtype=data.X_train.dtype)])
     model, setting = _setup(cell, dataclasses.replace(data, X_train=X), m)
     setting = dataclasses.replace(setting, d=X.shape[1])
@@ -344,20 +321,9 @@ def dirac_setup(cell: Cell, data: Dataset, m: int = 1,
 
 
 def dirac_worlds(cell: Cell, spec: AuditSpec, algorithm: Algorithm, trials: int, data: Dataset) -> Worlds:
-    """White box, the Dirac canary: the data and the model get one more input coordinate, zero for every real
-    record, and the canary's gradient is C·e on the parameter it feeds (`canaries.dirac_index`); `trials` replicas
-    with it, `trials` without (the null record, or under replace-one the mirror −C·e), all of one fit. Scores: the
-    last iterate's projection −⟨θ_T, w⟩, and over every iterate the per-step likelihood ratio of the canary's
-    inclusions (`canaries.step_likelihood_ratio`, at the σ and sampling rate the mechanism declares). w = e, or
-    where the chain post-processes the noisy gradient by a fixed linear map M (dp_lssgd's smoothing A⁻¹) the w
-    with Mᵀw = e (`_post_processing`): ⟨M g, w⟩ = ⟨g, e⟩, so the projection sees the canary and the noise on e
-    alone, as without M, and none of the data's gradients that M mixes into e's coordinate.
-
-    One run (`statistic: one_run`, Steinke, Nasr, Jagielski 2023): m = `m_canaries` Dirac canaries per training,
-    each on its own unused coordinate and included with probability 1/2 (its own coin per training), pooled over
-    the `trials` trainings. The canaries do not interfere: no record, real or canary, moves another's coordinate,
-    and the noise on each is independent. Pooling is one run of the product of the trainings, in which a canary
-    changes one training only, so each canary's inclusion is as private as the claim: all their bound needs."""
+    """White box, the Dirac canary (docs/audit.md): scores −⟨θ_T, w⟩ (Mᵀw = e, `_post_processing`) and the
+    per-step likelihood ratio over every iterate; with `statistic: one_run` (Steinke, Nasr, Jagielski 2023),
+    `m_canaries` per training, each included with probability 1/2, pooled over the trainings."""
     one_run = spec.statistic == "one_run"
     m = spec.m_canaries if one_run else 1
     mirror = algorithm.neighbouring() == "replace_one"
@@ -414,10 +380,8 @@ def _step_statistics(a: np.ndarray, v: np.ndarray, steps: canaries.StepModel) ->
 
 def _post_processing(algorithm: Algorithm, setting: Setting, model: Model, X: np.ndarray,
                      y: np.ndarray) -> np.ndarray | None:
-    """Mᵀ (P, P) for a chain whose last transforms, after its noise, scale and weight decay, apply a fixed linear
-    map M to the noisy gradient (dp_lssgd's Laplacian smoothing A⁻¹; data-independent post-processing), read by
-    applying them to the identity; None when there are none, or when they are not linear or depend on θ (the
-    statistic then reads e alone: still valid, only weaker)."""
+    """Mᵀ (P, P) of the fixed linear map a chain applies to its noisy gradient after the noise (dp_lssgd's A⁻¹),
+    read off the identity; None when there is none, or it is not linear (then e alone: valid, only weaker)."""
     prepared = algorithm.prepare(setting, model, X, y, ReplicaStreams(range(1)))
     if prepared is None:
         return None

@@ -17,8 +17,7 @@ from dpsgd_cli.plots.layout import MARKERS, finish  # noqa: E402
 
 
 def audit_figure(frame: pd.DataFrame):
-    """The laid-out figure (None when no audit row is ok with both a bound and a claim): points at ε_lo = 0 drawn
-    whole (the axes start below 0), the legend below the panels, where it covers no point."""
+    """The laid-out figure (None when no audit row is ok with both a bound and a claim)."""
     ok = frame[(frame["status"] == "ok") & frame["epsilon_lo"].notna() & frame["epsilon_claimed"].notna()]
     if ok.empty:
         return None

@@ -1,7 +1,5 @@
-"""Audit a whole grid: every cell's rows into OUT/<grid>/audit.csv (rewritten after each cell), its raw scores into
-OUT/<grid>/audit_scores/<cell_id>.npz (so that anyone can recompute every bound), then the figure. The audit holds
-the folder's lock (the one `dpsgd run` takes: one writer per folder), and every file is replaced atomically, so a
-reader (`dpsgd report`, another audit refused by the lock) never sees half of one."""
+"""Audit a whole grid under the folder's lock: audit.csv (rewritten after each cell), the raw scores
+(audit_scores/<cell_id>.npz: anyone can recompute every bound), then the figure."""
 
 from __future__ import annotations
 
@@ -84,9 +82,7 @@ def _progress(total: int, name: str):
 
 
 def read_audit_csv(path: Path) -> pd.DataFrame:
-    """An audit.csv as the report and the figure read it: a one-line UserError when it is empty, not a CSV, lacks
-    a column they use, has an ok row without the numbers of its bound, or algorithm parameters that are not a JSON
-    object."""
+    """An audit.csv as the report and the figure read it; a one-line UserError when they cannot."""
     remedy = "rerun `dpsgd audit` on its grid to rewrite it, or move it away"
     frame = read_table(path, READ_COLUMNS, NUMERIC, remedy)
     params = frame["algorithm_params"] if "algorithm_params" in frame else pd.Series(dtype=object)

@@ -1,16 +1,6 @@
-"""From attack scores to a statistical lower bound ε_lo on the ε of (ε, δ)-DP.
-
-Scores: one per trial, higher = "the canary was in". A threshold t turns them into guesses; for every t the
-false-positive rate FPR(t) (out-trials scoring ≥ t) and false-negative rate FNR(t) of the test bound ε: an
-(ε, δ)-DP mechanism has TPR ≤ e^ε FPR + δ for every test (Kairouz, Oh, Viswanath 2015; the audit of Jagielski,
-Ullman, Oprea 2020 and Nasr et al. 2021), so with Clopper–Pearson bounds holding with probability 1 − α,
-ε ≥ ln((TPR_lo − δ) / FPR_hi). The same numbers as JAX Privacy's `CanaryScoreAuditor` (`jax_privacy.auditing`),
-against which `tests/test_audit.py` checks them; no JAX needed here.
-
-The rule `order` goes further than a pair of Clopper–Pearson bounds: its threshold is an order statistic of the
-out-scores, whose false-positive rate has a known distribution, so one exact test of "TPR ≤ e^ε FPR + δ" replaces
-the union of two bounds (`order_p_value`).
-"""
+"""From attack scores (one per trial, higher = "the canary was in") to a lower bound ε_lo on the ε of (ε, δ)-DP
+(docs/audit.md#statistics-dpsgd_cliauditstatspy-numpyscipy-only): TPR ≤ e^ε FPR + δ for every test (Kairouz,
+Oh, Viswanath 2015; the audit of Jagielski, Ullman, Oprea 2020 and Nasr et al. 2021)."""
 
 from __future__ import annotations
 
@@ -65,16 +55,8 @@ def epsilon_from_counts(tp: np.ndarray, fp: np.ndarray, n_in: int, n_out: int, a
 def epsilon_clopper_pearson(scores_in, scores_out, confidence: float = 0.95, delta: float = 0.0,
                             threshold: ThresholdRule = "bonferroni", seed: int = 0,
                             claim: float | None = None) -> float:
-    """ε_lo holding with probability `confidence` over the trials.
-
-    threshold: a number (fixed in advance: one test); "bonferroni" — the best of all k thresholds, each bound at
-    α/k (valid whatever threshold wins); "split" — the threshold that is best on half of the trials (a seeded
-    permutation), the bound computed on the other half at α; "order" — thresholds just above the j-th largest
-    out-score for ranks j fixed before any score is seen (`order_ranks`: from the claimed ε when `claim` is given,
-    else 1, 2, 5, 10, ...), each judged by the exact test of `order_p_value` at α/#ranks. The last holds for any
-    score distribution: the FPR of "score > j-th largest of N" is Beta(j, N − j + 1) distributed for continuous
-    scores (stochastically smaller with ties), and the in-scores are independent of the threshold.
-    """
+    """ε_lo holding with probability `confidence` over the trials; threshold: a number (one test fixed in advance),
+    "bonferroni", "split" or "order" (docs/audit.md)."""
     s_in, s_out = _scores(scores_in, scores_out)
     alpha = _alpha(confidence)
     _check_delta(delta)
@@ -105,8 +87,7 @@ def epsilon_clopper_pearson(scores_in, scores_out, confidence: float = 0.95, del
 
 def order_ranks(n_out: int, n_in: int | None = None, claim: float | None = None, delta: float = 0.0,
                 alpha: float = 0.05) -> np.ndarray:
-    """The ranks j of the rule "order", fixed before any score is seen: `claim_ranks` when the claimed ε is given
-    (and finite, > 0), else 1, 2, 5, 10, ... up to n_out/2."""
+    """The ranks j of the rule "order": `claim_ranks` of a finite claim > 0, else 1, 2, 5, 10, ... ≤ n_out/2."""
     if claim is not None and np.isfinite(claim) and claim > 0:
         return claim_ranks(n_in or n_out, n_out, float(claim), delta, alpha)
     return np.array([j for j in ORDER_RANKS if j <= max(n_out // 2, 1)])
@@ -117,11 +98,7 @@ CLAIM_MULTIPLES = (1.0, 2.0, 4.0)
 
 def claim_ranks(n_in: int, n_out: int, epsilon: float, delta: float, alpha: float) -> np.ndarray:
     """Ranks from the claim alone: for ε' = ε, 2ε, 4ε, the rank at which a Gaussian mechanism exactly ε'-DP at δ
-    (μ-GDP with ε(μ, δ) = ε', Dong, Roth, Su 2022, Cor. 2.13) gives the largest bound at its expected counts. The
-    first measures how close a tight mechanism comes to its claim; the others are where a breach shows first
-    (the more a mechanism leaks, the further out in the tail its best test lies, up to rank 1, which perfect
-    separation needs). Nothing here depends on the scores, so the Bonferroni over these (at most three) ranks is
-    all the choice costs. A pure-DP claim (δ = 0), which no Gaussian meets, takes the curves at δ = 10⁻⁵."""
+    (μ-GDP, Dong, Roth, Su 2022, Cor. 2.13) gives the largest bound at its expected counts (pure DP: δ = 10⁻⁵)."""
     return np.array(_claim_ranks(int(n_in), int(n_out), float(epsilon), float(delta), float(alpha)))
 
 
@@ -142,16 +119,8 @@ def _claim_ranks(n_in: int, n_out: int, epsilon: float, delta: float, alpha: flo
 def order_p_value(k: int, n_in: int, j: int, n_out: int, epsilon: float, delta: float,
                   alpha: float | None = None, rtol: float = 1e-2) -> tuple[float, float]:
     """Bounds (lower, upper) on the p-value of k of n_in in-scores above t, the j-th largest of n_out out-scores,
-    if the mechanism is (ε, δ)-DP.
-
-    The test "score > t" has FPR F = P[out-score > t], which is Beta(j, n_out − j + 1) distributed for continuous
-    out-scores (the j-th smallest of n_out uniforms) and stochastically smaller with ties; given t the in-count is
-    Binomial(n_in, TPR) with TPR ≤ e^ε F + δ (Kairouz, Oh, Viswanath 2015). So P[in-count ≥ k] ≤
-    p = ∫ P[Bin(n_in, min(1, e^ε x + δ)) ≥ k] dBeta(x), the integrand increasing in x. One exact test instead of a
-    Clopper–Pearson bound on each rate (the union of two), so a higher bound. The integral is bracketed by the
-    lower and upper Riemann–Stieltjes sums of a partition of [0, 1] (the Beta's quantiles and the points where the
-    binomial tail moves), refined until the two fall on one side of `alpha` or agree to `rtol`; the upper one is a
-    valid p-value."""
+    if the mechanism is (ε, δ)-DP: p = ∫ P[Bin(n_in, min(1, e^ε x + δ)) ≥ k] dBeta(x; j, n_out − j + 1), by
+    Riemann–Stieltjes sums refined until they fall on one side of `alpha` or agree to `rtol` (docs/audit.md)."""
     if k <= 0:
         return 1.0, 1.0
     c = float(np.exp(epsilon))
@@ -173,16 +142,14 @@ def order_p_value(k: int, n_in: int, j: int, n_out: int, epsilon: float, delta: 
 
 @functools.lru_cache(maxsize=256)
 def _quantiles(a: float, b: float) -> np.ndarray:
-    """Quantiles of Beta(a, b) at 255 even levels and towards both ends (10⁻³ … 10⁻¹⁵): a partition on which
-    its cdf moves by at most 1/256 per interval."""
+    """Quantiles of Beta(a, b) at 255 even levels and towards both ends (10⁻³ … 10⁻¹⁵)."""
     edges = 10.0 ** -np.arange(3, 16)
     levels = np.r_[np.linspace(0.0, 1.0, 257)[1:-1], edges, 1.0 - edges]
     return scipy.special.betaincinv(a, b, levels)
 
 
 def epsilon_order(k: int, n_in: int, j: int, n_out: int, alpha: float, delta: float, tol: float = 1e-3) -> float:
-    """The largest ε (to `tol`, rounded down: the bound stays valid) whose p-value by `order_p_value` is certified
-    ≤ α: if the mechanism were ε_lo-DP this would have happened with probability ≤ α (the p-value grows with ε)."""
+    """The largest ε (to `tol`, rounded down) whose p-value by `order_p_value` is certified ≤ α."""
     def rejects(eps: float) -> bool:
         return order_p_value(k, n_in, j, n_out, eps, delta, alpha)[1] <= alpha
 
@@ -219,10 +186,8 @@ def _check_delta(delta: float) -> None:
 
 def one_run_p_value(m: int, guesses: int, correct: int, epsilon: float, delta: float) -> float:
     """P-value of `correct` right guesses out of `guesses` on m canaries each included w.p. 1/2, under (ε, δ)-DP.
-
     Steinke, Nasr, Jagielski 2023, Theorem 5.2: with f(v) = P[Binomial(r, e^ε/(1 + e^ε)) ≥ v],
-    P[W ≥ v] ≤ f(v) + 2mδ · max_{i=1..v} (f(v − i) − f(v))/i.
-    """
+    P[W ≥ v] ≤ f(v) + 2mδ · max_{i=1..v} (f(v − i) − f(v))/i."""
     q = scipy.special.expit(epsilon)
     f_v = scipy.stats.binom.sf(correct - 1, guesses, q)
     if delta == 0 or correct == 0:
@@ -246,8 +211,7 @@ def epsilon_one_run_counts(m: int, guesses: int, correct: int, alpha: float, del
 
 
 def guess_counts(m: int) -> list[int]:
-    """The numbers k₊ of top-scoring canaries guessed "in", fixed before looking at the scores: 1, 2, 5 × 10^j up
-    to m/2 (Bonferroni over these few; Steinke et al. choose k₊ in advance as well)."""
+    """The numbers k₊ of top-scoring canaries guessed "in", fixed in advance: 1, 2, 5 × 10^j up to m/2."""
     counts, base = [], 1
     while base <= m // 2:
         counts += [k for k in (base, 2 * base, 5 * base) if k <= m // 2]
@@ -256,9 +220,7 @@ def guess_counts(m: int) -> list[int]:
 
 
 def epsilon_one_run(scores_in, scores_out, confidence: float = 0.95, delta: float = 0.0) -> float:
-    """ε_lo of the one-run audit of Steinke, Nasr, Jagielski 2023: guess "in" for the k₊ top-scoring canaries (abstain
-    on the rest) for each k₊ of `guess_counts(m)`, Bonferroni over them. `scores_in` / `scores_out`: the canaries
-    that were / were not included (m in all). Ties at the cut are broken against the attacker (out first)."""
+    """ε_lo of the one-run audit of Steinke, Nasr, Jagielski 2023; ties at the cut against the attacker."""
     s_in, s_out = _scores(scores_in, scores_out)
     alpha, m = _alpha(confidence), s_in.size + s_out.size
     _check_delta(delta)
@@ -290,10 +252,7 @@ def tpr_at_fpr(scores_in, scores_out, fpr: float) -> float:
 @functools.lru_cache(maxsize=1024)  # the rows of a cell and its twin share it; trials_needed bisects over it
 def ceiling(n_in: int, n_out: int, confidence: float = 0.95, delta: float = 0.0,
             threshold: ThresholdRule = "bonferroni", claim: float | None = None) -> float:
-    """The largest ε_lo the rule can give with these trials: perfect separation (every in-trial above every
-    out-trial). Bonferroni divides α by the n_in + n_out + 1 thresholds that distinct scores give; split bounds
-    on the held-out halves at α; order takes the best of its ranks (from `claim`), each at α/#ranks; a fixed
-    threshold at α."""
+    """The largest ε_lo the rule can give with these trials: every in-trial above every out-trial."""
     alpha = _alpha(confidence)
     _check_delta(delta)
     if threshold == "order":
@@ -308,8 +267,7 @@ def ceiling(n_in: int, n_out: int, confidence: float = 0.95, delta: float = 0.0,
 
 def trials_needed(epsilon: float, confidence: float = 0.95, delta: float = 0.0,
                   threshold: ThresholdRule = "bonferroni", limit: int = 10**9) -> int | None:
-    """The fewest trials N per world whose ceiling exceeds `epsilon` (None beyond `limit`); the rule "order"
-    with its ranks from the claim `epsilon`."""
+    """The fewest trials N per world whose ceiling exceeds `epsilon` (None beyond `limit`)."""
     claim = epsilon if threshold == "order" else None
     if ceiling(limit, limit, confidence, delta, threshold, claim) <= epsilon:
         return None
@@ -330,9 +288,8 @@ def family_confidence(confidence: float, rows: int) -> float:
 # --- assumption-laden estimate: the Gaussian trade-off curve ------------------------------------------------------
 
 def gdp_mu(scores_in, scores_out) -> float:
-    """μ of the Gaussian trade-off curve (μ-GDP, Dong, Roth, Su 2022) fitted to the scores, ASSUMING both worlds'
-    scores are Gaussian with one variance (Nasr et al. 2023 use the same estimate): μ = (m_in − m_out)/s, s the
-    pooled standard deviation. A point estimate, not a bound: never a verdict."""
+    """μ of the Gaussian trade-off curve (μ-GDP, Dong, Roth, Su 2022) fitted to the scores, ASSUMING Gaussian
+    scores of one variance (as Nasr et al. 2023): a point estimate, never a verdict."""
     s_in, s_out = _scores(scores_in, scores_out)
     pooled = np.sqrt(((s_in.size - 1) * s_in.var(ddof=1) + (s_out.size - 1) * s_out.var(ddof=1))
                      / max(s_in.size + s_out.size - 2, 1))

@@ -1,9 +1,5 @@
-"""Download cache of raw files: location, mirror, download with sha256 check (via pooch).
-
-A file already in the cache with the right sha256 is used without touching the network.
-Downloads go to a temporary file next to the target and are moved into place only
-after the sha256 matched, so a failed or corrupt download leaves nothing behind.
-"""
+"""Download cache of raw files: location, mirror, download with sha256 check (via pooch: a download is moved
+into place only after its sha256 matched, so a failed or corrupt one leaves nothing behind)."""
 
 from __future__ import annotations
 
@@ -121,8 +117,7 @@ class _CopyDownloader:
 
 
 class _HttpDownloader:
-    """pooch downloader for HTTP(S): streams to `output_file`, at most `size` bytes, always closing the
-    connection."""
+    """pooch downloader for HTTP(S): streams at most `size` bytes, always closing the connection."""
 
     def __init__(self, size: int) -> None:
         self.size = size
@@ -134,8 +129,7 @@ class _HttpDownloader:
 
 
 def _downloader(url: str, size: int):
-    """A pooch downloader for `url` that stops past `size` bytes: local copy, HTTP(S), or pooch's own choice
-    (ftp, doi)."""
+    """A pooch downloader for `url` that stops past `size` bytes (None: pooch's own, for ftp, doi)."""
     local = _local_source(url)
     if local is not None:
         return _CopyDownloader(local, size)
@@ -163,15 +157,12 @@ def _describe(exc: BaseException) -> str:
 
 def _fixes(dest: Path, remote: RemoteFile) -> str:
     """The standard how-to-fix tail of a download error."""
-    return (
-        f"set {MIRROR_ENV} to a mirror that serves <dataset>/<file>, "
-        f"or place the file manually at {dest} (sha256 {remote.sha256})"
-    )
+    return (f"set {MIRROR_ENV} to a mirror that serves <dataset>/<file>, "
+            f"or place the file manually at {dest} (sha256 {remote.sha256})")
 
 
 def check_cache_folder(folder: Path) -> None:
-    """DataError naming the fix when the cache folder (or a folder above it) is a file: DPSGD_DATA_DIR must be a
-    folder (a mirror or a place for files is another matter)."""
+    """DataError naming the fix when the cache folder (or a folder above it) is a file."""
     for path in [folder, *folder.parents]:
         if path.exists() and not path.is_dir():
             where = (f"{DATA_DIR_ENV}={os.environ[DATA_DIR_ENV]}" if os.environ.get(DATA_DIR_ENV)
@@ -183,11 +174,7 @@ def check_cache_folder(folder: Path) -> None:
 
 
 def fetch_file(dataset: str, filename: str) -> Path:
-    """Path of a verified cached copy of one raw file, downloading it if needed.
-
-    Raises DataError (one line: file, URL tried, fixes) on any download failure or
-    sha256 mismatch; no partial or corrupt download is left in the cache.
-    """
+    """Path of a verified cached copy of one raw file, downloading it if needed (DataError: file, URL, fixes)."""
     entry = get_entry(dataset)
     remote = entry.file(filename)
     dest = file_path(dataset, filename)
@@ -196,14 +183,8 @@ def fetch_file(dataset: str, filename: str) -> Path:
     before = dest.stat().st_ino if dest.exists() else None
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
-        got = pooch.retrieve(
-            url,
-            known_hash=f"sha256:{remote.sha256}",
-            fname=filename,
-            path=dest.parent,
-            downloader=_downloader(url, remote.size),
-            progressbar=False,
-        )
+        got = pooch.retrieve(url, known_hash=f"sha256:{remote.sha256}", fname=filename, path=dest.parent,
+                             downloader=_downloader(url, remote.size), progressbar=False)
     except (requests.exceptions.RequestException, ValueError, OSError, EOFError) as exc:
         # a valid cached copy never reaches here, so an existing file is a stale one
         raise _download_error(dataset, remote, url, dest, exc, dest.exists()) from exc
@@ -213,26 +194,19 @@ def fetch_file(dataset: str, filename: str) -> Path:
     return got
 
 
-def _download_error(
-    dataset: str, remote: RemoteFile, url: str, dest: Path, exc: Exception, stale: bool
-) -> DataError:
-    """The DataError for a failed fetch of `remote` from `url`."""
+def _download_error(dataset: str, remote: RemoteFile, url: str, dest: Path, exc: Exception, stale: bool) -> DataError:
     if isinstance(exc, ValueError) and "hash" in str(exc).lower():
         got = re.search(r"but got ([0-9a-fA-F]+)", str(exc))
         actual = f" (got {got.group(1)})" if got else ""
         reason = f"the downloaded file does not have sha256 {remote.sha256}{actual} and was discarded"
     elif isinstance(exc, PermissionError) and not os.access(dest.parent, os.W_OK):
-        return DataError(
-            f"cannot write {remote.name} of dataset '{dataset}' to {dest.parent}: permission denied; "
-            f"set {DATA_DIR_ENV} to a writable folder"
-        )
+        return DataError(f"cannot write {remote.name} of dataset '{dataset}' to {dest.parent}: permission denied; "
+                         f"set {DATA_DIR_ENV} to a writable folder")
     else:
         reason = _describe(exc)
     old = f"; the existing {dest} has a wrong sha256, replace or delete it" if stale else ""
-    return DataError(
-        f"cannot fetch {remote.name} of dataset '{dataset}' from {url}: {reason}{old}; "
-        + _fixes(dest, remote)
-    )
+    return DataError(f"cannot fetch {remote.name} of dataset '{dataset}' from {url}: {reason}{old}; "
+                     + _fixes(dest, remote))
 
 
 def fetch(name: str) -> list[Path]:

@@ -1,22 +1,7 @@
-"""Your own data: `{name: file, path: data/credit.csv, label: default, positive: "yes"}` in a grid.
-
-Formats: CSV / TSV (pandas), Parquet (pandas + pyarrow, the `parquet` extra), LIBSVM / SVMlight
-(scikit-learn's `load_svmlight_file(s)`), NumPy `.npz` with arrays `X` (n, d) and `y` (n,).
-
-Pipeline (the built-in sets' steps, see `load`): read -> drop columns -> drop rows whose label is missing
--> missing features: drop the rows (default) or keep them for imputation -> labels to -1/+1 -> (subsample)
--> split (`test_path`, else seeded random) -> category vocabulary of the training part -> impute numeric
-values with training means (categorical: an all-zero one-hot block) -> one-hot -> standardise (training
-statistics) -> projection -> unit ball.
-
-Privacy: standardisation, max-norm scaling (`unit_ball: max`), the category vocabulary and imputation
-means are statistics of the whole training set, outside what the accountant covers; each run records which
-were used (`derived.train_statistics`) and `dpsgd run` prints the caveat once.
-
-A relative `path` is relative to the grid file's folder (to the working directory outside a grid file).
-The run id holds the sha256 of the file(s), not their paths: an edited file starts new runs, a moved one
-resumes. Arrays are not kept in the processed cache (they are rebuilt from the file in each process).
-"""
+"""Your own data: `{name: file, path: data/credit.csv, label: default, positive: "yes"}` in a grid; formats,
+pipeline, run ids and errors: docs/datasets.md#your-own-data. Statistics of the whole training set
+(standardisation, max-norm scaling, the category vocabulary, imputation means) are outside what the accountant
+covers: each run records which were used and `dpsgd run` prints the caveat once."""
 
 from __future__ import annotations
 
@@ -61,11 +46,8 @@ def _stem(path: Path) -> tuple[str, str]:
 
 
 class FileDatasetSpec(BaseModel):
-    """A local file as a dataset, with the preprocessing options of the built-in sets.
-
-    `sha256` / `test_sha256` are filled from the file(s) when the spec is read; written in a grid they pin
-    the file (an edited file is then an error). A manifest's spec (absolute path, hashes) is trusted.
-    """
+    """A local file as a dataset, with the preprocessing options of the built-in sets; `sha256` / `test_sha256`
+    are filled from the file(s) (written in a grid, they pin it; a manifest's spec is trusted)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -148,8 +130,7 @@ class FileDatasetSpec(BaseModel):
 
 
 def file_problem(path: Path) -> str:
-    """Why `path` cannot be read as a data file ('' if it can): missing, a folder, a special file (a FIFO
-    would block the hash forever), or larger than MAX_FILE_BYTES — checked before the file is hashed in full."""
+    """Why `path` cannot be read as a data file ('' if it can), checked before it is hashed (a FIFO would block)."""
     try:
         info = path.stat()
     except FileNotFoundError:
@@ -177,9 +158,6 @@ def file_spec(options: dict[str, Any]) -> FileDatasetSpec:
             match = difflib.get_close_matches(loc, FileDatasetSpec.model_fields, n=1, cutoff=0.5)
             raise DataError(f"unknown option '{loc}'" + (f" (did you mean '{match[0]}'?)" if match else "")) from None
         raise DataError(f"{loc + ': ' if loc else ''}{err['msg'].removeprefix('Value error, ')}") from None
-
-
-# ---------------------------------------------------------------- reading
 
 
 def _one_line(exc: Exception) -> str:
@@ -241,9 +219,6 @@ def read_frames(spec: FileDatasetSpec) -> list[pd.DataFrame]:
                         f"check the file or set format: ({', '.join(FORMATS)})") from None
 
 
-# ---------------------------------------------------------------- columns and labels
-
-
 def _closest(word: str, names: Iterable[str]) -> str:
     names = [str(n) for n in names]
     match = difflib.get_close_matches(word, names, n=1, cutoff=0.5) or [n for n in names if n.lower() == word.lower()]
@@ -285,9 +260,7 @@ def _check_numeric(frame: pd.DataFrame, numeric: list[str], where: str) -> None:
 
 
 def _check_finite(frame: pd.DataFrame, numeric: list[str], where: str) -> None:
-    """DataError naming the first numeric column holding an infinite value (a value beyond float64 in the file
-    parses as one) or values too large to compute with (their squares overflow: standardisation and the unit
-    ball would turn them into zeros or NaN)."""
+    """DataError naming the first numeric column with an infinite value or values whose squares overflow."""
     with np.errstate(over="ignore", invalid="ignore"):
         for c in numeric:
             values = frame[c].to_numpy(dtype=np.float64, na_value=np.nan)
@@ -333,12 +306,8 @@ def _to_category(column: pd.Series) -> pd.Series:
     return column.where(column.isna(), column.astype(str)).astype("category")
 
 
-# ---------------------------------------------------------------- pipeline
-
-
 def _train_vocabulary(train: pp.Table, test: pp.Table) -> tuple[pp.Table, pp.Table, int]:
-    """Categories restricted to those in the training part; test values of other categories get code -1
-    (an all-zero one-hot block). Also returns how many test values that is."""
+    """Categories restricted to the training part's (others: code -1), and how many test values had another."""
     tr, te, unseen = train.codes.copy(), test.codes.copy(), 0
     names_seen: list[tuple[str, ...]] = []
     for j, names in enumerate(train.vocab):
@@ -353,8 +322,7 @@ def _train_vocabulary(train: pp.Table, test: pp.Table) -> tuple[pp.Table, pp.Tab
 
 
 def _impute(train: pp.Table, test: pp.Table) -> int:
-    """Missing numeric values := the training column mean (0 for a column missing throughout), in place;
-    returns how many training values were imputed."""
+    """Missing numeric values := the training column mean (0 if all missing), in place; the training count."""
     missing = np.isnan(train.numeric)
     if not missing.any() and not np.isnan(test.numeric).any():
         return 0
@@ -429,18 +397,14 @@ def build_file_dataset(spec: FileDatasetSpec) -> tuple[Dataset, dict[str, Any]]:
                         f"spread for float64); rescale the file's columns")
     used = [name for name, on in (
         ("standardisation", spec.standardize and (numeric or (categorical and not spec.one_hot))),
-        ("category vocabulary", bool(categorical)),
-        ("imputation means", imputed > 0),
-        ("max-norm scaling", spec.unit_ball == "max"),
-    ) if on]
-    info.update(
-        positive=positive, training_values_imputed=imputed, numeric_columns=numeric,
-        categorical_columns={c: len(v) for c, v in zip(categorical, train.vocab)},
-        test_values_of_unseen_categories=unseen, n_train=X_train.shape[0], n_test=X_test.shape[0],
-        features=X_train.shape[1], positive_fraction_train=float(np.mean(train.y > 0)),
-        positive_fraction_test=float(np.mean(test.y > 0)) if len(test.y) else float("nan"),
-        train_statistics=used, caveat=CAVEAT.format(used=", ".join(used)) if used else "",
-    )
+        ("category vocabulary", bool(categorical)), ("imputation means", imputed > 0),
+        ("max-norm scaling", spec.unit_ball == "max")) if on]
+    info.update(positive=positive, training_values_imputed=imputed, numeric_columns=numeric,
+                categorical_columns={c: len(v) for c, v in zip(categorical, train.vocab)},
+                test_values_of_unseen_categories=unseen, n_train=X_train.shape[0], n_test=X_test.shape[0],
+                features=X_train.shape[1], positive_fraction_train=float(np.mean(train.y > 0)),
+                positive_fraction_test=float(np.mean(test.y > 0)) if len(test.y) else float("nan"),
+                train_statistics=used, caveat=CAVEAT.format(used=", ".join(used)) if used else "")
     dataset = Dataset(spec, X_train, train.y, X_test, test.y, train_statistics=tuple(used), summary=_summary(info))
     return dataset, info
 

@@ -1,25 +1,5 @@
-"""`load_dataset(spec)`: raw files -> preprocessed `Dataset`, with an on-disk cache of the arrays.
-
-Choices (all datasets): labels are -1/+1 float64, features float64; order is
-(subsample) -> split -> one-hot -> standardise with train statistics -> projection -> unit ball.
-
-- Split: None means the dataset's default: official for adult and mnist, random for bank,
-  kddcup99 and synthetic. kddcup99 `split: official` tests on corrected.gz. With an official
-  split, `subsample` draws from the train file only; with a random split, from all records;
-  `split: none` trains on every record of the pool (after subsample; adult and mnist: the
-  training file) and leaves the test set empty (test metrics are NaN).
-- Order: `project_then_ball` (default) projects, then brings rows into the unit ball;
-  `ball_then_project` (Song et al. 2013) does the unit ball first, so projected rows may
-  have norm > 1 (an algorithm that needs ‖x‖ ≤ 1 must clip gradients, as song2013 does).
-- One-hot categories are the values occurring anywhere in the files read (a schema, not a
-  statistic), so train and test share columns and the width does not depend on the seed.
-  `one_hot: false` keeps categorical columns as integer codes (sorted category order),
-  standardised like numeric columns.
-- Standardisation leaves columns that are constant in train unchanged (mnist: blank pixels).
-- Adult keeps all 14 attributes, fnlwgt included; bank keeps `duration` (a known label leak).
-- Synthetic ignores `standardize` (points are already on the unit sphere).
-- Rows keep file order (a random split does not shuffle): shuffle in the optimiser.
-"""
+"""`load_dataset(spec)`: raw files -> preprocessed `Dataset`, with an on-disk cache of the arrays; the steps, their
+order and the choices behind them: docs/datasets.md#dataset-options."""
 
 from __future__ import annotations
 
@@ -44,8 +24,7 @@ from dpsgd_cli.data.spec import Dataset, DatasetSpec
 from dpsgd_cli.data.synthetic import make_synthetic
 from dpsgd_cli.errors import DataError
 
-# Bump whenever a change of this package changes the arrays a spec yields:
-# it is part of the processed-cache key, so cache files of another version are never read.
+# bumped with any change to the arrays a spec yields: part of the processed-cache key
 PREPROCESSING_VERSION = "2"
 
 ARRAYS = ("X_train", "y_train", "X_test", "y_test")
@@ -55,23 +34,16 @@ ZIP_LOCAL_HEADER_SIGNATURE = b"PK\x03\x04"
 
 
 def _where(spec: DatasetSpec) -> str:
-    """How errors name the spec: 'dataset <name>'."""
     return f"dataset {spec.name}"
 
 
 def resolve_spec(spec: DatasetSpec) -> DatasetSpec:
-    """`spec` with None fields replaced by the dataset's defaults, after checking the combination.
-
-    DataError for: split 'official' where none exists (bank, synthetic); positive_digit on a
-    dataset other than mnist; n or dim on a dataset other than synthetic.
-    """
+    """`spec` with None fields replaced by the dataset's defaults, after checking the combination."""
     entry = get_entry(spec.name)
     where = _where(spec)
     if spec.split == "official" and not entry.official_split:
-        raise DataError(
-            f"{where}: there is no official train/test split for {spec.name}; "
-            "use split: random (with test_fraction) or leave split unset"
-        )
+        raise DataError(f"{where}: there is no official train/test split for {spec.name}; "
+                        "use split: random (with test_fraction) or leave split unset")
     if spec.positive_digit is not None and spec.name != "mnist":
         raise DataError(f"{where}: positive_digit applies only to mnist; remove it from this dataset")
     for key in ("n", "dim"):
@@ -87,9 +59,6 @@ def _resolved(spec: DatasetSpec, key: str) -> Any:
     if value is None:
         raise ValueError(f"{_where(spec)}: {key} is unset; pass the spec through resolve_spec first")
     return value
-
-
-# ---------------------------------------------------------------- raw tables per dataset
 
 
 def _paths(spec: DatasetSpec) -> dict[str, Path]:
@@ -127,9 +96,8 @@ def _mnist_tables(spec: DatasetSpec) -> list[pp.Table]:
     paths = _paths(spec)
     tables = []
     for part in ("train", "t10k"):
-        images, digits = readers.read_mnist(
-            paths[f"{part}-images-idx3-ubyte.gz"], paths[f"{part}-labels-idx1-ubyte.gz"]
-        )
+        images, digits = readers.read_mnist(paths[f"{part}-images-idx3-ubyte.gz"],
+                                            paths[f"{part}-labels-idx1-ubyte.gz"])
         X = images.astype(np.float64)
         X /= 255.0
         tables.append(pp.array_table(X, np.where(digits == spec.positive_digit, 1.0, -1.0)))
@@ -142,24 +110,12 @@ def _synthetic_tables(spec: DatasetSpec) -> list[pp.Table]:
     return [pp.array_table(X, y)]
 
 
-_TABLES = {
-    "adult": _adult_tables,
-    "bank": _bank_tables,
-    "kddcup99": _kddcup99_tables,
-    "mnist": _mnist_tables,
-    "synthetic": _synthetic_tables,
-}
-
-
-# ---------------------------------------------------------------- pipeline
+_TABLES = {"adult": _adult_tables, "bank": _bank_tables, "kddcup99": _kddcup99_tables, "mnist": _mnist_tables,
+           "synthetic": _synthetic_tables}
 
 
 def build_dataset(spec: DatasetSpec) -> Dataset:
-    """Preprocess from the raw files, without the processed cache. `spec` must be resolved.
-
-    With an official split, `subsample` draws from the train part only (the test part stays whole);
-    with a random split it draws from all records before splitting.
-    """
+    """Preprocess from the raw files, without the processed cache. `spec` must be resolved."""
     where = _where(spec)
     tables = _TABLES[spec.name](spec)
     train, test = pp.train_test(tables, split=_resolved(spec, "split"), size=spec.subsample,
@@ -200,9 +156,8 @@ def arrays_sha256(arrays: dict[str, np.ndarray]) -> str:
 
 
 def _read_stored_arrays(fh) -> dict[str, np.ndarray]:
-    """ARRAYS of an uncompressed .npz open as `fh` (what `_write_processed` writes), each read straight from the file
-    into its array: no intermediate bytes copy and no zip CRC pass (the sha256 vouches for the bytes).
-    ValueError if a member is compressed or malformed (the caller treats the file as unreadable)."""
+    """ARRAYS of an uncompressed .npz open as `fh`, each read straight into its array: no bytes copy, no zip CRC
+    pass (the sha256 vouches for the bytes); ValueError if a member is compressed or malformed."""
     arrays = {}
     with zipfile.ZipFile(fh) as archive:
         for name in ARRAYS:
@@ -230,10 +185,8 @@ def _read_stored_arrays(fh) -> dict[str, np.ndarray]:
 
 
 def _read_processed(path: Path, key: str, spec: DatasetSpec) -> tuple[dict[str, np.ndarray] | None, str]:
-    """(arrays, "") of a processed cache file; (None, why) if absent, unreadable, for another key, if its arrays
-    do not match the checksum stored with them (corrupt), or if they are not what preprocessing `spec` gives
-    (`_not_processed`: anyone can recompute the checksum). The checksum is recomputed on every read: a
-    stat-based stamp would miss a bit flipped in place."""
+    """(arrays, "") of a processed cache file; (None, why) if it is unusable (docs/datasets.md#caches). The
+    checksum is recomputed on every read: a stat-based stamp would miss a bit flipped in place."""
     try:
         # one open: a file replaced meanwhile cannot pair one file's key with another's arrays
         with open(path, "rb") as fh:
@@ -255,9 +208,8 @@ def _read_processed(path: Path, key: str, spec: DatasetSpec) -> tuple[dict[str, 
 
 
 def _not_processed(arrays: dict[str, np.ndarray], spec: DatasetSpec) -> str:
-    """Why `arrays` cannot be what preprocessing `spec` gives ('' if they can): float64 features of one width and
-    labels, as many as rows, all finite, labels in {-1, +1}, and rows in the unit ball when the spec brings them
-    there last. A privacy guarantee rests on these (a row outside the ball breaks a sensitivity bound)."""
+    """Why `arrays` cannot be what preprocessing `spec` gives ('' if they can): a privacy guarantee rests on these
+    (a row outside the ball breaks a sensitivity bound)."""
     X_train, y_train, X_test, y_test = (arrays[name] for name in ARRAYS)
     shapes_ok = (X_train.ndim == X_test.ndim == 2 and y_train.ndim == y_test.ndim == 1
                  and X_train.shape[1] == X_test.shape[1] and len(X_train) == len(y_train) > 0
@@ -294,13 +246,7 @@ def _write_processed(path: Path, key: str, dataset: Dataset) -> None:
 
 
 def load_dataset(spec: DatasetSpec, *, cache: bool = True) -> Dataset:
-    """The preprocessed dataset of `spec` (features float64, labels in {-1, +1} float64).
-
-    Steps: (subsample) -> split -> one-hot -> standardise (train stats) -> projection -> unit ball
-    (unit ball before projection with `order: ball_then_project`).
-    With `cache`, arrays are read from / written to `processed_path(spec)`. The returned
-    `Dataset.spec` is `spec` as given; `resolve_spec(spec)` shows the defaults applied.
-    """
+    """The preprocessed dataset of `spec` (its `spec` as given), through the processed cache with `cache`."""
     if spec.name == "file":  # a local file: no processed cache (its run id carries the file's sha256)
         return load_file_dataset(spec)
     resolved = resolve_spec(spec)

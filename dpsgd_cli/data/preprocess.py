@@ -1,11 +1,5 @@
-"""Preprocessing steps shared by all datasets.
-
-Order (see `load.build_dataset`): subsample -> split -> encode categorical (one-hot)
--> standardise (train statistics) -> Gaussian random projection -> unit ball; with
-`order: ball_then_project` (Song et al. 2013) the unit ball comes before the projection.
-Every random step draws from its own seeded stream (`rng(seed, STREAM_*)`), so e.g.
-changing `subsample` does not change the projection matrix.
-"""
+"""Preprocessing steps shared by all datasets (their order: docs/datasets.md#dataset-options). Every random step
+draws from its own seeded stream (`rng(seed, STREAM_*)`): changing `subsample` does not change the projection."""
 
 from __future__ import annotations
 
@@ -30,11 +24,7 @@ def rng(seed: int, stream: int) -> np.random.Generator:
 
 @dataclass(frozen=True)
 class Table:
-    """Records before encoding: numeric block, categorical codes and labels in {-1, +1}.
-
-    `codes[:, j]` indexes `vocab[j]`, the category names of categorical column j.
-    The vocabulary is fixed before any split, so train and test always share columns.
-    """
+    """Records before encoding: numeric block, categorical codes (indexing `vocab[j]`) and labels in {-1, +1}."""
 
     numeric: np.ndarray  # (n, p) float64
     codes: np.ndarray  # (n, c) int32
@@ -45,7 +35,6 @@ class Table:
         return self.y.shape[0]
 
     def take(self, idx: np.ndarray) -> Table:
-        """The records at positions `idx`."""
         return Table(self.numeric[idx], self.codes[idx], self.vocab, self.y[idx])
 
 
@@ -61,18 +50,10 @@ def _recode(column: pd.Series, vocab: tuple[str, ...]) -> np.ndarray:
     return lookup[column.cat.codes.to_numpy()]  # code -1 (missing) picks the trailing -1
 
 
-def frames_to_tables(
-    frames: Sequence[pd.DataFrame],
-    numeric: Sequence[str],
-    categorical: Sequence[str],
-    labels: Sequence[np.ndarray],
-) -> list[Table]:
-    """Tables of several frames of one dataset with a common vocabulary.
-
-    Categories are the sorted distinct values over all given frames (the dataset's schema,
-    e.g. the values listed in adult.names), so the one-hot width does not depend on the
-    seed, subsample or split and train/test columns always match.
-    """
+def frames_to_tables(frames: Sequence[pd.DataFrame], numeric: Sequence[str], categorical: Sequence[str],
+                     labels: Sequence[np.ndarray]) -> list[Table]:
+    """Tables of several frames of one dataset with a common vocabulary: the sorted distinct values over all
+    frames (a schema: the one-hot width does not depend on the seed, subsample or split)."""
     vocab = tuple(tuple(sorted(set().union(*(_observed(f[c]) for f in frames)))) for c in categorical)
     tables = []
     for frame, y in zip(frames, labels):
@@ -92,9 +73,7 @@ def array_table(X: np.ndarray, y: np.ndarray) -> Table:
 
 def concat_tables(a: Table, b: Table) -> Table:
     """Records of `a` followed by those of `b` (same vocabulary)."""
-    return Table(
-        np.vstack([a.numeric, b.numeric]), np.vstack([a.codes, b.codes]), a.vocab, np.concatenate([a.y, b.y])
-    )
+    return Table(np.vstack([a.numeric, b.numeric]), np.vstack([a.codes, b.codes]), a.vocab, np.concatenate([a.y, b.y]))
 
 
 def subsample(table: Table, size: int | None, seed: int, where: str) -> Table:
@@ -102,10 +81,8 @@ def subsample(table: Table, size: int | None, seed: int, where: str) -> Table:
     if size is None:
         return table
     if size > len(table):
-        raise DataError(
-            f"{where}: subsample={size} exceeds the {len(table)} available records; "
-            f"use subsample <= {len(table)} or remove it"
-        )
+        raise DataError(f"{where}: subsample={size} exceeds the {len(table)} available records; "
+                        f"use subsample <= {len(table)} or remove it")
     idx = np.sort(rng(seed, STREAM_SUBSAMPLE).choice(len(table), size=size, replace=False))
     return table.take(idx)
 
@@ -114,21 +91,17 @@ def random_split(table: Table, test_fraction: float, seed: int, where: str) -> t
     """Seeded random (train, test) split, test of round(n * test_fraction) records, file order kept."""
     n = len(table)
     if n < 2:
-        raise DataError(
-            f"{where}: {n} record(s) cannot be split into train and test; increase subsample or n"
-        )
+        raise DataError(f"{where}: {n} record(s) cannot be split into train and test; increase subsample or n")
     n_test = min(max(int(round(n * test_fraction)), 1), n - 1)
     is_test = np.zeros(n, dtype=bool)
     is_test[rng(seed, STREAM_SPLIT).permutation(n)[:n_test]] = True
     return table.take(~is_test), table.take(is_test)
 
 
-def train_test(
-    tables: Sequence[Table], *, split: str, size: int | None, test_fraction: float, seed: int, where: str
-) -> tuple[Table, Table]:
-    """(train, test). official (tables = [train, test]): `size` records drawn from train only; none: train on
-    the (sub)sampled training file, or the only pool, with an empty test set (Song et al. 2013 plot the
-    training objective of the whole sample); random: all records concatenated, then a seeded random split."""
+def train_test(tables: Sequence[Table], *, split: str, size: int | None, test_fraction: float, seed: int,
+               where: str) -> tuple[Table, Table]:
+    """(train, test) by `split` (docs/datasets.md); none: an empty test set (Song et al. 2013 plot the training
+    objective of the whole sample)."""
     if split in ("official", "none"):
         train = subsample(tables[0], size, seed, where)
         return train, (tables[1] if split == "official" else train.take(np.arange(0)))
@@ -150,8 +123,7 @@ def one_hot(codes: np.ndarray, vocab: tuple[tuple[str, ...], ...]) -> np.ndarray
 
 
 def column_stats(X: np.ndarray, chunk: int = 8192) -> tuple[np.ndarray, np.ndarray]:
-    """Column means and (population) standard deviations, two passes over row chunks
-    (same values as X.mean(0), X.std(0) up to rounding, without full-size temporaries)."""
+    """Column means and (population) standard deviations, two passes over row chunks (no full-size temporaries)."""
     n = X.shape[0]
     mean = np.zeros(X.shape[1])
     for start in range(0, n, chunk):
@@ -177,14 +149,9 @@ def standardize(train: np.ndarray, test: np.ndarray) -> tuple[np.ndarray, np.nda
     return train, test
 
 
-def encode(
-    train: Table, test: Table, *, use_one_hot: bool, use_standardize: bool
-) -> tuple[np.ndarray, np.ndarray]:
-    """Feature matrices [numeric | categorical]: categorical one-hot (0/1, not standardised) or,
-    with `use_one_hot=False`, integer codes treated as numeric; numeric standardised if asked.
-
-    Standardises the tables' numeric arrays in place: pass tables that are not used afterwards.
-    """
+def encode(train: Table, test: Table, *, use_one_hot: bool, use_standardize: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Feature matrices [numeric | categorical]: categorical one-hot (not standardised) or integer codes treated
+    as numeric; standardises the tables' numeric arrays in place (pass tables not used afterwards)."""
     if use_one_hot:
         num_tr, num_te = train.numeric, test.numeric
     else:
@@ -194,10 +161,7 @@ def encode(
         num_tr, num_te = standardize(num_tr, num_te)
     if not use_one_hot or not train.vocab:
         return num_tr, num_te
-    return (
-        np.hstack([num_tr, one_hot(train.codes, train.vocab)]),
-        np.hstack([num_te, one_hot(test.codes, test.vocab)]),
-    )
+    return np.hstack([num_tr, one_hot(train.codes, train.vocab)]), np.hstack([num_te, one_hot(test.codes, test.vocab)])
 
 
 def projection_matrix(d: int, k: int, seed: int) -> np.ndarray:
@@ -205,9 +169,7 @@ def projection_matrix(d: int, k: int, seed: int) -> np.ndarray:
     return rng(seed, STREAM_PROJECTION).normal(0.0, 1.0 / np.sqrt(k), size=(d, k))
 
 
-def project(
-    train: np.ndarray, test: np.ndarray, k: int | None, seed: int
-) -> tuple[np.ndarray, np.ndarray]:
+def project(train: np.ndarray, test: np.ndarray, k: int | None, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Gaussian random projection of train and test to `k` columns (None: unchanged)."""
     if k is None:
         return train, test
@@ -218,10 +180,8 @@ def project(
     return train @ matrix, test @ matrix
 
 
-def features(
-    train: Table, test: Table, *, one_hot: bool, standardize: bool, projection: int | None,
-    unit_ball: str, seed: int, order: str = "project_then_ball",
-) -> tuple[np.ndarray, np.ndarray]:
+def features(train: Table, test: Table, *, one_hot: bool, standardize: bool, projection: int | None, unit_ball: str,
+             seed: int, order: str = "project_then_ball") -> tuple[np.ndarray, np.ndarray]:
     """The pipeline after the split: encode (one-hot, standardise), then projection and unit ball in `order`
     (`ball_then_project` is Song et al. §IV-A's: normalise, rows to the unit ball, then project)."""
     X_train, X_test = encode(train, test, use_one_hot=one_hot, use_standardize=standardize)
@@ -239,11 +199,8 @@ def _clip_rows(X: np.ndarray) -> np.ndarray:
 
 
 def to_unit_ball(train: np.ndarray, test: np.ndarray, mode: str) -> tuple[np.ndarray, np.ndarray]:
-    """Bring rows into the unit L2 ball, in place (Chaudhuri, Monteleoni & Sarwate, JMLR 2011).
-
-    row: x / max(1, ||x||) per row (train and test); max: divide train and test by the
-    largest train row norm, then clip test rows to norm <= 1; none: unchanged.
-    """
+    """Bring rows into the unit L2 ball, in place (Chaudhuri, Monteleoni & Sarwate, JMLR 2011): row: x / max(1,
+    ||x||) per row; max: divide by the largest train row norm, then clip test rows; none: unchanged."""
     if mode == "row":
         return _clip_rows(train), _clip_rows(test)
     if mode == "max":

@@ -15,10 +15,8 @@ DatasetName = Literal["adult", "bank", "kddcup99", "mnist", "synthetic"]
 
 
 class DatasetSpec(BaseModel):
-    """A dataset and its preprocessing, as written in a grid (`{name: kddcup99, subsample: 70000}`).
-
-    Fields left at None take the dataset's own default (see `dpsgd datasets info NAME`).
-    """
+    """A dataset and its preprocessing, as written in a grid (`{name: kddcup99, subsample: 70000}`); fields left
+    at None take the dataset's own default (`dpsgd datasets info NAME`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -27,17 +25,14 @@ class DatasetSpec(BaseModel):
     positive_digit: int | None = Field(None, ge=0, le=9, description="MNIST one-vs-all: the positive class")
     one_hot: bool = Field(True, description="one-hot encode categorical columns")
     standardize: bool | None = Field(
-        None, description="standardise numeric columns with train statistics (default: yes, but not MNIST pixels)"
-    )
+        None, description="standardise numeric columns with train statistics (default: yes, but not MNIST pixels)")
     projection: int | None = Field(None, gt=0, description="Gaussian random projection to k dimensions")
     unit_ball: Literal["row", "max", "none"] = Field(
-        "row", description="row: x/max(1,|x|) per row; max: divide by the largest train row norm; none"
-    )
+        "row", description="row: x/max(1,|x|) per row; max: divide by the largest train row norm; none")
     split: Literal["official", "random", "none"] | None = Field(
         None, description="official train/test files where they exist, else a seeded random split; none: train on "
                           "every record of the pool or training file (after subsample), empty test set "
-                          "(test metrics NaN)"
-    )
+                          "(test metrics NaN)")
     test_fraction: float = Field(0.2, gt=0, lt=1, description="test share of a random split")
     seed: int = Field(0, ge=0, description="seed of subsampling, random split, projection and synthetic data")
     n: int | None = Field(None, gt=0, description="synthetic: number of points (default 10,000)")
@@ -49,8 +44,7 @@ class DatasetSpec(BaseModel):
 
     @model_serializer(mode="wrap")
     def _omit_default_order(self, handler):
-        """`order` at its default is left out of dumps, so the run ids and cache keys of specs that leave it at its
-        default do not depend on the key."""
+        """`order` at its default is left out of dumps: run ids and cache keys of specs that leave it there stay."""
         data = handler(self)
         if isinstance(data, dict) and self.order == "project_then_ball":
             data.pop("order", None)
@@ -90,10 +84,9 @@ VALIDATION_STREAM = 0x5A11D  # a seed stream of its own: the split does not depe
 
 
 def validation_split(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """(fit, validation) row indices of a training set of n rows, both sorted, together 0..n-1: row i is held
-    out iff the i-th uniform draw of a seeded stream is below `fraction`. Each row's assignment is its own
-    (another row's presence does not change it), which the private selection's accounting relies on
-    (privacy/tuning.py); about fraction·n rows are held out."""
+    """(fit, validation) sorted row indices of a training set of n rows: row i is held out iff the i-th uniform
+    draw of a seeded stream is below `fraction`, so each row's assignment is its own (privacy/tuning.py relies
+    on it)."""
     if not 0 < fraction < 1:
         raise ValueError(f"validation = {fraction:g} must be in (0, 1)")
     held = np.random.default_rng([seed, VALIDATION_STREAM]).random(n) < fraction
@@ -104,8 +97,7 @@ def validation_split(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np
 
 
 def with_validation(data: Dataset, fraction: float | None) -> Dataset:
-    """`data` whose training set is split into the rows used for fitting (X_train) and a validation set
-    (X_val), seeded by the dataset's seed; the test set is untouched. Without a fraction, `data` itself."""
+    """`data` with its training set split into fitting rows (X_train) and a validation set (X_val)."""
     if not fraction:
         return data
     try:

@@ -17,14 +17,10 @@ def unit_rows(X: np.ndarray) -> np.ndarray:
     return np.divide(X, norms, out=np.zeros_like(X), where=norms > 0)
 
 
-def make_synthetic(
-    n: int = DEFAULT_N, dim: int = DEFAULT_DIM, seed: int = 0, margin: float = MARGIN
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(X (n, dim), y (n,) in {-1, +1}, w (dim,)): points uniform on the unit sphere of R^dim,
-    labelled sign(w.x) for a random unit normal w; points with |w.x| < margin are redrawn.
-
-    Deterministic in `seed`. Draws Gaussian batches and normalises them (uniform on the sphere).
-    """
+def make_synthetic(n: int = DEFAULT_N, dim: int = DEFAULT_DIM, seed: int = 0,
+                   margin: float = MARGIN) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(X (n, dim), y (n,) in {-1, +1}, w (dim,)): points uniform on the unit sphere of R^dim (normalised
+    Gaussians), labelled sign(w.x) for a random unit normal w; points with |w.x| < margin are redrawn."""
     gen = rng(seed, STREAM_SYNTHETIC)
     w = unit_rows(gen.standard_normal((1, dim)))[0]
     kept: list[np.ndarray] = []

@@ -1,8 +1,7 @@
-"""Tables that need no training, computed by `dpsgd run` for the analytic figures of a grid.
+"""Tables that need no training, computed by `dpsgd run` for a grid's analytic figures (`<figure name>.csv`).
 
 `privacy_curve`: Rényi ε of noisy GD over K steps under both bounds of Chourasia, Ye, Shokri (NeurIPS 2021).
 `noise_scale`: the noise σ `bassily2014` needs for the same (ε, δ) under each accounting, over T and n.
-Each is written to `<results>/<grid>/<figure name>.csv`.
 """
 
 from __future__ import annotations
@@ -32,8 +31,7 @@ NOISE_ACCOUNTINGS = [
 
 
 def privacy_curve_table(params: dict[str, Any]) -> pd.DataFrame:
-    """Long format K, bound (dynamics | composition | lower_bound), rdp_epsilon — so claims can compare bounds;
-    params as `dpsgd privacy-curve` (the talk's defaults)."""
+    """Long format K, bound (dynamics | composition | lower_bound), rdp_epsilon: claims compare bounds."""
     from dpsgd_cli.plots.privacy_curve import k_values  # plots imports this module: at the top, a cycle
 
     p = PrivacyCurveParams.model_validate(params)
@@ -44,9 +42,8 @@ def privacy_curve_table(params: dict[str, Any]) -> pd.DataFrame:
 
 def noise_scale_table(params: dict[str, Any]) -> pd.DataFrame:
     """σ of bassily2014 calibrated to (ε, δ) under each accounting: over T = epochs·n at fixed n and δ = 1/n²
-    (panel "T"), and over n at fixed T = `steps_fixed` and δ = `delta_fixed` (panel "n": the lecture's "more
-    data (larger n) → less noise" is a statement at fixed T and δ). Columns panel, accounting, n, steps, delta,
-    sigma, proved (False where the accounting's lemmas do not apply, e.g. per-step ε₀ > 1 for 2qε)."""
+    (panel "T"), and over n at fixed T and δ (panel "n": the lecture's "more data → less noise" holds at fixed
+    T and δ); `proved` False where the accounting's lemmas do not apply (per-step ε₀ > 1 for 2qε)."""
     p = NoiseScaleParams.model_validate(params)
     steps_fixed = p.steps_fixed or p.n
     delta_fixed = p.delta_fixed or 1.0 / p.n**2

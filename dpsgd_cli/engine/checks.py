@@ -1,15 +1,5 @@
 """Checks of a grid before any work (`dpsgd run`, `--dry-run` included): what later commands read must exist,
-and the work must be bounded.
-
-- Names: every column a figure or claim names (metric, x, rows, cols, lines, over, group_by, selections) is
-  one the grid's results will have (`summary.frame_columns`, the same function the readers' columns follow),
-  with the closest valid name in the message; selection values name algorithms, datasets and models of the grid;
-  a `select:`'s candidates and group_by are columns too, and its private search can be simulated.
-- Work: at most MAX_RUNS runs (counted before expanding), at most MAX_STEPS steps and MAX_EXAMPLES examples
-  processed per run, MAX_CHECKPOINTS trace checkpoints, and arrays (data, projection, model) that fit in the
-  available memory — estimated from the registry's record and feature counts, before anything is loaded; an
-  audit's trials (MAX_AUDIT_TRIALS) and a private selection's simulated trials (MAX_SIMULATED_TRIALS) too.
-"""
+and the work must be bounded (docs/results.md#checked-before-any-work)."""
 
 from __future__ import annotations
 
@@ -20,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from dpsgd_cli.algorithms import ALGORITHMS
-from dpsgd_cli.config import AuditSpec, Cell, ClaimSpec, FigureSpec, Grid, axis_values, closest, expand
+from dpsgd_cli.config import AuditSpec, Cell, ClaimSpec, FigureSpec, Grid, SelectSpec, axis_values, closest, expand
 from dpsgd_cli.data.files import FileDatasetSpec
 from dpsgd_cli.data.registry import get_entry
 from dpsgd_cli.data.spec import DatasetSpec
@@ -76,9 +66,7 @@ def check_grid(grid: Grid) -> list[Cell]:
 
 
 def check_audit(grid: Grid, trials: int | None = None, cells: Collection[str] | None = None) -> None:
-    """`dpsgd audit`: every run it trains bounded as `dpsgd run`'s (check_work), and the trials: at most
-    MAX_AUDIT_TRIALS, and trainings × examples per training at most MAX_EXAMPLES per cell; and every algorithm
-    private (a non-private one claims no ε to bound from below). `cells`: only these cell ids are audited."""
+    """`dpsgd audit`: every algorithm private, its runs and trials bounded; `cells`: only these cell ids audited."""
     public = list(dict.fromkeys(a.name for a in grid.algorithms if not ALGORITHMS[a.name].tags.private))
     if public:
         them = "it" if len(public) == 1 else "them"
@@ -107,10 +95,8 @@ def audited_cells(grid: Grid, cells: Collection[str] | None = None) -> list[Cell
     return [cell for cell in expand(grid) if cells is None or cell.cell_id in cells]
 
 
-def check_selection(grid: Grid, spec, where: str) -> None:
-    """A `select:` that `dpsgd select`, `plot` and `report` can compute: its columns exist in the results
-    (`frame_columns`, what the readers group by) and a private search can be simulated (the readers' own
-    Trials, at most MAX_SIMULATED_TRIALS trials in all)."""
+def check_selection(grid: Grid, spec: SelectSpec, where: str) -> None:
+    """A `select:` the readers can compute: its columns exist and a private search can be simulated."""
     columns = frame_columns(grid)
     for key in ("candidates", "group_by"):
         for column in getattr(spec, key):
@@ -233,8 +219,7 @@ def _check_claim(grid: Grid, claim: ClaimSpec, where: str) -> None:
 
 # --- paths -------------------------------------------------------------------------------------------------------
 def out_root(value: str, option: str = "--out") -> Path:
-    """The results root given on the command line, checked before any work: not empty, not a file (nor under
-    one), and writable where it exists or would be created."""
+    """The results root given on the command line: not empty, not a file (nor under one), writable."""
     if not value.strip():
         raise UserError(f"{option} is empty; give a folder for the results (default: results)")
     path = Path(value).expanduser()
@@ -258,8 +243,7 @@ def out_root(value: str, option: str = "--out") -> Path:
 
 # --- work --------------------------------------------------------------------------------------------------------
 def _loaded_file(spec: FileDatasetSpec) -> tuple[int, int]:
-    """(records, features) of a file dataset: its loader bounds its own memory (files.MAX_DENSE_BYTES), so it is
-    loaded (once per process, the run reuses it) instead of estimated from a registry entry it does not have."""
+    """(records, features) of a file dataset, loaded (its loader bounds its own memory; the run reuses it)."""
     data = dataset(spec)
     return len(data.y_train) + len(data.y_test), data.X_train.shape[1]
 
@@ -276,8 +260,7 @@ def records(spec: DatasetSpec | FileDatasetSpec) -> int:
 
 
 def features(spec: DatasetSpec | FileDatasetSpec) -> int:
-    """Columns after encoding, before projection (the registry's count with one-hot encoding: an upper bound;
-    a file dataset's columns after its whole pipeline)."""
+    """Columns after encoding, before projection (the registry's count: an upper bound)."""
     if isinstance(spec, FileDatasetSpec):
         return _loaded_file(spec)[1]
     if spec.name == "synthetic":
@@ -286,9 +269,7 @@ def features(spec: DatasetSpec | FileDatasetSpec) -> int:
 
 
 def memory_estimate(cell: Cell) -> dict[str, float]:
-    """Bytes the arrays of one run need, by the key that sizes them: the data (raw, encoded, the split copies),
-    the projection (its d × k matrix and the projected data) and the model (θ, gradients and state per seed,
-    and the hidden layer's activations on a block of the data)."""
+    """Bytes the arrays of one run need, by the key that sizes them: dataset, projection, model."""
     n, d = records(cell.dataset), features(cell.dataset)
     k = cell.dataset.projection
     width = k or d
@@ -304,8 +285,8 @@ def memory_estimate(cell: Cell) -> dict[str, float]:
 
 
 def steps_estimate(cell: Cell) -> tuple[float, float]:
-    """(steps, examples processed) of one run, from the registry's record count: T = epochs·n/B with a batch
-    size, else epochs·n (one record per step, bassily2014) — noisy_gd's K = epochs is counted as epochs·n too."""
+    """(steps, examples processed) of one run: T = epochs·n/B, or epochs·n without a batch size (an upper bound
+    for noisy_gd's K = epochs)."""
     if cell.epochs is None:
         return 0.0, 0.0
     n = records(cell.dataset)

@@ -1,12 +1,5 @@
-"""Run a grid's tasks on a Dask cluster (`dpsgd run --scheduler ADDRESS|local:N`).
-
-The driver stays the only writer: workers run `run_task` and return rows; the driver appends them as they
-arrive (`execute`), exactly as with `--jobs`. What crosses the network per task is the cells' specs and L*
-(computed once by the driver in `execute`, before the first task is sent); workers load the data themselves
-through the registry and cache (`DPSGD_DATA_DIR` / `DPSGD_DATA_MIRROR` are sent with each task), once per worker
-process (`runner.dataset` is cached per process). A worker that dies mid-task has its task rerun elsewhere by
-the scheduler; the driver receives each task's rows once, so runs.csv holds every run once.
-"""
+"""Run a grid's tasks on a Dask cluster (`dpsgd run --scheduler ADDRESS|local:N`); the driver stays the only
+writer (docs/cluster.md)."""
 
 from __future__ import annotations
 
@@ -42,8 +35,8 @@ SCHEMES = ("tcp", "tls", "ws", "wss", "ucx", "inproc")  # distributed's comm bac
 
 
 def parse_scheduler(value: str) -> tuple[str, int | None]:
-    """("local", N) for `local:N`, else (address, None); a malformed value or an unknown scheme is a UserError,
-    at once (distributed would retry an unknown scheme until its timeout)."""
+    """("local", N) for `local:N`, else (address, None); an unknown scheme is a UserError at once (distributed
+    would retry it until its timeout)."""
     value = value.strip()
     if value == "local" or value.startswith("local:"):
         _, _, count = value.partition(":")
@@ -61,8 +54,7 @@ def parse_scheduler(value: str) -> tuple[str, int | None]:
 
 
 def check_scheduler(value: str) -> None:
-    """Everything `--scheduler` needs, checked before any work: the value, at most one local worker per core
-    (each is a process with its own copy of the data: more only thrash), and DPSGD_SCHEDULER_TIMEOUT."""
+    """`--scheduler` checked before any work: at most one local worker per core (more only thrash)."""
     address, workers = parse_scheduler(value)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if workers is not None and workers > cores:
@@ -102,8 +94,7 @@ def run_tasks(tasks: list[Task], env: dict[str, str]) -> list[TaskResult]:
 
 @contextmanager
 def dask_backend(scheduler: str, cells_per_task: int = CELLS_PER_TASK) -> Iterator[DaskBackend]:
-    """Connect to the scheduler (or start a LocalCluster), yield the backend (tasks → results as they finish),
-    close both at the end. Unreachable scheduler, missing `distributed`: a UserError (one line, exit code 2)."""
+    """Connect to the scheduler (or start a LocalCluster), yield the backend, close both at the end."""
     if not installed("distributed"):
         raise UserError(f"--scheduler needs Dask's `distributed`, which is not installed: {INSTALL_HINT}")
     address, workers = parse_scheduler(scheduler)
@@ -129,8 +120,7 @@ def dask_backend(scheduler: str, cells_per_task: int = CELLS_PER_TASK) -> Iterat
 
 
 def _silence_dask_logs() -> Callable[[], None]:
-    """Raise every `distributed` logger to CRITICAL in the driver; return the function restoring them. The
-    driver reports what matters (lost scheduler, unreachable address, failed tasks) itself, in one line."""
+    """Raise every `distributed` logger to CRITICAL in the driver; return the function restoring them."""
     names = ["distributed"] + [n for n in logging.root.manager.loggerDict if n.startswith("distributed.")]
     levels = {name: logging.getLogger(name).level for name in names}
     for name in names:
@@ -145,9 +135,7 @@ def _silence_dask_logs() -> Callable[[], None]:
 
 def local_cluster(workers: int) -> Any:
     """A LocalCluster of `workers` single-threaded processes on 127.0.0.1, without the nanny's
-    MALLOC_TRIM_THRESHOLD_ = 65536: it fixes glibc's mmap threshold at 128 KiB, so every per-step temporary
-    (a batch of kddcup99 rows is 240 KiB) is mmapped and zero-filled afresh: about 2× the CPU per task
-    (docs/cluster.md, "Memory allocator")."""
+    MALLOC_TRIM_THRESHOLD_ (about 2× the CPU per task: docs/cluster.md, "Memory allocator")."""
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None  # inherited by the workers:
     try:  # Ctrl-C (sent to the whole process group) is the driver's to handle, and it closes the cluster

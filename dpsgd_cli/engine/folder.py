@@ -1,12 +1,5 @@
-"""The files of a results folder, read and written without following links.
-
-A results folder may come from anyone (a collaborator's archive, a shared drive), so it may hold a link where a
-file of the tool goes (`runs.csv → ~/.bashrc`, `figures → /etc`): writing through it would change a file outside
-the folder, reading through it would copy that file into a report. So a grid's folder that is a link, or that
-holds one, is refused (`check_folder`); files are opened with O_NOFOLLOW and must be regular files; and a file is
-written whole by creating a temporary file exclusively in its folder and renaming it over the old one, so a reader
-(another command, a collaborator's sync) sees the old file or the new one, never half of one.
-"""
+"""The files of a results folder, read and written without following links, replaced atomically: a received
+folder may hold a link where a file of the tool goes (docs/results.md, what a results folder may hold)."""
 
 from __future__ import annotations
 
@@ -48,16 +41,14 @@ def check_folder(folder: Path) -> Path:
 
 
 def make_folder(path: Path) -> Path:
-    """A folder of the tool (a grid's folder, its figures/): created if missing, refused if it is a link; a file
-    in its place is FileExistsError (one line through `errors.file_errors`)."""
+    """A folder of the tool, created if missing, refused if it is a link (a file in its place: FileExistsError)."""
     path = refuse_link(Path(path))
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
 def open_file(path: Path, flags: int, mode: int = 0o644, in_place: bool = False) -> int:
-    """os.open of a regular file without following a link. `in_place` (appends, the lock): also refused when the
-    file has other hard links, which the write would change too."""
+    """os.open of a regular file without following a link; `in_place`: refused with other hard links too."""
     path = refuse_link(Path(path))
     # O_NONBLOCK: a FIFO planted in the folder must not hang the open; it is refused below
     fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode)
@@ -77,14 +68,12 @@ def open_file(path: Path, flags: int, mode: int = 0o644, in_place: bool = False)
 
 
 def check_in_place(path: Path) -> None:
-    """Refuse now, before any work, a file that will be changed in place (appended to) but cannot be (see
-    `open_file`); a missing file is fine (it will be created)."""
+    """Refuse before any work a file that will be appended to but cannot be; a missing file is fine."""
     with contextlib.suppress(FileNotFoundError):
         os.close(open_file(path, os.O_RDONLY, in_place=True))
 
 
 def read_bytes(path: Path) -> bytes:
-    """A file's bytes (FileNotFoundError if it is missing)."""
     with os.fdopen(open_file(path, os.O_RDONLY), "rb") as fh:
         return fh.read()
 
@@ -115,8 +104,7 @@ def ends_with_newline(path: Path) -> bool:
 
 
 def write_bytes(path: Path, data: bytes) -> Path:
-    """Replace `path` by `data` atomically: a temporary file created exclusively beside it (never through a link
-    someone planted), synced, then renamed over; on failure the temporary file goes and `path` is unchanged."""
+    """Replace `path` by `data` atomically (a temporary file created exclusively beside it, renamed over)."""
     path = refuse_link(Path(path))
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -142,14 +130,12 @@ def write_text(path: Path, text: str) -> Path:
     return write_bytes(path, text.encode("utf-8", errors="surrogateescape"))
 
 
-# what makes a spreadsheet read a cell as a formula (`=HYPERLINK(...)`, `+cmd|...`, `@SUM(...)`): text from a grid or
-# a received folder that starts so is written with a leading apostrophe (the spreadsheets' "this is text" mark)
+# what makes a spreadsheet read a cell as a formula (`=HYPERLINK(...)`): such text gets a leading apostrophe
 FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
 
 
 def inert_cell(value: Any) -> Any:
-    """A text cell a spreadsheet opens as text, never as a formula; numbers (also as text: `-0.5`) and other values
-    unchanged."""
+    """A text cell a spreadsheet opens as text, never as a formula; numbers (`-0.5` too) unchanged."""
     if not (isinstance(value, str) and value.startswith(FORMULA_STARTS)):
         return value
     try:
@@ -160,8 +146,7 @@ def inert_cell(value: Any) -> Any:
 
 
 def write_csv(frame: pd.DataFrame, path: Path) -> Path:
-    """A table the tool exports (selection.csv, runs_valid.csv, audit.csv, …), its text cells inert in a
-    spreadsheet (`inert_cell`)."""
+    """A table the tool exports, its text cells inert in a spreadsheet."""
     text = frame.select_dtypes(include=["object", "string"]).columns
     return write_text(path, frame.assign(**{c: frame[c].map(inert_cell) for c in text}).to_csv(index=False))
 
@@ -175,8 +160,7 @@ def save_figure(fig: Any, path: Path, **options: Any) -> Path:
 
 
 def append_bytes(path: Path, data: bytes) -> None:
-    """One write of whole rows at the end of `path` (created if missing), then fsync; on failure the file is cut
-    back to where it was, so no half row is left behind."""
+    """One write of whole rows at the end of `path`, then fsync; on failure the file is cut back (no half row)."""
     fd = open_file(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, in_place=True)
     try:
         size = os.fstat(fd).st_size
@@ -194,8 +178,7 @@ def append_bytes(path: Path, data: bytes) -> None:
 
 
 def read_table(path: Path, columns: Iterable[str], numeric: Iterable[str], remedy: str) -> pd.DataFrame:
-    """A CSV table the tool wrote (audit.csv, an analytic figure's table): a one-line UserError, saying `remedy`,
-    when it is empty, not UTF-8, not a CSV, lacks one of `columns`, or has a non-number in a `numeric` column."""
+    """A CSV table the tool wrote (audit.csv, an analytic table); a one-line UserError saying `remedy` if unusable."""
     try:
         frame = pd.read_csv(io.StringIO(read_text(path)))
     except UnicodeDecodeError as exc:

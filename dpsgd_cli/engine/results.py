@@ -1,11 +1,5 @@
-"""The results folder of a grid: `runs.csv` (one row per run, appended as runs finish), `traces.csv`,
-`manifest.json`, and `runs.lock` (held by the one process writing the folder).
-
-Crash safety: a task's rows go to disk in one write(2) that ends in a newline, then fsync; so a file whose
-last line has no newline was cut mid-write (disk full, OOM kill, power loss) and that line is moved aside to
-`<file>.rejected` when a writer next opens the file. Every rewrite copies the text of the rows it keeps
-verbatim (values, number formats, columns a user added), and replaces the file atomically.
-"""
+"""The results folder of a grid: runs.csv, traces.csv, manifest.json and the writer's lock; crash-safe appends
+and verbatim rewrites (docs/results.md#robustness-of-the-results-folder)."""
 
 from __future__ import annotations
 
@@ -58,8 +52,7 @@ COLUMNS = [
     "plugin", "plugin_sha256",
 ]
 TRACE_COLUMNS = ["run_id", "cell_id", "seed", "examples", "train_objective", "optimality_gap", "train_accuracy"]
-# the columns every version of the tool wrote (later ones are added when an older file is rewritten); a file
-# without them is not a results file
+# the columns every version of the tool wrote: a file without them is not a results file
 RUN_KEYS = ["run_id", "cell_id", "grid", "dataset", "model", "algorithm", "algorithm_params", "seed", "epsilon",
             "status", "message"]
 TRACE_KEYS = ["run_id", "cell_id", "seed", "examples"]
@@ -77,8 +70,7 @@ LOCK_NAME = "runs.lock"
 
 
 def result_folders(path: str | Path) -> list[Path]:
-    """`path` itself if it holds runs.csv, else its sub-folders that do (a results root); a grid's folder that is
-    a link or holds one is refused (`folder.check_folder`)."""
+    """`path` itself if it holds runs.csv, else its sub-folders that do (a results root), each checked."""
     path = Path(path)
     if os.path.lexists(path / "runs.csv"):
         return [check_folder(path)]
@@ -120,9 +112,7 @@ def library_versions() -> dict[str, str]:
 # --- reading a CSV line by line ----------------------------------------------------------------------------
 @dataclass
 class CsvScan:
-    """A results CSV split into its header, its valid rows (raw text and fields), its malformed complete
-    lines (wrong number of fields, a non-number in a numeric column, no run id, unknown status) and an
-    incomplete last line (no newline: cut mid-write)."""
+    """A results CSV split into its header, valid rows (text and fields), malformed lines and a cut last line."""
 
     header: list[str] = field(default_factory=list)
     header_text: str = ""
@@ -141,9 +131,7 @@ class CsvScan:
 
 
 def scan_csv(path: Path, keys: Iterable[str] = ("run_id",)) -> CsvScan:
-    """Read a results CSV tolerantly (see `CsvScan`); a missing or empty file is an empty scan. A header without
-    one of the `keys` columns is a one-line UserError. A byte-order mark and CRLF line ends (a spreadsheet's
-    "save as CSV") are read as what they are."""
+    """Read a results CSV tolerantly (a missing file is an empty scan); a header without `keys` is a UserError."""
     path = Path(path)
     try:
         data = read_bytes(path)
@@ -196,8 +184,7 @@ def _records(pieces: list[str]) -> tuple[list[list[str]], list[str]]:
 
 
 def _valid(records: list[list[str]], raws: list[str], header: list[str]) -> np.ndarray:
-    """Per record: the header's number of fields, a run id, a known status, numbers in numeric columns, a JSON
-    object (or nothing) in each of `OPTION_COLUMNS`, UTF-8 text (column-wise: traces.csv can have 10⁵ rows)."""
+    """Per record, whether it is a valid row (column-wise: traces.csv can have 10⁵ rows)."""
     valid = np.fromiter((len(r) == len(header) for r in records), bool, len(records))
     complete = [r for r, ok in zip(records, valid) if ok]
     if complete:
@@ -260,7 +247,7 @@ def _set_aside(path: Path, lines: list[str], partial: bytes) -> Path:
     return side
 
 
-_FRAMES: dict[tuple, pd.DataFrame] = {}
+_FRAMES: dict[tuple[Any, ...], pd.DataFrame] = {}
 
 
 class CsvFile:
@@ -273,11 +260,10 @@ class CsvFile:
 
     def read(self) -> pd.DataFrame:
         """The valid rows (cached while the file is unchanged: figures and claims read it many times)."""
-        try:
-            stat = self.path.stat()
-        except OSError:
+        stamp = _stamp(self.path)
+        if stamp[0] is None:
             return pd.DataFrame(columns=self.columns)
-        key = (str(self.path.resolve()), stat.st_mtime_ns, stat.st_size)
+        key = (str(self.path.resolve()), *stamp)
         if key not in _FRAMES:
             frame = scan_csv(self.path, self.keys).frame()
             _FRAMES.clear()  # one file at a time is enough
@@ -285,9 +271,8 @@ class CsvFile:
         return _FRAMES[key].copy()
 
     def recover(self, keep: Callable[[dict[str, str]], bool] | None = None) -> list[dict[str, str]]:
-        """Writers only (under the folder's lock): set aside an incomplete last line and malformed lines,
-        add missing columns, drop the rows `keep` rejects; rewrite only if something changed. Returns the
-        kept rows (as text)."""
+        """Writers only (under the lock): set aside cut and malformed lines, add missing columns, drop the rows
+        `keep` rejects; rewrite only if something changed. Returns the kept rows (as text)."""
         scan = scan_csv(self.path, self.keys)
         if not scan.header_text:  # missing, empty, or only a cut header
             if scan.partial or scan.bad:
@@ -336,8 +321,7 @@ _HELD: dict[str, int] = {}  # folder → fd of its lock file, for the folders th
 
 
 def acquire_lock(folder: Path) -> None:
-    """Take the folder's writer lock (an flock on `runs.lock`, released by the OS when the process dies, so
-    it is never stale); raise FolderLocked naming the holder (pid, host, start, command) if another has it."""
+    """Take the folder's writer lock (an flock on `runs.lock`: never stale); FolderLocked naming another holder."""
     key = os.path.realpath(folder)
     if key in _HELD:
         return
@@ -384,8 +368,7 @@ def folder_lock(folder: Path) -> Iterator[None]:
 
 # --- the store ----------------------------------------------------------------------------------------------
 class ResultStore:
-    """Append-only CSV of finished runs. Runs with status `ok` or `diverged` are final (diverging is a
-    deterministic result); `failed` runs are dropped when a grid resumes, so they are tried again."""
+    """Append-only CSV of finished runs; `failed` runs are dropped when a grid resumes, so they are tried again."""
 
     def __init__(self, folder: Path):
         self.folder = Path(folder)
@@ -395,15 +378,15 @@ class ResultStore:
         self.traces_file = CsvFile(self.traces_csv, TRACE_COLUMNS, TRACE_KEYS)
 
     def read(self) -> pd.DataFrame:
-        """The valid rows of runs.csv (every status; see `read_results` for what readers show)."""
+        """The valid rows of runs.csv, every status."""
         return self.runs_file.read()
 
     def read_traces(self) -> pd.DataFrame:
         return self.traces_file.read()
 
     def start(self, resume: bool, plugins: dict[str, str | None] | None = None) -> set[str]:
-        """Take the folder's lock, recover the files from any crash, and return the run ids already final.
-        Without resume, the old CSVs are kept as backups. `plugins`: see `check_plugins`."""
+        """Take the folder's lock, recover the files from any crash; the run ids already final. `plugins`: see
+        `check_plugins`."""
         try:
             make_folder(check_folder(self.folder))
             acquire_lock(self.folder)
@@ -452,23 +435,16 @@ class ResultStore:
 
     def write_manifest(self, grid: dict[str, Any], grid_hash: str, started: float, finished: float | None,
                        **extra: Any) -> None:
-        manifest = {
-            "grid": grid,
-            "grid_hash": grid_hash,
-            "numerics": NUMERICS,
-            "started": _iso(started),
-            "finished": _iso(finished) if finished else None,
-            "libraries": dict(library_versions()),
-            "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                        "processor": platform.processor() or platform.machine(), "cpus": os.cpu_count()},
-            **extra,
-        }
+        manifest = {"grid": grid, "grid_hash": grid_hash, "numerics": NUMERICS, "started": _iso(started),
+                    "finished": _iso(finished) if finished else None, "libraries": dict(library_versions()),
+                    "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                                "processor": platform.processor() or platform.machine(), "cpus": os.cpu_count()},
+                    **extra}
         write_text(self.folder / "manifest.json", json.dumps(manifest, indent=2, default=str))
 
 
 def check_numerics(csv: Path, final: Iterable[dict[str, Any]]) -> None:
-    """A UserError if runs.csv holds final runs of another numerics version: resuming would put numbers of two
-    versions of the code side by side in one grid, and skip runs whose numbers this version would not give."""
+    """A UserError if runs.csv holds final runs of another numerics version (one grid, one version)."""
     other = sorted({_version_text(row.get("numerics")) for row in final} - {str(NUMERICS)})
     if other:
         raise UserError(f"{csv}: holds runs of numerics version {', '.join(other)}, this dpsgd computes version "
@@ -495,7 +471,7 @@ def _version_text(value: Any) -> str:
     return str(int(float(value))) if _is_float(str(value)) else str(value)
 
 
-def read_manifest(folder: Path) -> dict | None:
+def read_manifest(folder: Path) -> dict[str, Any] | None:
     """The folder's manifest, None if there is none; a corrupt one is a one-line UserError."""
     path = Path(folder) / "manifest.json"
     try:
@@ -515,9 +491,8 @@ def read_manifest(folder: Path) -> dict | None:
     return manifest
 
 
-def _grid_shape(grid: dict) -> str:
-    """What is wrong with the parts of a manifest's grid the readers build objects from ('' if nothing): each
-    entry of figures, claims and select as the readers construct it, and the scalars captions print."""
+def _grid_shape(grid: dict[str, Any]) -> str:
+    """What is wrong with the parts of a manifest's grid the readers build objects from ('' if nothing)."""
     from pydantic import ValidationError
 
     from dpsgd_cli.config import ClaimSpec, FigureSpec, SelectSpec
@@ -550,21 +525,19 @@ def now() -> float:
 
 
 # --- the readers: what summary, selection, plots and report take from a results folder ----------------------
-def grid_of(folder: Path) -> dict:
+def grid_of(folder: Path) -> dict[str, Any]:
     """The grid as recorded in the folder's manifest (its figures, claims and selections included)."""
     manifest = read_manifest(folder)
     return manifest.get("grid", {}) if manifest else {}
 
 
 def parse_options(options: pd.Series) -> pd.Series:
-    """A JSON column of options (`algorithm_params`, `dataset_options`, `model_options`) as dicts (a cell that holds
-    no JSON object, which a valid row never has, as {})."""
+    """A JSON column of options as dicts ({} for a cell without a JSON object, which a valid row never has)."""
     return options.map(lambda text: json_object(text) or {})
 
 
 def varying_label(names: pd.Series, options: pd.Series) -> pd.Series:
-    """`dp_sgd`, or `dp_sgd accountant=pld`: each name with the options (a JSON column) that differ between its
-    rows."""
+    """`dp_sgd`, or `dp_sgd accountant=pld`: each name with the options that differ between its rows."""
     parsed = parse_options(options)
     label = names.astype(str).copy()
     for name, rows in parsed.groupby(names, sort=False):
@@ -585,21 +558,15 @@ def algorithm_label(frame: pd.DataFrame) -> pd.Series:
 
 
 def with_params(frame: pd.DataFrame) -> pd.DataFrame:
-    """The runs with each algorithm parameter as a column of its own (e.g. `schedule`, `accountant`), so that
-    figures and claims can select on it; a column that exists already keeps its values."""
+    """The runs with each algorithm parameter as a column of its own (an existing column keeps its values)."""
     params = parse_options(frame["algorithm_params"])
     keys = sorted({k for p in params for k in p} - set(frame.columns))
     return frame.assign(**{k: params.map(lambda p, k=k: p.get(k)) for k in keys}) if keys else frame
 
 
-
 def typed_runs(frame: pd.DataFrame) -> pd.DataFrame:
-    """The runs as the Python API and `dpsgd export` give them: each JSON column of `OPTION_COLUMNS` flattened
-    in place into a column per key, `<column>.<key>` (e.g. `algorithm_params.accountant`, `dataset_options.n`;
-    a nested value stays JSON text), and `private`, whether the run's algorithm is private (its `epsilon` is NaN
-    exactly where it is not; an algorithm this version does not know is private where its row has an ε). Each
-    flattened column holds one kind, so that Parquet keeps the same types: integers (Int64), numbers (float64),
-    flags (boolean) or text (a column mixing kinds is all text); a key a row lacks is missing there."""
+    """The runs as the Python API and `dpsgd export` give them: each JSON column flattened into `<column>.<key>`
+    columns of one kind each (for Parquet), and `private` (docs/python-api.md)."""
     from dpsgd_cli.algorithms import ALGORITHMS  # every algorithm module: only when asked for
 
     known = frame["algorithm"].map(lambda name: ALGORITHMS[name].tags.private if name in ALGORITHMS else None)
@@ -619,9 +586,8 @@ def typed_runs(frame: pd.DataFrame) -> pd.DataFrame:
     return pd.concat([*parts, private.rename("private")], axis=1)
 
 
-def json_object(text: Any) -> dict | None:
-    """A JSON column's cell as a dict ({} when empty), None when it is not a JSON object (a received file may hold
-    anything there, nesting deep enough to exhaust the parser's recursion included)."""
+def json_object(text: Any) -> dict[str, Any] | None:
+    """A JSON column's cell as a dict ({} when empty), None when it is not a JSON object (too deep included)."""
     if not isinstance(text, str) or not text:
         return {}
     try:
@@ -631,9 +597,8 @@ def json_object(text: Any) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
-def _one_kind(values: list, index: pd.Index) -> pd.Series:
-    """Values of one key as one column kind: Int64, float64, boolean, or text (nested values as JSON text, in
-    the string dtype pandas reads runs.csv's text columns with)."""
+def _one_kind(values: list[Any], index: pd.Index) -> pd.Series:
+    """Values of one key as one column kind: Int64, float64, boolean, or text (nested values as JSON text)."""
     present = [v for v in values if v is not None]
     if present and all(isinstance(v, bool) for v in present):
         return pd.Series(values, index=index, dtype="boolean")
@@ -662,8 +627,7 @@ _COMPARISONS = {">=": "ge", "<=": "le", "!=": "ne", ">": "gt", "<": "lt", "==": 
 
 
 def comparison(wanted: object) -> tuple[str, float] | None:
-    """(operator, number) of a selection value such as ">=1", None for a plain value; ValueError when it starts
-    like a comparison but the rest is not a number (">=one")."""
+    """(operator, number) of a selection value such as ">=1", None for a plain value; ValueError for ">=one"."""
     if not isinstance(wanted, str):
         return None
     op = next((op for op in _COMPARISONS if wanted.startswith(op)), None)
@@ -676,9 +640,8 @@ def comparison(wanted: object) -> tuple[str, float] | None:
                          f"write e.g. '{op}1'") from None
 
 
-def select(frame: pd.DataFrame, selection: dict) -> pd.DataFrame:
-    """Rows matching every `column: value` of the selection: a value, a list of values, or a comparison
-    string such as ">=1" (numbers) — the filter language of figures and claims in experiments.yaml."""
+def select(frame: pd.DataFrame, selection: dict[str, Any]) -> pd.DataFrame:
+    """Rows matching every `column: value` of the selection: a value, a list of values, or a comparison (">=1")."""
     mask = pd.Series(True, index=frame.index)
     for column, wanted in selection.items():
         if column not in frame.columns:
@@ -703,8 +666,7 @@ def _grid_run_ids(grid_json: str) -> frozenset[str]:
 
 
 def current_run_ids(folder: Path, fallback: pd.Series) -> set[str]:
-    """Run ids of the grid as last run (its manifest): rows left by an earlier version of the grid, or by
-    another grid, stay in runs.csv but are not shown. Without a usable manifest, every row counts."""
+    """Run ids of the grid as last run (its manifest); without a usable manifest, every row counts."""
     manifest = read_manifest(folder)
     if manifest is None or "grid" not in manifest:
         return set(fallback.astype(str))
@@ -765,12 +727,11 @@ class Reading:
         return ("every run failed or diverged (" + ", ".join(f"{n} {s}" for s, n in counts.items()) + f"){first}")
 
 
-_READINGS: dict[tuple, Reading] = {}
+_READINGS: dict[tuple[Any, ...], Reading] = {}
 
 
 def read_results(folder: Path) -> Reading:
-    """The rows readers use: valid rows (malformed and cut ones skipped), of the grid as last run, each run
-    id once (a final row before a failed one, then the first); counts of what was left out."""
+    """The valid rows of the grid as last run, each run id once (final rows first); counts of what was left out."""
     folder = Path(folder)
     key = (str(folder.resolve()), *(_stamp(folder / name) for name in ("runs.csv", "manifest.json")))
     if key in _READINGS:
@@ -791,7 +752,7 @@ def read_results(folder: Path) -> Reading:
     return reading
 
 
-def _stamp(path: Path) -> tuple:
+def _stamp(path: Path) -> tuple[int, int] | tuple[None, None]:
     try:
         stat = path.stat()
         return stat.st_mtime_ns, stat.st_size

@@ -94,19 +94,19 @@ def optimal_objective(spec: DatasetSpec, model_name: str, model_options: str, l2
 OPTIMUM_PENDING = "to be computed"  # a planned task's optimum_method until `resolve_optima` (or its run) sets L*
 
 
-def optimum_args(cell: Cell) -> tuple:
+def optimum_args(cell: Cell) -> tuple[Any, ...]:
     """The arguments of `reference_optimum` for a cell: the cells that share them share L*."""
     return (cell.dataset, cell.model.name, json.dumps(cell.model.options, sort_keys=True), cell.l2, cell.validation)
 
 
-def _optimum_model(args: tuple) -> tuple[Model, np.ndarray, np.ndarray]:
+def _optimum_model(args: tuple[Any, ...]) -> tuple[Model, np.ndarray, np.ndarray]:
     """(model, X, y) whose reference minimum L* is (`reference_optimum`'s)."""
     spec, model_name, model_options, l2, validation = args
     data = dataset(spec, validation)
     return make_model(model_name, data.d, l2, json.loads(model_options)), data.X_train, data.y_train
 
 
-def _optimum_label(args: tuple) -> str:
+def _optimum_label(args: tuple[Any, ...]) -> str:
     spec, model_name, _, l2, validation = args
     name = getattr(spec, "id", None) or spec.name
     options = spec.model_dump_json(exclude={"name"}, exclude_none=True, exclude_defaults=True)
@@ -115,7 +115,7 @@ def _optimum_label(args: tuple) -> str:
     return f"L* of {model_name} on {where} (λ = {l2:g}{held})"
 
 
-def _start_of_reference(args: tuple, seed: int) -> tuple[np.ndarray, dict]:
+def _start_of_reference(args: tuple[Any, ...], seed: int) -> tuple[np.ndarray, dict[str, Any]]:
     """One L-BFGS start of a reference minimum (run in a worker process by `resolve_optima`)."""
     return reference_start(*_optimum_model(args), seed)
 
@@ -157,10 +157,10 @@ def resolve_optima(tasks: list[Task], jobs: int = 1, say: Callable[[str], None] 
     return [with_optimum(task) for task in tasks]
 
 
-def _optima_in_workers(missing: list[tuple[tuple, int, int]], jobs: int, say: Callable[[str], None]) -> None:
+def _optima_in_workers(missing: list[tuple[tuple[Any, ...], int, int]], jobs: int, say: Callable[[str], None]) -> None:
     """The starts of the `missing` reference minima in `jobs` forked processes, the largest (data × parameters)
     first; each minimum is combined here as soon as its starts are in."""
-    runs: dict[tuple, dict[int, tuple[np.ndarray, dict]]] = {args: {} for args, _, _ in missing}
+    runs: dict[tuple[Any, ...], dict[int, tuple[np.ndarray, dict[str, Any]]]] = {args: {} for args, _, _ in missing}
     count = {args: starts for args, starts, _ in missing}
     begin = {args: time.perf_counter() for args, _, _ in missing}
     order = sorted(((args, seed) for args, starts, _ in missing for seed in range(starts)),
@@ -239,7 +239,7 @@ def _run_one(task: Task) -> TaskResult:
     return _result(task, cell, model, outcome, (time.perf_counter() - start) / len(task.seeds))
 
 
-def _training_data(cell: Cell, data: Dataset):
+def _training_data(cell: Cell, data: Dataset) -> tuple[Model, np.ndarray, np.ndarray]:
     """(model, X, y) a cell trains on."""
     model = make_model(cell.model.name, data.d, cell.l2, cell.model.options)
     X, y = data.X_train, data.y_train
@@ -248,7 +248,7 @@ def _training_data(cell: Cell, data: Dataset):
     return model, X, y
 
 
-def _algorithm(cell: Cell):
+def _algorithm(cell: Cell) -> Any:
     return cell.make_algorithm()
 
 
@@ -297,7 +297,8 @@ def _run_fused(task: Task) -> TaskResult:
     return out
 
 
-def _stacked_metrics(model, data: Dataset, optimal: float, thetas: dict[str, np.ndarray]) -> dict[str, dict]:
+def _stacked_metrics(model: Model, data: Dataset, optimal: float,
+                     thetas: dict[str, np.ndarray]) -> dict[str, dict[str, np.ndarray]]:
     """Each cell's metrics (by cell id) from one `_metrics` call on all the task's θs stacked, where the model's
     metrics of a θ do not depend on the θs beside it (`Model.stacked_metrics`: logistic regression reads each set
     once for the whole task instead of once per cell); else {} (each cell's own call, in `_result`)."""
@@ -309,7 +310,7 @@ def _stacked_metrics(model, data: Dataset, optimal: float, thetas: dict[str, np.
             for cell_id, a, b in zip(thetas, bounds[:-1], bounds[1:])}
 
 
-def _result(task: Task, cell: Cell, model, outcome, elapsed: float,
+def _result(task: Task, cell: Cell, model: Model, outcome: Outcome, elapsed: float,
             metrics: dict[str, np.ndarray] | None = None) -> TaskResult:
     """The rows (one per seed) and checkpoints of one cell's trained replicas; `metrics` when already computed
     (`_stacked_metrics`)."""
@@ -385,7 +386,7 @@ def failed_result(task: Task, message: str, wall_time: float | None = None) -> T
                         "wall_time": wall_time} for cell in task.cells for s in task.seeds])
 
 
-def _trace_rows(cell: Cell, task: Task, trace: list) -> list[dict[str, Any]]:
+def _trace_rows(cell: Cell, task: Task, trace: list[Any]) -> list[dict[str, Any]]:
     return [{"run_id": cell.run_id(seed), "cell_id": cell.cell_id, "seed": seed, "examples": examples,
              "train_objective": objective[r], "optimality_gap": objective[r] - task.optimal_objective,
              "train_accuracy": accuracy[r]}
@@ -411,20 +412,20 @@ def _base_row(cell: Cell, data: Dataset, setting: Setting, optimal: float) -> di
     }
 
 
-def _metrics(model, theta: np.ndarray, data: Dataset, optimal: float) -> dict[str, np.ndarray]:
+def _metrics(model: Model, theta: np.ndarray, data: Dataset, optimal: float) -> dict[str, np.ndarray]:
     # one forward pass per set (loss and accuracy from it): the numbers of `objective` and `accuracy`
     with np.errstate(all="ignore"):
         train_loss, train_accuracy = model.data_loss_and_accuracy(theta, data.X_train, data.y_train)
         train_objective = train_loss + model.penalty(theta)
         metrics = {**_test_metrics(model, theta, data), "train_accuracy": train_accuracy,
                    "train_objective": train_objective, "optimality_gap": train_objective - optimal}
-        if data.X_val is not None:
+        if data.X_val is not None and data.y_val is not None:
             val_loss, metrics["val_accuracy"] = model.data_loss_and_accuracy(theta, data.X_val, data.y_val)
             metrics["val_objective"] = val_loss + model.penalty(theta)
         return metrics
 
 
-def _test_metrics(model, theta: np.ndarray, data: Dataset) -> dict[str, np.ndarray]:
+def _test_metrics(model: Model, theta: np.ndarray, data: Dataset) -> dict[str, np.ndarray]:
     """Test accuracy and loss; NaN without a test set (`split: none`)."""
     if data.X_test.shape[0] == 0:
         return {"test_accuracy": np.full(theta.shape[0], np.nan), "test_loss": np.full(theta.shape[0], np.nan)}
@@ -496,7 +497,7 @@ def fuse(tasks: list[Task]) -> list[Task]:
     """Group the tasks that can train together: cells of chain algorithms (`prepare`) with the same data, model,
     λ, dtype, batch size and pending seeds (e.g. an ε or lr axis, `sgd` beside `dp_sgd`). Order: first cells
     first; the other tasks unchanged."""
-    groups: dict[tuple, list[Task]] = {}
+    groups: dict[tuple[Any, ...], list[Task]] = {}
     for task in tasks:
         cell = task.cell
         fusable = ALGORITHMS[cell.algorithm.name].prepare is not Algorithm.prepare
@@ -514,7 +515,7 @@ def grid_hash(grid: Grid) -> str:
     return hashlib.sha256(grid.model_dump_json().encode()).hexdigest()[:16]
 
 
-def execute(run: GridRun, jobs: int = 1, on_rows: Callable[[list[dict]], None] | None = None,
+def execute(run: GridRun, jobs: int = 1, on_rows: Callable[[list[dict[str, Any]]], None] | None = None,
             backend: Callable[[list[Task]], Iterator[TaskResult]] | None = None,
             on_status: Callable[[str], None] | None = None) -> int:
     """Run the pending tasks, appending each task's rows to runs.csv (and traces.csv) as it finishes; `backend`
@@ -526,9 +527,11 @@ def execute(run: GridRun, jobs: int = 1, on_rows: Callable[[list[dict]], None] |
     started = now()
     done, writing = 0, []
     loaded = {a.name: plugins.provenance(a.name) for a in run.grid.algorithms if a.name in plugins.LOADED}
-    manifest = lambda finished: store.write_manifest(run.grid.model_dump(mode="json"), grid_hash(run.grid), started,
-                                                     finished, cells=len(run.cells), runs=run.total_runs,
-                                                     **({"plugins": loaded} if loaded else {}))
+
+    def manifest(finished: float | None) -> None:
+        store.write_manifest(run.grid.model_dump(mode="json"), grid_hash(run.grid), started, finished,
+                             cells=len(run.cells), runs=run.total_runs, **({"plugins": loaded} if loaded else {}))
+
     try:
         run.tasks = resolve_optima(run.tasks, 1 if backend else jobs, on_status)
         try:
@@ -580,7 +583,7 @@ def calibrate_ahead(cells: Sequence[Cell], data: Dataset, accountants: Sequence[
     its curve in both halves. PLD curves (~0.1 s an evaluation) stay in the workers, which walk them in parallel.
     σ is the same wherever and in whatever order it is computed (`EpsilonCurve`); a target that fails here fails
     again when its cell prepares, which records the error."""
-    wanted: dict[tuple, set[float]] = {}
+    wanted: dict[tuple[Any, ...], set[float]] = {}
     for cell in cells:
         try:
             request = _algorithm(cell).sigma_calibration(setting_of(cell, data))

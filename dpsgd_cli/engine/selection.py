@@ -1,17 +1,5 @@
 """Hyperparameter selection after the runs (a grid's `select:`): which candidate each group uses, and what
-choosing it cost in privacy.
-
-`non_private`: per group, the candidate with the best mean score over seeds; its runs (their test metrics) are
-what plots and claims use. The choice looks at the validation set outside any accountant (or, for the
-optimistic reference `score: test_accuracy`, at the test set) and the table says so.
-
-`papernot_steinke` / `liu_talwar`: random search with a random number of trials K (privacy/tuning.py). Its
-output is simulated `searches` times from the grid's runs: K drawn, then K trials, each a uniformly drawn
-candidate and one of its runs (drawn with replacement) scored by its noisy validation accuracy (fresh noise
-per trial, see privacy/tuning.py `score_sigma`), the best released. These runs are the
-candidates trained for the selection (`tuning` column, σ calibrated so that tuning + training meets the cell's
-ε; see `base_epsilon`), or with `calibrate: false` the plain runs, whose total ε is then larger than their own.
-"""
+choosing it cost in privacy; a private search is simulated from the runs (docs/hyperparameters.md)."""
 
 from __future__ import annotations
 
@@ -27,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from dpsgd_cli.algorithms import Setting
-from dpsgd_cli.config import SelectSpec
+from dpsgd_cli.config import Grid, SelectSpec
 from dpsgd_cli.engine.folder import write_csv
 from dpsgd_cli.engine.results import (
     COLUMNS,
@@ -56,14 +44,13 @@ TABLE_COLUMNS = ["selection", "privacy", "group", "chosen", "score", "score_mean
                  "test_accuracy_std", "runs", "epsilon", "epsilon_total", "delta", "expected_trials", "score_noise"]
 
 
-def selections(grid: dict) -> list[SelectSpec]:
+def selections(grid: dict[str, Any]) -> list[SelectSpec]:
     """The `select:` entries of a grid as recorded in its manifest."""
     return [SelectSpec(**s) for s in grid.get("select", [])]
 
 
 def tuned_for(specs: Iterable[SelectSpec]) -> dict[str, str]:
-    """The `tuning` tag of each calibrated private selection's candidates → the selections' names (several
-    selections may share the candidates)."""
+    """The `tuning` tag of each calibrated private selection's candidates → the selections' names."""
     names: dict[str, list[str]] = {}
     for spec in specs:
         if spec.privacy != "non_private" and spec.calibrate:
@@ -77,9 +64,8 @@ ADDED_COLUMNS = ["label"]  # what `results_frame` adds to runs.csv's columns, be
 SELECTION_COLUMNS = ["selection", "selection_privacy", "epsilon_total"]  # and, with `select:`, apply_selections
 
 
-def frame_columns(grid, traces: bool = False) -> list[str]:
-    """The columns `results_frame` gives for `grid`'s results — runs.csv's, the line label, each parameter of
-    the grid's algorithms — so that `dpsgd run` can check the names figures and claims use before any work."""
+def frame_columns(grid: Grid, traces: bool = False) -> list[str]:
+    """The columns `results_frame` gives for `grid`'s results, for `dpsgd run` to check names before any work."""
     params = sorted({k for algo in grid.algorithms for k in algo.params} - set(COLUMNS))
     selected = SELECTION_COLUMNS if grid.select else []
     runs = [*COLUMNS, *ADDED_COLUMNS, *params, *selected]
@@ -87,10 +73,8 @@ def frame_columns(grid, traces: bool = False) -> list[str]:
 
 
 def results_frame(folder: Path, traces: bool = False, select: bool = True) -> pd.DataFrame:
-    """The ok runs of a results folder (see `read_results`) with their line label and parameter columns (with
-    `select` and a grid `select:`, only the chosen candidates' runs); with `traces`, their checkpoints (one row
-    per run and checkpoint) joined with those run columns. An infinite number (which an ok run of the tool never
-    has, but a received runs.csv may) is missing, as an empty cell: never a point, an axis value or a mean."""
+    """The ok runs of a results folder with their line label and parameter columns (with `select`, only the
+    chosen candidates' runs); with `traces`, their checkpoints joined with those; an infinite number is missing."""
     runs = read_results(folder).ok
     runs = (with_params(runs.assign(label=line_labels(runs))) if len(runs)
             else runs.assign(**{c: [] for c in ADDED_COLUMNS}))
@@ -103,14 +87,10 @@ def results_frame(folder: Path, traces: bool = False, select: bool = True) -> pd
     return runs.replace([np.inf, -np.inf], np.nan)
 
 
-# ------------------------------------------------------------------------------ calibration of the candidates
-
-
 def base_epsilon(tuning: dict[str, Any], target: float, n: int, delta: float) -> float:
     """The ε each candidate of a calibrated private selection is trained at, so that tuning + training is
-    (target, δ)-DP: Liu & Talwar: target/3; Papernot & Steinke: the common base ε = 1/x, x the smallest lattice
-    point (`calibration.calibrate`) whose candidates' σ (calibrated to 1/x by their own accountant) give a tuned
-    mechanism meeting the target (`total_epsilon`)."""
+    (target, δ)-DP (Liu & Talwar: target/3; Papernot & Steinke: the smallest lattice point 1/x, `calibrate`,
+    whose candidates give a tuned mechanism meeting the target, `total_epsilon`)."""
     return _base_epsilon(json.dumps(tuning, sort_keys=True), float(target), int(n), float(delta))
 
 
@@ -148,13 +128,9 @@ def _event_of(n: int, batch_size: int, epochs: float) -> tuple[float, int]:
     return setting.sample_rate, setting.steps
 
 
-# ------------------------------------------------------------------------------ choosing
-
-
-def apply_selections(runs: pd.DataFrame, grid: dict) -> pd.DataFrame:
-    """The runs plots and claims use: per selection and group the chosen candidate's runs (or the simulated
-    private searches' outputs), with columns `selection`, `selection_privacy`, `epsilon_total`. A grid without
-    `select:` keeps all its runs."""
+def apply_selections(runs: pd.DataFrame, grid: dict[str, Any]) -> pd.DataFrame:
+    """The runs plots and claims use: per selection and group the chosen candidate's runs (all without
+    `select:`), with columns `selection`, `selection_privacy`, `epsilon_total`."""
     specs = selections(grid)
     if not specs or runs.empty:
         return runs
@@ -165,7 +141,7 @@ def apply_selections(runs: pd.DataFrame, grid: dict) -> pd.DataFrame:
     return out
 
 
-def caption_of(grid: dict) -> str:
+def caption_of(grid: dict[str, Any]) -> str:
     """How the figure's hyperparameters were chosen, for its caption ('' without `select:`)."""
     parts = []
     for spec in selections(grid):
@@ -181,7 +157,7 @@ def caption_of(grid: dict) -> str:
     return ("\ntuned per " + " × ".join(selections(grid)[0].group_by) + ". " + "; ".join(parts)) if parts else ""
 
 
-def selection_table(runs: pd.DataFrame, grid: dict) -> pd.DataFrame:
+def selection_table(runs: pd.DataFrame, grid: dict[str, Any]) -> pd.DataFrame:
     """One row per selection and group: the choice, its score, the test metric of the chosen runs, the privacy."""
     tables = [choose(runs, spec)[1] for spec in selections(grid)]
     return pd.concat(tables, ignore_index=True) if tables else pd.DataFrame(columns=TABLE_COLUMNS)
@@ -209,7 +185,7 @@ def choose(runs: pd.DataFrame, spec: SelectSpec) -> tuple[pd.DataFrame, pd.DataF
     return chosen, pd.DataFrame(table, columns=TABLE_COLUMNS)
 
 
-def _best_mean(group: pd.DataFrame, spec: SelectSpec) -> tuple[pd.DataFrame, dict]:
+def _best_mean(group: pd.DataFrame, spec: SelectSpec) -> tuple[pd.DataFrame, dict[str, Any]]:
     """Non-private: the candidate with the best mean score over its seeds (the first on ties)."""
     means = group.groupby("_cand", sort=True)[spec.score].mean()
     best = (means.idxmin() if spec.score == "val_objective" else means.idxmax()) if means.notna().any() \
@@ -226,7 +202,7 @@ def _best_mean(group: pd.DataFrame, spec: SelectSpec) -> tuple[pd.DataFrame, dic
                       np.nan, rows["delta"].max(), None)
 
 
-def _private_search(group: pd.DataFrame, spec: SelectSpec, group_key: str) -> tuple[pd.DataFrame, dict]:
+def _private_search(group: pd.DataFrame, spec: SelectSpec, group_key: str) -> tuple[pd.DataFrame, dict[str, Any]]:
     """Random search with K ~ spec's distribution trials, simulated spec.searches times (seeded by the group)."""
     trials = spec.trials()
     rng = np.random.default_rng(zlib.crc32(f"{spec.name}|{group_key}".encode()))
@@ -281,7 +257,7 @@ def _draw(rng: np.random.Generator, spec: SelectSpec, scale: float) -> float:
 
 
 def _row(spec: SelectSpec, privacy: str, chosen: str, score: float, rows: pd.DataFrame, epsilon: float,
-         total: float, delta: float, expected: float | None) -> dict:
+         total: float, delta: float, expected: float | None) -> dict[str, Any]:
     return {"privacy": privacy, "chosen": chosen, "score": spec.score, "score_mean": score,
             "test_accuracy_mean": rows["test_accuracy"].mean(), "test_accuracy_std": rows["test_accuracy"].std(),
             "runs": len(rows), "epsilon": epsilon, "epsilon_total": total, "delta": delta,
@@ -317,8 +293,8 @@ def _strip(labels: pd.Series, candidates: list[str]) -> pd.Series:
 
 
 def chosen_cells(folder: Path) -> set[str]:
-    """The cells (`cell_id`) whose runs the folder's selections chose: per group the best candidate, or every
-    candidate a simulated private search released. Empty without `select:`."""
+    """The cells (`cell_id`) whose runs the folder's selections chose (per group the best candidate, or every
+    candidate a simulated private search released); empty without `select:`."""
     grid = grid_of(folder)
     specs = selections(grid)
     if not specs:
@@ -327,9 +303,8 @@ def chosen_cells(folder: Path) -> set[str]:
     return {str(cell) for spec in specs for cell in choose(runs, spec)[0]["cell_id"]}
 
 
-def write_selection_tables(path) -> list[tuple[Path, pd.DataFrame]]:
-    """For each results folder under `path` whose grid has `select:`: its table of choices, also written to
-    `selection.csv` there. A UserError when none has one."""
+def write_selection_tables(path: str | Path) -> list[tuple[Path, pd.DataFrame]]:
+    """For each results folder under `path` whose grid has `select:`, its table of choices (also selection.csv)."""
     out = []
     for folder in result_folders(path):
         grid = grid_of(folder)

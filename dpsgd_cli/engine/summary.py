@@ -1,5 +1,4 @@
-"""Per-cell aggregates of runs.csv (mean ± std over seeds) for the table `dpsgd run` prints, and the labels that
-table and the dry run's share."""
+"""Per-cell aggregates of runs.csv (mean ± std over seeds) for `dpsgd run`'s table, and its labels."""
 
 from __future__ import annotations
 
@@ -29,10 +28,9 @@ def prefix(metric: str) -> str:
     return PREFIXES.get(metric, metric)
 
 
-def summary_metrics(runs: pd.DataFrame, grid: dict) -> list[str]:
-    """The metrics the summary shows: those of the grid's figures (at most two) that are columns of runs.csv, or
-    else test accuracy and the optimality gap; only those some ok run has (no test accuracy without a test
-    split), or else the first metric that one has."""
+def summary_metrics(runs: pd.DataFrame, grid: dict[str, Any]) -> list[str]:
+    """The metrics the summary shows: the grid's figures' (at most two), or else test accuracy and the
+    optimality gap; only those some ok run has, or else the first metric that one has."""
     ok = runs[runs["status"] == "ok"]
 
     def measured(metric: str) -> bool:
@@ -45,12 +43,9 @@ def summary_metrics(runs: pd.DataFrame, grid: dict) -> list[str]:
 
 
 def summary_frame(folder: Path) -> pd.DataFrame:
-    """One row per cell of the grid as last run (by cell id, so cells differing in any setting stay apart):
-    its labels (see `cell_labels`) and settings, runs, ok runs, mean and std over the ok runs of test accuracy
-    (`acc_mean`, `acc_std`), optimality gap (`gap_…`) and the grid's figure metric (`<metric>_…`), and
-    `identical`: every ok seed gave the same value of each metric shown (`attrs["metrics"]`), as a deterministic
-    algorithm such as `erm` does. `attrs["missing"]` says which metric no run has, and why; `attrs["options"]`
-    are the options the labels leave out (`fixed_options`)."""
+    """One row per cell of the grid as last run: labels, settings, runs, ok runs, mean and std over the ok runs
+    of each metric (`acc_mean`, `gap_std`, `<metric>_mean`), `identical` (every ok seed gave the same values);
+    `attrs`: the metrics shown, why one is missing, the options the labels leave out."""
     runs = read_results(folder).runs
     grid = grid_of(folder)
     metrics = summary_metrics(runs, grid) if len(runs) else []
@@ -77,8 +72,7 @@ def summary_frame(folder: Path) -> pd.DataFrame:
 
 
 def _identical(cell: pd.DataFrame) -> bool:
-    """Every seed gave the same value of every metric shown that the cell has (erm's test accuracy without a
-    test split says nothing), and it has one: a ± would only ever say ± 0."""
+    """Every seed gave the same value of every metric the cell has (a ± would only ever say ± 0)."""
     present = [cell[c] for c in cell.columns if cell[c].notna().any()]
     return len(cell) > 1 and bool(present) and all(values.nunique(dropna=False) == 1 for values in present)
 
@@ -92,9 +86,8 @@ def _missing(runs: pd.DataFrame, metrics: list[str]) -> list[str]:
 
 
 def cell_labels(frame: pd.DataFrame, specs: Sequence[SelectSpec] = ()) -> pd.DataFrame:
-    """Per row of runs.csv's columns (or a dry run's cells in them): `dataset`, `model` and `label` (the
-    algorithm), each with the options that differ between that name's rows, and `tuning`, the selections a
-    calibrated candidate is trained for ('' for a plain run)."""
+    """Per row: `dataset`, `model` and `label` (the algorithm), each with the options that differ between that
+    name's rows, and `tuning`, the selections a calibrated candidate is trained for ('' for a plain run)."""
     tags = frame["tuning"] if "tuning" in frame else pd.Series(None, index=frame.index, dtype=object)
     names = tuned_for(specs)
     return pd.DataFrame({
@@ -106,8 +99,7 @@ def cell_labels(frame: pd.DataFrame, specs: Sequence[SelectSpec] = ()) -> pd.Dat
 
 
 def fixed_options(frame: pd.DataFrame) -> list[str]:
-    """`dp_sgd(accountant=pld)`: per dataset, model and algorithm, the options that all its rows share and that
-    differ from the default — what `cell_labels` leaves out."""
+    """`dp_sgd(accountant=pld)`: per name, the options all its rows share that differ from the default."""
     out = []
     for name, options in (("dataset", "dataset_options"), ("model", "model_options"),
                           ("algorithm", "algorithm_params")):
@@ -125,7 +117,7 @@ def fixed_options(frame: pd.DataFrame) -> list[str]:
     return out
 
 
-def _defaults(kind: str, name: str, options: dict) -> dict[str, Any]:
+def _defaults(kind: str, name: str, options: dict[str, Any]) -> dict[str, Any]:
     if kind == "algorithm":
         fields = ALGORITHMS[name].Params.model_fields if name in ALGORITHMS else {}
     elif kind == "model":

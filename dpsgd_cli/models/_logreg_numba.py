@@ -1,12 +1,6 @@
 """The numba code of logistic regression's metrics (`models/logreg.py::logistic_metrics`; imported on first use: numba
-is optional). One pass over the rows of X serves every θ of a stack (K, the cells × replicas of a fused task), so X
-is read once, not K/R times.
-
-Fixed order, whatever K and the other θs: a margin θ_k·x_i is summed over x_i's columns in increasing order, one
-product at a time (m ← m + θ_kj x_ij, no fused multiply-add: numba's default keeps IEEE mul and add), and a mean over
-the rows in row order. The loop over k only runs these K independent sums side by side (LLVM vectorises it; every
-lane does the same IEEE operations as K = 1). A row read by its nonzeros (`rows.RowNonzeros`: column order, zeros
-padded) gives the same margin bit for bit as the dense row: the skipped terms are ±0, and m + (±0) = m for an m that
+is optional): one pass over X for every θ of a stack, in a fixed order (docs/design.md, bit-for-bit). A row read by
+its nonzeros gives the dense row's margin bit for bit: the skipped terms are ±0, and m + (±0) = m for an m that
 starts at +0 (round to nearest never makes −0 from a sum with a +0 operand) — for finite θ.
 """
 
@@ -61,8 +55,7 @@ def _add_row(margin, y, hi, lo, correct, terms):  # pragma: no cover
 
 @numba.njit(cache=True, nogil=True)
 def dense_metrics(thetaT, X, y, hi, lo, correct):  # pragma: no cover
-    """Accumulate every θ's loss sum and correct count over the rows of X (n, d); θᵀ (d, K) C-contiguous; hi, lo
-    (K,) float64 and correct (K,) int64, zeroed by the caller."""
+    """Accumulate every θ's loss sum and correct count over the rows of X (n, d); θᵀ (d, K); hi, lo, correct (K,)."""
     n, d = X.shape
     margin, terms = np.empty(thetaT.shape[1]), np.empty(thetaT.shape[1])
     for i in range(n):

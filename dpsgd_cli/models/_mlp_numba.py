@@ -1,16 +1,9 @@
 """The numba code of the MLP's row-sparse mini-batch products (models/mlp.py; imported on first use: numba is
-optional). Each batch row is given by its nonzeros (`rows.RowNonzeros`: column order, padded with zeros to a
-multiple of 8; gathered for the batch by NumPy first, whose copy keeps many random rows in flight: the kernels
-reading them from the dataset themselves took ~1.7× longer in training), so a one-hot row costs its nonzeros,
-not d (adult: 14 of 104).
-
-Every replica's sums run in one fixed order whatever the number of replicas and the batch width M (so a seed's
-run never depends on the seeds trained beside it, bit for bit): z_k = ((v₀w₀ + v₁w₁) + (v₂w₂ + v₃w₃)) +
-((v₄w₄ + v₅w₅) + (v₆w₆ + v₇w₇)) + … over a row's nonzeros 8 at a time (8 weight rows per load and store of z;
-4 at a time was 1.35× slower in float64), then + b₁; the gradient's sums row by row in batch order (padding rows
-come last, with weight 0: they add zeros). All arrays C-contiguous (LLVM vectorises the loops over the hidden
-units only on unit strides). Tried and not kept: the weight gradient by columns (each column's rows 4 at a time,
-fewer stores), no faster here.
+optional). Each batch row is given by its nonzeros (gathered by NumPy first: ~1.7× faster than the kernels reading
+the dataset), so a one-hot row costs its nonzeros, not d (adult: 14 of 104). Every replica's sums run in one fixed
+order whatever R and M: z_k = ((v₀w₀ + v₁w₁) + (v₂w₂ + v₃w₃)) + ((v₄w₄ + v₅w₅) + (v₆w₆ + v₇w₇)) + … over a row's
+nonzeros 8 at a time (4 was 1.35× slower in float64), then + b₁; the gradient's sums row by row in batch order.
+All arrays C-contiguous (LLVM vectorises the loops over the hidden units only on unit strides).
 """
 
 import numba

@@ -15,11 +15,8 @@ class NoOptions(BaseModel):
 
 @dataclass(frozen=True)
 class Batch:
-    """One mini-batch per replica, padded to a common size M.
-
-    X: (R, M, d) features; y: (R, M) labels in {-1, +1}; weight: (R, M), 0 on padding;
-    x_norm: (R, M) row norms ‖x‖ (lets a linear model clip without per-example gradients).
-    """
+    """One mini-batch per replica, padded to a common size M: X (R, M, d), y (R, M) in {-1, +1}, weight (R, M)
+    0 on padding, x_norm (R, M) row norms (a linear model clips without per-example gradients)."""
 
     X: np.ndarray
     y: np.ndarray
@@ -59,8 +56,7 @@ class Model:
         raise NotImplementedError
 
     def reads_rows_compiled(self, batch: Batch, theta: np.ndarray) -> bool:
-        """Whether `clipped_grad_sum` reads this batch's rows in compiled kernels (the MLP's row-sparse step):
-        reported as a chain's backend ("numba-rows"), since its sums are then the kernels'."""
+        """Whether `clipped_grad_sum` reads this batch's rows in compiled kernels (a chain's backend "numba-rows")."""
         return False
 
     def clipped_grad_sum(self, theta: np.ndarray, batch: Batch, clip: float | None) -> np.ndarray:
@@ -69,10 +65,8 @@ class Model:
 
     def _clipped_grad_sum_per_replica(self, theta: np.ndarray, batch: Batch,
                                       clip: float | None) -> np.ndarray | None:
-        """`clipped_grad_sum` replica by replica, each on its own rows, where the batch's replicas keep different
-        numbers of rows (`IndexedBatch.per_replica`: Poisson sampling), else None. A BLAS product over the M padded
-        rows rounds differently with M (its kernels split the sum by length), so on the wide batch a seed's sums
-        would depend on the seeds trained beside it; on its own rows they are what it computes alone, bit for bit."""
+        """`clipped_grad_sum` replica by replica, each on its own rows, where the replicas keep different numbers of
+        rows (Poisson sampling), else None: a BLAS product rounds differently with M (docs/design.md, bit-for-bit)."""
         parts = getattr(batch, "per_replica", None)
         if parts is None:
             return None
@@ -122,8 +116,8 @@ class Model:
         return accuracy_of(self.decision(theta, X), y)
 
     def data_loss_and_accuracy(self, theta: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(data_loss (R,), accuracy (R,)) from one forward pass: the numbers of the two calls (the metrics of a row),
-        for a model whose data_loss is `logistic_loss` of its decision (override otherwise)."""
+        """(data_loss (R,), accuracy (R,)) from one forward pass, for a data_loss that is `logistic_loss` of the
+        decision (override otherwise)."""
         decision = self.decision(theta, X)
         return logistic_loss(decision, y), accuracy_of(decision, y)
 
@@ -131,15 +125,9 @@ class Model:
                     tol: float = 1e-10, max_iter: int | None = None,
                     return_info: bool = False) -> np.ndarray | tuple[np.ndarray, dict]:
         """x ≈ (∇²F(θ) + ζI)⁻¹ v for every replica by conjugate gradients on Hessian–vector products (Koh & Liang 2017).
-
-        Each replica runs its own CG (own step sizes), all replicas share one `hvp` call per iteration; a replica
-        stops when ‖v − (H + ζI)x‖ ≤ tol·‖v‖. max_iter defaults to P (exact in exact arithmetic for a positive
-        definite system). CG needs H + ζI positive definite: a non-convex model's Hessian may be indefinite, so a
-        replica that meets a direction p with pᵀ(H + ζI)p ≤ 0 stops there (its x is the last iterate) and is
-        reported in `info["negative_curvature"]`; raise ζ to avoid it. With return_info, also returns
-        {"iterations": (R,), "residual": ‖v − (H + ζI)x‖/‖v‖ recomputed (R,), "converged": CG's recursive residual
-        reached tol (R,), "negative_curvature": (R,)}.
-        """
+        Each replica runs its own CG to ‖v − (H + ζI)x‖ ≤ tol·‖v‖ (max_iter default P), sharing one `hvp` call per
+        iteration; one that meets pᵀ(H + ζI)p ≤ 0 (an indefinite Hessian: raise ζ) stops there. With return_info,
+        also {"iterations", "residual" (recomputed), "converged", "negative_curvature"}, each (R,)."""
         v = np.asarray(v, dtype=float)
         R, P = v.shape
         max_iter = P if max_iter is None else int(max_iter)

@@ -37,8 +37,7 @@ class LogisticRegression(Model):
         return logistic_loss(self.decision(theta, X), y)
 
     def data_loss_and_accuracy(self, theta, X, y):
-        """On float64 data (the rows' metrics), `logistic_metrics`: one pass over X for all θs, each θ's numbers in
-        a fixed order; on float32 data (a float32 chain's checkpoints), the NumPy formulas in float32."""
+        """On float64 data, `logistic_metrics` (one pass over X for all θs); on float32 data, NumPy in float32."""
         if X.dtype != np.float64 or type(self).decision is not LogisticRegression.decision:
             return super().data_loss_and_accuracy(theta, X, y)
         return logistic_metrics(theta, X, y)
@@ -76,8 +75,7 @@ def logistic_residual(margin: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 def clipped_residual(residual: np.ndarray, x_norm: np.ndarray, clip: float,
                      weight: np.ndarray | None = None) -> np.ndarray:
-    """(weight ·) residual · min(1, C/‖∇ℓ‖) with ‖∇ℓ‖ = |residual|·‖x‖ (safe at ‖∇ℓ‖ = 0): the clipped gradient
-    (times its weight) is this times x."""
+    """(weight ·) residual · min(1, C/‖∇ℓ‖), ‖∇ℓ‖ = |residual|·‖x‖ (safe at 0): the clipped gradient is this · x."""
     scale = residual if weight is None else weight * residual
     return scale * clip / np.maximum(np.abs(residual) * x_norm, clip)
 
@@ -86,15 +84,9 @@ def clipped_residual(residual: np.ndarray, x_norm: np.ndarray, clip: float,
 
 
 def logistic_metrics(theta: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(mean log(1 + exp(−y θ·x)) (K,), accuracy (K,)) of every θ (K, d) on (X (n, d), y (n,) in {−1, +1}),
-    in float64.
-
-    Each margin θ·x is summed over x's columns in increasing order and each mean over the rows in row order (TwoSum
-    compensated): a θ's numbers are the same bit for bit whatever θs it is stacked with (a fused task's cells equal
-    the cells run alone) and whether X is read by its nonzeros or densely. With numba, one pass over X for the whole
-    stack, read by its nonzeros (`rows.RowNonzeros`) when X is read-only and sparse enough; without, the same
-    margins in NumPy, the means by NumPy's pairwise sum (≤ ~1e-15 relative from the compiled ones).
-    """
+    """(mean log(1 + exp(−y θ·x)) (K,), accuracy (K,)) of every θ (K, d) on (X (n, d), y (n,) in {−1, +1}), in
+    float64, each θ's numbers in a fixed order (docs/design.md, bit-for-bit); without numba, the means by NumPy's
+    pairwise sum (≤ ~1e-15 relative from the compiled ones)."""
     theta = np.asarray(theta, dtype=np.float64)
     X = np.asarray(X)
     y = np.ascontiguousarray(y, dtype=np.float64)
@@ -118,8 +110,7 @@ def logistic_metrics(theta: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[n
 
 
 def _numpy_metrics(theta: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """`logistic_metrics` without numba: the kernel's margins (column order, one product at a time), `logistic_loss`
-    and `accuracy_of` of them. Rows in chunks so that a chunk's margins and columns stay in cache."""
+    """`logistic_metrics` without numba: the kernel's margins, rows in chunks that stay in cache."""
     margin = np.empty((theta.shape[0], X.shape[0]))
     for start in range(0, X.shape[0], _CHUNK_ROWS):
         columns = np.ascontiguousarray(X[start:start + _CHUNK_ROWS].T, dtype=np.float64)  # (d, rows)
@@ -140,9 +131,8 @@ def _compiled():
 
 
 def _row_nonzeros(X: np.ndarray):
-    """`RowNonzeros.of(X)` (None: too dense) for float64 X, kept per read-only X (`rows.per_array`: the
-    datasets the engine loads, so every row's and checkpoint's metrics reuse it); a writeable X may change between
-    calls and is read densely (the same numbers)."""
+    """`RowNonzeros.of(X)` (None: too dense) for float64 X, kept per read-only X (`rows.per_array`); a writeable X
+    is read densely (the same numbers)."""
     if X.flags.writeable or X.dtype != np.float64:
         return None
     return cached_nonzeros(X)

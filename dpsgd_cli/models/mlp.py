@@ -10,13 +10,8 @@ Per-example gradients (r = ∂ℓ/∂f = −y σ(−y f), u = w₂ ⊙ φ'(z), �
     ∂ℓ/∂b₂ = r,  ∂ℓ/∂w₂ = r a,  ∂ℓ/∂b₁ = δ,  ∂ℓ/∂W₁ = δ xᵀ   (an outer product: ‖δ xᵀ‖ = ‖δ‖‖x‖), so
     ‖∇ℓ‖² = r² (1 + ‖a‖² + ‖u‖² (‖x‖² + 1)),
 and clipping never builds the (R, M, P) tensor: each example's output gradient r is scaled by
-weight · min(1, C/‖∇ℓ‖) and the usual batched backward pass (matrix products) sums the clipped gradients.
-
-On data whose rows are mostly zeros (one-hot tabular data; `rows.RowNonzeros`), batches a chain cuts by index
-with backend auto/numba and numba installed take `clipped_grad_sum`'s compiled path: the two products with X in
-row-sparse numba kernels (models/_mlp_numba.py), φ' and the per-row dots in one pass; the same numbers as the dense
-NumPy path up to summation order, in an order that depends on neither R nor M (a replica's run is independent of
-the others bit for bit).
+weight · min(1, C/‖∇ℓ‖) and the usual batched backward pass sums the clipped gradients. Row-sparse data take a
+compiled path (docs/design.md, "MLP row-sparse products").
 
 Hessian–vector products are exact (Pearlmutter's R-operator, forward-over-reverse by hand): for a direction
 v = (V₁, c₁, v₂, c₂), R{z} = V₁x + c₁, R{a} = φ'(z) ⊙ R{z}, R{f} = v₂·a + w₂·R{a} + c₂, R{r} = ℓ''(f) R{f} with
@@ -49,9 +44,8 @@ class MLPOptions(BaseModel):
     activation: Activation = Field("tanh", description="φ: tanh (smooth, default), relu or sigmoid")
 
 
-# The (R, M, h) arrays are few and updated in place: a fresh multi-megabyte array costs page faults (~1 ms each
-# here, as much as a matmul), and an expression like `1.0 - a * a` also makes NumPy check whether it may elide the
-# temporary (a C backtrace, ~2 ms).
+# (R, M, h) arrays updated in place: a fresh one costs page faults (~1 ms, as much as a matmul), and `1.0 - a * a`
+# a NumPy check whether it may elide the temporary (a C backtrace, ~2 ms)
 def _activate(kind: str, z: np.ndarray, derivative: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
     """(φ(z), φ'(z) or None without `derivative`); overwrites z with φ(z)."""
     if kind == "tanh":
@@ -89,13 +83,8 @@ def _second_derivative(kind: str, a: np.ndarray, da: np.ndarray) -> np.ndarray:
 
 
 class MLP(Model):
-    """d → h (φ) → 1 logit, logistic loss; non-convex, so no global Lipschitz or smoothness bound (None).
-
-    Options: `hidden` (h, default d), `activation` (tanh default; relu, sigmoid). Initialisation (independent of the
-    data, one generator per replica): Glorot/Xavier uniform U(±√(6/(fan_in + fan_out))) for tanh and sigmoid, He
-    uniform U(±√(6/fan_in)) for relu, on W₁ (fan_in d, fan_out h) and w₂ (fan_in h, fan_out 1); biases 0.
-    `X` may be shared (n, d) or per replica (R, M, d) in every method.
-    """
+    """d → h (φ) → 1 logit, logistic loss; non-convex, so no global Lipschitz or smoothness bound (None). `X` may be
+    shared (n, d) or per replica (R, M, d) in every method."""
 
     name = "mlp"
     Options = MLPOptions
@@ -172,8 +161,7 @@ class MLP(Model):
 
     def _backward(self, theta: np.ndarray, X: np.ndarray, y: np.ndarray, weight,
                   clip: float | None, x_norm) -> tuple[np.ndarray, np.ndarray]:
-        """(Σ_i weight_i · min(1, C/‖∇ℓ_i‖) ∇ℓ_i (no clip when C is None) (R, P), Σ_i weight_i ℓ_i (R,));
-        examples in blocks."""
+        """(Σ_i weight_i · min(1, C/‖∇ℓ_i‖) ∇ℓ_i (R, P), Σ_i weight_i ℓ_i (R,)), examples in blocks."""
         out = np.zeros_like(theta)
         gW1 = self.unpack(out)[0]
         loss = np.zeros(theta.shape[0])
@@ -192,8 +180,7 @@ class MLP(Model):
     def _accumulate(self, theta: np.ndarray, forward, y: np.ndarray, w, clip: float | None, x_norm,
                     loss: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(δ (R, m, h), coef (R, m), a (R, m, h)): each example's clipped, weighted ∂ℓ/∂z and ∂ℓ/∂f, and its
-        activations, whose sums over the examples are the gradient (`_add_sums`, and Σ_i δ_i x_iᵀ for W₁); adds the
-        weighted losses to `loss` unless None."""
+        activations; adds the weighted losses to `loss` unless None."""
         a, u, f = forward
         w2 = self.unpack(theta)[2]
         if loss is not None:
@@ -317,9 +304,8 @@ _SCRATCH = threading.local()
 
 
 def _scratch(name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
-    """An uninitialised C-contiguous array, the same memory at every call with this name in this thread (grown when
-    too small): the row-sparse step's MB-sized temporaries, which fresh each step cost ~90 page faults a step
-    (glibc hands freed top-of-heap memory back to the kernel), ~4% of the MLP's step at R = 10."""
+    """An uninitialised C-contiguous array, the same memory at every call with this name in this thread: fresh
+    MB-sized temporaries each step cost ~90 page faults (~4% of the MLP's step at R = 10)."""
     size = math.prod(shape)
     pool: dict[tuple[str, np.dtype], np.ndarray] = _SCRATCH.__dict__.setdefault("pool", {})
     buffer = pool.get((name, np.dtype(dtype)))
@@ -329,10 +315,8 @@ def _scratch(name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
 
 
 def _row_sparse(batch: Batch, theta: np.ndarray) -> tuple[Any, RowNonzeros, np.ndarray] | None:
-    """(the numba kernels, the data's `RowNonzeros`, the batch's rows (R, M)) when the batch may be read row-sparse:
-    cut from a dataset
-    (`rows.IndexedBatch`; a chain hands its model one only where its backend allows the compiled step) whose
-    rows are sparse enough, θ of the data's dtype, numba importable; else None (the dense NumPy path)."""
+    """(the numba kernels, the data's `RowNonzeros`, the batch's rows (R, M)) when the batch may be read row-sparse
+    (an `IndexedBatch` of sparse enough rows, θ of the data's dtype, numba importable); else None."""
     if not isinstance(batch, IndexedBatch):
         return None
     nz = batch.nonzeros()

@@ -31,15 +31,13 @@ def cached_row_norms(X: np.ndarray) -> np.ndarray:
 
 
 def cached_nonzeros(X: np.ndarray) -> RowNonzeros | None:
-    """`RowNonzeros.of(X)` (None: too dense), computed once per read-only X (`per_array`): the training steps,
-    rows and checkpoints on a dataset share it."""
+    """`RowNonzeros.of(X)` (None: too dense), computed once per read-only X (`per_array`)."""
     return per_array(X, "RowNonzeros", RowNonzeros.of)
 
 
 def cached_astype(X: np.ndarray, dtype) -> np.ndarray:
     """X in `dtype` (X itself when it has it), read-only, made once per read-only X (`per_array`): a float32 task
-    on a dataset reuses the copy, and with it the copy's row norms and nonzeros, instead of rebuilding them (~5 ms
-    on adult) in every task."""
+    reuses the copy and its row norms and nonzeros (~5 ms on adult each)."""
     dtype = np.dtype(dtype)
     if X.dtype == dtype:
         return X
@@ -57,8 +55,8 @@ _PER_ARRAY: dict[tuple[int, str], tuple[weakref.ref, object]] = {}
 
 
 def per_array(X: np.ndarray, what: str, build: Callable[[np.ndarray], T]) -> T:
-    """`build(X)`, kept while X lives when X is read-only (the datasets the engine loads: every fit, row and
-    checkpoint on them reuses it); a writeable X may change between calls, so it is built again each time."""
+    """`build(X)`, kept while X lives when X is read-only (the datasets the engine loads); built each time for a
+    writeable X."""
     if X.flags.writeable:
         return build(X)
     key = (id(X), what)
@@ -77,8 +75,7 @@ def per_array(X: np.ndarray, what: str, build: Callable[[np.ndarray], T]) -> T:
 
 def gather(X: np.ndarray, y: np.ndarray, x_norm: np.ndarray, idx: np.ndarray,
            nonzeros: Callable[[], RowNonzeros | None] | None = None) -> IndexedBatch:
-    """Batch of rows `idx` (R, M) with −1 marking padding, after each replica's rows (padding reads row 0, with
-    weight 0)."""
+    """Batch of rows `idx` (R, M), −1 marking padding after each replica's rows (it reads row 0, with weight 0)."""
     valid = idx >= 0
     safe = np.where(valid, idx, 0)
     return IndexedBatch(X, safe, y=np.take(y, safe), weight=valid.astype(X.dtype),
@@ -86,8 +83,8 @@ def gather(X: np.ndarray, y: np.ndarray, x_norm: np.ndarray, idx: np.ndarray,
 
 
 class IndexedBatch(Batch):
-    """A `Batch` of the rows `rows` (R, M) of `data` (padding: row 0, weight 0). X is gathered at its first use,
-    so a compiled step that reads the rows where they are (the MLP's, with `nonzeros()`) never copies them."""
+    """A `Batch` of the rows `rows` (R, M) of `data` (padding: row 0, weight 0), X gathered at its first use (a
+    compiled step that reads the rows where they are never copies them)."""
 
     data: np.ndarray
     rows: np.ndarray
@@ -108,15 +105,13 @@ class IndexedBatch(Batch):
         return IndexedBatch(self.data, self.rows, self.y, self.weight, self.x_norm)
 
     def plain(self) -> IndexedBatch:
-        """The same batch without its rows' nonzeros: what a step that must not take the compiled rows path sees
-        (one per batch: the chains that share it gather its X once)."""
+        """The same batch without its rows' nonzeros, for a step that must not take the compiled rows path."""
         return self._plain
 
     @functools.cached_property
     def per_replica(self) -> list[Batch] | None:
-        """Each replica's batch alone (views of its rows, which come before its padding) where the replicas keep
-        different numbers of rows (a Poisson batch trimmed to the widest), else None: the batch it gets when its
-        seed runs alone (see `Model._clipped_grad_sum_per_replica`)."""
+        """Each replica's batch alone (views of its rows) where the replicas keep different numbers of rows, else
+        None: the batch it gets when its seed runs alone (`Model._clipped_grad_sum_per_replica`)."""
         if self.weight.shape[0] < 2:
             return None
         kept = np.count_nonzero(self.weight, axis=1)
@@ -169,8 +164,7 @@ class RowNonzeros:
 
     @classmethod
     def of(cls, X: np.ndarray, max_density: float | None = None) -> RowNonzeros | None:
-        """X's nonzeros, or None when their (padded) mean count per row exceeds max_density · d (default
-        MAX_DENSITY)."""
+        """X's nonzeros, or None when their (padded) mean count per row exceeds max_density · d."""
         n, d = X.shape
         X = np.ascontiguousarray(X)
         compiled = _sampling_numba()

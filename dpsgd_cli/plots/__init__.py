@@ -1,8 +1,5 @@
-"""Figures from a grid's results: the paper figures its `figures:` list describes, or a metric over ε.
-
-A sweep figure is a grid of panels (rows × cols, from result columns), a line per `lines` value with a
-±1 std band over seeds, and the runs without the x value (the non-private references for x = ε) dashed.
-"""
+"""Figures from a grid's results: the paper figures its `figures:` list describes, or a metric over ε. A sweep
+is a grid of panels (rows × cols), a line per `lines` value with a ±1 std band over seeds, references dashed."""
 
 from __future__ import annotations
 
@@ -24,22 +21,15 @@ from dpsgd_cli.errors import UserError  # noqa: E402
 from dpsgd_cli.plots import names  # noqa: E402
 from dpsgd_cli.plots.layout import Styles, caption_text, finish  # noqa: E402
 
-METRICS = {
-    "accuracy": "test_accuracy",
-    "test_accuracy": "test_accuracy",
-    "train_accuracy": "train_accuracy",
-    "optimality_gap": "optimality_gap",
-    "test_loss": "test_loss",
-    "train_objective": "train_objective",
-}
+METRICS = {"accuracy": "test_accuracy", "test_accuracy": "test_accuracy", "train_accuracy": "train_accuracy",
+           "optimality_gap": "optimality_gap", "test_loss": "test_loss", "train_objective": "train_objective"}
 DPI = 150
 MAX_BANDS = 3  # std bands a panel shades; beyond, error bars (more blend into one colour)
 
 
 def plot_results(path: Path, metric: str | None = None, fmt: str = "png", caption: bool = True) -> list[Path]:
-    """The grid's paper figures (when it lists some and no metric is asked for), else `metric` over ε: a name of
-    METRICS or any numeric column of runs.csv (checked by the caller, `api.check_metric`). Without `caption`, each
-    figure's caption goes to a .txt beside it (for a LaTeX caption) instead of into the image."""
+    """The grid's paper figures (when it lists some and no metric is asked for), else `metric` over ε; without
+    `caption`, each caption goes to a .txt beside its figure (for a LaTeX caption) instead of into the image."""
     paths: list[Path] = []
     for folder in result_folders(path):
         for line in read_results(folder).notes():
@@ -67,9 +57,8 @@ def draw_figure(folder: Path, spec: FigureSpec, fmt: str, caption: bool = True) 
         table.attrs.update({k: v for k, v in spec.params.items() if k not in ("k_max", "points", "log_x")})
         if spec.title:
             table.attrs["title"] = spec.title
-        paths = [plot_privacy_curve(table, folder / "figures" / f"{spec.name}.{fmt}", log_x=False, caption=caption)]
-        if fmt == "png":
-            paths.append(plot_privacy_curve(table, folder / "figures" / f"{spec.name}.pdf", caption=caption))
+        paths = [plot_privacy_curve(table, folder / "figures" / f"{spec.name}.{suffix}", log_x=False, caption=caption)
+                 for suffix in [fmt, *(["pdf"] if fmt == "png" else [])]]
         return paths if caption else [*paths, paths[0].with_suffix(".txt")]
     rows = _frame_for(folder, spec)
     frame = rows[rows[_drawn_column(spec)].notna()] if _drawn_column(spec) in rows else rows.iloc[:0]
@@ -183,9 +172,6 @@ def _lines(frame: pd.DataFrame, x: str, spec: FigureSpec) -> pd.Series:
     return named
 
 
-def _num(value) -> str:
-    return names.number(value)
-
 
 def _levels(frame: pd.DataFrame, column: str | None) -> list:
     if not column:
@@ -260,8 +246,8 @@ def _one_example_marker(ax, panel: pd.DataFrame, metric: str) -> None:
 
 
 def _noise_scale_figure(table: pd.DataFrame, spec: FigureSpec):
-    """σ of bassily2014 under each accounting: over T (n and δ = 1/n² fixed) and over n (T and δ fixed).
-    Points whose accounting is not proved there (per-step ε₀ beyond what its lemmas need) are hollow."""
+    """σ of bassily2014 under each accounting: over T (n and δ = 1/n² fixed) and over n (T and δ fixed); points
+    whose accounting is not proved there are hollow."""
     proved = table["proved"].astype(bool) if "proved" in table else pd.Series(True, index=table.index)
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), squeeze=False, dpi=DPI)
     styles = Styles(table["accounting"].unique())
@@ -292,8 +278,7 @@ def _noise_scale_figure(table: pd.DataFrame, spec: FigureSpec):
 
 
 def _caption(grid: dict, grid_name: str, frame: pd.DataFrame, spec: FigureSpec) -> list[str]:
-    """The caption's phrases: where the numbers come from, and each line's privacy guarantee — δ only for
-    the lines that have one (pure ε-DP algorithms have δ = 0; non-private lines have no guarantee)."""
+    """The caption's phrases: where the numbers come from, and each line's privacy guarantee."""
     seeds = grid.get("seeds", frame["seed"].nunique() if "seed" in frame else "?")
     band = "mean ± 1 std" if spec.kind != "traces" or seeds != 1 else "one run"
     phrases = [f"grid {names.literal(grid_name)}", f"{band} over {seeds} seeds"]
@@ -326,14 +311,11 @@ RELATIONS = {"add_remove": "add/remove", "replace_one": "replace-one"}
 def relation_phrases(private: pd.DataFrame) -> list[str]:
     """The neighbouring relation the private rows' ε hold under: one phrase, or a warning naming each algorithm's
     relation where they differ (their ε are then not comparable)."""
-    if "neighbours" not in private or not private["neighbours"].notna().any():  # results written without the column
-        return []
-    by_relation = {rel: sorted({names.algorithm(a) for a in rows["algorithm"]})
-                   for rel, rows in private.groupby(private["neighbours"].fillna("unrecorded").astype(str))}
+    by_relation = _algorithms_by(private, "neighbours", RELATIONS)
     if len(by_relation) == 1:
-        return [f"$\\varepsilon$ under {RELATIONS.get(next(iter(by_relation)), next(iter(by_relation)))} neighbours"]
-    mixed = "; ".join(f"{RELATIONS.get(rel, rel)}: {', '.join(algs)}" for rel, algs in by_relation.items())
-    return [f"mixed neighbouring relations, $\\varepsilon$ not comparable across them ({mixed})"]
+        return [f"$\\varepsilon$ under {next(iter(by_relation))} neighbours"]
+    mixed = "; ".join(f"{rel}: {', '.join(algs)}" for rel, algs in by_relation.items())
+    return [f"mixed neighbouring relations, $\\varepsilon$ not comparable across them ({mixed})"] if mixed else []
 
 
 # runs.csv's `accountant` values beyond the `accountant` parameter's own (names.PARAMETERS)
@@ -345,14 +327,19 @@ ACCOUNTANTS = {**names.PARAMETERS["accountant"][1], "gaussian_analytic": "analyt
 def accountant_phrases(private: pd.DataFrame) -> list[str]:
     """The accountant that calibrated the private rows' ε (runs.csv's `accountant`): one phrase, or each
     accountant with its algorithms where they differ (a looser accountant adds more noise for the same ε)."""
-    if "accountant" not in private or not private["accountant"].notna().any():
-        return []
-    by_accountant = {ACCOUNTANTS.get(acc, acc): sorted({names.algorithm(a) for a in rows["algorithm"]})
-                     for acc, rows in private.groupby(private["accountant"].fillna("unrecorded").astype(str))}
+    by_accountant = _algorithms_by(private, "accountant", ACCOUNTANTS)
     if len(by_accountant) == 1:
         return [f"$\\varepsilon$ calibrated by {next(iter(by_accountant))}"]
     mixed = "; ".join(f"{acc}: {', '.join(algs)}" for acc, algs in by_accountant.items())
-    return [f"$\\varepsilon$ calibrated by different accountants ({mixed})"]
+    return [f"$\\varepsilon$ calibrated by different accountants ({mixed})"] if mixed else []
+
+
+def _algorithms_by(private: pd.DataFrame, column: str, shown: dict[str, str]) -> dict[str, list[str]]:
+    """Each value of `column` among the private rows, as `shown` names it → its algorithms."""
+    if column not in private or not private[column].notna().any():
+        return {}
+    return {shown.get(value, value): sorted({names.algorithm(a) for a in rows["algorithm"]})
+            for value, rows in private.groupby(private[column].fillna("unrecorded").astype(str))}
 
 
 def _phrases(text: str) -> list[str]:

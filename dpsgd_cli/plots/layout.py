@@ -1,9 +1,5 @@
-"""Layout shared by every figure: one legend for the figure (below the panels, so it covers no data), a title
-and a caption that fit the canvas, a distinct style per line, tick labels that do not overlap.
-
-`finish` sizes the figure around its panels: the title above, then the panels, the legend, the caption; each
-part measured as rendered, so that nothing is cut off and nothing overlaps.
-"""
+"""Layout shared by every figure: one legend below the panels, a title and a caption that fit the canvas (each
+part measured as rendered), a distinct style per line, tick labels that do not overlap."""
 
 from __future__ import annotations
 
@@ -27,9 +23,8 @@ SLACK = 0.95  # text is measured at the figure's dpi; at a lower one (a thumbnai
 
 
 class Styles:
-    """A style per line name, the same in every panel: colour, marker and dash pattern all differ between
-    consecutive lines, so that lines with the same data (e.g. two accountants that give the same σ) stay
-    visible, one through the other (markers are hollow)."""
+    """A style per line name, the same in every panel: colour, marker and dash all differ between consecutive
+    lines, so that lines with the same data stay visible, one through the other (markers are hollow)."""
 
     def __init__(self, names: Iterable[str], references: Iterable[str] = ()):
         self.lines: dict[str, Style] = {
@@ -42,8 +37,7 @@ class Styles:
 
 
 def wrap_phrases(fig, phrases: list[str], width: float, fontsize: float, sep: str = "; ") -> str:
-    """The phrases joined with `sep` into lines no wider than `width` inches as rendered: a line breaks only
-    between phrases (a phrase wider than a line has its own line, wrapped between words)."""
+    """The phrases joined with `sep` into lines no wider than `width` inches as rendered, broken between phrases."""
     renderer = fig.canvas.get_renderer()
     probe = fig.text(0, 0, "", fontsize=fontsize)
 
@@ -172,8 +166,7 @@ def shared_phrase(names: list[str]) -> str:
 
 
 def distinct_labels(locs: list[float]) -> list[str]:
-    """Labels for tick positions that a short format would print alike (a log axis spanning a sliver of a
-    decade labels 1e-5 and 1.00004e-5 both "10⁻⁵"): the fewest significant digits that tell them apart."""
+    """Labels for tick positions with the fewest significant digits that tell them apart."""
     def fmt(v: float, digits: int) -> str:
         if v == 0 or 1e-3 <= abs(v) < 1e5:
             return f"{v:.{digits}g}"
@@ -187,9 +180,8 @@ def distinct_labels(locs: list[float]) -> list[str]:
 
 
 def _relabel_repeats(fig) -> None:
-    """Where one label text stands at several tick positions of an axis, label every visible tick of it apart; a
-    log axis whose values differ by less than its labels can show (1e-5 against 1e-5 + 1e-15: a rise of 1e-10
-    drawn across the panel) is widened to a decade around them instead."""
+    """Where one label text stands at several tick positions of an axis, label its visible ticks apart; a log axis
+    spanning less than its labels can show (a rise of 1e-10 across the panel) is widened to a decade instead."""
     for ax in fig.axes:
         for axis, lims in ((ax.xaxis, ax.get_xlim()), (ax.yaxis, ax.get_ylim())):
             lo, hi = sorted(lims)
@@ -209,8 +201,7 @@ def _relabel_repeats(fig) -> None:
 
 
 def thin_ticks(fig) -> None:
-    """Drop tick labels that would overlap a neighbour on their axis (majors kept first, then minors where
-    there is room): the ticks become fixed at their current places. Repeated label texts are told apart first."""
+    """Drop tick labels that would overlap a neighbour on their axis (majors kept first); the ticks become fixed."""
     fig.canvas.draw()
     _relabel_repeats(fig)
     fig.canvas.draw()
@@ -249,8 +240,4 @@ def _overlap(a, b, horizontal: bool, pad: float = 3.0) -> bool:
     if horizontal:
         return a.x0 < b.x1 + pad and b.x0 < a.x1 + pad
     return a.y0 < b.y1 + pad and b.y0 < a.y1 + pad
-
-
-def figure_legend_names(fig) -> list[str]:
-    return [t.get_text() for legend in fig.legends for t in legend.get_texts()]
 

@@ -1,8 +1,5 @@
-"""Figure: Rényi DP of noisy GD against the number of steps K — privacy dynamics vs composition vs lower bound.
-
-Reproduces the comparison of Chourasia, Ye & Shokri (NeurIPS 2021), Figure 1, from
-:func:`dpsgd_cli.privacy.dynamics.privacy_curve`.
-"""
+"""Figure: Rényi DP of noisy GD against the number of steps K — privacy dynamics vs composition vs lower bound,
+the comparison of Chourasia, Ye & Shokri (NeurIPS 2021), Figure 1."""
 
 from __future__ import annotations
 
