@@ -263,22 +263,24 @@ def report(
     verdicts = api.report(results_dir, plugins=plugins or [])
     path = verdicts.attrs["path"]
     colours = {"PASS": "green", "FAIL": "red", "VACUOUS": "blue", "NO DATA": "yellow"}
-    if len(verdicts):
-        rows = []
-        for _, v in verdicts.iterrows():
-            source = "(the project's own check)" if v["own"] else v["quote"]
-            source += f"\nreading: {v['reading']}" if v["reading"] else ""
-            source += "\n(formula check)" if v["kind"] == "formula_check" else ""
-            rows.append({"grid": v["grid"], "claim": Text(f"{v['claim']}: {v['text']}\n") + Text(source, style="dim"),
-                         "verdict": Text(v["verdict"], style=colours[v["verdict"]]), "numbers": v["numbers"]})
-        console.print(compact_table(rows, "claims of the papers", keep=["claim", "verdict"], lines=True))
+    if len(verdicts):  # one line a claim, a block per grid: its quote, reading and numbers are in report.md
+        width = max(len(str(c)) for c in verdicts["claim"])
+        for grid, part in verdicts.groupby("grid", sort=False):
+            console.print(Text(f"{grid}: claims (details in report.md)", style="bold"))
+            for _, v in part.iterrows():  # Text: a grid's strings are shown, never read as markup
+                line = Text.assemble((f"{v['verdict']:<8}", colours[v["verdict"]]), f"{v['claim']:<{width}}  ",
+                                     ("(own) " if v["own"] else "") + v["text"])
+                line.truncate(console.width, overflow="ellipsis")
+                console.print(line, no_wrap=True)
     _print_audit_verdicts(results_dir)
     written = f"{path} and {path.with_suffix('.html')}"
     if not len(verdicts):
         console.print(f"nothing to check: no grid under {results_dir} lists claims; wrote {written}",
                       highlight=False, markup=False)
         return
-    console.print(f"{verdicts.attrs['summary']} → {written}", highlight=False, markup=False)
+    console.print(verdicts.attrs["summary"], highlight=False, markup=False)
+    for file in (path, path.with_suffix(".html")):  # a path on a line of its own: never broken
+        console.print(f"wrote {file}", highlight=False, markup=False, no_wrap=True, crop=False)
     if not verdicts["verdict"].isin(["PASS", "FAIL", "VACUOUS"]).any():  # each NO DATA row says why; a VACUOUS
         # claim was checked: its data carry no evidence either way, which the report says
         typer.echo(f"error: no claim could be checked against the results in {results_dir}", err=True)

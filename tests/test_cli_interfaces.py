@@ -159,3 +159,35 @@ def test_ctrl_c_with_jobs_exits_at_once_and_keeps_the_finished_runs(write_grid, 
     assert took < 2.0, f"{took:.1f} s after Ctrl-C"
     saved = pd.read_csv(csv)
     assert 0 < len(saved) < 2 * 7 and saved["run_id"].is_unique
+
+
+CLAIMS_GRID = """
+grids:
+  - name: tiny
+    datasets: [{name: synthetic, n: 300}]
+    algorithms: [erm, dp_sgd]
+    epsilon: [1, 4]
+    batch_size: [32]
+    lr: [0.5]
+    seeds: 2
+    epochs: 1
+    claims:
+      - {id: a-rather-long-claim-identifier, own: true, check: monotone, a: {algorithm: dp_sgd}, tolerance: 0.5,
+         text: "a claim whose text is much longer than what eighty columns can hold beside its verdict and its id"}
+      - {id: second, own: true, check: monotone, a: {algorithm: dp_sgd}, tolerance: 0.5, text: short}
+"""
+
+
+def test_report_prints_one_line_a_claim_within_80_columns(write_grid, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    out = tmp_path / "results"
+    assert dpsgd(capsys, monkeypatch, "run", write_grid(CLAIMS_GRID), "--out", out)[0] == 0
+    code, stdout, _ = dpsgd(capsys, monkeypatch, "report", out)
+    assert code == 0
+    lines = stdout.splitlines()
+    long = [line for line in lines if len(line) > 80 and not line.startswith("wrote /")]  # a path is not broken
+    assert long == []
+    claims = [line for line in lines if line.startswith(("PASS", "FAIL", "VACUOUS", "NO DATA"))]
+    assert len(claims) == 2
+    assert "a-rather-long-claim-identifier" in claims[0] and claims[0].endswith("…")
+    assert len(lines) <= 6, lines

@@ -109,8 +109,8 @@ def _optimum_model(args: tuple[Any, ...]) -> tuple[Model, np.ndarray, np.ndarray
 def _optimum_label(args: tuple[Any, ...]) -> str:
     spec, model_name, _, l2, validation = args
     name = getattr(spec, "id", None) or spec.name
-    options = spec.model_dump_json(exclude={"name"}, exclude_none=True, exclude_defaults=True)
-    where = name + (f" {options}" if options not in ("{}", "") else "")
+    options = spec.model_dump(mode="json", exclude={"name", "sha256"}, exclude_none=True, exclude_defaults=True)
+    where = name + (f" ({', '.join(f'{k}={v}' for k, v in options.items())})" if options else "")
     held = f", {validation:g} held out" if validation else ""
     return f"L* of {model_name} on {where} (λ = {l2:g}{held})"
 
