@@ -6,6 +6,7 @@ import sys
 from enum import Enum
 from pathlib import Path
 from typing import Any, Protocol, TypeGuard
+from urllib.parse import urlsplit
 
 import typer
 from pydantic import ValidationError
@@ -352,9 +353,14 @@ def datasets_list() -> None:
     """What is known, whether it is cached, sizes and sources."""
     console.print(compact_table([{
         "name": info["name"], "records": f"{info['records']:,}" if info.get("records") else "", "cached":
-        info["cache_state"], "size": _size(info.get("size_bytes", 0)), "source": str(info.get("source", "")),
+        info["cache_state"], "size": _size(info.get("size_bytes", 0)), "source": _host(str(info.get("source", ""))),
         "licence": str(info.get("license", ""))} for info in data.list_datasets()], "datasets",
-        keep=["name", "source"]))
+        keep=["name", "source"], notes=["source: the host; the full address with `dpsgd datasets info NAME`"]))
+
+
+def _host(source: str) -> str:
+    """An address's host (a URL is never broken across lines in a table); other text as it is."""
+    return urlsplit(source).netloc or source
 
 
 @datasets_app.command("fetch")
@@ -395,7 +401,17 @@ def datasets_info(
     else:
         return _print_dataset_info(name)
     for key, value in info.items():
-        console.print(f"[bold]{key}[/]: {escape(str(value))}")
+        if value is not None:
+            console.print(f"[bold]{key}[/]: {escape(_plain(value))}")
+
+
+def _plain(value: Any) -> str:
+    """A value as a reader writes it: a list as its items, a mapping as key=value, no Python repr."""
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={_plain(v)}" for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return ", ".join(_plain(v) for v in value) or "none"
+    return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value)
 
 
 def _file_info(path: Path, **given: Any) -> dict[str, Any]:

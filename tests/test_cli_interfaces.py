@@ -191,3 +191,18 @@ def test_report_prints_one_line_a_claim_within_80_columns(write_grid, tmp_path, 
     assert len(claims) == 2
     assert "a-rather-long-claim-identifier" in claims[0] and claims[0].endswith("…")
     assert len(lines) <= 6, lines
+
+
+def test_dataset_listings_fit_80_columns_without_reprs(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    code, stdout, _ = dpsgd(capsys, monkeypatch, "datasets", "list")
+    assert code == 0
+    assert all(len(line) <= 80 for line in stdout.splitlines())
+    assert "archive.ics.uci.edu " in stdout and "https://" not in stdout  # a host, never a URL cut in two
+    path = tmp_path / "f.csv"
+    path.write_text("a,b,label\n1,2,x\n3,4,y\n5,6,x\n")
+    code, stdout, _ = dpsgd(capsys, monkeypatch, "datasets", "info", "--path", path, "--label", "label",
+                            "--positive", "x")
+    assert code == 0
+    assert "rows_read: 3\n" in stdout
+    assert not [line for line in stdout.splitlines() if "None" in line or "[" in line]
