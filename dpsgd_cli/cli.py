@@ -57,8 +57,11 @@ def _hide_flag_types() -> None:
 
 
 _hide_flag_types()
-app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
-datasets_app = typer.Typer(help="List, fetch and describe the datasets.", no_args_is_help=True)
+# markdown: a docstring's single line breaks are spaces, so help text wraps at the terminal's width, not ragged
+app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  rich_markup_mode="markdown")
+datasets_app = typer.Typer(help="List, fetch and describe the datasets.", no_args_is_help=True,
+                           rich_markup_mode="markdown")
 app.add_typer(datasets_app, name="datasets")
 console = Console()
 
@@ -112,13 +115,13 @@ def run(
              "of N worker processes on this machine); needs the `dask` extra."),
     plugins: list[Path] | None = typer.Option(None, "--plugin", metavar="FILE.py", help=PLUGIN_HELP),
 ) -> None:
-    """Run every cell of the grid(s), appending each finished run to DIR/<grid>/runs.csv.
+    """Run every cell of the grid(s), appending each finished run to `DIR/<grid>/runs.csv`.
 
     Everything is checked before any work (keys, ranges, the columns figures and claims name, runs, steps and
     memory). Resume: runs already in runs.csv (same run id) are skipped, so rerunning the same command after an
     interruption (Ctrl-C, a crash) continues where it stopped; --no-resume starts over. Data: datasets are
     downloaded (sha256-verified) into $DPSGD_DATA_DIR (default ./datasets); set DPSGD_DATA_MIRROR to a URL or
-    folder serving <dataset>/<file> to fetch from a mirror instead of the canonical URLs."""
+    folder serving `<dataset>/<file>` to fetch from a mirror instead of the canonical URLs."""
     try:
         frame = api.run(grid_file, only=only, out=out, jobs=jobs, dry_run=dry_run, no_resume=no_resume,
                         scheduler=scheduler, set=overrides, seeds=seeds, plugins=plugins or [])

@@ -10,7 +10,10 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
+import os
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 from typing import Literal
 
@@ -56,9 +59,27 @@ def check_backend(requested: str) -> None:
         raise UserError(f"backend: numba, but numba is not installed: {NUMBA_HINT}, or use backend: auto")
 
 
+_NOTED: list[bool] = []  # the first-compile note is said once a process
+
+
+def note_first_compile(module: str) -> None:
+    """One line on stderr when numba has no on-disk cache yet for `dpsgd_cli.<module>`: the first run compiles the
+    kernels (tens of seconds, once; later runs load them)."""
+    if _NOTED or os.environ.get("NUMBA_CACHE_DIR") or sys.modules.get(f"dpsgd_cli.{module}"):
+        return
+    spec = importlib.util.find_spec(f"dpsgd_cli.{module}")
+    if spec is None or spec.origin is None:
+        return
+    source = Path(spec.origin)
+    if not any((source.parent / "__pycache__").glob(f"{source.stem}.*.nbi")):
+        _NOTED.append(True)
+        print("compiling the numba kernels (first run only: tens of seconds, then cached)", file=sys.stderr)
+
+
 def import_compiled(module: str) -> ModuleType:
     """Import the numba module `dpsgd_cli.<module>` (compiling its kernels or loading them from numba's on-disk
     cache); a broken numba install is a UserError (one line, how to fix)."""
+    note_first_compile(module)
     try:
         return importlib.import_module(f"dpsgd_cli.{module}")
     except Exception as exc:  # installed but broken (e.g. a NumPy it does not support)
@@ -71,6 +92,7 @@ def optional_compiled(module: str) -> ModuleType | None:
     the same numbers with NumPy)."""
     if not HAVE_NUMBA:
         return None
+    note_first_compile(module)
     try:
         return importlib.import_module(f"dpsgd_cli.{module}")
     except Exception:  # installed but broken (e.g. a NumPy it does not support)

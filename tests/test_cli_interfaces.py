@@ -206,3 +206,24 @@ def test_dataset_listings_fit_80_columns_without_reprs(tmp_path, capsys, monkeyp
     assert code == 0
     assert "rows_read: 3\n" in stdout
     assert not [line for line in stdout.splitlines() if "None" in line or "[" in line]
+
+
+def test_a_first_compile_is_said_once(tmp_path, monkeypatch, capsys):
+    import importlib.machinery
+
+    from dpsgd_cli import compiled
+
+    source = tmp_path / "_kernel_numba.py"
+    source.write_text("")
+    spec = importlib.machinery.ModuleSpec("dpsgd_cli._kernel_numba", None, origin=str(source))
+    monkeypatch.setattr(compiled.importlib.util, "find_spec", lambda name: spec)
+    monkeypatch.setattr(compiled, "_NOTED", [])
+    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
+    (tmp_path / "__pycache__").mkdir()
+    (tmp_path / "__pycache__" / "_kernel_numba.step-1.py311.nbi").write_text("")
+    compiled.note_first_compile("_kernel_numba")  # cached: nothing to say
+    assert capsys.readouterr().err == ""
+    (tmp_path / "__pycache__" / "_kernel_numba.step-1.py311.nbi").unlink()
+    compiled.note_first_compile("_kernel_numba")
+    compiled.note_first_compile("_kernel_numba")
+    assert capsys.readouterr().err.count("compiling the numba kernels") == 1

@@ -84,7 +84,9 @@ def audit_cell(cell: Cell, spec: AuditSpec, trials: int | None = None, confidenc
         if not isinstance(worlds, Worlds):
             status = "not applicable" if isinstance(worlds, NotApplicable) else "failed"
             rows += [{**base, "canary": kind, "threat_model": t, "status": status, "covers": covers,
-                      "message": f"{type(worlds).__name__}: {worlds}".replace("\n", " ")} for t in THREATS[kind]]
+                      "message": (str(worlds) if status == "not applicable"  # the reason, not the class name
+                                  else f"{type(worlds).__name__}: {worlds}").replace("\n", " ")}
+                     for t in THREATS[kind]]
             continue
         derived = _derived_columns(worlds, cell, data)
         for threat, (s_in, s_out) in worlds.scores.items():

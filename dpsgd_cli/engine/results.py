@@ -548,7 +548,9 @@ def varying_label(names: pd.Series, options: pd.Series) -> pd.Series:
 
 
 def option_text(value: Any) -> str:
-    """An option's value as a label shows it: `1000`, not `1000.0`; `1e+09`, not `1000000000.0`."""
+    """An option's value as a label shows it: `1000`, not `1000.0`; `1e+09`, not `1000000000.0`; unset `—`."""
+    if value is None:
+        return "—"
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
