@@ -196,7 +196,8 @@ def audit_table(rows: list[dict], title: str) -> Any:
     """audit.csv's rows, a row per cell and attack: ε_lo beside the claimed ε, and the verdict."""
     frame = pd.DataFrame(rows).reindex(columns=["dataset", "model", "algorithm", "algorithm_params", "canary",
                                                 "threat_model", "epsilon_claimed", "delta", "epsilon_lo", "verdict",
-                                                "status", "message"]).fillna({"algorithm_params": "{}"})
+                                                "reason", "status", "message"]).fillna({"algorithm_params": "{}",
+                                                                                          "reason": ""})
     labels = results.varying_label(frame["algorithm"], frame["algorithm_params"])
     shown = []
     for label, r in zip(labels, frame.to_dict("records")):
@@ -205,12 +206,13 @@ def audit_table(rows: list[dict], title: str) -> Any:
                       "attack": f"{r['canary']}, {THREATS.get(r['threat_model'], r['threat_model'])}",
                       "ε": _fmt(r["epsilon_claimed"], 3), "δ": _fmt(r["delta"], 2), "ε_lo": _fmt(r["epsilon_lo"], 3),
                       "verdict": Text(verdict, style=VERDICT_STYLES.get(verdict, "")) if r["status"] == "ok"
-                      else f"{r['status']}: {r['message']}"})
+                      else f"{r['status']}: {r['message']}",
+                      "why": Text(str(r["reason"]))})  # the ceiling, the twin's ε_lo: what the verdict rests on
     fixed = summary.fixed_options(frame)
     notes = ["attack: canary, and what the adversary sees (black box: the last model's outputs; white box: its "
              "parameters; all iterates: every step's)",
              *([f"options: {'; '.join(fixed)}"] if fixed else [])]
-    return compact_table(shown, title, keep=["ε_lo", "verdict"], notes=notes)
+    return compact_table(shown, title, keep=["ε_lo", "verdict", "why"], notes=notes, lines=True)
 
 
 # --- plot ------------------------------------------------------------------------------------------
