@@ -268,3 +268,22 @@ def test_grids_without_validation_keep_their_run_ids():
     smoke = next(g for g in load_grid_file(Path(__file__).parents[1] / "experiments.yaml").grids if g.name == "smoke")
     ids = sorted(c.run_id(s) for c in expand(smoke) for s in c.seeds)
     assert hashlib.sha256(",".join(ids).encode()).hexdigest()[:16] == "210a69850133b0fd"
+
+
+def test_results_frame_is_read_once_while_the_folder_is_unchanged(tmp_path, monkeypatch):
+    """A report reads a folder once per claim: the frame is kept, and read again when runs.csv changes."""
+    from dpsgd_cli import api
+    from dpsgd_cli.engine import selection
+
+    out = tmp_path / "r"
+    api.run({"name": "g", "datasets": [{"name": "synthetic", "n": 200}], "algorithms": ["sgd"], "lr": [0.5],
+             "batch_size": [32], "epochs": 1, "seeds": 1}, out=out, quiet=True)
+    reads = []
+    original = selection.read_results
+    monkeypatch.setattr(selection, "read_results", lambda folder: reads.append(folder) or original(folder))
+    first = selection.results_frame(out / "g")
+    again = selection.results_frame(out / "g")
+    assert len(reads) == 1 and first.equals(again) and first is not again
+    api.run({"name": "g", "datasets": [{"name": "synthetic", "n": 200}], "algorithms": ["sgd"], "lr": [0.5, 1.0],
+             "batch_size": [32], "epochs": 1, "seeds": 1}, out=out, quiet=True)
+    assert len(selection.results_frame(out / "g")) == 2 and len(reads) == 2

@@ -72,9 +72,32 @@ def frame_columns(grid: Grid, traces: bool = False) -> list[str]:
     return [*TRACE_COLUMNS, *(c for c in runs if c not in TRACE_COLUMNS)] if traces else runs
 
 
+_FRAMES: dict[tuple[Any, ...], pd.DataFrame] = {}  # results_frame's recent answers, keyed by the files' stamps
+
+
 def results_frame(folder: Path, traces: bool = False, select: bool = True) -> pd.DataFrame:
     """The ok runs of a results folder with their line label and parameter columns (with `select`, only the
-    chosen candidates' runs); with `traces`, their checkpoints joined with those; an infinite number is missing."""
+    chosen candidates' runs); with `traces`, their checkpoints joined with those; an infinite number is missing.
+    A report reads one folder once per claim: the answer is kept while the folder's files are unchanged."""
+    stamps = tuple(_stamp(Path(folder) / name) for name in ("runs.csv", "traces.csv", "manifest.json"))
+    key = (str(Path(folder).resolve()), traces, select, stamps)
+    if key not in _FRAMES:
+        if len(_FRAMES) >= 8:
+            _FRAMES.pop(next(iter(_FRAMES)))
+        _FRAMES[key] = _results_frame(folder, traces, select)
+    return _FRAMES[key].copy()
+
+
+def _stamp(path: Path) -> tuple[int, int, int] | None:
+    """What changes when the file does: a replaced file is a new inode, an appended one grows."""
+    try:
+        info = path.stat()
+    except OSError:
+        return None
+    return info.st_ino, info.st_mtime_ns, info.st_size
+
+
+def _results_frame(folder: Path, traces: bool, select: bool) -> pd.DataFrame:
     runs = read_results(folder).ok
     runs = (with_params(runs.assign(label=line_labels(runs))) if len(runs)
             else runs.assign(**{c: [] for c in ADDED_COLUMNS}))
