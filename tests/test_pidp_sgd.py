@@ -11,10 +11,11 @@ from scipy import stats
 from scipy.special import expit
 
 from dpsgd_cli import compiled
-from dpsgd_cli.algorithms import ALGORITHMS, Setting, kernels
+from dpsgd_cli.algorithms import ALGORITHMS, Setting
 from dpsgd_cli.algorithms import pidp_sgd as P
-from dpsgd_cli.algorithms.chain import GradientChain, add_l2, add_noise, constant
-from dpsgd_cli.algorithms.sampling import uniform_examples
+from dpsgd_cli.algorithms.chain import GradientChain
+from dpsgd_cli.algorithms.ops import Clip, Noise, Sgd, WeightDecay, constant
+from dpsgd_cli.algorithms.sampling import fixed_batches, uniform_examples
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.models import make_model
 from dpsgd_cli.privacy.accounting import calibrate_sigma
@@ -292,8 +293,7 @@ def test_all_noiseless_is_sgd_and_all_noisy_is_single_example_dp_sgd(data):
     assert quiet.derived["noiseless_fraction"] == [1.0, 1.0] and quiet.derived["noiseless_fraction_mean"] == 1.0
     assert quiet.guarantee.startswith("none: a step may skip the noise")
     streams = ReplicaStreams([0, 1])
-    plain = GradientChain(uniform_examples(X, y, streams), clip=1.0, transforms=[add_l2(s.l2)],
-                          schedule=constant(s.lr))
+    plain = GradientChain(uniform_examples(X, y, streams), [Clip(1.0), WeightDecay(s.l2), Sgd(constant(s.lr))])
     np.testing.assert_allclose(quiet.theta, plain.run(model, np.zeros((2, d)), s.steps), rtol=1e-12)
 
     loud, s, model = _fit(X, y, params={"backend": "numpy"}, **kw)  # the paper's rule at δ = 1e-5, r = 10
@@ -301,14 +301,14 @@ def test_all_noiseless_is_sgd_and_all_noisy_is_single_example_dp_sgd(data):
     assert loud.guarantee.startswith("tv-bound: (1, 1e-05)-DP")
     streams = ReplicaStreams([0, 1])
     std = calibrate_bassily(0.75, 5e-6, n, s.steps, 1.0, "pld").sigma
-    noisy = GradientChain(uniform_examples(X, y, streams), clip=1.0,
-                          transforms=[add_noise(std, streams.normal("noise", (d,))), add_l2(s.l2)],
-                          schedule=constant(s.lr))
+    noisy = GradientChain(uniform_examples(X, y, streams), [Clip(1.0), Noise(std, streams.normal("noise", (d,))),
+                                                            WeightDecay(s.l2), Sgd(constant(s.lr))])
     np.testing.assert_allclose(loud.theta, noisy.run(model, np.zeros((2, d)), s.steps), rtol=1e-12)
 
 
 @needs_numba
-@pytest.mark.parametrize("extra", [{}, {"contribution_noise": "per_step"}, {"project": True, "rule": "l2_radius"}])
+@pytest.mark.parametrize("extra", [{}, {"contribution_noise": "per_step"}, {"project": True, "rule": "l2_radius"},
+                                   {"project": "box"}])
 def test_numpy_and_numba_give_the_same_run(data, extra):
     X, y = data
     n, d = X.shape
@@ -406,7 +406,7 @@ def test_trace_counts_examples_across_rounds(data):
 @needs_numba
 def test_checkpoints_across_rounds_are_the_same_on_both_backends(data):
     """Each round's chain counts its checkpoints from the examples of the rounds before it (`Checkpoints.offset`),
-    in the kernel as on NumPy; a round that is not a whole number of periods runs on NumPy."""
+    in the kernel as on NumPy, also when a round is not a whole number of periods (the kernel stops at each)."""
     X, y = data
     setting = _setting(*X.shape, trace_every=100)
     model = make_model("logreg", X.shape[1], setting.l2)
@@ -415,12 +415,13 @@ def test_checkpoints_across_rounds_are_the_same_on_both_backends(data):
         algo = ALGORITHMS["pidp_sgd"]({"rounds": 3, "local_steps": local, "backend": backend})
         return algo.fit(setting, model, X, y, ReplicaStreams([0, 1]))
 
-    a, b = fit("numpy", 200), fit("numba", 200)
-    assert (a.derived["backend"], b.derived["backend"]) == ("numpy", "numba")
-    assert [row[0] for row in a.trace] == [row[0] for row in b.trace] == list(range(100, 601, 100))
-    for row_a, row_b in zip(a.trace, b.trace):
-        np.testing.assert_allclose(row_a[1], row_b[1], rtol=1e-12)
-    assert fit("numba", 150).derived["backend"] == "numpy"
+    for local in (200, 150):
+        a, b = fit("numpy", local), fit("numba", local)
+        assert (a.derived["backend"], b.derived["backend"]) == ("numpy", "numba")
+        assert [row[0] for row in a.trace] == [row[0] for row in b.trace] == list(range(100, 3 * local + 1, 100))
+        for row_a, row_b in zip(a.trace, b.trace):
+            np.testing.assert_allclose(row_a[1], row_b[1], rtol=1e-12)
+        np.testing.assert_allclose(b.theta, a.theta, rtol=1e-12, atol=1e-14)
 
 
 # --- end to end ---------------------------------------------------------------------------------------------------
@@ -623,8 +624,9 @@ def test_mlp_kernel_step_is_minus_the_gradient_by_finite_differences(activation)
     model's loss on that example."""
     model, X, y, theta = _tiny_mlp(activation, R=1)
     for i in (0, 7, 31):
-        step = kernels.single_example_sgd(theta, X, y, lambda m: np.array([[i]]), 1, constant(1.0), clip=None,
-                                          l2=0.0, radius=None, model=model)
+        chain = GradientChain(fixed_batches(X, y, np.array([[[i]]])), [Sgd(constant(1.0))], backend="numba")
+        step = chain.run(model, theta, 1)
+        assert chain.ran_on == "numba"
         h = 1e-6
         fd = np.array([(model.data_loss(theta + h * e, X[i:i + 1], y[i:i + 1])
                         - model.data_loss(theta - h * e, X[i:i + 1], y[i:i + 1]))[0] / (2 * h)
@@ -674,8 +676,8 @@ def test_updates_clip_the_gradient_to_G_and_add_the_regulariser_after_the_clip(m
 
     def sgd(clip):
         streams = ReplicaStreams([0, 1])
-        chain = GradientChain(uniform_examples(X, y, streams), clip=clip, transforms=[add_l2(setting.l2)],
-                              schedule=constant(setting.lr))
+        chain = GradientChain(uniform_examples(X, y, streams),
+                              [Clip(clip), WeightDecay(setting.l2), Sgd(constant(setting.lr))])
         return chain.run(model, model.init(streams.generators("init")), setting.steps)
 
     np.testing.assert_allclose(out.theta, sgd(1.0), rtol=1e-10, atol=1e-12)

@@ -129,22 +129,22 @@ from numpy.typing import ArrayLike
 from pydantic import BaseModel, ConfigDict, Field
 from scipy.special import expit, ndtr
 
-from dpsgd_cli.algorithms import kernels
 from dpsgd_cli.algorithms.base import Algorithm, Outcome, Setting
-from dpsgd_cli.algorithms.chain import (
-    Checkpoints,
-    GradientChain,
-    NoiseSource,
-    Projection,
-    add_l2,
+from dpsgd_cli.algorithms.chain import Checkpoints, GradientChain
+from dpsgd_cli.algorithms.ops import (
+    Clip,
+    MaskedNoise,
+    Op,
+    ProjectBall,
+    ProjectBox,
+    Scale,
+    Sgd,
+    WeightDecay,
     constant,
-    masked_noise,
-    project_to_ball,
-    project_to_box,
-    scale,
 )
 from dpsgd_cli.algorithms.sampling import fixed_batches, poisson_batches, uniform_examples
 from dpsgd_cli.algorithms.streams import ReplicaStreams
+from dpsgd_cli.compiled import Backend
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import MLP, Batch, Model
 from dpsgd_cli.models.logreg import LogisticRegression, clipped_residual, logistic_residual
@@ -195,7 +195,7 @@ class PIDPSGDParams(BaseModel):
         "auto", description="parameters the influence c_z = (1/n) H⁻¹∇ℓ is computed over: full (dense Hessian of "
                             f"F, P ≤ {FULL_INFLUENCE_MAX_PARAMS}), output_layer (mlp: (w₂, b₂) only, Koh & Liang "
                             "2017; a deviation), auto (full for logreg and small networks, else output_layer)")
-    backend: kernels.Backend = Field(
+    backend: Backend = Field(
         "auto", description="sampling single (logreg, mlp): the numba single-example kernel (auto: when numba is "
                             "installed) or numpy; same result")
 
@@ -854,12 +854,10 @@ class PIDPSGD(Algorithm):
         test_gens = [g.spawn(1)[0] for g in streams.generators("noise")]  # independent of the step noise
         ckpt = Checkpoints(setting.trace_every, X, y) if setting.trace_every else None
         sampler = uniform_examples(X, y, streams) if single else poisson_batches(X, y, setting.sample_rate, streams)
-        # the step noise: one stream for the whole run, continued by every round's chain on either backend
+        # the step noise: one stream for the whole run, continued by every round's chain on any backend
         draws = streams.normal("noise", (model.n_params,))
-        source = NoiseSource(streams, "noise", (model.n_params,))
-        backend = self.backend(model, local, ckpt)
         noiseless = np.zeros(streams.replicas)
-        eligible_share, rounds_info, ran_on = [], [], backend
+        eligible_share, rounds_info, ran_on = [], [], "numpy"
         theta = model.init(streams.generators("init"))
         for k in range(rounds):
             constants = error_constants(influence, model, theta, G, p.zeta, n)
@@ -874,14 +872,13 @@ class PIDPSGD(Algorithm):
             else:
                 quiet = step_noiseless(inf, rule, constants.E, X, y, x_norm, idx[:, :, 0], test_gens)
             chain = GradientChain(
-                batches=fixed_batches(X, y, idx, padded=not single), clip=G,
-                transforms=[masked_noise(cal.std, draws, ~quiet), *([] if single else [scale(1.0 / B)]),
-                            add_l2(setting.l2)],
-                schedule=constant(setting.required.lr), project=self._projection(),
+                batches=fixed_batches(X, y, idx, padded=not single),
+                ops=[Clip(G), MaskedNoise(cal.std, draws, ~quiet), *([] if single else [Scale(1.0 / B)]),
+                     WeightDecay(setting.l2), Sgd(constant(setting.required.lr)), *self._projection()],
                 checkpoints=ckpt.shifted(round(k * local * B)) if ckpt else None, examples_per_step=B,
-                backend=backend, noise_source=source, mlp_kernel=True)
+                backend=p.backend)
             theta = chain.run(model, theta, local)
-            ran_on = chain.ran_on or backend
+            ran_on = chain.ran_on or ran_on
             noiseless += quiet.sum(axis=0)
 
         fraction = [float(f) for f in noiseless / steps]
@@ -930,16 +927,6 @@ class PIDPSGD(Algorithm):
             bounds.append(skip_probability_bound(rule.rule, dim, sigma_c, rule.threshold, E * scale_n**2))
         return max(bounds)
 
-    def backend(self, model: Model, local: int, ckpt: Checkpoints | None) -> str:
-        """The chains' backend: the single-example kernel (`kernels.single_example_applies`: one example per step,
-        no box projection) where `select_backend` gives it, else NumPy. Also NumPy when a round is not a whole
-        number of `trace_every` periods: those runs were made on NumPy, and the backends agree up to rounding only."""
+    def _projection(self) -> list[Op]:
         p = self.params
-        if p.sampling != "single" or p.project == "box":
-            return "numpy"
-        backend = kernels.select_backend(p.backend, model, 1, mlp=True)
-        return "numpy" if ckpt is not None and local % ckpt.every else backend
-
-    def _projection(self) -> Projection | None:
-        p = self.params
-        return project_to_box(p.radius) if p.project == "box" else project_to_ball(p.radius) if p.project else None
+        return [ProjectBox(p.radius)] if p.project == "box" else [ProjectBall(p.radius)] if p.project else []

@@ -119,6 +119,11 @@ class IndexedBatches:
         self.taps: list[deque] = []  # queues that receive a copy of every `take` (see `replay`)
 
     @property
+    def padded(self) -> bool:
+        """Whether a step's row of indices may hold padding (−1): a varying batch size (Poisson)."""
+        return self._trim
+
+    @property
     def x_norm(self) -> np.ndarray:
         """‖x_i‖ of every row, computed at the first batch (the compiled step never needs all of them)."""
         if self._x_norm is None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -23,6 +23,7 @@ import scipy.stats
 
 from dpsgd_cli.algorithms import Algorithm, Setting
 from dpsgd_cli.algorithms.erm import reference_minimum
+from dpsgd_cli.algorithms.ops import Clip, LaplacianSmoothing, MaskedNoise, Noise, Op, Scale, Update, WeightDecay
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.audit import canaries, stats
 from dpsgd_cli.config import AuditSpec, Cell
@@ -411,27 +412,26 @@ def _step_statistics(a: np.ndarray, v: np.ndarray, steps: canaries.StepModel) ->
 
 def _post_processing(algorithm: Algorithm, setting: Setting, model: Model, X: np.ndarray,
                      y: np.ndarray) -> np.ndarray | None:
-    """Mᵀ (P, P) for a chain whose last transforms, after its noise, scale and weight decay, apply a fixed linear
-    map M to the noisy gradient (dp_lssgd's Laplacian smoothing A⁻¹; data-independent post-processing), read by
-    applying them to the identity; None when there are none, or when they are not linear or depend on θ (the
-    statistic then reads e alone: still valid, only weaker)."""
+    """Mᵀ (P, P) for a chain whose last gradient ops before its update, after its noise, scale and weight decay,
+    apply a fixed linear map M to the noisy gradient (dp_lssgd's Laplacian smoothing A⁻¹; data-independent
+    post-processing), read by applying them to the identity; None when there are none, or when they are not
+    linear or depend on θ (the statistic then reads e alone: still valid, only weaker)."""
     prepared = algorithm.prepare(setting, model, X, y, ReplicaStreams(range(1)))
     if prepared is None:
         return None
-    tail: list[Callable[[np.ndarray, np.ndarray], np.ndarray]] = []
-    for transform in reversed(list(prepared.chain.transforms)):
-        kind = getattr(transform, "kind", None) or getattr(transform, "compiled", ("",))[0]  # its tag, if any
-        if kind in ("noise", "scale", "l2"):
+    tail: list[Op] = []
+    for op in prepared.chain.ops:
+        if isinstance(op, Update):
             break
-        if kind != "identity":
-            tail.insert(0, transform)
+        tail = [] if isinstance(op, (Noise, MaskedNoise, Scale, WeightDecay, Clip)) else [*tail, op]
+    tail = [op for op in tail if not (isinstance(op, LaplacianSmoothing) and op.sigma_ls == 0)]
     if not tail:
         return None
     P = model.n_params
 
     def apply(g: np.ndarray, theta: np.ndarray) -> np.ndarray:
-        for transform in tail:
-            g = transform(g, theta)
+        for op in tail:
+            g, _ = op.update(g, op.init(theta), theta)
         return np.asarray(g, dtype=float)
 
     Mt = apply(np.eye(P), np.zeros((P, P)))  # row i: (M e_i)ᵀ

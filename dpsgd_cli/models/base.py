@@ -8,6 +8,8 @@ from typing import ClassVar
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
+ClipNorm = float | np.ndarray | None  # a clip norm: one for every replica, one per replica (R, 1), or none
+
 
 class NoOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -63,12 +65,13 @@ class Model:
         reported as a chain's backend ("numba-rows"), since its sums are then the kernels'."""
         return False
 
-    def clipped_grad_sum(self, theta: np.ndarray, batch: Batch, clip: float | None) -> np.ndarray:
-        """Σ_i weight_i · min(1, C/‖∇ℓ_i‖) ∇ℓ_i over the batch, without the regulariser: (R, P)."""
+    def clipped_grad_sum(self, theta: np.ndarray, batch: Batch, clip: ClipNorm) -> np.ndarray:
+        """Σ_i weight_i · min(1, C/‖∇ℓ_i‖) ∇ℓ_i over the batch, without the regulariser: (R, P). C: a number, one
+        per replica (R, 1), or None (no clip)."""
         raise NotImplementedError
 
     def _clipped_grad_sum_per_replica(self, theta: np.ndarray, batch: Batch,
-                                      clip: float | None) -> np.ndarray | None:
+                                      clip: ClipNorm) -> np.ndarray | None:
         """`clipped_grad_sum` replica by replica, each on its own rows, where the batch's replicas keep different
         numbers of rows (`IndexedBatch.per_replica`: Poisson sampling), else None. A BLAS product over the M padded
         rows rounds differently with M (its kernels split the sum by length), so on the wide batch a seed's sums
@@ -76,7 +79,9 @@ class Model:
         parts = getattr(batch, "per_replica", None)
         if parts is None:
             return None
-        return np.concatenate([self.clipped_grad_sum(theta[r:r + 1], part, clip) for r, part in enumerate(parts)])
+        return np.concatenate([self.clipped_grad_sum(theta[r:r + 1], part,
+                                                     clip[r:r + 1] if isinstance(clip, np.ndarray) else clip)
+                               for r, part in enumerate(parts)])
 
     def per_example_grad_norms(self, theta: np.ndarray, batch: Batch) -> np.ndarray:
         """‖∇ℓ(θ; x_i, y_i)‖ for every batch entry: (R, M)."""

@@ -6,7 +6,7 @@ import numpy as np
 from scipy.special import expit
 
 from dpsgd_cli import compiled
-from dpsgd_cli.models.base import Batch, Model, accuracy_of, logistic_loss
+from dpsgd_cli.models.base import Batch, ClipNorm, Model, accuracy_of, logistic_loss
 from dpsgd_cli.models.rows import cached_nonzeros
 
 
@@ -52,7 +52,7 @@ class LogisticRegression(Model):
     def per_example_grad_norms(self, theta, batch):
         return np.abs(self._residual(theta, batch)) * batch.x_norm
 
-    def clipped_grad_sum(self, theta, batch, clip: float | None):
+    def clipped_grad_sum(self, theta, batch, clip: ClipNorm):
         split = self._clipped_grad_sum_per_replica(theta, batch, clip)  # the product below is BLAS's: rounds by M
         if split is not None:
             return split
@@ -74,7 +74,7 @@ def logistic_residual(margin: np.ndarray, y: np.ndarray) -> np.ndarray:
     return -y * expit(-y * margin)
 
 
-def clipped_residual(residual: np.ndarray, x_norm: np.ndarray, clip: float,
+def clipped_residual(residual: np.ndarray, x_norm: np.ndarray, clip: float | np.ndarray,
                      weight: np.ndarray | None = None) -> np.ndarray:
     """(weight ·) residual · min(1, C/‖∇ℓ‖) with ‖∇ℓ‖ = |residual|·‖x‖ (safe at ‖∇ℓ‖ = 0): the clipped gradient
     (times its weight) is this times x."""

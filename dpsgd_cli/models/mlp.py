@@ -35,7 +35,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 from scipy.special import expit
 
-from dpsgd_cli.models.base import Batch, Model, logistic_loss
+from dpsgd_cli.models.base import Batch, ClipNorm, Model, logistic_loss
 from dpsgd_cli.models.rows import IndexedBatch, RowNonzeros
 
 Activation = Literal["tanh", "relu", "sigmoid"]
@@ -171,7 +171,7 @@ class MLP(Model):
         return logistic_loss(self.decision(theta, X), y)
 
     def _backward(self, theta: np.ndarray, X: np.ndarray, y: np.ndarray, weight,
-                  clip: float | None, x_norm) -> tuple[np.ndarray, np.ndarray]:
+                  clip: ClipNorm, x_norm) -> tuple[np.ndarray, np.ndarray]:
         """(Σ_i weight_i · min(1, C/‖∇ℓ_i‖) ∇ℓ_i (no clip when C is None) (R, P), Σ_i weight_i ℓ_i (R,));
         examples in blocks."""
         out = np.zeros_like(theta)
@@ -189,7 +189,7 @@ class MLP(Model):
                 gW1 += np.matmul(delta.transpose(0, 2, 1), Xs)
         return out, loss
 
-    def _accumulate(self, theta: np.ndarray, forward, y: np.ndarray, w, clip: float | None, x_norm,
+    def _accumulate(self, theta: np.ndarray, forward, y: np.ndarray, w, clip: ClipNorm, x_norm,
                     loss: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(δ (R, m, h), coef (R, m), a (R, m, h)): each example's clipped, weighted ∂ℓ/∂z and ∂ℓ/∂f, and its
         activations, whose sums over the examples are the gradient (`_add_sums`, and Σ_i δ_i x_iᵀ for W₁); adds the
@@ -222,7 +222,7 @@ class MLP(Model):
     def reads_rows_compiled(self, batch: Batch, theta: np.ndarray) -> bool:
         return _row_sparse(batch, theta) is not None
 
-    def clipped_grad_sum(self, theta, batch: Batch, clip: float | None):
+    def clipped_grad_sum(self, theta, batch: Batch, clip: ClipNorm):
         sparse = _row_sparse(batch, theta)
         if sparse is None:  # the dense path's BLAS products round by M: replica by replica where M differs
             split = self._clipped_grad_sum_per_replica(theta, batch, clip)
@@ -240,7 +240,8 @@ class MLP(Model):
         f, aa, uu = (np.empty((R, M), theta.dtype) for _ in range(3))
         kernels.row_terms(a, kernels.ACTIVATIONS[self.activation], theta.dtype.type(1), np.ascontiguousarray(w2),
                           np.ascontiguousarray(b2), u, f, aa, uu)  # u = φ'(z) ⊙ w₂
-        if clip is None or any(np.asarray(v).dtype != theta.dtype for v in (batch.y, batch.weight, batch.x_norm)):
+        if clip is None or np.ndim(clip) or any(np.asarray(v).dtype != theta.dtype
+                                                for v in (batch.y, batch.weight, batch.x_norm)):
             coef = _coefficients(batch.y, f, batch.weight, clip, batch.x_norm, (aa, uu))
         else:  # _coefficients' operations after expit in one compiled pass, the same numbers (all in θ's dtype)
             minus_y = np.negative(batch.y)
@@ -301,7 +302,7 @@ class MLP(Model):
         return out
 
 
-def _coefficients(y: np.ndarray, f: np.ndarray, w, clip: float | None, x_norm, norms) -> np.ndarray:
+def _coefficients(y: np.ndarray, f: np.ndarray, w, clip: ClipNorm, x_norm, norms) -> np.ndarray:
     """coef (R, m) = weight · ∂ℓ/∂f · min(1, C/‖∇ℓ‖) (no clip when C is None), with
     ‖∇ℓ‖² = r²(1 + ‖a‖² + ‖u‖²(‖x‖² + 1)) from norms = (‖a‖², ‖u‖²) (R, m)."""
     r = -y * expit(-y * f)  # ∂ℓ/∂f, (R, m)
