@@ -265,6 +265,29 @@ class MLP(Model):
         return np.abs(r) * np.sqrt(1.0 + np.einsum("rmh,rmh->rm", a, a)
                                    + np.einsum("rmh,rmh->rm", u, u) * (batch.x_norm**2 + 1.0))
 
+    # The output layer: a logistic regression on ã = [φ(W₁x + b₁), 1] with parameters [w₂, b₂] ----------------
+    def output_features(self, theta: np.ndarray, X: np.ndarray) -> np.ndarray:
+        """ã = [φ(W₁x + b₁), 1] for the rows of X (m, d): (R, m, h + 1); f(x) = ã·[w₂, b₂]."""
+        W1, b1, _, _ = self.unpack(theta)
+        z = np.matmul(X, W1.transpose(0, 2, 1))
+        z += b1[:, None, :]
+        a, _ = _activate(self.activation, z, derivative=False)
+        return np.concatenate([a, np.ones(a.shape[:-1] + (1,))], axis=-1)
+
+    def output_layer_params(self, theta: np.ndarray) -> np.ndarray:
+        """[w₂, b₂] (R, h + 1): the last h + 1 entries of θ."""
+        _, _, w2, b2 = self.unpack(theta)
+        return np.concatenate([w2, b2[:, None]], axis=1)
+
+    def output_feature_bound(self, theta: np.ndarray) -> np.ndarray:
+        """A_r ≥ ‖ã‖ for every ‖x‖ ≤ 1: (R,). tanh, sigmoid: |φ| ≤ 1, so A = √(h + 1) for every θ. relu:
+        ‖φ(W₁x + b₁)‖ ≤ ‖[W₁ b₁][x; 1]‖ ≤ √2 ‖[W₁ b₁]‖₂, so A = √(1 + 2‖[W₁ b₁]‖₂²) at θ's hidden layer."""
+        if self.activation in ("tanh", "sigmoid"):
+            return np.full(theta.shape[0], math.sqrt(self.hidden + 1.0))
+        W1, b1, _, _ = self.unpack(theta)
+        spectral = np.linalg.norm(np.concatenate([W1, b1[:, :, None]], axis=2), ord=2, axis=(1, 2))
+        return np.sqrt(1.0 + 2.0 * spectral**2)
+
     # Second order -----------------------------------------------------------------------------------------
     def hvp(self, theta: np.ndarray, X: np.ndarray, y: np.ndarray, v: np.ndarray) -> np.ndarray:
         """Exact ∇²F(θ) v (R-operator, see the module docstring), λv included: (R, P)."""
