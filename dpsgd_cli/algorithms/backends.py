@@ -43,6 +43,7 @@ from dpsgd_cli.algorithms.ops import (
     WeightDecay,
 )
 from dpsgd_cli.algorithms.sampling import IndexedBatches
+from dpsgd_cli.algorithms.streams import NoiseStream
 from dpsgd_cli.models.logreg import LogisticRegression
 from dpsgd_cli.models.mlp import MLP
 
@@ -104,6 +105,7 @@ def program(ops: Sequence[Op]) -> tuple[np.ndarray, np.ndarray]:
 def _compiled_ops(p: Plan, masked: bool) -> bool:
     noises = [op for op in p.ops if isinstance(op, (Noise, MaskedNoise))]
     return (all(_in_tail(op) for op in p.ops) and len(noises) <= 1
+            and all(isinstance(op.draws, NoiseStream) for op in noises)  # taken in blocks
             and (masked or not any(isinstance(op, MaskedNoise) for op in noises)))
 
 
@@ -210,30 +212,28 @@ def record_checkpoints(model, chains: Sequence, running, records: list[set], sto
                 chain.checkpoints.maybe_record(model, theta_of(c), round((stop - 1) * e), round(stop * e))
 
 
-def noise_blocks(draws: Sequence[Iterator | None], m: int) -> tuple[np.ndarray | None, np.ndarray]:
-    """(S, m, R, P) noise blocks of the next m steps, one per distinct draws iterator (tee copies of one
-    `SharedStreams` stream yield the same arrays: read once), and each chain's slot in it (−1: no noise)."""
+def noise_blocks(draws: Sequence[NoiseStream | None], m: int) -> tuple[np.ndarray | None, np.ndarray]:
+    """(S, m, R, P) noise blocks of the next m steps, one per distinct stream position (readers of one
+    `SharedStreams` stream at the same step read one block), and each chain's slot in it (−1: no noise)."""
     blocks: list[np.ndarray] = []
-    firsts: list[list[np.ndarray]] = []
+    seen: dict[tuple[int, int], int] = {}
     slot = np.full(len(draws), -1, dtype=np.int64)
-    for c, chain_draws in enumerate(draws):
-        if chain_draws is None:
+    for c, stream in enumerate(draws):
+        if stream is None:
             continue
-        steps = [next(chain_draws) for _ in range(m)]
-        for s, seen in enumerate(firsts):
-            if all(a is b for a, b in zip(steps, seen)):
-                slot[c] = s
-                break
+        key = (id(stream.tape), stream.position)
+        if key in seen:
+            slot[c] = seen[key]
+            stream.skip(m)
         else:
-            slot[c] = len(blocks)
-            firsts.append(steps)
-            blocks.append(np.stack(steps))
+            slot[c] = seen[key] = len(blocks)
+            blocks.append(stream.take(m))
     if not blocks:
         return None, slot
     return np.ascontiguousarray(np.stack(blocks), dtype=np.float64), slot
 
 
-def _noise_draws(chain, running: bool = True) -> Iterator | None:
+def _noise_draws(chain, running: bool = True) -> NoiseStream | None:
     noise = _op(chain, (Noise, MaskedNoise))
     return noise.draws if noise is not None and running else None
 
