@@ -193,16 +193,19 @@ def test_an_op_no_backend_knows_runs_on_numpy(monkeypatch):
     class Decay(WeightDecay):
         pass
 
+    class MovingClip(Clip):  # e.g. an adaptive clip: its norms are state that its update moves
+        pass
+
     X, y = _data()
     model = make_model("logreg", X.shape[1], 0.1)
     ops = [Clip(1.0), WeightDecay(0.1), Sgd(constant(0.1))]
-    known = GradientChain(uniform_examples(X, y, ReplicaStreams([0])), ops)
-    other = GradientChain(uniform_examples(X, y, ReplicaStreams([0])), [*ops[:1], Decay(0.1), *ops[2:]])
+    chain = lambda ops: GradientChain(uniform_examples(X, y, ReplicaStreams([0])), ops)  # noqa: E731
     monkeypatch.setattr(compiled, "HAVE_NUMBA", True)
     monkeypatch.setattr(backends, "_load", lambda module: None)
     theta = np.zeros((1, X.shape[1]))
-    assert backends.choose(backends.plan(known, model, theta), "auto") is backends.SINGLE_EXAMPLE
-    assert backends.choose(backends.plan(other, model, theta), "auto") is backends.NUMPY
+    assert backends.choose(backends.plan(chain(ops), model, theta), "auto") is backends.SINGLE_EXAMPLE
+    for other in ([ops[0], Decay(0.1), ops[2]], [MovingClip(1.0), *ops[1:]]):
+        assert backends.choose(backends.plan(chain(other), model, theta), "auto") is backends.NUMPY
 
 
 def test_without_numba_the_algorithms_run_numpy(monkeypatch):
@@ -300,3 +303,30 @@ def test_the_audits_canary_models_train_on_the_numpy_chain(name, params):
     assert plain.derived.get("backend", "numba") == "numba"
     np.testing.assert_allclose(fit.theta[2], plain.theta[2], rtol=1e-12)
     assert not np.allclose(fit.theta[0], plain.theta[0]) and not np.allclose(fit.theta[1], plain.theta[1])
+
+
+@pytest.mark.parametrize("model_name", ["logreg", "mlp"])
+def test_per_replica_clip_norms_are_each_replicas_own(model_name):
+    """The clip norm is the `Clip` op's state, one per replica (what an adaptive clip moves): replicas with
+    different norms in one chain each train as alone with theirs."""
+    from dpsgd_cli.algorithms.ops import Scale
+    from dpsgd_cli.algorithms.sampling import poisson_batches
+
+    norms = (0.2, 0.9)
+
+    class PerReplicaClip(Clip):
+        def init(self, params):
+            return np.array(norms)
+
+    X, y = _data()
+    model = make_model(model_name, X.shape[1], 0.0)
+    tail = [Scale(1 / 15), Sgd(constant(0.5))]
+
+    def run(seeds, clip):
+        chain = GradientChain(poisson_batches(X, y, 0.1, ReplicaStreams(seeds)), [clip, *tail], backend="numpy")
+        return chain.run(model, np.zeros((len(seeds), model.n_params)), 25)
+
+    together = run([0, 1], PerReplicaClip(0.0))
+    for r, norm in enumerate(norms):
+        np.testing.assert_allclose(together[r], run([r], Clip(norm))[0], rtol=1e-12, atol=1e-15)
+    assert not np.allclose(run([0], Clip(norms[1]))[0], together[0])  # the norm mattered
