@@ -1,5 +1,5 @@
-"""The numba code of kernels_fullbatch (imported on first use: numba is optional). Module-level functions, so
-numba's on-disk cache finds them again.
+"""The numba code of the full-batch backend (backends.py; imported on first use: numba is optional).
+Module-level functions, so numba's on-disk cache finds them again.
 
 Columns are the (chain, replica) pairs of one call, padded to a multiple of LANES. Every column's numbers are
 computed by the same sequence of IEEE operations whatever its position and the number of columns: its dot

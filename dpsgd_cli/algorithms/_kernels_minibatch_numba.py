@@ -1,5 +1,6 @@
-"""The numba code of kernels_minibatch (imported on first use: numba is optional). Module-level functions, so
-numba's on-disk cache finds them again (a closure over another jitted function gets a new cache key per process).
+"""The numba code of the mini-batch backend (backends.py; imported on first use: numba is optional).
+Module-level functions, so numba's on-disk cache finds them again (a closure over another jitted function gets a
+new cache key per process).
 """
 
 import numba

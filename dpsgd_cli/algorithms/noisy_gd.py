@@ -37,7 +37,7 @@ class NoisyGDParams(BaseModel):
     radius: float | None = Field(None, gt=0, allow_inf_nan=False,
                                  description="project onto the L2 ball of this radius (None: no projection)")
     backend: Backend = Field(
-        "auto", description="logreg: the compiled full-batch step (kernels_fullbatch; auto: when numba is installed) "
+        "auto", description="logreg: the compiled full-batch step (auto: when numba is installed) "
                             "or numpy; same random numbers, same result up to summation order")
 
 

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from dp_accounting.dp_event import DpEvent
 
 
-BACKEND_HELP = ("logistic regression: the compiled mini-batch step (kernels_minibatch; auto: when numba is "
+BACKEND_HELP = ("logistic regression: the compiled mini-batch or full-batch step (auto: when numba is "
                 "installed) or numpy; same random numbers, same result up to summation order")
 
 
