@@ -20,8 +20,6 @@ from dpsgd_cli.algorithms.sampling import IndexedBatches
 from dpsgd_cli.compiled import Backend
 from dpsgd_cli.models import Batch, Model
 
-# --- the algorithm -------------------------------------------------------------------------------------------------
-
 
 @dataclass
 class Checkpoints:
