@@ -83,7 +83,7 @@ def test_kernel_equals_the_numpy_chain(name, params, kw):
 def test_kernel_in_small_chunks_with_checkpoints(monkeypatch, name):
     """Chunks of 64 steps (not dividing the pass of n = 150, nor the checkpoint period): same run."""
     X, y = _data()
-    monkeypatch.setattr(backends, "CHUNK_ELEMENTS", 64 * len(SEEDS) * X.shape[1])
+    monkeypatch.setattr(backends, "SINGLE_CHUNK_ELEMENTS", 64 * len(SEEDS) * X.shape[1])
     ref, fast = _both(name, {}, _setting(X, epochs=2.2, trace_every=70), X, y)
     _assert_same(ref, fast)
     assert len(fast.trace) == 4
@@ -275,7 +275,7 @@ def test_chunks_do_not_change_a_run(monkeypatch):
     run = lambda: ALGORITHMS["bassily2014"]({"backend": "numba"}).fit(  # noqa: E731
         setting, model, X, y, ReplicaStreams(SEEDS)).theta
     whole = run()
-    monkeypatch.setattr(backends, "CHUNK_ELEMENTS", 3 * len(SEEDS) * X.shape[1])  # 64 steps a call: the minimum
+    monkeypatch.setattr(backends, "SINGLE_CHUNK_ELEMENTS", 3 * len(SEEDS) * X.shape[1])  # 64 steps a call: the least
     np.testing.assert_array_equal(run(), whole)
 
 
