@@ -163,6 +163,13 @@ def choose(p: Plan, requested: str) -> Backend:
     return NUMPY
 
 
+def rows_compiled(requested: str) -> bool:
+    """Whether the NumPy backend's model may read a batch's rows in compiled products (the MLP's row-sparse
+    kernels, models/_mlp_numba.py): backend auto or numba, and numba installed."""
+    compiled.check_backend(requested)
+    return requested != "numpy" and compiled.HAVE_NUMBA
+
+
 # --- what the compiled backends share -------------------------------------------------------------------------------
 
 

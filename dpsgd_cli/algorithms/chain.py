@@ -13,7 +13,6 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from dpsgd_cli import compiled
 from dpsgd_cli.algorithms import backends
 from dpsgd_cli.algorithms.ops import Clip, Op, OpStates, Projection, Schedule, Sgd, Update, clip_argument
 from dpsgd_cli.algorithms.sampling import IndexedBatches
@@ -91,7 +90,7 @@ class GradientChain:
     def step(self, model: Model, theta: np.ndarray, t: int, batch: Batch) -> np.ndarray:
         """Update t (1, 2, ...) of θ (R, P), in place where possible, on `batch`, by the ops' NumPy definitions;
         returns the new θ."""
-        if hasattr(batch, "plain") and not self._compiled_rows():  # the model may not take the compiled rows path
+        if hasattr(batch, "plain") and not backends.rows_compiled(self.backend):  # the model may not read rows compiled
             batch = batch.plain()
         elif t == 1 and model.reads_rows_compiled(batch, theta):  # the path is the data's: the same at every step
             self.ran_on = "numba-rows"
@@ -101,14 +100,6 @@ class GradientChain:
             before, after = round((t - 1) * self.examples_per_step), round(t * self.examples_per_step)
             self.checkpoints.maybe_record(model, theta, before, after)
         return theta
-
-    def _compiled_rows(self) -> bool:
-        """Whether the model may read a batch's rows in a compiled product (the MLP's row-sparse kernels, models/
-        _mlp_numba.py): backend auto or numba, and numba installed (looked up here: tests switch it off)."""
-        if self.backend == "numpy":
-            return False
-        compiled.check_backend(self.backend)
-        return compiled.HAVE_NUMBA
 
     def run(self, model: Model, theta: np.ndarray, steps: int) -> np.ndarray:
         """Apply `steps` updates to θ (R, P); a replica that diverges ends as NaN without stopping the others."""
