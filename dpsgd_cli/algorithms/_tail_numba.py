@@ -9,7 +9,7 @@ replica's θ and g in the ops' order, each op over the whole vector, the operati
 import numba
 import numpy as np
 
-NOISE, SCALE, L2, UPDATE, BALL, BOX = 1, 2, 3, 4, 5, 6  # the op codes (backends.program)
+from dpsgd_cli.algorithms.backends import BALL, BOX, L2, NOISE, SCALE, UPDATE
 
 
 @numba.njit(cache=True, nogil=True)

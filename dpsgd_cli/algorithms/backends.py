@@ -51,7 +51,7 @@ CHUNK_ELEMENTS = 1 << 23  # noise numbers per kernel call (64 MB in float64): a 
 SINGLE_CHUNK_ELEMENTS = 1 << 16  # per single-example call: its noise block stays in cache (measured best)
 LANES_FROM = 3  # from this many cells on one batch stream, the mini-batch kernel runs them as vector lanes
 MLP_ACTIVATIONS = {"tanh": 0, "sigmoid": 1, "relu": 2}  # the single-example MLP kernel's `act`
-NOISE, SCALE, L2, UPDATE, BALL, BOX = 1, 2, 3, 4, 5, 6  # _tail_numba's op codes
+NOISE, SCALE, L2, UPDATE, BALL, BOX = 1, 2, 3, 4, 5, 6  # the op codes of the tail's program (`program`)
 
 
 class Regime(enum.Enum):
