@@ -75,7 +75,7 @@ class BassilyParams(BaseModel):
     schedule: Literal["auto", "convex", "strongly_convex"] = Field(
         "auto", description="γ_t = 2R/(G√t) (convex) or 1/(λt) (strongly convex); auto: the latter if λ > 0")
     backend: Backend = Field(
-        "auto", description="logreg: the numba kernel (auto: when numba is installed) or numpy; same result")
+        "auto", description="logreg, mlp: the numba kernel (auto: when numba is installed) or numpy; same result")
 
     @model_validator(mode="before")
     @classmethod

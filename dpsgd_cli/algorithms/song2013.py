@@ -56,8 +56,9 @@ class Song2013Params(BaseModel):
         "inv_sqrt", description="η_t = lr/√t (inv_sqrt), 1/(λt) (inv_t: lr unused), or lr (constant)")
     radius: float | None = Field(None, gt=0, description="projection radius (default 1/λ, which holds w*)")
     backend: Backend = Field(
-        "auto", description="logreg: the numba kernels (b = 1: single-example, b > 1: the compiled mini-batch step; "
-                            "auto: when numba is installed) or numpy; same random numbers, same result")
+        "auto", description="the numba kernels (b = 1, logreg or mlp: single-example; b > 1, logreg: the compiled "
+                            "mini-batch step; auto: when numba is installed) or numpy; same random numbers, same "
+                            "result")
 
 
 NoiseDraw = Callable[[np.random.Generator, int], np.ndarray]  # (generator, K steps) → (K, d) draws of Z_t
