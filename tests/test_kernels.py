@@ -14,8 +14,17 @@ from typer.testing import CliRunner
 from dpsgd_cli import compiled
 from dpsgd_cli.algorithms import ALGORITHMS, Setting, backends
 from dpsgd_cli.algorithms.chain import GradientChain
-from dpsgd_cli.algorithms.ops import Clip, Sgd, WeightDecay, constant, inverse_sqrt, inverse_time, min_inverse_time
-from dpsgd_cli.algorithms.sampling import uniform_examples
+from dpsgd_cli.algorithms.ops import (
+    Clip,
+    Scale,
+    Sgd,
+    WeightDecay,
+    constant,
+    inverse_sqrt,
+    inverse_time,
+    min_inverse_time,
+)
+from dpsgd_cli.algorithms.sampling import poisson_batches, uniform_examples
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import make_model
@@ -309,9 +318,6 @@ def test_the_audits_canary_models_train_on_the_numpy_chain(name, params):
 def test_per_replica_clip_norms_are_each_replicas_own(model_name):
     """The clip norm is the `Clip` op's state, one per replica (what an adaptive clip moves): replicas with
     different norms in one chain each train as alone with theirs."""
-    from dpsgd_cli.algorithms.ops import Scale
-    from dpsgd_cli.algorithms.sampling import poisson_batches
-
     norms = (0.2, 0.9)
 
     class PerReplicaClip(Clip):
