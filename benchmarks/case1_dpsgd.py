@@ -38,15 +38,15 @@ def numpy_dpsgd(X: np.ndarray, y: np.ndarray, replicas: int, steps: int, q: floa
 def chain_run(data, setting, sigma: float, replicas: int, dtype) -> np.ndarray:
     """DPSGD.fit's chain with the data, θ₀ (and so θ) in `dtype` (float32: the same code path, float32 arrays)."""
     from dpsgd_cli.algorithms import ALGORITHMS
-    from dpsgd_cli.algorithms.chain import add_noise
+    from dpsgd_cli.algorithms.ops import Clip, Noise
     from dpsgd_cli.algorithms.streams import ReplicaStreams
     from dpsgd_cli.models import make_model
 
     X, y = data.X_train.astype(dtype, copy=False), data.y_train.astype(dtype, copy=False)
     model = make_model("logreg", data.d, setting.l2)
     streams = ReplicaStreams(range(replicas))
-    noise = add_noise(sigma * setting.clip_norm, streams.normal("noise", (model.n_params,)))
-    chain = ALGORITHMS["dp_sgd"]().chain(setting, X, y, streams, clip=setting.clip_norm, noise=[noise])
+    noise = Noise(sigma * setting.clip_norm, streams.normal("noise", (model.n_params,)))
+    chain = ALGORITHMS["dp_sgd"]().chain(setting, X, y, streams, (Clip(setting.clip_norm), noise))
     return chain.run(model, model.init(streams.generators("init")).astype(dtype), setting.steps)
 
 

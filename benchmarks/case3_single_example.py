@@ -24,7 +24,7 @@ SONG_DATA = {"name": "kddcup99", "subsample": 50000, "projection": 9}
 def _pair(ctx, case: str, what: str, algorithm: str, params: dict, data, setting, rng_seconds,
           rng_what: str = "drawing the random numbers alone") -> Row:
     from dpsgd_cli import compiled
-    from dpsgd_cli.algorithms import ALGORITHMS, kernels
+    from dpsgd_cli.algorithms import ALGORITHMS, backends
     from dpsgd_cli.algorithms.streams import ReplicaStreams
     from dpsgd_cli.models import make_model
 
@@ -38,7 +38,7 @@ def _pair(ctx, case: str, what: str, algorithm: str, params: dict, data, setting
         t_np, _ = best_of(fit("numpy"), 1, warmup=0)
         return Row(case, what, ours=f"numpy {fmt_time(t_np.min)}", goal=f"≥ {GOAL:g}×",
                    note=f"skipped: numba not installed ({compiled.NUMBA_HINT})", data={"numpy": t_np.json()})
-    compile_s = kernels.warm_up()
+    compile_s = backends.warm_up()
     fits, outs = {"numpy": fit("numpy"), "numba": fit("numba")}, {}
     fits["numba"]()  # untimed warm-up of the kernel path
 
@@ -75,6 +75,18 @@ def _pair(ctx, case: str, what: str, algorithm: str, params: dict, data, setting
               "steps": out_np.derived["steps"], "rng_s": rng, "compile_or_load_s": compile_s})
 
 
+class _Steps:
+    """The steps of a noise stream taken m at a time, as the compiled backends take them."""
+
+    def __init__(self, draws):
+        self.draws = draws
+
+    def take(self, m: int):
+        from dpsgd_cli.algorithms.backends import noise_blocks
+
+        return noise_blocks([self.draws], m)[0]
+
+
 def _rng_seconds(draws, steps: int):
     """Seconds to draw the run's random numbers alone (the same blocks the fit draws), best of 3. `draws`: makers
     of what the fit takes its steps from (a sampler, or a reader of noise blocks)."""
@@ -88,7 +100,6 @@ def _rng_seconds(draws, steps: int):
 
 
 def run(ctx) -> list[Row]:
-    from dpsgd_cli.algorithms import kernels
     from dpsgd_cli.algorithms.sampling import shuffled_batches, uniform_examples
     from dpsgd_cli.algorithms.streams import ReplicaStreams
     from dpsgd_cli.privacy.mechanisms import gamma_norm_noise
@@ -100,7 +111,7 @@ def run(ctx) -> list[Row]:
         kdd = load(SONG_DATA)
         setting = logreg_setting(kdd, batch_size=1, lr=1.0, l2=1e-3, epsilon=1.0, clip_norm=None)
         streams = ReplicaStreams([0])
-        draws = [lambda: kernels._Reader(streams.blocks(
+        draws = [lambda: _Steps(streams.per_step(
                      "noise", lambda g, k: gamma_norm_noise(g, setting.epsilon, kdd.d, size=k))),
                  lambda: shuffled_batches(kdd.X_train, kdd.y_train, 1, streams)]
         rows.append(_pair(ctx, "3a", what, "song2013", {}, kdd, setting, _rng_seconds(draws, kdd.n)))
@@ -113,11 +124,10 @@ def run(ctx) -> list[Row]:
         adult = load({"name": "adult"})
         setting = logreg_setting(adult, batch_size=None, lr=None, clip_norm=None)
         streams = ReplicaStreams([0])
-        draws = [lambda: kernels._Reader(streams.blocks("noise", lambda g, k: g.standard_normal((k, adult.d)))),
+        draws = [lambda: _Steps(streams.normal("noise", (adult.d,))),
                  lambda: uniform_examples(adult.X_train, adult.y_train, streams)]
         rows.append(_pair(ctx, "3b", what, "bassily2014", {}, adult, setting, _rng_seconds(draws, adult.n),
-                          "drawing its random numbers with NumPy into blocks (the kernel draws its normals itself, "
-                          "from the same generators, ~3× faster)"))
+                          "drawing its random numbers into blocks, as the fit does"))
     except Skip as skip:
         rows.append(Row("3b", what, goal=f"≥ {GOAL:g}×", note=f"skipped: {skip}"))
         rows.append(Row("3c", "pidp_sgd adult: no kernel", note=f"skipped: {skip}"))
@@ -132,7 +142,7 @@ def _pidp_mlp(ctx, data, steps: int = 3000) -> Row:
     """pidp_sgd on the MLP (adult, h = d, P = 11,025), one round of `steps` single-example steps, one replica: the
     NumPy chain vs the numba kernel `sgd1_mlp` (the influence test, over the output layer, is the same on both)."""
     from dpsgd_cli import compiled
-    from dpsgd_cli.algorithms import ALGORITHMS, kernels
+    from dpsgd_cli.algorithms import ALGORITHMS, backends
     from dpsgd_cli.algorithms.streams import ReplicaStreams
     from dpsgd_cli.models import make_model
 
@@ -146,7 +156,7 @@ def _pidp_mlp(ctx, data, steps: int = 3000) -> Row:
         algo = ALGORITHMS["pidp_sgd"]({"rounds": 1, "local_steps": steps, "backend": backend})
         return lambda: algo.fit(setting, model, data.X_train, data.y_train, ReplicaStreams([0]))
 
-    kernels.warm_up()
+    backends.warm_up()
     t_np, out_np = best_of(fit("numpy"), 1, warmup=0)
     t_nb, out_nb = best_of(fit("numba"), 1 if ctx.quick else 3, warmup=1)
     diff = float(np.max(np.abs(out_nb.theta - out_np.theta)))

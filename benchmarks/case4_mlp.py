@@ -42,7 +42,8 @@ def run(ctx) -> list[Row]:
         return [Row("4", what, note=f"skipped: no MLP yet ({type(exc).__name__}: {str(exc)[:120]})")]
 
     from dpsgd_cli.algorithms import ALGORITHMS
-    from dpsgd_cli.algorithms.chain import GradientChain, add_l2, add_noise, constant, scale
+    from dpsgd_cli.algorithms.chain import GradientChain
+    from dpsgd_cli.algorithms.ops import Clip, Noise, Scale, Sgd, WeightDecay, constant
     from dpsgd_cli.algorithms.sampling import poisson_batches
     from dpsgd_cli.algorithms.streams import ReplicaStreams
     from dpsgd_cli.privacy.accounting import calibrate_sigma
@@ -66,11 +67,11 @@ def run(ctx) -> list[Row]:
 
     def chain_run(m, count):
         streams = ReplicaStreams(range(REPLICAS))
-        chain = GradientChain(batches=poisson_batches(X, y, setting.sample_rate, streams), clip=setting.clip_norm,
-                              transforms=[add_noise(cal.sigma * setting.clip_norm,
-                                                    streams.normal("noise", (model.n_params,))),
-                                          scale(1.0 / setting.batch_size), add_l2(setting.l2)],
-                              schedule=constant(setting.lr))
+        chain = GradientChain(batches=poisson_batches(X, y, setting.sample_rate, streams),
+                              ops=[Clip(setting.clip_norm),
+                                   Noise(cal.sigma * setting.clip_norm, streams.normal("noise", (model.n_params,))),
+                                   Scale(1.0 / setting.batch_size), WeightDecay(setting.l2), Sgd(constant(setting.lr))],
+                              backend="numpy")
         return chain.run(m, model.init(streams.generators("init")), count)
 
     diff = float(np.max(np.abs(chain_run(model, naive_steps) - chain_run(Naive(), naive_steps))))

@@ -5,7 +5,7 @@ import pytest
 from scipy import stats
 
 from dpsgd_cli.algorithms import ALGORITHMS, Setting
-from dpsgd_cli.algorithms.chain import add_noise
+from dpsgd_cli.algorithms.ops import Clip, Noise
 from dpsgd_cli.algorithms.sampling import poisson_batches, poisson_indices
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.models import make_model
@@ -76,8 +76,8 @@ def test_dp_sgd_without_noise_or_clipping_is_sgd(data):
     setting, streams = _setting(*X.shape), ReplicaStreams([0, 1])
     sgd = ALGORITHMS["sgd"]()
     reference = sgd.fit(setting, model, X, y, streams).theta
-    silent = add_noise(0.0, streams.normal("noise", (X.shape[1],)))
-    chain = ALGORITHMS["dp_sgd"]().chain(setting, X, y, streams, clip=1e12, noise=[silent])
+    silent = Noise(0.0, streams.normal("noise", (X.shape[1],)))
+    chain = ALGORITHMS["dp_sgd"]().chain(setting, X, y, streams, (Clip(1e12), silent))
     np.testing.assert_allclose(chain.run(model, np.zeros((2, X.shape[1])), setting.steps), reference, rtol=1e-12)
 
 

@@ -15,6 +15,7 @@ import pytest
 import scipy.stats
 from typer.testing import CliRunner
 
+from dpsgd_cli.algorithms.ops import Clip, Noise, Op
 from dpsgd_cli.algorithms.sgd import DPSGD
 from dpsgd_cli.audit import stats
 from dpsgd_cli.audit.engine import audit_cell
@@ -115,6 +116,17 @@ def _cells(**grid):
     return expand(GridFile.model_validate({"grids": [{**base, **grid}]}).grids[0])
 
 
+@dataclasses.dataclass(frozen=True)
+class ClipSum(Op):
+    """A broken clip: the batch's summed gradient clipped to the norm, instead of each example's."""
+
+    norm: float
+
+    def update(self, grad, state, params):
+        norm = np.linalg.norm(grad, axis=1, keepdims=True)
+        return grad * np.minimum(1.0, self.norm / np.maximum(norm, 1e-300)), state
+
+
 class _BrokenDPSGD(DPSGD):
     """Test-only broken DP-SGD (never registered): "clip_batch" clips the batch's summed gradient instead of each
     example's; "same_noise" reuses one noise vector at every step."""
@@ -122,19 +134,16 @@ class _BrokenDPSGD(DPSGD):
     kind = ""
 
     def prepare(self, setting, model, X, y, streams):
-        from dpsgd_cli.algorithms.chain import add_noise
         from dpsgd_cli.privacy.accounting import calibrate_sigma
 
         cal = calibrate_sigma(*self.sigma_calibration(setting))
-        draws, clip, pre = streams.normal("noise", (model.n_params,)), setting.clip_norm, []
+        draws = streams.normal("noise", (model.n_params,))
+        clip: Op = Clip(setting.clip_norm)
         if self.kind == "clip_batch":
-            C = clip
-            pre, clip = [lambda g, theta: g * np.minimum(1.0, C / np.maximum(np.linalg.norm(g, axis=1, keepdims=True),
-                                                                             1e-300))], None
+            clip = ClipSum(setting.clip_norm)
         elif self.kind == "same_noise":
             draws = itertools.repeat(next(draws))
-        chain = self.chain(setting, X, y, streams, clip=clip,
-                           noise=[*pre, add_noise(cal.sigma * setting.clip_norm, draws)])
+        chain = self.chain(setting, X, y, streams, (clip, Noise(cal.sigma * setting.clip_norm, draws)))
         return self._prepared(setting, model, X, streams, chain, {"sigma": cal.sigma, "epsilon_achieved": cal.epsilon},
                               "proved")
 

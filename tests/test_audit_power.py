@@ -341,7 +341,7 @@ def test_dirac_statistics_undo_dp_lssgd_smoothing():
     transform, and projecting the update on w = A e (Mᵀw = e) gives back the canary's inclusions exactly when the
     noise is removed (0 or 1 at every step, as for dp_sgd), although A⁻¹ spreads the canary's gradient over every
     coordinate and mixes the data's into e's."""
-    from dpsgd_cli.algorithms.chain import laplacian_eigenvalues
+    from dpsgd_cli.algorithms.ops import laplacian_eigenvalues
     from dpsgd_cli.algorithms.streams import ReplicaStreams
     from dpsgd_cli.audit.engine import _post_processing, _step_statistics, dirac_setup
     from dpsgd_cli.engine.runner import dataset

@@ -9,7 +9,7 @@ from scipy import stats
 
 from dpsgd_cli.algorithms import ALGORITHMS, Setting
 from dpsgd_cli.algorithms.bassily import Bassily2014
-from dpsgd_cli.algorithms.chain import constant
+from dpsgd_cli.algorithms.ops import constant
 from dpsgd_cli.algorithms.sampling import uniform_examples
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.models import make_model

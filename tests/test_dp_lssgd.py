@@ -7,10 +7,11 @@ from pydantic import ValidationError
 from scipy import stats
 
 from dpsgd_cli.algorithms import ALGORITHMS, Setting
-from dpsgd_cli.algorithms.chain import (
-    add_noise,
+from dpsgd_cli.algorithms.ops import (
+    Clip,
+    LaplacianSmoothing,
+    Noise,
     laplacian_eigenvalues,
-    laplacian_smoothing,
     smoothed_noise_variance_factor,
 )
 from dpsgd_cli.algorithms.sampling import poisson_batches
@@ -41,12 +42,18 @@ def _setting(n, d, **kw):
     return Setting(**{**base, **kw})
 
 
+def smooth(sigma_ls, g):
+    """The `LaplacianSmoothing` op's update of g (its state made from g's length)."""
+    op = LaplacianSmoothing(sigma_ls)
+    return op.update(g, op.init(g), g)[0]
+
+
 def test_small_cases_by_hand():
     np.testing.assert_array_equal(dense_laplacian(1), [[0.0]])
     np.testing.assert_array_equal(dense_laplacian(2), [[-2.0, 2.0], [2.0, -2.0]])
     np.testing.assert_allclose(laplacian_eigenvalues(0.5, 4), [1.0, 2.0, 3.0, 2.0])  # 1 + 2·0.5·(1 − cos(πk/2))
     g = np.array([[1.0, 3.0]])  # P = 2, σ = 1: A = [[3, −2], [−2, 3]], A⁻¹ = [[3, 2], [2, 3]]/5, A⁻¹g = [9, 11]/5
-    np.testing.assert_allclose(laplacian_smoothing(1.0, 2)(g, None), [[9 / 5, 11 / 5]], rtol=1e-14)
+    np.testing.assert_allclose(smooth(1.0, g), [[9 / 5, 11 / 5]], rtol=1e-14)
 
 
 @pytest.mark.parametrize("P", [1, 2, 3, 4, 5, 8, 17, 64])
@@ -56,20 +63,17 @@ def test_fft_solve_equals_the_dense_inverse(P, sigma_ls):
     np.testing.assert_allclose(np.sort(laplacian_eigenvalues(sigma_ls, P)), np.linalg.eigvalsh(A), rtol=1e-12)
     g = np.random.default_rng(P).normal(size=(3, P))
     expected = np.linalg.solve(A, g.T).T
-    np.testing.assert_allclose(laplacian_smoothing(sigma_ls, P)(g, None), expected, rtol=1e-11, atol=1e-13)
-    np.testing.assert_allclose(laplacian_smoothing(sigma_ls)(g, None), expected, rtol=1e-11, atol=1e-13)  # P inferred
-    assert laplacian_smoothing(sigma_ls)(g, None).shape == g.shape
+    np.testing.assert_allclose(smooth(sigma_ls, g), expected, rtol=1e-11, atol=1e-13)
+    assert smooth(sigma_ls, g).shape == g.shape
     factor = np.mean(np.diag(np.linalg.inv(A) @ np.linalg.inv(A).T))  # Var((A⁻¹z)_i) averaged over i
     assert smoothed_noise_variance_factor(sigma_ls, P) == pytest.approx(factor, rel=1e-10)
 
 
 def test_smoothing_zero_is_the_identity_and_bad_values_are_rejected():
     g = np.random.default_rng(0).normal(size=(2, 9))
-    assert laplacian_smoothing(0.0)(g, None) is g
+    assert smooth(0.0, g) is g
     with pytest.raises(UserError):
-        laplacian_smoothing(-1.0)
-    with pytest.raises(ValueError):
-        laplacian_smoothing(1.0, 5)(g, None)  # built for P = 5, given P = 9
+        LaplacianSmoothing(-1.0)
     with pytest.raises(ValidationError):
         ALGORITHMS["dp_lssgd"]({"smoothing": -0.1})
     with pytest.raises(ValidationError):
@@ -109,9 +113,9 @@ def test_without_noise_it_is_laplacian_smoothing_sgd_with_the_regulariser_smooth
     model = make_model("logreg", X.shape[1], l2)
     setting, streams = _setting(*X.shape, l2=l2), ReplicaStreams([0, 1])
     algo = ALGORITHMS["dp_lssgd"]({"smoothing": sigma_ls})
-    silent = add_noise(0.0, streams.normal("noise", (X.shape[1],)))
+    silent = Noise(0.0, streams.normal("noise", (X.shape[1],)))
     theta0 = np.random.default_rng(9).normal(size=(2, X.shape[1]))  # λθ ≠ 0 from the first step
-    got = algo.chain(setting, X, y, streams, clip=1e12, noise=[silent]).run(model, theta0, setting.steps)
+    got = algo.chain(setting, X, y, streams, (Clip(1e12), silent)).run(model, theta0, setting.steps)
     A_inv = np.linalg.inv(np.eye(X.shape[1]) - sigma_ls * dense_laplacian(X.shape[1]))
     theta, batches = theta0.copy(), poisson_batches(X, y, setting.sample_rate, ReplicaStreams([0, 1]))
     for _ in range(setting.steps):

@@ -1,4 +1,5 @@
-"""Numba kernels (algorithms/kernels.py): each equals the NumPy chain it replaces; backend selection; the CLI line.
+"""The single-example backend (algorithms/backends.py, _kernels_single_numba.py): equals the NumPy chain; the one
+decision of a chain's backend; the noise stream drawn the same in any block size; the CLI line.
 
 The equality tests skip when numba is not installed (`pip install 'dpsgd[numba]'`); the selection tests run always.
 """
@@ -11,9 +12,19 @@ from pydantic import ValidationError
 from typer.testing import CliRunner
 
 from dpsgd_cli import compiled
-from dpsgd_cli.algorithms import ALGORITHMS, Setting, kernels
-from dpsgd_cli.algorithms.chain import constant, inverse_sqrt, inverse_time, min_inverse_time
-from dpsgd_cli.algorithms.sampling import uniform_examples
+from dpsgd_cli.algorithms import ALGORITHMS, Setting, backends
+from dpsgd_cli.algorithms.chain import GradientChain
+from dpsgd_cli.algorithms.ops import (
+    Clip,
+    Scale,
+    Sgd,
+    WeightDecay,
+    constant,
+    inverse_sqrt,
+    inverse_time,
+    min_inverse_time,
+)
+from dpsgd_cli.algorithms.sampling import poisson_batches, uniform_examples
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import make_model
@@ -81,7 +92,7 @@ def test_kernel_equals_the_numpy_chain(name, params, kw):
 def test_kernel_in_small_chunks_with_checkpoints(monkeypatch, name):
     """Chunks of 64 steps (not dividing the pass of n = 150, nor the checkpoint period): same run."""
     X, y = _data()
-    monkeypatch.setattr(kernels, "CHUNK_ELEMENTS", 64 * len(SEEDS) * X.shape[1])
+    monkeypatch.setattr(backends, "SINGLE_CHUNK_ELEMENTS", 64 * len(SEEDS) * X.shape[1])
     ref, fast = _both(name, {}, _setting(X, epochs=2.2, trace_every=70), X, y)
     _assert_same(ref, fast)
     assert len(fast.trace) == 4
@@ -111,14 +122,18 @@ def test_kernel_float32_data_runs_and_matches_float64_closely():
 def test_schedule_values_match_step_by_step_calls():
     for schedule in (constant(0.3), inverse_sqrt(2.0), inverse_time(5.0), min_inverse_time(4.0, 0.1)):
         expected = np.array([schedule(t) for t in range(7, 300)])
-        np.testing.assert_allclose(kernels.schedule_values(schedule, 7, 300), expected, rtol=1e-15)
+        np.testing.assert_allclose(backends.schedule_values(schedule, 7, 300), expected, rtol=1e-15)
 
 
-def test_block_draws_consume_the_streams_like_the_numpy_step():
+@pytest.mark.parametrize("block", [1, 7, 64, 70])
+def test_the_noise_stream_is_each_generators_normals_in_step_order_in_any_block(block):
+    """Every backend takes a chain's noise from one per-step stream, in blocks of its own size (`noise_blocks`):
+    whatever the size, replica r's numbers are its generator's standard normals consumed step by step."""
     streams = ReplicaStreams([4, 9])
-    noise = kernels._Reader(streams.blocks("noise", lambda g, k: g.standard_normal((k, 3)))).take(70)
-    per_step = streams.normal("noise", (3,))
-    np.testing.assert_array_equal(noise, np.stack([next(per_step) for _ in range(70)]))
+    draws = streams.normal("noise", (3,))
+    taken = np.concatenate([backends.noise_blocks([draws], min(block, 70 - t))[0][0] for t in range(0, 70, block)])
+    expected = [g.standard_normal((70, 3)) for g in streams.generators("noise")]
+    np.testing.assert_array_equal(taken, np.stack(expected, axis=1))
 
 
 def test_fixed_batches_plain_and_gathered_are_the_same_rows():
@@ -139,34 +154,67 @@ def test_fixed_batches_plain_and_gathered_are_the_same_rows():
 # --- backend selection (no numba needed) ---------------------------------------------------------------------------
 
 
-def test_backend_selection(monkeypatch):
-    logreg = make_model("logreg", 3, 0.1)
+def _chain(X, y, model, batch_size=1, backend="auto"):
+    streams = ReplicaStreams([0, 1])
+    setting = _setting(X, batch_size=batch_size)
+    chain = ALGORITHMS["song2013_nonprivate"]({"backend": backend}).chain(setting, X, y, streams)
+    return backends.plan(chain, model, np.zeros((2, model.n_params))), backend
 
-    class Other(type(logreg)):  # a model whose gradient is not the logistic one the kernel computes
+
+def test_backend_selection(monkeypatch):
+    X, y = _data()
+    logreg, mlp = make_model("logreg", X.shape[1], 0.1), make_model("mlp", X.shape[1], 0.1)
+
+    class Other(type(logreg)):  # a model whose gradient is not the logistic one the kernels compute
         def clipped_grad_sum(self, theta, batch, clip):
             return super().clipped_grad_sum(theta, batch, clip)
 
     monkeypatch.setattr(compiled, "HAVE_NUMBA", True)
-    monkeypatch.setattr(kernels, "_kernels", lambda: {})  # "numba imports": the selection logic only
-    assert kernels.select_backend("auto", logreg, 1) == "numba"
-    assert kernels.select_backend("numba", logreg, 1) == "numba"
-    assert kernels.select_backend("numpy", logreg, 1) == "numpy"
-    assert kernels.select_backend("auto", logreg, 2) == "numpy"  # mini-batches stay vectorised NumPy
-    assert kernels.select_backend("numba", logreg, 5) == "numpy"
-    assert kernels.select_backend("auto", Other(3, 0.1), 1) == "numpy"
+    monkeypatch.setattr(backends, "_load", lambda module: None)  # "numba imports": the selection logic only
+    assert backends.choose(*_chain(X, y, logreg)) is backends.SINGLE_EXAMPLE
+    assert backends.choose(*_chain(X, y, mlp, backend="numba")) is backends.SINGLE_EXAMPLE
+    assert backends.choose(*_chain(X, y, logreg, backend="numpy")) is backends.NUMPY
+    assert backends.choose(*_chain(X, y, logreg, batch_size=2)) is backends.MINI_BATCH
+    assert backends.choose(*_chain(X, y, mlp, batch_size=2)) is backends.NUMPY  # the MLP's mini-batches: NumPy
+    assert backends.choose(*_chain(X, y, Other(X.shape[1], 0.1))) is backends.NUMPY
+    plan, _ = _chain(X, y, logreg)
+    assert backends.choose(backends.Plan(plan.regime, plan.family, np.dtype(np.float32), plan.ops),
+                           "auto") is backends.NUMPY
 
-    def broken():
+    def broken(module):
         raise UserError("numba could not be imported (ImportError: ...)")
 
-    monkeypatch.setattr(kernels, "_kernels", broken)  # installed but broken: auto falls back, numba says why
-    assert kernels.select_backend("auto", logreg, 1) == "numpy"
+    monkeypatch.setattr(backends, "_load", broken)  # installed but broken: auto falls back, numba says why
+    assert backends.choose(*_chain(X, y, logreg)) is backends.NUMPY
     with pytest.raises(UserError, match="could not be imported"):
-        kernels.select_backend("numba", logreg, 1)
+        backends.choose(*_chain(X, y, logreg, backend="numba"))
     monkeypatch.setattr(compiled, "HAVE_NUMBA", False)
-    assert kernels.select_backend("auto", logreg, 1) == "numpy"
+    assert backends.choose(*_chain(X, y, logreg)) is backends.NUMPY
     with pytest.raises(UserError, match=r"pip install 'dpsgd\[numba\]'"):
-        kernels.select_backend("numba", logreg, 1)
+        backends.choose(*_chain(X, y, logreg, backend="numba"))
     assert compiled.backend_description().startswith("backend: numpy (pip install 'dpsgd[numba]'")
+
+
+def test_an_op_no_backend_knows_runs_on_numpy(monkeypatch):
+    """Backends match op classes: a chain with an op of another class (here a subclass of a known one, which may
+    compute anything) runs on NumPy."""
+
+    class Decay(WeightDecay):
+        pass
+
+    class MovingClip(Clip):  # e.g. an adaptive clip: its norms are state that its update moves
+        pass
+
+    X, y = _data()
+    model = make_model("logreg", X.shape[1], 0.1)
+    ops = [Clip(1.0), WeightDecay(0.1), Sgd(constant(0.1))]
+    chain = lambda ops: GradientChain(uniform_examples(X, y, ReplicaStreams([0])), ops)  # noqa: E731
+    monkeypatch.setattr(compiled, "HAVE_NUMBA", True)
+    monkeypatch.setattr(backends, "_load", lambda module: None)
+    theta = np.zeros((1, X.shape[1]))
+    assert backends.choose(backends.plan(chain(ops), model, theta), "auto") is backends.SINGLE_EXAMPLE
+    for other in ([ops[0], Decay(0.1), ops[2]], [MovingClip(1.0), *ops[1:]]):
+        assert backends.choose(backends.plan(chain(other), model, theta), "auto") is backends.NUMPY
 
 
 def test_without_numba_the_algorithms_run_numpy(monkeypatch):
@@ -216,35 +264,28 @@ def test_cli_run_says_the_backend_once(tmp_path, monkeypatch):
 
 
 @needs_numba
-def test_the_mlp_takes_the_single_example_kernel_only_where_its_chain_allows_it():
-    """`sgd1_mlp` runs pidp_sgd's chains (`mlp_kernel`); the other single-example chains keep the MLP on NumPy."""
-    from dpsgd_cli.algorithms.chain import GradientChain, add_l2
-
+@pytest.mark.parametrize("name, params", [("song2013", {}), ("bassily2014", {}), ("song2013_nonprivate", {})])
+def test_the_mlp_on_the_single_example_kernel_equals_the_numpy_chain(name, params):
     X, y = _data()
-    mlp = make_model("mlp", X.shape[1], 1e-3)
-    theta = np.zeros((2, mlp.n_params))
-    chain = lambda allow: GradientChain(uniform_examples(X, y, ReplicaStreams([0, 1])), clip=1.0,  # noqa: E731
-                                        transforms=[add_l2(1e-3)], backend="auto", mlp_kernel=allow)
-    assert not kernels.single_example_applies(mlp, chain(False), theta)
-    assert kernels.single_example_applies(mlp, chain(True), theta)
+    setting = _setting(X, trace_every=70, epochs=1.5)
+    model = make_model("mlp", X.shape[1], setting.l2)
+    ref = ALGORITHMS[name]({**params, "backend": "numpy"}).fit(setting, model, X, y, ReplicaStreams(SEEDS))
+    fast = ALGORITHMS[name]({**params, "backend": "numba"}).fit(setting, model, X, y, ReplicaStreams(SEEDS))
+    _assert_same(ref, fast)
 
 
 @needs_numba
-def test_noise_drawn_in_the_kernel_equals_the_noise_blocks_bit_for_bit(monkeypatch):
-    """bassily2014's kernel draws its normals from the generators itself: the same numbers as the NumPy blocks,
-    across chunk boundaries (small chunks) and for several replicas, so θ is identical bit for bit."""
-    monkeypatch.setattr(kernels, "CHUNK_ELEMENTS", 64 * 3 * 5)
+def test_chunks_do_not_change_a_run(monkeypatch):
+    """A kernel's run is the same bit for bit whatever its chunks (the noise stream and the batches are taken in
+    blocks of the chunk's size: the same numbers in any block size)."""
     X, y = _data()
-    streams = ReplicaStreams(SEEDS)
-    theta0 = np.zeros((len(SEEDS), X.shape[1]))
-    kw = dict(clip=1.0, l2=1e-2, radius=2.0, noise_std=0.7)
-    run = lambda **noise: kernels.single_example_sgd(  # noqa: E731
-        theta0, X, y, lambda m, batches=uniform_examples(X, y, streams): batches.take(m)[:, :, 0], 400,  # noqa: B008
-        lambda t: 0.5 / t ** 0.5, **kw, **noise)
-    blocks = run(noise=streams.blocks("noise", lambda g, k: g.standard_normal((k, X.shape[1]))))
-    drawn = run(noise_generators=streams.generators("noise"))
-    np.testing.assert_array_equal(drawn, blocks)
-    assert not np.array_equal(run(noise_generators=ReplicaStreams([1, 2, 3]).generators("noise")), blocks)
+    setting = _setting(X, epochs=2.2)
+    model = make_model("logreg", X.shape[1], setting.l2)
+    run = lambda: ALGORITHMS["bassily2014"]({"backend": "numba"}).fit(  # noqa: E731
+        setting, model, X, y, ReplicaStreams(SEEDS)).theta
+    whole = run()
+    monkeypatch.setattr(backends, "SINGLE_CHUNK_ELEMENTS", 3 * len(SEEDS) * X.shape[1])  # 64 steps a call: the least
+    np.testing.assert_array_equal(run(), whole)
 
 
 @needs_numba
@@ -271,3 +312,27 @@ def test_the_audits_canary_models_train_on_the_numpy_chain(name, params):
     assert plain.derived.get("backend", "numba") == "numba"
     np.testing.assert_allclose(fit.theta[2], plain.theta[2], rtol=1e-12)
     assert not np.allclose(fit.theta[0], plain.theta[0]) and not np.allclose(fit.theta[1], plain.theta[1])
+
+
+@pytest.mark.parametrize("model_name", ["logreg", "mlp"])
+def test_per_replica_clip_norms_are_each_replicas_own(model_name):
+    """The clip norm is the `Clip` op's state, one per replica (what an adaptive clip moves): replicas with
+    different norms in one chain each train as alone with theirs."""
+    norms = (0.2, 0.9)
+
+    class PerReplicaClip(Clip):
+        def init(self, params):
+            return np.array(norms)
+
+    X, y = _data()
+    model = make_model(model_name, X.shape[1], 0.0)
+    tail = [Scale(1 / 15), Sgd(constant(0.5))]
+
+    def run(seeds, clip):
+        chain = GradientChain(poisson_batches(X, y, 0.1, ReplicaStreams(seeds)), [clip, *tail], backend="numpy")
+        return chain.run(model, np.zeros((len(seeds), model.n_params)), 25)
+
+    together = run([0, 1], PerReplicaClip(0.0))
+    for r, norm in enumerate(norms):
+        np.testing.assert_allclose(together[r], run([r], Clip(norm))[0], rtol=1e-12, atol=1e-15)
+    assert not np.allclose(run([0], Clip(norms[1]))[0], together[0])  # the norm mattered

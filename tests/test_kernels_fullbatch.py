@@ -1,22 +1,15 @@
-"""The compiled full-batch step (algorithms/kernels_fullbatch.py): `noisy_gd` on it equals the NumPy chain up to
-summation order, a replica's run is bit for bit the same whatever shares the call (other seeds, other cells),
-the backend setting is respected, and run ids do not see it."""
+"""The compiled full-batch backend (algorithms/backends.py, _kernels_fullbatch_numba.py): `noisy_gd` on it equals
+the NumPy chain up to summation order, a replica's run is bit for bit the same whatever shares the call (other
+seeds, other cells), the backend setting is respected, and run ids do not see it."""
 
 import numpy as np
 import pytest
 
 from dpsgd_cli import compiled
-from dpsgd_cli.algorithms import ALGORITHMS, Setting, kernels_fullbatch
-from dpsgd_cli.algorithms.chain import (
-    GradientChain,
-    add_l2,
-    add_noise,
-    constant,
-    project_to_ball,
-    scale,
-    train_together,
-)
-from dpsgd_cli.algorithms.sampling import full_batches
+from dpsgd_cli.algorithms import ALGORITHMS, Setting, backends
+from dpsgd_cli.algorithms.chain import GradientChain, train_together
+from dpsgd_cli.algorithms.ops import Clip, Noise, ProjectBall, ProjectBox, Scale, Sgd, WeightDecay, constant
+from dpsgd_cli.algorithms.sampling import full_batches, poisson_batches
 from dpsgd_cli.algorithms.streams import ReplicaStreams, SharedStreams
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import make_model
@@ -102,24 +95,27 @@ def test_a_replica_does_not_depend_on_what_shares_the_call():
 
 
 @needs_numba
-def test_any_transform_order():
-    """The transforms in the mini-batch kernel's order (noise → scale → λθ), in noisy_gd's and in a third: each
-    chain equals its NumPy chain."""
+@pytest.mark.parametrize("sampler", ["full", "poisson"])
+@pytest.mark.parametrize("project", [ProjectBall, ProjectBox])
+def test_any_op_order_on_the_shared_tail(sampler, project):
+    """The ops in dp_sgd's order (noise → scale → λθ), in noisy_gd's and in a third, with either projection: on
+    the full-batch and the mini-batch backend (one tail program), each chain equals its NumPy chain."""
     X, y = _data()
     model = make_model("logreg", X.shape[1], 0.1)
     n = X.shape[0]
 
     def chain(streams, order, backend):
-        noise = add_noise(0.3, streams.normal("noise", (X.shape[1],)))
-        parts = {"noise": noise, "scale": scale(1.0 / n), "l2": add_l2(0.1)}
-        return GradientChain(batches=full_batches(X, y, streams.replicas), clip=0.7,
-                             transforms=[parts[k] for k in order], schedule=constant(2.0),
-                             project=project_to_ball(2.0), backend=backend)
+        parts = {"noise": Noise(0.3, streams.normal("noise", (X.shape[1],))), "scale": Scale(1.0 / n),
+                 "l2": WeightDecay(0.1)}
+        batches = full_batches(X, y, streams.replicas) if sampler == "full" else poisson_batches(X, y, 0.2, streams)
+        return GradientChain(batches=batches, ops=[Clip(0.7), *(parts[k] for k in order), Sgd(constant(2.0)),
+                                                   project(0.2)], backend=backend)
 
     theta0 = np.random.default_rng(5).normal(size=(3, X.shape[1]))
+    expected = backends.FULL_BATCH if sampler == "full" else backends.MINI_BATCH
     for order in (("noise", "scale", "l2"), ("scale", "l2", "noise"), ("l2", "noise", "scale")):
         fast = chain(ReplicaStreams(SEEDS), order, "numba")
-        assert kernels_fullbatch.applies(model, fast, theta0)
+        assert backends.choose(backends.plan(fast, model, theta0), "numba") is expected
         got = fast.run(model, theta0, 9)
         ref = chain(ReplicaStreams(SEEDS), order, "numpy").run(model, theta0, 9)
         np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-14)
@@ -144,7 +140,7 @@ def test_mlp_and_float32_stay_on_numpy():
     model = make_model("logreg", X.shape[1], setting.l2)
     X32 = X.astype(np.float32)
     p = ALGORITHMS["noisy_gd"]().prepare(setting, model, X32, y.astype(np.float32), ReplicaStreams([0]))
-    assert not kernels_fullbatch.applies(model, p.chain, p.theta.astype(np.float32))
+    assert backends.choose(backends.plan(p.chain, model, p.theta.astype(np.float32)), "auto") is backends.NUMPY
 
 
 def test_backend_is_not_in_the_run_id(tmp_path):

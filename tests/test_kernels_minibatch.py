@@ -1,21 +1,23 @@
-"""The compiled mini-batch step (algorithms/kernels_minibatch.py): equals the NumPy chain up to summation order,
-fused equals alone bit for bit on it, divergence stays per replica, and it is the path `backend: auto` takes."""
+"""The compiled mini-batch backend (algorithms/backends.py, _kernels_minibatch_numba.py): equals the NumPy chain up
+to summation order, fused equals alone bit for bit on it, divergence stays per replica, and it is the path
+`backend: auto` takes."""
 
 import numpy as np
 import pytest
 
 from dpsgd_cli import compiled
-from dpsgd_cli.algorithms import ALGORITHMS, Setting, kernels_minibatch
-from dpsgd_cli.algorithms.chain import (
-    Checkpoints,
-    GradientChain,
-    add_l2,
-    add_noise,
+from dpsgd_cli.algorithms import ALGORITHMS, Setting, backends
+from dpsgd_cli.algorithms.chain import Checkpoints, GradientChain, train_together
+from dpsgd_cli.algorithms.ops import (
+    Clip,
+    LaplacianSmoothing,
+    Noise,
+    ProjectBall,
+    Scale,
+    Sgd,
+    WeightDecay,
+    constant,
     inverse_sqrt,
-    laplacian_smoothing,
-    project_to_ball,
-    scale,
-    train_together,
 )
 from dpsgd_cli.algorithms.sampling import poisson_batches, shuffled_batches
 from dpsgd_cli.algorithms.streams import ReplicaStreams, SharedStreams
@@ -80,11 +82,11 @@ def test_kernel_equals_the_numpy_chain(name, params, kw):
         assert not np.allclose(ref.theta[0], ref.theta[1])
 
 
-def _chain(X, y, streams, *, radius=0.8, batches=None, l2=0.05, std=0.3, clip=0.6, trace=None):
-    noise = [add_noise(std, streams.normal("noise", (X.shape[1],)))] if std is not None else []
-    return GradientChain(batches=batches if batches is not None else poisson_batches(X, y, 0.1, streams), clip=clip,
-                         transforms=[*noise, scale(1 / 24), add_l2(l2)], schedule=inverse_sqrt(0.8),
-                         project=project_to_ball(radius) if radius else None,
+def _chain(X, y, streams, *, radius=0.8, batches=None, l2=0.05, std=0.3, clip=0.6, trace=None, smoothing=()):
+    noise = [Noise(std, streams.normal("noise", (X.shape[1],)))] if std is not None else []
+    return GradientChain(batches=batches if batches is not None else poisson_batches(X, y, 0.1, streams),
+                         ops=[*([Clip(clip)] if clip is not None else []), *noise, Scale(1 / 24), WeightDecay(l2),
+                              *smoothing, Sgd(inverse_sqrt(0.8)), *([ProjectBall(radius)] if radius else [])],
                          checkpoints=Checkpoints(trace, X, y) if trace else None, examples_per_step=24,
                          backend="auto")
 
@@ -171,12 +173,8 @@ def test_where_the_kernel_does_not_apply():
     p = ALGORITHMS["dp_sgd"]().prepare(setting, mlp, X, y, ReplicaStreams(SEEDS))
     p.train(mlp)
     assert p.chain.ran_on == "numpy"
-    streams = ReplicaStreams(SEEDS)
-    mixed = [_chain(X, y, streams), _chain(X, y, streams)]
-    mixed[1].transforms = [*mixed[1].transforms, laplacian_smoothing(1.0)]
-    for c in mixed:
-        c.stream = ("poisson", 0.1)
-    assert not kernels_minibatch.applies(model, mixed, [np.zeros((3, X.shape[1]))] * 2)
+    smoothed = _chain(X, y, ReplicaStreams(SEEDS), smoothing=(LaplacianSmoothing(1.0),))
+    assert not backends.MINI_BATCH.supports(backends.plan(smoothed, model, np.zeros((3, X.shape[1]))))
 
 
 def test_backend_numba_without_numba_is_a_user_error(monkeypatch):
@@ -201,8 +199,7 @@ def test_a_stream_shared_by_compiled_and_numpy_chains(steps):
     theta0 = np.zeros((len(SEEDS), X.shape[1]))
 
     def chains(streams):
-        fast, slow = _chain(X, y, streams), _chain(X, y, streams, std=0.1)
-        slow.transforms = [*slow.transforms, laplacian_smoothing(0.5)]
+        fast, slow = _chain(X, y, streams), _chain(X, y, streams, std=0.1, smoothing=(LaplacianSmoothing(0.5),))
         fast.stream = slow.stream = ("poisson", 0.1)
         return fast, slow
 
@@ -217,30 +214,38 @@ def test_a_stream_shared_by_compiled_and_numpy_chains(steps):
 
 
 def _cells_args(C, R, d, steps, rng):
-    """The kernel's per-cell arguments for C cells that differ in everything a cell sets (clip or not, σ and its
-    noise slot, scale, λ, learning rates, projection), the last one inactive when C > 2."""
+    """The kernel's per-cell arguments for C cells that differ in everything a cell sets (clip or not and its norm
+    per replica, noise or not and its slot, its std, scale, λ, learning rates, projection), the last one inactive
+    when C > 2."""
     active = np.ones(C, dtype=bool)
     if C > 2:
         active[-1] = False
-    return dict(active=active, slot=rng.integers(-1, 2, size=C), std=rng.uniform(0.1, 2.0, C),
-                scale=rng.uniform(0.02, 0.1, C), l2=np.where(rng.random(C) < 0.3, 0.0, rng.uniform(0, 0.1, C)),
-                clip=rng.uniform(0.2, 1.5, C), do_clip=rng.random(C) < 0.7, lrs=rng.uniform(0.1, 2.0, (C, steps)),
-                radius=rng.uniform(0.5, 3.0, C), do_project=rng.random(C) < 0.5)
+    slot = rng.integers(-1, 2, size=C)
+    ops = [[*([Noise(rng.uniform(0.1, 2.0), iter(()))] if slot[c] >= 0 else []), Scale(rng.uniform(0.02, 0.1)),
+            WeightDecay(0.0 if rng.random() < 0.3 else rng.uniform(0, 0.1)), Sgd(constant(1.0)),
+            *([ProjectBall(rng.uniform(0.5, 3.0))] if rng.random() < 0.5 else [])] for c in range(C)]
+    codes, vals = backends._programs([GradientChain(iter(()), o) for o in ops])
+    return dict(active=active, slot=slot, clip=rng.uniform(0.2, 1.5, (C, R)), do_clip=rng.random(C) < 0.7,
+                codes=codes, vals=vals, lrs=rng.uniform(0.1, 2.0, (C, steps)))
+
+
+def _call(kernel, TH, X, P, y, x_norm, idx, noise, args, lanes):
+    kernel(TH, args["active"], X, P, y, x_norm, idx, noise, args["slot"], args["clip"], args["do_clip"],
+           args["codes"], args["vals"], args["lrs"], lanes)
 
 
 @needs_numba
 @pytest.mark.parametrize("d, density", [(21, 1.0), (16, 1.0), (5, 1.0), (21, 0.2), (16, 0.3), (5, 0.4)])
 def test_each_cell_is_the_same_whatever_shares_its_call(d, density):
     """The kernel itself: a cell's θ is bit for bit the same alone (pair path or one lane) and among C = 3, 5, 8,
-    9, 17 cells, whichever of them are vector lanes (all: remainder lanes, several blocks of 8; what group_steps
-    takes; a few; none), with an odd number of rows in some steps (the lanes take rows two at a time), the full
-    batch, and a NaN replica; d with whole blocks of 8 and a tail, whole blocks only, the tail only; rows read
+    9, 17 cells, whichever of them are vector lanes (all: remainder lanes, several blocks of 8; what
+    `mini_batch_steps` takes; a few; none), with an odd number of rows in some steps (the lanes take rows two at a
+    time) and a NaN replica; d with whole blocks of 8 and a tail, whole blocks only, the tail only; rows read
     densely and by their nonzeros (`RowNonzeros`; sparse X with an all-zero and an all-nonzero row), each layout
     with its own order: bit for bit within a layout, to 1e-12 between them (the same NaN replica)."""
-    from dpsgd_cli.algorithms.kernels_minibatch import _kernel, lane_cells
     from dpsgd_cli.models.rows import RowNonzeros, row_norms
 
-    kernel = _kernel()
+    kernel = backends.MINI_BATCH.load().mb_logreg
     rng = np.random.default_rng(7)
     n, R, steps = 60, 3, 9
     X = rng.normal(size=(n, d)) * rng.uniform(0.1, 1.0, size=(n, 1))
@@ -256,35 +261,30 @@ def test_each_cell_is_the_same_whatever_shares_its_call(d, density):
             k = rng.integers(4, 14)  # odd and even batch sizes
             idx[t, r, :k] = rng.choice(n, size=k, replace=False)
     noise = rng.normal(size=(2, steps, R, d))
-    for full in (False, True):
-        for C in (3, 5, 8, 9, 17):
-            args = _cells_args(C, R, d, steps, rng)
-            TH0 = rng.normal(size=(C, R, d)) * 0.3
-            TH0[1, 2] = np.nan  # one diverged replica of one cell
-            runs = {}
-            for lanes in sorted({C, lane_cells(C), 3, 0}):
-                for layout, P in layouts.items():
-                    TH = TH0.copy()
-                    kernel(TH, args["active"], X, P, y, x_norm, idx, full, noise, args["slot"], args["std"],
-                           args["scale"], args["l2"], args["clip"], args["do_clip"], args["lrs"], args["radius"],
-                           args["do_project"], lanes)
-                    runs[lanes, layout] = TH
-            for lanes, layout in runs:
-                np.testing.assert_array_equal(runs[lanes, layout], runs[0, layout])
-            np.testing.assert_allclose(runs[0, "sparse"], runs[0, "dense"], rtol=1e-12, atol=1e-14)
-            for layout in layouts:
-                assert np.isnan(runs[0, layout][1, 2]).all()
-                assert np.isfinite(np.delete(runs[0, layout][1], 2, axis=0)).all()
-                assert not np.array_equal(runs[0, layout][0], TH0[0])
-                assert np.array_equal(runs[0, layout][-1], TH0[-1])
-            for c, lanes in zip(range(C), [0, 1] * C):
-                one = {k: v[c:c + 1] for k, v in args.items()}
-                for layout, P in layouts.items():
-                    TH = TH0[c:c + 1].copy()
-                    kernel(TH, one["active"], X, P, y, x_norm, idx, full, noise, one["slot"], one["std"],
-                           one["scale"], one["l2"], one["clip"], one["do_clip"], one["lrs"], one["radius"],
-                           one["do_project"], lanes)
-                    np.testing.assert_array_equal(TH[0], runs[0, layout][c])
+    for C in (3, 5, 8, 9, 17):
+        args = _cells_args(C, R, d, steps, rng)
+        TH0 = rng.normal(size=(C, R, d)) * 0.3
+        TH0[1, 2] = np.nan  # one diverged replica of one cell
+        runs = {}
+        for lanes in sorted({C, backends.lane_cells(C), 3, 0}):
+            for layout, P in layouts.items():
+                TH = TH0.copy()
+                _call(kernel, TH, X, P, y, x_norm, idx, noise, args, lanes)
+                runs[lanes, layout] = TH
+        for lanes, layout in runs:
+            np.testing.assert_array_equal(runs[lanes, layout], runs[0, layout])
+        np.testing.assert_allclose(runs[0, "sparse"], runs[0, "dense"], rtol=1e-12, atol=1e-14)
+        for layout in layouts:
+            assert np.isnan(runs[0, layout][1, 2]).all()
+            assert np.isfinite(np.delete(runs[0, layout][1], 2, axis=0)).all()
+            assert not np.array_equal(runs[0, layout][0], TH0[0])
+            assert np.array_equal(runs[0, layout][-1], TH0[-1])
+        for c, lanes in zip(range(C), [0, 1] * C):
+            one = {k: v[c:c + 1] for k, v in args.items()}
+            for layout, P in layouts.items():
+                TH = TH0[c:c + 1].copy()
+                _call(kernel, TH, X, P, y, x_norm, idx, noise, one, lanes)
+                np.testing.assert_array_equal(TH[0], runs[0, layout][c])
 
 
 @needs_numba

@@ -8,8 +8,8 @@ import pytest
 from scipy import stats
 
 from dpsgd_cli.algorithms import ALGORITHMS, Setting
-from dpsgd_cli.algorithms.chain import min_inverse_time
 from dpsgd_cli.algorithms.erm import minimize_objective
+from dpsgd_cli.algorithms.ops import min_inverse_time
 from dpsgd_cli.algorithms.output_perturbation import calibrate_output_noise
 from dpsgd_cli.algorithms.sampling import shuffled_batches
 from dpsgd_cli.algorithms.streams import ReplicaStreams

@@ -11,12 +11,14 @@ from scipy import stats
 from scipy.special import expit
 
 from dpsgd_cli import compiled
-from dpsgd_cli.algorithms import ALGORITHMS, Setting, kernels
+from dpsgd_cli.algorithms import ALGORITHMS, Setting
 from dpsgd_cli.algorithms import pidp_sgd as P
-from dpsgd_cli.algorithms.chain import GradientChain, add_l2, add_noise, constant
-from dpsgd_cli.algorithms.sampling import uniform_examples
+from dpsgd_cli.algorithms.chain import GradientChain
+from dpsgd_cli.algorithms.ops import Clip, Noise, Sgd, WeightDecay, constant
+from dpsgd_cli.algorithms.sampling import fixed_batches, uniform_examples
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.models import make_model
+from dpsgd_cli.models.logreg import MAX_ABS_SIGMOID_2ND, logistic_hessian
 from dpsgd_cli.privacy.accounting import calibrate_sigma
 from dpsgd_cli.privacy.single_example_gaussian import calibrate_bassily
 
@@ -160,7 +162,7 @@ def test_sigma_c_and_error_bound_by_hand():
     # (0.5 + 0.19245009)/(0.25·10⁴) = 2.7698004e-4
     assert P.influence_error_bound(0.25, 1.0, 1 / (6 * math.sqrt(3)), 0.5, 100) == pytest.approx(2.7698004e-4, rel=1e-7)
     m = np.linspace(-10, 10, 2_000_001)
-    assert np.abs(expit(m) * expit(-m) * (1 - 2 * expit(m))).max() == pytest.approx(P.MAX_ABS_SIGMOID_2ND, rel=1e-9)
+    assert np.abs(expit(m) * expit(-m) * (1 - 2 * expit(m))).max() == pytest.approx(MAX_ABS_SIGMOID_2ND, rel=1e-9)
 
 
 def test_fit_derives_the_paper_constants(data):
@@ -200,7 +202,7 @@ def test_hessian_matches_finite_differences_of_the_gradient(data):
     l2, d = 1e-2, X.shape[1]
     model = make_model("logreg", d, l2)
     theta = np.random.default_rng(0).normal(size=(2, d))
-    H = P.logreg_hessian(theta, X, y, l2)
+    H = logistic_hessian(theta, X, y, l2)
     h = 1e-5
     for j in range(d):
         e = np.zeros(d)
@@ -221,7 +223,7 @@ def test_influence_vectors_match_a_dense_solve(data):
     model = make_model("logreg", d, 0.0)
     for G in (1.0, 0.2):  # 0.2 clips most gradients
         inf = P.round_influence("full", None, theta, X, y, x_norm, 1e-3, 0.05, G)
-        H, _ = P.damped(P.logreg_hessian(theta, X, y, 1e-3), 1e-3, 0.05)
+        H, _ = P.damped(logistic_hessian(theta, X, y, 1e-3), 1e-3, 0.05)
         v = inf.vectors(X[:20], y[:20], x_norm[:20])
         for r in range(3):
             for i in range(20):
@@ -255,7 +257,7 @@ def _pass_probabilities(X, y, params, epsilon=1.0, delta=1e-5):
     n, d = X.shape
     x_norm = np.linalg.norm(X, axis=1)
     inf = P.round_influence("full", None, np.zeros((1, d)), X, y, x_norm, 1e-3, params["zeta"], 1.0)
-    E = P.influence_error_bound(0.25, 1.0, P.MAX_ABS_SIGMOID_2ND, params["zeta"], n)
+    E = P.influence_error_bound(0.25, 1.0, MAX_ABS_SIGMOID_2ND, params["zeta"], n)
     sigma_c = P.contribution_sigma(1.0, params["rounds"], delta / 2, n, params["zeta"], epsilon / 4)
     tau = P.coordinate_threshold(params["radius"], 0.75 * epsilon, delta / 2)
     return P.coordinate_pass_probability(P.with_error(inf.vectors(X, y, x_norm), E)[0], sigma_c, tau)
@@ -292,8 +294,7 @@ def test_all_noiseless_is_sgd_and_all_noisy_is_single_example_dp_sgd(data):
     assert quiet.derived["noiseless_fraction"] == [1.0, 1.0] and quiet.derived["noiseless_fraction_mean"] == 1.0
     assert quiet.guarantee.startswith("none: a step may skip the noise")
     streams = ReplicaStreams([0, 1])
-    plain = GradientChain(uniform_examples(X, y, streams), clip=1.0, transforms=[add_l2(s.l2)],
-                          schedule=constant(s.lr))
+    plain = GradientChain(uniform_examples(X, y, streams), [Clip(1.0), WeightDecay(s.l2), Sgd(constant(s.lr))])
     np.testing.assert_allclose(quiet.theta, plain.run(model, np.zeros((2, d)), s.steps), rtol=1e-12)
 
     loud, s, model = _fit(X, y, params={"backend": "numpy"}, **kw)  # the paper's rule at δ = 1e-5, r = 10
@@ -301,14 +302,14 @@ def test_all_noiseless_is_sgd_and_all_noisy_is_single_example_dp_sgd(data):
     assert loud.guarantee.startswith("tv-bound: (1, 1e-05)-DP")
     streams = ReplicaStreams([0, 1])
     std = calibrate_bassily(0.75, 5e-6, n, s.steps, 1.0, "pld").sigma
-    noisy = GradientChain(uniform_examples(X, y, streams), clip=1.0,
-                          transforms=[add_noise(std, streams.normal("noise", (d,))), add_l2(s.l2)],
-                          schedule=constant(s.lr))
+    noisy = GradientChain(uniform_examples(X, y, streams), [Clip(1.0), Noise(std, streams.normal("noise", (d,))),
+                                                            WeightDecay(s.l2), Sgd(constant(s.lr))])
     np.testing.assert_allclose(loud.theta, noisy.run(model, np.zeros((2, d)), s.steps), rtol=1e-12)
 
 
 @needs_numba
-@pytest.mark.parametrize("extra", [{}, {"contribution_noise": "per_step"}, {"project": True, "rule": "l2_radius"}])
+@pytest.mark.parametrize("extra", [{}, {"contribution_noise": "per_step"}, {"project": True, "rule": "l2_radius"},
+                                   {"project": "box"}])
 def test_numpy_and_numba_give_the_same_run(data, extra):
     X, y = data
     n, d = X.shape
@@ -406,7 +407,7 @@ def test_trace_counts_examples_across_rounds(data):
 @needs_numba
 def test_checkpoints_across_rounds_are_the_same_on_both_backends(data):
     """Each round's chain counts its checkpoints from the examples of the rounds before it (`Checkpoints.offset`),
-    in the kernel as on NumPy; a round that is not a whole number of periods runs on NumPy."""
+    in the kernel as on NumPy, also when a round is not a whole number of periods (the kernel stops at each)."""
     X, y = data
     setting = _setting(*X.shape, trace_every=100)
     model = make_model("logreg", X.shape[1], setting.l2)
@@ -415,12 +416,13 @@ def test_checkpoints_across_rounds_are_the_same_on_both_backends(data):
         algo = ALGORITHMS["pidp_sgd"]({"rounds": 3, "local_steps": local, "backend": backend})
         return algo.fit(setting, model, X, y, ReplicaStreams([0, 1]))
 
-    a, b = fit("numpy", 200), fit("numba", 200)
-    assert (a.derived["backend"], b.derived["backend"]) == ("numpy", "numba")
-    assert [row[0] for row in a.trace] == [row[0] for row in b.trace] == list(range(100, 601, 100))
-    for row_a, row_b in zip(a.trace, b.trace):
-        np.testing.assert_allclose(row_a[1], row_b[1], rtol=1e-12)
-    assert fit("numba", 150).derived["backend"] == "numpy"
+    for local in (200, 150):
+        a, b = fit("numpy", local), fit("numba", local)
+        assert (a.derived["backend"], b.derived["backend"]) == ("numpy", "numba")
+        assert [row[0] for row in a.trace] == [row[0] for row in b.trace] == list(range(100, 3 * local + 1, 100))
+        for row_a, row_b in zip(a.trace, b.trace):
+            np.testing.assert_allclose(row_a[1], row_b[1], rtol=1e-12)
+        np.testing.assert_allclose(b.theta, a.theta, rtol=1e-12, atol=1e-14)
 
 
 # --- end to end ---------------------------------------------------------------------------------------------------
@@ -478,7 +480,7 @@ def test_full_influence_of_the_mlp_is_the_dense_solve(activation):
     model, X, y, theta = _tiny_mlp(activation)
     n, n_params = X.shape[0], model.n_params
     assert n_params == 16
-    H = P.dense_hessian(model, theta, X, y)
+    H = model.hessian(theta, X, y)
     h = 1e-5
     for j in range(n_params):  # central differences of the full gradient ∇F (λθ included)
         e = np.zeros(n_params)
@@ -513,11 +515,11 @@ def test_spectral_damping_is_the_logreg_rule_on_psd_matrices():
 def test_output_layer_is_the_logreg_block_of_the_dense_hessian(activation):
     model, X, y, theta = _tiny_mlp(activation, seed=3)
     n, k = X.shape[0], model.hidden + 1
-    w = P.output_layer_params(model, theta)
-    A_rows = P.output_features(model, theta, X)  # ã = [a, 1]: f = ã·[w₂, b₂]
+    w = model.output_layer_params(theta)
+    A_rows = model.output_features(theta, X)  # ã = [a, 1]: f = ã·[w₂, b₂]
     np.testing.assert_allclose(np.einsum("rmk,rk->rm", A_rows, w), model.decision(theta, X), atol=1e-14)
-    H_out = P.logreg_hessian(w, X, y, model.l2, features=lambda rows: P.output_features(model, theta, rows))
-    np.testing.assert_allclose(H_out, P.dense_hessian(model, theta, X, y)[:, -k:, -k:], atol=1e-13)
+    H_out = logistic_hessian(w, X, y, model.l2, features=lambda rows: model.output_features(theta, rows))
+    np.testing.assert_allclose(H_out, model.hessian(theta, X, y)[:, -k:, -k:], atol=1e-13)
     # influence vectors: (1/n) H_out⁻¹ clip_G(r ã), the output-layer part of ∇ℓ clipped on its own norm
     G, zeta = 0.5, 0.05
     H_d, _ = P.damped(H_out, model.l2, zeta)
@@ -531,8 +533,8 @@ def test_output_layer_is_the_logreg_block_of_the_dense_hessian(activation):
     # A bounds ‖ã‖ over the unit ball (tanh, sigmoid: √(h+1) for every θ; relu: from θ's hidden layer)
     U = np.random.default_rng(1).normal(size=(2000, 3))
     U /= np.linalg.norm(U, axis=1, keepdims=True) / np.random.default_rng(2).random((2000, 1)) ** (1 / 3)
-    A = P.output_feature_bound(model, 3 * theta)
-    assert (np.linalg.norm(P.output_features(model, 3 * theta, U), axis=-1) <= A[:, None]).all()
+    A = model.output_feature_bound(3 * theta)
+    assert (np.linalg.norm(model.output_features(3 * theta, U), axis=-1) <= A[:, None]).all()
     if activation != "relu":
         np.testing.assert_array_equal(A, [2.0, 2.0])  # √(3 + 1)
 
@@ -623,8 +625,9 @@ def test_mlp_kernel_step_is_minus_the_gradient_by_finite_differences(activation)
     model's loss on that example."""
     model, X, y, theta = _tiny_mlp(activation, R=1)
     for i in (0, 7, 31):
-        step = kernels.single_example_sgd(theta, X, y, lambda m: np.array([[i]]), 1, constant(1.0), clip=None,
-                                          l2=0.0, radius=None, model=model)
+        chain = GradientChain(fixed_batches(X, y, np.array([[[i]]])), [Sgd(constant(1.0))], backend="numba")
+        step = chain.run(model, theta, 1)
+        assert chain.ran_on == "numba"
         h = 1e-6
         fd = np.array([(model.data_loss(theta + h * e, X[i:i + 1], y[i:i + 1])
                         - model.data_loss(theta - h * e, X[i:i + 1], y[i:i + 1]))[0] / (2 * h)
@@ -674,8 +677,8 @@ def test_updates_clip_the_gradient_to_G_and_add_the_regulariser_after_the_clip(m
 
     def sgd(clip):
         streams = ReplicaStreams([0, 1])
-        chain = GradientChain(uniform_examples(X, y, streams), clip=clip, transforms=[add_l2(setting.l2)],
-                              schedule=constant(setting.lr))
+        chain = GradientChain(uniform_examples(X, y, streams),
+                              [Clip(clip), WeightDecay(setting.l2), Sgd(constant(setting.lr))])
         return chain.run(model, model.init(streams.generators("init")), setting.steps)
 
     np.testing.assert_allclose(out.theta, sgd(1.0), rtol=1e-10, atol=1e-12)

@@ -8,6 +8,7 @@ from scipy.special import expit
 
 from dpsgd_cli.algorithms import ALGORITHMS, Setting
 from dpsgd_cli.algorithms import song2013 as song_module
+from dpsgd_cli.algorithms.ops import Clip, ProjectBall
 from dpsgd_cli.algorithms.streams import BLOCK_STEPS, ReplicaStreams
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import make_model
@@ -149,22 +150,18 @@ def test_iterates_stay_in_the_ball(data, monkeypatch):
     """Every iterate (recorded at each projection) lies in the ball of radius 1/λ, and the projection acted."""
     X, y = data
     seen = []
-    real = song_module.project_to_ball
+    real = ProjectBall.project
 
-    def recording(radius):
-        project = real(radius)
+    def recording(self, theta):
+        out = real(self, theta)
+        seen.append((np.linalg.norm(theta, axis=1), np.linalg.norm(out, axis=1), self.radius))
+        return out
 
-        def wrapped(theta):
-            out = project(theta)
-            seen.append((np.linalg.norm(theta, axis=1), np.linalg.norm(out, axis=1), radius))
-            return out
-
-        return wrapped
-
-    monkeypatch.setattr(song_module, "project_to_ball", recording)
+    monkeypatch.setattr(ProjectBall, "project", recording)
     l2 = 0.05
     setting = _setting(*X.shape, l2=l2, epsilon=0.5, batch_size=2, epochs=2)
-    PRIVATE({"schedule": "inv_t"}).fit(setting, make_model("logreg", 4, l2), X, y, ReplicaStreams([0, 1]))
+    PRIVATE({"schedule": "inv_t", "backend": "numpy"}).fit(setting, make_model("logreg", 4, l2), X, y,
+                                                             ReplicaStreams([0, 1]))
     assert len(seen) == 200 and all(r == 1 / l2 for _, _, r in seen)
     before = np.array([b for b, _, _ in seen])
     after = np.array([a for _, a, _ in seen])
@@ -179,7 +176,7 @@ def test_noise_off_is_the_nonprivate_version(data):
     reference = NONPRIVATE().fit(setting, model, X, y, streams)
     assert reference.guarantee == "non-private"
     private = PRIVATE()
-    silent = private.chain(setting, X, y, streams, noise=None, clip=song_module.GRADIENT_BOUND)
+    silent = private.chain(setting, X, y, streams, (Clip(song_module.GRADIENT_BOUND),))
     np.testing.assert_array_equal(silent.run(model, model.init(streams.generators("init")), reference.derived["steps"]),
                                   reference.theta)
     # and through fit, an enormous ε makes the noise negligible

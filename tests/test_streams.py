@@ -81,3 +81,20 @@ def test_a_pcg64_path_that_fails_its_check_falls_back_to_the_generator_path(monk
         assert all(np.array_equal(a, b) for a, b in zip(got, want))
     finally:
         compiled.pcg64_matches.cache_clear()
+
+
+@pytest.mark.parametrize("numba", [False, True] if compiled.HAVE_NUMBA else [False])
+@pytest.mark.parametrize("sizes", [[1] * 70, [7] * 10, [64, 6], [70], [3, 61, 6]])
+def test_a_noise_stream_is_the_same_in_any_block_size(monkeypatch, numba, sizes):
+    """Taken m steps at a time or step by step: each replica's generator's standard normals in step order; a
+    draw whose numbers depend on its size (song2013's Z_t) is drawn in its fixed blocks whatever is taken."""
+    monkeypatch.setattr(compiled, "HAVE_NUMBA", numba)
+    normal, blocky = ReplicaStreams([4, 9]).normal("noise", (3,)), ReplicaStreams([4, 9]).per_step(
+        "noise", lambda g, k: g.standard_normal((k, 2)) * g.uniform(size=(1, 1)), block=16)
+    got = np.concatenate([normal.take(m) for m in sizes])
+    want = np.stack([g.standard_normal((70, 3)) for g in ReplicaStreams([4, 9]).generators("noise")], axis=1)
+    np.testing.assert_array_equal(got, want)
+    blocks = np.concatenate([blocky.take(m) for m in sizes])
+    steps = ReplicaStreams([4, 9]).per_step(
+        "noise", lambda g, k: g.standard_normal((k, 2)) * g.uniform(size=(1, 1)), block=16)
+    np.testing.assert_array_equal(blocks, np.stack([next(steps) for _ in range(70)]))

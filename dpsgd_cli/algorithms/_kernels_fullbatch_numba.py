@@ -1,5 +1,5 @@
-"""The numba code of kernels_fullbatch (imported on first use: numba is optional). Module-level functions, so
-numba's on-disk cache finds them again.
+"""The numba code of the full-batch backend (backends.py; imported on first use: numba is optional).
+Module-level functions, so numba's on-disk cache finds them again.
 
 Columns are the (chain, replica) pairs of one call, padded to a multiple of LANES. Every column's numbers are
 computed by the same sequence of IEEE operations whatever its position and the number of columns: its dot
@@ -11,11 +11,11 @@ so no contraction of a multiply and an add either). Hence a replica's run does n
 import numba
 import numpy as np
 
+from dpsgd_cli.algorithms._tail_numba import tail
 from dpsgd_cli.models._logreg_numba import clip_residual, residual_from_exp
 
 LANES = 8  # the columns are padded to a multiple of this (whole vectors)
 ROWS = 4  # rows per block of the gradient (written out below: G[j, k] + a_0 x_0 + … + a_3 x_3, left to right)
-NOISE, SCALE, L2 = 1, 2, 3  # op codes of the transforms (0: none)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -53,19 +53,16 @@ def _add_row(G, A, q, X, i):  # pragma: no cover
 
 
 @numba.njit(cache=True, nogil=True)
-def gd_logreg(TH, X, y, x_norm, clip, do_clip, ops, vals, slot, rep, noise, lrs, radius, do_project, active,
-              G, S, A):  # pragma: no cover
+def gd_logreg(TH, X, y, x_norm, clip, do_clip, codes, vals, slot, rep, noise, lrs, active, G, S, A):  # pragma: no cover
     """m full-batch steps (m = lrs.shape[1]) of every column of TH (d, K), K a multiple of LANES, in place:
 
         for each row i (in order):  s_k = Σ_j x_ij θ_jk (j in order);  a_k = −y_i σ(−y_i s_k);
                                     a_k ← a_k C_k / max(|a_k|‖x_i‖, C_k) (if do_clip_k);  g_jk += a_k x_ij
-        then per column: g ← the ops in order (NOISE: g + v z, SCALE: g · v, L2: g + v θ, skipped at v = 0),
-        θ ← θ − η_k,t g, and θ ← θ · min(1, ρ_k/‖θ‖) if do_project_k.
-    z = noise[slot_k, t, rep_k, :]. G (d, K), S (K,) and A (ROWS, K) are scratch."""
+        then per column: the tail program (codes[k], vals[k]) with z = noise[slot_k, t, rep_k, :] (none: slot < 0).
+    G (d, K), S (K,) and A (ROWS, K) are scratch."""
     d, K = TH.shape
     n = X.shape[0]
     m = lrs.shape[1]
-    L = ops.shape[1]
     for t in range(m):
         for j in range(d):
             for k in range(K):
@@ -89,26 +86,8 @@ def gd_logreg(TH, X, y, x_norm, clip, do_clip, ops, vals, slot, rep, noise, lrs,
                     _add_row(G, A, q, X, i + q)
             i += rows
         for k in range(K):
-            if not active[k]:
-                continue
-            eta = lrs[k, t]
-            sq = 0.0
-            for j in range(d):
-                v = G[j, k]
-                for o in range(L):
-                    op = ops[k, o]
-                    if op == NOISE:
-                        v = v + vals[k, o] * noise[slot[k], t, rep[k], j]
-                    elif op == SCALE:
-                        v = v * vals[k, o]
-                    elif op == L2 and vals[k, o] != 0.0:
-                        v = v + vals[k, o] * TH[j, k]
-                v = TH[j, k] - eta * v
-                TH[j, k] = v
-                sq += v * v
-            if do_project[k]:
-                f = radius[k] / max(np.sqrt(sq), 1e-300)
-                if f < 1.0:
-                    for j in range(d):
-                        TH[j, k] = TH[j, k] * f
+            if active[k]:
+                s = slot[k]
+                z = noise[max(s, 0), min(t, noise.shape[1] - 1), min(rep[k], noise.shape[2] - 1)]
+                tail(TH[:, k], G[:, k], codes[k], vals[k], z, s >= 0, lrs[k, t])
     return TH

@@ -1,5 +1,6 @@
-"""The numba code of kernels_minibatch (imported on first use: numba is optional). Module-level functions, so
-numba's on-disk cache finds them again (a closure over another jitted function gets a new cache key per process).
+"""The numba code of the mini-batch backend (backends.py; imported on first use: numba is optional).
+Module-level functions, so numba's on-disk cache finds them again (a closure over another jitted function gets a
+new cache key per process).
 """
 
 import numba
@@ -8,6 +9,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from dpsgd_cli.algorithms._tail_numba import tail
 from dpsgd_cli.models._logreg_numba import clip_residual, residual_from_exp
 
 # (row, cell) pairs the pair path takes together: their dots 8 at a time (`dots8`, `sparse_dots8`: 8 chains of adds
@@ -440,32 +442,11 @@ def _finite(theta):  # pragma: no cover
     return ok
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
-def _update(theta, gc, noise, s, t, r, std, scale, l2, eta, radius, do_project, poison):  # pragma: no cover
-    """One cell's step from its clipped sum gc: g = ((gc + std z) · scale) + λθ; θ ← θ − η g; θ ← Π(θ). poison:
-    the sum is NaN (a sparse step's NaN residual, which the dense sum spreads to every coordinate)."""
-    sq = 0.0
-    for j in range(theta.shape[0]):
-        v = np.nan if poison else gc[j]
-        if s >= 0:
-            v = v + std * noise[s, t, r, j]
-        v = v * scale
-        if l2 != 0.0:
-            v = v + l2 * theta[j]
-        v = theta[j] - eta * v
-        theta[j] = v
-        sq += v * v
-    if do_project:
-        f = radius / max(np.sqrt(sq), 1e-300)
-        if f < 1.0:
-            for j in range(theta.shape[0]):
-                theta[j] = theta[j] * f
-
-
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def mb_logreg(TH, active, X, P, y, x_norm, idx, full, noise, slot, std, scale, l2, clip, do_clip, lrs, radius,
-              do_project, lanes):  # pragma: no cover
-    """Steps of every cell (TH: cell × replica × feature) on the batches idx (or the full batch). The first
+def mb_logreg(TH, active, X, P, y, x_norm, idx, noise, slot, clip, do_clip, codes, vals, lrs,
+              lanes):  # pragma: no cover
+    """Steps of every cell (TH: cell × replica × feature) on the batches idx, each cell's step ending in its tail
+    program (codes[c], vals[c]; noise noise[slot[c]], none when slot[c] < 0; clip norm clip[c, r]). The first
     `lanes` cells are vector lanes, 8 a block (θ by feature × cell, two rows at a time: `lane_dots2`,
     `lane_axpy2`); the others take the pair path, PAIRS (row, cell) pairs at a time (`dots8`). Both compute each
     cell's numbers in the same order: which cell takes which path changes nothing but the time. P: X's
@@ -474,7 +455,7 @@ def mb_logreg(TH, active, X, P, y, x_norm, idx, full, noise, slot, std, scale, l
     array (dense rows)."""
     C, R, d = TH.shape
     m = lrs.shape[1]
-    M = X.shape[0] if full else idx.shape[2]
+    M = idx.shape[2]
     sparse = P.shape[0] > 0
     scratch = np.zeros((5, PAIRS))  # the pairs' gathered y, ‖x‖, clip, do_clip and residuals
     rows = np.zeros(PAIRS, dtype=np.int64)
@@ -489,14 +470,15 @@ def mb_logreg(TH, active, X, P, y, x_norm, idx, full, noise, slot, std, scale, l
     g = np.empty((C, d))  # the pair cells' sums
     active_l, clip_l, do_clip_l = np.zeros(CP, dtype=np.bool_), np.ones(CP), np.zeros(CP, dtype=np.bool_)
     active_l[:CL] = active[:CL]  # the settings the lanes read, padded (padding lanes inactive)
-    clip_l[:CL] = clip[:CL]
     do_clip_l[:CL] = do_clip[:CL]
     bad = np.zeros(max(C, CP), dtype=np.bool_)  # sparse: θ not finite (lanes: lane c = cell c < CL)
     poison = np.zeros(max(C, CP), dtype=np.bool_)  # sparse: a NaN residual this step
     for r in range(R):
         for c in range(CL):
+            clip_l[c] = clip[c, r]
             for j in range(d):
                 TT[j, c] = TH[c, r, j]
+        clip_r = clip[:, r]
         if sparse:
             for c in range(C):
                 bad[c] = not _finite(TH[c, r])
@@ -507,10 +489,10 @@ def mb_logreg(TH, active, X, P, y, x_norm, idx, full, noise, slot, std, scale, l
             n = 0
             pending = -1  # lanes: a row waiting for its partner
             for k in range(M):
-                i = k if full else idx[t, r, k]
+                i = idx[t, r, k]
                 if i < 0:  # kept indices come first: the rest of the row is padding
                     break
-                if not full and k + AHEAD < M:  # random rows: ask for a later row now (latency-bound otherwise)
+                if k + AHEAD < M:  # random rows: ask for a later row now (latency-bound otherwise)
                     ahead = idx[t, r, k + AHEAD]
                     if ahead >= 0:
                         if sparse:
@@ -533,7 +515,7 @@ def mb_logreg(TH, active, X, P, y, x_norm, idx, full, noise, slot, std, scale, l
                     cells[n] = c
                     n += 1
                     if n == PAIRS:
-                        _pairs(TH, X, P, y, x_norm, clip, do_clip, r, d, rows, cells, n, z, g, bad, poison,
+                        _pairs(TH, X, P, y, x_norm, clip_r, do_clip, r, d, rows, cells, n, z, g, bad, poison,
                                scratch)
                         n = 0
             if pending >= 0:
@@ -543,17 +525,21 @@ def mb_logreg(TH, active, X, P, y, x_norm, idx, full, noise, slot, std, scale, l
                 for k in range(n, PAIRS):
                     rows[k] = rows[0]
                     cells[k] = cells[0]
-                _pairs(TH, X, P, y, x_norm, clip, do_clip, r, d, rows, cells, n, z, g, bad, poison,
+                _pairs(TH, X, P, y, x_norm, clip_r, do_clip, r, d, rows, cells, n, z, g, bad, poison,
                                scratch)
             for c in range(C):
                 if active[c]:
+                    s = slot[c]
+                    zc = noise[max(s, 0), min(t, noise.shape[1] - 1), min(r, noise.shape[2] - 1)]  # no noise: a dummy
                     if c < CL:
-                        _update(TT[:, c], G[:, c], noise, slot[c], t, r, std[c], scale[c], l2[c], lrs[c, t],
-                                radius[c], do_project[c], poison[c])
+                        if poison[c]:  # a sparse step's NaN residual, which the dense sum spreads to every coordinate
+                            G[:, c] = np.nan
+                        tail(TT[:, c], G[:, c], codes[c], vals[c], zc, s >= 0, lrs[c, t])
                         bad[c] = sparse and not _finite(TT[:, c])
                     else:
-                        _update(TH[c, r], g[c], noise, slot[c], t, r, std[c], scale[c], l2[c], lrs[c, t],
-                                radius[c], do_project[c], poison[c])
+                        if poison[c]:
+                            g[c] = np.nan
+                        tail(TH[c, r], g[c], codes[c], vals[c], zc, s >= 0, lrs[c, t])
                         bad[c] = sparse and not _finite(TH[c, r])
         for c in range(CL):
             for j in range(d):

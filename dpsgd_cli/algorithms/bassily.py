@@ -27,8 +27,8 @@ paper's γ_t = ‖C‖₂/(G√t) with ‖C‖₂ = 2R the diameter of C and G²
 G = √(pσ_P² + n²L²) on our scale, plus the regulariser's gradient); `auto`: strongly_convex if λ > 0 else convex.
 Radius R (`radius`): default l/λ (the minimiser of F satisfies ‖θ*‖ = ‖∇L(θ*)‖/λ ≤ l/λ) if λ > 0, else 10.
 Steps: T = round(epochs · n) (the paper's T = n² is infeasible).
-Backend (`backend`): with logistic regression the steps run in the numba kernel of `kernels.py` when numba is
-installed (auto; `numpy` forces the chain): the same examples and noise draws, the same result.
+Backend (`backend`): on logistic regression and the MLP the steps run on the single-example backend (backends.py)
+when numba is installed (auto; `numpy` forces NumPy): the same examples and noise draws, the same result.
 """
 
 from __future__ import annotations
@@ -38,21 +38,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from dpsgd_cli.algorithms import kernels
 from dpsgd_cli.algorithms.base import ROW_NORM_TOLERANCE, Algorithm, Outcome, Setting, Tags
-from dpsgd_cli.algorithms.chain import (
-    Checkpoints,
-    GradientChain,
-    NoiseSource,
-    Schedule,
-    add_l2,
-    add_noise,
-    inverse_sqrt,
-    inverse_time,
-    project_to_ball,
-)
+from dpsgd_cli.algorithms.chain import Checkpoints, GradientChain
+from dpsgd_cli.algorithms.ops import Clip, Noise, ProjectBall, Schedule, Sgd, WeightDecay, inverse_sqrt, inverse_time
 from dpsgd_cli.algorithms.sampling import uniform_examples
 from dpsgd_cli.algorithms.streams import ReplicaStreams
+from dpsgd_cli.compiled import Backend
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import Model
 from dpsgd_cli.models.rows import cached_row_norms
@@ -89,8 +80,8 @@ class BassilyParams(BaseModel):
     radius: float | None = Field(None, gt=0, description="radius R of the ball C (default l/λ, or 10 if λ = 0)")
     schedule: Literal["auto", "convex", "strongly_convex"] = Field(
         "auto", description="γ_t = 2R/(G√t) (convex) or 1/(λt) (strongly convex); auto: the latter if λ > 0")
-    backend: kernels.Backend = Field(
-        "auto", description="logreg: the numba kernel (auto: when numba is installed) or numpy; same result")
+    backend: Backend = Field(
+        "auto", description="logreg, mlp: the numba kernel (auto: when numba is installed) or numpy; same result")
 
     @model_validator(mode="before")
     @classmethod
@@ -152,17 +143,13 @@ class Bassily2014(Algorithm):
 
     def chain(self, setting: Setting, X, y, streams: ReplicaStreams, model: Model, sigma: float, lipschitz: float,
               radius: float, schedule: Schedule) -> GradientChain:
-        noise = [add_noise(sigma, streams.normal("noise", (model.n_params,)))] if sigma > 0 else []
+        noise = [Noise(sigma, streams.normal("noise", (model.n_params,)))] if sigma > 0 else []
         return GradientChain(
             batches=uniform_examples(X, y, streams),
-            clip=lipschitz,
-            transforms=[*noise, add_l2(setting.l2)],
-            schedule=schedule,
-            project=project_to_ball(radius),
+            ops=[Clip(lipschitz), *noise, WeightDecay(setting.l2), Sgd(schedule), ProjectBall(radius)],
             checkpoints=Checkpoints(setting.trace_every, X, y) if setting.trace_every else None,
             examples_per_step=1,
-            backend=self.params.backend,  # the single-example kernel where it applies
-            noise_source=NoiseSource(streams, "noise", (model.n_params,)) if sigma > 0 else None,
+            backend=self.params.backend,
         )
 
     def privacy(self, setting: Setting, lipschitz: float) -> Privacy:

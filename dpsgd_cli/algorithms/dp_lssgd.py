@@ -11,7 +11,8 @@ import dataclasses
 from pydantic import BaseModel, ConfigDict, Field
 
 from dpsgd_cli.algorithms.base import Prepared, Setting
-from dpsgd_cli.algorithms.chain import GradientChain, laplacian_smoothing, smoothed_noise_variance_factor
+from dpsgd_cli.algorithms.chain import GradientChain
+from dpsgd_cli.algorithms.ops import LaplacianSmoothing, Op, smoothed_noise_variance_factor
 from dpsgd_cli.algorithms.sgd import DPSGD
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.models import Model
@@ -49,11 +50,10 @@ class DPLSSGD(DPSGD):
     source = ("Wang, Gu, Boedihardjo, Barekat, Osher, DP-LSSGD: A Stochastic Optimization Method to Lift the Utility "
               "in Privacy-Preserving ERM, MSML 2020 (arXiv:1906.12056)")
 
-    def chain(self, setting: Setting, X, y, streams: ReplicaStreams, clip=None, noise=()) -> GradientChain:
-        chain = super().chain(setting, X, y, streams, clip=clip, noise=noise)
-        # after scale(1/B) and add_l2(λ): A⁻¹ acts on the whole noisy gradient of F (see the class docstring)
-        chain.transforms = [*chain.transforms, laplacian_smoothing(self.params.smoothing)]
-        return chain
+    def chain(self, setting: Setting, X, y, streams: ReplicaStreams, private: tuple[Op, ...] = (),
+              smoothing: tuple[Op, ...] = ()) -> GradientChain:
+        # after Scale(1/B) and WeightDecay(λ): A⁻¹ acts on the whole noisy gradient of F (see the class docstring)
+        return super().chain(setting, X, y, streams, private, (LaplacianSmoothing(self.params.smoothing),))
 
     def prepare(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Prepared:
         prepared = super().prepare(setting, model, X, y, streams)

@@ -8,7 +8,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from dpsgd_cli.algorithms.base import Algorithm, Outcome, Prepared, Setting, Tags, unit_ball_violation
-from dpsgd_cli.algorithms.chain import Checkpoints, GradientChain, add_l2, add_noise, constant, project_to_ball, scale
+from dpsgd_cli.algorithms.chain import Checkpoints, GradientChain
+from dpsgd_cli.algorithms.ops import Clip, Noise, ProjectBall, Scale, Sgd, WeightDecay, constant
 from dpsgd_cli.algorithms.sampling import full_batches
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.compiled import Backend
@@ -36,7 +37,7 @@ class NoisyGDParams(BaseModel):
     radius: float | None = Field(None, gt=0, allow_inf_nan=False,
                                  description="project onto the L2 ball of this radius (None: no projection)")
     backend: Backend = Field(
-        "auto", description="logreg: the compiled full-batch step (kernels_fullbatch; auto: when numba is installed) "
+        "auto", description="logreg: the compiled full-batch step (auto: when numba is installed) "
                             "or numpy; same random numbers, same result up to summation order")
 
 
@@ -133,17 +134,13 @@ class NoisyGD(Algorithm):
               n_params: int | None = None) -> GradientChain:
         """Full-batch chain; the noise is added to the gradient with std √(2σ²/η), i.e. √(2ησ²) on θ.
         n_params: the model's P (default d, logistic regression's)."""
-        transforms = [scale(1.0 / setting.n), add_l2(setting.l2)]
-        if noise_std > 0:
-            P = n_params if n_params is not None else X.shape[1]
-            transforms.append(add_noise(noise_std, streams.normal("noise", (P,))))
+        P = n_params if n_params is not None else X.shape[1]
+        noise = [Noise(noise_std, streams.normal("noise", (P,)))] if noise_std > 0 else []
         radius = self.params.radius
         return GradientChain(
             batches=full_batches(X, y, streams.replicas),
-            clip=setting.required.clip_norm,
-            transforms=transforms,
-            schedule=constant(setting.required.lr),
-            project=project_to_ball(radius) if radius is not None else None,
+            ops=[Clip(setting.required.clip_norm), Scale(1.0 / setting.n), WeightDecay(setting.l2), *noise,
+                 Sgd(constant(setting.required.lr)), *([ProjectBall(radius)] if radius is not None else [])],
             checkpoints=Checkpoints(setting.trace_every, X, y) if setting.trace_every else None,
             examples_per_step=setting.n,
             stream=("full",),

@@ -24,8 +24,9 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from dpsgd_cli.algorithms.base import Algorithm, Outcome, Prepared, Setting, Tags, unit_ball_violation
-from dpsgd_cli.algorithms.chain import Checkpoints, GradientChain, Schedule, add_l2, constant, min_inverse_time, scale
+from dpsgd_cli.algorithms.chain import Checkpoints, GradientChain
 from dpsgd_cli.algorithms.erm import reference_minimum
+from dpsgd_cli.algorithms.ops import Clip, Scale, Schedule, Sgd, WeightDecay, constant, min_inverse_time
 from dpsgd_cli.algorithms.sampling import shuffled_batches
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.errors import UserError
@@ -310,11 +311,13 @@ class BoltOn(Algorithm):
 
         The iterates do not depend on ε (only the output noise does) and a shorter run is a prefix of a longer one
         (same permutation, schedule in t): `same_iterates` lets the cells of an ε × epochs axis train once."""
-        return GradientChain(batches=batches, clip=plan.lipschitz,
-                             transforms=[scale(1.0 / plan.batch_size), add_l2(l2)],
-                             schedule=plan.schedule, checkpoints=checkpoints, examples_per_step=plan.batch_size,
+        return GradientChain(batches=batches,
+                             ops=[Clip(plan.lipschitz), Scale(1.0 / plan.batch_size), WeightDecay(l2),
+                                  Sgd(plan.schedule)],
+                             checkpoints=checkpoints, examples_per_step=plan.batch_size,
                              stream=("shuffle_once", plan.batch_size),
-                             same_iterates=("bolt_on", plan.lipschitz, l2, plan.schedule_key))
+                             same_iterates=("bolt_on", plan.lipschitz, l2, plan.schedule_key),
+                             backend="numpy")  # the cells of an ε × epochs axis then train once (`same_iterates`)
 
     def prepare(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Prepared:
         plan = self.plan(setting, model)

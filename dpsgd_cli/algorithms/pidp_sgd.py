@@ -127,27 +127,34 @@ from typing import Literal
 import numpy as np
 from numpy.typing import ArrayLike
 from pydantic import BaseModel, ConfigDict, Field
-from scipy.special import expit, ndtr
+from scipy.special import ndtr
 
-from dpsgd_cli.algorithms import kernels
 from dpsgd_cli.algorithms.base import Algorithm, Outcome, Setting, Tags
-from dpsgd_cli.algorithms.chain import (
-    Checkpoints,
-    GradientChain,
-    NoiseSource,
-    Projection,
-    add_l2,
+from dpsgd_cli.algorithms.chain import Checkpoints, GradientChain
+from dpsgd_cli.algorithms.ops import (
+    Clip,
+    MaskedNoise,
+    Op,
+    ProjectBall,
+    ProjectBox,
+    Scale,
+    Sgd,
+    WeightDecay,
     constant,
-    masked_noise,
-    project_to_ball,
-    project_to_box,
-    scale,
 )
 from dpsgd_cli.algorithms.sampling import fixed_batches, poisson_batches, uniform_examples
 from dpsgd_cli.algorithms.streams import ReplicaStreams
+from dpsgd_cli.compiled import Backend
 from dpsgd_cli.errors import UserError
-from dpsgd_cli.models import MLP, Batch, Model
-from dpsgd_cli.models.logreg import LogisticRegression, clipped_residual, logistic_residual
+from dpsgd_cli.models import MLP, Model
+from dpsgd_cli.models.logreg import (
+    MAX_ABS_SIGMOID_2ND,
+    LogisticRegression,
+    clipped_residual,
+    logistic_hessian,
+    logistic_residual,
+    margins,
+)
 from dpsgd_cli.models.rows import cached_row_norms
 from dpsgd_cli.privacy.accounting import calibrate_sigma
 from dpsgd_cli.privacy.mechanisms import advanced_composition_epsilon_per_step, analytic_gaussian_epsilon
@@ -155,14 +162,13 @@ from dpsgd_cli.privacy.single_example_gaussian import calibrate_bassily
 
 C_PRIME = 2.83  # the paper's constant in σ_c (proof of Theorem 5: "with c′ = 2.83")
 EPSILON_1_SHARE = 0.75  # ε₁ = 3ε/4 for the training steps, ε₂ = ε/4 for the contributions (§7)
-MAX_ABS_SIGMOID_2ND = 1.0 / (6.0 * math.sqrt(3.0))  # max |σ''| of the logistic sigmoid, at σ = (3 ± √3)/6
 _ROW_CHUNK = 4096  # rows per block when forming H and H⁻¹x for all examples (bounds memory to R·chunk·d)
 GRADIENT_CLIP = 1.0  # G: every per-example gradient is clipped to it (= model.lipschitz(1) for logreg: a no-op)
 # `influence: full` builds the dense P × P Hessian from P Hessian–vector products (cost ≈ P full-data passes, plus
 # n·P² per round for H⁻¹∇ℓ of every example): refused above this many parameters (use `output_layer`).
 FULL_INFLUENCE_MAX_PARAMS = 3000
 Num = float | np.ndarray  # a number, or one per replica
-_BLOCK_ELEMENTS = 1 << 21  # numbers per (R, chunk, P) temporary of the dense Hessian / per-example gradients
+_BLOCK_ELEMENTS = 1 << 21  # numbers per (R, chunk, P) temporary of the per-example influence vectors
 
 
 class PIDPSGDParams(BaseModel):
@@ -195,7 +201,7 @@ class PIDPSGDParams(BaseModel):
         "auto", description="parameters the influence c_z = (1/n) H⁻¹∇ℓ is computed over: full (dense Hessian of "
                             f"F, P ≤ {FULL_INFLUENCE_MAX_PARAMS}), output_layer (mlp: (w₂, b₂) only, Koh & Liang "
                             "2017; a deviation), auto (full for logreg and small networks, else output_layer)")
-    backend: kernels.Backend = Field(
+    backend: Backend = Field(
         "auto", description="sampling single (logreg, mlp): the numba single-example kernel (auto: when numba is "
                             "installed) or numpy; same result")
 
@@ -274,38 +280,6 @@ def tv_guarantee(epsilon: float, delta: float, epsilon_1: float, steps: int, p: 
             f"p = {p:.3g} per step on every dataset, T = {steps}]", bound)
 
 
-def _margins(theta: np.ndarray, X: np.ndarray) -> np.ndarray:
-    """θ_r·x for rows X shared (m, d) or per replica (R, m, d): (R, m)."""
-    return theta @ X.T if X.ndim == 2 else np.matmul(X, theta[:, :, None])[..., 0]
-
-
-def _weighted_gram(X: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """Σ_i w_ri x_i x_iᵀ by BLAS for rows X shared (m, d) or per replica (R, m, d): (R, d, d)."""
-    if X.ndim == 2:
-        return np.matmul(X.T[None] * w[:, None, :], X)
-    return np.matmul(np.swapaxes(X, 1, 2) * w[:, None, :], X)
-
-
-def logreg_hessian(theta: np.ndarray, X: np.ndarray, y: np.ndarray, l2: float, features=None) -> np.ndarray:
-    """∇²F(θ) = (1/n) Σ σ'(y_i θ·x_i) x_i x_iᵀ + λI for every replica: (R, d, d); blocks of rows, no example loop.
-
-    `features` (rows (m, d_in) → (R, m, d)) replaces each block of rows by per-replica features first: the output
-    layer of an MLP is this logistic regression on ã = [a(x), 1] (`output_features`)."""
-    n = X.shape[0]
-    d = theta.shape[1]
-    H = np.zeros((theta.shape[0], d, d))
-    for start in range(0, n, _ROW_CHUNK):
-        Xc = X[start:start + _ROW_CHUNK]
-        if features is not None:
-            Xc = features(Xc)
-        m = _margins(theta, Xc) * y[start:start + _ROW_CHUNK]  # (R, chunk) margins
-        w = expit(m) * expit(-m)  # σ'(m), symmetric in m
-        H += _weighted_gram(Xc, w)
-    H /= n
-    H += l2 * np.eye(d)
-    return H
-
-
 def damped(H: np.ndarray, l2: float, zeta: float) -> tuple[np.ndarray, bool]:
     """H + ζI when λ < ζ (so that λ_min ≥ ζ), else H; and whether ζ was added. Valid for H = PSD + λI (logreg, the
     output-layer block); an MLP's full Hessian may be indefinite: `damped_by_spectrum`."""
@@ -339,67 +313,6 @@ def noised_norms(c_norm: np.ndarray, sigma_c: float, d: int, generators: list[np
     z = np.stack([g.standard_normal(n) for g in generators])
     chi2 = np.stack([g.chisquare(d - 1, n) if d > 1 else np.zeros(n) for g in generators])
     return np.sqrt((2.0 * c_norm + sigma_c * z) ** 2 + sigma_c**2 * chi2)
-
-
-# --- any model with Hessian–vector products: the dense Hessian (`influence: full`) ----------------------------
-
-
-def dense_hessian(model: Model, theta: np.ndarray, X: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """∇²F(θ) (R, P, P) from P exact Hessian–vector products `model.hvp(θ, X, y, e_j)`, k columns per call (the
-    replica axis carries replicas × columns), symmetrised (H e_j is column j; rounding makes H ≠ Hᵀ by ~1e-16)."""
-    R, P = theta.shape
-    k = max(1, min(P, _BLOCK_ELEMENTS // max(1, R * P)))
-    H = np.empty((R, P, P))
-    for j0 in range(0, P, k):
-        kk = min(k, P - j0)
-        V = np.zeros((R, kk, P))
-        V[:, np.arange(kk), j0 + np.arange(kk)] = 1.0
-        H[:, j0:j0 + kk, :] = model.hvp(np.repeat(theta, kk, axis=0), X, y, V.reshape(R * kk, P)).reshape(R, kk, P)
-    return 0.5 * (H + np.swapaxes(H, 1, 2))
-
-
-def per_example_clipped_gradients(model: Model, theta: np.ndarray, X: np.ndarray, y: np.ndarray,
-                                  x_norm: np.ndarray, G: float) -> np.ndarray:
-    """clip_G(∇ℓ(θ_r; x_i, y_i)) for every replica and row of X (m, d): (R, m, P), by the model's own
-    `clipped_grad_sum` with one example per (replica, example) pair (so the clip is exactly the one of the steps)."""
-    R, P = theta.shape
-    m, d = X.shape
-    batch = Batch(X=np.broadcast_to(X, (R, m, d)).reshape(R * m, 1, d),
-                  y=np.broadcast_to(y, (R, m)).reshape(R * m, 1), weight=np.ones((R * m, 1)),
-                  x_norm=np.broadcast_to(x_norm, (R, m)).reshape(R * m, 1))
-    return model.clipped_grad_sum(np.repeat(theta, m, axis=0), batch, G).reshape(R, m, P)
-
-
-# --- MLP output layer (`influence: output_layer`) ----------------------------------------------------------------
-
-_ACTIVATIONS = {"tanh": np.tanh, "sigmoid": expit, "relu": lambda z: np.maximum(z, 0.0)}
-
-
-def output_features(model: MLP, theta: np.ndarray, X: np.ndarray) -> np.ndarray:
-    """ã = [φ(W₁x + b₁), 1] for the rows of X (m, d): (R, m, h + 1). f(x) = ã·[w₂, b₂]: the output layer is a
-    logistic regression on ã."""
-    W1, b1, _, _ = model.unpack(theta)
-    z = np.matmul(X, W1.transpose(0, 2, 1))
-    z += b1[:, None, :]
-    a = _ACTIVATIONS[model.activation](z)
-    return np.concatenate([a, np.ones(a.shape[:-1] + (1,))], axis=-1)
-
-
-def output_layer_params(model: MLP, theta: np.ndarray) -> np.ndarray:
-    """[w₂, b₂] (R, h + 1): the last h + 1 entries of θ."""
-    _, _, w2, b2 = model.unpack(theta)
-    return np.concatenate([w2, b2[:, None]], axis=1)
-
-
-def output_feature_bound(model: MLP, theta: np.ndarray) -> np.ndarray:
-    """A_r ≥ ‖ã‖ for every ‖x‖ ≤ 1: (R,). tanh, sigmoid: |φ| ≤ 1, so A = √(h + 1) for every θ. relu:
-    ‖φ(W₁x + b₁)‖ ≤ ‖[W₁ b₁][x; 1]‖ ≤ √2 ‖[W₁ b₁]‖₂, so A = √(1 + 2‖[W₁ b₁]‖₂²) at the round's hidden layer."""
-    R = theta.shape[0]
-    if model.activation in ("tanh", "sigmoid"):
-        return np.full(R, math.sqrt(model.hidden + 1.0))
-    W1, b1, _, _ = model.unpack(theta)
-    spectral = np.linalg.norm(np.concatenate([W1, b1[:, :, None]], axis=2), ord=2, axis=(1, 2))
-    return np.sqrt(1.0 + 2.0 * spectral**2)
 
 
 # --- one round's influence and the private test -------------------------------------------------------------
@@ -436,13 +349,13 @@ class RoundInfluence:
         of g H⁻¹ are (H⁻¹ g)ᵀ."""
         at, w, H_inv = self.at[replicas], self.w[replicas], self.H_inv[replicas]
         if self.kind == "full" and isinstance(self.model, MLP):
-            g = per_example_clipped_gradients(self.model, at, X, y, x_norm, self.G)
+            g = self.model.per_example_clipped_gradients(at, X, y, x_norm, self.G)
             return np.matmul(g, H_inv) / self.n
         if self.kind == "output_layer" and isinstance(self.model, MLP):
-            F = output_features(self.model, at, X)  # (R', k, h + 1)
-            a = clipped_residual(logistic_residual(_margins(w, F), y), np.sqrt(np.einsum("rmd,rmd->rm", F, F)), self.G)
+            F = self.model.output_features(at, X)  # (R', k, h + 1)
+            a = clipped_residual(logistic_residual(margins(w, F), y), np.sqrt(np.einsum("rmd,rmd->rm", F, F)), self.G)
             return a[..., None] * np.matmul(F, H_inv) / self.n
-        a = clipped_residual(logistic_residual(_margins(w, X), y), x_norm, self.G)  # logistic regression
+        a = clipped_residual(logistic_residual(margins(w, X), y), x_norm, self.G)  # logistic regression
         return a[..., None] * np.matmul(X[None], H_inv) / self.n
 
     def blocks(self, X: np.ndarray, y: np.ndarray, x_norm: np.ndarray,
@@ -471,15 +384,15 @@ def round_influence(influence: str, model: Model | None, theta: np.ndarray, X: n
     at = _finite(theta)
     n = X.shape[0]
     if influence == "full" and (model is None or model.name == "logreg"):
-        H, was_damped = damped(logreg_hessian(at, X, y, l2), l2, zeta)
+        H, was_damped = damped(logistic_hessian(at, X, y, l2), l2, zeta)
         return RoundInfluence("full", model, at, at, symmetric_inverse(H), n, G, was_damped)
     if influence == "full" and model is not None:
-        H, shift, mu = damped_by_spectrum(dense_hessian(model, at, X, y), zeta)
+        H, shift, mu = damped_by_spectrum(model.hessian(at, X, y), zeta)
         return RoundInfluence("full", model, at, at, symmetric_inverse(H), n, G, shift > 0, shift, mu)
     if influence == "output_layer" and isinstance(model, MLP):
         mlp = model
-        w = output_layer_params(mlp, at)
-        H, was_damped = damped(logreg_hessian(w, X, y, l2, features=lambda rows: output_features(mlp, at, rows)),
+        w = mlp.output_layer_params(at)
+        H, was_damped = damped(logistic_hessian(w, X, y, l2, features=lambda rows: mlp.output_features(at, rows)),
                                l2, zeta)
         return RoundInfluence("output_layer", model, at, w, symmetric_inverse(H), n, G, was_damped)
     raise ValueError(f"influence {influence!r} is not defined for model {getattr(model, 'name', model)!r}")
@@ -581,7 +494,7 @@ def error_constants(influence: str, model: Model, theta: np.ndarray, G: float, z
         return ErrorConstants(influence_error_bound(L, G, C, zeta, n), L, C)
     if influence == "full" or not isinstance(model, MLP):
         return ErrorConstants(0.0, None, None)
-    A = output_feature_bound(model, _finite(theta))
+    A = model.output_feature_bound(_finite(theta))
     L_A, C_A = A**2 / 4.0, MAX_ABS_SIGMOID_2ND * A**3
     return ErrorConstants(influence_error_bound(L_A, G, C_A, zeta, n), L_A, C_A, A,
                           influence_error_bound(L_A, A, C_A, zeta, n))
@@ -853,12 +766,10 @@ class PIDPSGD(Algorithm):
         test_gens = [g.spawn(1)[0] for g in streams.generators("noise")]  # independent of the step noise
         ckpt = Checkpoints(setting.trace_every, X, y) if setting.trace_every else None
         sampler = uniform_examples(X, y, streams) if single else poisson_batches(X, y, setting.sample_rate, streams)
-        # the step noise: one stream for the whole run, continued by every round's chain on either backend
+        # the step noise: one stream for the whole run, continued by every round's chain on any backend
         draws = streams.normal("noise", (model.n_params,))
-        source = NoiseSource(streams, "noise", (model.n_params,))
-        backend = self.backend(model, local, ckpt)
         noiseless = np.zeros(streams.replicas)
-        eligible_share, rounds_info, ran_on = [], [], backend
+        eligible_share, rounds_info, ran_on = [], [], "numpy"
         theta = model.init(streams.generators("init"))
         for k in range(rounds):
             constants = error_constants(influence, model, theta, G, p.zeta, n)
@@ -873,14 +784,13 @@ class PIDPSGD(Algorithm):
             else:
                 quiet = step_noiseless(inf, rule, constants.E, X, y, x_norm, idx[:, :, 0], test_gens)
             chain = GradientChain(
-                batches=fixed_batches(X, y, idx, padded=not single), clip=G,
-                transforms=[masked_noise(cal.std, draws, ~quiet), *([] if single else [scale(1.0 / B)]),
-                            add_l2(setting.l2)],
-                schedule=constant(setting.required.lr), project=self._projection(),
+                batches=fixed_batches(X, y, idx, padded=not single),
+                ops=[Clip(G), MaskedNoise(cal.std, draws, ~quiet), *([] if single else [Scale(1.0 / B)]),
+                     WeightDecay(setting.l2), Sgd(constant(setting.required.lr)), *self._projection()],
                 checkpoints=ckpt.shifted(round(k * local * B)) if ckpt else None, examples_per_step=B,
-                backend=backend, noise_source=source, mlp_kernel=True)
+                backend=p.backend)
             theta = chain.run(model, theta, local)
-            ran_on = chain.ran_on or backend
+            ran_on = chain.ran_on or ran_on
             noiseless += quiet.sum(axis=0)
 
         fraction = [float(f) for f in noiseless / steps]
@@ -929,16 +839,6 @@ class PIDPSGD(Algorithm):
             bounds.append(skip_probability_bound(rule.rule, dim, sigma_c, rule.threshold, E * scale_n**2))
         return max(bounds)
 
-    def backend(self, model: Model, local: int, ckpt: Checkpoints | None) -> str:
-        """The chains' backend: the single-example kernel (`kernels.single_example_applies`: one example per step,
-        no box projection) where `select_backend` gives it, else NumPy. Also NumPy when a round is not a whole
-        number of `trace_every` periods: those runs were made on NumPy, and the backends agree up to rounding only."""
+    def _projection(self) -> list[Op]:
         p = self.params
-        if p.sampling != "single" or p.project == "box":
-            return "numpy"
-        backend = kernels.select_backend(p.backend, model, 1, mlp=True)
-        return "numpy" if ckpt is not None and local % ckpt.every else backend
-
-    def _projection(self) -> Projection | None:
-        p = self.params
-        return project_to_box(p.radius) if p.project == "box" else project_to_ball(p.radius) if p.project else None
+        return [ProjectBox(p.radius)] if p.project == "box" else [ProjectBall(p.radius)] if p.project else []

@@ -101,7 +101,7 @@ class IndexedBatches:
 
     blocks: (K, R, M) index blocks (−1 marks padding, kept indices first), or None for the full batch (every
     row at every step). Besides iteration (the NumPy chain), `take(m)` hands the next m steps' indices
-    (m, R, M) to a compiled step (kernels_minibatch) that reads the rows itself: the same indices in the same
+    (m, R, M) to a compiled step (backends.py) that reads the rows itself: the same indices in the same
     order, whichever way the steps are consumed. plain: the blocks have no padding, and a step's batch is a plain
     `Batch` of its rows (no padding weights, per-replica split or row nonzeros to look up).
     """
@@ -117,6 +117,11 @@ class IndexedBatches:
         self._full: Batch | None = None
         self._nonzeros: RowNonzeros | None | Literal[False] = False  # False: not looked up yet
         self.taps: list[deque] = []  # queues that receive a copy of every `take` (see `replay`)
+
+    @property
+    def padded(self) -> bool:
+        """Whether a step's row of indices may hold padding (−1): a varying batch size (Poisson)."""
+        return self._trim
 
     @property
     def x_norm(self) -> np.ndarray:

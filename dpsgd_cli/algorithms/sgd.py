@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING, ClassVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from dpsgd_cli.algorithms.base import Algorithm, Outcome, Prepared, Setting, Tags
-from dpsgd_cli.algorithms.chain import Checkpoints, GradientChain, add_l2, add_noise, constant, scale
+from dpsgd_cli.algorithms.chain import Checkpoints, GradientChain
+from dpsgd_cli.algorithms.ops import Clip, Noise, Op, Scale, Sgd, WeightDecay, constant
 from dpsgd_cli.algorithms.sampling import poisson_batches
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.compiled import Backend
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
     from dp_accounting.dp_event import DpEvent
 
 
-BACKEND_HELP = ("logistic regression: the compiled mini-batch step (kernels_minibatch; auto: when numba is "
+BACKEND_HELP = ("logistic regression: the compiled mini-batch or full-batch step (auto: when numba is "
                 "installed) or numpy; same random numbers, same result up to summation order")
 
 
@@ -48,12 +49,13 @@ class SGD(Algorithm):
     Params: ClassVar[type[BaseModel]] = SGDParams  # typed as the base declares it: subclasses bring their own
     execution_params = frozenset({"backend"})
 
-    def chain(self, setting: Setting, X, y, streams: ReplicaStreams, clip=None, noise=()) -> GradientChain:
+    def chain(self, setting: Setting, X, y, streams: ReplicaStreams, private: tuple[Op, ...] = (),
+              smoothing: tuple[Op, ...] = ()) -> GradientChain:
+        """[clip, noise] → ·1/B → + λθ → [smoothing] → −η ·."""
         return GradientChain(
             batches=poisson_batches(X, y, setting.sample_rate, streams),
-            clip=clip,
-            transforms=[*noise, scale(1.0 / setting.required.batch_size), add_l2(setting.l2)],
-            schedule=constant(setting.required.lr),
+            ops=[*private, Scale(1.0 / setting.required.batch_size), WeightDecay(setting.l2), *smoothing,
+                 Sgd(constant(setting.required.lr))],
             checkpoints=Checkpoints(setting.trace_every, X, y) if setting.trace_every else None,
             examples_per_step=setting.required.batch_size,
             stream=("poisson", setting.sample_rate),
@@ -112,7 +114,7 @@ class DPSGD(SGD):
         cal = calibrate_sigma(*args)
         draws = streams.normal("noise", (model.n_params,))
         std = cal.sigma * setting.required.clip_norm * self.noise_scale
-        chain = self.chain(setting, X, y, streams, clip=setting.required.clip_norm, noise=[add_noise(std, draws)])
+        chain = self.chain(setting, X, y, streams, (Clip(setting.required.clip_norm), Noise(std, draws)))
         derived = {"sigma": cal.sigma, "epsilon_achieved": cal.epsilon, "accountant": cal.accountant,
                    "accountant_library": cal.library}
         if self.noise_scale != 1.0:  # the audit's broken twin: what the accountant gives for the noise it adds

@@ -10,7 +10,7 @@ B_t the t-th of the ⌊n/b⌋ disjoint batches of a uniformly random permutation
 projection onto {‖w‖ ≤ 1/λ}, η_t = c/√t (c = the grid's `lr`; the paper shows c = 1 and 10), 1/(λt), or a
 constant, and Z_t ∈ R^d with density ∝ exp(−(α/2)‖z‖) (‖Z_t‖ ~ Gamma(d, scale 2/α), direction uniform).
 
-With b = 1 and logistic regression the chain runs on the single-example kernel of `kernels.py` when numba is
+On logistic regression (and the MLP with b = 1) the chain runs on a compiled backend (backends.py) when numba is
 installed (`backend: auto`; `numpy` forces NumPy): the same permutations and Z_t, the same result.
 """
 
@@ -23,24 +23,24 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from dpsgd_cli.algorithms import kernels
 from dpsgd_cli.algorithms.base import Algorithm, Outcome, Prepared, Setting, Tags, max_row_norm
-from dpsgd_cli.algorithms.chain import (
-    Checkpoints,
-    GradientChain,
-    NoiseSource,
+from dpsgd_cli.algorithms.chain import Checkpoints, GradientChain
+from dpsgd_cli.algorithms.ops import (
+    Clip,
+    Noise,
+    Op,
+    ProjectBall,
+    Scale,
     Schedule,
-    Transform,
-    add_l2,
-    add_noise,
+    Sgd,
+    WeightDecay,
     constant,
     inverse_sqrt,
     inverse_time,
-    project_to_ball,
-    scale,
 )
 from dpsgd_cli.algorithms.sampling import shuffled_batches
 from dpsgd_cli.algorithms.streams import ReplicaStreams
+from dpsgd_cli.compiled import Backend
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import Batch, Model
 from dpsgd_cli.privacy import validate as check
@@ -55,9 +55,10 @@ class Song2013Params(BaseModel):
     schedule: Literal["inv_sqrt", "inv_t", "constant"] = Field(
         "inv_sqrt", description="η_t = lr/√t (inv_sqrt), 1/(λt) (inv_t: lr unused), or lr (constant)")
     radius: float | None = Field(None, gt=0, description="projection radius (default 1/λ, which holds w*)")
-    backend: kernels.Backend = Field(
-        "auto", description="logreg: the numba kernels (b = 1: single-example, b > 1: the compiled mini-batch step; "
-                            "auto: when numba is installed) or numpy; same random numbers, same result")
+    backend: Backend = Field(
+        "auto", description="the numba kernels (b = 1, logreg or mlp: single-example; b > 1, logreg: the compiled "
+                            "mini-batch step; auto: when numba is installed) or numpy; same random numbers, same "
+                            "result")
 
 
 NoiseDraw = Callable[[np.random.Generator, int], np.ndarray]  # (generator, K steps) → (K, d) draws of Z_t
@@ -133,21 +134,17 @@ class Song2013NonPrivate(Algorithm):
             return inverse_time(1.0 / setting.l2)
         return constant(setting.required.lr)
 
-    def chain(self, setting: Setting, X, y, streams: ReplicaStreams, noise: Transform | None = None,
-              clip: float | None = None, noise_source: NoiseSource | None = None) -> GradientChain:
+    def chain(self, setting: Setting, X, y, streams: ReplicaStreams, private: tuple[Op, ...] = ()) -> GradientChain:
         """Σ (clipped) ∇ℓ over the batch → [+ Z_t] → ·1/b → + λw → w − η_t · → Π onto the ball."""
         b = setting.required.batch_size
         return GradientChain(
             batches=shuffled_batches(X, y, b, streams),
-            clip=clip,
-            transforms=[*([noise] if noise is not None else []), scale(1.0 / b), add_l2(setting.l2)],
-            schedule=self.schedule(setting),
-            project=project_to_ball(self.radius(setting)),
+            ops=[*private, Scale(1.0 / b), WeightDecay(setting.l2), Sgd(self.schedule(setting)),
+                 ProjectBall(self.radius(setting))],
             checkpoints=Checkpoints(setting.trace_every, X, y) if setting.trace_every else None,
             examples_per_step=b,
             stream=("shuffled", b),  # reshuffled every pass
-            backend=self.params.backend,  # the compiled single-example or mini-batch step where it applies
-            noise_source=noise_source,
+            backend=self.params.backend,
         )
 
     def noise_draw(self, setting: Setting, model: Model, X, passes: int) -> tuple[NoiseDraw | None, dict, str]:
@@ -159,9 +156,8 @@ class Song2013NonPrivate(Algorithm):
         per_pass, steps, passes = self.steps(setting)
         draw, derived, guarantee = self.noise_draw(setting, model, X, passes)
         clip = GRADIENT_BOUND if draw is not None else None
-        noise = add_noise(self.noise_scale, streams.per_step("noise", draw)) if draw else None
-        chain = self.chain(setting, X, y, streams, noise=noise, clip=clip,
-                           noise_source=NoiseSource(streams, "noise", draw=draw) if draw else None)
+        private = (Clip(GRADIENT_BOUND), Noise(self.noise_scale, streams.per_step("noise", draw))) if draw else ()
+        chain = self.chain(setting, X, y, streams, private)
         finish = lambda theta: self._outcome(setting, model, X, y, theta, chain.schedule, chain.ran_on or "numpy",
                                              derived, clip,
                                              guarantee, chain.checkpoints.rows if chain.checkpoints else [])

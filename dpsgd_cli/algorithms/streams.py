@@ -7,10 +7,7 @@ size see the same batches. Drawing K steps at a time keeps the Python loop over 
 
 from __future__ import annotations
 
-import copy
-import itertools
 import math
-import sys
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
@@ -19,7 +16,7 @@ from dpsgd_cli import compiled
 
 STREAMS = {"init": 0, "sampling": 1, "noise": 2, "output": 3}
 BLOCK_STEPS = 64
-FILL_STEPS = 8  # steps of normals per block when numba fills it (`_filled`: the numbers do not depend on it)
+FILL_STEPS = 8  # steps drawn at least, when a stream is read step by step (the numbers do not depend on it)
 
 
 class ReplicaStreams:
@@ -42,41 +39,38 @@ class ReplicaStreams:
             yield np.stack([draw(g, block) for g in gens], axis=1)
 
     def per_step(self, purpose: str, draw: Callable[[np.random.Generator, int], np.ndarray],
-                 block: int = BLOCK_STEPS) -> Iterator[np.ndarray]:
-        """Yield (R, ...) arrays forever, one a step: the steps of `blocks`."""
-        for stacked in self.blocks(purpose, draw, block):
-            yield from stacked
+                 block: int = BLOCK_STEPS) -> NoiseStream:
+        """The steps of `draw(g, K)` (K steps (K, ...) from one replica's generator), drawn `block` steps at a time
+        (a draw whose numbers depend on K: song2013's Z_t): a `NoiseStream` of (R, ...) steps."""
+        gens = self.generators(purpose)
+        return NoiseStream(_Tape(lambda k: np.stack([draw(g, k) for g in gens], axis=1), block))
 
-    def normal(self, purpose: str, shape: tuple[int, ...]) -> Iterator[np.ndarray]:
-        """Standard normal draws of shape (R, *shape), one array per step (float64). With numba installed the
-        blocks are filled by `_normals_numba` (`fill_normals_pcg64` for PCG64): the same numbers as `per_step`'s
-        (tested bit for bit)."""
+    def normal(self, purpose: str, shape: tuple[int, ...]) -> NoiseStream:
+        """Each replica's standard normals, (R, *shape) per step (float64): its generator's `standard_normal`
+        consumed in step order, so the numbers do not depend on how many steps are drawn at a time. With numba
+        installed `_normals_numba` draws them (`fill_normals_pcg64` for PCG64): the same numbers (tested)."""
+        return NoiseStream(_Tape(self._normals(purpose, tuple(shape)), None))
+
+    def _normals(self, purpose: str, shape: tuple[int, ...]) -> Callable[[int], np.ndarray]:
+        gens = self.generators(purpose)
         compiled = _numba_normals()
         if compiled is None:
-            return self.per_step(purpose, lambda g, k: g.standard_normal((k, *shape)))
-        return self._filled(compiled, purpose, tuple(shape))
-
-    def _filled(self, compiled, purpose: str, shape: tuple[int, ...]) -> Iterator[np.ndarray]:
-        gens = self.generators(purpose)
+            return lambda k: np.stack([g.standard_normal((k, *shape)) for g in gens], axis=1)
         # PCG64 (default_rng's) inlined in the ziggurat, from each generator's state read once here: the stream
         # owns its generators and never draws from them again; other bit generators through numba's Generator
         states = [compiled.pcg64_state(g) for g in gens]
         size = math.prod(shape)
-        block, unreferenced = None, 0
-        while True:
-            # refill the last block when no step of it is referenced any more (its views hold it: a caller may
-            # keep a draw), else a fresh one (a fresh block costs its page faults). The
-            # count of a block nobody else holds is read here, just after allocating it, not assumed: it depends on
-            # the interpreter (CPython 3.14 borrows references that 3.11 counts)
-            if block is None or sys.getrefcount(block) > unreferenced:
-                block = np.empty((FILL_STEPS, len(gens), size))
-                unreferenced = sys.getrefcount(block)
+
+        def draw(k: int) -> np.ndarray:
+            block = np.empty((k, len(gens), size))
             for r, (g, state) in enumerate(zip(gens, states)):
                 if state is None:
                     compiled.fill_normals(g, block, r)
                 else:
                     compiled.fill_normals_pcg64(state, block, r)
-            yield from block.reshape(FILL_STEPS, len(gens), *shape)
+            return block.reshape(k, len(gens), *shape)
+
+        return draw
 
 
 def _numba_normals():
@@ -84,23 +78,79 @@ def _numba_normals():
     return compiled.optional_compiled("algorithms._normals_numba")  # broken numba: NumPy draws the same numbers
 
 
+class _Tape:
+    """The steps of one noise stream as drawn (`draw(k)`: the next k steps (k, R, ...); k = `block` when set, else
+    any), kept until every reader has read them."""
+
+    def __init__(self, draw: Callable[[int], np.ndarray], block: int | None):
+        self.draw, self.block = draw, block
+        self.chunks: list[np.ndarray] = []
+        self.start = self.end = 0  # the steps the chunks hold: [start, end)
+        self.readers: list[NoiseStream] = []
+
+    def read(self, position: int, m: int) -> np.ndarray:
+        while self.end < position + m:
+            chunk = self.draw(self.block or max(position + m - self.end, FILL_STEPS))
+            self.chunks.append(chunk)
+            self.end += len(chunk)
+        parts, at = [], self.start
+        for chunk in self.chunks:
+            lo, hi = max(position, at), min(position + m, at + len(chunk))
+            if lo < hi:
+                parts.append(chunk[lo - at:hi - at])
+            at += len(chunk)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def forget(self) -> None:
+        """Drop the chunks every reader has passed."""
+        low = min(reader.position for reader in self.readers)
+        while self.chunks and self.start + len(self.chunks[0]) <= low:
+            self.start += len(self.chunks.pop(0))
+
+
+class NoiseStream:
+    """A chain's noise: one (R, ...) float64 array of the replicas' draws per step, in step order. Iteration hands
+    one step, `take(m)` the next m (m, R, ...): both read the same sequence, so every backend, whatever its block
+    size, gets the same numbers. Readers of one stream (`SharedStreams`: cells with the same seeds) read the same
+    steps, drawn once."""
+
+    def __init__(self, tape: _Tape):
+        self.tape, self.position = tape, 0
+        tape.readers.append(self)
+
+    def __iter__(self) -> NoiseStream:
+        return self
+
+    def __next__(self) -> np.ndarray:
+        return self.take(1)[0]
+
+    def take(self, m: int) -> np.ndarray:
+        out = self.tape.read(self.position, m)
+        self.skip(m)
+        return out
+
+    def skip(self, m: int) -> None:
+        """Pass m steps (another reader of the tape at the same position took them)."""
+        self.position += m
+        self.tape.forget()
+
+
 class SharedStreams(ReplicaStreams):
     """Streams for several algorithms training the same seeds together (`run_together`): every `normal` stream
     of a purpose and shape is drawn once and handed to each caller (the same numbers each would draw alone).
 
-    Callers must consume in lockstep (one draw per step each, as chains do); call `close()` once every caller
-    has its iterator, so that a draw is freed when the last caller has read it.
+    Call `close()` once every caller has its stream: a step is kept until the last reader has read it.
     """
 
     def __init__(self, seeds: Sequence[int]):
         super().__init__(seeds)
-        self._spares: dict[tuple, Iterator[np.ndarray]] = {}
+        self._spares: dict[tuple, _Tape] = {}
 
-    def normal(self, purpose: str, shape: tuple[int, ...]) -> Iterator[np.ndarray]:
+    def normal(self, purpose: str, shape: tuple[int, ...]) -> NoiseStream:
         key = (purpose, tuple(shape))
         if key not in self._spares:
-            self._spares[key] = itertools.tee(super().normal(purpose, shape), 1)[0]
-        return copy.copy(self._spares[key])  # a tee at the start of the shared stream
+            self._spares[key] = _Tape(self._normals(purpose, tuple(shape)), None)
+        return NoiseStream(self._spares[key])  # a reader at the start of the shared stream
 
     def close(self) -> None:
         self._spares.clear()

@@ -29,8 +29,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dpsgd_cli.algorithms.chain import Schedule, Transform
+from dpsgd_cli.algorithms.ops import Noise, Scale, Schedule, WeightDecay
 from dpsgd_cli.models import Batch, Model
+from dpsgd_cli.models.base import ClipNorm
 
 
 def least_used_direction(X: np.ndarray) -> np.ndarray:
@@ -83,7 +84,7 @@ class _GradientCanary(_CanaryBase):
     raw_norm: float
     projections: list
 
-    def clipped_grad_sum(self, theta: np.ndarray, batch: Batch, clip: float | None) -> np.ndarray:
+    def clipped_grad_sum(self, theta: np.ndarray, batch: Batch, clip: ClipNorm) -> np.ndarray:
         if getattr(self, "_summing", False):  # the model's own per-replica split calls back in: the data alone
             return super().clipped_grad_sum(theta, batch, clip)
         self._summing = True
@@ -96,7 +97,7 @@ class _GradientCanary(_CanaryBase):
         self.projections.append(theta @ self.U.T)
         return g + self._canary_sum(batch, self.included, clip)
 
-    def _canary_sum(self, batch: Batch, included: np.ndarray, clip: float | None):
+    def _canary_sum(self, batch: Batch, included: np.ndarray, clip: ClipNorm):
         marker = (batch.y == 0) & (batch.weight > 0)
         if not marker.any():
             return 0.0
@@ -110,8 +111,8 @@ class _GradientCanary(_CanaryBase):
         m = self.U.shape[0]
         return np.clip(np.rint(x_norm * (m + 1)).astype(int) - 1, 0, m - 1)
 
-    def _norm(self, clip: float | None) -> float:
-        return self.raw_norm if clip is None else min(self.raw_norm, clip)
+    def _norm(self, clip: ClipNorm) -> float | np.ndarray:
+        return self.raw_norm if clip is None else np.minimum(self.raw_norm, clip)
 
 
 def marker_rows(m: int, d: int) -> tuple[np.ndarray, np.ndarray]:
@@ -196,18 +197,17 @@ class StepModel:
 
 
 def step_model(chain, canary_norm: float, q: float) -> StepModel:
-    """Read the update's linear structure off a chain's tagged transforms (noise, scale, l2). Transforms it does
-    not know (smoothing) and a projection are left out: the statistic stays a fixed function of the iterates (so
-    every bound stays valid), only its power may drop."""
+    """Read the update's linear structure off a chain's ops (noise, scale, weight decay). Ops it does not know
+    (smoothing) and a projection are left out: the statistic stays a fixed function of the iterates (so every
+    bound stays valid), only its power may drop."""
     F, lam, nu = 1.0, 0.0, 0.0
-    for transform in chain.transforms:
-        kind = (transform.kind, *transform.params) if isinstance(transform, Transform) else (None,)
-        if kind[0] == "scale":
-            F, lam, nu = F * kind[1], lam * kind[1], nu * kind[1]
-        elif kind[0] == "noise":
-            nu = float(np.hypot(nu, kind[1]))
-        elif kind[0] == "l2":
-            lam += kind[1]
+    for op in chain.ops:
+        if isinstance(op, Scale):
+            F, lam, nu = F * op.factor, lam * op.factor, nu * op.factor
+        elif isinstance(op, Noise):
+            nu = float(np.hypot(nu, op.std))
+        elif isinstance(op, WeightDecay):
+            lam += op.l2
     return StepModel(chain.schedule, F, canary_norm, lam, nu, q)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -15,6 +15,7 @@ import scipy.stats
 from dpsgd_cli import plugins
 from dpsgd_cli.algorithms import Algorithm, Setting
 from dpsgd_cli.algorithms.erm import reference_minimum
+from dpsgd_cli.algorithms.ops import Clip, LaplacianSmoothing, MaskedNoise, Noise, Op, Scale, Update, WeightDecay
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.audit import canaries, stats
 from dpsgd_cli.config import AuditSpec, Cell
@@ -387,20 +388,19 @@ def _post_processing(algorithm: Algorithm, setting: Setting, model: Model, X: np
     prepared = algorithm.prepare(setting, model, X, y, ReplicaStreams(range(1)))
     if prepared is None:
         return None
-    tail: list[Callable[[np.ndarray, np.ndarray], np.ndarray]] = []
-    for transform in reversed(list(prepared.chain.transforms)):
-        kind = getattr(transform, "kind", None) or getattr(transform, "compiled", ("",))[0]  # its tag, if any
-        if kind in ("noise", "scale", "l2"):
+    tail: list[Op] = []
+    for op in prepared.chain.ops:
+        if isinstance(op, Update):
             break
-        if kind != "identity":
-            tail.insert(0, transform)
+        tail = [] if isinstance(op, (Noise, MaskedNoise, Scale, WeightDecay, Clip)) else [*tail, op]
+    tail = [op for op in tail if not (isinstance(op, LaplacianSmoothing) and op.sigma_ls == 0)]
     if not tail:
         return None
     P = model.n_params
 
     def apply(g: np.ndarray, theta: np.ndarray) -> np.ndarray:
-        for transform in tail:
-            g = transform(g, theta)
+        for op in tail:
+            g, _ = op.update(g, op.init(theta), theta)
         return np.asarray(g, dtype=float)
 
     Mt = apply(np.eye(P), np.zeros((P, P)))  # row i: (M e_i)ᵀ

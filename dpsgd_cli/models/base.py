@@ -8,6 +8,9 @@ from typing import ClassVar
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
+BLOCK_ELEMENTS = 1 << 21  # numbers per (R, k, P) temporary of `hessian`
+ClipNorm = float | np.ndarray | None  # a clip norm: one for every replica, one per replica (R, 1), or none
+
 
 class NoOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -59,18 +62,21 @@ class Model:
         """Whether `clipped_grad_sum` reads this batch's rows in compiled kernels (a chain's backend "numba-rows")."""
         return False
 
-    def clipped_grad_sum(self, theta: np.ndarray, batch: Batch, clip: float | None) -> np.ndarray:
-        """Σ_i weight_i · min(1, C/‖∇ℓ_i‖) ∇ℓ_i over the batch, without the regulariser: (R, P)."""
+    def clipped_grad_sum(self, theta: np.ndarray, batch: Batch, clip: ClipNorm) -> np.ndarray:
+        """Σ_i weight_i · min(1, C/‖∇ℓ_i‖) ∇ℓ_i over the batch, without the regulariser: (R, P). C: a number, one
+        per replica (R, 1), or None (no clip)."""
         raise NotImplementedError
 
     def _clipped_grad_sum_per_replica(self, theta: np.ndarray, batch: Batch,
-                                      clip: float | None) -> np.ndarray | None:
+                                      clip: ClipNorm) -> np.ndarray | None:
         """`clipped_grad_sum` replica by replica, each on its own rows, where the replicas keep different numbers of
-        rows (Poisson sampling), else None: a BLAS product rounds differently with M (docs/design.md, bit-for-bit)."""
+        rows (Poisson sampling), else None: a BLAS product rounds differently with M (docs/design.md)."""
         parts = getattr(batch, "per_replica", None)
         if parts is None:
             return None
-        return np.concatenate([self.clipped_grad_sum(theta[r:r + 1], part, clip) for r, part in enumerate(parts)])
+        return np.concatenate([self.clipped_grad_sum(theta[r:r + 1], part,
+                                                     clip[r:r + 1] if isinstance(clip, np.ndarray) else clip)
+                               for r, part in enumerate(parts)])
 
     def per_example_grad_norms(self, theta: np.ndarray, batch: Batch) -> np.ndarray:
         """‖∇ℓ(θ; x_i, y_i)‖ for every batch entry: (R, M)."""
@@ -120,6 +126,30 @@ class Model:
         decision (override otherwise)."""
         decision = self.decision(theta, X)
         return logistic_loss(decision, y), accuracy_of(decision, y)
+
+    def hessian(self, theta: np.ndarray, X: np.ndarray, y: np.ndarray) -> np.ndarray:
+        """∇²F(θ) (R, P, P) from P exact Hessian–vector products `hvp(θ, X, y, e_j)`, k columns per call (the replica
+        axis carries replicas × columns), symmetrised (H e_j is column j; rounding makes H ≠ Hᵀ by ~1e-16)."""
+        R, P = theta.shape
+        k = max(1, min(P, BLOCK_ELEMENTS // max(1, R * P)))
+        H = np.empty((R, P, P))
+        for j0 in range(0, P, k):
+            kk = min(k, P - j0)
+            V = np.zeros((R, kk, P))
+            V[:, np.arange(kk), j0 + np.arange(kk)] = 1.0
+            H[:, j0:j0 + kk, :] = self.hvp(np.repeat(theta, kk, axis=0), X, y, V.reshape(R * kk, P)).reshape(R, kk, P)
+        return 0.5 * (H + np.swapaxes(H, 1, 2))
+
+    def per_example_clipped_gradients(self, theta: np.ndarray, X: np.ndarray, y: np.ndarray, x_norm: np.ndarray,
+                                      clip: float) -> np.ndarray:
+        """clip_C(∇ℓ(θ_r; x_i, y_i)) for every replica and row of X (m, d): (R, m, P), by `clipped_grad_sum` with one
+        example per (replica, example) pair (so the clip is exactly the one of the steps)."""
+        R, P = theta.shape
+        m, d = X.shape
+        batch = Batch(X=np.broadcast_to(X, (R, m, d)).reshape(R * m, 1, d),
+                      y=np.broadcast_to(y, (R, m)).reshape(R * m, 1), weight=np.ones((R * m, 1)),
+                      x_norm=np.broadcast_to(x_norm, (R, m)).reshape(R * m, 1))
+        return self.clipped_grad_sum(np.repeat(theta, m, axis=0), batch, clip).reshape(R, m, P)
 
     def inverse_hvp(self, theta: np.ndarray, X: np.ndarray, y: np.ndarray, v: np.ndarray, damping: float = 0.0,
                     tol: float = 1e-10, max_iter: int | None = None,

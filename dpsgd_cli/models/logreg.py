@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from scipy.special import expit
 
 from dpsgd_cli import compiled
-from dpsgd_cli.models.base import Batch, Model, accuracy_of, logistic_loss
+from dpsgd_cli.models.base import Batch, ClipNorm, Model, accuracy_of, logistic_loss
 from dpsgd_cli.models.rows import cached_nonzeros
 
 
@@ -51,7 +53,7 @@ class LogisticRegression(Model):
     def per_example_grad_norms(self, theta, batch):
         return np.abs(self._residual(theta, batch)) * batch.x_norm
 
-    def clipped_grad_sum(self, theta, batch, clip: float | None):
+    def clipped_grad_sum(self, theta, batch, clip: ClipNorm):
         split = self._clipped_grad_sum_per_replica(theta, batch, clip)  # the product below is BLAS's: rounds by M
         if split is not None:
             return split
@@ -68,12 +70,48 @@ class LogisticRegression(Model):
         return (weight * (v @ X.T)) @ X / X.shape[0] + self.l2 * v
 
 
+MAX_ABS_SIGMOID_2ND = 1.0 / (6.0 * math.sqrt(3.0))  # max |σ''| of the logistic sigmoid, at σ = (3 ± √3)/6
+HESSIAN_ROWS = 4096  # rows per block of `logistic_hessian` (bounds memory to R·block·d)
+
+
+def margins(theta: np.ndarray, X: np.ndarray) -> np.ndarray:
+    """θ_r·x for rows X shared (m, d) or per replica (R, m, d): (R, m)."""
+    return theta @ X.T if X.ndim == 2 else np.matmul(X, theta[:, :, None])[..., 0]
+
+
+def _weighted_gram(X: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Σ_i w_ri x_i x_iᵀ by BLAS for rows X shared (m, d) or per replica (R, m, d): (R, d, d)."""
+    if X.ndim == 2:
+        return np.matmul(X.T[None] * w[:, None, :], X)
+    return np.matmul(np.swapaxes(X, 1, 2) * w[:, None, :], X)
+
+
+def logistic_hessian(theta: np.ndarray, X: np.ndarray, y: np.ndarray, l2: float, features=None) -> np.ndarray:
+    """∇²F(θ) = (1/n) Σ σ'(y_i θ·x_i) x_i x_iᵀ + λI for every replica: (R, d, d); blocks of rows, no example loop.
+
+    `features` (rows (m, d_in) → (R, m, d)) replaces each block of rows by per-replica features first: the output
+    layer of an MLP is this logistic regression on ã = [a(x), 1] (`MLP.output_features`)."""
+    n = X.shape[0]
+    d = theta.shape[1]
+    H = np.zeros((theta.shape[0], d, d))
+    for start in range(0, n, HESSIAN_ROWS):
+        Xc = X[start:start + HESSIAN_ROWS]
+        if features is not None:
+            Xc = features(Xc)
+        m = margins(theta, Xc) * y[start:start + HESSIAN_ROWS]  # (R, chunk) margins
+        w = expit(m) * expit(-m)  # σ'(m), symmetric in m
+        H += _weighted_gram(Xc, w)
+    H /= n
+    H += l2 * np.eye(d)
+    return H
+
+
 def logistic_residual(margin: np.ndarray, y: np.ndarray) -> np.ndarray:
     """dℓ/d(θ·x) = −y σ(−y θ·x) of the margins θ·x: ∇ℓ = residual · x."""
     return -y * expit(-y * margin)
 
 
-def clipped_residual(residual: np.ndarray, x_norm: np.ndarray, clip: float,
+def clipped_residual(residual: np.ndarray, x_norm: np.ndarray, clip: float | np.ndarray,
                      weight: np.ndarray | None = None) -> np.ndarray:
     """(weight ·) residual · min(1, C/‖∇ℓ‖), ‖∇ℓ‖ = |residual|·‖x‖ (safe at 0): the clipped gradient is this · x."""
     scale = residual if weight is None else weight * residual

@@ -30,7 +30,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 from scipy.special import expit
 
-from dpsgd_cli.models.base import Batch, Model, logistic_loss
+from dpsgd_cli.models.base import Batch, ClipNorm, Model, logistic_loss
 from dpsgd_cli.models.rows import IndexedBatch, RowNonzeros
 
 Activation = Literal["tanh", "relu", "sigmoid"]
@@ -160,7 +160,7 @@ class MLP(Model):
         return logistic_loss(self.decision(theta, X), y)
 
     def _backward(self, theta: np.ndarray, X: np.ndarray, y: np.ndarray, weight,
-                  clip: float | None, x_norm) -> tuple[np.ndarray, np.ndarray]:
+                  clip: ClipNorm, x_norm) -> tuple[np.ndarray, np.ndarray]:
         """(Σ_i weight_i · min(1, C/‖∇ℓ_i‖) ∇ℓ_i (R, P), Σ_i weight_i ℓ_i (R,)), examples in blocks."""
         out = np.zeros_like(theta)
         gW1 = self.unpack(out)[0]
@@ -177,7 +177,7 @@ class MLP(Model):
                 gW1 += np.matmul(delta.transpose(0, 2, 1), Xs)
         return out, loss
 
-    def _accumulate(self, theta: np.ndarray, forward, y: np.ndarray, w, clip: float | None, x_norm,
+    def _accumulate(self, theta: np.ndarray, forward, y: np.ndarray, w, clip: ClipNorm, x_norm,
                     loss: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(δ (R, m, h), coef (R, m), a (R, m, h)): each example's clipped, weighted ∂ℓ/∂z and ∂ℓ/∂f, and its
         activations; adds the weighted losses to `loss` unless None."""
@@ -209,7 +209,7 @@ class MLP(Model):
     def reads_rows_compiled(self, batch: Batch, theta: np.ndarray) -> bool:
         return _row_sparse(batch, theta) is not None
 
-    def clipped_grad_sum(self, theta, batch: Batch, clip: float | None):
+    def clipped_grad_sum(self, theta, batch: Batch, clip: ClipNorm):
         sparse = _row_sparse(batch, theta)
         if sparse is None:  # the dense path's BLAS products round by M: replica by replica where M differs
             split = self._clipped_grad_sum_per_replica(theta, batch, clip)
@@ -227,7 +227,8 @@ class MLP(Model):
         f, aa, uu = (np.empty((R, M), theta.dtype) for _ in range(3))
         kernels.row_terms(a, kernels.ACTIVATIONS[self.activation], theta.dtype.type(1), np.ascontiguousarray(w2),
                           np.ascontiguousarray(b2), u, f, aa, uu)  # u = φ'(z) ⊙ w₂
-        if clip is None or any(np.asarray(v).dtype != theta.dtype for v in (batch.y, batch.weight, batch.x_norm)):
+        if clip is None or np.ndim(clip) or any(np.asarray(v).dtype != theta.dtype
+                                                for v in (batch.y, batch.weight, batch.x_norm)):
             coef = _coefficients(batch.y, f, batch.weight, clip, batch.x_norm, (aa, uu))
         else:  # _coefficients' operations after expit in one compiled pass, the same numbers (all in θ's dtype)
             minus_y = np.negative(batch.y)
@@ -250,6 +251,29 @@ class MLP(Model):
         u = da * w2[:, None, :]
         return np.abs(r) * np.sqrt(1.0 + np.einsum("rmh,rmh->rm", a, a)
                                    + np.einsum("rmh,rmh->rm", u, u) * (batch.x_norm**2 + 1.0))
+
+    # The output layer: a logistic regression on ã = [φ(W₁x + b₁), 1] with parameters [w₂, b₂] ----------------
+    def output_features(self, theta: np.ndarray, X: np.ndarray) -> np.ndarray:
+        """ã = [φ(W₁x + b₁), 1] for the rows of X (m, d): (R, m, h + 1); f(x) = ã·[w₂, b₂]."""
+        W1, b1, _, _ = self.unpack(theta)
+        z = np.matmul(X, W1.transpose(0, 2, 1))
+        z += b1[:, None, :]
+        a, _ = _activate(self.activation, z, derivative=False)
+        return np.concatenate([a, np.ones(a.shape[:-1] + (1,))], axis=-1)
+
+    def output_layer_params(self, theta: np.ndarray) -> np.ndarray:
+        """[w₂, b₂] (R, h + 1): the last h + 1 entries of θ."""
+        _, _, w2, b2 = self.unpack(theta)
+        return np.concatenate([w2, b2[:, None]], axis=1)
+
+    def output_feature_bound(self, theta: np.ndarray) -> np.ndarray:
+        """A_r ≥ ‖ã‖ for every ‖x‖ ≤ 1: (R,). tanh, sigmoid: |φ| ≤ 1, so A = √(h + 1) for every θ. relu:
+        ‖φ(W₁x + b₁)‖ ≤ ‖[W₁ b₁][x; 1]‖ ≤ √2 ‖[W₁ b₁]‖₂, so A = √(1 + 2‖[W₁ b₁]‖₂²) at θ's hidden layer."""
+        if self.activation in ("tanh", "sigmoid"):
+            return np.full(theta.shape[0], math.sqrt(self.hidden + 1.0))
+        W1, b1, _, _ = self.unpack(theta)
+        spectral = np.linalg.norm(np.concatenate([W1, b1[:, :, None]], axis=2), ord=2, axis=(1, 2))
+        return np.sqrt(1.0 + 2.0 * spectral**2)
 
     # Second order -----------------------------------------------------------------------------------------
     def hvp(self, theta: np.ndarray, X: np.ndarray, y: np.ndarray, v: np.ndarray) -> np.ndarray:
@@ -288,7 +312,7 @@ class MLP(Model):
         return out
 
 
-def _coefficients(y: np.ndarray, f: np.ndarray, w, clip: float | None, x_norm, norms) -> np.ndarray:
+def _coefficients(y: np.ndarray, f: np.ndarray, w, clip: ClipNorm, x_norm, norms) -> np.ndarray:
     """coef (R, m) = weight · ∂ℓ/∂f · min(1, C/‖∇ℓ‖) (no clip when C is None), with
     ‖∇ℓ‖² = r²(1 + ‖a‖² + ‖u‖²(‖x‖² + 1)) from norms = (‖a‖², ‖u‖²) (R, m)."""
     r = -y * expit(-y * f)  # ∂ℓ/∂f, (R, m)

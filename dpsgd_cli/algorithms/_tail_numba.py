@@ -1,0 +1,49 @@
+"""The step tail of every compiled kernel (numba; imported on first use: numba is optional): the chain's ops after
+the clipped gradient sum, as an int-coded program with one float parameter per op (`backends.program`), run on one
+replica's θ and g in the ops' order, each op over the whole vector, the operations of the ops' NumPy `update`s:
+
+    NOISE v: g ← g + v z (when the step is noisy)   SCALE v: g ← g v   L2 v: g ← g + v θ (skipped at v = 0)
+    UPDATE:  θ ← θ − η g                             BALL v: θ ← θ · min(1, v/‖θ‖)   BOX v: θ ← clip(θ, −v, v)
+"""
+
+import numba
+import numpy as np
+
+from dpsgd_cli.algorithms.backends import BALL, BOX, L2, NOISE, SCALE, UPDATE
+
+
+@numba.njit(cache=True, nogil=True)
+def tail(theta, g, codes, vals, z, noisy, eta):  # pragma: no cover
+    """One replica's step from its clipped sum g (overwritten): θ (P,) in place. z: the step's standard normals
+    (read only by NOISE, and only when `noisy`)."""
+    P = theta.shape[0]
+    for o in range(codes.shape[0]):
+        code, v = codes[o], vals[o]
+        if code == NOISE:
+            if noisy:
+                for p in range(P):
+                    g[p] = g[p] + v * z[p]
+        elif code == SCALE:
+            for p in range(P):
+                g[p] = g[p] * v
+        elif code == L2:
+            if v != 0.0:
+                for p in range(P):
+                    g[p] = g[p] + v * theta[p]
+        elif code == UPDATE:
+            for p in range(P):
+                theta[p] = theta[p] - eta * g[p]
+        elif code == BALL:
+            sq = 0.0
+            for p in range(P):
+                sq += theta[p] * theta[p]
+            f = v / max(np.sqrt(sq), 1e-300)
+            if f < 1.0:
+                for p in range(P):
+                    theta[p] = theta[p] * f
+        elif code == BOX:
+            for p in range(P):  # as np.clip: NaN stays NaN
+                if theta[p] < -v:
+                    theta[p] = -v
+                elif theta[p] > v:
+                    theta[p] = v

@@ -1,0 +1,249 @@
+"""The ops of a gradient chain: small typed gradient transformations with state (in the spirit of optax).
+
+One step of a chain, for every replica at once (θ (R, P)):
+
+    g ← Σ_i clip(∇ℓ(θ; x_i))          (the model's per-example sum, at the `Clip` op's per-replica norm)
+    g, s_k ← op_k.update(g, s_k, θ)    for the gradient ops in order (noise, scale, weight decay, smoothing, ...)
+    θ ← θ + g                          (the last gradient op is an `Update`: g is then −η_t times the gradient)
+    θ ← op.project(θ)                  for the `Projection`s after it
+
+Each op is a frozen dataclass: what it computes is its class and its named fields, and its NumPy definition is its
+`update` (or `project`). Backends read the classes and the fields (`backends.py`); nothing is matched by name or
+position. State (`init(θ) → state`) is what changes from step to step: the clip norms, the step count of the
+schedule and of a noise mask, the smoothing's eigenvalues.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dpsgd_cli.errors import UserError
+
+Schedule = Callable[[int], float]  # step t = 1, 2, ... → learning rate
+
+
+class Op:
+    """A gradient transformation: `init(θ) → state`, `update(g, state, θ) → (g, state)` on (R, P) arrays."""
+
+    def init(self, params: np.ndarray) -> Any:
+        return None
+
+    def update(self, grad: np.ndarray, state: Any, params: np.ndarray) -> tuple[np.ndarray, Any]:
+        raise NotImplementedError
+
+
+class Update(Op):
+    """The op that turns the gradient into the step added to θ (the last gradient op of a chain)."""
+
+
+class Projection(Op):
+    """θ ← project(θ) after the update (projections come after the chain's `Update`)."""
+
+    def update(self, grad: np.ndarray, state: Any, params: np.ndarray) -> tuple[np.ndarray, Any]:
+        return grad, state
+
+    def project(self, params: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Clip(Op):
+    """Each example's gradient clipped to the replica's norm C_r before the sum (the model computes the clipped sum,
+    reading the norms from this op's state). State: the per-replica norms (R,), constant here; an adaptive clip is
+    another op class whose `update` moves them."""
+
+    norm: float
+
+    def init(self, params: np.ndarray) -> np.ndarray:
+        return np.full(params.shape[0], float(self.norm))
+
+    def update(self, grad: np.ndarray, state: np.ndarray, params: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return grad, state
+
+
+@dataclass(frozen=True, eq=False)
+class Noise(Op):
+    """g + std · z, z the next step of `draws`: one (R, P) float64 array per step from the replicas' noise streams
+    (standard normals, `ReplicaStreams.normal`, for the Gaussian mechanism; song2013's Z_t of density ∝ e^{−‖z‖}),
+    cast to the gradient's dtype (a seed gives the same noise whatever the training precision). Every backend takes
+    the steps from this one iterator, in step order."""
+
+    std: float
+    draws: Iterator[np.ndarray]
+
+    def update(self, grad: np.ndarray, state: Any, params: np.ndarray) -> tuple[np.ndarray, Any]:
+        return grad + (self.std * next(self.draws)).astype(grad.dtype, copy=False), state
+
+
+@dataclass(frozen=True, eq=False)
+class MaskedNoise(Op):
+    """g + std · z on the replicas whose step is noisy (noisy (T, R) bool, row t − 1 at step t): z is drawn at every
+    step, noisy or not, so the noise stream does not depend on the decisions (pidp_sgd). State: the step count."""
+
+    std: float
+    draws: Iterator[np.ndarray]
+    noisy: np.ndarray
+
+    def init(self, params: np.ndarray) -> int:
+        return 0
+
+    def update(self, grad: np.ndarray, state: int, params: np.ndarray) -> tuple[np.ndarray, int]:
+        return grad + np.where(self.noisy[state], self.std, 0.0)[:, None] * next(self.draws), state + 1
+
+
+@dataclass(frozen=True)
+class Scale(Op):
+    factor: float
+
+    def update(self, grad: np.ndarray, state: Any, params: np.ndarray) -> tuple[np.ndarray, Any]:
+        return grad * self.factor, state
+
+
+@dataclass(frozen=True)
+class WeightDecay(Op):
+    """Add the regulariser's gradient λθ (data-independent: no privacy cost); λ = 0 leaves g as it is."""
+
+    l2: float
+
+    def update(self, grad: np.ndarray, state: Any, params: np.ndarray) -> tuple[np.ndarray, Any]:
+        return (grad + self.l2 * params if self.l2 else grad), state
+
+
+@dataclass(frozen=True)
+class LaplacianSmoothing(Op):
+    """g ← (I − σ_ls Δ)⁻¹ g for each replica's gradient, by FFT (O(P log P)); Δ the 1-D discrete Laplacian with
+    periodic boundary on the flat parameter vector (Wang et al., DP-LSSGD). State: the inverse eigenvalues for P.
+    Data-independent post-processing: no privacy cost."""
+
+    sigma_ls: float
+
+    def __post_init__(self) -> None:
+        if not (np.isfinite(self.sigma_ls) and self.sigma_ls >= 0):
+            raise UserError(f"smoothing must be a finite number ≥ 0, got {self.sigma_ls!r}")
+
+    def init(self, params: np.ndarray) -> np.ndarray:
+        P = params.shape[-1]
+        return 1.0 / laplacian_eigenvalues(self.sigma_ls, P)[: P // 2 + 1]
+
+    def update(self, grad: np.ndarray, state: np.ndarray, params: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if self.sigma_ls == 0:
+            return grad, state
+        P = grad.shape[-1]
+        return np.fft.irfft(np.fft.rfft(grad, axis=-1) * state, n=P, axis=-1), state
+
+
+@dataclass(frozen=True)
+class Sgd(Update):
+    """The step −η_t g (t = 1, 2, ...: the state counts the steps)."""
+
+    schedule: Schedule
+
+    def init(self, params: np.ndarray) -> int:
+        return 0
+
+    def update(self, grad: np.ndarray, state: int, params: np.ndarray) -> tuple[np.ndarray, int]:
+        return -(self.schedule(state + 1) * grad), state + 1
+
+
+@dataclass(frozen=True)
+class ProjectBall(Projection):
+    """Euclidean projection of each replica's θ onto {‖θ‖ ≤ radius}."""
+
+    radius: float
+
+    def project(self, params: np.ndarray) -> np.ndarray:
+        norm = np.linalg.norm(params, axis=1, keepdims=True)
+        return params * np.minimum(1.0, self.radius / np.maximum(norm, 1e-300))
+
+
+@dataclass(frozen=True)
+class ProjectBox(Projection):
+    """Projection of each replica's θ onto the box [−radius, radius]^P (coordinate-wise clipping)."""
+
+    radius: float
+
+    def project(self, params: np.ndarray) -> np.ndarray:
+        return np.clip(params, -self.radius, self.radius)
+
+
+# --- schedules ------------------------------------------------------------------------------------------------------
+
+
+def constant(lr: float) -> Schedule:
+    return lambda t: lr
+
+
+def inverse_sqrt(c: float) -> Schedule:
+    """η_t = c/√t (Song et al. 2013 use c = 1 and 10; Bassily et al. 2014: R/(l√t))."""
+    return lambda t: c / t**0.5
+
+
+def inverse_time(c: float) -> Schedule:
+    """η_t = c/t (for an s-strongly convex objective c = 1/s: Bassily et al. 2014; Song et al. 2013 1/(λt))."""
+    return lambda t: c / t
+
+
+def min_inverse_time(beta: float, gamma: float) -> Schedule:
+    """η_t = min(1/β, 1/(γt)) (Wu et al. 2017, strongly convex case)."""
+    return lambda t: min(1.0 / beta, 1.0 / (gamma * t))
+
+
+def laplacian_eigenvalues(sigma_ls: float, P: int) -> np.ndarray:
+    """Eigenvalues 1 + 2σ_ls(1 − cos(2πk/P)), k = 0..P−1, of A = I − σ_ls Δ, Δ the periodic 1-D Laplacian on R^P.
+
+    Δv_i = v_{i−1} − 2v_i + v_{i+1} (indices mod P) is circulant, so the DFT diagonalises it. P = 1: Δ = 0
+    (both neighbours are the entry itself); P = 2: Δ = [[−2, 2], [2, −2]] (both neighbours are the other entry).
+    """
+    k = np.arange(P)
+    return 1.0 + 2.0 * sigma_ls * (1.0 - np.cos(2.0 * np.pi * k / P))
+
+
+def smoothed_noise_variance_factor(sigma_ls: float, P: int) -> float:
+    """Per-coordinate variance of (I − σ_ls Δ)⁻¹ z over that of z ~ N(0, I): (1/P) Σ_k (1 + 2σ_ls(1 − cos 2πk/P))⁻²."""
+    return float(np.mean(laplacian_eigenvalues(sigma_ls, P) ** -2.0))
+
+
+# --- the step, once, in NumPy ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class OpStates:
+    """The ops of a chain and their states (made by `init` at the chain's first step)."""
+
+    ops: tuple[Op, ...]
+    states: list = field(default_factory=list)
+
+    def clip_norms(self, params: np.ndarray) -> np.ndarray | None:
+        """The per-replica clip norms of the chain's `Clip` op (None: no clip)."""
+        self._ready(params)
+        for op, state in zip(self.ops, self.states):
+            if isinstance(op, Clip):
+                return state
+        return None
+
+    def step(self, grad: np.ndarray, params: np.ndarray) -> np.ndarray:
+        """θ after one step from the clipped sum `grad`: the gradient ops, θ + update, the projections."""
+        self._ready(params)
+        for k, op in enumerate(self.ops):
+            if isinstance(op, Projection):
+                params = op.project(params)
+                continue
+            grad, self.states[k] = op.update(grad, self.states[k], params)
+            if isinstance(op, Update):
+                params += grad
+        return params
+
+    def _ready(self, params: np.ndarray) -> None:
+        if not self.states:
+            self.states = [op.init(params) for op in self.ops]
+
+
+def clip_argument(norms: np.ndarray | None) -> float | np.ndarray | None:
+    """The models' `clip` argument for per-replica norms: a number when every replica has the same, else (R, 1)."""
+    if norms is None:
+        return None
+    return float(norms[0]) if np.all(norms == norms[0]) else norms[:, None]
