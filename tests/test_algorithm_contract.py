@@ -12,7 +12,7 @@ import pytest
 
 from dpsgd_cli import compiled, contract
 from dpsgd_cli.algorithms import ALGORITHMS
-from dpsgd_cli.algorithms.chain import add_noise, constant
+from dpsgd_cli.algorithms.ops import Noise, Sgd, constant
 
 NAMES = sorted(ALGORITHMS)
 # whose σ calibration takes > 10 s on a fresh cache: their training checks are marked slow
@@ -64,11 +64,12 @@ def test_params_that_take_any_key_break_the_contract():
 class _ByBackend(ALGORITHMS["dp_sgd"]):  # type: ignore[misc,valid-type]
     """Trains another learning rate on the compiled step than on NumPy."""
 
-    def chain(self, setting, X, y, streams, clip=None, noise=()):
-        chain = super().chain(setting, X, y, streams, clip=clip, noise=noise)
-        if self.params.backend != "numpy":
-            chain.schedule = constant(setting.lr * 1.01)
-        return chain
+    def chain(self, setting, X, y, streams, private=(), smoothing=()):
+        chain = super().chain(setting, X, y, streams, private, smoothing)
+        if self.params.backend == "numpy":
+            return chain
+        faster = Sgd(constant(setting.lr * 1.01))
+        return dataclasses.replace(chain, ops=[faster if isinstance(op, Sgd) else op for op in chain.ops])
 
 
 class _SharedGenerator(ALGORITHMS["sgd"]):  # type: ignore[misc,valid-type]
@@ -79,7 +80,7 @@ class _SharedGenerator(ALGORITHMS["sgd"]):  # type: ignore[misc,valid-type]
     def prepare(self, setting, model, X, y, streams):
         prepared = super().prepare(setting, model, X, y, streams)
         draws = (self.generator.normal(size=prepared.theta.shape) for _ in itertools.count())
-        prepared.chain.transforms.insert(0, add_noise(0.1, draws))
+        prepared.chain = dataclasses.replace(prepared.chain, ops=[Noise(0.1, draws), *prepared.chain.ops])
         return prepared
 
 

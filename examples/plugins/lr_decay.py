@@ -13,6 +13,7 @@ import dataclasses
 from pydantic import Field
 
 from dpsgd_cli.algorithms.chain import GradientChain
+from dpsgd_cli.algorithms.ops import Sgd
 from dpsgd_cli.algorithms.sgd import DPSGD, DPSGDParams
 
 
@@ -28,8 +29,8 @@ class DPSGDLrDecay(DPSGD):
     Params = LrDecayParams
     source = "dp_sgd with a decaying learning rate (an example plugin)"
 
-    def chain(self, setting, X, y, streams, clip=None, noise=()) -> GradientChain:
-        chain = super().chain(setting, X, y, streams, clip=clip, noise=noise)
+    def chain(self, setting, X, y, streams, private=(), smoothing=()) -> GradientChain:
+        chain = super().chain(setting, X, y, streams, private, smoothing)
         lr, decay, steps = setting.required.lr, self.params.decay, setting.steps
-        chain.schedule = lambda t: lr / (1 + decay * (t - 1) / steps)
-        return chain
+        decaying = Sgd(lambda t: lr / (1 + decay * (t - 1) / steps))  # the update op, its schedule replaced
+        return dataclasses.replace(chain, ops=[decaying if isinstance(op, Sgd) else op for op in chain.ops])
