@@ -247,3 +247,57 @@ def clip_argument(norms: np.ndarray | None) -> float | np.ndarray | None:
     if norms is None:
         return None
     return float(norms[0]) if np.all(norms == norms[0]) else norms[:, None]
+
+
+# --- tree aggregation (DP-FTRL) -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TreeState:
+    """A tree's state after its step t: the completed nodes of t's dyadic decomposition, oldest (longest) first,
+    each as (exact sum, noisy sum) (R, P), and the released prefix sum s_t (the sum of the noisy ones; None at
+    t = 0)."""
+
+    t: int = 0
+    nodes: tuple[tuple[np.ndarray, np.ndarray], ...] = ()
+    released: np.ndarray | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class TreeAggregation(Op):
+    """The prefix sums of the gradients released by binary-tree aggregation with Gaussian noise per node (Dwork,
+    Naor, Pitassi & Rothblum 2010; Chan, Shi & Song 2011; Kairouz et al. 2021's DP-FTRL), the tree restarted every
+    `steps_per_tree` steps; `update` returns the increment s_t − s_{t−1} of the released sums (s_0 = 0 at each
+    restart), so the increments of a tree add up to its last released sum.
+
+    At its step t (1, 2, ... within the tree) the node of the dyadic interval (t − 2^v, t] completes, 2^v the lowest
+    set bit of t: its exact sum is the step's gradient plus the exact sums of the v nodes it covers (the last v of
+    the decomposition of t − 1), its noisy sum that plus std · z, z the step's draw (as `Noise`: one (R, P) array
+    per step from `draws`, cast to the gradient's dtype). s_t is the sum of the noisy nodes of t's decomposition,
+    one per set bit of t, each noised once when it completed: the honest tree, without the efficient estimator's
+    shortcuts. An example's gradient is in at most ⌈log₂(T + 1)⌉ released nodes of a tree of T steps (dp-accounting's
+    `SingleEpochTreeAggregationDpEvent`)."""
+
+    std: float
+    draws: Iterator[np.ndarray]
+    steps_per_tree: int
+
+    def init(self, params: np.ndarray) -> TreeState:
+        return TreeState()
+
+    def update(self, grad: np.ndarray, state: TreeState, params: np.ndarray) -> tuple[np.ndarray, TreeState]:
+        if state.t == self.steps_per_tree:  # the tree restarts: nothing of the previous one is released again
+            state = TreeState()
+        t = state.t + 1
+        covered = (t & -t).bit_length() - 1  # v: the nodes of t − 1's decomposition the new node covers
+        kept, merged = state.nodes[:len(state.nodes) - covered], state.nodes[len(state.nodes) - covered:]
+        exact = grad.copy()
+        for node, _ in merged:
+            exact += node
+        noisy = exact + (self.std * next(self.draws)).astype(grad.dtype, copy=False)
+        nodes = (*kept, (exact, noisy))
+        released = nodes[0][1].copy()
+        for _, node in nodes[1:]:
+            released += node
+        step = released if state.released is None else released - state.released
+        return step, TreeState(t, nodes, released)
