@@ -114,7 +114,7 @@ def test_check_accepts_a_valid_setting(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_native_neighbours_is_a_known_relation(name):
-    assert ALGORITHMS[name]().native_neighbours() in {"add_remove", "replace_one"}
+    assert ALGORITHMS[name]().native_neighbours() in {"add_remove", "replace_one", "zero_out"}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -142,8 +142,9 @@ def _library_epsilon(event, delta: float, neighbours: str) -> float:
     from dp_accounting.pld import PLDAccountant
     from dp_accounting.rdp import RdpAccountant
 
-    relation = (dp_accounting.NeighboringRelation.REPLACE_ONE if neighbours == "replace_one"
-                else dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    relation = {"add_remove": dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
+                "replace_one": dp_accounting.NeighboringRelation.REPLACE_ONE,
+                "zero_out": dp_accounting.NeighboringRelation.REPLACE_SPECIAL}[neighbours]
     found = []
     for accountant in (RdpAccountant(RDP_ORDERS, relation), PLDAccountant(relation, 1e-4)):
         if accountant.supports(event):

@@ -412,7 +412,8 @@ CALIBRATION_VERSION: str = "2"
 """Version of the calibration code (the lattice, :func:`calibrate_sigma`, the order grid, the PLD rule): part of
 every on-disk calibration key, so bump it whenever a change could alter a calibrated sigma."""
 
-_CACHE_RELATION = {"add_remove": "add_or_remove_one", "replace_one": "replace_one", "zero_out": "replace_special"}  # as the cache keys spell them
+# as the cache keys spell them
+_CACHE_RELATION = {"add_remove": "add_or_remove_one", "replace_one": "replace_one", "zero_out": "replace_special"}
 
 
 def calibration_cache_dir() -> Path | None:

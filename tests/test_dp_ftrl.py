@@ -1,0 +1,239 @@
+"""dp_ftrl: the tree's released prefix sums, their noise, the fixed order, the accounting and the refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from dpsgd_cli.algorithms import ALGORITHMS, Setting
+from dpsgd_cli.algorithms import backends
+from dpsgd_cli.algorithms.chain import train_together
+from dpsgd_cli.algorithms.dp_ftrl import DPFTRL, tree_curve, tree_event, tree_steps
+from dpsgd_cli.algorithms.ops import TreeAggregation
+from dpsgd_cli.algorithms.streams import ReplicaStreams, SharedStreams
+from dpsgd_cli.config import load_grid_file
+from dpsgd_cli.engine import execute, plan_grid
+from dpsgd_cli.engine.runner import FUSE_ENV
+from dpsgd_cli.models import make_model
+from dpsgd_cli.privacy.accounting import calibrate_sigma
+from dpsgd_cli.privacy.calibration import LATTICE_STEP
+
+N, D = 400, 5
+SETTING = Setting(n=N, d=D, delta=1e-5, l2=1e-2, epsilon=1.0, batch_size=30, lr=0.5, epochs=2.5, clip_norm=1.0)
+
+
+@pytest.fixture(scope="module")
+def problem():
+    rng = np.random.default_rng(3)
+    X = rng.normal(size=(N, D))
+    X /= np.maximum(1.0, np.linalg.norm(X, axis=1, keepdims=True))
+    y = np.where(X @ np.array([1.0, -2.0, 0.5, 0.0, 1.0]) + 0.1 * rng.normal(size=N) > 0, 1.0, -1.0)
+    return X, y, make_model("logreg", D, SETTING.l2)
+
+
+def _dyadic(t: int) -> list[tuple[int, int]]:
+    """The dyadic intervals (start, end] whose union is (0, t], longest first: one per set bit of t."""
+    out, end = [], 0
+    for bit in reversed(range(t.bit_length())):
+        if t >> bit & 1:
+            out.append((end, end + 2**bit))
+            end += 2**bit
+    return out
+
+
+class Recorded:
+    """An iterator of draws that keeps what it handed out."""
+
+    def __init__(self, rng: np.random.Generator, shape: tuple[int, int]):
+        self.rng, self.shape, self.drawn = rng, shape, []
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> np.ndarray:
+        self.drawn.append(self.rng.standard_normal(self.shape))
+        return self.drawn[-1]
+
+
+def test_released_prefix_sums_are_the_noisy_nodes_of_each_dyadic_decomposition():
+    """Brute force: s_t of a tree = Σ over the dyadic intervals of t of (the exact sum of the gradients in it + std ·
+    the draw of the step at which the interval completed, its end); the tree restarts every K steps."""
+    rng, std, K, steps, shape = np.random.default_rng(0), 0.7, 7, 17, (3, 4)
+    draws = Recorded(np.random.default_rng(1), shape)
+    op = TreeAggregation(std, draws, K)
+    grads = [rng.standard_normal(shape) for _ in range(steps)]
+    state, params, total = op.init(np.zeros(shape)), np.zeros(shape), np.zeros(shape)
+    for step, g in enumerate(grads):
+        tree_start, t = step - step % K, step % K + 1
+        if t == 1:
+            total = np.zeros(shape)
+        out, state = op.update(g, state, params)
+        total = total + out
+        want = sum(sum(grads[tree_start + a:tree_start + b], np.zeros(shape)) + std * draws.drawn[tree_start + b - 1]
+                   for a, b in _dyadic(t))
+        np.testing.assert_allclose(state.released, want, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(total, want, rtol=1e-12, atol=1e-12)  # the increments add up to s_t
+        assert len(state.nodes) == bin(t).count("1")
+    assert len(draws.drawn) == steps  # one node completes per step: one draw per step
+
+
+def test_a_released_prefix_sum_has_the_variance_of_its_nodes():
+    """Var s_t = (number of nodes of t's decomposition) σ²C² per coordinate: 1 for t = 8, 4 for t = 15, ...
+    (2 × 10⁵ samples per t: the sample variance is within 5 standard errors, ~1.6 %)."""
+    R, P, K, std = 4000, 50, 16, 1.3
+    rng = np.random.default_rng(2)
+    op = TreeAggregation(std, (rng.standard_normal((R, P)) for _ in range(K)), K)
+    state, zeros = op.init(np.zeros((R, P))), np.zeros((R, P))
+    for t in range(1, K + 1):
+        _, state = op.update(zeros, state, zeros)
+        nodes = bin(t).count("1")
+        variance = float(np.mean(state.released**2))
+        assert abs(variance / (nodes * std**2) - 1) < 5 * math.sqrt(2 / (R * P)), (t, nodes, variance)
+
+
+def test_each_example_is_used_once_per_pass_in_the_order_drawn_once_from_the_seed(problem):
+    X, y, model = problem
+    seeds = [4, 9]
+    prepared = DPFTRL().prepare(SETTING, model, X, y, ReplicaStreams(seeds))
+    steps, per_pass = tree_steps(SETTING)
+    assert (steps, per_pass) == (round(2.5 * (N // 30)), N // 30) == (32, 13)
+    taken = prepared.chain.batches.take(steps)  # (T, R, B) example indices
+    assert taken.shape == (steps, len(seeds), 30)
+    for r, g in enumerate(ReplicaStreams(seeds).generators("sampling")):  # the stated order: drawn once per seed
+        order = g.permutation(N)[:per_pass * 30]
+        for p in range(math.ceil(steps / per_pass)):
+            walked = taken[p * per_pass:(p + 1) * per_pass, r].ravel()
+            np.testing.assert_array_equal(walked, order[:len(walked)])  # the same fixed order every pass
+            if len(walked) == per_pass * 30:
+                assert len(np.unique(walked)) == len(walked)  # each example at most once per pass
+    assert not np.array_equal(taken[:, 0], taken[:, 1])
+
+
+def test_one_pass_without_regulariser_ends_at_theta0_minus_eta_times_the_released_sum_over_b(problem):
+    """FTRL's θ_{T+1} = θ_0 − s_T/λ_F, λ_F = B/η, with s_T the tree's last released prefix sum."""
+    X, y, model = problem
+    setting = dataclasses.replace(SETTING, l2=0.0, epochs=1)
+    prepared = DPFTRL().prepare(setting, model, X, y, ReplicaStreams([0, 1]))
+    theta = prepared.chain.run(model, prepared.theta, prepared.steps)
+    tree = next(k for k, op in enumerate(prepared.chain.ops) if isinstance(op, TreeAggregation))
+    released = prepared.chain._states.states[tree].released
+    np.testing.assert_allclose(theta, prepared.theta - setting.lr * released / setting.batch_size, rtol=1e-10,
+                               atol=1e-12)
+
+
+@pytest.mark.parametrize("epsilon, epochs", [(1.0, 2.5), (0.5, 1), (4.0, 3)])
+def test_claimed_epsilon_is_dp_accountings_for_the_tree_event_and_sigma_the_smallest_lattice_point(
+        problem, epsilon, epochs):
+    import dp_accounting
+    from dp_accounting.rdp import RdpAccountant
+
+    X, y, model = problem
+    setting = dataclasses.replace(SETTING, epsilon=epsilon, epochs=epochs)
+    outcome = DPFTRL().fit(setting, model, X, y, ReplicaStreams([0]))
+    sigma, claimed = outcome.derived["sigma"], outcome.derived["epsilon_achieved"]
+    steps, per_tree = tree_steps(setting)
+    orders = sorted({*np.linspace(1.01, 64, 400).tolist(), *range(64, 2000)})
+    accountant = RdpAccountant(orders, dp_accounting.NeighboringRelation.REPLACE_SPECIAL)
+    library = accountant.compose(DPFTRL().dp_event(setting, outcome.derived)).get_epsilon(setting.delta)
+    assert claimed <= epsilon and library == pytest.approx(claimed, rel=2e-3)
+    # the event's RDP is the paper's: every tree adds α⌈log₂(K' + 1)⌉/(2σ²) (K' its steps)
+    trees = [per_tree] * (steps // per_tree) + ([steps % per_tree] if steps % per_tree else [])
+    np.testing.assert_allclose(accountant._rdp, np.array(orders) * sum(math.ceil(math.log2(k + 1)) for k in trees)
+                               / (2 * sigma**2), rtol=1e-12)
+    # smallest lattice σ: the one below does not meet the target
+    assert tree_curve(setting.delta, steps, per_tree).evaluate(sigma * math.exp(-LATTICE_STEP))[0] > epsilon
+
+
+def test_the_tree_event_composes_the_passes():
+    import dp_accounting
+
+    tree = dp_accounting.SingleEpochTreeAggregationDpEvent
+    assert tree_event(2.0, 3, 10) == tree(2.0, 3)
+    assert tree_event(2.0, 30, 10) == dp_accounting.SelfComposedDpEvent(tree(2.0, 10), 3)
+    assert tree_event(2.0, 25, 10) == dp_accounting.ComposedDpEvent(
+        [dp_accounting.SelfComposedDpEvent(tree(2.0, 10), 2), tree(2.0, 5)])
+
+
+def test_fused_cells_equal_each_cell_alone_bit_for_bit(problem):
+    X, y, model = problem
+    seeds = [3, 5]
+    settings = [dataclasses.replace(SETTING, epsilon=e, lr=lr) for e, lr in ((0.5, 0.5), (4.0, 0.5), (1.0, 2.0))]
+    streams = SharedStreams(seeds)
+    prepared = [DPFTRL().prepare(s, model, X, y, streams) for s in settings]
+    prepared.append(ALGORITHMS["bolt_on"]().prepare(dataclasses.replace(SETTING, epochs=2), model, X, y, streams))
+    streams.close()
+    together = train_together(model, prepared)
+    for s, outcome in zip(settings, together):
+        alone = DPFTRL().fit(s, model, X, y, ReplicaStreams(seeds))
+        assert np.array_equal(outcome.theta, alone.theta) and outcome.derived == alone.derived
+    assert not np.array_equal(together[0].theta, together[1].theta)
+
+
+def test_runs_on_numpy_where_no_compiled_backend_knows_the_tree(problem):
+    X, y, model = problem
+    prepared = DPFTRL().prepare(SETTING, model, X, y, ReplicaStreams([0]))
+    assert backends.choose(backends.plan(prepared.chain, model, prepared.theta), "auto") is backends.NUMPY
+
+
+@pytest.mark.parametrize("relation", ["add_remove", "replace_one"])
+def test_other_relations_are_refused_by_the_grid_in_one_line(write_grid, relation):
+    path = write_grid(f"""
+        name: ftrl
+        datasets: [{{name: synthetic, n: 200, dim: 4}}]
+        algorithms: [dp_ftrl]
+        neighbours: {relation}
+        epsilon: [1]
+        batch_size: [20]
+        lr: [0.5]
+        epochs: 1
+    """)
+    with pytest.raises(Exception, match="zero-out neighbours only") as caught:
+        load_grid_file(path)
+    assert "\n" not in str(caught.value).strip().splitlines()[-1]
+
+
+def test_refusals_come_before_work(tmp_path):
+    algo = DPFTRL()
+    assert algo.refuses_neighbours("zero_out") is None
+    assert "use neighbours: zero_out" in algo.refuses_neighbours("add_remove")
+    with pytest.raises(Exception, match="batch_size 500 exceeds"):
+        algo.check(dataclasses.replace(SETTING, batch_size=500))
+
+
+def test_dp_sgd_under_zero_out_is_its_add_remove_calibration():
+    """The fair comparison's footing: DP-SGD's Poisson-sampled Gaussian has the same bound under both relations."""
+    args = (1.0, 1e-5, 0.05, 200, "rdp")
+    assert calibrate_sigma(*args, "zero_out").sigma == calibrate_sigma(*args, "add_remove").sigma
+    assert DPFTRL.neighbours == "zero_out" and ALGORITHMS["dp_sgd"](neighbours="zero_out").refuses_neighbours(
+        "zero_out") is None
+
+
+def test_a_grid_runs_fused_and_alone_to_the_same_rows_labelled_zero_out(write_grid, tmp_path, monkeypatch):
+    grid = load_grid_file(write_grid("""
+        name: ftrl
+        datasets: [{name: synthetic, n: 300, dim: 4}]
+        algorithms: [dp_ftrl, dp_sgd]
+        neighbours: zero_out
+        epsilon: [1, 4]
+        batch_size: [30]
+        lr: [0.5]
+        seeds: 2
+        epochs: 2
+    """)).grids[0]
+    frames = []
+    for fuse in (True, False):
+        monkeypatch.setenv(FUSE_ENV, "1" if fuse else "0")
+        out = tmp_path / f"fuse{fuse}"
+        plan = plan_grid(grid, out)
+        execute(plan)
+        assert max(len(t.cells) for t in plan.tasks) == (4 if fuse else 1)  # dp_ftrl's ε axis beside dp_sgd's
+        frame = pd.read_csv(out / grid.name / "runs.csv").drop(columns=["wall_time"]).sort_values("run_id")
+        frames.append(frame.reset_index(drop=True))
+    pd.testing.assert_frame_equal(frames[0], frames[1])
+    ftrl = frames[0][frames[0].algorithm == "dp_ftrl"]
+    assert set(frames[0].neighbours) == {"zero_out"} and (ftrl.status == "ok").all()
+    assert (ftrl.epsilon_achieved <= ftrl.epsilon).all() and ftrl.sample_rate.isna().all()
