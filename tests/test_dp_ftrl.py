@@ -9,8 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dpsgd_cli.algorithms import ALGORITHMS, Setting
-from dpsgd_cli.algorithms import backends
+from dpsgd_cli.algorithms import ALGORITHMS, Setting, backends
 from dpsgd_cli.algorithms.chain import train_together
 from dpsgd_cli.algorithms.dp_ftrl import DPFTRL, tree_curve, tree_event, tree_steps
 from dpsgd_cli.algorithms.ops import TreeAggregation
