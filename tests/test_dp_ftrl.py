@@ -236,3 +236,14 @@ def test_a_grid_runs_fused_and_alone_to_the_same_rows_labelled_zero_out(write_gr
     ftrl = frames[0][frames[0].algorithm == "dp_ftrl"]
     assert set(frames[0].neighbours) == {"zero_out"} and (ftrl.status == "ok").all()
     assert (ftrl.epsilon_achieved <= ftrl.epsilon).all() and ftrl.sample_rate.isna().all()
+
+
+def test_the_audit_twin_adds_scaled_noise_and_records_the_epsilon_of_what_it_adds(problem):
+    X, y, model = problem
+    twin = DPFTRL().with_noise_scale(0.5)
+    prepared = twin.prepare(SETTING, model, X, y, ReplicaStreams([0]))
+    derived = prepared.finish(prepared.theta).derived
+    tree = next(op for op in prepared.chain.ops if isinstance(op, TreeAggregation))
+    assert tree.std == derived["sigma"] * SETTING.clip_norm * 0.5 and derived["sigma_used"] == derived["sigma"] * 0.5
+    assert derived["epsilon_noise_scaled"] > 1.5 * derived["epsilon_achieved"]
+    assert twin.dp_event(SETTING, derived) == tree_event(derived["sigma_used"], *tree_steps(SETTING))
