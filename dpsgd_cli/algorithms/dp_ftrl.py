@@ -11,13 +11,15 @@ import math
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from dpsgd_cli.algorithms.base import Algorithm, Outcome, Prepared, Setting
 from dpsgd_cli.algorithms.chain import Checkpoints, GradientChain
 from dpsgd_cli.algorithms.ops import Clip, Scale, Sgd, TreeAggregation, WeightDecay, constant
 from dpsgd_cli.algorithms.sampling import shuffled_batches
+from dpsgd_cli.algorithms.sgd import BACKEND_HELP
 from dpsgd_cli.algorithms.streams import ReplicaStreams
+from dpsgd_cli.compiled import Backend
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import Model
 from dpsgd_cli.privacy.accounting import LIBRARY, dp_event, epsilon_for
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
 
 class DPFTRLParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+    backend: Backend = Field("auto", description=BACKEND_HELP)
 
 
 def tree_steps(setting: Setting) -> tuple[int, int]:
@@ -72,8 +75,10 @@ class DPFTRL(Algorithm):
     aggregation with N(0, σ²C²I) per node (`ops.TreeAggregation`: the honest tree, each node noised once), the tree
     restarted every pass. The update is Algorithm 1's θ_{t+1} = argmin_θ ⟨s_t, θ⟩ + (λ_F/2)‖θ − θ_0‖² =
     θ_0 − s_t/λ_F with λ_F = B/η, taken as increments: θ_{t+1} = θ_t − η((s_t − s_{t−1})/B + λθ_t), the
-    regulariser's gradient λθ_t (data-independent) linearised into the losses as the data's are; across restarts
-    the previous trees' last released sums stay in θ (the restart of the paper's Appendix D).
+    regulariser's gradient λθ_t (data-independent) linearised into the losses as the data's are; after a restart
+    the earlier trees' last released sums stay in θ. The increment's noise depends on the draws alone
+    (`ops.TreeNoise`), so the compiled mini-batch backend runs the chain as it runs DP-SGD's (logistic regression;
+    `backend` as `dp_sgd`'s).
 
     Privacy: each example's clipped gradient (norm ≤ C) enters a tree once, so at most ⌈log₂(K + 1)⌉ of its released
     nodes: (ε, δ) by dp-accounting's RDP accountant for `SingleEpochTreeAggregationDpEvent` per tree, composed over
@@ -91,6 +96,7 @@ class DPFTRL(Algorithm):
     Params: ClassVar[type[BaseModel]] = DPFTRLParams
     source = ("Kairouz, McMahan, Song, Thakkar, Thakurta, Xu, Practical and Private (Deep) Learning without Sampling "
               "or Shuffling, ICML 2021 (arXiv:2103.00039)")
+    execution_params = frozenset({"backend"})
     neighbours = "zero_out"
     noise_scalable = True
 
@@ -126,6 +132,7 @@ class DPFTRL(Algorithm):
             checkpoints=Checkpoints(setting.trace_every, X, y) if setting.trace_every else None,
             examples_per_step=batch,
             stream=("shuffle_once", batch),
+            backend=self.params.backend,
         )
         derived: dict[str, Any] = {"steps": steps, "sigma": point.sigma, "epsilon_achieved": point.epsilon,
                                    "accountant": "rdp", "accountant_library": LIBRARY, "steps_per_tree": per_tree,
