@@ -437,7 +437,7 @@ class Grid(Axes):
     delta: Literal["1/n^2"] | float = Field(DELTA_RULE, description="δ, a number in (0, 1) or 1/n^2")
     neighbours: Neighbours | None = Field(
         None, description="the neighbouring relation every private algorithm's ε is calibrated under (add_remove | "
-        "replace_one; an algorithm entry may override it); unset: each algorithm's own")
+        "replace_one | zero_out; an algorithm entry may override it); unset: each algorithm's own")
     trace_every: int | None = Field(None, ge=1, description="record the objective every k examples (traces.csv)")
     dtype: Literal["float64", "float32"] = Field(
         "float64", description="training precision; float32 applies to sgd, dp_sgd, dp_lssgd with logreg or mlp (the "

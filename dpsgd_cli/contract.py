@@ -134,9 +134,9 @@ def check_columns(s: Subject) -> None:
 
 
 def check_neighbours(s: Subject) -> None:
-    """the native neighbouring relation is add_remove or replace_one"""
+    """the native neighbouring relation is add_remove, replace_one or zero_out"""
     native = s.cls().native_neighbours()
-    _require(native in ("add_remove", "replace_one"), f"native_neighbours() is {native!r}")
+    _require(native in ("add_remove", "replace_one", "zero_out"), f"native_neighbours() is {native!r}")
 
 
 def check_params(s: Subject) -> None:
@@ -150,8 +150,9 @@ def check_params(s: Subject) -> None:
 def library_epsilon(event: Any, delta: float, neighbours: str) -> float:
     """The smallest ε that dp-accounting's own accountants (RDP on a dense order grid; PLD, pessimistic) give for
     the event, independently of the project's accounting code."""
-    relation = (dp_accounting.NeighboringRelation.REPLACE_ONE if neighbours == "replace_one"
-                else dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    relation = {"add_remove": dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
+                "replace_one": dp_accounting.NeighboringRelation.REPLACE_ONE,
+                "zero_out": dp_accounting.NeighboringRelation.REPLACE_SPECIAL}[neighbours]
     with quiet_rdp():
         found = [accountant.compose(event).get_epsilon(delta)
                  for accountant in (RdpAccountant(RDP_ORDERS, relation), PLDAccountant(relation, 1e-4))

@@ -40,6 +40,7 @@ from dpsgd_cli.algorithms.ops import (
     ProjectBox,
     Scale,
     Sgd,
+    TreeAggregation,
     WeightDecay,
 )
 from dpsgd_cli.algorithms.sampling import IndexedBatches
@@ -88,7 +89,8 @@ def plan(chain, model, theta: np.ndarray) -> Plan:
 
 _CODES: dict[type, tuple[int, str | None]] = {  # op class → (code, the field of its parameter)
     Noise: (NOISE, "std"), MaskedNoise: (NOISE, "std"), Scale: (SCALE, "factor"),
-    WeightDecay: (L2, "l2"), Sgd: (UPDATE, None), ProjectBall: (BALL, "radius"), ProjectBox: (BOX, "radius")}
+    WeightDecay: (L2, "l2"), Sgd: (UPDATE, None), ProjectBall: (BALL, "radius"), ProjectBox: (BOX, "radius"),
+    TreeAggregation: (NOISE, "std")}  # a Noise whose draws are the tree's
 
 
 def _in_tail(op: Op) -> bool:

@@ -218,7 +218,7 @@ class Algorithm:
         native = self.native_neighbours()
         if neighbours == native or not self.tags.private:
             return None
-        spelled = {"add_remove": "add/remove", "replace_one": "replace-one"}[native]
+        spelled = {"add_remove": "add/remove", "replace_one": "replace-one", "zero_out": "zero-out"}[native]
         return (f"{self.name} is analysed under {spelled} neighbours only (its sensitivity and accounting are "
                 f"stated for that relation); use neighbours: {native} for it")
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from dpsgd_cli.algorithms.streams import NoiseStream
 from dpsgd_cli.errors import UserError
 
 Schedule = Callable[[int], float]  # step t = 1, 2, ... → learning rate
@@ -247,3 +248,55 @@ def clip_argument(norms: np.ndarray | None) -> float | np.ndarray | None:
     if norms is None:
         return None
     return float(norms[0]) if np.all(norms == norms[0]) else norms[:, None]
+
+
+# --- tree aggregation (DP-FTRL) -------------------------------------------------------------------------------------
+
+
+class TreeNoise:
+    """The tree's noise, step by step: the nodes of the current tree as their standard-normal draws, and the noise of
+    each step's increment of the released prefix sums (in units of the node's std).
+
+    At step t of a tree (1, 2, ..., restarted every `steps_per_tree` steps) the node of the dyadic interval
+    (t − 2^v, t] completes, 2^v the lowest set bit of t, noised by the step's draw z_t; it covers the last v nodes of
+    t − 1's dyadic decomposition. The released prefix sum s_t is the sum of the noisy nodes of t's decomposition
+    (exact sum + noise, each node noised once: the honest tree, without the efficient estimator's shortcuts), so
+    s_t − s_{t−1} = g_t + std · (z_t − the draws of the v covered nodes), whose noise depends on the draws alone."""
+
+    def __init__(self, steps_per_tree: int):
+        self.steps_per_tree = steps_per_tree
+        self.t = 0
+        self.nodes: list[np.ndarray] = []  # the current decomposition's draws, oldest (longest node) first
+
+    def block(self, draws: np.ndarray) -> np.ndarray:
+        """The increments' noise (k, R, ...) of the next k steps from their draws (k, R, ...)."""
+        out = np.empty_like(draws)
+        for k, z in enumerate(draws):
+            if self.t == self.steps_per_tree:  # the tree restarts: no node of the previous one is released again
+                self.t, self.nodes = 0, []
+            self.t += 1
+            covered = (self.t & -self.t).bit_length() - 1
+            out[k] = z
+            for node in self.nodes[len(self.nodes) - covered:]:
+                out[k] -= node
+            del self.nodes[len(self.nodes) - covered:]
+            self.nodes.append(z.copy())  # not a view: the block it came from can go
+        return out
+
+
+@dataclass(frozen=True, eq=False)
+class TreeAggregation(Noise):
+    """The prefix sums of the gradients released by binary-tree aggregation with N(0, std²) per node and coordinate
+    (Dwork, Naor, Pitassi & Rothblum 2010; Chan, Shi & Song 2011; Kairouz et al. 2021's DP-FTRL), the tree restarted
+    every `steps_per_tree` steps: g + std · d_t, the increment s_t − s_{t−1} of the released sums (s_0 = 0 at each
+    restart), d_t the tree's noise (`TreeNoise`) of the replicas' standard normals `normals` (`ReplicaStreams.normal`),
+    one per step. As a `Noise` whose draws are d_t, every backend reads it as it reads DP-SGD's noise. An example's
+    gradient is in at most ⌈log₂(K + 1)⌉ released nodes of a tree of K steps (dp-accounting's
+    `SingleEpochTreeAggregationDpEvent`)."""
+
+    draws: Iterator[np.ndarray] = field(init=False, repr=False)
+    normals: NoiseStream
+    steps_per_tree: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "draws", self.normals.derived(TreeNoise(self.steps_per_tree).block))

@@ -134,6 +134,11 @@ class NoiseStream:
         self.position += m
         self.tape.forget()
 
+    def derived(self, transform: Callable[[np.ndarray], np.ndarray]) -> NoiseStream:
+        """A stream of its own whose steps are `transform` (k, R, ...) → (k, R, ...) of this one's, block by block
+        in step order (the transform may keep state from block to block: the blocks are consecutive)."""
+        return NoiseStream(_Tape(lambda k: transform(self.take(k)), None))
+
 
 class SharedStreams(ReplicaStreams):
     """Streams for several algorithms training the same seeds together (`run_together`): every `normal` stream

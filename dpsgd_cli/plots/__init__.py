@@ -305,7 +305,7 @@ def _caption(grid: dict, grid_name: str, frame: pd.DataFrame, spec: FigureSpec) 
     return phrases
 
 
-RELATIONS = {"add_remove": "add/remove", "replace_one": "replace-one"}
+RELATIONS = {"add_remove": "add/remove", "replace_one": "replace-one", "zero_out": "zero-out"}
 
 
 def relation_phrases(private: pd.DataFrame) -> list[str]:

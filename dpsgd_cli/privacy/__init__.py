@@ -9,6 +9,8 @@ AccountantName = Literal["rdp", "pld"]
 ACCOUNTANTS: tuple[AccountantName, ...] = get_args(AccountantName)
 ACCOUNTANT_LABELS: dict[str, str] = {"rdp": "RDP", "pld": "PLD"}
 """Each accountant's name in figures, legends and tables."""
-Neighbours = Literal["add_remove", "replace_one"]
+Neighbours = Literal["add_remove", "replace_one", "zero_out"]
 """Neighbouring relations a privacy claim can be stated for: add or remove one record (the library's default,
-Abadi et al.'s), or replace one record by another (Song et al., Bassily et al., Kang et al., Chourasia et al.)."""
+Abadi et al.'s), replace one record by another (Song et al., Bassily et al., Kang et al., Chourasia et al.), or
+replace one record by a null record whose gradient is zero (Kairouz et al. 2021's zero-out, dp-accounting's
+REPLACE_SPECIAL: the relation of its tree-aggregation bound)."""

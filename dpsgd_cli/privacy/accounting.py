@@ -243,22 +243,24 @@ def check_pld_event(event: DpEvent) -> None:
                         f"(its privacy loss range would not fit in memory); use accountant rdp")
 
 
-NEIGHBOURS: tuple[str, ...] = ("add_remove", "replace_one")
+NEIGHBOURS: tuple[str, ...] = ("add_remove", "replace_one", "zero_out")
+_RELATION_NAMES = {"add_remove": "ADD_OR_REMOVE_ONE", "replace_one": "REPLACE_ONE", "zero_out": "REPLACE_SPECIAL"}
 
 
 def _relation(neighbours: str) -> NeighboringRelation:
     if neighbours not in NEIGHBOURS:
-        raise UserError(f"neighbours must be one of 'add_remove', 'replace_one', got {neighbours!r}")
-    return (_relations.NeighboringRelation.REPLACE_ONE if neighbours == "replace_one"
-            else _relations.NeighboringRelation.ADD_OR_REMOVE_ONE)
+        raise UserError(f"neighbours must be one of {', '.join(map(repr, NEIGHBOURS))}, got {neighbours!r}")
+    return getattr(_relations.NeighboringRelation, _RELATION_NAMES[neighbours])
 
 
 def check_dpsgd_neighbours(accountant: str, neighbours: str) -> None:
     """UserError unless DP-SGD's Poisson-subsampled Gaussian can be accounted by `accountant` under `neighbours`:
     dp-accounting's RDP accountant has no replace-one bound for Poisson subsampling (only for sampling without
-    replacement), the PLD accountant has both (Zhu, Dong & Wang 2022 dominating pairs)."""
+    replacement), the PLD accountant has both (Zhu, Dong & Wang 2022 dominating pairs). Zero-out is add/remove's
+    bound in both (the null record adds nothing to the sum, whose divisor is the expected batch size: the same pair
+    of output distributions as the record removed)."""
     if neighbours not in NEIGHBOURS:  # without importing the library: a cached RDP σ never needs it
-        raise UserError(f"neighbours must be one of 'add_remove', 'replace_one', got {neighbours!r}")
+        raise UserError(f"neighbours must be one of {', '.join(map(repr, NEIGHBOURS))}, got {neighbours!r}")
     if neighbours == "replace_one" and accountant == "rdp":
         raise UserError("accountant 'rdp' has no replace-one bound for DP-SGD's Poisson-subsampled Gaussian "
                         "(dp-accounting's RDP supports replace-one only for sampling without replacement); "
@@ -409,7 +411,8 @@ CALIBRATION_VERSION: str = "2"
 """Version of the calibration code (the lattice, :func:`calibrate_sigma`, the order grid, the PLD rule): part of
 every on-disk calibration key, so bump it whenever a change could alter a calibrated sigma."""
 
-_CACHE_RELATION = {"add_remove": "add_or_remove_one", "replace_one": "replace_one"}  # as the cache keys spell them
+# as the cache keys spell them
+_CACHE_RELATION = {"add_remove": "add_or_remove_one", "replace_one": "replace_one", "zero_out": "replace_special"}
 
 
 def calibration_cache_dir() -> Path | None:
