@@ -306,7 +306,7 @@ def test_runs_csv_of_an_older_version_gets_the_new_columns(tmp_path):
     assert frame["dtype"].tolist()[1] == "float32" and frame["seed"].tolist() == [0, 1]
 
 
-def test_report_command_prints_each_claim_with_its_source(tmp_path, monkeypatch):
+def test_report_command_prints_each_claim_and_report_md_its_source(tmp_path, monkeypatch):
     monkeypatch.setenv("DPSGD_DATA_DIR", str(tmp_path / "cache"))
     claims = """\
     claims:
@@ -330,9 +330,10 @@ def test_report_command_prints_each_claim_with_its_source(tmp_path, monkeypatch)
     assert invoke("run", path, "--out", tmp_path / "r").exit_code == 0
     result = invoke("report", tmp_path / "r")
     assert result.exit_code == 0, result.output
-    assert "[grows]" in result.output and "[/]" in result.output  # markup escaped
+    assert "a [/] bracket" in result.output and "(own)" in result.output  # markup escaped, one line a claim
     assert "findings: 1 PASS, 0 FAIL, 1 VACUOUS, 0 NO DATA" in result.output  # tolerance 1: no step can move
-    assert "the project's own check" in (tmp_path / "r" / "report.md").read_text()
+    report = (tmp_path / "r" / "report.md").read_text()
+    assert "the project's own check" in report and "accuracy \\[grows\\] with ε" in report  # the quote, escaped
 
 
 NEIGHBOURS_GRID = """
