@@ -27,7 +27,8 @@ COLUMNS = ["grid", "cell_id", "dataset", "model", "algorithm", "algorithm_params
            "delta", "epsilon_lo", "verdict", "reason", "covers", "ceiling", "trials_needed", "control",
            "control_epsilon", "control_epsilon_lo", "control_row_confidence", "gdp_mu", "gdp_epsilon", "epsilon_rdp",
            "noiseless_fraction", "confidence", "family_size", "row_confidence", "statistic", "threshold", "auc",
-           "tpr_at_fpr_1e-2", "tpr_bound_fpr_1e-2", "tpr_at_fpr_1e-3", "tpr_bound_fpr_1e-3", "trials", "canary", "threat_model", "neighbours", "batch_size", "lr",
+           "tpr_at_fpr_1e-2", "tpr_bound_fpr_1e-2", "tpr_at_fpr_1e-3", "tpr_bound_fpr_1e-3", "trials", "canary",
+           "threat_model", "neighbours", "batch_size", "lr",
            "epochs", "steps", "sigma", "guarantee", "scores_file", "wall_time", "status", "message", "plugin",
            "plugin_sha256"]
 THREATS = {"input": ["black-box, last iterate"],
