@@ -100,3 +100,15 @@ def test_gdp_mu_is_not_read_for_pure_dp_or_a_non_gaussian_event():
     assert math.isnan(risk.gdp_mu(1.0, 0.0))
     columns = risk.attack_risk(dp_event.LaplaceDpEvent(1.0), "add_remove", 1.0, 0.0)
     assert math.isnan(columns["gdp_mu"]) and columns["tpr_bound_fpr_1e-2"] <= math.e * 1e-2 * (1 + 1e-12)
+
+
+def test_an_event_the_pld_does_not_take_is_bounded_by_the_rdp_profile():
+    # sampling without replacement under replace-one (bassily2014's event): no PLD, an RDP profile
+    event = dp_event.SelfComposedDpEvent(dp_event.SampledWithoutReplacementDpEvent(
+        100, 1, dp_event.GaussianDpEvent(1.0)), 100)
+    columns = risk.attack_risk(event, "replace_one", None, 1e-5)
+    assert columns["tpr_bound_from"] == "rdp" and math.isnan(columns["gdp_mu"])
+    epsilon = accounting.epsilon_for(event, 1e-5, "rdp", "replace_one")
+    for fpr, column in FPRS.items():
+        assert fpr < columns[column] <= risk.tpr_bound(fpr, epsilon, 1e-5) * (1 + 1e-9)
+    assert risk.attack_risk(event, "replace_one", epsilon, 1e-5)["gdp_mu"] > 0

@@ -26,8 +26,9 @@ import numpy as np
 from scipy.special import log_ndtr, ndtr
 
 from dpsgd_cli.errors import UserError
+from dpsgd_cli.lazy import LazyModule
 from dpsgd_cli.privacy.accounting import (
-    RDP_ORDERS,
+    RDP_BASE_ORDERS,
     _relation,
     dp_event,
     pld_accountant,
@@ -38,6 +39,8 @@ from dpsgd_cli.privacy.accounting import _rdp_lib as rdp_lib
 
 if TYPE_CHECKING:
     from dp_accounting.dp_event import DpEvent
+
+_library = LazyModule("dp_accounting.privacy_accountant")
 
 __all__ = ["BOUND_COLUMNS", "COLUMNS", "EPSILON_GRID", "attack_risk", "gaussian_delta", "gdp_mu", "privacy_profile",
            "tpr_bound"]
@@ -90,7 +93,8 @@ def _gaussian_only(event: DpEvent) -> bool:
         return True
     if isinstance(event, dp_event.ComposedDpEvent):
         return all(_gaussian_only(e) for e in event.events)
-    if isinstance(event, (dp_event.SelfComposedDpEvent, dp_event.PoissonSampledDpEvent)):
+    if isinstance(event, (dp_event.SelfComposedDpEvent, dp_event.PoissonSampledDpEvent,
+                          dp_event.SampledWithoutReplacementDpEvent)):
         return _gaussian_only(event.event)
     return False
 
@@ -106,10 +110,11 @@ def privacy_profile(event: DpEvent, neighbours: str, epsilon: float) -> tuple[np
         pld = pld_accountant(event, min(1e-2, pld_interval(event, epsilon)), neighbours)
         # the PLD itself reads every ε at once (the accountant's get_delta takes one)
         profiles["pld"] = np.asarray(pld._pld.get_delta_for_epsilon(EPSILON_GRID), dtype=float)
-    except (UserError, NotImplementedError):
+    except (UserError, _library.UnsupportedEventError):  # beyond its limits, or an event it has no PLD for
         pass
     if neighbours == "replace_one" or not profiles:
-        accountant = rdp_lib.RdpAccountant(list(RDP_ORDERS), _relation(neighbours))
+        # the orders up to 64: those above give δ(ε) far below what moves a bound at an FPR ≥ 10⁻³, and cost seconds
+        accountant = rdp_lib.RdpAccountant(list(RDP_BASE_ORDERS), _relation(neighbours))
         if accountant.supports(event):
             with quiet_rdp():
                 accountant.compose(event)
@@ -125,20 +130,20 @@ def attack_risk(event: DpEvent | None, neighbours: str, epsilon: float | None, d
     says which profile ("pld", "rdp", "pld+rdp") or "epsilon_delta" (the claim alone); μ from the claim, for an event
     of Gaussian mechanisms only (exact without subsampling, the CLT reading with it); NaN where a number is not
     known (no event and no claim, or not a Gaussian)."""
-    claim = epsilon is not None and math.isfinite(epsilon)
+    claimed = epsilon if epsilon is not None and math.isfinite(epsilon) else None
     if event is None or isinstance(event, dp_event.NonPrivateDpEvent):
         profile, source = np.ones_like(EPSILON_GRID), ""
     else:
         # any interval gives an upper bound; that of an ε ≥ 1 keeps the cost within the event's size (a claimed
         # ε of 0.01 would make it 100 times finer: tens of seconds)
-        profile, source = privacy_profile(event, neighbours, max(1.0, epsilon) if claim else 1.0)
+        profile, source = privacy_profile(event, neighbours, max(1.0, claimed or 0.0))
     bounds = {}
     for fpr, column in BOUND_COLUMNS.items():
         found = [tpr_bound(fpr, EPSILON_GRID, profile)] if source else []
-        if claim:
-            found.append(tpr_bound(fpr, epsilon, delta))
+        if claimed is not None:
+            found.append(tpr_bound(fpr, claimed, delta))
         bounds[column] = min(found) if found else math.nan
-    gaussian = event is not None and claim and _gaussian_only(event)
-    mu = gdp_mu(float(epsilon), delta) if gaussian and epsilon is not None else math.nan
+    gaussian = claimed is not None and event is not None and _gaussian_only(event)
+    mu = gdp_mu(claimed, delta) if gaussian and claimed is not None else math.nan  # (mypy: claimed is a float)
     return {**bounds, "gdp_mu": mu,
-            "tpr_bound_from": source or ("epsilon_delta" if claim else None)}
+            "tpr_bound_from": source or ("epsilon_delta" if claimed is not None else None)}
