@@ -321,7 +321,8 @@ def test_cli_audit_writes_csv_figure_and_report(tmp_path):
         assert row["verdict"] in ("refuted", "consistent", "uninformative", "not covered")
     report = CliRunner().invoke(app, ["report", str(tmp_path / "res")])
     assert report.exit_code == 0, report.output
-    assert "audit" in (tmp_path / "res" / "report.md").read_text().lower()
+    text = (tmp_path / "res" / "report.md").read_text()
+    assert "audit" in text.lower() and "measured, ≤" in text  # the measured TPR beside the accountant's bound
 
 
 def test_audit_verdicts_name_refuted_claims():
