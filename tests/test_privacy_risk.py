@@ -4,12 +4,14 @@ mechanism's exact trade-off Φ(Φ⁻¹(α) + μ), pure ε-DP's e^ε α, μ-GDP's
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from dp_accounting import dp_event
 from scipy.stats import norm
 
+from dpsgd_cli.engine import runner
 from dpsgd_cli.privacy import accounting, risk
 
 FPRS = {1e-2: "tpr_bound_fpr_1e-2", 1e-3: "tpr_bound_fpr_1e-3"}
@@ -20,14 +22,16 @@ def gaussian_delta(mu, epsilon):
     return norm.cdf(-epsilon / mu + mu / 2) - math.exp(epsilon) * norm.cdf(-epsilon / mu - mu / 2)
 
 
-@pytest.mark.parametrize("sigma", [0.5, 1.0, 2.0, 4.0])
-def test_one_gaussian_mechanism_is_bounded_just_above_its_exact_trade_off(sigma):
-    exact = {fpr: norm.cdf(norm.ppf(fpr) + 1 / sigma) for fpr in FPRS}
-    columns = risk.attack_risk(dp_event.GaussianDpEvent(sigma), "add_remove", None, 1e-5)
+@pytest.mark.parametrize("sigma, count", [(0.5, 1), (1.0, 1), (2.0, 1), (4.0, 1), (18.0, 20), (2.85, 20)])
+def test_gaussian_mechanisms_are_bounded_just_above_their_exact_trade_off(sigma, count):
+    """T Gaussian mechanisms of noise σ (sensitivity 1) are exactly √T/σ-GDP: TPR = Φ(Φ⁻¹(α) + √T/σ)."""
+    exact = {fpr: norm.cdf(norm.ppf(fpr) + math.sqrt(count) / sigma) for fpr in FPRS}
+    event = dp_event.SelfComposedDpEvent(dp_event.GaussianDpEvent(sigma), count)
+    columns = risk.attack_risk(event, "add_remove", None, 1e-5)
     assert columns["tpr_bound_from"] == "pld"
     for fpr, column in FPRS.items():
         bound = columns[column]
-        assert exact[fpr] <= bound <= exact[fpr] * 1.03 + 1e-5, (sigma, fpr, bound, exact[fpr])
+        assert exact[fpr] <= bound <= exact[fpr] * 1.01, (sigma, fpr, bound, exact[fpr])
 
 
 @pytest.mark.parametrize("epsilon", [0.1, 1.0, 3.0])
@@ -112,3 +116,27 @@ def test_an_event_the_pld_does_not_take_is_bounded_by_the_rdp_profile():
     for fpr, column in FPRS.items():
         assert fpr < columns[column] <= risk.tpr_bound(fpr, epsilon, 1e-5) * (1 + 1e-9)
     assert risk.attack_risk(event, "replace_one", epsilon, 1e-5)["gdp_mu"] > 0
+
+
+class OwnAnalysis:
+    """A private algorithm whose claim rests on its own analysis (no dp_event), as pidp_sgd or song2013."""
+
+    def dp_event(self, setting, derived):
+        return None
+
+    def neighbouring(self):
+        return "add_remove"
+
+
+@pytest.mark.parametrize("guarantee, derived, delta", [
+    ("proved", {}, 1e-5), ("proved", {"delta_achieved": 0.0}, 0.0),
+    ("tv-bound: (1, 0.0003)-DP [...]", {"delta_certified": 3e-4}, 3e-4),  # pidp_sgd: (ε, δ′), δ′ certified
+    ("none: the assumption failed", {"delta_certified": float("nan")}, None)])
+def test_a_row_without_an_event_is_bounded_by_the_claim_it_proves(guarantee, derived, delta):
+    columns = runner.risk_columns(OwnAnalysis(), SimpleNamespace(delta=1e-5), guarantee, derived, 1.0)
+    if delta is None:  # nothing proved: nothing bounded
+        assert all(math.isnan(columns[c]) for c in FPRS.values()) and columns["tpr_bound_from"] is None
+        return
+    for fpr, column in FPRS.items():
+        assert columns[column] == pytest.approx(min(1, math.e * fpr + delta), rel=1e-12)
+    assert columns["tpr_bound_from"] == "epsilon_delta" and math.isnan(columns["gdp_mu"])

@@ -384,11 +384,12 @@ def reported_columns(derived: dict[str, Any], replicas: int, private: bool) -> d
 def risk_columns(algorithm: Algorithm, setting: Setting, guarantee: str, derived: dict[str, Any],
                  epsilon: float | None) -> dict[str, Any]:
     """A private run's attack-risk columns (`privacy.risk.attack_risk`): from the mechanism as run (its dp_event)
-    and its claim, the ε it proved (none unless `guarantee` is "proved") at the δ it is certified for."""
+    and its claim, the ε it proved at the δ it is certified for (no claim where its guarantee is "none: …";
+    pidp_sgd's "tv-bound: …" proves (ε, δ′), δ′ its `delta_certified`)."""
     delta = derived.get("delta_certified")
     if delta is None or not np.isfinite(delta):
         delta = derived.get("delta_achieved", setting.delta)  # song2013 by basic composition: pure, δ = 0
-    claimed = epsilon if guarantee == "proved" else None
+    claimed = epsilon if guarantee == "proved" or guarantee.startswith("tv-bound: ") else None
     return attack_risk(algorithm.dp_event(setting, derived), algorithm.neighbouring(), claimed, delta)
 
 
