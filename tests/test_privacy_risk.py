@@ -11,7 +11,9 @@ import pytest
 from dp_accounting import dp_event
 from scipy.stats import norm
 
+from dpsgd_cli.audit.engine import COLUMNS as AUDIT_COLUMNS
 from dpsgd_cli.engine import runner
+from dpsgd_cli.engine.results import COLUMNS, NUMERIC
 from dpsgd_cli.privacy import accounting, risk
 
 FPRS = {1e-2: "tpr_bound_fpr_1e-2", 1e-3: "tpr_bound_fpr_1e-3"}
@@ -140,3 +142,8 @@ def test_a_row_without_an_event_is_bounded_by_the_claim_it_proves(guarantee, der
     for fpr, column in FPRS.items():
         assert columns[column] == pytest.approx(min(1, math.e * fpr + delta), rel=1e-12)
     assert columns["tpr_bound_from"] == "epsilon_delta" and math.isnan(columns["gdp_mu"])
+
+
+def test_the_columns_are_runs_csv_s_and_the_audit_s():
+    assert set(risk.COLUMNS) <= set(COLUMNS) and set(risk.BOUND_COLUMNS.values()) <= set(AUDIT_COLUMNS)
+    assert {c for c in risk.COLUMNS if c in NUMERIC} == {*risk.BOUND_COLUMNS.values(), "gdp_mu"}
