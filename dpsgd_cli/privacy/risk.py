@@ -79,7 +79,7 @@ def gdp_mu(epsilon: float, delta: float) -> float:
     lo, hi = 0.0, 1.0
     while gaussian_delta(hi, epsilon) < delta:
         lo, hi = hi, 2 * hi
-    for _ in range(200):  # bisection to the float: μ ≤ 2^k, halved each pass
+    for _ in range(200):  # bisection until [lo, hi] is one float wide (~60 passes)
         mid = (lo + hi) / 2
         if not lo < mid < hi:
             break
@@ -143,7 +143,8 @@ def attack_risk(event: DpEvent | None, neighbours: str, epsilon: float | None, d
         if claimed is not None:
             found.append(tpr_bound(fpr, claimed, delta))
         bounds[column] = min(found) if found else math.nan
-    gaussian = claimed is not None and event is not None and _gaussian_only(event)
-    mu = gdp_mu(claimed, delta) if gaussian and claimed is not None else math.nan  # (mypy: claimed is a float)
+    mu = math.nan
+    if claimed is not None and event is not None and _gaussian_only(event):
+        mu = gdp_mu(claimed, delta)
     return {**bounds, "gdp_mu": mu,
             "tpr_bound_from": source or ("epsilon_delta" if claimed is not None else None)}
