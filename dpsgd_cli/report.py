@@ -500,7 +500,35 @@ def _section(folder: Path, root: Path, grid: dict, figures: list[FigureSpec], ve
             lines += [f"![{md_text(figure.name)}]({md_path(image, root)})", ""]
     if verdicts:
         lines += [*_table(verdicts), ""]
-    return lines
+    return lines + risk_lines(folder)
+
+
+RISK_COLUMNS = ("tpr_bound_fpr_1e-2", "tpr_bound_fpr_1e-3", "gdp_mu")
+
+
+def risk_lines(folder: Path) -> list[str]:
+    """A grid's attack risk beside ε (docs/accounting.md#attack-risk): per private line and ε, the largest over its
+    runs of the accountant's bound on a membership test's TPR at FPR 10⁻² and 10⁻³, and of μ; empty without private
+    runs (or for results written before the columns)."""
+    runs = results_frame(folder)
+    if not set(RISK_COLUMNS) <= set(runs.columns) or runs["tpr_bound_fpr_1e-2"].isna().all():
+        return []
+    private = runs[runs["tpr_bound_fpr_1e-2"].notna()]
+    table = private.groupby(["label", "epsilon"], sort=True)[list(RISK_COLUMNS)].max()
+    lines = ["### Attack risk beside ε", "",
+             "The largest true-positive rate any membership test can have at a false-positive rate of 10⁻² and "
+             "10⁻³, by the accountant's privacy profile of each run's mechanism (the largest over a line's runs at "
+             "that ε), and the μ of μ-GDP through its (ε, δ) (exact for one Gaussian mechanism, the CLT reading for "
+             "DP-SGD): docs/accounting.md#attack-risk.", "",
+             "| line | ε | TPR at FPR 10⁻² ≤ | TPR at FPR 10⁻³ ≤ | μ |", "| --- | --- | --- | --- | --- |"]
+    lines += [f"| {md_text(label)} | {_fmt(epsilon)} | {_fmt3(row['tpr_bound_fpr_1e-2'])} | "
+              f"{_fmt3(row['tpr_bound_fpr_1e-3'])} | {_fmt3(row['gdp_mu'])} |"
+              for (label, epsilon), row in table.iterrows()]
+    return lines + [""]
+
+
+def _fmt3(value: float) -> str:
+    return "—" if pd.isna(value) else f"{value:.3g}"
 
 
 def _table(verdicts: list[Verdict], grid_column: bool = False) -> list[str]:
@@ -554,8 +582,16 @@ def audit_verdicts(frame: pd.DataFrame) -> list[dict]:
                     "numbers": f"ε_lo = {_fmt(best['epsilon_lo'])} {sign} {_fmt(best['epsilon_claimed'])} = ε "
                                f"(δ = {_fmt(best['delta'])}; {best['canary']} canary, {best['threat_model']}; "
                                f"{int(best['trials'])} + {int(best['trials'])} trials, {family}; "
-                               f"{len(group)} audit(s))" + (f"; {reason}" if reason else "")})
+                               f"{len(group)} audit(s))" + (f"; {reason}" if reason else "") + _tpr_beside(best)})
     return out
+
+
+def _tpr_beside(row: pd.Series) -> str:
+    """The audit's measured TPR at FPR 10⁻³ beside the accountant's bound on it, where audit.csv has both."""
+    measured, bound = row.get("tpr_at_fpr_1e-3"), row.get("tpr_bound_fpr_1e-3")
+    if measured is None or bound is None or pd.isna(measured) or pd.isna(bound):
+        return ""
+    return f"; TPR at FPR 10⁻³: {_fmt3(measured)} measured, ≤ {_fmt3(bound)} by the accountant"
 
 
 def audit_lines(path: Path) -> list[str]:

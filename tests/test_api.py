@@ -192,6 +192,9 @@ def test_read_results_gives_typed_columns_and_the_private_flag(grid_file, tmp_pa
     assert frame["epsilon"].isna().tolist() == (~frame["private"]).tolist()
     assert set(frame.loc[frame["private"], "algorithm_params.accountant"]) == {"rdp"}
     assert frame.groupby(["private", "algorithm"]).size().sum() == len(frame)  # no NaN key drops a row
+    for column in ("tpr_bound_fpr_1e-2", "tpr_bound_fpr_1e-3", "gdp_mu"):  # attack risk: private rows only
+        assert frame[column].dtype == float and frame[column].isna().tolist() == (~frame["private"]).tolist()
+    assert frame.loc[frame["private"], "tpr_bound_from"].tolist() == ["pld"] * frame["private"].sum()
     pd.testing.assert_frame_equal(dpsgd.read_results(out), frame)
     parquet = pd.read_parquet(dpsgd.export(out)[0])
     pd.testing.assert_frame_equal(parquet, frame)  # the same columns and types

@@ -183,6 +183,10 @@ def test_white_box_one_step_audit_is_nearly_tight():
                                                                      control=None))
     assert last["threat_model"] == "white-box, last iterate"
     assert last["epsilon_claimed"] / 2 <= last["epsilon_lo"] <= last["epsilon_claimed"], last
+    # beside the measured TPR, the accountant's bound for one Gaussian step: Φ(Φ⁻¹(α) + 1/σ), just above it
+    for fpr in ("1e-2", "1e-3"):
+        exact = scipy.stats.norm.cdf(scipy.stats.norm.ppf(float(fpr)) + 1 / last["sigma"])
+        assert exact <= last[f"tpr_bound_fpr_{fpr}"] <= exact * 1.03, (fpr, exact, last)
 
 
 def test_replace_one_audit_uses_the_mirror_record():
@@ -308,7 +312,7 @@ def test_cli_audit_writes_csv_figure_and_report(tmp_path):
     frame = pd.read_csv(tmp_path / "res" / "tiny_audit" / "audit.csv")
     assert len(frame) == 2 and (frame["trials"] == 40).all() and (frame["status"] == "ok").all()
     for column in ("epsilon_claimed", "delta", "epsilon_lo", "auc", "tpr_at_fpr_1e-2", "tpr_at_fpr_1e-3", "canary",
-                   "threat_model", "wall_time"):
+                   "threat_model", "wall_time", "tpr_bound_fpr_1e-2", "tpr_bound_fpr_1e-3"):
         assert frame[column].notna().all(), column
     assert (tmp_path / "res" / "tiny_audit" / "figures" / "audit.png").exists()
     # every bound recomputed from the raw scores saved beside the CSV, at the row's own confidence and claim (the
@@ -326,7 +330,8 @@ def test_cli_audit_writes_csv_figure_and_report(tmp_path):
         assert row["verdict"] in ("refuted", "consistent", "uninformative", "not covered")
     report = CliRunner().invoke(app, ["report", str(tmp_path / "res")])
     assert report.exit_code == 0, report.output
-    assert "audit" in (tmp_path / "res" / "report.md").read_text().lower()
+    text = (tmp_path / "res" / "report.md").read_text()
+    assert "audit" in text.lower() and "measured, ≤" in text  # the measured TPR beside the accountant's bound
 
 
 def test_audit_verdicts_name_refuted_claims():

@@ -138,6 +138,8 @@ def test_figures_and_report_end_to_end(tmp_path, run_grid):
     assert "reading: the limit of the closed form" in formulas
     assert ("findings: 2 PASS, 0 FAIL, 1 VACUOUS, 1 NO DATA; formula checks: 1 PASS, 0 FAIL, 0 VACUOUS, 0 NO DATA"
             in text)
+    risk = findings.split("### Attack risk beside ε")[1]  # song2013's pure ε-DP (no dp_event): TPR ≤ e^ε α
+    assert "| song2013 batch_size=1 | 1 | 0.0272 | 0.00272 | — |" in risk and "erm" not in risk
 
 
 def test_figure_spec_validation():

@@ -20,14 +20,16 @@ from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.audit import canaries, stats
 from dpsgd_cli.config import AuditSpec, Cell
 from dpsgd_cli.data import Dataset
-from dpsgd_cli.engine.runner import dataset, setting_of
+from dpsgd_cli.engine.runner import dataset, risk_columns, setting_of
 from dpsgd_cli.models import Model, make_model
+from dpsgd_cli.privacy.risk import BOUND_COLUMNS
 
 COLUMNS = ["grid", "cell_id", "dataset", "model", "algorithm", "algorithm_params", "epsilon", "epsilon_claimed",
            "delta", "epsilon_lo", "verdict", "reason", "covers", "ceiling", "trials_needed", "control",
            "control_epsilon", "control_epsilon_lo", "control_row_confidence", "gdp_mu", "gdp_epsilon", "epsilon_rdp",
            "noiseless_fraction", "confidence", "family_size", "row_confidence", "statistic", "threshold", "auc",
-           "tpr_at_fpr_1e-2", "tpr_at_fpr_1e-3", "trials", "canary", "threat_model", "neighbours", "batch_size", "lr",
+           "tpr_at_fpr_1e-2", "tpr_bound_fpr_1e-2", "tpr_at_fpr_1e-3", "tpr_bound_fpr_1e-3", "trials", "canary",
+           "threat_model", "neighbours", "batch_size", "lr",
            "epochs", "steps", "sigma", "guarantee", "scores_file", "wall_time", "status", "message", "plugin",
            "plugin_sha256"]
 THREATS = {"input": ["black-box, last iterate"],
@@ -49,6 +51,7 @@ class Worlds:
     scores: dict[str, tuple[np.ndarray, np.ndarray]]
     derived: dict[str, Any]
     guarantee: str
+    setting: Setting | None = None  # the setting the worlds trained in (the canary rows included)
 
 
 class NotApplicable(ValueError):
@@ -89,7 +92,7 @@ def audit_cell(cell: Cell, spec: AuditSpec, trials: int | None = None, confidenc
                                   else f"{type(worlds).__name__}: {worlds}").replace("\n", " ")}
                      for t in THREATS[kind]]
             continue
-        derived = _derived_columns(worlds, cell, data)
+        derived = {**_derived_columns(worlds, cell, data), **_tpr_bounds(algorithm, worlds)}
         for threat, (s_in, s_out) in worlds.scores.items():
             row = {**base, **derived, "canary": kind, "threat_model": threat,
                    "wall_time": elapsed, "covers": covers, "family_size": family, "row_confidence": row_confidence,
@@ -208,6 +211,16 @@ def _derived_columns(worlds: Worlds, cell: Cell, data: Dataset) -> dict[str, Any
             "guarantee": worlds.guarantee}
 
 
+def _tpr_bounds(algorithm: Algorithm, worlds: Worlds) -> dict[str, Any]:
+    """The accountant's bound on any test's TPR at each FPR for the mechanism audited (`runner.risk_columns`), beside
+    the audit's measured TPR at the same FPR."""
+    if not algorithm.tags.private or worlds.setting is None:
+        return {}
+    risk = risk_columns(algorithm, worlds.setting, worlds.guarantee, worlds.derived,
+                        worlds.derived.get("epsilon_achieved"))
+    return {column: risk[column] for column in BOUND_COLUMNS.values()}
+
+
 def _statistics(s_in: np.ndarray, s_out: np.ndarray, spec: AuditSpec, confidence: float, worlds: Worlds,
                 claim: float) -> dict:
     """The row's numbers; `claim` fixes the rule "order"'s ranks before any score is seen."""
@@ -273,7 +286,7 @@ def input_worlds(cell: Cell, spec: AuditSpec, algorithm: Algorithm, trials: int,
             parts.append(canary.score(model, outcome.theta))
             guarantee = outcome.guarantee
         scores[world] = np.concatenate(parts)
-    return Worlds({THREATS["input"][0]: (scores["in"], scores["out"])}, derived, guarantee)
+    return Worlds({THREATS["input"][0]: (scores["in"], scores["out"])}, derived, guarantee, setting)
 
 
 def gradient_worlds(cell: Cell, spec: AuditSpec, algorithm: Algorithm, trials: int, data: Dataset) -> Worlds:
@@ -304,7 +317,7 @@ def gradient_worlds(cell: Cell, spec: AuditSpec, algorithm: Algorithm, trials: i
         guarantee = outcome.guarantee
     stacked = np.concatenate(last), np.concatenate(every)
     scores = {t: (s[:trials, 0], s[trials:, 0]) for t, s in zip(THREATS["gradient"], stacked)}
-    return Worlds(scores, derived, guarantee)
+    return Worlds(scores, derived, guarantee, setting)
 
 
 def dirac_setup(cell: Cell, data: Dataset, m: int = 1,
@@ -371,7 +384,7 @@ def dirac_worlds(cell: Cell, spec: AuditSpec, algorithm: Algorithm, trials: int,
         guarantee = outcome.guarantee
     stacked = np.concatenate(last), np.concatenate(every)
     scores = {t: (s[included], s[~included]) for t, s in zip(THREATS["dirac"], stacked)}
-    return Worlds(scores, derived, guarantee)
+    return Worlds(scores, derived, guarantee, setting)
 
 
 def _step_statistics(a: np.ndarray, v: np.ndarray, steps: canaries.StepModel) -> np.ndarray:

@@ -49,7 +49,7 @@ COLUMNS = [
     "test_accuracy", "test_loss", "train_accuracy", "train_objective", "optimal_objective", "optimality_gap",
     "guarantee", "noiseless_fraction", "derived", "wall_time", "status", "message", "version", "dtype",
     "n_val", "val_accuracy", "val_objective", "epsilon_base", "tuning", "delta_certified", "neighbours", "numerics",
-    "plugin", "plugin_sha256",
+    "plugin", "plugin_sha256", "tpr_bound_fpr_1e-2", "tpr_bound_fpr_1e-3", "gdp_mu", "tpr_bound_from",
 ]
 TRACE_COLUMNS = ["run_id", "cell_id", "seed", "examples", "train_objective", "optimality_gap", "train_accuracy"]
 # the columns every version of the tool wrote: a file without them is not a results file
@@ -60,7 +60,7 @@ NUMERIC = {
     "n_train", "n_test", "d", "seed", "epsilon", "epsilon_achieved", "delta", "sigma", "batch_size", "lr", "epochs",
     "steps", "sample_rate", "l2", "clip_norm", "test_accuracy", "test_loss", "train_accuracy", "train_objective",
     "optimal_objective", "optimality_gap", "noiseless_fraction", "wall_time", "examples", "delta_certified", "numerics",
-    "n_val", "val_accuracy", "val_objective", "epsilon_base",
+    "n_val", "val_accuracy", "val_objective", "epsilon_base", "tpr_bound_fpr_1e-2", "tpr_bound_fpr_1e-3", "gdp_mu",
 }
 OPTION_COLUMNS = ["dataset_options", "model_options", "algorithm_params", "derived"]  # JSON objects in runs.csv
 STATUSES = {"ok", "diverged", "failed"}

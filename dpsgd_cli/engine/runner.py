@@ -40,6 +40,7 @@ from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import Model, make_model
 from dpsgd_cli.models.rows import cached_astype
 from dpsgd_cli.privacy.accounting import ACCOUNTANTS, calibrate_sigma
+from dpsgd_cli.privacy.risk import attack_risk
 
 
 @functools.lru_cache(maxsize=8)
@@ -328,6 +329,8 @@ def _result(task: Task, cell: Cell, model: Model, outcome: Outcome, elapsed: flo
         reported = reported_columns(derived, len(task.seeds), ALGORITHMS[cell.algorithm.name].tags.private)
     except ValueError as exc:  # a programming error: the run fails, no column takes the value
         return failed_result(task, _failure(exc), elapsed)
+    risk = risk_columns(_algorithm(cell), setting, outcome.guarantee, outcome.derived,
+                        reported.get("epsilon_achieved")) if ALGORITHMS[cell.algorithm.name].tags.private else {}
     derived = {k: v for k, v in derived.items() if k not in reported}
     # a derived list with one value per replica (e.g. pidp_sgd's eligible_fraction) belongs to each seed's row
     per_replica = {k: derived.pop(k) for k in list(derived)
@@ -336,7 +339,7 @@ def _result(task: Task, cell: Cell, model: Model, outcome: Outcome, elapsed: flo
     for r, seed in enumerate(task.seeds):
         extra = {**derived, **{k: v[r] for k, v in per_replica.items()}}
         row = {**base, **{k: v[r] if k in PER_REPLICA_COLUMNS else v for k, v in reported.items()},
-               **{k: v[r] for k, v in metrics.items()}, "run_id": cell.run_id(seed), "seed": seed,
+               **risk, **{k: v[r] for k, v in metrics.items()}, "run_id": cell.run_id(seed), "seed": seed,
                "guarantee": outcome.guarantee, "derived": json.dumps(extra, default=float) if extra else "",
                "wall_time": elapsed}
         finite = np.isfinite(outcome.theta[r]).all() and np.isfinite(row["train_objective"])
@@ -376,6 +379,18 @@ def reported_columns(derived: dict[str, Any], replicas: int, private: bool) -> d
         if not fits:
             raise ValueError(f"the algorithm's derived value {column!r} = {value!r} is not of that column's kind")
     return reported
+
+
+def risk_columns(algorithm: Algorithm, setting: Setting, guarantee: str, derived: dict[str, Any],
+                 epsilon: float | None) -> dict[str, Any]:
+    """A private run's attack-risk columns (`privacy.risk.attack_risk`): from the mechanism as run (its dp_event)
+    and its claim, the ε it proved at the δ it is certified for (no claim where its guarantee is "none: …";
+    pidp_sgd's "tv-bound: …" proves (ε, δ′), δ′ its `delta_certified`)."""
+    delta = derived.get("delta_certified")
+    if delta is None or not np.isfinite(delta):
+        delta = derived.get("delta_achieved", setting.delta)  # song2013 by basic composition: pure, δ = 0
+    claimed = epsilon if guarantee == "proved" or guarantee.startswith("tv-bound: ") else None
+    return attack_risk(algorithm.dp_event(setting, derived), algorithm.neighbouring(), claimed, delta)
 
 
 def failed_result(task: Task, message: str, wall_time: float | None = None) -> TaskResult:

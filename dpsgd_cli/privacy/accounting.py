@@ -267,18 +267,29 @@ def check_dpsgd_neighbours(accountant: str, neighbours: str) -> None:
                         "use accountant: pld, or neighbours: add_remove")
 
 
-def _pld_once(event: DpEvent, delta: float, h: float, neighbours: str = "add_remove") -> float:
+def pld_accountant(event: DpEvent, h: float, neighbours: str = "add_remove") -> Any:
+    """dp-accounting's PLDAccountant with `event` composed at discretisation interval h; UserError (one line) for
+    an event it cannot represent or whose PLD would not fit in memory (checked before the library allocates)."""
     check_pld_event(event)
-    check.pld_memory(event, h)  # estimated before the library allocates: refused in one line if it cannot fit
+    check.pld_memory(event, h)
     accountant = _pld_lib.PLDAccountant(_relation(neighbours), value_discretization_interval=h)
     accountant.compose(event)
-    return float(accountant.get_epsilon(delta))
+    return accountant
+
+
+def _pld_once(event: DpEvent, delta: float, h: float, neighbours: str = "add_remove") -> float:
+    return float(pld_accountant(event, h, neighbours).get_epsilon(delta))
 
 
 def snap_down(h: float) -> float:
     """Largest 10**(-k/4) <= h."""
     snapped: float = 10.0 ** (math.floor(4.0 * math.log10(h)) / 4.0)
     return snapped
+
+
+def pld_interval(event: DpEvent, epsilon: float) -> float:
+    """The discretisation interval for an ε of `event`: PLD_RHO·ε/√(compositions), snapped down to 10^(−k/4)."""
+    return max(_PLD_H_MIN, snap_down(PLD_RHO * epsilon / math.sqrt(_composition_count(event))))
 
 
 def _pld_epsilon(
@@ -289,13 +300,12 @@ def _pld_epsilon(
     if value_discretization_interval is not None:
         h = check.positive("value_discretization_interval", value_discretization_interval)
         return _pld_once(event, delta, h, neighbours), h
-    root_n = math.sqrt(_composition_count(event))
     h = _PLD_H_START
     eps = _pld_once(event, delta, h, neighbours)
     for _ in range(_PLD_MAX_PASSES):
         if not (math.isfinite(eps) and eps > 0):
             break
-        h_new = max(_PLD_H_MIN, snap_down(PLD_RHO * eps / root_n))
+        h_new = pld_interval(event, eps)
         if h_new >= h:
             break
         h = h_new
