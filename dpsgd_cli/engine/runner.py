@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import multiprocessing
 import numbers
 import os
@@ -40,7 +41,7 @@ from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import Model, make_model
 from dpsgd_cli.models.rows import cached_astype
 from dpsgd_cli.privacy.accounting import ACCOUNTANTS, calibrate_sigma
-from dpsgd_cli.privacy.risk import attack_risk
+from dpsgd_cli.privacy.risk import BOUND_COLUMNS, attack_risk
 
 
 @functools.lru_cache(maxsize=8)
@@ -390,6 +391,10 @@ def risk_columns(algorithm: Algorithm, setting: Setting, guarantee: str, derived
     if delta is None or not np.isfinite(delta):
         delta = derived.get("delta_achieved", setting.delta)  # song2013 by basic composition: pure, δ = 0
     claimed = epsilon if guarantee == "proved" or guarantee.startswith("tv-bound: ") else None
+    if derived.get("noise_scale", 1.0) != 1.0:  # the audit's broken twin: the claim is not the mechanism run
+        if not derived.get("noise_scale"):  # no noise at all: nothing bounds a test's power
+            return {**dict.fromkeys(BOUND_COLUMNS.values(), 1.0), "gdp_mu": math.inf, "tpr_bound_from": "no noise"}
+        claimed = None
     return attack_risk(algorithm.dp_event(setting, derived), algorithm.neighbouring(), claimed, delta)
 
 
