@@ -377,7 +377,8 @@ class ClaimSpec(_Strict):
 
 
 SELECT_GROUPS = ["dataset", "model", "algorithm", "epsilon"]
-PRIVATE_SELECTION = {"papernot_steinke": frozenset({"dp_sgd", "dp_lssgd"}), "liu_talwar": frozenset({"song2013"})}
+PRIVATE_SELECTION = {"papernot_steinke": frozenset({"dp_sgd", "dp_lssgd", "dp_adam"}),
+                     "liu_talwar": frozenset({"song2013"})}
 """The algorithms whose base mechanism each private selection can account (DP-SGD's subsampled Gaussian; the
 pure ε-DP song2013 with basic composition)."""
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from dpsgd_cli.algorithms import backends
-from dpsgd_cli.algorithms.ops import Clip, Op, OpStates, Projection, Schedule, Sgd, Update, clip_argument
+from dpsgd_cli.algorithms.ops import Clip, Op, OpStates, Projection, Schedule, Sgd, Update
 from dpsgd_cli.algorithms.sampling import IndexedBatches
 from dpsgd_cli.compiled import Backend
 from dpsgd_cli.models import Batch, Model
@@ -94,7 +94,7 @@ class GradientChain:
             batch = batch.plain()
         elif t == 1 and model.reads_rows_compiled(batch, theta):  # the path is the data's: the same at every step
             self.ran_on = "numba-rows"
-        g = model.clipped_grad_sum(theta, batch, clip_argument(self._states.clip_norms(theta)))
+        g = self._states.clipped_sum(model, theta, batch)
         theta = self._states.step(g, theta)
         if self.checkpoints is not None:
             before, after = round((t - 1) * self.examples_per_step), round(t * self.examples_per_step)

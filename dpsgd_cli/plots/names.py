@@ -21,6 +21,7 @@ ALGORITHMS = {
     "sgd": "SGD (non-private)",
     "dp_sgd": "DP-SGD",
     "dp_lssgd": "DP-LSSGD",
+    "dp_adam": "DP-Adam",
     "pidp_sgd": "PIDP-SGD",
     "noisy_gd": "noisy GD",
     "bolt_on": "bolt-on (output perturbation of SGD)",
