@@ -6,12 +6,15 @@ import pytest
 from pydantic import ValidationError
 from scipy.special import expit
 
+from dpsgd_cli import compiled
 from dpsgd_cli.algorithms import ALGORITHMS, Setting
 from dpsgd_cli.algorithms.chain import train_together
 from dpsgd_cli.algorithms.ops import Adam, constant
 from dpsgd_cli.algorithms.streams import ReplicaStreams, SharedStreams
 from dpsgd_cli.models import make_model
 from dpsgd_cli.plots import names
+
+needs_numba = pytest.mark.skipif(not compiled.HAVE_NUMBA, reason="numba not installed (pip install 'dpsgd[numba]')")
 
 
 def _setting(n, d, **kw):
@@ -107,3 +110,24 @@ def test_dp_adam_fused_with_dp_sgd_equals_each_alone(data, model_name):
         alone = ALGORITHMS[name](params).fit(setting, model, X, y, ReplicaStreams(seeds))
         assert np.array_equal(outcome.theta, alone.theta) and outcome.derived == alone.derived, (name, params)
     assert len({outcome.theta.tobytes() for outcome in together}) == len(configs)
+
+
+@needs_numba
+@pytest.mark.parametrize("batch_size", [40, 300])  # the mini-batch backend; the full batch (q = 1)
+@pytest.mark.parametrize("params", [{}, {"beta1": 0.5, "beta2": 0.9, "eps_adam": 1e-3}])
+def test_dp_adam_compiled_equals_numpy(data, batch_size, params):
+    """The tail's ADAM (moments kept per chain and replica across the kernel's calls) against `ops.Adam`: the same
+    numbers up to the gradient sum's order."""
+    X, y = data
+    setting = _setting(*X.shape, batch_size=batch_size, epochs=3, trace_every=150)
+    model = make_model("logreg", X.shape[1], setting.l2)
+    runs = {}
+    for backend in ("numpy", "numba"):
+        prepared = ALGORITHMS["dp_adam"]({**params, "backend": backend}).prepare(setting, model, X, y,
+                                                                                   ReplicaStreams([1, 4]))
+        runs[backend] = prepared.train(model), prepared.chain.ran_on
+    assert runs["numba"][1] == "numba" and runs["numpy"][1] == "numpy"
+    np.testing.assert_allclose(runs["numba"][0].theta, runs["numpy"][0].theta, rtol=1e-12, atol=1e-15)
+    for (_, loss_c, _), (_, loss_n, _) in zip(runs["numba"][0].trace, runs["numpy"][0].trace):
+        np.testing.assert_allclose(loss_c, loss_n, rtol=1e-12)
+    assert not np.array_equal(runs["numpy"][0].theta, model.init([np.random.default_rng(0)] * 2))
