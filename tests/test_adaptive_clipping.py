@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from dpsgd_cli.algorithms import ALGORITHMS, Setting
 from dpsgd_cli.algorithms.adaptive_clipping import adaptive_event, gradient_noise_multiplier
 from dpsgd_cli.algorithms.ops import AdaptiveClip, OpStates, Scale, Sgd, WeightDecay, constant
+from dpsgd_cli.algorithms.sampling import poisson_batches
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.config import load_grid_file
 from dpsgd_cli.engine import plan_grid
@@ -146,8 +147,12 @@ def test_adaptive_parameters_act_only_with_a_quantile_and_leave_fixed_clip_run_i
     with pytest.raises(ValidationError):
         ALGORITHMS["dp_sgd"]({"clip_quantile": 1.0})
     assert ALGORITHMS["dp_sgd"]().params.model_dump() == {"accountant": "rdp", "backend": "auto"}
-    assert ALGORITHMS["dp_sgd"]({"clip_quantile": 0.5}).params.model_dump() == {
-        "accountant": "rdp", "backend": "auto", "clip_quantile": 0.5, "clip_lr": 0.2, "clip_count_noise": 0.05}
+    assert ALGORITHMS["dp_sgd"]({"clip_quantile": 0.5, "clip_lr": 0.2}).params.model_dump() == {
+        "accountant": "rdp", "backend": "auto", "clip_quantile": 0.5}
+    params = ALGORITHMS["dp_adam"]({"clip_quantile": 0.5, "clip_count_noise": 0.1}).params
+    assert type(params)(**params.model_dump()) == params
+    assert params.model_dump() == {"beta1": 0.9, "beta2": 0.999, "eps_adam": 1e-8, "accountant": "rdp",
+                                   "backend": "auto", "clip_quantile": 0.5, "clip_count_noise": 0.1}
 
 
 def test_a_grid_with_too_little_count_noise_is_refused_before_any_work(write_grid, tmp_path):
@@ -166,3 +171,27 @@ def test_a_grid_with_too_little_count_noise_is_refused_before_any_work(write_gri
         plan_grid(grid, tmp_path / "out")
     assert "grid 'adaptive'" in str(refused.value) and "\n" not in str(refused.value)
     assert not (tmp_path / "out" / "adaptive" / "runs.csv").exists()
+
+
+@pytest.mark.parametrize("model_name, options", [("logreg", {}), ("mlp", {"hidden": 4}),
+                                                 ("mlp", {"hidden": 3, "activation": "relu"})])
+def test_the_models_count_is_of_the_examples_the_clip_leaves_alone(make_logistic_data, model_name, options):
+    """`unclipped_count` against each example's gradient norm, from its unclipped gradient alone; on Poisson
+    batches (replicas of different sizes, padded) each replica's count is its count alone."""
+    X, y = make_logistic_data(6, 120, [1.0, -1.0, 0.5, 2.0], 0.2)
+    model = make_model(model_name, X.shape[1], 0.0, options)
+    theta = model.init([np.random.default_rng(s) for s in (1, 2, 3)]) + 0.3
+    batch = next(iter(poisson_batches(X, y, 0.3, ReplicaStreams([0, 5, 9]))))
+    assert len(set(np.count_nonzero(batch.weight, axis=1).tolist())) > 1  # padded: the per-replica path
+    norms, clip = [], np.zeros((3, 1))
+    for r in range(3):
+        kept = batch.weight[r] > 0
+        one = Batch(X=batch.X[r, kept][:, None, :], y=batch.y[r, kept][:, None], weight=np.ones((kept.sum(), 1)),
+                    x_norm=batch.x_norm[r, kept][:, None])
+        norms.append(np.linalg.norm(model.clipped_grad_sum(np.repeat(theta[r:r + 1], kept.sum(), axis=0), one,
+                                                           None), axis=1))
+        ranked = np.sort(norms[r])
+        clip[r] = (ranked[r + 3] + ranked[r + 4]) / 2  # between two norms: the count is not decided by rounding
+    count = model.unclipped_count(theta, batch, clip)
+    np.testing.assert_array_equal(count, [np.sum(norms[r] <= clip[r, 0]) for r in range(3)])
+    np.testing.assert_array_equal(count, [4, 5, 6])

@@ -131,3 +131,39 @@ def test_dp_adam_compiled_equals_numpy(data, batch_size, params):
     for (_, loss_c, _), (_, loss_n, _) in zip(runs["numba"][0].trace, runs["numpy"][0].trace):
         np.testing.assert_allclose(loss_c, loss_n, rtol=1e-12)
     assert not np.array_equal(runs["numpy"][0].theta, model.init([np.random.default_rng(0)] * 2))
+
+
+GRID = """
+grids:
+  - name: beyond
+    datasets: [{name: synthetic, n: 300, dim: 5}]
+    models: [logreg, {name: mlp, hidden: 3}]
+    algorithms: [dp_sgd, dp_adam, {name: dp_sgd, clip_quantile: 0.5}, {name: dp_adam, clip_quantile: 0.7, lr: [0.01]}]
+    epsilon: [1, 4]
+    batch_size: [30]
+    lr: [0.05]
+    seeds: 2
+    epochs: 1
+"""
+
+
+def test_a_grid_of_dp_adam_and_adaptive_clipping_fused_equals_its_cells_one_by_one(write_grid, tmp_path, monkeypatch):
+    """From the grid file: dp_adam and adaptive clipping fuse with dp_sgd (one task per model) and their rows are
+    those of the cells run one by one, bit for bit."""
+    import pandas as pd
+
+    from dpsgd_cli.config import load_grid_file
+    from dpsgd_cli.engine import execute, plan_grid
+    from dpsgd_cli.engine.runner import FUSE_ENV
+
+    grid = load_grid_file(write_grid(GRID)).grids[0]
+    frames = {}
+    for fuse in (True, False):
+        monkeypatch.setenv(FUSE_ENV, "1" if fuse else "0")
+        plan = plan_grid(grid, tmp_path / str(fuse))
+        assert len(plan.tasks) == (2 if fuse else 16)
+        execute(plan)
+        frame = pd.read_csv(tmp_path / str(fuse) / "beyond" / "runs.csv")
+        frames[fuse] = frame.drop(columns=["wall_time"]).sort_values("run_id").reset_index(drop=True)
+    pd.testing.assert_frame_equal(frames[True], frames[False])
+    assert (frames[True]["status"] == "ok").all() and frames[True]["run_id"].nunique() == 32

@@ -50,12 +50,12 @@ class AdaptiveClipParams(BaseModel):
         return self
 
     @model_serializer(mode="wrap")
-    def _fixed_clip_as_before(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """With a fixed clip the adaptive keys are left out: such a cell's run ids are those it had before the
-        keys existed."""
+    def _defaults_left_out(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """The adaptive keys at their defaults are left out (as a cell's keys at their defaults are): a fixed-clip
+        cell's run ids are those it had before the keys existed, and labels name only what a grid set."""
         data: dict[str, Any] = handler(self)
-        if self.clip_quantile is None:
-            for key in ADAPTIVE_KEYS:
+        for key in ADAPTIVE_KEYS:
+            if data.get(key) == type(self).model_fields[key].default:
                 data.pop(key, None)
         return data
 
