@@ -79,6 +79,7 @@ def test_dp_adam_has_dp_sgd_privacy_and_stream(data):
     assert adam.dp_event(setting, da) == sgd.dp_event(setting, ds)
     assert adam.sigma_calibration(setting) == sgd.sigma_calibration(setting)
     assert names.algorithm("dp_adam") == "DP-Adam"
+    assert names.label("dp_adam clip_quantile=None") == "DP-Adam, clip quantile: fixed clip"
 
 
 def test_dp_adam_params_are_checked():
