@@ -75,14 +75,12 @@ def gradient_noise_multiplier(sigma: float, count_noise: float, who: str = "adap
     return float((sigma**-2.0 - (2.0 * count_noise) ** -2.0) ** -0.5)
 
 
-def adaptive_clip(params: Any, clip_norm: float, batch_size: float, sigma: float, noise_scale: float,
+def adaptive_clip(params: Any, clip_norm: float, batch_size: float, sigma_gradient: float, count_noise: float,
                   draws: Iterator[np.ndarray], count_draws: Iterator[np.ndarray]) -> AdaptiveClip:
-    """The op from the grid's parameters and the calibrated σ; `noise_scale` multiplies both noises (the audit's
-    broken twin)."""
-    sigma_b = count_std(params, batch_size)
+    """The op from the grid's parameters and the two noises (σ_Δ, σ_b)."""
     return AdaptiveClip(norm=clip_norm, quantile=float(params.clip_quantile), lr=float(params.clip_lr),
-                        noise_multiplier=gradient_noise_multiplier(sigma, sigma_b) * noise_scale, draws=draws,
-                        count_std=sigma_b * noise_scale, count_draws=count_draws, expected_batch=float(batch_size))
+                        noise_multiplier=sigma_gradient, draws=draws, count_std=count_noise, count_draws=count_draws,
+                        expected_batch=float(batch_size))
 
 
 def adaptive_event(sigma_gradient: float, count_noise: float, sample_rate: float, steps: int) -> DpEvent:

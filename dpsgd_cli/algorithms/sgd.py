@@ -161,11 +161,11 @@ class DPSGD(SGD):
         clip, batch_size = setting.required.clip_norm, setting.required.batch_size
         if not self.adaptive:
             return Clip(clip), Noise(sigma * clip * self.noise_scale, draws)
-        op = adaptive_clip(self.params, clip, batch_size, sigma, self.noise_scale, draws,
-                           streams.normal("clip_count", ()))
-        derived.update(sigma_gradient=gradient_noise_multiplier(sigma, count_std(self.params, batch_size)),
-                       clip_count_std=count_std(self.params, batch_size))
-        return (op,)
+        sigma_b = count_std(self.params, batch_size)
+        sigma_delta = gradient_noise_multiplier(sigma, sigma_b, self.name)
+        derived.update(sigma_gradient=sigma_delta, clip_count_std=sigma_b)
+        return (adaptive_clip(self.params, clip, batch_size, sigma_delta * self.noise_scale, sigma_b * self.noise_scale,
+                              draws, streams.normal("clip_count", ())),)
 
 
 def _scaled_epsilon(sigma: float, setting: Setting, accountant: str, neighbours: str) -> float:
