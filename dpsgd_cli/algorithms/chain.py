@@ -83,6 +83,11 @@ class GradientChain:
         """The clip norm of the chain's `Clip` op (None: no clip)."""
         return next((float(op.norm) for op in self.ops if isinstance(op, Clip)), None)
 
+    def clip_norms(self, theta: np.ndarray) -> np.ndarray | None:
+        """The `Clip` op's per-replica norms as they stand (an `AdaptiveClip`'s after the chain's steps; θ (R, P)
+        gives their shape before any)."""
+        return self._states.clip_norms(theta)
+
     @property
     def schedule(self) -> Schedule:
         return next(op.schedule for op in self.ops if isinstance(op, Sgd))

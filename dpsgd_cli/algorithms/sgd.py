@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from dpsgd_cli.algorithms.adaptive_clipping import (
@@ -151,7 +152,18 @@ class DPSGD(SGD):
         if self.noise_scale != 1.0:  # the audit's broken twin: what the accountant gives for the noise it adds
             derived.update(noise_scale=self.noise_scale, sigma_used=cal.sigma * self.noise_scale,
                            epsilon_noise_scaled=_scaled_epsilon(cal.sigma * self.noise_scale, setting, *args[4:]))
-        return self._prepared(setting, model, X, streams, chain, derived, "proved")
+        prepared = self._prepared(setting, model, X, streams, chain, derived, "proved")
+        if self.adaptive:  # each seed's row records where its clip norm ended
+            finish = prepared.finish
+
+            def finish_adaptive(theta: np.ndarray) -> Outcome:
+                outcome = finish(theta)
+                norms = chain.clip_norms(theta)
+                outcome.derived["clip_norm_final"] = [] if norms is None else norms.tolist()
+                return outcome
+
+            prepared.finish = finish_adaptive
+        return prepared
 
     def private_ops(self, setting: Setting, model: Model, streams: ReplicaStreams, sigma: float,
                     derived: dict) -> tuple[Op, ...]:
