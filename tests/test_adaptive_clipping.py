@@ -19,7 +19,7 @@ from dpsgd_cli.config import load_grid_file
 from dpsgd_cli.engine import plan_grid
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import Batch, make_model
-from dpsgd_cli.privacy.accounting import dpsgd_event
+from dpsgd_cli.privacy.accounting import calibrate_sigma, dpsgd_event
 
 
 def _setting(n, d, **kw):
@@ -93,11 +93,12 @@ def test_the_count_is_of_the_centred_indicators_over_the_expected_batch():
     np.testing.assert_allclose(after, [0.3 * np.exp(-0.2 * (fraction - 0.5))], rtol=1e-14)
 
 
-@pytest.mark.parametrize("sigma, sigma_b, q, steps", [(1.1, 2.0, 0.01, 1000), (1.5, 1.0, 0.05, 30), (2.0, 1.5, 1.0, 10)])
+@pytest.mark.parametrize("sigma, sigma_b, q, steps",
+                         [(1.1, 2.0, 0.01, 1000), (1.5, 1.0, 0.05, 30), (2.0, 1.5, 1.0, 10)])
 def test_the_two_releases_cost_what_sigma_alone_does(sigma, sigma_b, q, steps):
     """σ_Δ⁻² + (2σ_b)⁻² = σ⁻²; dp-accounting's ε of the event (the two Gaussians of one Poisson sample, T times) is
     DP-SGD's at σ, within 1e-6 relative (RDP; and PLD at q = 1, where it composes the two Gaussians itself)."""
-    sigma_delta = gradient_noise_multiplier(sigma, sigma_b)
+    sigma_delta = gradient_noise_multiplier(sigma, sigma_b, 100)
     assert sigma_delta > sigma
     np.testing.assert_allclose(sigma_delta**-2 + (2 * sigma_b) ** -2, sigma**-2, rtol=1e-12)
     event = adaptive_event(sigma_delta, sigma_b, q, steps)
@@ -120,7 +121,7 @@ def test_dp_sgd_with_adaptive_clipping_claims_what_its_event_gives(make_logistic
     outcome = algo.fit(setting, model, X, y, ReplicaStreams([0, 1]))
     d = outcome.derived
     assert d["clip_count_std"] == 0.05 * 40
-    assert d["sigma_gradient"] == gradient_noise_multiplier(d["sigma"], d["clip_count_std"])
+    assert d["sigma_gradient"] == gradient_noise_multiplier(d["sigma"], d["clip_count_std"], 40)
     eps = RdpAccountant().compose(algo.dp_event(setting, d)).get_epsilon(setting.delta)
     assert eps <= d["epsilon_achieved"] * (1 + 1e-9) and d["epsilon_achieved"] <= setting.epsilon
     alone = algo.fit(setting, model, X, y, ReplicaStreams([1]))
@@ -134,8 +135,10 @@ def test_dp_sgd_with_adaptive_clipping_claims_what_its_event_gives(make_logistic
 def test_too_little_count_noise_and_replace_one_are_refused():
     setting = _setting(400, 5, epsilon=0.2, batch_size=10)
     algo = ALGORITHMS["dp_sgd"]({"clip_quantile": 0.5, "clip_count_noise": 0.05})  # σ_b = 0.5, σ ≈ 2.7
-    with pytest.raises(UserError, match="2σ_b > σ"):
+    with pytest.raises(UserError, match="2σ_b > σ") as refused:
         algo.check(setting, "logreg")
+    sigma = calibrate_sigma(*algo.sigma_calibration(setting)).sigma
+    assert f"above σ/(2B) = {sigma / 20:.4g}" in str(refused.value)
     ALGORITHMS["dp_sgd"]({"clip_quantile": 0.5, "clip_count_noise": 1.0}).check(setting, "logreg")
     ALGORITHMS["dp_sgd"]().check(setting, "logreg")
     replace = ALGORITHMS["dp_adam"]({"clip_quantile": 0.5, "accountant": "pld"}, "replace_one")

@@ -65,13 +65,14 @@ def count_std(params: Any, batch_size: float) -> float:
     return float(params.clip_count_noise) * float(batch_size)
 
 
-def gradient_noise_multiplier(sigma: float, count_noise: float, who: str = "adaptive clipping") -> float:
+def gradient_noise_multiplier(sigma: float, count_noise: float, batch_size: float,
+                              who: str = "adaptive clipping") -> float:
     """σ_Δ = (σ⁻² − (2σ_b)⁻²)^(−1/2): the clipped sum's noise multiplier that, with the count's release at σ_b,
     costs what noise multiplier σ alone does. UserError where 2σ_b ≤ σ (the count alone would cost more)."""
     if not 2.0 * count_noise > sigma:
         raise UserError(f"{who}: the count's noise σ_b = {count_noise:.4g} is too small for the calibrated noise "
                         f"multiplier σ = {sigma:.4g} (adaptive clipping needs 2σ_b > σ); raise clip_count_noise "
-                        f"(σ_b over the batch size) or ε")
+                        f"above σ/(2B) = {sigma / (2.0 * batch_size):.4g}, or ε")
     return float((sigma**-2.0 - (2.0 * count_noise) ** -2.0) ** -0.5)
 
 

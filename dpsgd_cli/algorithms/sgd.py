@@ -127,8 +127,9 @@ class DPSGD(SGD):
     def check(self, setting: Setting, model_name: str = "") -> None:
         """Adaptive clipping: the count's noise must leave the clipped sum a finite noise multiplier."""
         if self.adaptive:
+            batch_size = setting.required.batch_size
             gradient_noise_multiplier(calibrate_sigma(*self.sigma_calibration(setting)).sigma,
-                                      count_std(self.params, setting.required.batch_size), self.name)
+                                      count_std(self.params, batch_size), batch_size, self.name)
 
     def dp_event(self, setting: Setting, derived: dict) -> DpEvent:
         """Poisson-sampled Gaussian at the noise multiplier added, composed T times (Abadi et al. 2016); with
@@ -174,7 +175,7 @@ class DPSGD(SGD):
         if not self.adaptive:
             return Clip(clip), Noise(sigma * clip * self.noise_scale, draws)
         sigma_b = count_std(self.params, batch_size)
-        sigma_delta = gradient_noise_multiplier(sigma, sigma_b, self.name)
+        sigma_delta = gradient_noise_multiplier(sigma, sigma_b, batch_size, self.name)
         derived.update(sigma_gradient=sigma_delta, clip_count_std=sigma_b)
         return (adaptive_clip(self.params, clip, batch_size, sigma_delta * self.noise_scale, sigma_b * self.noise_scale,
                               draws, streams.normal("clip_count", ())),)
