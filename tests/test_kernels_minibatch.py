@@ -9,6 +9,7 @@ from dpsgd_cli import compiled
 from dpsgd_cli.algorithms import ALGORITHMS, Setting, backends
 from dpsgd_cli.algorithms.chain import Checkpoints, GradientChain, train_together
 from dpsgd_cli.algorithms.ops import (
+    Adam,
     Clip,
     LaplacianSmoothing,
     Noise,
@@ -215,23 +216,29 @@ def test_a_stream_shared_by_compiled_and_numpy_chains(steps):
 
 def _cells_args(C, R, d, steps, rng):
     """The kernel's per-cell arguments for C cells that differ in everything a cell sets (clip or not and its norm
-    per replica, noise or not and its slot, its std, scale, λ, learning rates, projection), the last one inactive
-    when C > 2."""
+    per replica, noise or not and its slot, its std, scale, λ, learning rates, Adam or SGD, projection), the last
+    one inactive when C > 2."""
     active = np.ones(C, dtype=bool)
     if C > 2:
         active[-1] = False
     slot = rng.integers(-1, 2, size=C)
+    adam = rng.random(C) < 0.3
     ops = [[*([Noise(rng.uniform(0.1, 2.0), iter(()))] if slot[c] >= 0 else []), Scale(rng.uniform(0.02, 0.1)),
-            WeightDecay(0.0 if rng.random() < 0.3 else rng.uniform(0, 0.1)), Sgd(constant(1.0)),
+            WeightDecay(0.0 if rng.random() < 0.3 else rng.uniform(0, 0.1)),
+            Adam(constant(1.0), 0.9, 0.99, 1e-6) if adam[c] else Sgd(constant(1.0)),
             *([ProjectBall(rng.uniform(0.5, 3.0))] if rng.random() < 0.5 else [])] for c in range(C)]
     codes, vals = backends._programs([GradientChain(iter(()), o) for o in ops])
+    steps_values = np.ones((C, steps, 3))  # (η_t, 1 − β₁ᵗ, 1 − β₂ᵗ)
+    steps_values[:, :, 0] = rng.uniform(0.1, 2.0, (C, steps)) * np.where(adam, 0.05, 1.0)[:, None]
+    t = np.arange(1, steps + 1)
+    steps_values[adam, :, 1], steps_values[adam, :, 2] = 1 - 0.9**t, 1 - 0.99**t
     return dict(active=active, slot=slot, clip=rng.uniform(0.2, 1.5, (C, R)), do_clip=rng.random(C) < 0.7,
-                codes=codes, vals=vals, lrs=rng.uniform(0.1, 2.0, (C, steps)))
+                codes=codes, vals=vals, lrs=steps_values)
 
 
 def _call(kernel, TH, X, P, y, x_norm, idx, noise, args, lanes):
     kernel(TH, args["active"], X, P, y, x_norm, idx, noise, args["slot"], args["clip"], args["do_clip"],
-           args["codes"], args["vals"], args["lrs"], lanes)
+           args["codes"], args["vals"], args["lrs"], lanes, np.zeros(TH.shape), np.zeros(TH.shape))
 
 
 @needs_numba

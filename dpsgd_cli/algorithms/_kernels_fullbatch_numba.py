@@ -53,7 +53,8 @@ def _add_row(G, A, q, X, i):  # pragma: no cover
 
 
 @numba.njit(cache=True, nogil=True)
-def gd_logreg(TH, X, y, x_norm, clip, do_clip, codes, vals, slot, rep, noise, lrs, active, G, S, A):  # pragma: no cover
+def gd_logreg(TH, X, y, x_norm, clip, do_clip, codes, vals, slot, rep, noise, lrs, active, G, S, A, M1,
+              M2):  # pragma: no cover
     """m full-batch steps (m = lrs.shape[1]) of every column of TH (d, K), K a multiple of LANES, in place:
 
         for each row i (in order):  s_k = Σ_j x_ij θ_jk (j in order);  a_k = −y_i σ(−y_i s_k);
@@ -89,5 +90,5 @@ def gd_logreg(TH, X, y, x_norm, clip, do_clip, codes, vals, slot, rep, noise, lr
             if active[k]:
                 s = slot[k]
                 z = noise[max(s, 0), min(t, noise.shape[1] - 1), min(rep[k], noise.shape[2] - 1)]
-                tail(TH[:, k], G[:, k], codes[k], vals[k], z, s >= 0, lrs[k, t])
+                tail(TH[:, k], G[:, k], codes[k], vals[k], z, s >= 0, lrs[k, t], M1[k], M2[k])
     return TH

@@ -444,7 +444,7 @@ def _finite(theta):  # pragma: no cover
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
 def mb_logreg(TH, active, X, P, y, x_norm, idx, noise, slot, clip, do_clip, codes, vals, lrs,
-              lanes):  # pragma: no cover
+              lanes, M1, M2):  # pragma: no cover
     """Steps of every cell (TH: cell × replica × feature) on the batches idx, each cell's step ending in its tail
     program (codes[c], vals[c]; noise noise[slot[c]], none when slot[c] < 0; clip norm clip[c, r]). The first
     `lanes` cells are vector lanes, 8 a block (θ by feature × cell, two rows at a time: `lane_dots2`,
@@ -452,7 +452,7 @@ def mb_logreg(TH, active, X, P, y, x_norm, idx, noise, slot, clip, do_clip, code
     cell's numbers in the same order: which cell takes which path changes nothing but the time. P: X's
     `RowNonzeros.packed` (then the rows are read by their nonzeros and a dot sums them in column order, the same on
     both paths: `_lanes`, `_pairs`; within ~1e-16 relative of the dense rows' order), or an empty (0, 0) uint64
-    array (dense rows)."""
+    array (dense rows). M1, M2: the Adam moments of every (cell, replica), (C, R, d) (empty last axis: no Adam)."""
     C, R, d = TH.shape
     m = lrs.shape[1]
     M = idx.shape[2]
@@ -534,12 +534,12 @@ def mb_logreg(TH, active, X, P, y, x_norm, idx, noise, slot, clip, do_clip, code
                     if c < CL:
                         if poison[c]:  # a sparse step's NaN residual, which the dense sum spreads to every coordinate
                             G[:, c] = np.nan
-                        tail(TT[:, c], G[:, c], codes[c], vals[c], zc, s >= 0, lrs[c, t])
+                        tail(TT[:, c], G[:, c], codes[c], vals[c], zc, s >= 0, lrs[c, t], M1[c, r], M2[c, r])
                         bad[c] = sparse and not _finite(TT[:, c])
                     else:
                         if poison[c]:
                             g[c] = np.nan
-                        tail(TH[c, r], g[c], codes[c], vals[c], zc, s >= 0, lrs[c, t])
+                        tail(TH[c, r], g[c], codes[c], vals[c], zc, s >= 0, lrs[c, t], M1[c, r], M2[c, r])
                         bad[c] = sparse and not _finite(TH[c, r])
         for c in range(CL):
             for j in range(d):

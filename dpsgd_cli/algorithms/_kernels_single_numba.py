@@ -16,7 +16,7 @@ from dpsgd_cli.models._logreg_numba import clip_residual, residual_from_exp
 
 
 @numba.njit(cache=True, nogil=True)
-def sgd1_logreg(theta, X, y, x_norm, idx, noise, noisy, lrs, clip, do_clip, codes, vals):  # pragma: no cover
+def sgd1_logreg(theta, X, y, x_norm, idx, noise, noisy, lrs, clip, do_clip, codes, vals, M1, M2):  # pragma: no cover
     """m = lrs.shape[0] steps of every replica r: example idx[t, r], noise noise[t, r] (when the chain has noise,
     on the steps noisy[t, r]), clip norm clip[r]; θ (R, d) in place."""
     R, d = theta.shape
@@ -34,12 +34,13 @@ def sgd1_logreg(theta, X, y, x_norm, idx, noise, noisy, lrs, clip, do_clip, code
             for j in range(d):
                 g[j] = a * X[i, j]
             tail(theta[r], g, codes, vals, noise[min(t, noise.shape[0] - 1), min(r, noise.shape[1] - 1)],
-                 noisy[t, r], lrs[t])
+                 noisy[t, r], lrs[t], M1[r], M2[r])
     return theta
 
 
 @numba.njit(cache=True, nogil=True)
-def sgd1_mlp(theta, X, y, x_norm, idx, noise, noisy, lrs, clip, do_clip, codes, vals, h, act):  # pragma: no cover
+def sgd1_mlp(theta, X, y, x_norm, idx, noise, noisy, lrs, clip, do_clip, codes, vals, M1, M2, h,
+             act):  # pragma: no cover
     """`sgd1_logreg` on the MLP's gradient (act: 0 tanh, 1 sigmoid, 2 relu), from the θ of before the step."""
     R, P = theta.shape
     d = X.shape[1]
@@ -86,5 +87,5 @@ def sgd1_mlp(theta, X, y, x_norm, idx, noise, noisy, lrs, clip, do_clip, codes, 
                 grad[o_w2 + k] = res * a[k]
             grad[o_b2] = res
             tail(theta[r], grad, codes, vals, noise[min(t, noise.shape[0] - 1), min(r, noise.shape[1] - 1)],
-                 noisy[t, r], lrs[t])
+                 noisy[t, r], lrs[t], M1[r], M2[r])
     return theta

@@ -1,24 +1,28 @@
 """The step tail of every compiled kernel (numba; imported on first use: numba is optional): the chain's ops after
-the clipped gradient sum, as an int-coded program with one float parameter per op (`backends.program`), run on one
-replica's θ and g in the ops' order, each op over the whole vector, the operations of the ops' NumPy `update`s:
+the clipped gradient sum, as an int-coded program with up to three float parameters per op (`backends.program`),
+run on one replica's θ and g in the ops' order, each op over the whole vector, the operations of the ops' NumPy
+`update`s:
 
     NOISE v: g ← g + v z (when the step is noisy)   SCALE v: g ← g v   L2 v: g ← g + v θ (skipped at v = 0)
     UPDATE:  θ ← θ − η g                             BALL v: θ ← θ · min(1, v/‖θ‖)   BOX v: θ ← clip(θ, −v, v)
+    ADAM β₁ β₂ ε: m ← β₁m + (1 − β₁)g, u ← β₂u + (1 − β₂)g², θ ← θ − η (m/c₁)/(√(u/c₂) + ε)
 """
 
 import numba
 import numpy as np
 
-from dpsgd_cli.algorithms.backends import BALL, BOX, L2, NOISE, SCALE, UPDATE
+from dpsgd_cli.algorithms.backends import ADAM, BALL, BOX, L2, NOISE, SCALE, UPDATE
 
 
 @numba.njit(cache=True, nogil=True)
-def tail(theta, g, codes, vals, z, noisy, eta):  # pragma: no cover
+def tail(theta, g, codes, vals, z, noisy, step, m, u):  # pragma: no cover
     """One replica's step from its clipped sum g (overwritten): θ (P,) in place. z: the step's standard normals
-    (read only by NOISE, and only when `noisy`)."""
+    (read only by NOISE, and only when `noisy`); step: (η_t, c₁ = 1 − β₁ᵗ, c₂ = 1 − β₂ᵗ); m, u: the replica's Adam
+    moments (P,), in place (read only by ADAM)."""
     P = theta.shape[0]
+    eta = step[0]
     for o in range(codes.shape[0]):
-        code, v = codes[o], vals[o]
+        code, v = codes[o], vals[o, 0]
         if code == NOISE:
             if noisy:
                 for p in range(P):
@@ -33,6 +37,12 @@ def tail(theta, g, codes, vals, z, noisy, eta):  # pragma: no cover
         elif code == UPDATE:
             for p in range(P):
                 theta[p] = theta[p] - eta * g[p]
+        elif code == ADAM:  # as ops.Adam: the same operations in the same order
+            b1, b2, eps, c1, c2 = vals[o, 0], vals[o, 1], vals[o, 2], step[1], step[2]
+            for p in range(P):
+                m[p] = b1 * m[p] + (1.0 - b1) * g[p]
+                u[p] = b2 * u[p] + (1.0 - b2) * (g[p] * g[p])
+                theta[p] = theta[p] + -(eta * (m[p] / c1) / (np.sqrt(u[p] / c2) + eps))
         elif code == BALL:
             sq = 0.0
             for p in range(P):

@@ -31,6 +31,7 @@ import numpy as np
 
 from dpsgd_cli import compiled
 from dpsgd_cli.algorithms.ops import (
+    Adam,
     Clip,
     LaplacianSmoothing,
     MaskedNoise,
@@ -52,7 +53,7 @@ CHUNK_ELEMENTS = 1 << 23  # noise numbers per kernel call (64 MB in float64): a 
 SINGLE_CHUNK_ELEMENTS = 1 << 16  # per single-example call: its noise block stays in cache (measured best)
 LANES_FROM = 3  # from this many cells on one batch stream, the mini-batch kernel runs them as vector lanes
 MLP_ACTIVATIONS = {"tanh": 0, "sigmoid": 1, "relu": 2}  # the single-example MLP kernel's `act`
-NOISE, SCALE, L2, UPDATE, BALL, BOX = 1, 2, 3, 4, 5, 6  # the op codes of the tail's program (`program`)
+NOISE, SCALE, L2, UPDATE, BALL, BOX, ADAM = 1, 2, 3, 4, 5, 6, 7  # the op codes of the tail's program (`program`)
 
 
 class Regime(enum.Enum):
@@ -87,10 +88,11 @@ def plan(chain, model, theta: np.ndarray) -> Plan:
 
 # --- the tail's program ---------------------------------------------------------------------------------------------
 
-_CODES: dict[type, tuple[int, str | None]] = {  # op class → (code, the field of its parameter)
-    Noise: (NOISE, "std"), MaskedNoise: (NOISE, "std"), Scale: (SCALE, "factor"),
-    WeightDecay: (L2, "l2"), Sgd: (UPDATE, None), ProjectBall: (BALL, "radius"), ProjectBox: (BOX, "radius"),
-    TreeAggregation: (NOISE, "std")}  # a Noise whose draws are the tree's
+_CODES: dict[type, tuple[int, tuple[str, ...]]] = {  # op class → (code, the fields of its parameters)
+    Noise: (NOISE, ("std",)), MaskedNoise: (NOISE, ("std",)), Scale: (SCALE, ("factor",)),
+    WeightDecay: (L2, ("l2",)), Sgd: (UPDATE, ()), ProjectBall: (BALL, ("radius",)), ProjectBox: (BOX, ("radius",)),
+    Adam: (ADAM, ("beta1", "beta2", "eps")), TreeAggregation: (NOISE, ("std",))}  # a Noise whose draws are the tree's
+PARAMETERS = 3  # the most parameters of an op in the tail's program
 
 
 def _in_tail(op: Op) -> bool:
@@ -100,10 +102,14 @@ def _in_tail(op: Op) -> bool:
 
 
 def program(ops: Sequence[Op]) -> tuple[np.ndarray, np.ndarray]:
-    """(codes (L,) int64, values (L,) float64): the ops after the clipped sum, for `_tail_numba.tail`."""
-    coded = [(_CODES[type(op)][0], float(getattr(op, _CODES[type(op)][1] or "", 0.0) or 0.0))
+    """(codes (L,) int64, values (L, PARAMETERS) float64, unused ones 0): the ops after the clipped sum, for
+    `_tail_numba.tail`."""
+    coded = [(_CODES[type(op)][0], [float(getattr(op, name)) for name in _CODES[type(op)][1]])
              for op in ops if type(op) in _CODES]
-    return np.array([c for c, _ in coded], dtype=np.int64), np.array([v for _, v in coded], dtype=np.float64)
+    values = np.zeros((len(coded), PARAMETERS))
+    for k, (_, params) in enumerate(coded):
+        values[k, :len(params)] = params
+    return np.array([c for c, _ in coded], dtype=np.int64), values
 
 
 def _compiled_ops(p: Plan, masked: bool) -> bool:
@@ -200,9 +206,24 @@ def _clip_norms(chain, R: int) -> tuple[np.ndarray, bool]:
     return (clip.init(np.empty((R, 0))), True) if clip is not None else (np.ones(R), False)
 
 
-def _lrs(chains: Sequence, start: int, stop: int, running: np.ndarray) -> np.ndarray:
-    return np.stack([schedule_values(_op(c, Sgd).schedule, start + 1, stop + 1) if a else np.zeros(stop - start)
-                     for c, a in zip(chains, running)])
+def _step_values(chains: Sequence, start: int, stop: int, running: np.ndarray) -> np.ndarray:
+    """(C, m, 3): each chain's (η_t, 1 − β₁ᵗ, 1 − β₂ᵗ) for t = start + 1..stop (the last two 1 without Adam),
+    the bias corrections computed as `ops.Adam.update` does."""
+    out = np.ones((len(chains), stop - start, 3))
+    for c, (chain, on) in enumerate(zip(chains, running)):
+        out[c, :, 0] = schedule_values(_op(chain, Sgd).schedule, start + 1, stop + 1) if on else 0.0
+        adam = _op(chain, Adam)
+        if adam is not None:
+            out[c, :, 1] = [1.0 - adam.beta1**t for t in range(start + 1, stop + 1)]
+            out[c, :, 2] = [1.0 - adam.beta2**t for t in range(start + 1, stop + 1)]
+    return out
+
+
+def _moments(chains: Sequence, *shape: int) -> tuple[np.ndarray, np.ndarray]:
+    """Adam's moments m and v (shape..., P), zero, where a chain has an `Adam` op (else an empty last axis): the
+    tail's state, kept across the calls of one run."""
+    size = shape[-1] if any(_op(c, Adam) is not None for c in chains) else 0
+    return np.zeros((*shape[:-1], size)), np.zeros((*shape[:-1], size))
 
 
 def checkpoint_stops(chains: Sequence, steps: Sequence[int]) -> tuple[list[set], list[int]]:
@@ -272,6 +293,7 @@ def run_single_example(model, chain, theta: np.ndarray, steps: int) -> np.ndarra
     else:
         kernel = nb.sgd1_logreg
     records, stops = checkpoint_stops([chain], [steps])
+    moments = _moments([chain], R, P)
     chunk = max(64, SINGLE_CHUNK_ELEMENTS // max(1, R * P))
     done = 0
     while done < steps:
@@ -282,8 +304,8 @@ def run_single_example(model, chain, theta: np.ndarray, steps: int) -> np.ndarra
         noise = noise[0] if noise is not None else _NO_NOISE[0]
         noisy = (np.ascontiguousarray(masked.noisy[done:stop], dtype=np.bool_) if masked is not None
                  else np.ones((m, R), dtype=np.bool_))
-        lrs = _lrs([chain], done, stop, np.ones(1, dtype=bool))[0]
-        kernel(theta, X, y, x_norm, idx, noise, noisy, lrs, clip, do_clip, codes, vals, *extra)
+        lrs = _step_values([chain], done, stop, np.ones(1, dtype=bool))[0]
+        kernel(theta, X, y, x_norm, idx, noise, noisy, lrs, clip, do_clip, codes, vals, *moments, *extra)
         record_checkpoints(model, [chain], [True], records, stop, lambda c: theta)
         done = stop
     return theta
@@ -305,7 +327,7 @@ def _programs(chains: Sequence) -> tuple[np.ndarray, np.ndarray]:
     """The chains' tail programs padded to one length (code 0: no op)."""
     progs = [program(c.ops) for c in chains]
     L = max(1, max(len(codes) for codes, _ in progs))
-    codes, vals = np.zeros((len(chains), L), dtype=np.int64), np.zeros((len(chains), L))
+    codes, vals = np.zeros((len(chains), L), dtype=np.int64), np.zeros((len(chains), L, PARAMETERS))
     for c, (code, val) in enumerate(progs):
         codes[c, :len(code)], vals[c, :len(val)] = code, val
     return codes, vals
@@ -329,6 +351,7 @@ def mini_batch_steps(model, chains: Sequence, thetas: Sequence[np.ndarray], step
     clip = np.ascontiguousarray(np.stack([n for n, _ in norms]))  # (C, R)
     do_clip = np.array([do for _, do in norms])
     codes, vals = _programs(chains)
+    M1, M2 = _moments(chains, C, R, d)
     records, stops = checkpoint_stops(chains, steps)
     width = max(1, round(float(np.mean([c.examples_per_step for c in chains])) * 2))
     chunk = max(64, CHUNK_ELEMENTS // max(1, R * (width + d * C)))
@@ -339,7 +362,7 @@ def mini_batch_steps(model, chains: Sequence, thetas: Sequence[np.ndarray], step
         idx = batches.take(stop - done)
         noise, slot = noise_blocks([_noise_draws(c, a) for c, a in zip(chains, active)], stop - done)
         kernel(TH, active, X, P, y, x_norm, idx, noise if noise is not None else _NO_NOISE, slot, clip, do_clip,
-               codes, vals, _lrs(chains, done, stop, active), lane_cells(C))
+               codes, vals, _step_values(chains, done, stop, active), lane_cells(C), M1, M2)
         record_checkpoints(model, chains, active, records, stop, lambda c: TH[c])
         done = stop
         yield done
@@ -368,6 +391,7 @@ def run_full_batch(model, chains: Sequence, thetas: Sequence[np.ndarray], steps:
     clip = np.array([norms[c][0][r] for c, r in cols] + [1.0] * (K - len(cols)))
     do_clip = np.array([norms[c][1] for c, _ in cols] + [False] * (K - len(cols)))
     codes, vals = _programs(chains)
+    M1, M2 = _moments(chains, K, d)
     records, stops = checkpoint_stops(chains, steps)
     chunk = max(1, CHUNK_ELEMENTS // max(1, len(chains) * R * d))
     G, S, A = np.zeros((d, K)), np.zeros(K), np.zeros((nb.ROWS, K))
@@ -376,10 +400,10 @@ def run_full_batch(model, chains: Sequence, thetas: Sequence[np.ndarray], steps:
         stop = min(done + chunk, min(s for s in stops if s > done))
         running = np.array([s > done for s in steps])
         noise, slot = noise_blocks([_noise_draws(c, a) for c, a in zip(chains, running)], stop - done)
-        lrs = _lrs(chains, done, stop, running)
+        lrs = _step_values(chains, done, stop, running)
         nb.gd_logreg(TH, X, y, batches.x_norm, clip, do_clip, codes[col_chain], vals[col_chain], slot[col_chain],
                      rep, noise if noise is not None else _NO_NOISE, np.ascontiguousarray(lrs[col_chain]),
-                     real & running[col_chain], G, S, A)
+                     real & running[col_chain], G, S, A, M1, M2)
         record_checkpoints(model, chains, running, records, stop,
                            lambda c: np.ascontiguousarray(TH[:, c * R:(c + 1) * R].T))
         done = stop

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from dpsgd_cli.algorithms import backends
-from dpsgd_cli.algorithms.ops import Clip, Op, OpStates, Projection, Schedule, Sgd, Update, clip_argument
+from dpsgd_cli.algorithms.ops import Clip, Op, OpStates, Projection, Schedule, Sgd, Update
 from dpsgd_cli.algorithms.sampling import IndexedBatches
 from dpsgd_cli.compiled import Backend
 from dpsgd_cli.models import Batch, Model
@@ -83,6 +83,11 @@ class GradientChain:
         """The clip norm of the chain's `Clip` op (None: no clip)."""
         return next((float(op.norm) for op in self.ops if isinstance(op, Clip)), None)
 
+    def clip_norms(self, theta: np.ndarray) -> np.ndarray | None:
+        """The `Clip` op's per-replica norms as they stand (an `AdaptiveClip`'s after the chain's steps; θ (R, P)
+        gives their shape before any)."""
+        return self._states.clip_norms(theta)
+
     @property
     def schedule(self) -> Schedule:
         return next(op.schedule for op in self.ops if isinstance(op, Sgd))
@@ -94,7 +99,7 @@ class GradientChain:
             batch = batch.plain()
         elif t == 1 and model.reads_rows_compiled(batch, theta):  # the path is the data's: the same at every step
             self.ran_on = "numba-rows"
-        g = model.clipped_grad_sum(theta, batch, clip_argument(self._states.clip_norms(theta)))
+        g = self._states.clipped_sum(model, theta, batch)
         theta = self._states.step(g, theta)
         if self.checkpoints is not None:
             before, after = round((t - 1) * self.examples_per_step), round(t * self.examples_per_step)

@@ -226,6 +226,16 @@ class OpStates:
                 return state
         return None
 
+    def clipped_sum(self, model: Any, params: np.ndarray, batch: Any) -> np.ndarray:
+        """The batch's sum of clipped per-example gradients at the `Clip` op's norms (none: unclipped); an
+        `AdaptiveClip` releases it (its noise added) and moves its norms."""
+        self._ready(params)
+        for k, op in enumerate(self.ops):
+            if isinstance(op, AdaptiveClip):
+                grad, self.states[k] = op.release(model, params, batch, self.states[k])
+                return grad
+        return model.clipped_grad_sum(params, batch, clip_argument(self.clip_norms(params)))
+
     def step(self, grad: np.ndarray, params: np.ndarray) -> np.ndarray:
         """θ after one step from the clipped sum `grad`: the gradient ops, θ + update, the projections."""
         self._ready(params)
@@ -300,3 +310,66 @@ class TreeAggregation(Noise):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "draws", self.normals.derived(TreeNoise(self.steps_per_tree).block))
+
+
+# --- adaptive optimisers and clipping --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Adam(Sgd):
+    """Adam's step (Kingma & Ba, ICLR 2015, bias-corrected) on the gradient g, at the schedule's η_t:
+
+        m ← β₁ m + (1 − β₁) g,   v ← β₂ v + (1 − β₂) g²,   θ ← θ − η_t m̂ / (√v̂ + ε),
+        m̂ = m / (1 − β₁ᵗ),   v̂ = v / (1 − β₂ᵗ).
+
+    State: (t, m, v), m and v (R, P) per replica. An `Sgd` for what reads a chain's schedule (the audit's step
+    model, the compiled backends' η_t); the tail tells them apart by exact class."""
+
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+
+    def init(self, params: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:  # type: ignore[override]
+        return 0, np.zeros_like(params), np.zeros_like(params)
+
+    def update(self, grad: np.ndarray, state: tuple[int, np.ndarray, np.ndarray],  # type: ignore[override]
+               params: np.ndarray) -> tuple[np.ndarray, tuple[int, np.ndarray, np.ndarray]]:
+        t, m, v = state
+        t += 1
+        m = self.beta1 * m + (1.0 - self.beta1) * grad
+        v = self.beta2 * v + (1.0 - self.beta2) * (grad * grad)
+        m_hat = m / (1.0 - self.beta1**t)
+        v_hat = v / (1.0 - self.beta2**t)
+        return -(self.schedule(t) * m_hat / (np.sqrt(v_hat) + self.eps)), (t, m, v)
+
+
+@dataclass(frozen=True, eq=False)
+class AdaptiveClip(Clip):
+    """Quantile-based adaptive clipping (Andrew, Thakkar, McMahan, Ramaswamy, "Differentially Private Learning with
+    Adaptive Clipping", NeurIPS 2021): the clip, the sum's Gaussian release and the count's, one step each.
+
+        g = Σ_i clip_{C_t}(∇ℓ_i) + σ_Δ C_t z,                          z ~ N(0, I)  (R, P)
+        b̄ = (Σ_i (1[‖∇ℓ_i‖ ≤ C_t] − 1/2) + σ_b z_b) / B + 1/2,      z_b ~ N(0, 1) (R,)
+        C_{t+1} = C_t · exp(−η_C (b̄ − γ))
+
+    The count is of the centred indicators (each example moves it by 1/2), B the expected batch size. The sum's noise
+    is relative to the norm the step clipped at, so it is added here, not by a `Noise` op. `norm` is C_0; state: the
+    per-replica norms (R,), what the model's clipped sum reads (`OpStates.clipped_sum`)."""
+
+    quantile: float  # γ
+    lr: float  # η_C
+    noise_multiplier: float  # σ_Δ
+    draws: Iterator[np.ndarray]  # (R, P) standard normals a step
+    count_std: float  # σ_b
+    count_draws: Iterator[np.ndarray]  # (R,) standard normals a step
+    expected_batch: float  # B
+
+    def release(self, model: Any, params: np.ndarray, batch: Any,
+                norms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(the noisy clipped sum at the norms C_t, the norms C_{t+1})."""
+        clip = clip_argument(norms)
+        grad = model.clipped_grad_sum(params, batch, clip)
+        grad = grad + ((self.noise_multiplier * norms)[:, None] * next(self.draws)).astype(grad.dtype, copy=False)
+        centred = model.unclipped_count(params, batch, clip) - 0.5 * np.sum(batch.weight, axis=1)
+        fraction = (centred + self.count_std * next(self.count_draws)) / self.expected_batch + 0.5
+        return grad, norms * np.exp(-self.lr * (fraction - self.quantile))

@@ -14,7 +14,7 @@ import numpy as np
 
 from dpsgd_cli import compiled
 
-STREAMS = {"init": 0, "sampling": 1, "noise": 2, "output": 3}
+STREAMS = {"init": 0, "sampling": 1, "noise": 2, "output": 3, "clip_count": 4}
 BLOCK_STEPS = 64
 FILL_STEPS = 8  # steps drawn at least, when a stream is read step by step (the numbers do not depend on it)
 

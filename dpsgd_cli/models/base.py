@@ -82,6 +82,18 @@ class Model:
         """‖∇ℓ(θ; x_i, y_i)‖ for every batch entry: (R, M)."""
         raise NotImplementedError
 
+    def unclipped_count(self, theta: np.ndarray, batch: Batch, clip: float | np.ndarray) -> np.ndarray:
+        """Σ_i weight_i · 1[‖∇ℓ_i‖ ≤ C] over the batch: (R,), the examples the clip leaves as they are (adaptive
+        clipping's count). C: a number or one per replica (R, 1). Replica by replica on its own rows where the
+        replicas keep different numbers of rows, as `_clipped_grad_sum_per_replica` and for the same reason."""
+        parts = getattr(batch, "per_replica", None)
+        if parts is not None:
+            return np.concatenate([self.unclipped_count(theta[r:r + 1], part,
+                                                        clip[r:r + 1] if isinstance(clip, np.ndarray) else clip)
+                                   for r, part in enumerate(parts)])
+        norms = self.per_example_grad_norms(theta, batch)
+        return np.sum(np.where(norms <= clip, batch.weight, 0.0), axis=1)
+
     def decision(self, theta: np.ndarray, X: np.ndarray) -> np.ndarray:
         """Scores whose sign is the predicted label: (R, n)."""
         raise NotImplementedError

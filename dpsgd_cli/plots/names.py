@@ -43,6 +43,9 @@ PARAMETERS: dict[str, tuple[str | None, dict[str, str]]] = {
     "epochs": ("epochs", {}),
     "l2": (r"$\lambda$", {}),
     "clip_norm": (r"$C$", {}),
+    "clip_quantile": ("clip quantile", {"None": "fixed clip"}),
+    "beta1": (r"$\beta_1$", {}),
+    "beta2": (r"$\beta_2$", {}),
     "n_train": (r"$n$", {}),
     "d": (r"$p$", {}),
 }
