@@ -125,7 +125,7 @@ validation: 0.1
 
 
 @pytest.mark.parametrize("algorithms, privacy, refused, supported", [
-    ("[dp_sgd, noisy_gd]", "papernot_steinke", "noisy_gd", "dp_lssgd, dp_sgd"),
+    ("[dp_sgd, noisy_gd]", "papernot_steinke", "noisy_gd", "dp_adam, dp_lssgd, dp_sgd"),
     ("[{name: song2013, composition: advanced}]", "liu_talwar", "song2013",
      "song2013 with basic composition"),
     ("[dp_sgd]", "liu_talwar", "dp_sgd", "song2013 with basic composition"),
