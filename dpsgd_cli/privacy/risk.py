@@ -18,7 +18,6 @@ from the row's claimed (ε, δ) alone where it has no event (its own analysis, p
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -99,12 +98,28 @@ def _gaussian_only(event: DpEvent) -> bool:
     return False
 
 
-@functools.lru_cache(maxsize=256)
 def privacy_profile(event: DpEvent, neighbours: str, epsilon: float) -> tuple[np.ndarray, str]:
     """δ(ε) of `event` on :data:`EPSILON_GRID` under `neighbours`, and the accountant that gave it: "pld" (the PLD at
     the discretisation interval the accounting uses for an ε of `epsilon`), else "rdp", or both ("pld+rdp", their
     minimum at each ε) under replace-one, where the PLD reads a Gaussian's sensitivity as doubled (dp_event's
-    docstring in algorithms/base.py); "" where neither takes it. Kept per (event, neighbours, ε) in the process."""
+    docstring in algorithms/base.py); "" where neither takes it. Kept per (event, neighbours, ε) in the process (by
+    the event's repr: a composed event holds a list, which does not hash)."""
+    return _privacy_profile(repr(event), event, neighbours, epsilon)
+
+
+_PROFILES: dict[tuple[str, str, float], tuple[np.ndarray, str]] = {}
+
+
+def _privacy_profile(key: str, event: DpEvent, neighbours: str, epsilon: float) -> tuple[np.ndarray, str]:
+    if (key, neighbours, epsilon) in _PROFILES:
+        return _PROFILES[(key, neighbours, epsilon)]
+    if len(_PROFILES) >= 256:
+        _PROFILES.pop(next(iter(_PROFILES)))
+    found = _PROFILES[(key, neighbours, epsilon)] = _compute_profile(event, neighbours, epsilon)
+    return found
+
+
+def _compute_profile(event: DpEvent, neighbours: str, epsilon: float) -> tuple[np.ndarray, str]:
     profiles: dict[str, np.ndarray] = {}
     try:
         pld = pld_accountant(event, min(1e-2, pld_interval(event, epsilon)), neighbours)
