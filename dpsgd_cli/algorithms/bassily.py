@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dpsgd_cli.algorithms.base import ROW_NORM_TOLERANCE, Algorithm, Outcome, Setting, Tags
@@ -115,10 +116,10 @@ class Bassily2014(Algorithm):
 
     def radius(self, setting: Setting, lipschitz: float) -> float:
         if self.params.radius is not None:
-            return self.params.radius
+            return float(self.params.radius)
         return lipschitz / setting.l2 if setting.l2 > 0 else 10.0
 
-    def dp_event(self, setting: Setting, derived: dict) -> DpEvent:
+    def dp_event(self, setting: Setting, derived: dict[str, Any]) -> DpEvent:
         """T steps, each one uniformly drawn example's gradient (sensitivity 2l, replace-one) plus N(0, σ²I)."""
         return rdp_event(derived["sigma"] / derived["sensitivity"], setting.n, derived["steps"])
 
@@ -128,7 +129,7 @@ class Bassily2014(Algorithm):
                             "use schedule: convex")
 
     def schedule(self, setting: Setting, sigma: float, lipschitz: float, radius: float,
-                 n_params: int) -> tuple[Schedule, dict]:
+                 n_params: int) -> tuple[Schedule, dict[str, Any]]:
         kind = self.params.schedule
         if kind == "auto":
             kind = "strongly_convex" if setting.l2 > 0 else "convex"
@@ -141,7 +142,8 @@ class Bassily2014(Algorithm):
         c = 2.0 * radius / G
         return inverse_sqrt(c), {"schedule": "2R/(G√t)", "step_c": c, "G": G}
 
-    def chain(self, setting: Setting, X, y, streams: ReplicaStreams, model: Model, sigma: float, lipschitz: float,
+    def chain(self, setting: Setting, X: np.ndarray, y: np.ndarray, streams: ReplicaStreams, model: Model,
+              sigma: float, lipschitz: float,
               radius: float, schedule: Schedule) -> GradientChain:
         noise = [Noise(sigma, streams.normal("noise", (model.n_params,)))] if sigma > 0 else []
         return GradientChain(
@@ -158,7 +160,7 @@ class Bassily2014(Algorithm):
                                  self.steps(setting),
                                  float(lipschitz), p.accounting, p.formula, p.amplification)
 
-    def fit(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Outcome:
+    def fit(self, setting: Setting, model: Model, X: np.ndarray, y: np.ndarray, streams: ReplicaStreams) -> Outcome:
         lipschitz = model.lipschitz(1.0)  # the public bound ‖x‖ ≤ 1, not the data's max norm
         l_used = lipschitz if lipschitz is not None else 1.0  # no bound: clip to 1 (guarantee says none)
         steps = self.steps(setting)

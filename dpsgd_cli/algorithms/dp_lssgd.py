@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from dpsgd_cli.algorithms.base import Prepared, Setting
+from dpsgd_cli.algorithms.base import Outcome, Prepared, Setting
 from dpsgd_cli.algorithms.chain import GradientChain
 from dpsgd_cli.algorithms.ops import LaplacianSmoothing, Op, smoothed_noise_variance_factor
 from dpsgd_cli.algorithms.sgd import DPSGD
@@ -50,16 +51,18 @@ class DPLSSGD(DPSGD):
     source = ("Wang, Gu, Boedihardjo, Barekat, Osher, DP-LSSGD: A Stochastic Optimization Method to Lift the Utility "
               "in Privacy-Preserving ERM, MSML 2020 (arXiv:1906.12056)")
 
-    def chain(self, setting: Setting, X, y, streams: ReplicaStreams, private: tuple[Op, ...] = (),
+    def chain(self, setting: Setting, X: np.ndarray, y: np.ndarray, streams: ReplicaStreams,
+              private: tuple[Op, ...] = (),
               smoothing: tuple[Op, ...] = ()) -> GradientChain:
         # after Scale(1/B) and WeightDecay(λ): A⁻¹ acts on the whole noisy gradient of F (see the class docstring)
         return super().chain(setting, X, y, streams, private, (LaplacianSmoothing(self.params.smoothing),))
 
-    def prepare(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Prepared:
+    def prepare(self, setting: Setting, model: Model, X: np.ndarray, y: np.ndarray,
+                streams: ReplicaStreams) -> Prepared:
         prepared = super().prepare(setting, model, X, y, streams)
         finish = prepared.finish
 
-        def finish_smoothed(theta):
+        def finish_smoothed(theta: np.ndarray) -> Outcome:
             outcome = finish(theta)
             outcome.derived["smoothing"] = self.params.smoothing
             outcome.derived["smoothed_noise_variance_factor"] = smoothed_noise_variance_factor(

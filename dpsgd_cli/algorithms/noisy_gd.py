@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -77,7 +77,7 @@ class NoisyGD(Algorithm):
     source = ("Chourasia, Ye, Shokri, Differential Privacy Dynamics of Langevin Diffusion and Noisy Gradient "
               "Descent, NeurIPS 2021")
 
-    def dp_event(self, setting: Setting, derived: dict) -> DpEvent | None:
+    def dp_event(self, setting: Setting, derived: dict[str, Any]) -> DpEvent | None:
         """Under the composition bound, K Gaussian mechanisms on θ: sensitivity η·S_g/n, std √(2η)σ (as added).
         The dynamics bound is a claim about the last iterate that no library event states: None."""
         if derived["bound_used"] != "composition":
@@ -101,7 +101,7 @@ class NoisyGD(Algorithm):
                             f"(K = round(epochs))")
         return K
 
-    def covered(self, derived: dict) -> str:
+    def covered(self, derived: dict[str, Any]) -> str:
         """Composition of the K Gaussian steps covers every iterate; the dynamics bound assumes hidden
         intermediate models, so it covers the final output only."""
         return "every iterate" if derived.get("bound_used") == "composition" else "final output"
@@ -130,7 +130,7 @@ class NoisyGD(Algorithm):
             return f"none: step size η = {eta:g} > 1/β = {1.0 / beta:.4g} (β = smoothness + λ)", beta
         return "proved", beta
 
-    def chain(self, setting: Setting, X, y, streams: ReplicaStreams, noise_std: float,
+    def chain(self, setting: Setting, X: np.ndarray, y: np.ndarray, streams: ReplicaStreams, noise_std: float,
               n_params: int | None = None) -> GradientChain:
         """Full-batch chain; the noise is added to the gradient with std √(2σ²/η), i.e. √(2ησ²) on θ.
         n_params: the model's P (default d, logistic regression's)."""
@@ -147,7 +147,8 @@ class NoisyGD(Algorithm):
             backend=self.params.backend,
         )
 
-    def prepare(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Prepared:
+    def prepare(self, setting: Setting, model: Model, X: np.ndarray, y: np.ndarray,
+                streams: ReplicaStreams) -> Prepared:
         """One full-batch chain (so the cells of a grid train together: `run_together` runs them in one call of
         the compiled full-batch step, X read once a step for every cell and seed)."""
         K, eta, n, lam = self.steps(setting), setting.required.lr, setting.n, setting.l2

@@ -92,7 +92,7 @@ def calibrate_output_noise(sensitivity: float, epsilon: float, delta: float, cal
     return OutputNoise(float(sensitivity), float(sigma), calibration, achieved, exact, failure)
 
 
-def scaled_noise(algorithm: Algorithm, noise: OutputNoise, delta: float) -> tuple[float, dict]:
+def scaled_noise(algorithm: Algorithm, noise: OutputNoise, delta: float) -> tuple[float, dict[str, Any]]:
     """(σ added, derived values) with the audit's noise scale (`Algorithm.with_noise_scale`): its true ε is the
     Gaussian mechanism's at σ·scale (∞ without noise)."""
     if algorithm.noise_scale == 1.0:
@@ -152,7 +152,7 @@ class OutputPerturbation(Algorithm):
     Params = OutputNoiseParams
     source = "Chaudhuri, Monteleoni & Sarwate, Differentially Private Empirical Risk Minimization, JMLR 2011"
 
-    def dp_event(self, setting: Setting, derived: dict) -> DpEvent:
+    def dp_event(self, setting: Setting, derived: dict[str, Any]) -> DpEvent:
         """The Gaussian mechanism on θ̂: std σ (as added) over its L2-sensitivity."""
         return dp_event.GaussianDpEvent(derived.get("sigma_used", derived["sigma"]) / derived["sensitivity"])
 
@@ -161,7 +161,7 @@ class OutputPerturbation(Algorithm):
             raise UserError(f"output_perturbation needs l2 > 0 (λ-strongly convex objective), got l2 = {setting.l2:g}; "
                             "set l2 (e.g. 1e-3) for this algorithm")
 
-    def fit(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Outcome:
+    def fit(self, setting: Setting, model: Model, X: np.ndarray, y: np.ndarray, streams: ReplicaStreams) -> Outcome:
         self.check(setting)
         L = _lipschitz(model, self.name)
         sensitivity = 2 * L / (setting.n * setting.l2)  # of the exact minimiser θ*
@@ -220,7 +220,7 @@ class PSGDPlan:
     step_rule: str
     sensitivity: float
     failure: str | None  # a failed step-size condition, else None
-    schedule_key: tuple = ()  # the schedule's exact parameters (step_rule rounds them for display)
+    schedule_key: tuple[Any, ...] = ()  # the schedule's exact parameters (step_rule rounds them for display)
 
     @property
     def steps(self) -> int:
@@ -267,7 +267,7 @@ class BoltOn(Algorithm):
     source = ("Wu, Li, Kumar, Chaudhuri, Jha & Naughton, Bolt-on Differential Privacy for Scalable Stochastic "
               "Gradient Descent-based Analytics, SIGMOD 2017")
 
-    def dp_event(self, setting: Setting, derived: dict) -> DpEvent:
+    def dp_event(self, setting: Setting, derived: dict[str, Any]) -> DpEvent:
         """The Gaussian mechanism on θ̂: std σ (as added) over its L2-sensitivity."""
         return dp_event.GaussianDpEvent(derived.get("sigma_used", derived["sigma"]) / derived["sensitivity"])
 
@@ -319,7 +319,8 @@ class BoltOn(Algorithm):
                              same_iterates=("bolt_on", plan.lipschitz, l2, plan.schedule_key),
                              backend="numpy")  # the cells of an ε × epochs axis then train once (`same_iterates`)
 
-    def prepare(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Prepared:
+    def prepare(self, setting: Setting, model: Model, X: np.ndarray, y: np.ndarray,
+                streams: ReplicaStreams) -> Prepared:
         plan = self.plan(setting, model)
         noise = calibrate_output_noise(plan.sensitivity, setting.required.epsilon, setting.delta,
                                        self.params.calibration)

@@ -120,9 +120,9 @@ one at z/√R (`analytic_gaussian_epsilon`): at the paper's σ_c this gives the 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -241,14 +241,14 @@ def paper_two_stage_test(c: np.ndarray, radius: float, epsilon_1: float, delta_1
 def _interval_probability(lo: ArrayLike, hi: ArrayLike) -> np.ndarray:
     """P(lo ≤ Z ≤ hi), Z ~ N(0, 1), without cancellation in the upper tail."""
     lo, hi = np.asarray(lo, dtype=float), np.asarray(hi, dtype=float)
-    return np.where(lo > 0, ndtr(-lo) - ndtr(-hi), ndtr(hi) - ndtr(lo))
+    return cast(np.ndarray, np.where(lo > 0, ndtr(-lo) - ndtr(-hi), ndtr(hi) - ndtr(lo)))
 
 
 def coordinate_pass_probability(mu: np.ndarray, sigma_c: float, tau: float) -> np.ndarray:
     """P(max_i |2μ_i + b_i| ≤ τ), b ~ N(0, σ_c² I): Π_i P(|2μ_i + σ_c Z| ≤ τ), over the last axis of μ."""
     mu = np.asarray(mu, dtype=float)
     factors = _interval_probability((-tau - 2.0 * mu) / sigma_c, (tau - 2.0 * mu) / sigma_c)
-    return np.prod(factors, axis=-1)
+    return cast(np.ndarray, np.prod(factors, axis=-1))
 
 
 def skip_probability_bound(rule: str, dim: int, sigma_c: float, threshold: float, E: float) -> float:
@@ -338,11 +338,11 @@ class RoundInfluence:
 
     @property
     def dim(self) -> int:
-        return self.H_inv.shape[-1]
+        return int(self.H_inv.shape[-1])
 
     @property
     def rows_per_block(self) -> int:
-        return max(1, min(_ROW_CHUNK, _BLOCK_ELEMENTS // max(1, self.at.shape[0] * self.dim)))
+        return max(1, min(_ROW_CHUNK, _BLOCK_ELEMENTS // max(1, int(self.at.shape[0]) * self.dim)))
 
     def vectors(self, X: np.ndarray, y: np.ndarray, x_norm: np.ndarray, replicas: slice = slice(None)) -> np.ndarray:
         """c_z (without E) for the rows X (k, d) and the chosen replicas: (R', k, m). H⁻¹ is symmetric, so the rows
@@ -350,13 +350,13 @@ class RoundInfluence:
         at, w, H_inv = self.at[replicas], self.w[replicas], self.H_inv[replicas]
         if self.kind == "full" and isinstance(self.model, MLP):
             g = self.model.per_example_clipped_gradients(at, X, y, x_norm, self.G)
-            return np.matmul(g, H_inv) / self.n
+            return cast(np.ndarray, np.matmul(g, H_inv) / self.n)
         if self.kind == "output_layer" and isinstance(self.model, MLP):
             F = self.model.output_features(at, X)  # (R', k, h + 1)
             a = clipped_residual(logistic_residual(margins(w, F), y), np.sqrt(np.einsum("rmd,rmd->rm", F, F)), self.G)
-            return a[..., None] * np.matmul(F, H_inv) / self.n
+            return cast(np.ndarray, a[..., None] * np.matmul(F, H_inv) / self.n)
         a = clipped_residual(logistic_residual(margins(w, X), y), x_norm, self.G)  # logistic regression
-        return a[..., None] * np.matmul(X[None], H_inv) / self.n
+        return cast(np.ndarray, a[..., None] * np.matmul(X[None], H_inv) / self.n)
 
     def blocks(self, X: np.ndarray, y: np.ndarray, x_norm: np.ndarray,
                replicas: slice = slice(None)) -> Iterator[tuple[slice, np.ndarray]]:
@@ -398,12 +398,12 @@ def round_influence(influence: str, model: Model | None, theta: np.ndarray, X: n
     raise ValueError(f"influence {influence!r} is not defined for model {getattr(model, 'name', model)!r}")
 
 
-def with_error(v: np.ndarray, E) -> np.ndarray:
+def with_error(v: np.ndarray, E: float | np.ndarray) -> np.ndarray:
     """c^(o) = c_z + E read per coordinate: sign([c_z]_i)(|[c_z]_i| + E), sign(0) = +1 (module docstring).
     v (R', k, m); E a number or one per replica (R',)."""
     E = np.asarray(E, dtype=float)
     E = E[:, None, None] if E.ndim == 1 else E
-    return v + np.where(v >= 0, 1.0, -1.0) * E
+    return cast(np.ndarray, v + np.where(v >= 0, 1.0, -1.0) * E)
 
 
 @dataclass(frozen=True)
@@ -413,20 +413,21 @@ class DecisionRule:
     sigma_c: float
     threshold: float
 
-    def passes(self, v: np.ndarray, E, generators: list[np.random.Generator]) -> np.ndarray:
+    def passes(self, v: np.ndarray, E: float | np.ndarray, generators: list[np.random.Generator]) -> np.ndarray:
         """(R', k) bool, one generator per replica: coordinate: max_i |2c^(o)_i + b_i| ≤ τ with b ~ N(0, σ_c² I_m)
         drawn in full (lines 8-10); l2_radius: ‖2c + b‖ ≤ r with ‖c‖ = ‖c_z‖ + E (sampled through the norm)."""
         k, m = v.shape[1], v.shape[2]
         if self.rule == "coordinate":
             b = np.stack([g.standard_normal((k, m)) for g in generators])
-            return np.max(np.abs(2.0 * with_error(v, E) + self.sigma_c * b), axis=-1) <= self.threshold
+            noised = np.max(np.abs(2.0 * with_error(v, E) + self.sigma_c * b), axis=-1)
+            return cast(np.ndarray, noised <= self.threshold)
         E = np.asarray(E, dtype=float)
         c_norm = np.linalg.norm(v, axis=-1) + (E[:, None] if E.ndim == 1 else E)
         return noised_norms(c_norm, self.sigma_c, m, generators) <= self.threshold
 
 
-def round_eligible(inf: RoundInfluence, rule: DecisionRule, E, X: np.ndarray, y: np.ndarray, x_norm: np.ndarray,
-                   generators: list[np.random.Generator]) -> np.ndarray:
+def round_eligible(inf: RoundInfluence, rule: DecisionRule, E: float | np.ndarray, X: np.ndarray, y: np.ndarray,
+                   x_norm: np.ndarray, generators: list[np.random.Generator]) -> np.ndarray:
     """`contribution_noise: per_round`: one test per example and replica at the round's model: (R, n) bool."""
     out = np.empty((inf.at.shape[0], X.shape[0]), dtype=bool)
     for sl, v in inf.blocks(X, y, x_norm):
@@ -434,8 +435,8 @@ def round_eligible(inf: RoundInfluence, rule: DecisionRule, E, X: np.ndarray, y:
     return out
 
 
-def step_noiseless(inf: RoundInfluence, rule: DecisionRule, E, X: np.ndarray, y: np.ndarray, x_norm: np.ndarray,
-                   idx: np.ndarray, generators: list[np.random.Generator]) -> np.ndarray:
+def step_noiseless(inf: RoundInfluence, rule: DecisionRule, E: float | np.ndarray, X: np.ndarray, y: np.ndarray,
+                   x_norm: np.ndarray, idx: np.ndarray, generators: list[np.random.Generator]) -> np.ndarray:
     """`contribution_noise: per_step`: a fresh test for every step's example idx (T, R): (T, R) bool."""
     E = np.asarray(E, dtype=float)
     out = np.empty(idx.shape, dtype=bool)
@@ -447,7 +448,7 @@ def step_noiseless(inf: RoundInfluence, rule: DecisionRule, E, X: np.ndarray, y:
     return out
 
 
-def _no_hessian(model_name) -> UserError:
+def _no_hessian(model_name: str) -> UserError:
     return UserError(f"pidp_sgd needs the loss's Hessian: implemented for logreg and mlp; got model {model_name!r}: "
                      f"use models: [logreg] or [mlp]")
 
@@ -458,7 +459,7 @@ def resolve_influence(requested: str, model: Model) -> str:
     if model.name == "logreg":
         return "full"
     if not isinstance(model, MLP):
-        raise _no_hessian(getattr(model, "name", model))
+        raise _no_hessian(model.name)
     P = model.n_params
     if requested == "auto":
         return "full" if P <= FULL_INFLUENCE_MAX_PARAMS else "output_layer"
@@ -500,7 +501,7 @@ def error_constants(influence: str, model: Model, theta: np.ndarray, G: float, z
                           influence_error_bound(L_A, A, C_A, zeta, n))
 
 
-def _per_replica(values: list, reduce) -> float | list | None:
+def _per_replica(values: list[Any], reduce: Callable[..., np.ndarray]) -> float | list[float] | None:
     """Reduce (rounds, R) values over rounds: a number when every replica has the same, else one per replica
     (the engine gives each seed's row its own)."""
     if values[0] is None:
@@ -509,7 +510,7 @@ def _per_replica(values: list, reduce) -> float | list | None:
     return float(arr[0]) if np.all(arr == arr[0]) else [float(v) for v in arr]
 
 
-def round_summary(rounds_info: list) -> dict:
+def round_summary(rounds_info: list[tuple[RoundInfluence, ErrorConstants]]) -> dict[str, Any]:
     """Derived values of the rounds: Theorem 4's constants (max over rounds), the Hessian's damping."""
     infs = [inf for inf, _ in rounds_info]
     consts = [c for _, c in rounds_info]
@@ -522,9 +523,10 @@ def round_summary(rounds_info: list) -> dict:
     if infs[0].shift is None:  # logreg, output layer: ζ added iff λ < ζ, the same every round
         out["hessian_damped"] = bool(infs[-1].damped)
     else:  # full Hessian of a non-linear model: per replica
-        out["hessian_damped"] = [bool(v) for v in np.any([inf.damped for inf in infs], axis=0)]
-        out["hessian_shift"] = [float(v) for v in np.max([inf.shift for inf in infs], axis=0)]
-        out["hessian_min_eigenvalue"] = [float(v) for v in np.min([inf.min_eigenvalue for inf in infs], axis=0)]
+        out["hessian_damped"] = [bool(v) for v in np.any(np.array([inf.damped for inf in infs]), axis=0)]
+        out["hessian_shift"] = [float(v) for v in np.max(np.array([inf.shift for inf in infs]), axis=0)]
+        lowest = np.min(np.array([inf.min_eigenvalue for inf in infs]), axis=0)
+        out["hessian_min_eigenvalue"] = [float(v) for v in lowest]
     return out
 
 
@@ -745,7 +747,7 @@ class PIDPSGD(Algorithm):
         if p.sampling == "single" and p.accountant == "composition":
             raise UserError("pidp_sgd: accountant: composition is for sampling: poisson; use auto, rdp or pld")
 
-    def fit(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Outcome:
+    def fit(self, setting: Setting, model: Model, X: np.ndarray, y: np.ndarray, streams: ReplicaStreams) -> Outcome:
         p = self.params
         influence = resolve_influence(p.influence, model)
         self.check(setting, model.name)
@@ -824,8 +826,8 @@ class PIDPSGD(Algorithm):
             derived["eligible_fraction"] = [float(f) for f in np.mean(eligible_share, axis=0)]
         return Outcome(theta, derived, guarantee, trace=ckpt.rows if ckpt else [])
 
-    def skip_bound(self, rule: DecisionRule, dim: int, rounds_info: list, setting: Setting, rounds: int,
-                   eps_2: float) -> float:
+    def skip_bound(self, rule: DecisionRule, dim: int, rounds_info: list[tuple[RoundInfluence, ErrorConstants]],
+                   setting: Setting, rounds: int, eps_2: float) -> float:
         """p of the total-variation bound: the largest pass probability over datasets (module docstring), with E
         the smallest over rounds and replicas (E is data-independent: it depends on n and the model's constants,
         and, for a relu output layer, on the round's hidden layer, so the minimum is taken). sampling: poisson

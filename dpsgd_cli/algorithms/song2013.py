@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -64,7 +64,7 @@ class Song2013Params(BaseModel):
 NoiseDraw = Callable[[np.random.Generator, int], np.ndarray]  # (generator, K steps) → (K, d) draws of Z_t
 
 
-def clip_binding(model: Model, theta: np.ndarray, X: np.ndarray, y: np.ndarray, clip: float) -> dict:
+def clip_binding(model: Model, theta: np.ndarray, X: np.ndarray, y: np.ndarray, clip: float) -> dict[str, Any]:
     """How often the clip at ‖∇ℓ‖ ≤ 1 can bind: the share of rows with ‖x‖ > 1 (for logistic regression
     ‖∇ℓ‖ = |r|·‖x‖ < ‖x‖, so only those rows can be clipped, e.g. after `order: ball_then_project`), and the
     share of examples whose gradient at the final θ exceeds the clip (mean over replicas): a proxy for the
@@ -134,7 +134,8 @@ class Song2013NonPrivate(Algorithm):
             return inverse_time(1.0 / setting.l2)
         return constant(setting.required.lr)
 
-    def chain(self, setting: Setting, X, y, streams: ReplicaStreams, private: tuple[Op, ...] = ()) -> GradientChain:
+    def chain(self, setting: Setting, X: np.ndarray, y: np.ndarray, streams: ReplicaStreams,
+              private: tuple[Op, ...] = ()) -> GradientChain:
         """Σ (clipped) ∇ℓ over the batch → [+ Z_t] → ·1/b → + λw → w − η_t · → Π onto the ball."""
         b = setting.required.batch_size
         return GradientChain(
@@ -147,12 +148,14 @@ class Song2013NonPrivate(Algorithm):
             backend=self.params.backend,
         )
 
-    def noise_draw(self, setting: Setting, model: Model, X, passes: int) -> tuple[NoiseDraw | None, dict, str]:
+    def noise_draw(self, setting: Setting, model: Model, X: np.ndarray,
+                   passes: int) -> tuple[NoiseDraw | None, dict[str, Any], str]:
         """(draw of Z_t for K steps from one replica's generator, or None; derived values; guarantee): no noise
         for the non-private version."""
         return None, {}, "non-private"
 
-    def prepare(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Prepared:
+    def prepare(self, setting: Setting, model: Model, X: np.ndarray, y: np.ndarray,
+                streams: ReplicaStreams) -> Prepared:
         per_pass, steps, passes = self.steps(setting)
         draw, derived, guarantee = self.noise_draw(setting, model, X, passes)
         clip = GRADIENT_BOUND if draw is not None else None
@@ -163,8 +166,9 @@ class Song2013NonPrivate(Algorithm):
                                              guarantee, chain.checkpoints.rows if chain.checkpoints else [])
         return Prepared(chain, model.init(streams.generators("init")), steps, finish)
 
-    def _outcome(self, setting: Setting, model: Model, X, y, theta, eta: Schedule, backend: str, derived: dict,
-                 clip: float | None, guarantee: str, trace: list) -> Outcome:
+    def _outcome(self, setting: Setting, model: Model, X: np.ndarray, y: np.ndarray, theta: np.ndarray, eta: Schedule,
+                 backend: str, derived: dict[str, Any], clip: float | None, guarantee: str,
+                 trace: list[tuple[int, np.ndarray, np.ndarray]]) -> Outcome:
         per_pass, steps, passes = self.steps(setting)
         derived = {"steps": steps, "sample_rate": setting.required.batch_size / setting.n, "steps_per_pass": per_pass,
                    "passes": passes, "schedule": self.params.schedule, "step_size_first": eta(1),
@@ -197,7 +201,8 @@ class Song2013(Song2013NonPrivate):
     uses = frozenset({"epsilon", "batch_size", "lr", "epochs", "l2"})
     Params = Song2013PrivateParams
 
-    def noise_draw(self, setting: Setting, model: Model, X, passes: int) -> tuple[NoiseDraw | None, dict, str]:
+    def noise_draw(self, setting: Setting, model: Model, X: np.ndarray,
+                   passes: int) -> tuple[NoiseDraw | None, dict[str, Any], str]:
         epsilon = setting.required.epsilon
         alpha, delta_used = epsilon / passes, 0.0
         composition = "pure" if passes == 1 else "basic"
