@@ -1,35 +1,12 @@
 """`bassily2014`: noisy projected SGD, one example per step (Bassily, Smith & Thakurta, FOCS 2014).
 
 Source: R. Bassily, A. Smith, A. Thakurta, "Private Empirical Risk Minimization: Efficient Algorithms and Tight
-Error Bounds", FOCS 2014, Algorithm 1 (A_Noise-SGD), as taught in A. Bellet's lecture on private ERM.
+Error Bounds", FOCS 2014, Algorithm 1 (A_Noise-SGD), as taught in A. Bellet's lecture on private ERM. The
+accountings, step sizes, radius and assumptions: docs/algorithms.md (bassily2014).
 
-Update (on OUR scale: the mean objective F(θ) = (1/n) Σ ℓ(θ; z_i) + (λ/2)‖θ‖²)::
+    i_t ~ uniform{1..n};  θ_{t+1} = Π_{‖θ‖≤R}(θ_t − γ_t(clip_l(∇ℓ(θ_t; z_{i_t})) + λθ_t + b_t)),  b_t ~ N(0, σ² I_d)
 
-    i_t ~ uniform{1..n}                      (one example per step, drawn with replacement across steps)
-    g_t = clip_l(∇ℓ(θ_t; z_{i_t})) + λθ_t + b_t,   b_t ~ N(0, σ² I_d)
-    θ_{t+1} = Π_C(θ_t − γ_t g_t),            C = {‖θ‖ ≤ R},  θ_1 = 0,  output θ_{T+1} (the last iterate)
-
-Scale of σ. The paper minimises the SUM L = Σ_i ℓ and steps along n∇ℓ(θ; d) + b with b ~ N(0, σ_P² I); its
-update θ − η(n∇ℓ + b) equals ours, θ − γ(∇ℓ + b/n), with γ = nη: on our scale σ = σ_P / n.
-
-Privacy (`accounting`: closed_form, advanced_composition, rdp, pld): σ is calibrated to (ε, δ) by
-`dpsgd_cli.privacy.single_example_gaussian`, which states each accounting, its formulas and when it is proved;
-σ, the achieved ε and, for the accountings other than rdp, `epsilon_rdp` (what the exact-scheme RDP accountant
-certifies for that σ) are recorded.
-
-Assumptions: ℓ convex and l-Lipschitz in θ (logistic loss with ‖x‖ ≤ 1: l = 1; per-example gradients are
-clipped to l, so the sensitivity 2l holds whatever the data), rows in the unit L2 ball, neighbouring datasets
-differ in one replaced record (the paper's relation). l = model.lipschitz(1): the public row-norm bound, not the
-data's max norm (which would leak).
-
-Step sizes (`schedule`): `strongly_convex`: γ_t = 1/(s t) with s = λ (F is λ-strongly convex); `convex`: the
-paper's γ_t = ‖C‖₂/(G√t) with ‖C‖₂ = 2R the diameter of C and G² = dσ² + (l + λR)² ≥ E‖g_t‖² (the paper's
-G = √(pσ_P² + n²L²) on our scale, plus the regulariser's gradient); `auto`: strongly_convex if λ > 0 else convex.
-Radius R (`radius`): default l/λ (the minimiser of F satisfies ‖θ*‖ = ‖∇L(θ*)‖/λ ≤ l/λ) if λ > 0, else 10.
-Steps: T = round(epochs · n) (the paper's T = n² is infeasible).
-Backend (`backend`): on logistic regression and the MLP the steps run on the single-example backend (backends.py)
-when numba is installed (auto; `numpy` forces NumPy): the same examples and noise draws, the same result.
-"""
+On our scale (the mean objective) σ = σ_P / n of the paper's sum objective; θ_1 = 0, output the last iterate."""
 
 from __future__ import annotations
 

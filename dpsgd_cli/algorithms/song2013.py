@@ -1,18 +1,9 @@
 """Mini-batch SGD with α-DP updates (Song, Chaudhuri & Sarwate, GlobalSIP 2013) and its non-private twin.
 
-Song, Chaudhuri, Sarwate, "Stochastic gradient descent with differentially private updates", GlobalSIP 2013.
+Song, Chaudhuri, Sarwate, "Stochastic gradient descent with differentially private updates", GlobalSIP 2013;
+docs/algorithms.md (song2013) has the parameters and the data's effect on the clip. One `GradientChain`:
 
-Both algorithms are the same `GradientChain`; `song2013` switches the noise on:
-
-    w_{t+1} = Π( w_t − η_t ( λ w_t + (1/b) Σ_{i∈B_t} ∇ℓ(w_t; x_i, y_i) + Z_t / b ) ),
-
-B_t the t-th of the ⌊n/b⌋ disjoint batches of a uniformly random permutation (one pass), Π the Euclidean
-projection onto {‖w‖ ≤ 1/λ}, η_t = c/√t (c = the grid's `lr`; the paper shows c = 1 and 10), 1/(λt), or a
-constant, and Z_t ∈ R^d with density ∝ exp(−(α/2)‖z‖) (‖Z_t‖ ~ Gamma(d, scale 2/α), direction uniform).
-
-On logistic regression (and the MLP with b = 1) the chain runs on a compiled backend (backends.py) when numba is
-installed (`backend: auto`; `numpy` forces NumPy): the same permutations and Z_t, the same result.
-"""
+    w_{t+1} = Π( w_t − η_t ( λ w_t + (1/b) Σ_{i∈B_t} ∇ℓ(w_t; x_i, y_i) + Z_t / b ) ),  Z_t ∝ exp(−(α/2)‖z‖)"""
 
 from __future__ import annotations
 
@@ -181,17 +172,8 @@ class Song2013NonPrivate(Algorithm):
 class Song2013(Song2013NonPrivate):
     """α-DP mini-batch SGD of Song, Chaudhuri & Sarwate, GlobalSIP 2013 (their mini-batch update and its privacy).
 
-    Assumptions of the privacy proof: ‖∇ℓ(w; x, y)‖ ≤ 1 for all w (the paper: needs ‖x‖ ≤ 1 for logistic
-    regression; here every per-example gradient is clipped to norm 1, so it holds for any data — a no-op when
-    the rows are in the unit ball), batches disjoint within a pass, w_0 independent of the data. Convexity and
-    λ > 0 matter for convergence only (λ > 0 is required all the same: radius 1/λ, step 1/(λt)).
-
-    Privacy: replacing one example changes the one batch sum that contains it by ≤ 2, so adding Z_t of density
-    ∝ exp(−(α/2)‖z‖) to the SUM (Z_t/b to the mean) makes that update α-DP; the other updates of the pass do not
-    read the example, so one pass is α-DP. With epochs → T = round(epochs·⌊n/b⌋) steps touching k = ⌈T/⌊n/b⌋⌉
-    passes, each example is read k times: α = ε/k per pass (basic composition, pure ε-DP; δ unused), or with
-    `composition: advanced` the larger of ε/k and the α of k-fold advanced composition with δ' = δ ((ε, δ)-DP).
-    """
+    Gradients clipped to norm 1, so a replaced example moves its batch sum by ≤ 2 and each pass is α-DP; k passes:
+    α = ε/k (basic composition), or with `composition: advanced` the larger of ε/k and k-fold advanced composition's."""
 
     name = "song2013"
     tags = Tags("private SGD (Song et al.)", private=True, neighbours="replace_one", noise_scalable=True,
