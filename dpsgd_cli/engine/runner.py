@@ -87,11 +87,6 @@ def reference_optimum(spec: DatasetSpec, model_name: str, model_options: str, l2
         return float(loss[0] + model.penalty(theta[None])[0]), info["optimum_method"]
 
 
-def optimal_objective(spec: DatasetSpec, model_name: str, model_options: str, l2: float) -> float:
-    """L* = min F on the training set (see `reference_optimum`)."""
-    return reference_optimum(spec, model_name, model_options, l2)[0]
-
-
 OPTIMUM_PENDING = "to be computed"  # a planned task's optimum_method until `resolve_optima` (or its run) sets L*
 
 
@@ -234,7 +229,7 @@ def _run_one(task: Task) -> TaskResult:
     start = time.perf_counter()
     try:
         model, X, y = _training_data(cell, data)
-        outcome = _algorithm(cell).fit(setting_of(cell, data), model, X, y, ReplicaStreams(task.seeds))
+        outcome = cell.make_algorithm().fit(setting_of(cell, data), model, X, y, ReplicaStreams(task.seeds))
     except Exception as exc:  # recorded, and the grid goes on
         return failed_result(task, _failure(exc), (time.perf_counter() - start) / len(task.seeds))
     return _result(task, cell, model, outcome, (time.perf_counter() - start) / len(task.seeds))
@@ -247,10 +242,6 @@ def _training_data(cell: Cell, data: Dataset) -> tuple[Model, np.ndarray, np.nda
     if cell.dtype == "float32":  # training only: metrics and L* stay float64
         X, y = cached_astype(X, np.float32), cached_astype(y, np.float32)
     return model, X, y
-
-
-def _algorithm(cell: Cell) -> Any:
-    return cell.make_algorithm()
 
 
 def _failure(exc: Exception) -> str:
@@ -271,9 +262,9 @@ def _run_fused(task: Task) -> TaskResult:
     calibrate_ahead(task.cells, data)  # an ε axis on one accountant curve, loosest first (in the task's time)
     for cell in task.cells:
         try:
-            p = _algorithm(cell).prepare(setting_of(cell, data), model, X, y, streams)
+            p = cell.make_algorithm().prepare(setting_of(cell, data), model, X, y, streams)
             if p is None:
-                p = _algorithm(cell).fit(setting_of(cell, data), model, X, y, ReplicaStreams(task.seeds))
+                p = cell.make_algorithm().fit(setting_of(cell, data), model, X, y, ReplicaStreams(task.seeds))
         except Exception as exc:
             results[cell.cell_id] = _failure(exc)
             continue
@@ -329,7 +320,7 @@ def _result(task: Task, cell: Cell, model: Model, outcome: Outcome, elapsed: flo
         reported = reported_columns(derived, len(task.seeds), ALGORITHMS[cell.algorithm.name].tags.private)
     except ValueError as exc:  # a programming error: the run fails, no column takes the value
         return failed_result(task, _failure(exc), elapsed)
-    risk = risk_columns(_algorithm(cell), setting, outcome.guarantee, outcome.derived,
+    risk = risk_columns(cell.make_algorithm(), setting, outcome.guarantee, outcome.derived,
                         reported.get("epsilon_achieved")) if ALGORITHMS[cell.algorithm.name].tags.private else {}
     derived = {k: v for k, v in derived.items() if k not in reported}
     # a derived list with one value per replica (e.g. pidp_sgd's eligible_fraction) belongs to each seed's row
@@ -601,7 +592,7 @@ def calibrate_ahead(cells: Sequence[Cell], data: Dataset, accountants: Sequence[
     wanted: dict[tuple[Any, ...], set[float]] = {}
     for cell in cells:
         try:
-            request = _algorithm(cell).sigma_calibration(setting_of(cell, data))
+            request = cell.make_algorithm().sigma_calibration(setting_of(cell, data))
         except Exception:  # noqa: BLE001 - the cell reports it when it prepares
             continue
         if request is not None and request[4] in accountants:
