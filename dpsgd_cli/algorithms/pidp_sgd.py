@@ -599,28 +599,16 @@ class PIDPSGD(Algorithm):
     def deviations(self, influence: str, model_name: str, l2: float, accountant: str) -> dict[str, str]:
         """This run's departures from Algorithm 1, readings included: {key of `DEVIATIONS`: its text}.
         `accountant`: the one that calibrated the noisy steps (the rdp → pld fallback shows here)."""
-        p = self.params
-        keys = []
-        if p.rule == "l2_radius":
-            keys.append("rule_l2_radius")
-        if p.sampling == "poisson":
-            keys.append("sampling_poisson")
-        keys.append({True: "projection_ball", "box": "projection_box", False: "no_projection"}[p.project])
-        keys += ["theta0", "hessian_point", "curvature"]
-        if p.rule == "coordinate":
-            keys.append("error_per_coordinate")
-        if p.sampling == "single" and p.contribution_noise == "per_round":
-            keys.append("contribution_noise_per_round")
-        keys.append("gradient_clip_mlp" if model_name == "mlp" else "gradient_clip")
-        if l2 > 0:
-            keys.append("regulariser_after_clip")
-        keys.append("noise_accountant")
-        if accountant != resolve_accountant(p.accountant):
-            keys.append("accountant_fallback")
-        if influence == "output_layer":
-            keys.append("influence_output_layer")
-        if influence == "full" and model_name == "mlp":
-            keys.append("error_zero")
+        p, mlp = self.params, model_name == "mlp"
+        projection = {True: "projection_ball", "box": "projection_box", False: "no_projection"}[p.project]
+        applies = [("rule_l2_radius", p.rule == "l2_radius"), ("sampling_poisson", p.sampling == "poisson"),
+                   (projection, True), ("theta0", True), ("hessian_point", True), ("curvature", True),
+                   ("error_per_coordinate", p.rule == "coordinate"),
+                   ("contribution_noise_per_round", p.sampling == "single" and p.contribution_noise == "per_round"),
+                   ("gradient_clip_mlp" if mlp else "gradient_clip", True), ("regulariser_after_clip", l2 > 0),
+                   ("noise_accountant", True), ("accountant_fallback", accountant != resolve_accountant(p.accountant)),
+                   ("influence_output_layer", influence == "output_layer"), ("error_zero", influence == "full" and mlp)]
+        keys = [key for key, holds in applies if holds]
         return {k: DEVIATIONS[k] for k in keys}
 
     def check(self, setting: Setting, model_name: str = "") -> None:
