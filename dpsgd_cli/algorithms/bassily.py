@@ -72,10 +72,7 @@ class BassilyParams(BaseModel):
 
 
 class Bassily2014(Algorithm):
-    """Noisy projected SGD, one uniformly drawn example per step (Bassily, Smith & Thakurta, FOCS 2014, Alg. 1).
-
-    See the module docstring for the formulas, the scale of σ and the accounting options.
-    """
+    """Noisy projected SGD, one uniformly drawn example per step (Bassily, Smith & Thakurta, FOCS 2014, Alg. 1)."""
 
     name = "bassily2014"
     tags = Tags("DP-SGD (Bassily et al.)", private=True, batch="single_example", neighbours="replace_one")
