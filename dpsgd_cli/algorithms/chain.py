@@ -112,16 +112,9 @@ class GradientChain:
 
 def run_together(model: Model, chains: Sequence[GradientChain], thetas: Sequence[np.ndarray],
                  steps: Sequence[int]) -> list[np.ndarray]:
-    """Run several chains (same model, data and seeds) in lockstep; each chain's result equals `chain.run`.
-
-    Each chain runs on the backend its plan chooses (`backends.choose`), the same as alone. Chains with the same
-    `stream` key share one batch per step: the first such chain's iterator is drawn, the others' are never
-    started. On the mini-batch backend the chains of a stream run together (the batch read once per step for all
-    of them), on the full-batch backend all of them (X read once a step); NumPy chains of a stream the mini-batch
-    kernel takes replay its batches (`IndexedBatches.replay`). Each chain keeps its own θ and ops and computes
-    exactly what it would alone (each chain's sums in an order that does not depend on the others), so fused runs
-    are bit for bit the same.
-    """
+    """Run several chains (same model, data and seeds) in lockstep; each chain's result equals `chain.run`, bit
+    for bit: each runs on the backend its plan chooses, chains with the same `stream` key share one batch per step
+    (docs/design.md, "Fused tasks")."""
     keys = [chain.stream if chain.stream is not None else ("own", k) for k, chain in enumerate(chains)]
     thetas = [theta.copy() for theta in thetas]
     chosen = [backends.choose(backends.plan(chain, model, theta), chain.backend)

@@ -1,14 +1,7 @@
 """Non-private reference: the minimiser of the regularised objective F (gives L* for the optimality gap).
 
-Convex models: one full-batch L-BFGS run from model.init (seed 0) gives the global minimum. Non-convex models
-(`mlp`): L* is not a global optimum; it is the best objective over `REFERENCE_STARTS` full-batch L-BFGS runs
-from the initialisations of seeds 0..starts−1 (the same θ₀ a seed-s SGD run starts from), and the info records
-how it was obtained (every start's objective, iterations, convergence).
-
-The reference minimum is kept on disk (`diskcache`, folder `reference`) keyed by everything it depends on, so a
-grid's L* is computed once per machine, not once per `dpsgd run`; an entry read back is used only after it is
-checked against what defines it (`_verify`).
-"""
+Convex models: one full-batch L-BFGS run from model.init (seed 0); non-convex models (`mlp`): the best of
+`REFERENCE_STARTS` runs from seeds 0..starts−1. Kept in the verified disk cache (docs/datasets.md)."""
 
 from __future__ import annotations
 
@@ -99,15 +92,10 @@ def _cache_key(model: Model, X: np.ndarray, y: np.ndarray, starts: int) -> Cache
 
 def reference_minimum(model: Model, X: np.ndarray, y: np.ndarray, starts: int = REFERENCE_STARTS,
                       runs: list[tuple[np.ndarray, Info]] | None = None) -> Reference:
-    """(θ (P,), F(θ), info): the exact minimiser for a convex model (one L-BFGS run from model.init of seed 0);
-    for a non-convex model the best of `starts` L-BFGS runs from model.init of seeds 0..starts−1.
-
-    info: `optimum_method` ("lbfgs" | "lbfgs_best_of_<k>"), `starts`, `best_start` (its seed), `start_results`
-    {seed: {objective, iterations, converged}}, and for the best run `lbfgs_iterations`, `lbfgs_converged`,
-    `grad_norm`. Deterministic; cached in-process and on disk by (model, data, starts, settings, versions).
-    `runs`: the starts' `reference_start` results when they were computed elsewhere (in parallel processes; they
-    are the numbers this process would compute), used only when the minimum is not cached.
-    """
+    """(θ (P,), F(θ), info): the exact minimiser for a convex model; for a non-convex model the best of `starts`
+    L-BFGS runs from model.init of seeds 0..starts−1. info: the fields `_INFO_FIELDS` (every start's objective,
+    iterations and convergence). Deterministic; cached in-process and on disk. `runs`: the starts' `reference_start`
+    results computed elsewhere (parallel processes), used only when the minimum is not cached."""
     starts = reference_starts(model, starts)
     value = known_reference(model, X, y, starts)
     if value is None:

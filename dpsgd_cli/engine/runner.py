@@ -249,10 +249,8 @@ def _failure(exc: Exception) -> str:
 
 
 def _run_fused(task: Task) -> TaskResult:
-    """Train the task's cells together (one task, one write): each cell's chain is prepared as alone, and the
-    chains run in lockstep, sharing each step's batch among cells with the same batch stream
-    (`chain.run_together`) and each `normal` noise stream among cells with the same seeds (`SharedStreams`).
-    A cell whose algorithm is not one chain trains alone here; a cell that fails to prepare fails alone."""
+    """Train the task's cells together (one task, one write; docs/design.md, "Fused tasks"): a cell whose
+    algorithm is not one chain trains alone here; a cell that fails to prepare fails alone."""
     data = dataset(task.cell.dataset, task.cell.validation)
     start = time.perf_counter()
     model, X, y = _training_data(task.cell, data)  # the same for every cell of the task (the fusion key)
