@@ -1,16 +1,10 @@
-"""The Python API: what the `dpsgd` commands do, as functions for notebooks and scripts.
+"""The Python API: what the `dpsgd` commands do, as functions for notebooks and scripts (docs/python-api.md).
 
     import dpsgd_cli as dpsgd
     df = dpsgd.run("experiments.yaml", only=["smoke"], out="results")   # a DataFrame, one row per run
-    df = dpsgd.run({"name": "mine", "datasets": ["synthetic"], "algorithms": ["dp_sgd"]})  # a grid as a dict
-    dpsgd.epsilon(sigma=1.1, sample_rate=0.01, steps=1000, delta=1e-5)
 
-The commands call these functions (one implementation); keyword arguments are named like the commands' options.
-Bad input raises `dpsgd_cli.UserError`, whose message is the line the command prints; each argument's type and
-range are checked when the function is called, before any work (`dpsgd_cli.arguments`: a wrong type is also a
-TypeError, a value out of range also a ValueError). Heavy modules (NumPy kernels, matplotlib, dp-accounting) are
-imported on first use (`dpsgd_cli.lazy`), so `import dpsgd_cli` stays cheap.
-"""
+Bad input raises `dpsgd_cli.UserError`, whose message is the line the command prints; arguments are checked
+before any work (`dpsgd_cli.arguments`). Heavy modules are imported on first use (`dpsgd_cli.lazy`)."""
 
 from __future__ import annotations
 
@@ -21,14 +15,7 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import (
-    TYPE_CHECKING,
-    Annotated,
-    Any,
-    Literal,
-    Protocol,
-    runtime_checkable,
-)
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Protocol, runtime_checkable
 
 from dpsgd_cli.arguments import at_least, between, checked, each
 from dpsgd_cli.errors import ArgumentValueError, UserError, file_errors
@@ -97,14 +84,9 @@ def run(grid: GridSource, *, only: Names = None, out: PathLike = "results", jobs
         dry_run: bool = False, no_resume: bool = False, scheduler: str | None = None,
         set: Mapping[str, Any] | Names = None, seeds: int | None = None,  # noqa: A002
         quiet: bool = False, plugins: Plugins = ()) -> pd.DataFrame:
-    """`dpsgd run`: run every cell of the grid(s) (resuming: runs already in runs.csv are skipped) and return
-    the runs of the grids, one row per run (see `read_results`); `df.attrs["failed"]` counts the runs that failed
-    in this call. `grid` is a grid file's path, its YAML text (a string that is no existing path and holds a
-    newline or `grids:`), the document as a dict ({"grids": [...]}, or one grid), a `dpsgd_cli.config.Grid`, or
-    a list of grids (dicts or Grids): each checked as a file is. `set` overrides grid keys before validation, in
-    every grid run: a mapping ({"epochs": 1, "datasets.0.n": 500}) or `--set` strings (["epochs=1"]); `seeds=N`
-    is `set={"seeds": N}`. `quiet` prints nothing but errors (the progress bars and tables otherwise go to
-    stdout). `plugins`: Python files whose algorithms the grids may name (`--plugin`, docs/algorithms.md)."""
+    """`dpsgd run`: run every cell of the grid(s), resuming, and return their runs as `read_results` reads them;
+    `df.attrs["failed"]` counts the runs that failed in this call. The forms of `grid` and `set`:
+    docs/python-api.md."""
     only = _strings(only) or None
     grids = config.select(_load_grids(grid, _overrides(set, seeds), only, plugins), only)
     root = checks.out_root(str(out))
@@ -149,10 +131,7 @@ def run(grid: GridSource, *, only: Names = None, out: PathLike = "results", jobs
 
 def _load_grids(grid: GridSource, overrides: Sequence[tuple[str, Any]] = (),
                only: list[str] | None = None, plugins: Plugins = ()) -> GridFile:
-    """The grids `run` and `audit` take, validated as a grid file is (the same checks, each problem one
-    UserError line): a path; a string that is no existing path and holds a newline or `grids:` is the file's
-    YAML text; a dict is the parsed document ({"grids": [...]}, or one grid) and a list holds grids (dicts or
-    Grids). A relative file dataset path in YAML text or a dict is relative to the working directory. The
+    """The grids `run` and `audit` take (the forms of docs/python-api.md), validated as a grid file is; the
     `plugins` files are loaded first, so that the grids may name their algorithms."""
     load_plugins(plugins)
     if isinstance(grid, str) and _is_yaml_text(grid):
@@ -290,13 +269,9 @@ class _Display:
 @checked()
 def read_results(folder: PathLike = "results", *, plugins: Plugins = ()) -> pd.DataFrame:
     """The runs of a grid's results folder (or of every grid under a results root), one row per run id, as the
-    summary, plots and report read them: malformed and cut rows of runs.csv skipped, rows of another or an
-    earlier version of the grid left out (each omission noted on stderr). Every status is kept; the finished
-    runs are `df[df.status == "ok"]`. The JSON columns of runs.csv are flattened into a column per key
-    (`algorithm_params.accountant`, `dataset_options.n`, `derived.*`), and `private` says whether a run's
-    algorithm is private: `epsilon` is NaN exactly on the rows where it is not (`engine.results.typed_runs`).
-    `plugins`: the files of the plugin algorithms the grids name (as for `run`), so that the grid as last run is
-    known; without them every row of such a grid is shown, and a note says so."""
+    summary, plots and report read them (docs/python-api.md): unreadable rows and rows of another version of the grid
+    left out, each omission noted on stderr; JSON columns flattened (`derived.*`); `epsilon` NaN exactly where
+    `private` is False. `plugins`: the files of the plugin algorithms the grids name (without them, a note)."""
     load_plugins(plugins)
     frames = []
     for path in results.result_folders(folder):
@@ -395,12 +370,9 @@ def audit(grid: GridSource, *, only: Names = None, out: PathLike = "results",
           on_rows: Callable[[list[dict]], None] | None = None, selected: bool = False,
           plugins: Plugins = ()) -> pd.DataFrame:
     """`dpsgd audit`: train with and without a canary and bound each cell's ε from below; returns the rows of
-    every audited grid's audit.csv (ε_lo beside the claimed ε). `grid`, `set`, `seeds` and `plugins` as for `run`.
-    `on_rows` sees each cell's rows (their `grid` column names the grid) as they come. With `dry_run`, nothing is
-    trained: a row per cell to audit (its grid, settings in runs.csv's columns, canaries and trials per world).
-    With `selected`, `grid` is a results folder (or a root of them): each grid with `select:` is audited as it was
-    run (the same split, n and δ), only in the private configurations its selection chose, and its audit.csv is
-    written beside its runs.csv (`out` is not read)."""
+    every audited grid's audit.csv. `grid`, `set`, `seeds` and `plugins` as for `run`; `on_rows` sees each cell's
+    rows as they come; `dry_run`: a row per cell to audit, nothing trained; `selected`: `grid` is a results folder
+    whose selections' chosen configurations are audited as run, audit.csv beside runs.csv (docs/audit.md)."""
     only = _strings(only) or None
     audits: list[tuple[Any, frozenset[str] | None, Path]]
     if selected:

@@ -89,9 +89,13 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
     """Reproduce the figures of differentially-private SGD papers."""
 
 
-PLUGIN_HELP = ("Load the algorithms defined in this Python file, so that the grids may name them (repeatable; "
-               "docs/algorithms.md).")
-PLUGIN_READ_HELP = "A plugin file whose algorithms the grids ran (repeatable): the grid as last run is known."
+# options several commands share
+_PLUGINS = typer.Option(None, "--plugin", metavar="FILE.py", help="Load the algorithms defined in this Python file, "
+                        "so that the grids may name them (repeatable; docs/algorithms.md).")
+_PLUGINS_READ = typer.Option(None, "--plugin", metavar="FILE.py", help="A plugin file whose algorithms the grids ran "
+                             "(repeatable): the grid as last run is known.")
+_RESULTS_DIR = typer.Argument(Path("results"), metavar="RESULTS_DIR",
+                              help="A grid's results folder, or the results root.")
 
 
 # --- run -------------------------------------------------------------------------------------------
@@ -113,7 +117,7 @@ def run(
         None, "--scheduler", metavar="ADDRESS", envvar="DPSGD_SCHEDULER", show_envvar=True,
         help="Run the tasks on a Dask cluster: its scheduler's address (tcp://HOST:PORT) or local:N (a LocalCluster "
              "of N worker processes on this machine); needs the `dask` extra."),
-    plugins: list[Path] | None = typer.Option(None, "--plugin", metavar="FILE.py", help=PLUGIN_HELP),
+    plugins: list[Path] | None = _PLUGINS,
 ) -> None:
     """Run every cell of the grid(s), appending each finished run to `DIR/<grid>/runs.csv`.
 
@@ -151,7 +155,7 @@ def audit(
         "(repeatable; e.g. --set epochs=1 --set audit.trials=50)."),
     seeds: int | None = typer.Option(None, "--seeds", metavar="N", help="As --set seeds=N."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Validate and show the cells to audit, then stop."),
-    plugins: list[Path] | None = typer.Option(None, "--plugin", metavar="FILE.py", help=PLUGIN_HELP),
+    plugins: list[Path] | None = _PLUGINS,
 ) -> None:
     """Train with and without a canary, attack, and bound each cell's ε from below (ε_lo beside the claimed ε)."""
     if dry_run:
@@ -218,8 +222,7 @@ def audit_table(rows: list[dict], title: str) -> Any:
 # --- plot ------------------------------------------------------------------------------------------
 @app.command()
 def plot(
-    results_dir: Path = typer.Argument(Path("results"), metavar="RESULTS_DIR",
-                                       help="A grid's results folder, or the results root."),
+    results_dir: Path = _RESULTS_DIR,
     metric: str | None = typer.Option(
         None, "--metric", metavar="COLUMN", help="Any numeric column of runs.csv (accuracy = test_accuracy, "
         "optimality_gap, val_accuracy, ...) over ε (default: the grid's paper figures, or accuracy)."),
@@ -227,7 +230,7 @@ def plot(
                                     help="Image format (png also writes a PDF)."),
     caption: bool = typer.Option(True, "--caption/--no-caption", help="Draw each caption below its figure, or "
                                  "write it to a .txt beside the figure (for a LaTeX caption)."),
-    plugins: list[Path] | None = typer.Option(None, "--plugin", metavar="FILE.py", help=PLUGIN_READ_HELP),
+    plugins: list[Path] | None = _PLUGINS_READ,
 ) -> None:
     """Draw the grid's paper figures, or a metric over ε (a panel per dataset and model, a line per algorithm)."""
     paths = api.plot(results_dir, metric=metric, format=fmt.value, caption=caption, plugins=plugins or [])
@@ -245,11 +248,10 @@ class ExportFormat(str, Enum):
 
 @app.command()
 def export(
-    results_dir: Path = typer.Argument(Path("results"), metavar="RESULTS_DIR",
-                                       help="A grid's results folder, or the results root."),
+    results_dir: Path = _RESULTS_DIR,
     fmt: ExportFormat = typer.Option(ExportFormat.parquet, "--format", metavar="parquet|csv",
                                      help="parquet (needs pyarrow: the `parquet` extra) or csv."),
-    plugins: list[Path] | None = typer.Option(None, "--plugin", metavar="FILE.py", help=PLUGIN_READ_HELP),
+    plugins: list[Path] | None = _PLUGINS_READ,
 ) -> None:
     """Write each grid's valid runs (as plot and report read them) as runs.parquet beside runs.csv, and its traces
     as traces.parquet, for pandas, polars or DuckDB (csv: runs_valid.csv, traces_valid.csv)."""
@@ -260,9 +262,8 @@ def export(
 # --- report --------------------------------------------------------------------------------------------
 @app.command()
 def report(
-    results_dir: Path = typer.Argument(Path("results"), metavar="RESULTS_DIR",
-                                       help="A grid's results folder, or the results root."),
-    plugins: list[Path] | None = typer.Option(None, "--plugin", metavar="FILE.py", help=PLUGIN_READ_HELP),
+    results_dir: Path = _RESULTS_DIR,
+    plugins: list[Path] | None = _PLUGINS_READ,
 ) -> None:
     """Check the papers' claims listed in the grids against the results; print PASS/FAIL and write report.md and
     report.html (the same with its figures embedded: one file to open in a browser or send)."""
@@ -310,9 +311,8 @@ def _group_columns(group: str) -> dict[str, str]:
 
 @app.command("select")
 def select_command(
-    results_dir: Path = typer.Argument(Path("results"), metavar="RESULTS_DIR",
-                                       help="A grid's results folder, or the results root."),
-    plugins: list[Path] | None = typer.Option(None, "--plugin", metavar="FILE.py", help=PLUGIN_READ_HELP),
+    results_dir: Path = _RESULTS_DIR,
+    plugins: list[Path] | None = _PLUGINS_READ,
 ) -> None:
     """Print the hyperparameters each group's `select:` chose (and its privacy); write selection.csv."""
     api.load_plugins(plugins or [])
@@ -481,18 +481,22 @@ _ACCOUNTANT_HELP = ("How ε is computed over the T steps (both dp-accounting, bo
                     "(tighter, slower).")
 _NEIGHBOURS_HELP = ("The neighbouring relation ε holds under: add_remove (one record added or removed) or "
                     "replace_one (one record replaced; needs --accountant pld).")
+_SAMPLE_RATE = typer.Option(..., "--sample-rate", metavar="Q", help=_Q_HELP)
+_STEPS = typer.Option(..., "--steps", metavar="T", help=_STEPS_HELP)
+_DELTA = typer.Option(..., "--delta", metavar="D", help=_DELTA_HELP)
+_ACCOUNTANT = typer.Option("rdp", "--accountant", metavar=_ACCOUNTANT_CHOICES, help=_ACCOUNTANT_HELP)
+_NEIGHBOURS = typer.Option(Neighbours.add_remove, "--neighbours", metavar="add_remove|replace_one",
+                           help=_NEIGHBOURS_HELP)
 
 
 @app.command()
 def epsilon(
     sigma: float = typer.Option(..., "--sigma", metavar="S", help=_SIGMA_HELP),
-    sample_rate: float = typer.Option(..., "--sample-rate", metavar="Q", help=_Q_HELP),
-    steps: int = typer.Option(..., "--steps", metavar="T", help=_STEPS_HELP),
-    delta: float = typer.Option(..., "--delta", metavar="D", help=_DELTA_HELP),
-    accountant: AccountantName = typer.Option("rdp", "--accountant", metavar=_ACCOUNTANT_CHOICES,
-                                              help=_ACCOUNTANT_HELP),
-    neighbours: Neighbours = typer.Option(Neighbours.add_remove, "--neighbours", metavar="add_remove|replace_one",
-                                          help=_NEIGHBOURS_HELP),
+    sample_rate: float = _SAMPLE_RATE,
+    steps: int = _STEPS,
+    delta: float = _DELTA,
+    accountant: AccountantName = _ACCOUNTANT,
+    neighbours: Neighbours = _NEIGHBOURS,
 ) -> None:
     """ε of DP-SGD (Poisson-subsampled Gaussian, T steps) at the given δ."""
     eps = api.epsilon(sigma=sigma, sample_rate=sample_rate, steps=steps, delta=delta, accountant=accountant,
@@ -505,13 +509,11 @@ def epsilon(
 def sigma(
     epsilon: list[float] = typer.Option(..., "--epsilon", metavar="E",
                                         help="Target ε (> 0); repeat it for an ε axis (one accountant curve)."),
-    sample_rate: float = typer.Option(..., "--sample-rate", metavar="Q", help=_Q_HELP),
-    steps: int = typer.Option(..., "--steps", metavar="T", help=_STEPS_HELP),
-    delta: float = typer.Option(..., "--delta", metavar="D", help=_DELTA_HELP),
-    accountant: AccountantName = typer.Option("rdp", "--accountant", metavar=_ACCOUNTANT_CHOICES,
-                                              help=_ACCOUNTANT_HELP),
-    neighbours: Neighbours = typer.Option(Neighbours.add_remove, "--neighbours", metavar="add_remove|replace_one",
-                                          help=_NEIGHBOURS_HELP),
+    sample_rate: float = _SAMPLE_RATE,
+    steps: int = _STEPS,
+    delta: float = _DELTA,
+    accountant: AccountantName = _ACCOUNTANT,
+    neighbours: Neighbours = _NEIGHBOURS,
 ) -> None:
     """The smallest noise multiplier σ giving ε ≤ target (within 0.1%) for DP-SGD."""
     calibrations = api.calibrations(epsilon=epsilon, sample_rate=sample_rate, steps=steps, delta=delta,

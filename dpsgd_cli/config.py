@@ -18,6 +18,7 @@ import yaml
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Discriminator,
     Field,
@@ -56,6 +57,9 @@ _DATASET_KINDS = {"builtin": DatasetSpec, "file": FileDatasetSpec}
 
 def _as_list(value: Any) -> Any:
     return value if isinstance(value, list) else [value]
+
+
+AsList = BeforeValidator(_as_list)  # a list key also takes one value
 
 
 # names other libraries use for a key, too unlike ours for difflib to find
@@ -349,22 +353,18 @@ class SelectSpec(_Strict):
     the candidate with the best `score`, privately or not (docs/hyperparameters.md)."""
 
     name: str = Field("validation", pattern=r"^[A-Za-z0-9_.-]+$", description="the selection's name (a line label)")
-    candidates: list[str] = Field(min_length=1, description="columns whose values are the candidates (lr, epochs, ...)")
+    candidates: Annotated[list[str], AsList] = Field(min_length=1, description="columns whose values are the "
+                                                     "candidates (lr, epochs, ...)")
     score: Literal["val_accuracy", "val_objective", "test_accuracy"] = Field(
         "val_accuracy", description="val_accuracy (higher is better), val_objective (lower), or test_accuracy "
         "(optimistic: tuned on the test set; non_private only, labelled so)")
-    group_by: list[str] = Field(SELECT_GROUPS, description="the best is taken within each group")
+    group_by: Annotated[list[str], AsList] = Field(SELECT_GROUPS, description="the best is taken within each group")
     privacy: Literal["non_private", "papernot_steinke", "liu_talwar"] = "non_private"
     distribution: Literal["poisson", "geometric", "logarithmic", "truncated_negative_binomial"] = "poisson"
     mean: float = Field(10.0, gt=0, description="E[K], the expected number of trials")
     eta: float = Field(1.0, gt=-1, description="shape η of the truncated negative binomial (Papernot & Steinke)")
     calibrate: bool = Field(True, description="private: train the candidates so that tuning + training meets ε")
     searches: int = Field(200, ge=1, le=100_000, description="simulated private searches (their spread is plotted)")
-
-    @field_validator("candidates", "group_by", mode="before")
-    @classmethod
-    def _listify(cls, value: Any) -> Any:
-        return _as_list(value)
 
     @model_validator(mode="after")
     def _consistent(self) -> SelectSpec:
@@ -395,7 +395,7 @@ class SelectSpec(_Strict):
 class AuditSpec(_Strict):
     """How `dpsgd audit` attacks the grid's cells (see dpsgd_cli/audit)."""
 
-    canaries: list[Literal["input", "gradient", "dirac"]] = Field(
+    canaries: Annotated[list[Literal["input", "gradient", "dirac"]], AsList] = Field(
         ["input", "dirac"], min_length=1, description="input: a record, black box (last iterate); gradient: a record "
         "whose gradient is a fixed vector, white box (last iterate and all iterates); dirac: a gradient on an input "
         "coordinate no record uses, white box (last iterate, and all iterates by a per-step likelihood ratio)")
@@ -420,19 +420,14 @@ class AuditSpec(_Strict):
                                   "broken twin, its noise multiplied by this factor (null: none; then no verdict "
                                   "is better than uninformative)")
 
-    @field_validator("canaries", mode="before")
-    @classmethod
-    def _listify(cls, value: Any) -> Any:
-        return _as_list(value)
-
 
 class Grid(Axes):
     """One named grid: datasets × models × algorithms × axes × seeds."""
 
     name: SafeName = Field(description="also the results folder name")
     datasets: list[AnyDatasetSpec] = Field(min_length=1)
-    models: list[ModelEntry] = Field([ModelEntry(name="logreg")], min_length=1)
-    algorithms: list[AlgorithmEntry] = Field(min_length=1)
+    models: Annotated[list[ModelEntry], AsList] = Field([ModelEntry(name="logreg")], min_length=1)
+    algorithms: Annotated[list[AlgorithmEntry], AsList] = Field(min_length=1)
     seeds: int = Field(3, ge=1, le=1000, description="runs per cell, seeds 0..seeds-1")
     delta: Literal["1/n^2"] | float = Field(DELTA_RULE, description="δ, a number in (0, 1) or 1/n^2")
     neighbours: Neighbours | None = Field(
@@ -445,7 +440,8 @@ class Grid(Axes):
     validation: float | None = Field(
         None, gt=0, lt=0.5, description="share of the training set held out (seeded) for validation metrics; "
         "the test set is never used for selection")
-    select: list[SelectSpec] = Field(default_factory=list, description="hyperparameter selection (post-processing)")
+    select: Annotated[list[SelectSpec], AsList] = Field(default_factory=list,
+                                                         description="hyperparameter selection (post-processing)")
     description: OneLine = ""
     figures: list[FigureSpec] = Field(default_factory=list, description="the paper's figures drawn from this grid")
     claims: list[ClaimSpec] = Field(default_factory=list, description="the paper's findings, checked by the report")
@@ -455,11 +451,6 @@ class Grid(Axes):
     @classmethod
     def _dataset_names(cls, value: Any) -> Any:
         return [{"name": v} if isinstance(v, str) else v for v in _as_list(value)]
-
-    @field_validator("models", "algorithms", "select", mode="before")
-    @classmethod
-    def _listify_entries(cls, value: Any) -> Any:
-        return _as_list(value)
 
     @model_validator(mode="after")
     def _neighbours_supported(self) -> Grid:

@@ -213,7 +213,7 @@ def check_fused(s: Subject) -> None:
     streams.close()
     if prepared[0] is None:
         raise NotApplicable("not one gradient chain (prepare gives None): trains alone")
-    fused = train_together(s.model, prepared)
+    fused = train_together(s.model, [p for p in prepared if p is not None])
     _require(np.array_equal(fused[0].theta, s.trained[0].theta), "θ trained beside other chains differs from θ "
              "trained alone")
 

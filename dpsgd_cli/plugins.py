@@ -1,14 +1,8 @@
 """Algorithms defined outside the package: a Python file the user loads (`--plugin FILE`, `plugins=[...]`) or an
-installed package's entry point in the group `dpsgd.algorithms` (its name is the algorithm's name, its value the
-class, `my_package.module:MyAlgorithm`).
+installed package's entry point in the group `dpsgd.algorithms` (docs/algorithms.md, "Your own algorithm").
 
 A grid file alone never makes the tool import code (grids travel between people): a file is imported only when
-named on the command line or in the API, an entry point only when the grid names an algorithm no file or built-in
-defines (its package was installed by the user). A file registers every `Algorithm` subclass defined in it that
-sets its own `name`; a symbolic link is followed (naming the file is the user's choice) and the file it points to
-is recorded. Each algorithm's rows record where it came from (`provenance`): the file and its SHA-256, or the entry
-point's distribution and version with the SHA-256 of the file that defines the class.
-"""
+named on the command line or in the API, an entry point only when the grid names an algorithm nothing defines."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
@@ -85,23 +85,23 @@ class RequiredAxes:
 
     @property
     def epsilon(self) -> float:
-        return self._value("epsilon")
+        return cast(float, self._value("epsilon"))
 
     @property
     def batch_size(self) -> int:
-        return self._value("batch_size")
+        return cast(int, self._value("batch_size"))
 
     @property
     def lr(self) -> float:
-        return self._value("lr")
+        return cast(float, self._value("lr"))
 
     @property
     def epochs(self) -> float:
-        return self._value("epochs")
+        return cast(float, self._value("epochs"))
 
     @property
     def clip_norm(self) -> float:
-        return self._value("clip_norm")
+        return cast(float, self._value("clip_norm"))
 
 
 @dataclass

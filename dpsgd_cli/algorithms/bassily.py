@@ -1,41 +1,19 @@
 """`bassily2014`: noisy projected SGD, one example per step (Bassily, Smith & Thakurta, FOCS 2014).
 
 Source: R. Bassily, A. Smith, A. Thakurta, "Private Empirical Risk Minimization: Efficient Algorithms and Tight
-Error Bounds", FOCS 2014, Algorithm 1 (A_Noise-SGD), as taught in A. Bellet's lecture on private ERM.
+Error Bounds", FOCS 2014, Algorithm 1 (A_Noise-SGD), as taught in A. Bellet's lecture on private ERM. The
+accountings, step sizes, radius and assumptions: docs/algorithms.md (bassily2014).
 
-Update (on OUR scale: the mean objective F(θ) = (1/n) Σ ℓ(θ; z_i) + (λ/2)‖θ‖²)::
+    i_t ~ uniform{1..n};  θ_{t+1} = Π_{‖θ‖≤R}(θ_t − γ_t(clip_l(∇ℓ(θ_t; z_{i_t})) + λθ_t + b_t)),  b_t ~ N(0, σ² I_d)
 
-    i_t ~ uniform{1..n}                      (one example per step, drawn with replacement across steps)
-    g_t = clip_l(∇ℓ(θ_t; z_{i_t})) + λθ_t + b_t,   b_t ~ N(0, σ² I_d)
-    θ_{t+1} = Π_C(θ_t − γ_t g_t),            C = {‖θ‖ ≤ R},  θ_1 = 0,  output θ_{T+1} (the last iterate)
-
-Scale of σ. The paper minimises the SUM L = Σ_i ℓ and steps along n∇ℓ(θ; d) + b with b ~ N(0, σ_P² I); its
-update θ − η(n∇ℓ + b) equals ours, θ − γ(∇ℓ + b/n), with γ = nη: on our scale σ = σ_P / n.
-
-Privacy (`accounting`: closed_form, advanced_composition, rdp, pld): σ is calibrated to (ε, δ) by
-`dpsgd_cli.privacy.single_example_gaussian`, which states each accounting, its formulas and when it is proved;
-σ, the achieved ε and, for the accountings other than rdp, `epsilon_rdp` (what the exact-scheme RDP accountant
-certifies for that σ) are recorded.
-
-Assumptions: ℓ convex and l-Lipschitz in θ (logistic loss with ‖x‖ ≤ 1: l = 1; per-example gradients are
-clipped to l, so the sensitivity 2l holds whatever the data), rows in the unit L2 ball, neighbouring datasets
-differ in one replaced record (the paper's relation). l = model.lipschitz(1): the public row-norm bound, not the
-data's max norm (which would leak).
-
-Step sizes (`schedule`): `strongly_convex`: γ_t = 1/(s t) with s = λ (F is λ-strongly convex); `convex`: the
-paper's γ_t = ‖C‖₂/(G√t) with ‖C‖₂ = 2R the diameter of C and G² = dσ² + (l + λR)² ≥ E‖g_t‖² (the paper's
-G = √(pσ_P² + n²L²) on our scale, plus the regulariser's gradient); `auto`: strongly_convex if λ > 0 else convex.
-Radius R (`radius`): default l/λ (the minimiser of F satisfies ‖θ*‖ = ‖∇L(θ*)‖/λ ≤ l/λ) if λ > 0, else 10.
-Steps: T = round(epochs · n) (the paper's T = n² is infeasible).
-Backend (`backend`): on logistic regression and the MLP the steps run on the single-example backend (backends.py)
-when numba is installed (auto; `numpy` forces NumPy): the same examples and noise draws, the same result.
-"""
+On our scale (the mean objective) σ = σ_P / n of the paper's sum objective; θ_1 = 0, output the last iterate."""
 
 from __future__ import annotations
 
 import math
 from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dpsgd_cli.algorithms.base import ROW_NORM_TOLERANCE, Algorithm, Outcome, Setting, Tags
@@ -94,10 +72,7 @@ class BassilyParams(BaseModel):
 
 
 class Bassily2014(Algorithm):
-    """Noisy projected SGD, one uniformly drawn example per step (Bassily, Smith & Thakurta, FOCS 2014, Alg. 1).
-
-    See the module docstring for the formulas, the scale of σ and the accounting options.
-    """
+    """Noisy projected SGD, one uniformly drawn example per step (Bassily, Smith & Thakurta, FOCS 2014, Alg. 1)."""
 
     name = "bassily2014"
     tags = Tags("DP-SGD (Bassily et al.)", private=True, batch="single_example", neighbours="replace_one")
@@ -115,10 +90,10 @@ class Bassily2014(Algorithm):
 
     def radius(self, setting: Setting, lipschitz: float) -> float:
         if self.params.radius is not None:
-            return self.params.radius
+            return float(self.params.radius)
         return lipschitz / setting.l2 if setting.l2 > 0 else 10.0
 
-    def dp_event(self, setting: Setting, derived: dict) -> DpEvent:
+    def dp_event(self, setting: Setting, derived: dict[str, Any]) -> DpEvent:
         """T steps, each one uniformly drawn example's gradient (sensitivity 2l, replace-one) plus N(0, σ²I)."""
         return rdp_event(derived["sigma"] / derived["sensitivity"], setting.n, derived["steps"])
 
@@ -128,7 +103,7 @@ class Bassily2014(Algorithm):
                             "use schedule: convex")
 
     def schedule(self, setting: Setting, sigma: float, lipschitz: float, radius: float,
-                 n_params: int) -> tuple[Schedule, dict]:
+                 n_params: int) -> tuple[Schedule, dict[str, Any]]:
         kind = self.params.schedule
         if kind == "auto":
             kind = "strongly_convex" if setting.l2 > 0 else "convex"
@@ -141,7 +116,8 @@ class Bassily2014(Algorithm):
         c = 2.0 * radius / G
         return inverse_sqrt(c), {"schedule": "2R/(G√t)", "step_c": c, "G": G}
 
-    def chain(self, setting: Setting, X, y, streams: ReplicaStreams, model: Model, sigma: float, lipschitz: float,
+    def chain(self, setting: Setting, X: np.ndarray, y: np.ndarray, streams: ReplicaStreams, model: Model,
+              sigma: float, lipschitz: float,
               radius: float, schedule: Schedule) -> GradientChain:
         noise = [Noise(sigma, streams.normal("noise", (model.n_params,)))] if sigma > 0 else []
         return GradientChain(
@@ -158,7 +134,7 @@ class Bassily2014(Algorithm):
                                  self.steps(setting),
                                  float(lipschitz), p.accounting, p.formula, p.amplification)
 
-    def fit(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Outcome:
+    def fit(self, setting: Setting, model: Model, X: np.ndarray, y: np.ndarray, streams: ReplicaStreams) -> Outcome:
         lipschitz = model.lipschitz(1.0)  # the public bound ‖x‖ ≤ 1, not the data's max norm
         l_used = lipschitz if lipschitz is not None else 1.0  # no bound: clip to 1 (guarantee says none)
         steps = self.steps(setting)

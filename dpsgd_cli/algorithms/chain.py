@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -18,6 +19,9 @@ from dpsgd_cli.algorithms.ops import Clip, Op, OpStates, Projection, Schedule, S
 from dpsgd_cli.algorithms.sampling import IndexedBatches
 from dpsgd_cli.compiled import Backend
 from dpsgd_cli.models import Batch, Model
+
+if TYPE_CHECKING:
+    from dpsgd_cli.algorithms.base import Outcome, Prepared
 
 
 @dataclass
@@ -113,29 +117,22 @@ class GradientChain:
 
 def run_together(model: Model, chains: Sequence[GradientChain], thetas: Sequence[np.ndarray],
                  steps: Sequence[int]) -> list[np.ndarray]:
-    """Run several chains (same model, data and seeds) in lockstep; each chain's result equals `chain.run`.
-
-    Each chain runs on the backend its plan chooses (`backends.choose`), the same as alone. Chains with the same
-    `stream` key share one batch per step: the first such chain's iterator is drawn, the others' are never
-    started. On the mini-batch backend the chains of a stream run together (the batch read once per step for all
-    of them), on the full-batch backend all of them (X read once a step); NumPy chains of a stream the mini-batch
-    kernel takes replay its batches (`IndexedBatches.replay`). Each chain keeps its own θ and ops and computes
-    exactly what it would alone (each chain's sums in an order that does not depend on the others), so fused runs
-    are bit for bit the same.
-    """
+    """Run several chains (same model, data and seeds) in lockstep; each chain's result equals `chain.run`, bit
+    for bit: each runs on the backend its plan chooses, chains with the same `stream` key share one batch per step
+    (docs/design.md, "Fused tasks")."""
     keys = [chain.stream if chain.stream is not None else ("own", k) for k, chain in enumerate(chains)]
     thetas = [theta.copy() for theta in thetas]
     chosen = [backends.choose(backends.plan(chain, model, theta), chain.backend)
               for chain, theta in zip(chains, thetas)]
     numpy_side = [k for k, b in enumerate(chosen) if b is backends.NUMPY]
-    sources: dict = {}
+    sources: dict[Hashable, Iterator[Batch]] = {}
     runs = []
     for k in [k for k, b in enumerate(chosen) if b is backends.SINGLE_EXAMPLE]:  # each alone on its kernel
         thetas[k], chains[k].ran_on = backends.run_single_example(model, chains[k], thetas[k], steps[k]), "numba"
     mini = [k for k, b in enumerate(chosen) if b is backends.MINI_BATCH]
     for key in dict.fromkeys(keys[k] for k in mini):
         group = [k for k in mini if keys[k] == key]
-        out: list = []
+        out: list[np.ndarray] = []
         run = backends.mini_batch_steps(model, [chains[k] for k in group], [thetas[k] for k in group],
                                         [steps[k] for k in group], out)
         runs.append((group, run, out))
@@ -147,7 +144,7 @@ def run_together(model: Model, chains: Sequence[GradientChain], thetas: Sequence
         for k, theta in zip(full, backends.run_full_batch(model, [chains[k] for k in full], [thetas[k] for k in full],
                                                           [steps[k] for k in full])):
             thetas[k], chains[k].ran_on = theta, "numba"
-    shared: dict = dict(sources)
+    shared: dict[Hashable, Iterator[Batch]] = dict(sources)
     for k in numpy_side:
         chains[k].ran_on = "numpy"
         shared.setdefault(keys[k], chains[k].batches)
@@ -175,12 +172,12 @@ def run_together(model: Model, chains: Sequence[GradientChain], thetas: Sequence
     return thetas
 
 
-def _advance(run: Iterator) -> bool:
+def _advance(run: Iterator[object]) -> bool:
     """Let a compiled run take its next steps; False once it has finished."""
     return next(run, None) is not None
 
 
-def _leaders(chains: Sequence[GradientChain], keys: list, thetas: list[np.ndarray], steps: Sequence[int],
+def _leaders(chains: Sequence[GradientChain], keys: list[Hashable], thetas: list[np.ndarray], steps: Sequence[int],
              ks: Sequence[int]) -> dict[int, int]:
     """k → the chain that computes chain k's iterates (k itself, or the longest chain with the same
     `same_iterates` and stream keys and the same θ_0; chains with checkpoints always run themselves)."""
@@ -204,7 +201,7 @@ def _leaders(chains: Sequence[GradientChain], keys: list, thetas: list[np.ndarra
     return lead
 
 
-def train_together(model: Model, prepared: Sequence) -> list:
+def train_together(model: Model, prepared: Sequence[Prepared]) -> list[Outcome]:
     """Train `Algorithm.prepare` results (same model, data and seeds; streams from one `SharedStreams`, closed)
     in lockstep: their Outcomes, each equal to `fit` alone, bit for bit. E.g. an ε axis of `dp_sgd`:
 

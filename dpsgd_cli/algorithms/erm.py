@@ -1,14 +1,7 @@
 """Non-private reference: the minimiser of the regularised objective F (gives L* for the optimality gap).
 
-Convex models: one full-batch L-BFGS run from model.init (seed 0) gives the global minimum. Non-convex models
-(`mlp`): L* is not a global optimum; it is the best objective over `REFERENCE_STARTS` full-batch L-BFGS runs
-from the initialisations of seeds 0..starts−1 (the same θ₀ a seed-s SGD run starts from), and the info records
-how it was obtained (every start's objective, iterations, convergence).
-
-The reference minimum is kept on disk (`diskcache`, folder `reference`) keyed by everything it depends on, so a
-grid's L* is computed once per machine, not once per `dpsgd run`; an entry read back is used only after it is
-checked against what defines it (`_verify`).
-"""
+Convex models: one full-batch L-BFGS run from model.init (seed 0); non-convex models (`mlp`): the best of
+`REFERENCE_STARTS` runs from seeds 0..starts−1. Kept in the verified disk cache (docs/datasets.md)."""
 
 from __future__ import annotations
 
@@ -30,8 +23,12 @@ from dpsgd_cli.models import Model
 
 optimize = LazyModule("scipy.optimize")  # not needed when L* comes from the disk cache
 
+Info = dict[str, Any]
+Reference = tuple[np.ndarray, float, Info]  # (θ*, F(θ*), info)
+CacheKey = tuple[str, tuple[tuple[str, str], ...], str, int]  # (model, its options, data sha1, starts)
+
 REFERENCE_STARTS = 3  # L-BFGS starts for a non-convex model's reference minimum
-_REFERENCE_CACHE: dict[tuple, tuple[np.ndarray, float, dict]] = {}  # in-process: the runner and `erm` share it
+_REFERENCE_CACHE: dict[CacheKey, Reference] = {}  # in-process: the runner and `erm` share it
 REFERENCE_VERSION = "1"  # part of the disk cache key: bump it when a change could alter θ*, F(θ*) or the info
 
 
@@ -51,7 +48,7 @@ LBFGS_NONCONVEX: LBFGSOptions = {"maxiter": 300, "gtol": 1e-6, "ftol": 1e-13}
 
 
 def minimize_objective(model: Model, X: np.ndarray, y: np.ndarray, theta0: np.ndarray,
-                       maxiter: int = 20000, gtol: float = 1e-9, ftol: float = 1e-15) -> tuple[np.ndarray, dict]:
+                       maxiter: int = 20000, gtol: float = 1e-9, ftol: float = 1e-15) -> tuple[np.ndarray, Info]:
     """Full-batch L-BFGS (tight tolerances by default) from θ0 (P,); returns (θ*, info)."""
 
     def fun(flat: np.ndarray) -> tuple[float, np.ndarray]:
@@ -67,7 +64,7 @@ def minimize_objective(model: Model, X: np.ndarray, y: np.ndarray, theta0: np.nd
 
 # sha1 of read-only arrays already hashed in this process, by id (with a weak reference that proves the id still
 # names that array): the runner's datasets are read-only, and L* and `erm` cells ask for the same training set
-_DIGESTS: dict[tuple[int, int], tuple[weakref.ref, weakref.ref, str]] = {}
+_DIGESTS: dict[tuple[int, int], tuple[weakref.ref[np.ndarray], weakref.ref[np.ndarray], str]] = {}
 
 
 def _data_digest(X: np.ndarray, y: np.ndarray) -> str:
@@ -88,22 +85,17 @@ def _data_digest(X: np.ndarray, y: np.ndarray) -> str:
     return digest.hexdigest()
 
 
-def _cache_key(model: Model, X: np.ndarray, y: np.ndarray, starts: int) -> tuple:
+def _cache_key(model: Model, X: np.ndarray, y: np.ndarray, starts: int) -> CacheKey:
     options = tuple(sorted((k, repr(v)) for k, v in vars(model).items()))
     return type(model).__name__, options, _data_digest(X, y), starts
 
 
 def reference_minimum(model: Model, X: np.ndarray, y: np.ndarray, starts: int = REFERENCE_STARTS,
-                      runs: list[tuple[np.ndarray, dict]] | None = None) -> tuple[np.ndarray, float, dict[str, Any]]:
-    """(θ (P,), F(θ), info): the exact minimiser for a convex model (one L-BFGS run from model.init of seed 0);
-    for a non-convex model the best of `starts` L-BFGS runs from model.init of seeds 0..starts−1.
-
-    info: `optimum_method` ("lbfgs" | "lbfgs_best_of_<k>"), `starts`, `best_start` (its seed), `start_results`
-    {seed: {objective, iterations, converged}}, and for the best run `lbfgs_iterations`, `lbfgs_converged`,
-    `grad_norm`. Deterministic; cached in-process and on disk by (model, data, starts, settings, versions).
-    `runs`: the starts' `reference_start` results when they were computed elsewhere (in parallel processes; they
-    are the numbers this process would compute), used only when the minimum is not cached.
-    """
+                      runs: list[tuple[np.ndarray, Info]] | None = None) -> Reference:
+    """(θ (P,), F(θ), info): the exact minimiser for a convex model; for a non-convex model the best of `starts`
+    L-BFGS runs from model.init of seeds 0..starts−1. info: the fields `_INFO_FIELDS` (every start's objective,
+    iterations and convergence). Deterministic; cached in-process and on disk. `runs`: the starts' `reference_start`
+    results computed elsewhere (parallel processes), used only when the minimum is not cached."""
     starts = reference_starts(model, starts)
     value = known_reference(model, X, y, starts)
     if value is None:
@@ -126,7 +118,7 @@ def reference_starts(model: Model, starts: int = REFERENCE_STARTS) -> int:
 
 
 def known_reference(model: Model, X: np.ndarray, y: np.ndarray,
-                    starts: int = REFERENCE_STARTS) -> tuple[np.ndarray, float, dict] | None:
+                    starts: int = REFERENCE_STARTS) -> Reference | None:
     """The reference minimum if this process has it or the disk cache holds it (checked by `_verify`, ~2 passes
     over X, and kept in-process); None when it must be computed."""
     starts = reference_starts(model, starts)
@@ -144,7 +136,7 @@ def known_reference(model: Model, X: np.ndarray, y: np.ndarray,
     return _REFERENCE_CACHE[key]
 
 
-def reference_start(model: Model, X: np.ndarray, y: np.ndarray, seed: int) -> tuple[np.ndarray, dict]:
+def reference_start(model: Model, X: np.ndarray, y: np.ndarray, seed: int) -> tuple[np.ndarray, Info]:
     """One L-BFGS run of `reference_minimum`, from model.init of `seed` (each seed's generator is its own, so a
     start does not depend on the others and may run in another process)."""
     theta0 = model.init(ReplicaStreams([seed]).generators("init"))[0]
@@ -155,7 +147,7 @@ def reference_start(model: Model, X: np.ndarray, y: np.ndarray, seed: int) -> tu
 
 
 def _compute_reference(model: Model, X: np.ndarray, y: np.ndarray, starts: int,
-                       runs: list[tuple[np.ndarray, dict]] | None = None) -> tuple[np.ndarray, float, dict]:
+                       runs: list[tuple[np.ndarray, Info]] | None = None) -> Reference:
     if runs is None:
         runs = [reference_start(model, X, y, seed) for seed in range(starts)]
     if len(runs) != starts:
@@ -185,7 +177,7 @@ CONVEX_GRADIENT_DROP = 1e-6  # a convex θ* must have ‖∇F‖ ≤ this × max
 
 
 def _verify(model: Model, X: np.ndarray, y: np.ndarray, starts: int, theta: np.ndarray, objective: float,
-            info: dict) -> None:
+            info: Info) -> None:
     """Check a reference minimum against what defines it, recomputed from θ* and the data (~2 passes over X):
     its recorded F(θ*) and ‖∇F(θ*)‖ are what θ* gives; a convex θ* is a minimiser (the gradient has dropped by
     `CONVEX_GRADIENT_DROP` from the start θ₀); a non-convex one lies below every start (L-BFGS descends). Raises
@@ -217,7 +209,7 @@ def _verify(model: Model, X: np.ndarray, y: np.ndarray, starts: int, theta: np.n
     _check_info(model, starts, objective, info)
 
 
-def _disk_key(model: Model, key: tuple) -> dict:
+def _disk_key(model: Model, key: CacheKey) -> dict[str, Any]:
     """Everything θ* depends on: the model and its options, the data's content (sha1 of X and y), the starts, the
     L-BFGS settings, this code's version and the libraries that compute it (NumPy, SciPy, BLAS and its CPU kernel,
     whose summation order rounds differently)."""
@@ -229,7 +221,7 @@ def _disk_key(model: Model, key: tuple) -> dict:
             "numpy": np.__version__, "scipy": importlib.metadata.version("scipy"), "blas": [list(b) for b in blas]}
 
 
-def _check_info(model: Model, starts: int, objective: float, info: dict) -> None:
+def _check_info(model: Model, starts: int, objective: float, info: Info) -> None:
     results = [info["start_results"][str(s)] for s in range(starts)]
     objectives = [r["objective"] for r in results]
     best = info["best_start"]
@@ -246,7 +238,7 @@ def _check_info(model: Model, starts: int, objective: float, info: dict) -> None
                                  f"best start, its objective and iterations)")
 
 
-def _reference_from_disk(model: Model, key: tuple) -> tuple[np.ndarray, float, dict] | None:
+def _reference_from_disk(model: Model, key: CacheKey) -> Reference | None:
     """(θ*, F(θ*), info) stored by an earlier process, bit for bit; None when absent or corrupt. Raises
     `diskcache.Rejected` for an entry with other fields than `_compute_reference` gives (an added field would
     become an `erm` row's derived value) or values of the wrong shape."""
@@ -269,7 +261,7 @@ def _reference_from_disk(model: Model, key: tuple) -> tuple[np.ndarray, float, d
     return theta, objective, info
 
 
-def _reference_to_disk(model: Model, key: tuple, value: tuple[np.ndarray, float, dict]) -> None:
+def _reference_to_disk(model: Model, key: CacheKey, value: Reference) -> None:
     theta, objective, info = value
     diskcache.write_entry(diskcache.cache_folder("reference"), _disk_key(model, key), "reference",
                           {"theta": theta.tolist(), "objective": objective, "info": info})
@@ -284,6 +276,6 @@ class ERM(Algorithm):
     uses = frozenset({"l2"})
     source = "non-private empirical risk minimiser"
 
-    def fit(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Outcome:
+    def fit(self, setting: Setting, model: Model, X: np.ndarray, y: np.ndarray, streams: ReplicaStreams) -> Outcome:
         theta, _, info = reference_minimum(model, X, y)
         return Outcome(np.tile(theta, (streams.replicas, 1)), info, guarantee="non-private")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -47,26 +47,9 @@ class NoisyGD(Algorithm):
 
         θ_{k+1} = Π_C(θ_k − η((1/n) Σ_i clip_C(∇ℓ(θ_k; x_i, y_i)) + λθ_k) + √(2ησ²) N(0, I)),   k < K,
 
-    θ_0 = model.init (data-independent), K = round(epochs) full-batch steps, η = lr, Π_C the projection onto the
-    ball of radius Params.radius (none by default; any closed convex C keeps both proofs). The paper's L_D is
-    the mean of the λ-strongly convex per-example loss ℓ + (λ/2)‖θ‖², so λθ is part of ∇L_D (inside
-    the step, before the noise). Sensitivity (replace-one neighbours, the paper's): S_g = 2C.
-
-    σ (the paper's noise parameter; per-step std √(2η)σ) is the smallest for which the accountant gives
-    ε ≤ target at δ (within 0.1%), RDP → (ε, δ) by the improved conversion over RDP_ORDERS:
-      * dynamics:    ε(α) = α S_g² / (λσ²n²) · (1 − e^{−ληK/2})  (their RDP theorem for Noisy GD). Assumes ℓ
-        λ-strongly convex and β-smooth with η ≤ 1/β; checked: λ > 0, model convex, rows in the unit ball, clipping
-        inactive
-        (C ≥ model.lipschitz(1), so the clipped gradient is ∇ℓ), β = model.smoothness(1) + λ, η ≤ 1/β;
-        `guarantee` names the first that fails.
-        The bound covers the release of θ_K only ("assumes hidden intermediate models θ_1, …, θ_{K−1}", the talk):
-        a run that records intermediate θ (`trace_every`) is therefore not `proved` under it.
-      * composition: ε(α) = α η K S_g² / (4σ²n²) (K Gaussian mechanisms of sensitivity ηS_g/n, std √(2ησ²));
-        needs only the clipping and covers every intermediate θ, so always "proved".
-      * minimum: min(dynamics, composition) at each order α. Proved where the dynamics bound's assumptions hold,
-        or where the minimum is the composition bound at every order (then it is the composition bound).
-    See dpsgd_cli/privacy/dynamics.py for how the two bounds compare (composition is smaller for ληK/2 < 1.594).
-    """
+    sensitivity S_g = 2C (replace-one). Accountants (docs/algorithms.md, noisy_gd; dpsgd_cli/privacy/dynamics.py):
+    dynamics ε(α) = α S_g² / (λσ²n²) · (1 − e^{−ληK/2}) (their RDP theorem; θ_K only, under its assumptions);
+    composition ε(α) = α η K S_g² / (4σ²n²) (K Gaussian mechanisms; every iterate); minimum: the smaller per order."""
 
     name = "noisy_gd"
     tags = Tags("noisy GD", private=True, batch="full_batch", neighbours="replace_one", noise_scalable=True,
@@ -77,7 +60,7 @@ class NoisyGD(Algorithm):
     source = ("Chourasia, Ye, Shokri, Differential Privacy Dynamics of Langevin Diffusion and Noisy Gradient "
               "Descent, NeurIPS 2021")
 
-    def dp_event(self, setting: Setting, derived: dict) -> DpEvent | None:
+    def dp_event(self, setting: Setting, derived: dict[str, Any]) -> DpEvent | None:
         """Under the composition bound, K Gaussian mechanisms on θ: sensitivity η·S_g/n, std √(2η)σ (as added).
         The dynamics bound is a claim about the last iterate that no library event states: None."""
         if derived["bound_used"] != "composition":
@@ -101,7 +84,7 @@ class NoisyGD(Algorithm):
                             f"(K = round(epochs))")
         return K
 
-    def covered(self, derived: dict) -> str:
+    def covered(self, derived: dict[str, Any]) -> str:
         """Composition of the K Gaussian steps covers every iterate; the dynamics bound assumes hidden
         intermediate models, so it covers the final output only."""
         return "every iterate" if derived.get("bound_used") == "composition" else "final output"
@@ -130,7 +113,7 @@ class NoisyGD(Algorithm):
             return f"none: step size η = {eta:g} > 1/β = {1.0 / beta:.4g} (β = smoothness + λ)", beta
         return "proved", beta
 
-    def chain(self, setting: Setting, X, y, streams: ReplicaStreams, noise_std: float,
+    def chain(self, setting: Setting, X: np.ndarray, y: np.ndarray, streams: ReplicaStreams, noise_std: float,
               n_params: int | None = None) -> GradientChain:
         """Full-batch chain; the noise is added to the gradient with std √(2σ²/η), i.e. √(2ησ²) on θ.
         n_params: the model's P (default d, logistic regression's)."""
@@ -147,7 +130,8 @@ class NoisyGD(Algorithm):
             backend=self.params.backend,
         )
 
-    def prepare(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Prepared:
+    def prepare(self, setting: Setting, model: Model, X: np.ndarray, y: np.ndarray,
+                streams: ReplicaStreams) -> Prepared:
         """One full-batch chain (so the cells of a grid train together: `run_together` runs them in one call of
         the compiled full-batch step, X read once a step for every cell and seed)."""
         K, eta, n, lam = self.steps(setting), setting.required.lr, setting.n, setting.l2

@@ -1,18 +1,10 @@
 """Output perturbation: the exact regularised minimiser plus Gaussian noise (`output_perturbation`,
 Chaudhuri–Monteleoni–Sarwate 2011) and permutation-based SGD plus Gaussian noise (`bolt_on`, Wu et al. 2017).
 
-Both release θ + N(0, σ²I), with σ calibrated to the L2-sensitivity Δ of θ by the Gaussian mechanism; they
-differ only in how θ is computed and in Δ. The noise and its calibration live here once
-(`calibrate_output_noise`, `add_output_noise`):
-
+Both release θ + N(0, σ²I), σ from the L2-sensitivity Δ of θ (`calibrate_output_noise`, `add_output_noise`):
 - `classic`: σ = Δ √(2 ln(1.25/δ)) / ε (Dwork & Roth 2014, Thm A.1), proved for 0 < ε < 1 only;
-- `analytic`: the smallest σ for which the Gaussian mechanism is (ε, δ)-DP, exact for every ε > 0
-  (Balle & Wang, ICML 2018, Thm 8; computed by `dp_accounting.get_sigma_gaussian`), i.e. σ solving
-  δ = Φ(Δ/(2σ) − εσ/Δ) − e^ε Φ(−Δ/(2σ) − εσ/Δ).
-
-Whatever the calibration, `derived["epsilon_exact"]` is the exact ε of the released mechanism (Δ, σ, δ) by the
-Balle–Wang curve: what the tight analysis of the same noise certifies.
-"""
+- `analytic`: the smallest σ for which the Gaussian mechanism is (ε, δ)-DP (Balle & Wang, ICML 2018, Thm 8).
+`derived["epsilon_exact"]` is the exact ε of the released (Δ, σ, δ) by the Balle–Wang curve."""
 
 from __future__ import annotations
 
@@ -92,7 +84,7 @@ def calibrate_output_noise(sensitivity: float, epsilon: float, delta: float, cal
     return OutputNoise(float(sensitivity), float(sigma), calibration, achieved, exact, failure)
 
 
-def scaled_noise(algorithm: Algorithm, noise: OutputNoise, delta: float) -> tuple[float, dict]:
+def scaled_noise(algorithm: Algorithm, noise: OutputNoise, delta: float) -> tuple[float, dict[str, Any]]:
     """(σ added, derived values) with the audit's noise scale (`Algorithm.with_noise_scale`): its true ε is the
     Gaussian mechanism's at σ·scale (∞ without noise)."""
     if algorithm.noise_scale == 1.0:
@@ -137,13 +129,8 @@ class OutputNoiseParams(BaseModel):
 class OutputPerturbation(Algorithm):
     """DP-ERM by output perturbation (Chaudhuri, Monteleoni & Sarwate, JMLR 2011; Gaussian version of Bellet's lecture).
 
-    Assumptions: ℓ convex, differentiable and L-Lipschitz (L = 1 for logistic loss with ‖x‖ ≤ 1), regulariser
-    (λ/2)‖θ‖² with λ > 0, θ* the exact minimiser of F(θ) = (1/n) Σ ℓ + (λ/2)‖θ‖².
-    Sensitivity Δ = 2L/(nλ) (Chaudhuri et al. 2011, Cor. 8); release θ* + N(0, σ²I) with
-    σ = Δ √(2 ln(1.25/δ)) / ε = 2L √(2 ln(1.25/δ)) / (nλε) (classic, ε < 1) or the analytic σ (any ε).
-    θ* is computed by L-BFGS; the released θ̂ has ‖θ̂ − θ*‖ ≤ ‖∇F(θ̂)‖/λ ≤ 10⁻³ Δ (else the guarantee is "none"),
-    on every dataset, so the noise is calibrated to the sensitivity of θ̂, Δ(1 + 2·10⁻³), not Δ.
-    """
+    Δ = 2L/(nλ) (Chaudhuri et al. 2011, Cor. 8) for an L-Lipschitz convex loss and λ > 0; θ* by L-BFGS, exact to
+    ‖∇F(θ̂)‖/λ ≤ 10⁻³ Δ (else the guarantee is "none"), so the noise is calibrated to Δ(1 + 2·10⁻³)."""
 
     name = "output_perturbation"
     tags = Tags("output perturbation", private=True, batch="none", neighbours="replace_one", covers="final output",
@@ -152,7 +139,7 @@ class OutputPerturbation(Algorithm):
     Params = OutputNoiseParams
     source = "Chaudhuri, Monteleoni & Sarwate, Differentially Private Empirical Risk Minimization, JMLR 2011"
 
-    def dp_event(self, setting: Setting, derived: dict) -> DpEvent:
+    def dp_event(self, setting: Setting, derived: dict[str, Any]) -> DpEvent:
         """The Gaussian mechanism on θ̂: std σ (as added) over its L2-sensitivity."""
         return dp_event.GaussianDpEvent(derived.get("sigma_used", derived["sigma"]) / derived["sensitivity"])
 
@@ -161,7 +148,7 @@ class OutputPerturbation(Algorithm):
             raise UserError(f"output_perturbation needs l2 > 0 (λ-strongly convex objective), got l2 = {setting.l2:g}; "
                             "set l2 (e.g. 1e-3) for this algorithm")
 
-    def fit(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Outcome:
+    def fit(self, setting: Setting, model: Model, X: np.ndarray, y: np.ndarray, streams: ReplicaStreams) -> Outcome:
         self.check(setting)
         L = _lipschitz(model, self.name)
         sensitivity = 2 * L / (setting.n * setting.l2)  # of the exact minimiser θ*
@@ -220,7 +207,7 @@ class PSGDPlan:
     step_rule: str
     sensitivity: float
     failure: str | None  # a failed step-size condition, else None
-    schedule_key: tuple = ()  # the schedule's exact parameters (step_rule rounds them for display)
+    schedule_key: tuple[Any, ...] = ()  # the schedule's exact parameters (step_rule rounds them for display)
 
     @property
     def steps(self) -> int:
@@ -240,23 +227,13 @@ class BoltOnParams(OutputNoiseParams):
 
 
 class BoltOn(Algorithm):
-    """Bolt-on private PSGD (Wu, Li, Kumar, Chaudhuri, Jha & Naughton, SIGMOD 2017): k passes of mini-batch SGD over one
-    random permutation, no noise during training, then θ + N(0, σ²I) with σ from the L2-sensitivity Δ (Gaussian
-    mechanism, classic or analytic calibration).
+    """Bolt-on private PSGD (Wu, Li, Kumar, Chaudhuri, Jha & Naughton, SIGMOD 2017): k passes of mini-batch SGD over
+    one permutation drawn once per replica, no noise during training, then θ + N(0, σ²I) (docs/algorithms.md, bolt_on).
 
-    Assumptions: ℓ convex, β_ℓ-smooth and L-Lipschitz (logistic loss with ‖x‖ ≤ 1: L = 1, β_ℓ = 1/4; per-example
-    gradients are clipped to L so the Lipschitz bound holds whatever the data); β = β_ℓ + λ is the smoothness of the
-    step's objective (1/b) Σ_B ℓ + (λ/2)‖θ‖².
     - convex: constant step η = lr ≤ 2/β, Δ = 2kLη/b (Wu et al. Thm 1 with mini-batches);
-    - strongly_convex (λ > 0, γ = λ): η_t = min(1/β, 1/(γt)) (lr unused), Δ = 2L/(γ b ⌊n/b⌋) = 2L/(γn) when b | n
-      (Wu et al. Thm 2: the mini-batch does not divide it further; see `strongly_convex_psgd_sensitivity`).
-    L is the Lipschitz constant of the data loss only: the regulariser's gradient λθ is the same on both neighbouring
-    datasets and cancels in the growth recursion, so no projection onto a ball is needed.
-    The permutation is drawn once per replica and reused by every pass (`shuffled_batches(..., reshuffle=False)`);
-    the analysis
-    holds for any fixed permutation and the same starting point on both datasets. Checkpoints (traces.csv) record the
-    noiseless iterates; only the final θ is released, with noise.
-    """
+    - strongly_convex (λ > 0, γ = λ): η_t = min(1/β, 1/(γt)), Δ = 2L/(γ b ⌊n/b⌋) (Wu et al. Thm 2;
+      `strongly_convex_psgd_sensitivity`).
+    λθ is the same on both neighbours and cancels in the growth recursion: no projection is needed."""
 
     name = "bolt_on"
     # the iterates carry no noise: only the released θ is private
@@ -267,7 +244,7 @@ class BoltOn(Algorithm):
     source = ("Wu, Li, Kumar, Chaudhuri, Jha & Naughton, Bolt-on Differential Privacy for Scalable Stochastic "
               "Gradient Descent-based Analytics, SIGMOD 2017")
 
-    def dp_event(self, setting: Setting, derived: dict) -> DpEvent:
+    def dp_event(self, setting: Setting, derived: dict[str, Any]) -> DpEvent:
         """The Gaussian mechanism on θ̂: std σ (as added) over its L2-sensitivity."""
         return dp_event.GaussianDpEvent(derived.get("sigma_used", derived["sigma"]) / derived["sensitivity"])
 
@@ -319,7 +296,8 @@ class BoltOn(Algorithm):
                              same_iterates=("bolt_on", plan.lipschitz, l2, plan.schedule_key),
                              backend="numpy")  # the cells of an ε × epochs axis then train once (`same_iterates`)
 
-    def prepare(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Prepared:
+    def prepare(self, setting: Setting, model: Model, X: np.ndarray, y: np.ndarray,
+                streams: ReplicaStreams) -> Prepared:
         plan = self.plan(setting, model)
         noise = calibrate_output_noise(plan.sensitivity, setting.required.epsilon, setting.delta,
                                        self.params.calibration)

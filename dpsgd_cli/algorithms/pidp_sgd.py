@@ -2,127 +2,28 @@
 
 Kang, Li, Liu, Wang, "Data Heterogeneity Differential Privacy: From Theory to Algorithm" (the text:
 ../shared/papers/kang-li-liu-wang-data-heterogeneity-dp.txt), Algorithm 1, Theorems 4-5, §5.3, Remarks 5-8.
-"Line k" is the paper's own numbering of Algorithm 1, the one its text cites ("jump to line 13", "lines 9 and
-10", "line 7"): line 1 is "function PIDP-SGD", the line after "Input:" (the extraction numbers "Input:" as 1, so
-its numbers are ours + 1): 2 initialise θ̃, 3 the rounds, 4 the Hessian, 5 the steps, 6 z_t, 7 c^(o), 8 b^(c),
-9 c_t and the first test, 10 the second test, 11 the noiseless update, 13-14 the noisy update.
+"Line k" is the paper's own numbering of Algorithm 1. docs/algorithms.md (pidp_sgd) has the algorithm as run, the
+readings of the text (each keyed in `DEVIATIONS`), the non-paper variants, the reduction of lines 9-10 to one
+threshold τ, the TV bound recorded as the `guarantee`, and what `privacy_note` prices (ε₂, line 9's factor 2).
 
-Algorithm 1 as run by default (R = `rounds`, T_local = `local_steps`, T = R·T_local):
+    per round k (line 3): H = ∇²F(θ_k) (+ζI when λ < ζ, Remark 5), inverted once                       (line 4)
+    per step: z_t ~ uniform{1..n}                                                                     (line 6)
+        c_t^(o) = c_{z_t} + E,  c_z = (1/n) H⁻¹ clip_G(∇ℓ(θ_k, z)) ∈ R^m  (eq. 11, Theorem 4's E)       (line 7)
+        c_t = 2 c_t^(o) + b^(c),  b^(c) ~ N(0, σ_c² I_m)                                              (lines 8-9)
+        noiseless iff max_i |[c_t]_i| ≤ τ = 2rδ₁(1 + e^{−ε₁})                                        (lines 9-10)
+        noiseless: θ ← θ − α (clip_G(∇ℓ(θ, z_t)) + λθ);  else + b, b ~ N(0, s² I)             (lines 11, 13-14)
 
-    θ_0 = the model's initialisation (line 2: θ̃, a (near) optimal model; `DEVIATIONS["theta0"]`)
-    for each round k = 0..R-1, at the global model θ_k:                                            (line 3)
-        H = ∇²F(θ_k) (+ζI when λ < ζ, Remark 5), inverted once                                    (line 4)
-        for t = 1..T_local:                                                                        (line 5)
-            z_t ~ uniform{1..n}: one example per step                                              (line 6)
-            c_t^(o) = c_{z_t} + E,  c_z = (1/n) H⁻¹ clip_G(∇ℓ(θ_k, z)) ∈ R^m  (eq. 11, Theorem 4's E) (line 7)
-            b^(c) ~ N(0, σ_c² I_m)                                                                 (line 8)
-            c_t = 2 c_t^(o) + b^(c)                                                                 (line 9)
-            noiseless iff no |[c_t]_i| ≥ 2re^{ε₁}δ₁/(e^{ε₁}−1) and, for all i,
-                 ln(2re^{ε₁}δ₁ / (2re^{ε₁}δ₁ − (e^{ε₁}−1) sign([c_t]_i)[c_t]_i)) ≤ 2ε₁               (lines 9-10)
-            noiseless: θ ← θ − α (clip_G(∇ℓ(θ, z_t)) + λθ)                                          (lines 10-11)
-            else:      θ ← θ − α (clip_G(∇ℓ(θ, z_t)) + b + λθ),  b ~ N(0, s² I)                     (lines 13-14)
-
-with ε₁ = 3ε/4, ε₂ = ε/4 (§7: "we set ε₁ = 3ε₂ = 3ε/4"), δ₁ = δ₂ = δ/2, σ_c = c'GR√(log(1.25R/δ₂))/(nζε₂)
-with c' = 2.83 (Theorem 5 and its proof), and s the noise of DP-SGD with one uniformly drawn example per step
-that is (ε₁, δ₁)-DP over T steps under replace-one neighbours (Theorem 5 asks σ ≥ cG√(T log(1/δ₁))/(nε₁) "via
-moments accountant" for an unstated constant c; here s is computed: dp-accounting's PLD of the single-example
-mechanism (`calibrate_bassily`, bassily2014's), the accountant the PLD-calibrated baselines get; `accountant:
-rdp` takes its RDP of SampledWithoutReplacement(n, 1, Gaussian), PLD where RDP cannot reach ε₁).
-
-The decision rule (`rule: coordinate`, the paper's). Write a = 2re^{ε₁}δ₁, k = e^{ε₁} − 1, x = |[c_t]_i|
-(sign(c)c = |c|). Stage 1 sends the step to the noisy branch iff some x ≥ a/k. Otherwise a − kx > 0 and
-ln(a/(a − kx)) ≤ 2ε₁ ⇔ a ≤ e^{2ε₁}(a − kx) ⇔ x ≤ a(e^{2ε₁} − 1)/(k e^{2ε₁}) = a(e^{ε₁} + 1)/e^{2ε₁}
-= 2rδ₁(1 + e^{−ε₁}) =: τ. Since (1 + e^{−ε₁})(e^{ε₁} − 1) = e^{ε₁} − e^{−ε₁} < e^{ε₁}, τ < a/k, so stage 1 is
-implied: the step is noiseless iff max_i |[c_t]_i| ≤ τ (`coordinate_threshold`; `paper_two_stage_test` is the
-literal form, tests check both agree). With the grid's δ = 1/n² the threshold is ~1e-8·r against σ_c ~ 0.1-100:
-the noise is skipped only when r is astronomically large (the `kang_sweep` grid measures where).
-
-Readings of the text (documented choices; each departure is keyed in `DEVIATIONS` and listed, where it applies,
-in the run's `derived.deviations`):
-
-* "c_{z_t} + E" (line 7) adds the scalar E (Theorem 4 bounds the ℓ2 norm of the estimate's error) to a vector.
-  Read conservatively per coordinate: [c^(o)]_i = sign([c_z]_i)(|[c_z]_i| + E) (sign(0) = +1), which moves every
-  coordinate away from 0, towards the noisy branch; any error of norm ≤ E changes each coordinate by ≤ E.
-* b^(c) (`contribution_noise`): the pseudo-code draws it at every step (line 8); the proof of Theorem 5 counts
-  each example's released contribution "at most R times" ("the contribution c_{z_t} ... is fixed during
-  T_local iterations and the fixed value only derives the privacy loss once"), which is what σ_c's R pays for.
-  `per_round` (default): one b^(c) per example and round, drawn at the round's model, reused by every step of
-  the round that draws the example, so each example's contribution is released R times, as σ_c is calibrated;
-  `per_step`: a fresh b^(c) at every step, as line 8 is written (an example drawn twice in a round is then
-  released more often than σ_c pays for). The default follows the proof because it is the only reading under
-  which σ_c is the calibration the paper states.
-* G: per-example gradients are clipped to G = 1 in c_z (line 7) and in both updates (lines 11, 14), where the paper
-  uses ∇ℓ as is and assumes ℓ G-Lipschitz: a no-op for logistic regression on unit-ball rows, binding on the MLP
-  (its gradients have no bound otherwise), so S(c_t) ≤ 2G/(nζ) (the proof of Theorem 5) holds for every model.
-  λθ, the regulariser's gradient (data-independent), is added after the clip, as the baselines do.
-* Projection: Algorithm 1 has none, yet r "is the radius of the bounded parameter space" (footnote to §5.3)
-  and the proof of Theorem 5 assumes [A(D′)]_i ∈ [−r, r]. Default: no projection, as Algorithm 1 is written
-  (labelled: the proof's parameter space is not enforced); `project: box` clips θ to [−r, r]^m after every
-  step (the proof's space); `project: true` projects onto ‖θ‖ ≤ r (a non-paper variant). The baselines are not
-  projected.
-* θ₀: Algorithm 1 line 2 starts from θ̃, "a (near) optimal model" (§5.3); a near-optimal model computed from
-  the private data would itself have to be released privately, and the paper does not say how, so every run
-  starts from the model's initialisation, as the baselines do (labelled).
-* H: line 4 takes the Hessian at the round's global model θ_r^(g); eq. (11) and §5.3 write c_z with H at a
-  fixed (near) optimal θ̃. The code follows line 4 (labelled).
-* ζ: Theorem 4 and the proof of Theorem 5 assume ‖H‖₂ ≥ ζ. The sensitivity S(c_t) = (1/n)‖H⁻¹(∇ℓ(z) −
-  ∇ℓ(z′))‖ ≤ 2G/(nζ) needs ‖H⁻¹‖₂ ≤ 1/ζ, i.e. λ_min(H) ≥ ζ; ‖H‖₂ (the largest eigenvalue) ≥ ζ does not give
-  it. The code enforces λ_min(H) ≥ ζ (Remark 5's damping, +ζI where needed): the condition the bound needs.
-* T: §7 chooses T "by cross-validation"; here T = epochs·n single-example steps (fixed by the grid), R =
-  round(epochs) rounds of T_local = n steps unless `rounds` / `local_steps` say otherwise.
-
-Non-paper variants, kept named and labelled in `derived.deviations`:
-
-* `rule: l2_radius`: the test ‖2c + N(0, σ_c² I)‖ ≤ r with ‖c‖ = ‖c_z‖ + E, which uses
-  neither ε₁ nor δ₁ and appears nowhere in the paper (sampled exactly through the norm: ‖2c + b‖² =
-  (2‖c‖ + σ_c Z)² + σ_c² χ²_{m−1}).
-* `sampling: poisson`: Poisson mini-batches of expected size B (`batch_size`) and σ of `dp_sgd` (§5.3: "We only
-  use SGD as an example ... and do not focus on the variants (such as Mini-Batch method)"); a step is noiseless
-  iff its batch is non-empty and every example of it passed its round's test (a rule the paper does not give).
-* MLP `influence: output_layer` (the default above P = 3000 parameters): c_z over the output layer only (Koh &
-  Liang 2017); the paper computes c_z over all m parameters. `full`: the dense Hessian of all P parameters,
-  damped to λ_min ≥ ζ (`damped_by_spectrum`), E = 0 (Theorem 4's constants do not exist for the network).
-
-Privacy (`guarantee`; findings, not choices). Theorem 5's proof does not cover the noiseless steps (it assumes
-the output uniform in a ball and E[A(D′)] = A(D), fixes P[[A(D)]_i ∈ S] to one value, treats per-coordinate DP
-as DP of the vector, composes neither the noiseless steps with each other nor with the noisy ones, measures how
-the optimum moves rather than how the step moves the iterate, and makes the noise schedule data-dependent).
-What is provable: let M′ be the same run with the noise added on every step (DP-SGD with one example per step,
-(ε₁, δ₁)-DP). Coupling both on the same randomness, M and M′ differ only if some step skips the noise, so
-TV(M(D), M′(D)) ≤ T·p when every step skips with probability ≤ p on every dataset; then
-P[M(D) ∈ S] ≤ P[M′(D) ∈ S] + Tp ≤ e^{ε₁}(P[M(D′) ∈ S] + Tp) + δ₁ + Tp, i.e. M is (ε₁, δ₁ + (1 + e^{ε₁})Tp)-DP,
-and a fortiori (ε₁ + ε₂, δ₁ + δ₂ + (1 + e^{ε₁})Tp)-DP, the form recorded (`delta_certified`). p, for every
-dataset: given the round's model and z_t, the step skips with probability Π_i P(|2μ_i + σ_c Z| ≤ τ), μ = c^(o);
-each factor is largest when |μ_i| is smallest, and |μ_i| ≥ E under the reading above (c_z can be 0), so
-p = (Φ((τ − 2E)/σ_c) − Φ((−τ − 2E)/σ_c))^m (`skip_probability_bound`; `l2_radius`: the non-central χ² CDF
-P(χ²_m(λ = (2E/σ_c)²) ≤ (r/σ_c)²), decreasing in λ). The guarantee is "tv-bound: ..." with the certified δ
-when it is < 1, else "none: ..." (a step may skip the noise with probability p on some dataset, T·p ≥ 1: no
-bound). It is never "proved" at the requested (ε, δ) once p > 0.
-
-ε₂ as run (`privacy_note`, per run). The coupling above needs nothing of the test's own privacy: M′ never looks at
-the test, so the bound holds at ε₁; ε₂ = ε/4 buys only the chance to skip the noise. Where no step of a run
-skipped it (noiseless fraction 0 in every seed), ε₂ paid for a release that changed nothing: the run is
-single-example DP-SGD calibrated at ε₁ = 3ε/4. The note says so with the run's numbers.
-
-A gap in the paper (`privacy_note`, `epsilon_2_line9`). Theorem 5's proof bounds S(c_t) ≤ 2G/(nζ) (the
-replace-one difference of (1/n)H⁻¹∇ℓ) and sizes σ_c by Lemma 3 for that sensitivity at (ε₂/R, δ₂/R) per release:
-σ_c = 2√2·√(log(1.25R/δ₂))·GR/(nζε₂), hence c′ = 2.83. But line 9 releases c_t = 2c_t^(o) + b^(c), and the
-factor 2 (Remark 6: "exchanging is also allowed", which S(c_t) already counts) doubles the sensitivity of what
-is released to 4G/(nζ). By the proof's own chain (the classical Gaussian σ ∝ S/ε, then R releases composed) the
-test is then (2ε₂, δ₂)-DP, not (ε₂, δ₂). Tighter, R Gaussian releases at noise multiplier z compose exactly to
-one at z/√R (`analytic_gaussian_epsilon`): at the paper's σ_c this gives the ε recorded as `epsilon_2_line9`
-(sensitivity 4G/(nζ)) and `epsilon_2_stated_sensitivity` (2G/(nζ)); the loose c′ absorbs much of the factor 2
-(e.g. adult, R = 5: 0.57–0.72 ε₂ at 4G/(nζ), R = 2: 0.94–1.18 ε₂). Not counted in either: the data-dependent H
-(below) and, under the per-coordinate reading of "+ E", the sign of a coordinate flipping between neighbours
-(up to 2E more per coordinate, 4E√m more in ℓ2 for the released 2c^(o)). No recorded guarantee uses ε₂.
+ε₁ = 3ε/4, ε₂ = ε/4 (§7), δ₁ = δ₂ = δ/2, σ_c = c'GR√(log(1.25R/δ₂))/(nζε₂), c' = 2.83 (Theorem 5's proof); s:
+single-example DP-SGD (ε₁, δ₁)-DP over T steps under replace-one neighbours, by the run's accountant.
+TV bound: M is (ε₁ + ε₂, δ₁ + δ₂ + (1 + e^{ε₁})Tp)-DP when every step skips with probability ≤ p on every dataset.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -131,17 +32,7 @@ from scipy.special import ndtr
 
 from dpsgd_cli.algorithms.base import Algorithm, Outcome, Setting, Tags
 from dpsgd_cli.algorithms.chain import Checkpoints, GradientChain
-from dpsgd_cli.algorithms.ops import (
-    Clip,
-    MaskedNoise,
-    Op,
-    ProjectBall,
-    ProjectBox,
-    Scale,
-    Sgd,
-    WeightDecay,
-    constant,
-)
+from dpsgd_cli.algorithms.ops import Clip, MaskedNoise, Op, ProjectBall, ProjectBox, Scale, Sgd, WeightDecay, constant
 from dpsgd_cli.algorithms.sampling import fixed_batches, poisson_batches, uniform_examples
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.compiled import Backend
@@ -223,8 +114,8 @@ def influence_error_bound(L: Num, G: Num, C: Num, zeta: float, n: int) -> Num:
 
 
 def coordinate_threshold(radius: float, epsilon_1: float, delta_1: float) -> float:
-    """τ = 2rδ₁(1 + e^{−ε₁}): Algorithm 1's two-stage test (lines 9-10) reduced to max_i |[c_t]_i| ≤ τ (module
-    docstring)."""
+    """τ = 2rδ₁(1 + e^{−ε₁}): Algorithm 1's two-stage test (lines 9-10) reduced to max_i |[c_t]_i| ≤ τ
+    (docs/algorithms.md)."""
     return 2.0 * radius * delta_1 * (1.0 + math.exp(-epsilon_1))
 
 
@@ -241,18 +132,18 @@ def paper_two_stage_test(c: np.ndarray, radius: float, epsilon_1: float, delta_1
 def _interval_probability(lo: ArrayLike, hi: ArrayLike) -> np.ndarray:
     """P(lo ≤ Z ≤ hi), Z ~ N(0, 1), without cancellation in the upper tail."""
     lo, hi = np.asarray(lo, dtype=float), np.asarray(hi, dtype=float)
-    return np.where(lo > 0, ndtr(-lo) - ndtr(-hi), ndtr(hi) - ndtr(lo))
+    return cast(np.ndarray, np.where(lo > 0, ndtr(-lo) - ndtr(-hi), ndtr(hi) - ndtr(lo)))
 
 
 def coordinate_pass_probability(mu: np.ndarray, sigma_c: float, tau: float) -> np.ndarray:
     """P(max_i |2μ_i + b_i| ≤ τ), b ~ N(0, σ_c² I): Π_i P(|2μ_i + σ_c Z| ≤ τ), over the last axis of μ."""
     mu = np.asarray(mu, dtype=float)
     factors = _interval_probability((-tau - 2.0 * mu) / sigma_c, (tau - 2.0 * mu) / sigma_c)
-    return np.prod(factors, axis=-1)
+    return cast(np.ndarray, np.prod(factors, axis=-1))
 
 
 def skip_probability_bound(rule: str, dim: int, sigma_c: float, threshold: float, E: float) -> float:
-    """p ≥ P(a step skips the noise) on every dataset (module docstring): the pass probability at the smallest
+    """p ≥ P(a step skips the noise) on every dataset (docs/algorithms.md): the pass probability at the smallest
     contribution the reading of "c_z + E" allows, |[c^(o)]_i| = E (coordinate) or ‖c^(o)‖ = E (l2_radius).
     `threshold`: τ (coordinate) or r (l2_radius)."""
     if rule == "coordinate":
@@ -265,7 +156,7 @@ def skip_probability_bound(rule: str, dim: int, sigma_c: float, threshold: float
 
 
 def certified_delta(delta: float, epsilon_1: float, steps: int, p: float) -> float:
-    """δ + (1 + e^{ε₁})·T·p: the δ of the total-variation bound (module docstring), for δ = δ₁ + δ₂."""
+    """δ + (1 + e^{ε₁})·T·p: the δ of the total-variation bound (docs/algorithms.md), for δ = δ₁ + δ₂."""
     return delta + (1.0 + math.exp(epsilon_1)) * steps * p
 
 
@@ -338,11 +229,11 @@ class RoundInfluence:
 
     @property
     def dim(self) -> int:
-        return self.H_inv.shape[-1]
+        return int(self.H_inv.shape[-1])
 
     @property
     def rows_per_block(self) -> int:
-        return max(1, min(_ROW_CHUNK, _BLOCK_ELEMENTS // max(1, self.at.shape[0] * self.dim)))
+        return max(1, min(_ROW_CHUNK, _BLOCK_ELEMENTS // max(1, int(self.at.shape[0]) * self.dim)))
 
     def vectors(self, X: np.ndarray, y: np.ndarray, x_norm: np.ndarray, replicas: slice = slice(None)) -> np.ndarray:
         """c_z (without E) for the rows X (k, d) and the chosen replicas: (R', k, m). H⁻¹ is symmetric, so the rows
@@ -350,13 +241,13 @@ class RoundInfluence:
         at, w, H_inv = self.at[replicas], self.w[replicas], self.H_inv[replicas]
         if self.kind == "full" and isinstance(self.model, MLP):
             g = self.model.per_example_clipped_gradients(at, X, y, x_norm, self.G)
-            return np.matmul(g, H_inv) / self.n
+            return cast(np.ndarray, np.matmul(g, H_inv) / self.n)
         if self.kind == "output_layer" and isinstance(self.model, MLP):
             F = self.model.output_features(at, X)  # (R', k, h + 1)
             a = clipped_residual(logistic_residual(margins(w, F), y), np.sqrt(np.einsum("rmd,rmd->rm", F, F)), self.G)
-            return a[..., None] * np.matmul(F, H_inv) / self.n
+            return cast(np.ndarray, a[..., None] * np.matmul(F, H_inv) / self.n)
         a = clipped_residual(logistic_residual(margins(w, X), y), x_norm, self.G)  # logistic regression
-        return a[..., None] * np.matmul(X[None], H_inv) / self.n
+        return cast(np.ndarray, a[..., None] * np.matmul(X[None], H_inv) / self.n)
 
     def blocks(self, X: np.ndarray, y: np.ndarray, x_norm: np.ndarray,
                replicas: slice = slice(None)) -> Iterator[tuple[slice, np.ndarray]]:
@@ -398,12 +289,12 @@ def round_influence(influence: str, model: Model | None, theta: np.ndarray, X: n
     raise ValueError(f"influence {influence!r} is not defined for model {getattr(model, 'name', model)!r}")
 
 
-def with_error(v: np.ndarray, E) -> np.ndarray:
-    """c^(o) = c_z + E read per coordinate: sign([c_z]_i)(|[c_z]_i| + E), sign(0) = +1 (module docstring).
+def with_error(v: np.ndarray, E: float | np.ndarray) -> np.ndarray:
+    """c^(o) = c_z + E read per coordinate: sign([c_z]_i)(|[c_z]_i| + E), sign(0) = +1 (docs/algorithms.md).
     v (R', k, m); E a number or one per replica (R',)."""
     E = np.asarray(E, dtype=float)
     E = E[:, None, None] if E.ndim == 1 else E
-    return v + np.where(v >= 0, 1.0, -1.0) * E
+    return cast(np.ndarray, v + np.where(v >= 0, 1.0, -1.0) * E)
 
 
 @dataclass(frozen=True)
@@ -413,20 +304,21 @@ class DecisionRule:
     sigma_c: float
     threshold: float
 
-    def passes(self, v: np.ndarray, E, generators: list[np.random.Generator]) -> np.ndarray:
+    def passes(self, v: np.ndarray, E: float | np.ndarray, generators: list[np.random.Generator]) -> np.ndarray:
         """(R', k) bool, one generator per replica: coordinate: max_i |2c^(o)_i + b_i| ≤ τ with b ~ N(0, σ_c² I_m)
         drawn in full (lines 8-10); l2_radius: ‖2c + b‖ ≤ r with ‖c‖ = ‖c_z‖ + E (sampled through the norm)."""
         k, m = v.shape[1], v.shape[2]
         if self.rule == "coordinate":
             b = np.stack([g.standard_normal((k, m)) for g in generators])
-            return np.max(np.abs(2.0 * with_error(v, E) + self.sigma_c * b), axis=-1) <= self.threshold
+            noised = np.max(np.abs(2.0 * with_error(v, E) + self.sigma_c * b), axis=-1)
+            return cast(np.ndarray, noised <= self.threshold)
         E = np.asarray(E, dtype=float)
         c_norm = np.linalg.norm(v, axis=-1) + (E[:, None] if E.ndim == 1 else E)
         return noised_norms(c_norm, self.sigma_c, m, generators) <= self.threshold
 
 
-def round_eligible(inf: RoundInfluence, rule: DecisionRule, E, X: np.ndarray, y: np.ndarray, x_norm: np.ndarray,
-                   generators: list[np.random.Generator]) -> np.ndarray:
+def round_eligible(inf: RoundInfluence, rule: DecisionRule, E: float | np.ndarray, X: np.ndarray, y: np.ndarray,
+                   x_norm: np.ndarray, generators: list[np.random.Generator]) -> np.ndarray:
     """`contribution_noise: per_round`: one test per example and replica at the round's model: (R, n) bool."""
     out = np.empty((inf.at.shape[0], X.shape[0]), dtype=bool)
     for sl, v in inf.blocks(X, y, x_norm):
@@ -434,8 +326,8 @@ def round_eligible(inf: RoundInfluence, rule: DecisionRule, E, X: np.ndarray, y:
     return out
 
 
-def step_noiseless(inf: RoundInfluence, rule: DecisionRule, E, X: np.ndarray, y: np.ndarray, x_norm: np.ndarray,
-                   idx: np.ndarray, generators: list[np.random.Generator]) -> np.ndarray:
+def step_noiseless(inf: RoundInfluence, rule: DecisionRule, E: float | np.ndarray, X: np.ndarray, y: np.ndarray,
+                   x_norm: np.ndarray, idx: np.ndarray, generators: list[np.random.Generator]) -> np.ndarray:
     """`contribution_noise: per_step`: a fresh test for every step's example idx (T, R): (T, R) bool."""
     E = np.asarray(E, dtype=float)
     out = np.empty(idx.shape, dtype=bool)
@@ -447,7 +339,7 @@ def step_noiseless(inf: RoundInfluence, rule: DecisionRule, E, X: np.ndarray, y:
     return out
 
 
-def _no_hessian(model_name) -> UserError:
+def _no_hessian(model_name: str) -> UserError:
     return UserError(f"pidp_sgd needs the loss's Hessian: implemented for logreg and mlp; got model {model_name!r}: "
                      f"use models: [logreg] or [mlp]")
 
@@ -458,7 +350,7 @@ def resolve_influence(requested: str, model: Model) -> str:
     if model.name == "logreg":
         return "full"
     if not isinstance(model, MLP):
-        raise _no_hessian(getattr(model, "name", model))
+        raise _no_hessian(model.name)
     P = model.n_params
     if requested == "auto":
         return "full" if P <= FULL_INFLUENCE_MAX_PARAMS else "output_layer"
@@ -485,7 +377,7 @@ class ErrorConstants:
 
 
 def error_constants(influence: str, model: Model, theta: np.ndarray, G: float, zeta: float, n: int) -> ErrorConstants:
-    """logreg (‖x‖ ≤ 1): L = 1/4, C = max|σ''| (module docstring). mlp, full: no global L, C (non-convex, unbounded
+    """logreg (‖x‖ ≤ 1): L = 1/4, C = max|σ''| (docs/algorithms.md). mlp, full: no global L, C (non-convex, unbounded
     Hessian): E = 0. mlp, output_layer: ℓ as a function of (w₂, b₂) is logistic regression on ã with ‖ã‖ ≤ A
     (`output_feature_bound`), so L = A²/4 and C = max|σ''| A³; G is the clip bound (the test's gradients are
     clipped to it), E_unclipped uses G = A (the unclipped loss is A-Lipschitz)."""
@@ -500,7 +392,7 @@ def error_constants(influence: str, model: Model, theta: np.ndarray, G: float, z
                           influence_error_bound(L_A, A, C_A, zeta, n))
 
 
-def _per_replica(values: list, reduce) -> float | list | None:
+def _per_replica(values: list[Any], reduce: Callable[..., np.ndarray]) -> float | list[float] | None:
     """Reduce (rounds, R) values over rounds: a number when every replica has the same, else one per replica
     (the engine gives each seed's row its own)."""
     if values[0] is None:
@@ -509,7 +401,7 @@ def _per_replica(values: list, reduce) -> float | list | None:
     return float(arr[0]) if np.all(arr == arr[0]) else [float(v) for v in arr]
 
 
-def round_summary(rounds_info: list) -> dict:
+def round_summary(rounds_info: list[tuple[RoundInfluence, ErrorConstants]]) -> dict[str, Any]:
     """Derived values of the rounds: Theorem 4's constants (max over rounds), the Hessian's damping."""
     infs = [inf for inf, _ in rounds_info]
     consts = [c for _, c in rounds_info]
@@ -522,9 +414,10 @@ def round_summary(rounds_info: list) -> dict:
     if infs[0].shift is None:  # logreg, output layer: ζ added iff λ < ζ, the same every round
         out["hessian_damped"] = bool(infs[-1].damped)
     else:  # full Hessian of a non-linear model: per replica
-        out["hessian_damped"] = [bool(v) for v in np.any([inf.damped for inf in infs], axis=0)]
-        out["hessian_shift"] = [float(v) for v in np.max([inf.shift for inf in infs], axis=0)]
-        out["hessian_min_eigenvalue"] = [float(v) for v in np.min([inf.min_eigenvalue for inf in infs], axis=0)]
+        out["hessian_damped"] = [bool(v) for v in np.any(np.array([inf.damped for inf in infs]), axis=0)]
+        out["hessian_shift"] = [float(v) for v in np.max(np.array([inf.shift for inf in infs]), axis=0)]
+        lowest = np.min(np.array([inf.min_eigenvalue for inf in infs]), axis=0)
+        out["hessian_min_eigenvalue"] = [float(v) for v in lowest]
     return out
 
 
@@ -544,7 +437,7 @@ PRIVACY_NOTES = {
                     "(‖ã‖ ≤ A, L = A²/4, C = max|σ''|A³, G = the clip), not for the network",
 }
 
-# Every departure of a run from Algorithm 1 (lines in the paper's numbering, module docstring), readings included,
+# Every departure of a run from Algorithm 1 (lines in the paper's numbering, docs/algorithms.md), readings included,
 # by key; `PIDPSGD.deviations` lists those of a run in `derived.deviations`.
 DEVIATIONS = {
     "rule_l2_radius": "rule l2_radius: the test ‖2c + N(0, σ_c² I)‖ ≤ r, not in the paper (lines 9-10 test each "
@@ -597,7 +490,7 @@ def epsilon_2_note(fractions: list[float], p: float, epsilon_1: float, epsilon_2
 
 def sensitivity_note(sigma_c: float, rounds: int, epsilon_2: float, delta_2: float, eps_stated: float,
                      eps_line9: float, contribution_noise: str) -> str:
-    """The gap of the paper's σ_c (module docstring), with this run's numbers."""
+    """The gap of the paper's σ_c (docs/algorithms.md), with this run's numbers."""
     chain = (f"(2ε₂, δ₂) = ({2 * epsilon_2:.3g}, {delta_2:.3g})-DP" if 2 * epsilon_2 / rounds < 1
              else "not bounded (per-release ε ≥ 1, beyond Lemma 3)")
     per_step = ("; per_step draws a b^(c) each time an example is drawn, more releases than the R counted here"
@@ -682,7 +575,7 @@ def round_noiseless(eligible: np.ndarray, idx: np.ndarray) -> np.ndarray:
 class PIDPSGD(Algorithm):
     """PIDP-SGD (Kang et al., Algorithm 1): DP-SGD with one example per step whose noise is skipped when the
     privately tested influence of the example passes the paper's per-coordinate threshold. Models: logreg, mlp.
-    Formulas, readings of the pseudo-code, non-paper variants and the guarantee: see the module docstring."""
+    Formulas, readings of the pseudo-code, non-paper variants and the guarantee: docs/algorithms.md (pidp_sgd)."""
 
     name = "pidp_sgd"
     tags = Tags("PIDP-SGD", private=True, neighbours="replace_one",
@@ -706,28 +599,16 @@ class PIDPSGD(Algorithm):
     def deviations(self, influence: str, model_name: str, l2: float, accountant: str) -> dict[str, str]:
         """This run's departures from Algorithm 1, readings included: {key of `DEVIATIONS`: its text}.
         `accountant`: the one that calibrated the noisy steps (the rdp → pld fallback shows here)."""
-        p = self.params
-        keys = []
-        if p.rule == "l2_radius":
-            keys.append("rule_l2_radius")
-        if p.sampling == "poisson":
-            keys.append("sampling_poisson")
-        keys.append({True: "projection_ball", "box": "projection_box", False: "no_projection"}[p.project])
-        keys += ["theta0", "hessian_point", "curvature"]
-        if p.rule == "coordinate":
-            keys.append("error_per_coordinate")
-        if p.sampling == "single" and p.contribution_noise == "per_round":
-            keys.append("contribution_noise_per_round")
-        keys.append("gradient_clip_mlp" if model_name == "mlp" else "gradient_clip")
-        if l2 > 0:
-            keys.append("regulariser_after_clip")
-        keys.append("noise_accountant")
-        if accountant != resolve_accountant(p.accountant):
-            keys.append("accountant_fallback")
-        if influence == "output_layer":
-            keys.append("influence_output_layer")
-        if influence == "full" and model_name == "mlp":
-            keys.append("error_zero")
+        p, mlp = self.params, model_name == "mlp"
+        projection = {True: "projection_ball", "box": "projection_box", False: "no_projection"}[p.project]
+        applies = [("rule_l2_radius", p.rule == "l2_radius"), ("sampling_poisson", p.sampling == "poisson"),
+                   (projection, True), ("theta0", True), ("hessian_point", True), ("curvature", True),
+                   ("error_per_coordinate", p.rule == "coordinate"),
+                   ("contribution_noise_per_round", p.sampling == "single" and p.contribution_noise == "per_round"),
+                   ("gradient_clip_mlp" if mlp else "gradient_clip", True), ("regulariser_after_clip", l2 > 0),
+                   ("noise_accountant", True), ("accountant_fallback", accountant != resolve_accountant(p.accountant)),
+                   ("influence_output_layer", influence == "output_layer"), ("error_zero", influence == "full" and mlp)]
+        keys = [key for key, holds in applies if holds]
         return {k: DEVIATIONS[k] for k in keys}
 
     def check(self, setting: Setting, model_name: str = "") -> None:
@@ -745,7 +626,7 @@ class PIDPSGD(Algorithm):
         if p.sampling == "single" and p.accountant == "composition":
             raise UserError("pidp_sgd: accountant: composition is for sampling: poisson; use auto, rdp or pld")
 
-    def fit(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Outcome:
+    def fit(self, setting: Setting, model: Model, X: np.ndarray, y: np.ndarray, streams: ReplicaStreams) -> Outcome:
         p = self.params
         influence = resolve_influence(p.influence, model)
         self.check(setting, model.name)
@@ -824,9 +705,9 @@ class PIDPSGD(Algorithm):
             derived["eligible_fraction"] = [float(f) for f in np.mean(eligible_share, axis=0)]
         return Outcome(theta, derived, guarantee, trace=ckpt.rows if ckpt else [])
 
-    def skip_bound(self, rule: DecisionRule, dim: int, rounds_info: list, setting: Setting, rounds: int,
-                   eps_2: float) -> float:
-        """p of the total-variation bound: the largest pass probability over datasets (module docstring), with E
+    def skip_bound(self, rule: DecisionRule, dim: int, rounds_info: list[tuple[RoundInfluence, ErrorConstants]],
+                   setting: Setting, rounds: int, eps_2: float) -> float:
+        """p of the total-variation bound: the largest pass probability over datasets (docs/algorithms.md), with E
         the smallest over rounds and replicas (E is data-independent: it depends on n and the model's constants,
         and, for a relu output layer, on the round's hidden layer, so the minimum is taken). sampling: poisson
         (add/remove neighbours): the maximum over n − 1, n, n + 1 (σ_c, τ's inputs and E depend on n)."""

@@ -116,7 +116,7 @@ class IndexedBatches:
         self._x_norm: np.ndarray | None = None
         self._full: Batch | None = None
         self._nonzeros: RowNonzeros | None | Literal[False] = False  # False: not looked up yet
-        self.taps: list[deque] = []  # queues that receive a copy of every `take` (see `replay`)
+        self.taps: list[deque[np.ndarray]] = []  # queues that receive a copy of every `take` (see `replay`)
 
     @property
     def padded(self) -> bool:
@@ -181,7 +181,7 @@ class IndexedBatches:
         come from these batches directly). The full batch is shared as is."""
         if self.full:
             return self
-        queue: deque = deque()
+        queue: deque[np.ndarray] = deque()
         self.taps.append(queue)
 
         def blocks() -> Iterator[np.ndarray]:

@@ -1,24 +1,15 @@
 """Mini-batch SGD with α-DP updates (Song, Chaudhuri & Sarwate, GlobalSIP 2013) and its non-private twin.
 
-Song, Chaudhuri, Sarwate, "Stochastic gradient descent with differentially private updates", GlobalSIP 2013.
+Song, Chaudhuri, Sarwate, "Stochastic gradient descent with differentially private updates", GlobalSIP 2013;
+docs/algorithms.md (song2013) has the parameters and the data's effect on the clip. One `GradientChain`:
 
-Both algorithms are the same `GradientChain`; `song2013` switches the noise on:
-
-    w_{t+1} = Π( w_t − η_t ( λ w_t + (1/b) Σ_{i∈B_t} ∇ℓ(w_t; x_i, y_i) + Z_t / b ) ),
-
-B_t the t-th of the ⌊n/b⌋ disjoint batches of a uniformly random permutation (one pass), Π the Euclidean
-projection onto {‖w‖ ≤ 1/λ}, η_t = c/√t (c = the grid's `lr`; the paper shows c = 1 and 10), 1/(λt), or a
-constant, and Z_t ∈ R^d with density ∝ exp(−(α/2)‖z‖) (‖Z_t‖ ~ Gamma(d, scale 2/α), direction uniform).
-
-On logistic regression (and the MLP with b = 1) the chain runs on a compiled backend (backends.py) when numba is
-installed (`backend: auto`; `numpy` forces NumPy): the same permutations and Z_t, the same result.
-"""
+    w_{t+1} = Π( w_t − η_t ( λ w_t + (1/b) Σ_{i∈B_t} ∇ℓ(w_t; x_i, y_i) + Z_t / b ) ),  Z_t ∝ exp(−(α/2)‖z‖)"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -64,7 +55,7 @@ class Song2013Params(BaseModel):
 NoiseDraw = Callable[[np.random.Generator, int], np.ndarray]  # (generator, K steps) → (K, d) draws of Z_t
 
 
-def clip_binding(model: Model, theta: np.ndarray, X: np.ndarray, y: np.ndarray, clip: float) -> dict:
+def clip_binding(model: Model, theta: np.ndarray, X: np.ndarray, y: np.ndarray, clip: float) -> dict[str, Any]:
     """How often the clip at ‖∇ℓ‖ ≤ 1 can bind: the share of rows with ‖x‖ > 1 (for logistic regression
     ‖∇ℓ‖ = |r|·‖x‖ < ‖x‖, so only those rows can be clipped, e.g. after `order: ball_then_project`), and the
     share of examples whose gradient at the final θ exceeds the clip (mean over replicas): a proxy for the
@@ -134,7 +125,8 @@ class Song2013NonPrivate(Algorithm):
             return inverse_time(1.0 / setting.l2)
         return constant(setting.required.lr)
 
-    def chain(self, setting: Setting, X, y, streams: ReplicaStreams, private: tuple[Op, ...] = ()) -> GradientChain:
+    def chain(self, setting: Setting, X: np.ndarray, y: np.ndarray, streams: ReplicaStreams,
+              private: tuple[Op, ...] = ()) -> GradientChain:
         """Σ (clipped) ∇ℓ over the batch → [+ Z_t] → ·1/b → + λw → w − η_t · → Π onto the ball."""
         b = setting.required.batch_size
         return GradientChain(
@@ -147,12 +139,14 @@ class Song2013NonPrivate(Algorithm):
             backend=self.params.backend,
         )
 
-    def noise_draw(self, setting: Setting, model: Model, X, passes: int) -> tuple[NoiseDraw | None, dict, str]:
+    def noise_draw(self, setting: Setting, model: Model, X: np.ndarray,
+                   passes: int) -> tuple[NoiseDraw | None, dict[str, Any], str]:
         """(draw of Z_t for K steps from one replica's generator, or None; derived values; guarantee): no noise
         for the non-private version."""
         return None, {}, "non-private"
 
-    def prepare(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Prepared:
+    def prepare(self, setting: Setting, model: Model, X: np.ndarray, y: np.ndarray,
+                streams: ReplicaStreams) -> Prepared:
         per_pass, steps, passes = self.steps(setting)
         draw, derived, guarantee = self.noise_draw(setting, model, X, passes)
         clip = GRADIENT_BOUND if draw is not None else None
@@ -163,8 +157,9 @@ class Song2013NonPrivate(Algorithm):
                                              guarantee, chain.checkpoints.rows if chain.checkpoints else [])
         return Prepared(chain, model.init(streams.generators("init")), steps, finish)
 
-    def _outcome(self, setting: Setting, model: Model, X, y, theta, eta: Schedule, backend: str, derived: dict,
-                 clip: float | None, guarantee: str, trace: list) -> Outcome:
+    def _outcome(self, setting: Setting, model: Model, X: np.ndarray, y: np.ndarray, theta: np.ndarray, eta: Schedule,
+                 backend: str, derived: dict[str, Any], clip: float | None, guarantee: str,
+                 trace: list[tuple[int, np.ndarray, np.ndarray]]) -> Outcome:
         per_pass, steps, passes = self.steps(setting)
         derived = {"steps": steps, "sample_rate": setting.required.batch_size / setting.n, "steps_per_pass": per_pass,
                    "passes": passes, "schedule": self.params.schedule, "step_size_first": eta(1),
@@ -177,17 +172,8 @@ class Song2013NonPrivate(Algorithm):
 class Song2013(Song2013NonPrivate):
     """α-DP mini-batch SGD of Song, Chaudhuri & Sarwate, GlobalSIP 2013 (their mini-batch update and its privacy).
 
-    Assumptions of the privacy proof: ‖∇ℓ(w; x, y)‖ ≤ 1 for all w (the paper: needs ‖x‖ ≤ 1 for logistic
-    regression; here every per-example gradient is clipped to norm 1, so it holds for any data — a no-op when
-    the rows are in the unit ball), batches disjoint within a pass, w_0 independent of the data. Convexity and
-    λ > 0 matter for convergence only (λ > 0 is required all the same: radius 1/λ, step 1/(λt)).
-
-    Privacy: replacing one example changes the one batch sum that contains it by ≤ 2, so adding Z_t of density
-    ∝ exp(−(α/2)‖z‖) to the SUM (Z_t/b to the mean) makes that update α-DP; the other updates of the pass do not
-    read the example, so one pass is α-DP. With epochs → T = round(epochs·⌊n/b⌋) steps touching k = ⌈T/⌊n/b⌋⌉
-    passes, each example is read k times: α = ε/k per pass (basic composition, pure ε-DP; δ unused), or with
-    `composition: advanced` the larger of ε/k and the α of k-fold advanced composition with δ' = δ ((ε, δ)-DP).
-    """
+    Gradients clipped to norm 1, so a replaced example moves its batch sum by ≤ 2 and each pass is α-DP; k passes:
+    α = ε/k (basic composition), or with `composition: advanced` the larger of ε/k and k-fold advanced composition's."""
 
     name = "song2013"
     tags = Tags("private SGD (Song et al.)", private=True, neighbours="replace_one", noise_scalable=True,
@@ -197,7 +183,8 @@ class Song2013(Song2013NonPrivate):
     uses = frozenset({"epsilon", "batch_size", "lr", "epochs", "l2"})
     Params = Song2013PrivateParams
 
-    def noise_draw(self, setting: Setting, model: Model, X, passes: int) -> tuple[NoiseDraw | None, dict, str]:
+    def noise_draw(self, setting: Setting, model: Model, X: np.ndarray,
+                   passes: int) -> tuple[NoiseDraw | None, dict[str, Any], str]:
         epsilon = setting.required.epsilon
         alpha, delta_used = epsilon / passes, 0.0
         composition = "pure" if passes == 1 else "basic"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
+from types import ModuleType
 
 import numpy as np
 
@@ -73,7 +74,7 @@ class ReplicaStreams:
         return draw
 
 
-def _numba_normals():
+def _numba_normals() -> ModuleType | None:
     """The module `_normals_numba`, or None without numba."""
     return compiled.optional_compiled("algorithms._normals_numba")  # broken numba: NumPy draws the same numbers
 
@@ -122,7 +123,8 @@ class NoiseStream:
         return self
 
     def __next__(self) -> np.ndarray:
-        return self.take(1)[0]
+        step: np.ndarray = self.take(1)[0]
+        return step
 
     def take(self, m: int) -> np.ndarray:
         out = self.tape.read(self.position, m)
@@ -149,7 +151,7 @@ class SharedStreams(ReplicaStreams):
 
     def __init__(self, seeds: Sequence[int]):
         super().__init__(seeds)
-        self._spares: dict[tuple, _Tape] = {}
+        self._spares: dict[tuple[str, tuple[int, ...]], _Tape] = {}
 
     def normal(self, purpose: str, shape: tuple[int, ...]) -> NoiseStream:
         key = (purpose, tuple(shape))

@@ -1,26 +1,8 @@
-"""Canaries and the scores an attacker computes from what it sees.
-
-Three kinds, each a property of the data and the model's inputs (the optimizer trains them as any record):
-- `dirac` (white box): the model gets one more input coordinate, zero for every real record, and the canary's
-  gradient is C·e on the parameter that coordinate feeds (`dirac_index`): no real record moves that parameter, so
-  its trajectory is the canary's inclusions plus the mechanism's noise, the setting in which the DP-SGD analysis
-  is tight. Scores: the last iterate's projection, and from every iterate the per-step likelihood-ratio statistic
-  (`step_likelihood_ratio`, Nasr et al. 2023).
-
-The other two (the worlds "in" and "out" always hold the same number of records, n + m):
-- `input`: a real record (x_c, y_c), ‖x_c‖ = 1 along the direction the training data uses least (the smallest
-  right singular vector of X), y_c the label whose gradient is largest at the non-private optimum. Out: the
-  null record (0, 0), whose loss gradient is 0 for every θ (∇ℓ ∝ y for the logistic loss of both models): for
-  an add/remove algorithm it is the record removed, for a replace-one algorithm a valid replacement.
-  Score (black box, last iterate): the margin y_c f_θ(x_c) of the released model.
-- `gradient`: a record whose per-example gradient is a fixed vector, whatever θ (the worst case of the
-  DP-SGD analysis): `raw_norm`·u before clipping, C·u after it. It sits in X as a marker row with label 0 (zero
-  gradient for the model itself); `with_gradient_canaries` adds the canary's gradient for the replicas in which
-  it is included (and its mirror −C·u in the out world of a replace-one algorithm), so both worlds train side by
-  side as replicas of one chain. Scores (white box): the
-  projection −⟨θ_T, u⟩ of the last iterate, or from every iterate θ_t (`all_iterates`, the adversary of
-  Nasr et al. 2021 who sees each update) the largest jump between consecutive updates' projections.
-"""
+"""Canaries and the scores an attacker computes from what it sees: `dirac` (white box, one more input coordinate
+only the canary moves; per-step likelihood ratio of Nasr et al. 2023), `input` (a real record along the data's
+least-used direction, black box) and `gradient` (a fixed per-example gradient, the DP-SGD analysis's worst case;
+all iterates: the adversary of Nasr et al. 2021). docs/audit.md has each one's worlds, score and reach; the worlds
+"in" and "out" always hold the same number of records, n + m."""
 
 from __future__ import annotations
 
@@ -165,11 +147,6 @@ def _signed_departure(updates: np.ndarray) -> np.ndarray:
 
 
 # --- the Dirac canary ----------------------------------------------------------------------------------------------
-
-def with_unused_input(X: np.ndarray) -> np.ndarray:
-    """X with one more column, zero for every record: the input coordinate the Dirac canary owns."""
-    return np.hstack([X, np.zeros((X.shape[0], 1), dtype=X.dtype)])
-
 
 def dirac_index(model: Model) -> int:
     """The parameter fed only by the last input coordinate: logistic regression's weight d − 1, the MLP's first

@@ -88,11 +88,6 @@ def reference_optimum(spec: DatasetSpec, model_name: str, model_options: str, l2
         return float(loss[0] + model.penalty(theta[None])[0]), info["optimum_method"]
 
 
-def optimal_objective(spec: DatasetSpec, model_name: str, model_options: str, l2: float) -> float:
-    """L* = min F on the training set (see `reference_optimum`)."""
-    return reference_optimum(spec, model_name, model_options, l2)[0]
-
-
 OPTIMUM_PENDING = "to be computed"  # a planned task's optimum_method until `resolve_optima` (or its run) sets L*
 
 
@@ -235,7 +230,7 @@ def _run_one(task: Task) -> TaskResult:
     start = time.perf_counter()
     try:
         model, X, y = _training_data(cell, data)
-        outcome = _algorithm(cell).fit(setting_of(cell, data), model, X, y, ReplicaStreams(task.seeds))
+        outcome = cell.make_algorithm().fit(setting_of(cell, data), model, X, y, ReplicaStreams(task.seeds))
     except Exception as exc:  # recorded, and the grid goes on
         return failed_result(task, _failure(exc), (time.perf_counter() - start) / len(task.seeds))
     return _result(task, cell, model, outcome, (time.perf_counter() - start) / len(task.seeds))
@@ -250,19 +245,13 @@ def _training_data(cell: Cell, data: Dataset) -> tuple[Model, np.ndarray, np.nda
     return model, X, y
 
 
-def _algorithm(cell: Cell) -> Any:
-    return cell.make_algorithm()
-
-
 def _failure(exc: Exception) -> str:
     return f"{type(exc).__name__}: {exc}" if isinstance(exc, UserError) else _short_traceback(exc)
 
 
 def _run_fused(task: Task) -> TaskResult:
-    """Train the task's cells together (one task, one write): each cell's chain is prepared as alone, and the
-    chains run in lockstep, sharing each step's batch among cells with the same batch stream
-    (`chain.run_together`) and each `normal` noise stream among cells with the same seeds (`SharedStreams`).
-    A cell whose algorithm is not one chain trains alone here; a cell that fails to prepare fails alone."""
+    """Train the task's cells together (one task, one write; docs/design.md, "Fused tasks"): a cell whose
+    algorithm is not one chain trains alone here; a cell that fails to prepare fails alone."""
     data = dataset(task.cell.dataset, task.cell.validation)
     start = time.perf_counter()
     model, X, y = _training_data(task.cell, data)  # the same for every cell of the task (the fusion key)
@@ -272,9 +261,9 @@ def _run_fused(task: Task) -> TaskResult:
     calibrate_ahead(task.cells, data)  # an ε axis on one accountant curve, loosest first (in the task's time)
     for cell in task.cells:
         try:
-            p = _algorithm(cell).prepare(setting_of(cell, data), model, X, y, streams)
+            p = cell.make_algorithm().prepare(setting_of(cell, data), model, X, y, streams)
             if p is None:
-                p = _algorithm(cell).fit(setting_of(cell, data), model, X, y, ReplicaStreams(task.seeds))
+                p = cell.make_algorithm().fit(setting_of(cell, data), model, X, y, ReplicaStreams(task.seeds))
         except Exception as exc:
             results[cell.cell_id] = _failure(exc)
             continue
@@ -330,7 +319,7 @@ def _result(task: Task, cell: Cell, model: Model, outcome: Outcome, elapsed: flo
         reported = reported_columns(derived, len(task.seeds), ALGORITHMS[cell.algorithm.name].tags.private)
     except ValueError as exc:  # a programming error: the run fails, no column takes the value
         return failed_result(task, _failure(exc), elapsed)
-    risk = risk_columns(_algorithm(cell), setting, outcome.guarantee, outcome.derived,
+    risk = risk_columns(cell.make_algorithm(), setting, outcome.guarantee, outcome.derived,
                         reported.get("epsilon_achieved")) if ALGORITHMS[cell.algorithm.name].tags.private else {}
     derived = {k: v for k, v in derived.items() if k not in reported}
     # a derived list with one value per replica (e.g. pidp_sgd's eligible_fraction) belongs to each seed's row
@@ -606,7 +595,7 @@ def calibrate_ahead(cells: Sequence[Cell], data: Dataset, accountants: Sequence[
     wanted: dict[tuple[Any, ...], set[float]] = {}
     for cell in cells:
         try:
-            request = _algorithm(cell).sigma_calibration(setting_of(cell, data))
+            request = cell.make_algorithm().sigma_calibration(setting_of(cell, data))
         except Exception:  # noqa: BLE001 - the cell reports it when it prepares
             continue
         if request is not None and request[4] in accountants:
