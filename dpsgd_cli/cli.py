@@ -275,8 +275,9 @@ def report(
         for grid, part in verdicts.groupby("grid", sort=False):
             console.print(Text(f"{grid}: claims (details in report.md)", style="bold"))
             for _, v in part.iterrows():  # Text: a grid's strings are shown, never read as markup
+                says = v["numbers"] if v["verdict"] == "NO DATA" else ("(own) " if v["own"] else "") + v["text"]
                 line = Text.assemble((f"{v['verdict']:<8}", colours[v["verdict"]]), f"{v['claim']:<{width}}  ",
-                                     ("(own) " if v["own"] else "") + v["text"])
+                                     says)  # NO DATA: why, the reader's next step
                 line.truncate(console.width, overflow="ellipsis")
                 console.print(line, no_wrap=True)
     _print_audit_verdicts(results_dir)

@@ -193,8 +193,8 @@ def test_datasets_info_previews_a_file(tmp_path, monkeypatch, capsys):
                  "--set", "test_fraction=0.25")
     out = capsys.readouterr().out
     assert code == 0
-    for line in ("rows_dropped: [1]", "rows_missing_values: [1]", "n_train: 3", "n_test: 1", "positive: yes",
-                 "train_statistics: ['standardisation', 'category vocabulary']"):
+    for line in ("rows_dropped: 1\n", "rows_missing_values: 1\n", "n_train: 3", "n_test: 1", "positive: yes",
+                 "train_statistics: standardisation, category vocabulary"):
         assert line in out, (line, out)
 
 
