@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -48,6 +49,10 @@ from dpsgd_cli.algorithms.sampling import IndexedBatches
 from dpsgd_cli.algorithms.streams import NoiseStream
 from dpsgd_cli.models.logreg import LogisticRegression
 from dpsgd_cli.models.mlp import MLP
+
+if TYPE_CHECKING:
+    from dpsgd_cli.algorithms.chain import GradientChain
+    from dpsgd_cli.models import Model
 
 CHUNK_ELEMENTS = 1 << 23  # noise numbers per kernel call (64 MB in float64): a whole pass on adult / kddcup99
 SINGLE_CHUNK_ELEMENTS = 1 << 16  # per single-example call: its noise block stays in cache (measured best)
@@ -74,7 +79,7 @@ class Plan:
     ops: tuple[Op, ...]
 
 
-def plan(chain, model, theta: np.ndarray) -> Plan:
+def plan(chain: GradientChain, model: Model, theta: np.ndarray) -> Plan:
     batches = chain.batches
     regime, dtype = Regime.OTHER, None
     if isinstance(batches, IndexedBatches):
@@ -196,17 +201,17 @@ def schedule_values(schedule: Callable[..., float], start: int, stop: int) -> np
     return np.fromiter((schedule(s) for s in range(start, stop)), dtype=np.float64, count=stop - start)
 
 
-def _op(chain, kind: type | tuple[type, ...]):
+def _op(chain: GradientChain, kind: type | tuple[type, ...]) -> Any:
     return next((op for op in chain.ops if isinstance(op, kind)), None)
 
 
-def _clip_norms(chain, R: int) -> tuple[np.ndarray, bool]:
+def _clip_norms(chain: GradientChain, R: int) -> tuple[np.ndarray, bool]:
     """(the per-replica clip norms (R,), whether there is a clip): the `Clip` op's initial state."""
     clip = _op(chain, Clip)
     return (clip.init(np.empty((R, 0))), True) if clip is not None else (np.ones(R), False)
 
 
-def _step_values(chains: Sequence, start: int, stop: int, running: np.ndarray) -> np.ndarray:
+def _step_values(chains: Sequence[GradientChain], start: int, stop: int, running: np.ndarray) -> np.ndarray:
     """(C, m, 3): each chain's (η_t, 1 − β₁ᵗ, 1 − β₂ᵗ) for t = start + 1..stop (the last two 1 without Adam),
     the bias corrections computed as `ops.Adam.update` does."""
     out = np.ones((len(chains), stop - start, 3))
@@ -219,14 +224,14 @@ def _step_values(chains: Sequence, start: int, stop: int, running: np.ndarray) -
     return out
 
 
-def _moments(chains: Sequence, *shape: int) -> tuple[np.ndarray, np.ndarray]:
+def _moments(chains: Sequence[GradientChain], *shape: int) -> tuple[np.ndarray, np.ndarray]:
     """Adam's moments m and v (shape..., P), zero, where a chain has an `Adam` op (else an empty last axis): the
     tail's state, kept across the calls of one run."""
     size = shape[-1] if any(_op(c, Adam) is not None for c in chains) else 0
     return np.zeros((*shape[:-1], size)), np.zeros((*shape[:-1], size))
 
 
-def checkpoint_stops(chains: Sequence, steps: Sequence[int]) -> tuple[list[set], list[int]]:
+def checkpoint_stops(chains: Sequence[GradientChain], steps: Sequence[int]) -> tuple[list[set[int]], list[int]]:
     """Each chain's steps after which it records a checkpoint, and every step at which a compiled call must stop (a
     chain's end or one of those records)."""
     records = [set(c.checkpoints.record_steps(c.examples_per_step, s).tolist()) if c.checkpoints else set()
@@ -234,11 +239,12 @@ def checkpoint_stops(chains: Sequence, steps: Sequence[int]) -> tuple[list[set],
     return records, sorted({*steps, *(t for rec in records for t in rec)})
 
 
-def record_checkpoints(model, chains: Sequence, running, records: list[set], stop: int,
+def record_checkpoints(model: Model, chains: Sequence[GradientChain], running: np.ndarray, records: list[set[int]],
+                       stop: int,
                        theta_of: Callable[[int], np.ndarray]) -> None:
     """After a compiled call that ended at step `stop`: record each running chain's checkpoint due there."""
     for c, chain in enumerate(chains):
-        if running[c] and stop in records[c]:
+        if running[c] and stop in records[c] and chain.checkpoints is not None:
             e = chain.examples_per_step
             with np.errstate(all="ignore"):
                 chain.checkpoints.maybe_record(model, theta_of(c), round((stop - 1) * e), round(stop * e))
@@ -265,7 +271,7 @@ def noise_blocks(draws: Sequence[NoiseStream | None], m: int) -> tuple[np.ndarra
     return np.ascontiguousarray(np.stack(blocks), dtype=np.float64), slot
 
 
-def _noise_draws(chain, running: bool = True) -> NoiseStream | None:
+def _noise_draws(chain: GradientChain, running: bool = True) -> NoiseStream | None:
     noise = _op(chain, (Noise, MaskedNoise))
     return noise.draws if noise is not None and running else None
 
@@ -276,11 +282,12 @@ _NO_NOISE = np.zeros((1, 1, 1, 1))
 # --- the single-example backend -------------------------------------------------------------------------------------
 
 
-def run_single_example(model, chain, theta: np.ndarray, steps: int) -> np.ndarray:
+def run_single_example(model: Model, chain: GradientChain, theta: np.ndarray, steps: int) -> np.ndarray:
     """`steps` steps of a chain `SINGLE_EXAMPLE` supports, replica by replica: the chain's indices (`take`n), its
     noise steps and, for a `MaskedNoise`, its mask. θ is not modified; the result is returned."""
     nb = SINGLE_EXAMPLE.load()
-    batches: IndexedBatches = chain.batches
+    batches = chain.batches
+    assert isinstance(batches, IndexedBatches)  # supports(plan) took only chains cut by index
     theta = np.array(theta, copy=True, order="C")
     X, y, x_norm = np.ascontiguousarray(batches.X), np.ascontiguousarray(batches.y), batches.x_norm
     R, P = theta.shape
@@ -306,7 +313,7 @@ def run_single_example(model, chain, theta: np.ndarray, steps: int) -> np.ndarra
                  else np.ones((m, R), dtype=np.bool_))
         lrs = _step_values([chain], done, stop, np.ones(1, dtype=bool))[0]
         kernel(theta, X, y, x_norm, idx, noise, noisy, lrs, clip, do_clip, codes, vals, *moments, *extra)
-        record_checkpoints(model, [chain], [True], records, stop, lambda c: theta)
+        record_checkpoints(model, [chain], np.ones(1, dtype=bool), records, stop, lambda c: theta)
         done = stop
     return theta
 
@@ -323,7 +330,7 @@ def lane_cells(C: int) -> int:
     return C - rest if rest < LANES_FROM else C
 
 
-def _programs(chains: Sequence) -> tuple[np.ndarray, np.ndarray]:
+def _programs(chains: Sequence[GradientChain]) -> tuple[np.ndarray, np.ndarray]:
     """The chains' tail programs padded to one length (code 0: no op)."""
     progs = [program(c.ops) for c in chains]
     L = max(1, max(len(codes) for codes, _ in progs))
@@ -333,13 +340,14 @@ def _programs(chains: Sequence) -> tuple[np.ndarray, np.ndarray]:
     return codes, vals
 
 
-def mini_batch_steps(model, chains: Sequence, thetas: Sequence[np.ndarray], steps: Sequence[int],
-                     out: list) -> Iterator[int]:
+def mini_batch_steps(model: Model, chains: Sequence[GradientChain], thetas: Sequence[np.ndarray],
+                     steps: Sequence[int], out: list[np.ndarray]) -> Iterator[int]:
     """Run chains that share one batch stream (`MINI_BATCH` supports each) for their `steps`, one kernel call at a
     time: yields the steps done after each call; the results are appended to `out` at the end (so a NumPy chain
     on the same stream can replay the batches as they are taken)."""
     kernel = MINI_BATCH.load().mb_logreg
-    batches: IndexedBatches = chains[0].batches
+    batches = chains[0].batches
+    assert isinstance(batches, IndexedBatches)  # supports(plan) took only chains cut by index
     X, y = np.ascontiguousarray(batches.X), np.ascontiguousarray(batches.y)
     C, (R, d) = len(chains), thetas[0].shape
     norms = [_clip_norms(c, R) for c in chains]
@@ -372,11 +380,13 @@ def mini_batch_steps(model, chains: Sequence, thetas: Sequence[np.ndarray], step
 # --- the full-batch backend -----------------------------------------------------------------------------------------
 
 
-def run_full_batch(model, chains: Sequence, thetas: Sequence[np.ndarray], steps: Sequence[int]) -> list[np.ndarray]:
+def run_full_batch(model: Model, chains: Sequence[GradientChain], thetas: Sequence[np.ndarray],
+                   steps: Sequence[int]) -> list[np.ndarray]:
     """Run full-batch chains (`FULL_BATCH` supports each; same X and y) for their `steps` in one kernel call per
     chunk: their θ, each the same bit for bit whatever the other chains."""
     nb = FULL_BATCH.load()
-    batches: IndexedBatches = chains[0].batches
+    batches = chains[0].batches
+    assert isinstance(batches, IndexedBatches)  # supports(plan) took only chains cut by index
     X, y = np.ascontiguousarray(batches.X), np.ascontiguousarray(batches.y)
     R, d = thetas[0].shape
     cols = [(c, r) for c in range(len(chains)) for r in range(R)]

@@ -158,7 +158,7 @@ class ProjectBall(Projection):
 
     def project(self, params: np.ndarray) -> np.ndarray:
         norm = np.linalg.norm(params, axis=1, keepdims=True)
-        return params * np.minimum(1.0, self.radius / np.maximum(norm, 1e-300))
+        return np.asarray(params * np.minimum(1.0, self.radius / np.maximum(norm, 1e-300)))
 
 
 @dataclass(frozen=True)
@@ -168,7 +168,7 @@ class ProjectBox(Projection):
     radius: float
 
     def project(self, params: np.ndarray) -> np.ndarray:
-        return np.clip(params, -self.radius, self.radius)
+        return np.asarray(np.clip(params, -self.radius, self.radius))
 
 
 # --- schedules ------------------------------------------------------------------------------------------------------
@@ -216,14 +216,14 @@ class OpStates:
     """The ops of a chain and their states (made by `init` at the chain's first step)."""
 
     ops: tuple[Op, ...]
-    states: list = field(default_factory=list)
+    states: list[Any] = field(default_factory=list)
 
     def clip_norms(self, params: np.ndarray) -> np.ndarray | None:
         """The per-replica clip norms of the chain's `Clip` op (None: no clip)."""
         self._ready(params)
         for op, state in zip(self.ops, self.states):
             if isinstance(op, Clip):
-                return state
+                return np.asarray(state)
         return None
 
     def clipped_sum(self, model: Any, params: np.ndarray, batch: Any) -> np.ndarray:
@@ -234,7 +234,7 @@ class OpStates:
             if isinstance(op, AdaptiveClip):
                 grad, self.states[k] = op.release(model, params, batch, self.states[k])
                 return grad
-        return model.clipped_grad_sum(params, batch, clip_argument(self.clip_norms(params)))
+        return np.asarray(model.clipped_grad_sum(params, batch, clip_argument(self.clip_norms(params))))
 
     def step(self, grad: np.ndarray, params: np.ndarray) -> np.ndarray:
         """θ after one step from the clipped sum `grad`: the gradient ops, θ + update, the projections."""

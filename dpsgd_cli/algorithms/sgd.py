@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -57,8 +57,8 @@ class SGD(Algorithm):
     Params: ClassVar[type[BaseModel]] = SGDParams  # typed as the base declares it: subclasses bring their own
     execution_params = frozenset({"backend"})
 
-    def chain(self, setting: Setting, X, y, streams: ReplicaStreams, private: tuple[Op, ...] = (),
-              smoothing: tuple[Op, ...] = ()) -> GradientChain:
+    def chain(self, setting: Setting, X: np.ndarray, y: np.ndarray, streams: ReplicaStreams,
+              private: tuple[Op, ...] = (), smoothing: tuple[Op, ...] = ()) -> GradientChain:
         """[clip, noise] → ·1/B → + λθ → [smoothing] → −η ·."""
         return GradientChain(
             batches=poisson_batches(X, y, setting.sample_rate, streams),
@@ -74,12 +74,14 @@ class SGD(Algorithm):
         """The chain's `Update` op: −η g."""
         return Sgd(constant(setting.required.lr))
 
-    def prepare(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Prepared:
+    def prepare(self, setting: Setting, model: Model, X: np.ndarray, y: np.ndarray,
+                streams: ReplicaStreams) -> Prepared:
         chain = self.chain(setting, X, y, streams)
         return self._prepared(setting, model, X, streams, chain, {}, "non-private")
 
     @staticmethod
-    def _prepared(setting: Setting, model: Model, X, streams: ReplicaStreams, chain: GradientChain, derived: dict,
+    def _prepared(setting: Setting, model: Model, X: np.ndarray, streams: ReplicaStreams, chain: GradientChain,
+                  derived: dict[str, Any],
                   guarantee: str) -> Prepared:
         derived = {"steps": setting.steps, "sample_rate": setting.sample_rate, **derived}
         finish = lambda theta: Outcome(theta, derived, guarantee=guarantee,
@@ -128,20 +130,21 @@ class DPSGD(SGD):
             gradient_noise_multiplier(calibrate_sigma(*self.sigma_calibration(setting)).sigma,
                                       count_std(self.params, batch_size), batch_size, self.name)
 
-    def dp_event(self, setting: Setting, derived: dict) -> DpEvent:
+    def dp_event(self, setting: Setting, derived: dict[str, Any]) -> DpEvent:
         """Poisson-sampled Gaussian at the noise multiplier added, composed T times (Abadi et al. 2016); with
         adaptive clipping the two Gaussian releases of each sample (`adaptive_clipping.adaptive_event`)."""
         if "clip_count_std" in derived:
             scale = derived.get("noise_scale", 1.0)
             return adaptive_event(derived["sigma_gradient"] * scale, derived["clip_count_std"] * scale,
                                   setting.sample_rate, setting.steps)
-        return dpsgd_event(derived.get("sigma_used", derived["sigma"]), setting.sample_rate, setting.steps)
+        return dpsgd_event(float(derived.get("sigma_used", derived["sigma"])), setting.sample_rate, setting.steps)
 
     def sigma_calibration(self, setting: Setting) -> tuple[float, float, float, int, AccountantName, Neighbours]:
         return (setting.required.epsilon, setting.delta, setting.sample_rate, setting.steps, self.params.accountant,
                 self.neighbouring())
 
-    def prepare(self, setting: Setting, model: Model, X, y, streams: ReplicaStreams) -> Prepared:
+    def prepare(self, setting: Setting, model: Model, X: np.ndarray, y: np.ndarray,
+                streams: ReplicaStreams) -> Prepared:
         args = self.sigma_calibration(setting)
         cal = calibrate_sigma(*args)
         derived = {"sigma": cal.sigma, "epsilon_achieved": cal.epsilon, "accountant": cal.accountant,
@@ -164,7 +167,7 @@ class DPSGD(SGD):
         return prepared
 
     def private_ops(self, setting: Setting, model: Model, streams: ReplicaStreams, sigma: float,
-                    derived: dict) -> tuple[Op, ...]:
+                    derived: dict[str, Any]) -> tuple[Op, ...]:
         """Clip at C and the sum's noise σC; with `clip_quantile`, one `AdaptiveClip` (its noises recorded in
         `derived`: σ_Δ as sigma_gradient, σ_b as clip_count_std)."""
         draws = streams.normal("noise", (model.n_params,))
