@@ -198,14 +198,12 @@ def layout_problems(fig) -> list[str]:
 
 
 def _shared_phrase(names: list[str]) -> str:
-    """The leading phrase (up to a ', ' or ': ') that every one of three or more legend entries starts with."""
-    if len(names) < 3:
-        return ""
-    first = names[0]
-    for cut in sorted({m for m in range(len(first)) if first.startswith((", ", ": "), m)}, reverse=True):
-        prefix = first[:cut + 2]
-        if all(n.startswith(prefix) and len(n) > len(prefix) for n in names):
-            return prefix
+    """A leading phrase (up to a ', ' or ': ') that three or more legend entries, all but at most two, start with."""
+    for first in names:
+        for cut in (m for m in range(len(first)) if first.startswith((", ", ": "), m)):
+            prefix = first[:cut + 2]
+            if sum(n.startswith(prefix) and len(n) > len(prefix) for n in names) >= max(3, len(names) - 2):
+                return prefix
     return ""
 
 

@@ -321,7 +321,12 @@ def relation_phrases(private: pd.DataFrame) -> list[str]:
 # runs.csv's `accountant` values beyond the `accountant` parameter's own (names.PARAMETERS)
 ACCOUNTANTS = {**names.PARAMETERS["accountant"][1], "gaussian_analytic": "analytic Gaussian",
                "gaussian_classical": "classical Gaussian", "pure": "a pure ε-DP pass",
-               "basic": "basic composition", "advanced": "advanced composition"}
+               "basic": "basic composition", "advanced": "advanced composition",
+               # bassily2014's accountings (privacy/single_example_gaussian.py: closed_form_<formula>,
+               # advanced_composition_<amplification>)
+               "closed_form_paper": "the paper's closed form", "closed_form_lecture": "the lecture's closed form",
+               "advanced_composition_tight": "advanced composition (tight amplification)",
+               "advanced_composition_approx": "advanced composition (approximate amplification)"}
 
 
 def accountant_phrases(private: pd.DataFrame) -> list[str]:
@@ -330,6 +335,8 @@ def accountant_phrases(private: pd.DataFrame) -> list[str]:
     by_accountant = _algorithms_by(private, "accountant", ACCOUNTANTS)
     if len(by_accountant) == 1:
         return [f"$\\varepsilon$ calibrated by {next(iter(by_accountant))}"]
+    if len({tuple(algs) for algs in by_accountant.values()}) == 1:  # one algorithm, the accountant per line
+        return [f"$\\varepsilon$ calibrated by different accountants ({', '.join(by_accountant)}): see each line"]
     mixed = "; ".join(f"{acc}: {', '.join(algs)}" for acc, algs in by_accountant.items())
     return [f"$\\varepsilon$ calibrated by different accountants ({mixed})"] if mixed else []
 

@@ -92,7 +92,7 @@ def finish(fig, title: str = "", caption: list[str] | tuple = (), legend: bool =
     box = None
     if legend and handles:
         shared = shared_phrase(list(handles))
-        labels = [name[len(shared):] for name in handles]
+        labels = [name[len(shared):] if shared and name.startswith(shared) else name for name in handles]
         for ncol in range(min(len(handles), 4), 0, -1):
             if box is not None:
                 box.remove()
@@ -153,16 +153,16 @@ def caption_text(phrases: list[str] | tuple) -> str:
 
 
 def shared_phrase(names: list[str]) -> str:
-    """The leading phrase (through a ', ' or ': ') that each of three or more legend entries starts with, said
-    once as the legend's title ('' when there is none)."""
-    if len(names) < 3:
-        return ""
-    first = names[0]
-    for cut in sorted((m for m in range(len(first)) if first.startswith((", ", ": "), m)), reverse=True):
-        prefix = first[:cut + 2]
-        if all(name.startswith(prefix) and len(name) > len(prefix) for name in names):
-            return prefix
-    return ""
+    """The leading phrase (through a ', ' or ': ') that three or more legend entries, and at least all but two (a
+    reference line or two, e.g. ERM, may differ), start with: said once as the legend's title ('' when none)."""
+    best = ""
+    for first in names:
+        for cut in (m for m in range(len(first)) if first.startswith((", ", ": "), m)):
+            prefix = first[:cut + 2]
+            sharing = sum(name.startswith(prefix) and len(name) > len(prefix) for name in names)
+            if sharing >= max(3, len(names) - 2) and len(prefix) > len(best):
+                best = prefix
+    return best
 
 
 def distinct_labels(locs: list[float]) -> list[str]:
