@@ -54,11 +54,12 @@ def test_the_quickstart_notebook_runs_top_to_bottom(kernel, tmp_path, monkeypatc
     outputs = [output for cell in notebook.cells[:-1] if cell.cell_type == "code" for output in cell.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     kinds = [kind for o in outputs for kind in o.get("data", {})]
-    assert kinds.count("text/html") >= 4  # the runs, the ε table, the selection, the audit as DataFrames
+    assert kinds.count("text/html") >= 5  # the runs, the ε table, the selection, both audits as DataFrames
     assert "image/png" in kinds  # the figure
     shown = "\n".join(o["data"].get("text/plain", "") for o in outputs if "data" in o)
     assert "algorithm_params.accountant" in shown and "epsilon_lo" in shown and "chosen" in shown
     assert (work / "results" / "quickstart" / "runs.csv").exists()
     assert (work / "results" / "quickstart" / "selection.csv").exists()
     assert (work / "results" / "quickstart_audit" / "audit.csv").exists()
+    assert (work / "results" / "quickstart" / "audit.csv").exists()  # the audit of what select chose
     print(f"quickstart.ipynb ran in {seconds:.0f} s")
