@@ -230,6 +230,29 @@ def test_audit_figure_shows_points_at_zero_whole_and_its_legend_covers_none(tmp_
         plt.close(fig)
 
 
+def test_audit_figure_shows_each_verdict_and_the_twins_bound():
+    """A consistent row is filled, an uninformative one hollow, a refuted one an X; each row's twin ε_lo is drawn
+    above it (the bound a real bug gives), with a legend entry saying so."""
+    from dpsgd_cli.audit.plot import audit_figure
+
+    frame = pd.DataFrame({
+        "status": "ok", "threat_model": "white-box, all iterates", "algorithm": "dp_sgd",
+        "epsilon_claimed": [0.5, 1.0, 2.0], "epsilon_lo": [0.0, 0.0, 2.5],
+        "verdict": ["uninformative", "consistent", "refuted"], "control_epsilon_lo": [0.3, 3.6, np.nan]})
+    fig = audit_figure(frame)
+    try:
+        assert layout_problems(fig) == []
+        (ax,) = fig.axes
+        faces = [c.get_facecolors() for c in ax.collections if len(c.get_offsets())]
+        assert any(len(f) == 0 or (f[:, 3] == 0).all() for f in faces)  # a hollow (uninformative) marker
+        twins = [c for c in ax.collections if np.isclose(np.asarray(c.get_offsets(), float)[:, 1], 3.6).any()]
+        assert twins, "the twin's ε_lo is drawn"
+        legend = " ".join(legend_names(fig))
+        assert "broken twin" in legend and "hollow: uninformative" in legend and "REFUTED" in legend
+    finally:
+        plt.close(fig)
+
+
 def test_summary_marks_a_cell_deterministic_by_the_metrics_it_shows(tmp_path):
     """Without a test split every test accuracy is NaN: a cell whose optimality gap varies over seeds is not
     'deterministic', and shows its spread; erm (the same gap every seed) still is."""

@@ -1,4 +1,5 @@
-"""Claimed ε against the audit's ε_lo, a panel per threat model, the diagonal ε_lo = ε; refuted claims stand out."""
+"""Claimed ε against the audit's ε_lo, a panel per threat model, the diagonal ε_lo = ε; refuted claims stand out,
+an uninformative verdict is hollow, and each cell's broken twin shows the bound a real bug would give."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def audit_figure(frame: pd.DataFrame):
     algorithms = sorted(ok["algorithm"].unique())
     styles = {a: (plt.cm.tab10(i % 10), MARKERS[i % len(MARKERS)]) for i, a in enumerate(algorithms)}
     ceilings = ok["ceiling"] if "ceiling" in ok else pd.Series(dtype=float)
-    top = float(np.nanmax([ok["epsilon_claimed"].max(), ok["epsilon_lo"].max(), ceilings.max()])) * 1.15
+    twins = ok["control_epsilon_lo"] if "control_epsilon_lo" in ok else pd.Series(dtype=float)
+    top = float(np.nanmax([ok["epsilon_claimed"].max(), ok["epsilon_lo"].max(), ceilings.max(), twins.max()])) * 1.15
     margin = 0.05 * top
     for ax, threat in zip(axes[0], threats):
         part = ok[ok["threat_model"] == threat]
@@ -38,13 +40,31 @@ def audit_figure(frame: pd.DataFrame):
             ax.axhline(ceiling, color="0.3", lw=1, ls=":", label=f"ceiling of the trials (≥ {ceiling:.2f})")
         for algo, group in part.groupby("algorithm"):
             color, marker = styles[algo]
-            refuted = (group["verdict"] == "refuted" if "verdict" in group
-                       else group["epsilon_lo"] > group["epsilon_claimed"])  # a not-covered row refutes nothing
-            ax.scatter(group["epsilon_claimed"][~refuted], group["epsilon_lo"][~refuted], color=color, marker=marker,
+            verdict = group["verdict"] if "verdict" in group else pd.Series(
+                np.where(group["epsilon_lo"] > group["epsilon_claimed"], "refuted", ""), index=group.index)
+            refuted = verdict == "refuted"  # a not-covered row refutes nothing
+            hollow = verdict.isin(["uninformative", "not covered"])
+            solid = ~refuted & ~hollow
+            ax.scatter(group["epsilon_claimed"][solid], group["epsilon_lo"][solid], color=color, marker=marker,
                        label=names.algorithm(algo), s=30, zorder=4)
+            ax.scatter(group["epsilon_claimed"][hollow], group["epsilon_lo"][hollow], facecolors="none",
+                       edgecolors=color, marker=marker, s=30, zorder=4, linewidths=1.2,
+                       label=None if solid.any() else names.algorithm(algo))
             ax.scatter(group["epsilon_claimed"][refuted], group["epsilon_lo"][refuted], color=color,
                        marker="X", s=110, edgecolor="red", linewidth=1.5, zorder=5,
                        label=f"{names.algorithm(algo)}: REFUTED" if refuted.any() else None)
+            if "control_epsilon_lo" in group and group["control_epsilon_lo"].notna().any():
+                twin = group[group["control_epsilon_lo"].notna()]
+                ax.vlines(twin["epsilon_claimed"], twin["epsilon_lo"], twin["control_epsilon_lo"].clip(upper=top),
+                          color=color, lw=0.8, alpha=0.5, zorder=3)
+                ax.scatter(twin["epsilon_claimed"], twin["control_epsilon_lo"].clip(upper=top), color=color,
+                           marker="_", s=90, linewidths=1.6, zorder=4)
+        if "control_epsilon_lo" in part and part["control_epsilon_lo"].notna().any():
+            ax.scatter([], [], color="0.3", marker="_", s=90, linewidths=1.6,
+                       label=r"its broken twin's $\varepsilon_{lo}$ (noise × control: the bound a real bug gives)")
+        if "verdict" in part and part["verdict"].isin(["uninformative", "not covered"]).any():
+            ax.scatter([], [], facecolors="none", edgecolors="0.3", marker="o", s=30,
+                       label="hollow: uninformative or not covered (see audit.csv's reason)")
         ax.set(xlim=(-margin, top), ylim=(-margin, top), xlabel=r"claimed $\varepsilon$ (accountant)",
                ylabel=r"audited lower bound $\varepsilon_{lo}$")
         ax.set_title(names.literal(threat), fontsize=10)
