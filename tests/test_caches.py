@@ -13,6 +13,7 @@ from dpsgd_cli.config import load_grid_file
 from dpsgd_cli.engine import runner
 from dpsgd_cli.models import make_model
 from dpsgd_cli.privacy import accounting
+from dpsgd_cli.privacy import single_example_gaussian as single
 
 GRID = """
 grids:
@@ -33,6 +34,7 @@ def forget_in_process():
     erm._REFERENCE_CACHE.clear()
     runner.reference_optimum.cache_clear()
     accounting.calibrate_sigma.cache_clear()
+    single.calibrate_bassily.cache_clear()
 
 
 def no_lbfgs(*args, **kwargs):

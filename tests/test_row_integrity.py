@@ -11,6 +11,7 @@ import json
 
 import numpy as np
 import pytest
+from test_caches import forget_in_process
 from test_fusion import run_grid, table
 
 from dpsgd_cli import diskcache
@@ -37,14 +38,6 @@ grids:
     seeds: 2
     epochs: 1
 """
-
-
-def forget_in_process():
-    """What a new process would not have: the in-process L* and σ."""
-    erm._REFERENCE_CACHE.clear()
-    runner.reference_optimum.cache_clear()
-    accounting.calibrate_sigma.cache_clear()
-    single.calibrate_bassily.cache_clear()
 
 
 @pytest.fixture
