@@ -230,6 +230,24 @@ def test_audit_figure_shows_points_at_zero_whole_and_its_legend_covers_none(tmp_
         plt.close(fig)
 
 
+def test_audit_figure_sets_algorithms_at_one_point_side_by_side():
+    """Three algorithms audited at ε = 1 with ε_lo = 0: three markers at three places, none under another."""
+    from dpsgd_cli.audit.plot import audit_figure
+
+    frame = pd.DataFrame({"status": "ok", "threat_model": "black-box, last iterate",
+                          "algorithm": ["dp_sgd", "song2013", "bolt_on"], "epsilon_claimed": 1.0, "epsilon_lo": 0.0,
+                          "verdict": "consistent"})
+    fig = audit_figure(frame)
+    try:
+        (ax,) = fig.axes
+        points = [tuple(p) for c in ax.collections for p in np.asarray(c.get_offsets(), float)
+                  if len(c.get_offsets()) and not np.isclose(p, 0).all()]
+        xs = sorted(x for x, _ in points)
+        assert len(xs) == 3 and min(np.diff(xs)) > 0.01, xs
+    finally:
+        plt.close(fig)
+
+
 def test_audit_figure_shows_each_verdict_and_the_twins_bound():
     """A consistent row is filled, an uninformative one hollow, a refuted one an X; each row's twin ε_lo is drawn
     above it (the bound a real bug gives), with a legend entry saying so."""

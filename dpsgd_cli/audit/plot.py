@@ -38,8 +38,12 @@ def audit_figure(frame: pd.DataFrame):
         if "ceiling" in part and part["ceiling"].notna().any():  # no audit of these trials can reach above it
             ceiling = float(part["ceiling"].min())
             ax.axhline(ceiling, color="0.3", lw=1, ls=":", label=f"ceiling of the trials (≥ {ceiling:.2f})")
+        present = sorted(part["algorithm"].unique())
         for algo, group in part.groupby("algorithm"):
             color, marker = styles[algo]
+            # algorithms side by side at a shared ε (several at ε_lo = 0 would hide one another)
+            group = group.assign(epsilon_claimed=group["epsilon_claimed"]
+                                 + (present.index(algo) - (len(present) - 1) / 2) * 0.015 * top)
             verdict = group["verdict"] if "verdict" in group else pd.Series(
                 np.where(group["epsilon_lo"] > group["epsilon_claimed"], "refuted", ""), index=group.index)
             refuted = verdict == "refuted"  # a not-covered row refutes nothing
