@@ -1,22 +1,5 @@
-"""DP-SGD's privacy accounting, on Google's ``dp-accounting``: its event, the RDP and PLD accountants, σ calibration.
-
-As in ``dp-accounting``, the *mechanism* is a :class:`dp_accounting.DpEvent` (:func:`dpsgd_event`: T steps of the
-Poisson-subsampled Gaussian) and the *accountant* turns an event into (ε, δ) (:func:`epsilon_for`):
-
-``"rdp"``
-    Rényi DP (Mironov 2017; subsampled Gaussian: Mironov, Talwar & Zhang 2019) with the library's conversion
-    (Balle et al. 2020, Prop. 12), minimised over :data:`RDP_ORDERS`; the orders above 64 are walked only when the
-    optimum over the base grid sits at 64 (above 64 the bound is unimodal in α). DP-SGD's own event is computed by
-    :mod:`dpsgd_cli.privacy.rdp`, the library's ε and order bit for bit, without importing it.
-``"pld"``
-    Privacy loss distributions (Koskela et al. 2020; connect-the-dots, Doroshenko et al. 2022), pessimistic (an
-    upper bound), discretisation interval h = ``PLD_RHO``·ε/√(compositions) snapped down to 10^(−k/4), by
-    fixed-point iteration from h = 1e-2 (each pass an upper bound).
-
-:func:`calibrate_sigma`: the smallest σ of :class:`~dpsgd_cli.privacy.calibration.EpsilonCurve`'s lattice whose ε
-meets the target, one curve per (δ, q, T, accountant, relation), kept in the calibration disk cache
-(:func:`~dpsgd_cli.privacy.calibration.cached`). Measurements and choices: docs/accounting.md.
-"""
+"""DP-SGD's privacy accounting on ``dp-accounting``: its event (:func:`dpsgd_event`), the RDP and PLD accountants
+(:func:`epsilon_for`) and σ calibration (:func:`calibrate_sigma`); measurements and choices: docs/accounting.md."""
 
 from __future__ import annotations
 

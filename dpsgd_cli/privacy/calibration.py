@@ -1,14 +1,5 @@
-"""Calibration: the smallest noise σ whose ε, by an accountant, meets a target, and the one disk cache of calibrated
-values.
-
-One search for every mechanism (:class:`EpsilonCurve`, :func:`calibrate`): over the exact accountant (ε must be
-non-increasing in σ), σ is the smallest point of a fixed lattice in log σ (step 2⁻¹²) whose ε is at most the
-target, found by bracketing and bisection: a function of the target alone, so one curve serves a whole ε axis.
-
-:func:`cached` keeps calibrations on disk (one folder, one entry format: key → value with a checksum,
-:mod:`dpsgd_cli.diskcache`); a value read back must hold exactly its fields, and is used only after its `verify`
-re-evaluates the accountant at its σ (:func:`verify_lattice_point`), and the ε recorded is that evaluation's.
-"""
+"""The one σ search (:class:`EpsilonCurve`, :func:`calibrate`: the smallest lattice point whose ε meets the target)
+and the one verified disk cache of calibrations (:func:`cached`); docs/accounting.md#calibration."""
 
 from __future__ import annotations
 

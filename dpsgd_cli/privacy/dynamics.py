@@ -1,31 +1,5 @@
-"""Rényi-DP bounds of noisy full-batch gradient descent (Chourasia, Ye & Shokri, NeurIPS 2021).
-
-Chourasia, Ye, Shokri, "Differential Privacy Dynamics of Langevin Diffusion and Noisy Gradient Descent",
-NeurIPS 2021 (arXiv:2102.05855). The algorithm (their Noisy GD), K steps of size η on L_D = (1/n) Σ ℓ(θ; x_i):
-
-    θ_{k+1} = Π_C(θ_k − η ∇L_D(θ_k) + √(2ησ²) N(0, I)),
-
-σ the paper's noise parameter (per-step noise std √(2η)σ, not a noise multiplier), neighbouring datasets differ
-in one record (replace-one), S_g = max_{x, x'} sup_θ ‖∇ℓ(θ; x) − ∇ℓ(θ; x')‖ the gradient sensitivity (≤ 2L for
-an L-Lipschitz loss, or 2C with per-example clipping at C). Bounds on the order-α Rényi divergence ε(α) between
-the last iterates on neighbouring datasets:
-
-``dynamics_rdp``  (their RDP theorem for Noisy GD; ℓ λ-strongly convex and β-smooth, η < 1/β, C convex)
-    ε(α) = α S_g² / (λ σ² n²) · (1 − e^{−ληK/2});  increasing in K, saturates at α S_g² / (λ σ² n²).
-``composition_rdp``  (the baseline: K-fold RDP composition, no convexity needed)
-    step k releases θ_k − η∇L_D(θ_k) + N(0, 2ησ² I), a Gaussian mechanism with L2 sensitivity Δ = η S_g / n
-    and std s = √(2η)σ, of RDP αΔ²/(2s²) (Mironov 2017, Prop. 7); K steps:  ε(α) = α η K S_g² / (4 σ² n²).
-``minimum_rdp``  min(dynamics, composition) per order: both bound the same divergence, so the minimum does
-    (composition below ληK/2 = 1.594, dynamics above).
-``squared_loss_lower_bound``  (their lower bound, ℓ(θ; x) = ½‖θ − x‖², λ = β = 1)
-    ε(α) ≥ α S_g² / (4 σ² n²) · (1 − e^{−ηK}).
-
-How the three compare (exact statements, tested in tests/test_noisy_gd.py): for small K the dynamics bound
-grows like α S_g² ηK / (2σ²n²), i.e. with TWICE the slope of the composition bound α S_g² ηK / (4σ²n²); the
-composition bound is the smaller one until ληK/2 = x* ≈ 1.5936 (the root of 1 − e^{−x} = x/2), after which the
-dynamics bound is smaller and stays bounded. The lower bound's initial slope equals the composition bound's
-(one step of noisy GD *is* one Gaussian mechanism), and lower ≤ min(composition, dynamics) for all K when λ = 1.
-"""
+"""Rényi-DP bounds of noisy full-batch gradient descent (Chourasia, Ye & Shokri, NeurIPS 2021, arXiv:2102.05855):
+the dynamics bound, K-fold composition, their minimum and the squared-loss lower bound (docs/algorithms.md#noisy_gd)."""
 
 from __future__ import annotations
 

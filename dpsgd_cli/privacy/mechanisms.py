@@ -1,10 +1,5 @@
-"""Classical DP building blocks: noise calibration, samplers, amplification and composition.
-
-Conventions: ``sensitivity`` is the global L1 (Laplace) or L2 (Gaussian) sensitivity; epsilon
-must be > 0; where pure DP is meaningful delta may be 0 and must be < 1.  Samplers take a
-:class:`numpy.random.Generator` so that experiments are reproducible from their seed.  Invalid
-inputs raise :class:`~dpsgd_cli.errors.UserError` naming the parameter, value and allowed range.
-"""
+"""Classical DP building blocks: noise calibration, samplers, amplification and composition; bad input raises
+:class:`~dpsgd_cli.errors.UserError` naming the parameter, value and allowed range."""
 
 from __future__ import annotations
 

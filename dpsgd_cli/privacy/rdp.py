@@ -1,15 +1,5 @@
-"""Rényi DP of DP-SGD's mechanism, the Poisson-subsampled Gaussian, vectorised over orders and terms.
-
-The formulas are Mironov, Talwar & Zhang 2019 ("Rényi Differential Privacy of the Sampled Gaussian Mechanism",
-§3.3: A_α as a binomial sum for integer α, as two erfc series for fractional α; RDP = log A_α / (α - 1)) and the
-RDP -> (ε, δ) conversion of Balle et al. 2020, Prop. 12, computed as ``dp-accounting`` computes them
-(``rdp_privacy_accountant``: ``_compute_log_a_int``, ``_compute_log_a_frac``, ``compute_epsilon``): the same terms
-in the same order, summed left to right (``np.logaddexp`` accumulates as the library's ``_log_add`` loop does), so
-the results are the library's bit for bit (tests/test_rdp.py compares them for equality).
-
-Why not call the library: it sums the terms in a Python loop (small ε walks orders up to ~2,500) and is slow to
-import; docs/accounting.md.
-"""
+"""Rényi DP of the Poisson-subsampled Gaussian (Mironov, Talwar & Zhang 2019, §3.3) and its (ε, δ) conversion (Balle
+et al. 2020, Prop. 12), dp-accounting's terms summed in its order, so bit for bit its numbers (docs/accounting.md)."""
 
 from __future__ import annotations
 

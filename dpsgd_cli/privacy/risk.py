@@ -1,20 +1,5 @@
-"""Attack risk beside ε: the accountant's bound on the power of any membership test (docs/accounting.md#attack-risk).
-
-A test that tells a mechanism's output on D from its output on a neighbour D' with false-positive rate α has a
-true-positive rate bounded by the mechanism's privacy:
-
-- (ε, δ)-DP: TPR ≤ min(e^ε α + δ, 1 − e^{−ε}(1 − δ − α)) (Kairouz, Oh & Viswanath 2015, the hypothesis-testing
-  region of (ε, δ)-DP; the second term is the first applied to the test's complement, the other direction);
-- a privacy profile δ(ε) (the mechanism is (ε, δ(ε))-DP for every ε ≥ 0): the minimum of that bound over ε,
-  tighter than any one (ε, δ) of it; with the exact profile it is the trade-off function's bound (Dong, Roth &
-  Su 2022, Prop. 2.12: f-DP is the intersection of the (ε, δ(ε)) regions);
-- μ-GDP (Dong, Roth & Su 2022): TPR ≤ Φ(Φ⁻¹(α) + μ), exact for one Gaussian mechanism of sensitivity Δ and noise
-  σ at μ = Δ/σ; its profile is δ_μ(ε) = Φ(−ε/μ + μ/2) − e^ε Φ(−ε/μ − μ/2) (their Corollary 2.13).
-
-:func:`attack_risk` gives a row's columns (:data:`COLUMNS`) from its dp_event, the profile of dp-accounting's PLD
-accountant (pessimistic: an upper bound at every ε) or, where the PLD does not take the event, its RDP accountant;
-from the row's claimed (ε, δ) alone where it has no event (its own analysis, pure ε-DP).
-"""
+"""Attack risk beside ε: the accountant's bound on the power of any membership test (Kairouz, Oh & Viswanath 2015;
+Dong, Roth & Su 2022, Prop. 2.12 and Cor. 2.13); the bounds and their sources: docs/accounting.md#attack-risk."""
 
 from __future__ import annotations
 

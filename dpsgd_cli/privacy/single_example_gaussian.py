@@ -1,37 +1,6 @@
-"""Accounting of T steps that each add Gaussian noise to the clipped gradient of one example drawn uniformly.
-
-The mechanism of `bassily2014` (Bassily, Smith & Thakurta, FOCS 2014, Algorithm 1) and of `pidp_sgd`'s noisy
-steps: step t draws i_t uniformly from {1..n} (independently across steps) and releases a function of
-clip_l(∇ℓ(θ_t; z_{i_t})) + b_t, b_t ~ N(0, σ² I). Neighbouring datasets differ in one replaced record, so a step's
-L2 sensitivity is 2l; σ is on the mean-objective scale (the noise added to the single-example gradient).
-
-Accountings (`accounting`), each giving σ for a target (ε, δ) with the ε it achieves:
-
-* `closed_form`: σ = 16 · l · √(T ln(2/δ) ln(2.5T/(δn))) / (n ε) (`formula: lecture`; Bellet, lecture 5,
-  "Differentially private SGD: algorithm & privacy guarantees", the only σ in the source texts) or
-  σ = √32 · l · √(T ln(T/(nδ)) ln(1/δ)) / (n ε) (`formula: paper`: Bassily et al.'s σ_P² = 32 L² n² log(n/δ)
-  log(1/δ)/ε² at T = n², divided by n for our scale and generalised to T steps; recalled, NOT verified against the
-  paper, which is not among the sources). ε achieved = the target. "Proved" iff ε ≤ 1 and the chain below
-  (classical Gaussian with ε₀ < 1, tight amplification, advanced composition) certifies ε for that σ: for
-  T = epochs·n ≪ n² it does not (adult, T = 5n: ε₀ ≈ 3ε for the lecture's σ, ≈ 8.7ε for the paper's).
-* `advanced_composition`: per-step Gaussian mechanism (Δ = 2l, δ₀ = nδ/(2T)) → amplification by subsampling with
-  q = 1/n (`tight`: ε₁ = ln(1 + q(e^ε₀ − 1)) with the analytic Gaussian of Balle & Wang 2018, valid for every ε₀;
-  `approx`: the lecture's ε₁ = 2qε₀ with the classical Gaussian, both only for ε₀ ≤ 1) → advanced composition
-  over T steps with δ' = δ/2 (Dwork, Rothblum & Vadhan 2010). The lecture's constant 16 is this chain with
-  δ' = δ/2 and its leading term doubled to absorb the second.
-* `rdp`: dp-accounting's RdpAccountant, REPLACE_ONE, SelfComposed(SampledWithoutReplacement(n, 1,
-  Gaussian(σ/(2l))), T): one example drawn uniformly is a size-1 sample without replacement, so this is the
-  mechanism itself (Wang, Balle & Kasiviswanathan 2019, Thm 27; the library's SampledWithReplacement event is
-  supported by neither accountant).
-* `pld`: dp-accounting's PLDAccountant, REPLACE_ONE, SelfComposed(PoissonSampled(1/n, Gaussian(σ/(2l))), T): the
-  pair qN(∓2l, σ²) + (1−q)N(0, σ²), a valid (slightly conservative) dominating pair of a step by advanced joint
-  convexity (Balle, Barthe & Gaboardi 2018, Thm 2); dominating pairs compose (Zhu, Dong & Wang 2022).
-  tests/test_bassily.py checks it numerically.
-
-:func:`calibrate_bassily` finds σ by the one lattice search, :func:`~dpsgd_cli.privacy.calibration.calibrate` (on the
-noise multiplier σ/(2l) for the RDP and PLD accountants), and keeps it in the calibration disk cache, checked by one
-evaluation of its analysis when read back.
-"""
+"""Accounting of T steps that each add Gaussian noise to one uniformly drawn example's clipped gradient
+(Bassily, Smith & Thakurta, FOCS 2014, Algorithm 1; `pidp_sgd`'s noisy steps): closed forms, the lecture's chain,
+RDP and PLD events under replace-one, and :func:`calibrate_bassily`. Derivations: docs/algorithms.md#bassily2014."""
 
 from __future__ import annotations
 

@@ -1,24 +1,5 @@
-"""Privacy of hyperparameter selection: random search with a random number of trials.
-
-A base mechanism Q (draw a candidate uniformly, train it, score it on validation) is run K times with fresh
-randomness and only the best run is released; K is random:
-
-- Papernot & Steinke, "Hyperparameter tuning with Rényi differential privacy", ICLR 2022 (arXiv:2110.03620):
-  Theorem 2 for K ~ truncated negative binomial D_{η,γ} (η = 1: geometric, η = 0: logarithmic),
-  Theorem 6 for K ~ Poisson(μ). Both bound the RDP of the tuned mechanism by Q's RDP at every order.
-- Liu & Talwar, "Private selection from private candidates", STOC 2019: geometric stopping with ε-DP
-  candidates is 3ε-DP (pure DP only).
-
-Q draws the candidate uniformly, so Q's Rényi divergence is at most the largest of the candidates' at each order
-(joint quasi-convexity, van Erven & Harremoës 2014, Thm 13): :func:`tuned_rdp` takes that maximum curve.
-Q also releases its validation score, computed on private rows: a noisy count of correct predictions
-(sensitivity 1), Gaussian for RDP candidates, Laplace for pure ones. The validation split assigns each record
-on its own (data/spec.py `validation_split`), so a record changes either the training (fit rows) or the score
-(validation rows), never both: Q's divergence is at most the larger of the two (quasi-convexity again), and
-the score's noise is set so that its loss never exceeds the training's (:func:`score_sigma`): it costs no ε.
-The formulas are written here (the mixture over candidates needs them on a curve); tests compare them with
-dp-accounting's ``RepeatAndSelectDpEvent`` and a hand-computed case.
-"""
+"""Privacy of random search with a random number of trials (Papernot & Steinke, ICLR 2022, Thms 2 and 6; Liu &
+Talwar, STOC 2019); the argument, and why the validation score costs no ε: docs/hyperparameters.md."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""Input checks shared by the privacy modules.
-
-Every check raises :class:`~dpsgd_cli.errors.UserError` with a one-line message that names the
-parameter, the offending value and the allowed range, e.g.
-``delta must be in (0, 1), got 1.5``.
-"""
+"""Input checks shared by the privacy modules: each raises a one-line UserError naming parameter, value and range."""
 
 from __future__ import annotations
 
