@@ -1,13 +1,6 @@
-"""Adaptive clipping for DP-SGD's family (Andrew, Thakkar, McMahan, Ramaswamy, "Differentially Private Learning with
-Adaptive Clipping", NeurIPS 2021): its grid parameters, the gradient's reduced noise multiplier, the op and the
-mechanism as a dp-accounting event. The op is `ops.AdaptiveClip`; `dp_sgd` and `dp_adam` use it with `clip_quantile`.
-
-Privacy. Each step releases, on one Poisson sample, the clipped sum with noise σ_Δ·C_t (sensitivity C_t) and the
-count of centred indicators 1[‖∇ℓ_i‖ ≤ C_t] − 1/2 with noise σ_b (sensitivity 1/2). Scaled to unit noise, the two
-are one Gaussian release of the vector (g_i/(σ_Δ C_t), (b_i − 1/2)/σ_b), whose per-example norm is at most
-(σ_Δ⁻² + (2σ_b)⁻²)^(1/2) = 1/σ when σ_Δ = (σ⁻² − (2σ_b)⁻²)^(−1/2) (the paper's Theorem 1): the step is DP-SGD's
-Poisson-sampled Gaussian at noise multiplier σ, so σ is DP-SGD's calibration and the ε is DP-SGD's.
-"""
+"""Adaptive clipping for DP-SGD's family (Andrew, Thakkar, McMahan & Ramaswamy, NeurIPS 2021, Theorem 1): grid
+parameters, the gradient's noise multiplier σ_Δ, and the mechanism as a dp-accounting event; the op is
+`ops.AdaptiveClip`. Why σ is DP-SGD's: docs/algorithms.md#adaptive-clipping-clip_quantile."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""`bassily2014`: noisy projected SGD, one example per step (Bassily, Smith & Thakurta, FOCS 2014).
-
-Source: R. Bassily, A. Smith, A. Thakurta, "Private Empirical Risk Minimization: Efficient Algorithms and Tight
-Error Bounds", FOCS 2014, Algorithm 1 (A_Noise-SGD), as taught in A. Bellet's lecture on private ERM. The
-accountings, step sizes, radius and assumptions: docs/algorithms.md (bassily2014).
-
-    i_t ~ uniform{1..n};  θ_{t+1} = Π_{‖θ‖≤R}(θ_t − γ_t(clip_l(∇ℓ(θ_t; z_{i_t})) + λθ_t + b_t)),  b_t ~ N(0, σ² I_d)
-
-On our scale (the mean objective) σ = σ_P / n of the paper's sum objective; θ_1 = 0, output the last iterate."""
+"""`bassily2014`: noisy projected SGD, one example per step (Bassily, Smith & Thakurta, FOCS 2014, Algorithm 1, as
+taught in Bellet's lecture); accountings, step sizes, radius, scale of σ: docs/algorithms.md#bassily2014."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""DP-LSSGD: DP-SGD whose noisy gradient is smoothed by the inverse of I − σ_ls Δ (Wang et al. 2019/2020).
-
-Wang, Gu, Boedihardjo, Barekat, Osher, "DP-LSSGD: A Stochastic Optimization Method to Lift the Utility in
-Privacy-Preserving ERM", MSML 2020 (arXiv:1906.12056).
-"""
+"""DP-LSSGD: DP-SGD whose noisy gradient is smoothed by the inverse of I − σ_ls Δ (Wang, Gu, Boedihardjo, Barekat &
+Osher, MSML 2020, arXiv:1906.12056)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
 """Output perturbation: the exact regularised minimiser plus Gaussian noise (`output_perturbation`,
-Chaudhuri–Monteleoni–Sarwate 2011) and permutation-based SGD plus Gaussian noise (`bolt_on`, Wu et al. 2017).
-
-Both release θ + N(0, σ²I), σ from the L2-sensitivity Δ of θ (`calibrate_output_noise`, `add_output_noise`):
-- `classic`: σ = Δ √(2 ln(1.25/δ)) / ε (Dwork & Roth 2014, Thm A.1), proved for 0 < ε < 1 only;
-- `analytic`: the smallest σ for which the Gaussian mechanism is (ε, δ)-DP (Balle & Wang, ICML 2018, Thm 8).
-`derived["epsilon_exact"]` is the exact ε of the released (Δ, σ, δ) by the Balle–Wang curve."""
+Chaudhuri–Monteleoni–Sarwate 2011) and permutation-based SGD plus Gaussian noise (`bolt_on`, Wu et al. 2017);
+σ classic (Dwork & Roth 2014, Thm A.1) or analytic (Balle & Wang, ICML 2018, Thm 8): docs/algorithms.md."""
 
 from __future__ import annotations
 
@@ -180,15 +176,8 @@ def convex_psgd_sensitivity(lipschitz: float, lr: float, passes: int, batch_size
 
 
 def strongly_convex_psgd_sensitivity(lipschitz: float, gamma: float, batch_size: int, batches_per_pass: int) -> float:
-    """Δ = 2L/(γ b M), M = ⌊n/b⌋ batches per pass (= 2L/(γn) when b divides n), for steps η_t = min(1/β, 1/(γt)).
-
-    From the growth recursion of Wu et al. (2017): the step map is (1 − η_t γ)-expansive (η_t ≤ 1/β ≤ 2/(β + γ)), so
-    δ_t ≤ (1 − η_t γ) δ_{t−1}, plus 2η_t L/b at the one step per pass whose batch holds the differing example. A hit
-    at step s contributes (2L/b) η_s Π_{t=s+1}^{T} (1 − η_t γ) ≤ 2L/(bγT) (T = kM steps; exactly 2L/(bγT) when
-    s ≥ β/γ, since Π (1 − 1/t) = s/T; less before), and the k hits give 2kL/(bγT) = 2L/(γbM) whatever their
-    positions. Counting t in examples instead of steps, or dividing 2L/(γn) by b again, is not what this proof gives:
-    2L/(γnb) is exceeded on real neighbours (tests/test_output_perturbation.py).
-    """
+    """Δ = 2L/(γ b M), M = ⌊n/b⌋ batches per pass, for steps η_t = min(1/β, 1/(γt)) (Wu et al. 2017, Thm 2 with
+    mini-batches; the growth recursion: docs/algorithms.md#bolt_on)."""
     return 2 * lipschitz / (gamma * batch_size * batches_per_pass)
 
 
@@ -227,13 +216,8 @@ class BoltOnParams(OutputNoiseParams):
 
 
 class BoltOn(Algorithm):
-    """Bolt-on private PSGD (Wu, Li, Kumar, Chaudhuri, Jha & Naughton, SIGMOD 2017): k passes of mini-batch SGD over
-    one permutation drawn once per replica, no noise during training, then θ + N(0, σ²I) (docs/algorithms.md, bolt_on).
-
-    - convex: constant step η = lr ≤ 2/β, Δ = 2kLη/b (Wu et al. Thm 1 with mini-batches);
-    - strongly_convex (λ > 0, γ = λ): η_t = min(1/β, 1/(γt)), Δ = 2L/(γ b ⌊n/b⌋) (Wu et al. Thm 2;
-      `strongly_convex_psgd_sensitivity`).
-    λθ is the same on both neighbours and cancels in the growth recursion: no projection is needed."""
+    """Bolt-on private PSGD (Wu, Li, Kumar, Chaudhuri, Jha & Naughton, SIGMOD 2017, Thms 1-2): k passes of mini-batch
+    SGD over one permutation, no noise during training, then θ + N(0, σ²I) (docs/algorithms.md#bolt_on)."""
 
     name = "bolt_on"
     # the iterates carry no noise: only the released θ is private

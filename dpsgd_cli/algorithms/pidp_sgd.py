@@ -1,22 +1,6 @@
-"""PIDP-SGD: DP-SGD that skips the noise on steps whose example barely moves the model (Kang et al.).
-
-Kang, Li, Liu, Wang, "Data Heterogeneity Differential Privacy: From Theory to Algorithm" (the text:
-../shared/papers/kang-li-liu-wang-data-heterogeneity-dp.txt), Algorithm 1, Theorems 4-5, §5.3, Remarks 5-8.
-"Line k" is the paper's own numbering of Algorithm 1. docs/algorithms.md (pidp_sgd) has the algorithm as run, the
-readings of the text (each keyed in `DEVIATIONS`), the non-paper variants, the reduction of lines 9-10 to one
-threshold τ, the TV bound recorded as the `guarantee`, and what `privacy_note` prices (ε₂, line 9's factor 2).
-
-    per round k (line 3): H = ∇²F(θ_k) (+ζI when λ < ζ, Remark 5), inverted once                       (line 4)
-    per step: z_t ~ uniform{1..n}                                                                     (line 6)
-        c_t^(o) = c_{z_t} + E,  c_z = (1/n) H⁻¹ clip_G(∇ℓ(θ_k, z)) ∈ R^m  (eq. 11, Theorem 4's E)       (line 7)
-        c_t = 2 c_t^(o) + b^(c),  b^(c) ~ N(0, σ_c² I_m)                                              (lines 8-9)
-        noiseless iff max_i |[c_t]_i| ≤ τ = 2rδ₁(1 + e^{−ε₁})                                        (lines 9-10)
-        noiseless: θ ← θ − α (clip_G(∇ℓ(θ, z_t)) + λθ);  else + b, b ~ N(0, s² I)             (lines 11, 13-14)
-
-ε₁ = 3ε/4, ε₂ = ε/4 (§7), δ₁ = δ₂ = δ/2, σ_c = c'GR√(log(1.25R/δ₂))/(nζε₂), c' = 2.83 (Theorem 5's proof); s:
-single-example DP-SGD (ε₁, δ₁)-DP over T steps under replace-one neighbours, by the run's accountant.
-TV bound: M is (ε₁ + ε₂, δ₁ + δ₂ + (1 + e^{ε₁})Tp)-DP when every step skips with probability ≤ p on every dataset.
-"""
+"""PIDP-SGD: DP-SGD that skips the noise on steps whose example barely moves the model (Kang, Li, Liu, Wang, "Data
+Heterogeneity Differential Privacy", Algorithm 1, Theorems 4-5). "Line k" is the paper's numbering of Algorithm 1;
+the algorithm as run, its readings (`DEVIATIONS`), τ and the TV bound: docs/algorithms.md#pidp_sgd."""
 
 from __future__ import annotations
 

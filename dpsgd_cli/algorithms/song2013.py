@@ -1,9 +1,5 @@
-"""Mini-batch SGD with α-DP updates (Song, Chaudhuri & Sarwate, GlobalSIP 2013) and its non-private twin.
-
-Song, Chaudhuri, Sarwate, "Stochastic gradient descent with differentially private updates", GlobalSIP 2013;
-docs/algorithms.md (song2013) has the parameters and the data's effect on the clip. One `GradientChain`:
-
-    w_{t+1} = Π( w_t − η_t ( λ w_t + (1/b) Σ_{i∈B_t} ∇ℓ(w_t; x_i, y_i) + Z_t / b ) ),  Z_t ∝ exp(−(α/2)‖z‖)"""
+"""Mini-batch SGD with α-DP updates (Song, Chaudhuri & Sarwate, GlobalSIP 2013) and its non-private twin, as one
+`GradientChain`; the parameters and the data's effect on the clip: docs/algorithms.md#song2013-song2013_nonprivate."""
 
 from __future__ import annotations
 

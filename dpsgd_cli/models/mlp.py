@@ -1,23 +1,5 @@
-"""One-hidden-layer perceptron (Kang et al.: "a multi-layer perceptron with one hidden layer whose size is the same
-as the input layer"), vectorised over the replica axis.
-
-    z = W₁ x + b₁ ∈ R^h,   a = φ(z),   f(x) = w₂·a + b₂,   ℓ(θ; x, y) = log(1 + exp(−y f(x)))   (y ∈ {−1, +1}),
-    F(θ) = (1/n) Σ ℓ(θ; x_i, y_i) + (λ/2)‖θ‖²   over ALL P = d·h + h + h + 1 parameters (biases regularised too).
-
-θ is flat, (R, P), laid out as [W₁ (h×d, row-major) | b₁ (h) | w₂ (h) | b₂ (1)] (`unpack` / `pack`).
-
-Per-example gradients (r = ∂ℓ/∂f = −y σ(−y f), u = w₂ ⊙ φ'(z), δ = r u):
-    ∂ℓ/∂b₂ = r,  ∂ℓ/∂w₂ = r a,  ∂ℓ/∂b₁ = δ,  ∂ℓ/∂W₁ = δ xᵀ   (an outer product: ‖δ xᵀ‖ = ‖δ‖‖x‖), so
-    ‖∇ℓ‖² = r² (1 + ‖a‖² + ‖u‖² (‖x‖² + 1)),
-and clipping never builds the (R, M, P) tensor: each example's output gradient r is scaled by
-weight · min(1, C/‖∇ℓ‖) and the usual batched backward pass sums the clipped gradients. Row-sparse data take a
-compiled path (docs/design.md, "MLP row-sparse products").
-
-Hessian–vector products are exact (Pearlmutter's R-operator, forward-over-reverse by hand): for a direction
-v = (V₁, c₁, v₂, c₂), R{z} = V₁x + c₁, R{a} = φ'(z) ⊙ R{z}, R{f} = v₂·a + w₂·R{a} + c₂, R{r} = ℓ''(f) R{f} with
-ℓ''(f) = σ(f) σ(−f), R{δ} = R{r} u + r (v₂ ⊙ φ'(z) + w₂ ⊙ φ''(z) ⊙ R{z}); then
-H v = (1/n) Σ [R{δ} xᵀ | R{δ} | R{r} a + r R{a} | R{r}] + λ v.
-"""
+"""One-hidden-layer perceptron (Kang et al.), vectorised over the replica axis; θ is flat, (R, P), laid out as
+[W₁ (h×d, row-major) | b₁ (h) | w₂ (h) | b₂ (1)]. Gradients, clipping and the R-operator: docs/algorithms.md#models."""
 
 from __future__ import annotations
 
