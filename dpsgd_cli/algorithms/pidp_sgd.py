@@ -564,7 +564,7 @@ class PIDPSGD(Algorithm):
     name = "pidp_sgd"
     tags = Tags("PIDP-SGD", private=True, neighbours="replace_one",
                 own_analysis="Kang et al.'s analysis of Algorithm 1: (ε₁, δ₁) for the noisy steps, (ε₂, δ₂) for the "
-                             "private influence test, with the labelled deviations of the module docstring")
+                             "private influence test, with the labelled deviations of docs/algorithms.md")
     uses = frozenset({"epsilon", "batch_size", "lr", "epochs", "l2"})
     execution_params = frozenset({"backend"})
     Params = PIDPSGDParams

@@ -259,7 +259,7 @@ class MLP(Model):
 
     # Second order -----------------------------------------------------------------------------------------
     def hvp(self, theta: np.ndarray, X: np.ndarray, y: np.ndarray, v: np.ndarray) -> np.ndarray:
-        """Exact ∇²F(θ) v (R-operator, see the module docstring), λv included: (R, P)."""
+        """Exact ∇²F(θ) v (R-operator, docs/algorithms.md#models), λv included: (R, P)."""
         W1, b1, w2, b2 = self.unpack(theta)
         V1, c1, v2, c2 = self.unpack(v)
         R, n = theta.shape[0], X.shape[-2]

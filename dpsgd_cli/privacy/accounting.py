@@ -96,7 +96,7 @@ def _extension_orders() -> tuple[float, ...]:
 
 
 RDP_EXTENSION_ORDERS: tuple[float, ...] = _extension_orders()
-"""Integer orders in (64, 32768], ~5 % apart, evaluated lazily (see the module docstring)."""
+"""Integer orders in (64, 32768], ~5 % apart, evaluated lazily (docs/accounting.md)."""
 
 RDP_ORDERS: tuple[float, ...] = RDP_BASE_ORDERS + RDP_EXTENSION_ORDERS
 """The full order grid: :func:`epsilon_for` returns the minimum of the conversion over it."""
@@ -119,14 +119,8 @@ _PLD_MAX_PASSES = 8
 
 
 def dpsgd_event(noise_multiplier: float, sample_rate: float, steps: int) -> DpEvent:
-    """DpEvent of DP-SGD with Poisson sampling (Abadi et al. 2016, "Deep Learning with DP").
-
-    ``SelfComposed(PoissonSampled(q, Gaussian(sigma)), T)``: each of the ``steps`` = T steps
-    includes every example independently with probability ``sample_rate`` = q and adds Gaussian
-    noise of standard deviation ``noise_multiplier`` x (clipping norm) to the summed clipped
-    gradients.  Neighbouring relation: add/remove one example (the library default).  With
-    q == 1 (full batch) the event is the plain Gaussian mechanism composed T times.
-    """
+    """DpEvent of DP-SGD (Abadi et al. 2016): SelfComposed(PoissonSampled(q, Gaussian(noise_multiplier)), steps); with
+    q == 1 (full batch) the plain Gaussian mechanism composed T times."""
     sigma = check.noise_multiplier("noise_multiplier", noise_multiplier)
     q = check.sample_rate("sample_rate", sample_rate)
     t = check.count("steps", steps, maximum=MAX_STEPS)
@@ -154,12 +148,8 @@ def _composition_count(event: DpEvent) -> int:
 
 
 class _DropFracNonConvergence(logging.Filter):
-    """Drops the library's "_compute_log_a_frac failed to converge" warnings.
-
-    For large q and small alpha the library's series for a fractional order may not converge in
-    1000 terms; it then *excludes that order* (RDP = inf), which can only make epsilon larger, so
-    the bound stays valid.  Dozens of such lines per evaluation would flood the CLI output.
-    """
+    """Drops the library's "_compute_log_a_frac failed to converge" warnings: it then excludes that order (RDP = inf),
+    which only makes ε larger, so the bound stays valid; dozens of such lines would flood the output."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "_compute_log_a_frac failed to converge" not in record.getMessage()
@@ -279,7 +269,7 @@ def _pld_epsilon(
     event: DpEvent, delta: float, value_discretization_interval: float | None = None,
     neighbours: str = "add_remove",
 ) -> tuple[float, float]:
-    """(epsilon, discretisation interval used); see the module docstring for the h rule."""
+    """(epsilon, discretisation interval used); the h rule: docs/accounting.md."""
     if value_discretization_interval is not None:
         h = check.positive("value_discretization_interval", value_discretization_interval)
         return _pld_once(event, delta, h, neighbours), h
@@ -305,11 +295,7 @@ def _check_accountant(accountant: object) -> str:
 def epsilon_for(
     event: DpEvent, delta: float, accountant: AccountantName = "rdp", neighbours: Neighbours = "add_remove"
 ) -> float:
-    """Epsilon such that ``event`` is (epsilon, delta)-DP under ``neighbours``, by the chosen accountant.
-
-    ``"rdp"``: RdpAccountant over :data:`RDP_ORDERS`; ``"pld"``: PLDAccountant with the adaptive
-    discretisation described in the module docstring.  Both are upper bounds; PLD is tighter.
-    """
+    """ε such that ``event`` is (ε, delta)-DP under ``neighbours`` by the accountant (upper bounds; PLD tighter)."""
     d = check.open_unit("delta", delta)
     name = _check_accountant(accountant)
     if name == "rdp":
@@ -336,11 +322,7 @@ def dpsgd_epsilon(
 
 def rdp_curve_to_epsilon(orders: Sequence[float] | np.ndarray, rdp: Sequence[float] | np.ndarray,
                          delta: float) -> float:
-    """Epsilon at ``delta`` of a mechanism that is (alpha, rdp[i])-RDP for each alpha = orders[i].
-
-    Thin wrapper of :func:`dp_accounting.rdp.compute_epsilon` (the improved conversion of Balle
-    et al. 2020, Prop. 12, minimised over the given orders), for analytic RDP bounds.
-    """
+    """ε at ``delta`` of an (orders[i], rdp[i])-RDP mechanism by dp-accounting (Balle et al. 2020, Prop. 12)."""
     d = check.open_unit("delta", delta)
     o = np.asarray(orders, dtype=float).ravel()
     r = np.asarray(rdp, dtype=float).ravel()
@@ -356,13 +338,8 @@ def rdp_curve_to_epsilon(orders: Sequence[float] | np.ndarray, rdp: Sequence[flo
 
 
 def rdp_epsilon_floor(delta: float) -> float:
-    """Smallest epsilon the RDP conversion over :data:`RDP_ORDERS` can give at ``delta``.
-
-    Limit of the library's conversion as every RDP value tends to 0+ (sigma -> infinity, but
-    before the KL branch applies):
-    ``min_alpha  log(1 - 1/alpha) - log(delta * alpha) / (alpha - 1)`` over orders > 1.01.
-    Targets below it are unreachable with ``accountant="rdp"`` whatever the noise.
-    """
+    """Smallest ε the RDP conversion over :data:`RDP_ORDERS` can give at ``delta`` (its limit as every RDP value tends
+    to 0+: min over α > 1.01 of log(1 − 1/α) − log(δα)/(α − 1)); targets below it are unreachable with RDP."""
     return _rdp_epsilon_floor(check.open_unit("delta", delta))
 
 
@@ -471,14 +448,9 @@ def calibrate_sigma(
     accountant: AccountantName = "rdp",
     neighbours: Neighbours = "add_remove",
 ) -> Calibration:
-    """Smallest DP-SGD noise multiplier on the lattice of :func:`dpsgd_curve` with epsilon in
-    [0.999 * target, target] under ``neighbours``.
-
-    Kept in the process and in the calibration disk cache (keyed by the arguments, the library's version and
-    :data:`CALIBRATION_VERSION`): a cached sigma is the float the search returned, used only after one accountant
-    evaluation confirms it (:func:`_verified`), its epsilon that evaluation's. Raises :class:`UserError` for invalid
-    inputs and for targets that no sigma in [1e-2, 1e6] reaches.
-    """
+    """Smallest DP-SGD noise multiplier on the lattice of :func:`dpsgd_curve` with ε in [0.999·target, target] under
+    ``neighbours``, kept in the process and the calibration disk cache (checked on reading: :func:`_verified`);
+    UserError for invalid inputs and targets no σ in [1e-2, 1e6] reaches."""
     target = check.positive("target_epsilon", target_epsilon)
     d = check.open_unit("delta", delta)
     q = check.sample_rate("sample_rate", sample_rate)

@@ -48,10 +48,8 @@ def _common(alpha: ArrayLike, K: ArrayLike, eta: float, sigma: float, n: float,
 
 def dynamics_rdp(alpha: ArrayLike, K: ArrayLike, eta: float, sigma: float, lam: float, n: float,
                  sensitivity: float) -> np.ndarray:
-    """ε(α) = α S_g² / (λ σ² n²) · (1 − e^{−ληK/2}) (Chourasia et al. 2021); array-valued in α, K.
-
-    Valid for a λ-strongly convex, β-smooth loss with η < 1/β (checked by the caller, not here).
-    """
+    """ε(α) = αS_g²/(λσ²n²)·(1 − e^{−ληK/2}) (Chourasia et al. 2021), array-valued in α, K; for a λ-strongly convex,
+    β-smooth loss with η < 1/β (checked by the caller)."""
     a, k, eta, sigma, n, s = _common(alpha, K, eta, sigma, n, sensitivity)
     lam = check.positive("lam (strong convexity λ)", lam)
     return a * s**2 / (lam * sigma**2 * n**2) * -np.expm1(-lam * eta * k / 2.0)
@@ -75,12 +73,8 @@ def squared_loss_lower_bound(alpha: ArrayLike, K: ArrayLike, eta: float, sigma: 
 
 def privacy_curve(K_values: Sequence[float] | np.ndarray, alpha: float = 30, sigma: float = 0.02,
                   sensitivity: float = 4, eta: float = 0.02, lam: float = 1, n: float = 5000) -> pd.DataFrame:
-    """ε(α) against K for the three bounds; defaults are the parameters of the paper's Figure 1 / the talk.
-
-    Columns K, dynamics, composition, lower_bound; the parameters are in ``frame.attrs``. The lower bound is
-    the exact privacy loss for ℓ(θ; x) = ‖θ − x‖²/2, i.e. λ = β = 1: for any other λ it bounds a different loss
-    than the dynamics bound, so the column is NaN and ``attrs["lower_bound_note"]`` says why.
-    """
+    """ε(α) against K for the three bounds (columns K, dynamics, composition, lower_bound; parameters in ``attrs``),
+    defaults: the paper's Figure 1; the lower bound holds for λ = β = 1 only, else NaN (attrs["lower_bound_note"])."""
     K = np.asarray(K_values, dtype=float).ravel()
     if K.size == 0:
         raise UserError("K_values must not be empty")

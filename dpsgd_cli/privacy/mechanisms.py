@@ -64,13 +64,8 @@ def gaussian_sigma_valid(epsilon: float) -> bool:
 def gaussian_sigma(
     sensitivity: float, epsilon: float, delta: float, *, strict: bool = True
 ) -> float:
-    """sigma = Delta_2 sqrt(2 ln(1.25/delta)) / epsilon (Dwork & Roth 2014, Thm A.1).
-
-    The theorem is proven only for 0 < epsilon < 1 (see :func:`gaussian_sigma_valid`).  For
-    epsilon >= 1 this raises :class:`UserError` unless ``strict=False``, in which case the formula
-    value is returned *without* any privacy guarantee (useful to plot the formula); for a valid
-    sigma at any epsilon use :func:`analytic_gaussian_sigma`.  Nothing is clamped.
-    """
+    """σ = Δ₂√(2 ln(1.25/δ))/ε (Dwork & Roth 2014, Thm A.1), proven for 0 < ε < 1 only: at ε ≥ 1 a UserError, or with
+    ``strict=False`` the formula's value without guarantee (to plot it); :func:`analytic_gaussian_sigma` is valid."""
     delta_2 = check.positive("sensitivity", sensitivity)
     eps = check.positive("epsilon", epsilon)
     d = check.open_unit("delta", delta)
@@ -83,11 +78,7 @@ def gaussian_sigma(
 
 
 def analytic_gaussian_sigma(sensitivity: float, epsilon: float, delta: float) -> float:
-    """Smallest sigma making the Gaussian mechanism (epsilon, delta)-DP, any epsilon > 0.
-
-    Analytic Gaussian mechanism (Balle & Wang 2018, Thm 8), computed by
-    :func:`dp_accounting.get_sigma_gaussian` for sensitivity 1 and scaled by Delta_2.
-    """
+    """Smallest σ making the Gaussian mechanism (ε, δ)-DP at any ε > 0 (Balle & Wang 2018, Thm 8, by dp-accounting)."""
     delta_2 = check.positive("sensitivity", sensitivity)
     eps = check.positive("epsilon", epsilon)
     d = check.open_unit("delta", delta)
@@ -95,12 +86,8 @@ def analytic_gaussian_sigma(sensitivity: float, epsilon: float, delta: float) ->
 
 
 def analytic_gaussian_epsilon(sensitivity: float, sigma: float, delta: float, releases: int = 1) -> float:
-    """The exact ε at δ of `releases` Gaussian mechanisms N(f(D), σ²I) with L2 sensitivity Delta_2 each.
-
-    k releases at noise multiplier z = σ/Δ compose to exactly one release at z/√k (the privacy loss of each is
-    N(μ²/2, μ²) with μ = 1/z, and the sum of k is that of μ√k), whose ε is Balle & Wang's (2018, Thm 8), by
-    :func:`dp_accounting.get_epsilon_gaussian`.
-    """
+    """The exact ε at δ of `releases` Gaussian mechanisms of L2 sensitivity Δ: k releases at z = σ/Δ compose to one at
+    z/√k (their privacy losses are Gaussian), whose ε is Balle & Wang's (2018, Thm 8)."""
     delta_2 = check.positive("sensitivity", sensitivity)
     s = check.positive("sigma", sigma)
     d = check.open_unit("delta", delta)
@@ -162,11 +149,8 @@ def basic_composition(epsilon: float, delta: float, k: int) -> tuple[float, floa
 def advanced_composition(
     epsilon: float, delta: float, k: int, delta_prime: float
 ) -> tuple[float, float]:
-    """Advanced composition (Dwork, Rothblum & Vadhan 2010, Thm III.3; Dwork & Roth Thm 3.20).
-
-    k adaptive (epsilon, delta)-DP mechanisms are
-    (epsilon sqrt(2 k ln(1/delta')) + k epsilon (e^epsilon - 1), k delta + delta')-DP.
-    """
+    """Advanced composition (Dwork, Rothblum & Vadhan 2010, Thm III.3): k adaptive (ε, δ)-DP mechanisms are
+    (ε√(2k ln(1/δ')) + kε(e^ε − 1), kδ + δ')-DP."""
     eps = check.positive("epsilon", epsilon)
     d = check.half_open_unit_left_closed("delta", delta)
     n = check.count("k", k)
@@ -178,15 +162,9 @@ def advanced_composition(
 def advanced_composition_epsilon_per_step(
     total_epsilon: float, total_delta: float, k: int, delta_prime: float | None = None
 ) -> tuple[float, float]:
-    """Per-step (epsilon, delta) whose k-fold :func:`advanced_composition` is the total budget.
-
-    Inverse of :func:`advanced_composition`: delta' = ``delta_prime`` (default
-    ``total_delta / 2``), per-step delta = (total_delta - delta') / k, and the per-step epsilon is
-    the unique root of ``eps sqrt(2k ln(1/delta')) + k eps (e^eps - 1) = total_epsilon`` (the
-    left side increases strictly from 0), found by Brent's method to machine precision.  Pass
-    ``delta_prime=total_delta`` for pure-DP steps (per-step delta 0, e.g. Laplace).
-    Note: for small k this can be worse than :func:`basic_composition` (epsilon/k per step).
-    """
+    """Per-step (ε, δ) whose k-fold :func:`advanced_composition` is the total budget: δ' = ``delta_prime`` (default
+    total_delta/2), per-step δ = (total_delta − δ')/k, ε the root of ε√(2k ln(1/δ')) + kε(e^ε − 1) = total (Brent).
+    ``delta_prime=total_delta`` gives pure-DP steps; for small k this can be worse than :func:`basic_composition`."""
     total_eps = check.positive("total_epsilon", total_epsilon)
     total_d = check.open_unit("total_delta", total_delta)
     n = check.count("k", k)
@@ -215,14 +193,8 @@ def advanced_composition_epsilon_per_step(
 def gamma_norm_noise(
     rng: np.random.Generator, alpha: float, d: int, size: Size = None
 ) -> np.ndarray:
-    """Noise in R^d with density proportional to exp(-(alpha/2) ||z||_2) (Song, Chaudhuri & Sarwate 2013; Chaudhuri
-    et al. 2011).
-
-    Sampled as ||Z|| ~ Gamma(shape d, scale 2/alpha) (the radial density is proportional to
-    r^(d-1) exp(-alpha r / 2)) times an independent direction uniform on the unit sphere (a
-    normalised standard Gaussian vector).  Returns shape ``(d,)`` if ``size`` is None, else
-    ``(size, d)`` or ``(*size, d)``.  For d = 1 this is Laplace(0, 2/alpha).
-    """
+    """Noise in R^d with density ∝ exp(−(α/2)‖z‖₂) (Song, Chaudhuri & Sarwate 2013): ‖Z‖ ~ Gamma(d, 2/α) times a
+    uniform direction; shape ``(d,)`` if ``size`` is None, else ``(*size, d)``; for d = 1 Laplace(0, 2/α)."""
     a = check.positive("alpha", alpha)
     dim = check.count("d", d)
     if size is None:

@@ -210,7 +210,7 @@ def min_over_orders(epsilons: Callable[[np.ndarray], np.ndarray], base_orders: S
                     extension_orders: Sequence[float], block: int = 8) -> tuple[float, float]:
     """(ε, optimal order): the minimum of ``epsilons(orders)`` (ε per order, as :func:`epsilon_at_orders`) over
     ``base_orders``; when that sits at the last base order, ``extension_orders`` are walked upwards while ε
-    decreases, stopping after two orders in a row that do not improve it (see ``accounting``'s docstring).
+    decreases, stopping after two orders in a row that do not improve it (docs/accounting.md).
     The walk evaluates ``block`` orders at a time and reads them in order, so it stops where an order-by-order
     walk stops."""
     base = np.asarray(base_orders, dtype=float)

@@ -72,12 +72,8 @@ Gaussian = Literal["classical", "analytic"]
 
 def closed_form_sigma(epsilon: float, delta: float, n: int, steps: int, lipschitz: float,
                       formula: str = "lecture") -> float:
-    """σ on the mean-objective scale (see the module docstring).
-
-    paper:   σ = √32 · l · √(T ln(T/(nδ)) ln(1/δ)) / (n ε)   (BST14 Alg. 1 σ_P² = 32 L² n² log(n/δ) log(1/δ)/ε²,
-             divided by n, with T = n² generalised to T)
-    lecture: σ = 16 · l · √(T ln(2/δ) ln(2.5T/(δn))) / (n ε)   (Bellet, lecture 5)
-    """
+    """σ on the mean-objective scale: `paper` √32·l·√(T ln(T/(nδ)) ln(1/δ))/(nε) (BST14 Alg. 1, recalled), `lecture`
+    16·l·√(T ln(2/δ) ln(2.5T/(δn)))/(nε) (Bellet, lecture 5); docs/algorithms.md#bassily2014."""
     T = steps
     if formula == "paper":
         inner = math.log(T / (n * delta))
@@ -105,11 +101,8 @@ class ChainBound:
 
 def chain_bound(sigma: float, delta: float, n: int, steps: int, lipschitz: float,
                 amplification: str = "tight", gaussian: str = "analytic") -> ChainBound:
-    """Total ε of T steps by the lecture's chain; δ is split δ' = δ/2 (composition) + T·qδ₀ = δ/2 (steps).
-
-    classical Gaussian: ε₀ = Δ √(2 ln(1.25/δ₀)) / σ with Δ = 2l (Dwork & Roth Thm A.1, ε₀ < 1 only);
-    analytic: the exact ε₀ of the Gaussian mechanism at δ₀ (Balle & Wang 2018, `get_epsilon_gaussian`).
-    """
+    """Total ε of T steps by the lecture's chain (docs/algorithms.md#bassily2014); δ split δ' = δ/2 (composition) +
+    T·qδ₀ = δ/2 (steps); ε₀ by the classical (ε₀ < 1 only) or the analytic Gaussian (Balle & Wang 2018)."""
     q = 1.0 / n
     delta0 = n * delta / (2.0 * steps)
     if not 0 < delta0 < 1:
@@ -145,7 +138,7 @@ def rdp_event(noise_multiplier: float, n: int, steps: int) -> DpEvent:
 
 
 def pld_event(noise_multiplier: float, n: int, steps: int) -> DpEvent:
-    """The dominating pair of the module docstring: Poisson(1/n)-sampled Gaussian under REPLACE_ONE (shifts ±2l)."""
+    """The dominating pair (docs/algorithms.md#bassily2014): Poisson(1/n)-sampled Gaussian, REPLACE_ONE, shifts ±2l."""
     return cast("DpEvent", _events.SelfComposedDpEvent(
         _events.PoissonSampledDpEvent(1.0 / n, _events.GaussianDpEvent(noise_multiplier)), steps))
 
