@@ -42,14 +42,8 @@ class NoisyGDParams(BaseModel):
 
 
 class NoisyGD(Algorithm):
-    """Noisy full-batch GD (Chourasia, Ye, Shokri, NeurIPS 2021, "Differential Privacy Dynamics of Langevin
-    Diffusion and Noisy Gradient Descent", Algorithm "Noisy GD"), with per-example clipping at C:
-
-        θ_{k+1} = Π_C(θ_k − η((1/n) Σ_i clip_C(∇ℓ(θ_k; x_i, y_i)) + λθ_k) + √(2ησ²) N(0, I)),   k < K,
-
-    sensitivity S_g = 2C (replace-one). Accountants (docs/algorithms.md, noisy_gd; dpsgd_cli/privacy/dynamics.py):
-    dynamics ε(α) = α S_g² / (λσ²n²) · (1 − e^{−ληK/2}) (their RDP theorem; θ_K only, under its assumptions);
-    composition ε(α) = α η K S_g² / (4σ²n²) (K Gaussian mechanisms; every iterate); minimum: the smaller per order."""
+    """Noisy full-batch GD with per-example clipping at C (Chourasia, Ye & Shokri, NeurIPS 2021, "Noisy GD"); sensitivity
+    S_g = 2C (replace-one); the accountants and their assumptions: docs/algorithms.md#noisy_gd, privacy/dynamics.py."""
 
     name = "noisy_gd"
     tags = Tags("noisy GD", private=True, batch="full_batch", neighbours="replace_one", noise_scalable=True,

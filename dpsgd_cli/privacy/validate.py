@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+from collections.abc import Callable
 
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.lazy import LazyModule
@@ -20,44 +21,32 @@ def _as_float(name: str, value: object) -> float:
     return float(value)
 
 
-def positive(name: str, value: object) -> float:
-    """``value`` in (0, inf)."""
+def _within(name: str, value: object, holds: Callable[[float], bool], interval: str) -> float:
+    """``value`` as a float if `holds` for it, else a UserError naming `interval`."""
     x = _as_float(name, value)
-    if not (math.isfinite(x) and x > 0):
-        raise UserError(f"{name} must be in (0, inf), got {value!r}")
+    if not holds(x):
+        raise UserError(f"{name} must be in {interval}, got {value!r}")
     return x
+
+
+def positive(name: str, value: object) -> float:
+    return _within(name, value, lambda x: math.isfinite(x) and x > 0, "(0, inf)")
 
 
 def non_negative(name: str, value: object) -> float:
-    """``value`` in [0, inf)."""
-    x = _as_float(name, value)
-    if not (math.isfinite(x) and x >= 0):
-        raise UserError(f"{name} must be in [0, inf), got {value!r}")
-    return x
+    return _within(name, value, lambda x: math.isfinite(x) and x >= 0, "[0, inf)")
 
 
 def open_unit(name: str, value: object) -> float:
-    """``value`` in (0, 1)."""
-    x = _as_float(name, value)
-    if not (0 < x < 1):
-        raise UserError(f"{name} must be in (0, 1), got {value!r}")
-    return x
+    return _within(name, value, lambda x: 0 < x < 1, "(0, 1)")
 
 
 def half_open_unit_left_closed(name: str, value: object) -> float:
-    """``value`` in [0, 1)."""
-    x = _as_float(name, value)
-    if not (0 <= x < 1):
-        raise UserError(f"{name} must be in [0, 1), got {value!r}")
-    return x
+    return _within(name, value, lambda x: 0 <= x < 1, "[0, 1)")
 
 
 def sample_rate(name: str, value: object) -> float:
-    """``value`` in (0, 1]."""
-    x = _as_float(name, value)
-    if not (0 < x <= 1):
-        raise UserError(f"{name} must be in (0, 1], got {value!r}")
-    return x
+    return _within(name, value, lambda x: 0 < x <= 1, "(0, 1]")
 
 
 SIGMA_RANGE = (1e-3, 1e6)  # noise multipliers the accountants evaluate without overflow (calibration: [1e-2, 1e6])
@@ -65,10 +54,8 @@ SIGMA_RANGE = (1e-3, 1e6)  # noise multipliers the accountants evaluate without 
 
 def noise_multiplier(name: str, value: object) -> float:
     """A noise multiplier in SIGMA_RANGE: outside it the RDP and PLD computations overflow or divide by zero."""
-    x = _as_float(name, value)
-    if not (SIGMA_RANGE[0] <= x <= SIGMA_RANGE[1]):
-        raise UserError(f"{name} must be in [{SIGMA_RANGE[0]:g}, {SIGMA_RANGE[1]:g}], got {value!r}")
-    return x
+    return _within(name, value, lambda x: SIGMA_RANGE[0] <= x <= SIGMA_RANGE[1],
+                   f"[{SIGMA_RANGE[0]:g}, {SIGMA_RANGE[1]:g}]")
 
 
 def count(name: str, value: object, maximum: int | None = None) -> int:
