@@ -81,9 +81,7 @@ class PIDPSGDParams(BaseModel):
                             "installed) or numpy; same result")
 
 
-# ------------------------------------------------------------------------------------------------
-# Formulas (module-level so that the tests check them by hand)
-# ------------------------------------------------------------------------------------------------
+# --- Formulas (module-level so that the tests check them by hand) -------------------------------------------------
 
 
 def contribution_sigma(G: float, rounds: int, delta_2: float, n: int, zeta: float, epsilon_2: float,
@@ -485,9 +483,7 @@ def sensitivity_note(sigma_c: float, rounds: int, epsilon_2: float, delta_2: flo
             f"({eps_line9:.3g}, δ₂)-DP ({eps_stated:.3g} at the stated 2G/(nζ)){per_step}")
 
 
-# ------------------------------------------------------------------------------------------------
-# Noise of the noisy steps
-# ------------------------------------------------------------------------------------------------
+# --- Noise of the noisy steps -------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -543,9 +539,7 @@ def calibrate_noisy_steps(epsilon_1: float, delta_1: float, q: float, steps: int
                                 valid, note)
 
 
-# ------------------------------------------------------------------------------------------------
-# The algorithm
-# ------------------------------------------------------------------------------------------------
+# --- The algorithm ------------------------------------------------------------------------------------------------
 
 
 def round_noiseless(eligible: np.ndarray, idx: np.ndarray) -> np.ndarray:

@@ -70,9 +70,7 @@ __all__ = [
 LIBRARY: str = f"dp-accounting {importlib.metadata.version('dp-accounting')}"
 """Name and version of the accounting library, recorded in every :class:`Calibration`."""
 
-# --------------------------------------------------------------------------------------------
-# RDP order grid
-# --------------------------------------------------------------------------------------------
+# --- RDP order grid -----------------------------------------------------------------------------------------------
 
 RDP_MAX_ORDER: int = 32768
 _RDP_GROWTH = 1.05
@@ -101,9 +99,7 @@ RDP_EXTENSION_ORDERS: tuple[float, ...] = _extension_orders()
 RDP_ORDERS: tuple[float, ...] = RDP_BASE_ORDERS + RDP_EXTENSION_ORDERS
 """The full order grid: :func:`epsilon_for` returns the minimum of the conversion over it."""
 
-# --------------------------------------------------------------------------------------------
-# PLD discretisation
-# --------------------------------------------------------------------------------------------
+# --- PLD discretisation -------------------------------------------------------------------------------------------
 
 PLD_RHO: float = 0.005
 """PLD discretisation interval h = PLD_RHO * epsilon / sqrt(number of compositions)."""
@@ -113,9 +109,7 @@ _PLD_H_MIN = 1e-10
 _PLD_MAX_PASSES = 8
 
 
-# --------------------------------------------------------------------------------------------
-# Events
-# --------------------------------------------------------------------------------------------
+# --- Events -------------------------------------------------------------------------------------------------------
 
 
 def dpsgd_event(noise_multiplier: float, sample_rate: float, steps: int) -> DpEvent:
@@ -142,9 +136,7 @@ def _composition_count(event: DpEvent) -> int:
     return 1
 
 
-# --------------------------------------------------------------------------------------------
-# Accountants
-# --------------------------------------------------------------------------------------------
+# --- Accountants --------------------------------------------------------------------------------------------------
 
 
 class _DropFracNonConvergence(logging.Filter):
@@ -349,9 +341,7 @@ def _rdp_epsilon_floor(delta: float) -> float:
     return float(max(0.0, np.min((log1p_inv - log_term)[np.array(RDP_ORDERS) > 1.01])))
 
 
-# --------------------------------------------------------------------------------------------
-# Calibration
-# --------------------------------------------------------------------------------------------
+# --- Calibration --------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)

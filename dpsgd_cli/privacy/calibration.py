@@ -197,9 +197,7 @@ def verify_lattice_point(sigma: object, target: float, epsilon_and_info: Callabl
     return e, info
 
 
-# --------------------------------------------------------------------------------------------
-# The disk cache
-# --------------------------------------------------------------------------------------------
+# --- The disk cache -----------------------------------------------------------------------------------------------
 
 _FIELD = "calibration"  # the value's field in an entry
 _V = TypeVar("_V")

@@ -65,9 +65,7 @@ Amplification = Literal["tight", "approx"]
 Gaussian = Literal["classical", "analytic"]
 
 
-# --------------------------------------------------------------------------------------------------------------
-# Closed forms and the lecture's chain
-# --------------------------------------------------------------------------------------------------------------
+# --- Closed forms and the lecture's chain -------------------------------------------------------------------------
 
 
 def closed_form_sigma(epsilon: float, delta: float, n: int, steps: int, lipschitz: float,
@@ -126,9 +124,7 @@ def chain_bound(sigma: float, delta: float, n: int, steps: int, lipschitz: float
     return ChainBound(eps0, delta0, eps1, total, not reasons, "; ".join(reasons))
 
 
-# --------------------------------------------------------------------------------------------------------------
-# dp-accounting, replace-one relation
-# --------------------------------------------------------------------------------------------------------------
+# --- dp-accounting, replace-one relation --------------------------------------------------------------------------
 
 
 def rdp_event(noise_multiplier: float, n: int, steps: int) -> DpEvent:
@@ -180,9 +176,7 @@ def pld_epsilon(noise_multiplier: float, n: int, steps: int, delta: float) -> tu
     return eps, h
 
 
-# --------------------------------------------------------------------------------------------------------------
-# Calibration: σ for the target ε, per accounting
-# --------------------------------------------------------------------------------------------------------------
+# --- Calibration: σ for the target ε, per accounting --------------------------------------------------------------
 
 
 @dataclass(frozen=True)
