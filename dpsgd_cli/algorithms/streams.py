@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from types import ModuleType
 
 import numpy as np
 
-from dpsgd_cli import compiled
+from dpsgd_cli.compiled import optional_compiled
 
 STREAMS = {"init": 0, "sampling": 1, "noise": 2, "output": 3, "clip_count": 4}
 BLOCK_STEPS = 64
@@ -54,7 +53,7 @@ class ReplicaStreams:
 
     def _normals(self, purpose: str, shape: tuple[int, ...]) -> Callable[[int], np.ndarray]:
         gens = self.generators(purpose)
-        compiled = _numba_normals()
+        compiled = optional_compiled("algorithms._normals_numba")  # None: NumPy draws the same numbers
         if compiled is None:
             return lambda k: np.stack([g.standard_normal((k, *shape)) for g in gens], axis=1)
         # PCG64 (default_rng's) inlined in the ziggurat, from each generator's state read once here: the stream
@@ -72,11 +71,6 @@ class ReplicaStreams:
             return block.reshape(k, len(gens), *shape)
 
         return draw
-
-
-def _numba_normals() -> ModuleType | None:
-    """The module `_normals_numba`, or None without numba."""
-    return compiled.optional_compiled("algorithms._normals_numba")  # broken numba: NumPy draws the same numbers
 
 
 class _Tape:

@@ -71,11 +71,6 @@ def array_table(X: np.ndarray, y: np.ndarray) -> Table:
     return Table(np.asarray(X, dtype=np.float64), no_codes, (), np.asarray(y, dtype=np.float64))
 
 
-def concat_tables(a: Table, b: Table) -> Table:
-    """Records of `a` followed by those of `b` (same vocabulary)."""
-    return Table(np.vstack([a.numeric, b.numeric]), np.vstack([a.codes, b.codes]), a.vocab, np.concatenate([a.y, b.y]))
-
-
 def subsample(table: Table, size: int | None, seed: int, where: str) -> Table:
     """`size` records drawn without replacement (seeded), kept in file order; None keeps all."""
     if size is None:
@@ -105,7 +100,12 @@ def train_test(tables: Sequence[Table], *, split: str, size: int | None, test_fr
     if split in ("official", "none"):
         train = subsample(tables[0], size, seed, where)
         return train, (tables[1] if split == "official" else train.take(np.arange(0)))
-    pool = tables[0] if len(tables) == 1 else concat_tables(*tables)
+    if len(tables) == 1:
+        pool = tables[0]
+    else:  # the official test records after the training ones (same vocabulary)
+        a, b = tables
+        pool = Table(np.vstack([a.numeric, b.numeric]), np.vstack([a.codes, b.codes]), a.vocab,
+                     np.concatenate([a.y, b.y]))
     return random_split(subsample(pool, size, seed, where), test_fraction, seed, where)
 
 

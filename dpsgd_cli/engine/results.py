@@ -554,11 +554,6 @@ def option_text(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def algorithm_label(frame: pd.DataFrame) -> pd.Series:
-    """`dp_sgd`, or `dp_sgd accountant=pld` naming the parameters that differ between an algorithm's runs."""
-    return varying_label(frame["algorithm"], frame["algorithm_params"])
-
-
 def with_params(frame: pd.DataFrame) -> pd.DataFrame:
     """The runs with each algorithm parameter as a column of its own (an existing column keeps its values)."""
     params = parse_options(frame["algorithm_params"])
@@ -617,7 +612,7 @@ HYPER = ["batch_size", "lr", "epochs", "l2", "clip_norm"]
 
 def line_labels(frame: pd.DataFrame) -> pd.Series:
     """Algorithm label, plus the hyperparameters that vary among that algorithm's runs."""
-    labels = algorithm_label(frame)
+    labels = varying_label(frame["algorithm"], frame["algorithm_params"])
     extra = pd.Series("", index=frame.index)
     for col in HYPER:
         varying = frame.groupby(labels)[col].transform(lambda s: s.nunique(dropna=True) > 1)

@@ -11,13 +11,8 @@ from typing import TypeVar
 
 import numpy as np
 
-from dpsgd_cli import compiled
+from dpsgd_cli.compiled import optional_compiled
 from dpsgd_cli.models.base import Batch
-
-
-def _sampling_numba():
-    """The numba module of RowNonzeros.of, or None (numba missing or broken: NumPy builds the same arrays)."""
-    return compiled.optional_compiled("models._rows_numba")
 
 
 def row_norms(X: np.ndarray) -> np.ndarray:
@@ -167,7 +162,7 @@ class RowNonzeros:
         """X's nonzeros, or None when their (padded) mean count per row exceeds max_density · d."""
         n, d = X.shape
         X = np.ascontiguousarray(X)
-        compiled = _sampling_numba()
+        compiled = optional_compiled("models._rows_numba")  # None: NumPy builds the same arrays
         counts = compiled.count_nonzeros(X) if compiled else np.count_nonzero(X, axis=1)
         padded = -(-counts // cls.GROUP) * cls.GROUP
         if n == 0 or padded.mean() > (cls.MAX_DENSITY if max_density is None else max_density) * d:
