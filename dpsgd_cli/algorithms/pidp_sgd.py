@@ -21,6 +21,7 @@ from dpsgd_cli.algorithms.sampling import fixed_batches, poisson_batches, unifor
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.compiled import Backend
 from dpsgd_cli.errors import UserError
+from dpsgd_cli.lazy import LazyModule
 from dpsgd_cli.models import MLP, Model
 from dpsgd_cli.models.logreg import (
     MAX_ABS_SIGMOID_2ND,
@@ -35,6 +36,7 @@ from dpsgd_cli.privacy.accounting import calibrate_sigma
 from dpsgd_cli.privacy.mechanisms import advanced_composition_epsilon_per_step, analytic_gaussian_epsilon
 from dpsgd_cli.privacy.single_example_gaussian import calibrate_bassily
 
+scipy_stats = LazyModule("scipy.stats")  # slow to import, and only the l2_radius bound needs it
 C_PRIME = 2.83  # the paper's constant in σ_c (proof of Theorem 5: "with c′ = 2.83")
 EPSILON_1_SHARE = 0.75  # ε₁ = 3ε/4 for the training steps, ε₂ = ε/4 for the contributions (§7)
 _ROW_CHUNK = 4096  # rows per block when forming H and H⁻¹x for all examples (bounds memory to R·chunk·d)
@@ -132,9 +134,7 @@ def skip_probability_bound(rule: str, dim: int, sigma_c: float, threshold: float
         factor = float(_interval_probability((-threshold - 2.0 * E) / sigma_c, (threshold - 2.0 * E) / sigma_c))
         return float(math.exp(dim * math.log(factor))) if factor > 0 else 0.0
     x, nc = (threshold / sigma_c) ** 2, (2.0 * E / sigma_c) ** 2
-    from scipy.stats import chi2, ncx2  # imported here: slow to import, and only this bound needs it
-
-    return float(ncx2.cdf(x, dim, nc) if nc > 0 else chi2.cdf(x, dim))
+    return float(scipy_stats.ncx2.cdf(x, dim, nc) if nc > 0 else scipy_stats.chi2.cdf(x, dim))
 
 
 def certified_delta(delta: float, epsilon_1: float, steps: int, p: float) -> float:

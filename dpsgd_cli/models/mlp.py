@@ -12,6 +12,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 from scipy.special import expit
 
+from dpsgd_cli.compiled import optional_compiled
 from dpsgd_cli.models.base import Batch, ClipNorm, Model, logistic_loss
 from dpsgd_cli.models.rows import IndexedBatch, RowNonzeros
 
@@ -328,8 +329,5 @@ def _row_sparse(batch: Batch, theta: np.ndarray) -> tuple[Any, RowNonzeros, np.n
     nz = batch.nonzeros()
     if nz is None or nz.dtype != theta.dtype:
         return None
-    try:
-        from dpsgd_cli.models import _mlp_numba
-    except Exception:  # numba missing or broken: the NumPy path gives the same numbers up to summation order
-        return None
-    return _mlp_numba, nz, batch.rows
+    kernels = optional_compiled("models._mlp_numba")  # None: NumPy gives the same numbers up to summation order
+    return None if kernels is None else (kernels, nz, batch.rows)
