@@ -1,6 +1,6 @@
 """Adaptive clipping for DP-SGD's family (Andrew, Thakkar, McMahan & Ramaswamy, NeurIPS 2021, Theorem 1): grid
 parameters, the gradient's noise multiplier σ_Δ, and the mechanism as a dp-accounting event; the op is
-`ops.AdaptiveClip`. Why σ is DP-SGD's: docs/algorithms.md#adaptive-clipping-clip_quantile."""
+`ops.AdaptiveClip`. Why σ is DP-SGD's: docs/algorithms.md (adaptive clipping)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """`bassily2014`: noisy projected SGD, one example per step (Bassily, Smith & Thakurta, FOCS 2014, Algorithm 1, as
-taught in Bellet's lecture); accountings, step sizes, radius, scale of σ: docs/algorithms.md#bassily2014."""
+taught in Bellet's lecture); accountings, step sizes, radius, scale of σ: docs/algorithms.md (bassily2014)."""
 
 from __future__ import annotations
 

@@ -43,7 +43,7 @@ class NoisyGDParams(BaseModel):
 
 class NoisyGD(Algorithm):
     """Noisy full-batch GD with per-example clipping at C (Chourasia, Ye & Shokri, NeurIPS 2021, "Noisy GD"),
-    sensitivity S_g = 2C (replace-one); accountants: docs/algorithms.md#noisy_gd, privacy/dynamics.py."""
+    sensitivity S_g = 2C (replace-one); accountants: docs/algorithms.md (noisy_gd), privacy/dynamics.py."""
 
     name = "noisy_gd"
     tags = Tags("noisy GD", private=True, batch="full_batch", neighbours="replace_one", noise_scalable=True,

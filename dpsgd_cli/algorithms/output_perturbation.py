@@ -171,7 +171,7 @@ def convex_psgd_sensitivity(lipschitz: float, lr: float, passes: int, batch_size
 
 def strongly_convex_psgd_sensitivity(lipschitz: float, gamma: float, batch_size: int, batches_per_pass: int) -> float:
     """Δ = 2L/(γ b M), M = ⌊n/b⌋ batches per pass, for steps η_t = min(1/β, 1/(γt)) (Wu et al. 2017, Thm 2 with
-    mini-batches; the growth recursion: docs/algorithms.md#bolt_on)."""
+    mini-batches; the growth recursion: docs/algorithms.md (bolt_on))."""
     return 2 * lipschitz / (gamma * batch_size * batches_per_pass)
 
 
@@ -211,7 +211,7 @@ class BoltOnParams(OutputNoiseParams):
 
 class BoltOn(Algorithm):
     """Bolt-on private PSGD (Wu, Li, Kumar, Chaudhuri, Jha & Naughton, SIGMOD 2017, Thms 1-2): k passes of mini-batch
-    SGD over one permutation, no noise during training, then θ + N(0, σ²I) (docs/algorithms.md#bolt_on)."""
+    SGD over one permutation, no noise during training, then θ + N(0, σ²I) (docs/algorithms.md, bolt_on)."""
 
     name = "bolt_on"
     # the iterates carry no noise: only the released θ is private

@@ -1,6 +1,6 @@
 """PIDP-SGD: DP-SGD that skips the noise on steps whose example barely moves the model (Kang, Li, Liu, Wang, "Data
 Heterogeneity Differential Privacy", Algorithm 1, Theorems 4-5). "Line k" is the paper's numbering of Algorithm 1;
-the algorithm as run, its readings (`DEVIATIONS`), τ and the TV bound: docs/algorithms.md#pidp_sgd."""
+the algorithm as run, its readings (`DEVIATIONS`), τ and the TV bound: docs/algorithms.md (pidp_sgd)."""
 
 from __future__ import annotations
 

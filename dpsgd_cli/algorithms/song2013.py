@@ -1,5 +1,5 @@
 """Mini-batch SGD with α-DP updates (Song, Chaudhuri & Sarwate, GlobalSIP 2013) and its non-private twin, as one
-`GradientChain`; the parameters and the data's effect on the clip: docs/algorithms.md#song2013-song2013_nonprivate."""
+`GradientChain`; the parameters and the data's effect on the clip: docs/algorithms.md (song2013)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Rényi-DP bounds of noisy full-batch gradient descent (Chourasia, Ye & Shokri, NeurIPS 2021, arXiv:2102.05855):
-the dynamics bound, K-fold composition, their minimum and the squared-loss lower bound (docs/algorithms.md#noisy_gd)."""
+dynamics bound, K-fold composition, their minimum and the squared-loss lower bound; docs/algorithms.md (noisy_gd)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Accounting of T steps that each add Gaussian noise to one uniformly drawn example's clipped gradient
 (Bassily, Smith & Thakurta, FOCS 2014, Algorithm 1; `pidp_sgd`'s noisy steps): closed forms, the lecture's chain,
-RDP and PLD events under replace-one, and :func:`calibrate_bassily`. Derivations: docs/algorithms.md#bassily2014."""
+RDP and PLD events under replace-one, and :func:`calibrate_bassily`. Derivations: docs/algorithms.md (bassily2014)."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ Gaussian = Literal["classical", "analytic"]
 def closed_form_sigma(epsilon: float, delta: float, n: int, steps: int, lipschitz: float,
                       formula: str = "lecture") -> float:
     """σ on the mean-objective scale: `paper` √32·l·√(T ln(T/(nδ)) ln(1/δ))/(nε) (BST14 Alg. 1, recalled), `lecture`
-    16·l·√(T ln(2/δ) ln(2.5T/(δn)))/(nε) (Bellet, lecture 5); docs/algorithms.md#bassily2014."""
+    16·l·√(T ln(2/δ) ln(2.5T/(δn)))/(nε) (Bellet, lecture 5); docs/algorithms.md (bassily2014)."""
     T = steps
     if formula == "paper":
         inner = math.log(T / (n * delta))
@@ -99,7 +99,7 @@ class ChainBound:
 
 def chain_bound(sigma: float, delta: float, n: int, steps: int, lipschitz: float,
                 amplification: str = "tight", gaussian: str = "analytic") -> ChainBound:
-    """Total ε of T steps by the lecture's chain (docs/algorithms.md#bassily2014); δ split δ' = δ/2 (composition) +
+    """Total ε of T steps by the lecture's chain, docs/algorithms.md (bassily2014); δ split δ' = δ/2 (composition) +
     T·qδ₀ = δ/2 (steps); ε₀ by the classical (ε₀ < 1 only) or the analytic Gaussian (Balle & Wang 2018)."""
     q = 1.0 / n
     delta0 = n * delta / (2.0 * steps)
@@ -134,7 +134,7 @@ def rdp_event(noise_multiplier: float, n: int, steps: int) -> DpEvent:
 
 
 def pld_event(noise_multiplier: float, n: int, steps: int) -> DpEvent:
-    """The dominating pair (docs/algorithms.md#bassily2014): Poisson(1/n)-sampled Gaussian, REPLACE_ONE, shifts ±2l."""
+    """The dominating pair of docs/algorithms.md (bassily2014): Poisson(1/n)-sampled Gaussian, replace-one, ±2l."""
     return cast("DpEvent", _events.SelfComposedDpEvent(
         _events.PoissonSampledDpEvent(1.0 / n, _events.GaussianDpEvent(noise_multiplier)), steps))
 
