@@ -93,7 +93,7 @@ class GradientChain:
         return self._states.clip_norms(theta)
 
     def set_clip_norms(self, norms: np.ndarray, theta: np.ndarray) -> None:
-        """Record the `Clip` op's per-replica norms after steps a compiled backend ran (θ (R, P) for the ops' states)."""
+        """Record the `Clip` op's per-replica norms after a compiled backend's steps (θ (R, P): the ops' states)."""
         self._states.set_clip_norms(norms, theta)
 
     @property
