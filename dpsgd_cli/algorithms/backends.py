@@ -9,11 +9,12 @@ it, in one shared tail (`_tail_numba.tail`, an int-coded program of the ops, `pr
 * `SINGLE_EXAMPLE` (`_kernels_single_numba`): one example per step cut by index (song2013 with b = 1, bassily2014,
   pidp_sgd), on logistic regression or the one-hidden-layer MLP;
 * `MINI_BATCH` (`_kernels_minibatch_numba`): logistic-regression mini-batches cut by index, the cells that share a
-  batch stream in one call (each cell's numbers in an order that does not depend on the others); the one backend
-  that runs an adaptive clip (`ops.AdaptiveClip`: the kernel counts the unclipped examples, `_tail_numba.
-  adaptive_release` adds the sum's noise and moves the replica's norm);
+  batch stream in one call (each cell's numbers in an order that does not depend on the others);
 * `FULL_BATCH` (`_kernels_fullbatch_numba`): logistic regression on the full batch, X read once a step for every
   (cell, replica) column.
+
+These two also run an adaptive clip (`ops.AdaptiveClip`): the kernel counts each replica's unclipped examples as it
+clips, `_tail_numba.adaptive_release` adds the sum's noise and moves the replica's norm, kept across calls.
 
 Same random numbers on every backend: the batch indices come from the chain's own sampler (`IndexedBatches.take`)
 and the noise from the op's own `draws` iterator, in step order. A seed's run therefore equals the NumPy chain up to
@@ -161,7 +162,8 @@ MINI_BATCH = Backend("mini_batch", lambda p: p.regime is Regime.INDEXED and p.fa
                      and p.dtype == np.float64 and _compiled_ops(p, masked=False, adaptive=True),
                      "_kernels_minibatch_numba")
 FULL_BATCH = Backend("full_batch", lambda p: p.regime is Regime.FULL and p.family is LogisticRegression
-                     and p.dtype == np.float64 and _compiled_ops(p, masked=False), "_kernels_fullbatch_numba")
+                     and p.dtype == np.float64 and _compiled_ops(p, masked=False, adaptive=True),
+                     "_kernels_fullbatch_numba")
 COMPILED = (SINGLE_EXAMPLE, MINI_BATCH, FULL_BATCH)
 
 
@@ -432,21 +434,27 @@ def run_full_batch(model: Model, chains: Sequence[GradientChain], thetas: Sequen
     clip = np.array([norms[c][0][r] for c, r in cols] + [1.0] * (K - len(cols)))
     do_clip = np.array([norms[c][1] for c, _ in cols] + [False] * (K - len(cols)))
     codes, vals = _programs(chains)
+    adapt = adaptive_parameters(chains)
     M1, M2 = _moments(chains, K, d)
     records, stops = checkpoint_stops(chains, steps)
     chunk = max(1, CHUNK_ELEMENTS // max(1, len(chains) * R * d))
-    G, S, A = np.zeros((d, K)), np.zeros(K), np.zeros((nb.ROWS, K))
+    G, S, A, U = np.zeros((d, K)), np.zeros(K), np.zeros((nb.ROWS, K)), np.zeros(K)
     done = 0
     while done < max(steps, default=0):
         stop = min(done + chunk, min(s for s in stops if s > done))
         running = np.array([s > done for s in steps])
         noise, slot = noise_blocks([_noise_draws(c, a) for c, a in zip(chains, running)], stop - done)
+        counts, count_slot = noise_blocks([_count_draws(c, a) for c, a in zip(chains, running)], stop - done)
         lrs = _step_values(chains, done, stop, running)
         nb.gd_logreg(TH, X, y, batches.x_norm, clip, do_clip, codes[col_chain], vals[col_chain], slot[col_chain],
                      rep, noise if noise is not None else _NO_NOISE, np.ascontiguousarray(lrs[col_chain]),
-                     real & running[col_chain], G, S, A, M1, M2)
+                     real & running[col_chain], G, S, A, M1, M2, counts if counts is not None else _NO_NOISE[0],
+                     count_slot[col_chain], adapt[col_chain], U)
         record_checkpoints(model, chains, running, records, stop,
                            lambda c: np.ascontiguousarray(TH[:, c * R:(c + 1) * R].T))
         done = stop
+    for c, chain in enumerate(chains):  # where the kernel moved the adaptive clips' norms (`clip_norms` reads them)
+        if _op(chain, AdaptiveClip) is not None:
+            chain.set_clip_norms(clip[c * R:(c + 1) * R], thetas[c])
     return [np.ascontiguousarray(TH[:, c * R:(c + 1) * R].T).astype(theta.dtype, copy=False)
             for c, theta in enumerate(thetas)]
