@@ -115,7 +115,8 @@ def test_dp_adam_fused_with_dp_sgd_equals_each_alone(data, model_name):
 
 @needs_numba
 @pytest.mark.parametrize("batch_size", [40, 300])  # the mini-batch backend; the full batch (q = 1)
-@pytest.mark.parametrize("params", [{}, {"beta1": 0.5, "beta2": 0.9, "eps_adam": 1e-3}])
+@pytest.mark.parametrize("params", [{}, {"beta1": 0.5, "beta2": 0.9, "eps_adam": 1e-3},
+                                    {"clip_quantile": 0.5, "clip_count_noise": 0.2}])
 def test_dp_adam_compiled_equals_numpy(data, batch_size, params):
     """The tail's ADAM (moments kept per chain and replica across the kernel's calls) against `ops.Adam`: the same
     numbers up to the gradient sum's order."""

@@ -68,7 +68,8 @@ def test_kernel_equals_the_numpy_chain(params, kw):
 @needs_numba
 def test_a_replica_does_not_depend_on_what_shares_the_call():
     """Seed 11's run, alone and beside 1 to 36 other seeds (different positions among the kernel's vector lanes,
-    padding and column counts), and fused with cells of other ε and accountants: the same bits."""
+    padding and column counts), and fused with cells of other ε and accountants and dp_sgd with adaptive clipping
+    at q = 1: the same bits."""
     X, y = _data()
     setting = _setting(X, trace_every=203 * 4)
     alone = _fit({}, setting, X, y, "numba", seeds=[11])
@@ -84,8 +85,14 @@ def test_a_replica_does_not_depend_on_what_shares_the_call():
     cells = [({"accountant": acc}, eps) for acc in ("dynamics", "composition") for eps in (0.5, 1.0, 4.0)]
     prepared = [ALGORITHMS["noisy_gd"]({**params, "backend": "numba"}).prepare(
         _setting(X, epsilon=eps, trace_every=203 * 4), model, X, y, streams) for params, eps in cells]
+    adaptive = ALGORITHMS["dp_sgd"]({"clip_quantile": 0.5, "clip_count_noise": 0.2, "backend": "numba"})
+    prepared.append(adaptive.prepare(_setting(X, batch_size=203, epochs=5), model, X, y, streams))  # q = 1
     streams.close()
     fused = train_together(model, prepared)
+    assert prepared[-1].chain.ran_on == "numba"
+    adaptive_alone = adaptive.fit(_setting(X, batch_size=203, epochs=5), model, X, y, ReplicaStreams(SEEDS))
+    np.testing.assert_array_equal(fused[-1].theta, adaptive_alone.theta)
+    assert fused[-1].derived == adaptive_alone.derived  # the clip norms where each replica's ended, too
     for (params, eps), outcome in zip(cells, fused):
         own = _fit(params, _setting(X, epsilon=eps, trace_every=203 * 4), X, y, "numba")
         np.testing.assert_array_equal(outcome.theta, own.theta)

@@ -61,6 +61,9 @@ def _assert_close(fast, ref):
 CASES = [
     ("dp_sgd", {}, {"trace_every": 50}),  # Poisson, clip, noise, λ, checkpoints between kernel calls
     ("dp_sgd", {"accountant": "pld"}, {"l2": 0.0, "clip_norm": 2.0, "epochs": 1}),  # λ = 0, clip rarely acts
+    # adaptive clipping: the norms moved per replica from the kernel's count and the count's noise stream
+    ("dp_sgd", {"clip_quantile": 0.5}, {"trace_every": 50, "clip_norm": 0.1}),
+    ("dp_adam", {"clip_quantile": 0.3, "clip_lr": 0.5, "clip_count_noise": 0.2}, {"lr": 0.05, "clip_norm": 2.0}),
     ("sgd", {}, {"batch_size": 240, "epochs": 5}),  # q = 1: the full batch, no clip, no noise
     ("sgd", {}, {"batch_size": 7, "trace_every": 33, "epochs": 1.5}),  # checkpoints not aligned to steps
     ("song2013", {}, {"batch_size": 10, "epochs": 2.5}),  # shuffled (a fresh permutation per pass), Z_t, Π
@@ -77,6 +80,10 @@ def test_kernel_equals_the_numpy_chain(name, params, kw):
     fast, fast_path = _train(name, params, setting, X, y, "auto")
     assert (ref_path, fast_path) == ("numpy", "numba")  # auto takes the kernel: the comparison is not trivial
     assert ref.derived.pop("backend", "numpy") == "numpy" and fast.derived.pop("backend", "numba") == "numba"
+    if "clip_quantile" in params:  # where the norms ended: the same count, each step's exp up to rounding
+        final = np.array(fast.derived.pop("clip_norm_final"))
+        np.testing.assert_allclose(final, ref.derived.pop("clip_norm_final"), rtol=1e-12)
+        assert len(set(final.tolist()) - {setting.clip_norm}) == len(SEEDS)  # they moved, each its own way
     assert fast.derived == ref.derived
     _assert_close(fast, ref)
     if setting.batch_size < setting.n:  # the replicas differ (full-batch GD without noise is deterministic)
@@ -118,19 +125,22 @@ def test_chain_on_the_kernel_equals_numpy(kw):
 
 @needs_numba
 def test_fused_equals_alone_bit_for_bit_on_the_kernel():
-    """An ε axis of dp_sgd beside sgd (one Poisson stream, shared noise) trained together on the kernel: each cell
-    is exactly its run alone on the kernel (dot products and sums in an order independent of the other cells)."""
+    """An ε axis of dp_sgd beside sgd and adaptive clipping's dp_sgd and dp_adam (one Poisson stream, shared noise)
+    trained together on the kernel, as vector lanes: each cell is exactly its run alone on the kernel, on the pair
+    path (dot products, sums and clip counts in an order independent of the other cells)."""
     X, y = _data()
     model = make_model("logreg", X.shape[1], 1e-2)
     cells = [("dp_sgd", _setting(X, epsilon=eps, trace_every=60)) for eps in (0.5, 2.0, 8.0)]
     cells += [("sgd", _setting(X, trace_every=60)), ("dp_sgd", _setting(X, lr=0.1, epochs=1))]
+    params = [{}] * len(cells) + [{"clip_quantile": 0.5}, {"clip_quantile": 0.3, "clip_count_noise": 0.2}]
+    cells += [("dp_sgd", _setting(X, trace_every=60)), ("dp_adam", _setting(X, lr=0.05))]
     streams = SharedStreams(SEEDS)
-    prepared = [ALGORITHMS[name]().prepare(s, model, X, y, streams) for name, s in cells]
+    prepared = [ALGORITHMS[name](p).prepare(s, model, X, y, streams) for (name, s), p in zip(cells, params)]
     streams.close()
     fused = train_together(model, prepared)
     assert all(p.chain.ran_on == "numba" for p in prepared)
-    for (name, s), together in zip(cells, fused):
-        alone, path = _train(name, {}, s, X, y, "auto")
+    for (name, s), p, together in zip(cells, params, fused):
+        alone, path = _train(name, p, s, X, y, "auto")
         assert path == "numba"
         np.testing.assert_array_equal(together.theta, alone.theta)
         assert together.derived == alone.derived
@@ -216,14 +226,19 @@ def test_a_stream_shared_by_compiled_and_numpy_chains(steps):
 
 def _cells_args(C, R, d, steps, rng):
     """The kernel's per-cell arguments for C cells that differ in everything a cell sets (clip or not and its norm
-    per replica, noise or not and its slot, its std, scale, λ, learning rates, Adam or SGD, projection), the last
-    one inactive when C > 2."""
+    per replica, noise or not and its slot, its std, scale, λ, learning rates, Adam or SGD, projection, an adaptive
+    clip and its count's slot and fields), the last one inactive when C > 2."""
     active = np.ones(C, dtype=bool)
     if C > 2:
         active[-1] = False
     slot = rng.integers(-1, 2, size=C)
+    do_clip = rng.random(C) < 0.7
+    count_slot = np.where((slot >= 0) & do_clip & (rng.random(C) < 0.5), rng.integers(0, 2, size=C), -1)
+    adapt = np.stack([rng.uniform(0.5, 2.0, C), rng.uniform(0.2, 0.8, C), rng.uniform(0.1, 0.5, C),
+                      rng.uniform(0.5, 3.0, C), np.full(C, 8.0)], axis=1)  # (σ_Δ, γ, η_C, σ_b, B)
     adam = rng.random(C) < 0.3
-    ops = [[*([Noise(rng.uniform(0.1, 2.0), iter(()))] if slot[c] >= 0 else []), Scale(rng.uniform(0.02, 0.1)),
+    ops = [[*([Noise(rng.uniform(0.1, 2.0), iter(()))] if slot[c] >= 0 and count_slot[c] < 0 else []),
+            Scale(rng.uniform(0.02, 0.1)),
             WeightDecay(0.0 if rng.random() < 0.3 else rng.uniform(0, 0.1)),
             Adam(constant(1.0), 0.9, 0.99, 1e-6) if adam[c] else Sgd(constant(1.0)),
             *([ProjectBall(rng.uniform(0.5, 3.0))] if rng.random() < 0.5 else [])] for c in range(C)]
@@ -232,13 +247,17 @@ def _cells_args(C, R, d, steps, rng):
     steps_values[:, :, 0] = rng.uniform(0.1, 2.0, (C, steps)) * np.where(adam, 0.05, 1.0)[:, None]
     t = np.arange(1, steps + 1)
     steps_values[adam, :, 1], steps_values[adam, :, 2] = 1 - 0.9**t, 1 - 0.99**t
-    return dict(active=active, slot=slot, clip=rng.uniform(0.2, 1.5, (C, R)), do_clip=rng.random(C) < 0.7,
-                codes=codes, vals=vals, lrs=steps_values)
+    return dict(active=active, slot=slot, clip=rng.uniform(0.2, 1.5, (C, R)), do_clip=do_clip,
+                codes=codes, vals=vals, lrs=steps_values, count_slot=count_slot, adapt=adapt)
 
 
-def _call(kernel, TH, X, P, y, x_norm, idx, noise, args, lanes):
-    kernel(TH, args["active"], X, P, y, x_norm, idx, noise, args["slot"], args["clip"], args["do_clip"],
-           args["codes"], args["vals"], args["lrs"], lanes, np.zeros(TH.shape), np.zeros(TH.shape))
+def _call(kernel, TH, X, P, y, x_norm, idx, noise, counts, args, lanes):
+    """The kernel on TH in place; the clip norms where it left them."""
+    clip = args["clip"].copy()  # moved in place by the adaptive clips
+    kernel(TH, args["active"], X, P, y, x_norm, idx, noise, args["slot"], clip, args["do_clip"],
+           args["codes"], args["vals"], args["lrs"], lanes, np.zeros(TH.shape), np.zeros(TH.shape), counts,
+           args["count_slot"], args["adapt"])
+    return clip
 
 
 @needs_numba
@@ -267,20 +286,25 @@ def test_each_cell_is_the_same_whatever_shares_its_call(d, density):
         for r in range(R):
             k = rng.integers(4, 14)  # odd and even batch sizes
             idx[t, r, :k] = rng.choice(n, size=k, replace=False)
-    noise = rng.normal(size=(2, steps, R, d))
+    noise, counts = rng.normal(size=(2, steps, R, d)), rng.normal(size=(2, steps, R))
     for C in (3, 5, 8, 9, 17):
         args = _cells_args(C, R, d, steps, rng)
         TH0 = rng.normal(size=(C, R, d)) * 0.3
         TH0[1, 2] = np.nan  # one diverged replica of one cell
-        runs = {}
+        runs, norms = {}, {}
         for lanes in sorted({C, backends.lane_cells(C), 3, 0}):
             for layout, P in layouts.items():
                 TH = TH0.copy()
-                _call(kernel, TH, X, P, y, x_norm, idx, noise, args, lanes)
+                norms[lanes, layout] = _call(kernel, TH, X, P, y, x_norm, idx, noise, counts, args, lanes)
                 runs[lanes, layout] = TH
         for lanes, layout in runs:
             np.testing.assert_array_equal(runs[lanes, layout], runs[0, layout])
+            np.testing.assert_array_equal(norms[lanes, layout], norms[0, layout])
         np.testing.assert_allclose(runs[0, "sparse"], runs[0, "dense"], rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(norms[0, "sparse"], norms[0, "dense"], rtol=1e-12)
+        moved = (args["count_slot"] >= 0) & args["active"]
+        assert np.all(norms[0, "dense"][moved] != args["clip"][moved])
+        np.testing.assert_array_equal(norms[0, "dense"][~moved], args["clip"][~moved])
         for layout in layouts:
             assert np.isnan(runs[0, layout][1, 2]).all()
             assert np.isfinite(np.delete(runs[0, layout][1], 2, axis=0)).all()
@@ -290,8 +314,9 @@ def test_each_cell_is_the_same_whatever_shares_its_call(d, density):
             one = {k: v[c:c + 1] for k, v in args.items()}
             for layout, P in layouts.items():
                 TH = TH0[c:c + 1].copy()
-                _call(kernel, TH, X, P, y, x_norm, idx, noise, one, lanes)
+                clip = _call(kernel, TH, X, P, y, x_norm, idx, noise, counts, one, lanes)
                 np.testing.assert_array_equal(TH[0], runs[0, layout][c])
+                np.testing.assert_array_equal(clip[0], norms[0, layout][c])
 
 
 @needs_numba

@@ -11,7 +11,7 @@ so no contraction of a multiply and an add either). Hence a replica's run does n
 import numba
 import numpy as np
 
-from dpsgd_cli.algorithms._tail_numba import tail
+from dpsgd_cli.algorithms._tail_numba import adaptive_release, tail
 from dpsgd_cli.models._logreg_numba import clip_residual, residual_from_exp
 
 LANES = 8  # the columns are padded to a multiple of this (whole vectors)
@@ -54,13 +54,15 @@ def _add_row(G, A, q, X, i):  # pragma: no cover
 
 @numba.njit(cache=True, nogil=True)
 def gd_logreg(TH, X, y, x_norm, clip, do_clip, codes, vals, slot, rep, noise, lrs, active, G, S, A, M1,
-              M2):  # pragma: no cover
+              M2, counts, count_slot, adapt, U):  # pragma: no cover
     """m full-batch steps (m = lrs.shape[1]) of every column of TH (d, K), K a multiple of LANES, in place:
 
         for each row i (in order):  s_k = Σ_j x_ij θ_jk (j in order);  a_k = −y_i σ(−y_i s_k);
+                                    u_k += 1[|a_k|‖x_i‖ ≤ C_k];
                                     a_k ← a_k C_k / max(|a_k|‖x_i‖, C_k) (if do_clip_k);  g_jk += a_k x_ij
-        then per column: the tail program (codes[k], vals[k]) with z = noise[slot_k, t, rep_k, :] (none: slot < 0).
-    G (d, K), S (K,) and A (ROWS, K) are scratch."""
+        then per column: an adaptive clip's `adaptive_release` (count_slot_k ≥ 0: its count's noise
+        counts[count_slot_k, t, rep_k], its fields adapt[k]; C_k moved in place), the tail program (codes[k], vals[k])
+        with z = noise[slot_k, t, rep_k, :] (none: slot < 0). G (d, K), S (K,), A (ROWS, K) and U (K,) are scratch."""
     d, K = TH.shape
     n = X.shape[0]
     m = lrs.shape[1]
@@ -68,6 +70,8 @@ def gd_logreg(TH, X, y, x_norm, clip, do_clip, codes, vals, slot, rep, noise, lr
         for j in range(d):
             for k in range(K):
                 G[j, k] = 0.0
+        for k in range(K):
+            U[k] = 0.0
         i = 0
         while i < n:  # blocks of ROWS rows: their dot products, then their gradient (G read once a block)
             rows = min(ROWS, n - i)
@@ -77,6 +81,7 @@ def gd_logreg(TH, X, y, x_norm, clip, do_clip, codes, vals, slot, rep, noise, lr
                 xn = x_norm[i + q]
                 for k in range(K):
                     a = residual_from_exp(yi, np.exp(yi * S[k]))
+                    U[k] += 1.0 if abs(a) * xn <= clip[k] else 0.0
                     if do_clip[k]:
                         a = clip_residual(a, xn, clip[k])
                     A[q, k] = a
@@ -90,5 +95,8 @@ def gd_logreg(TH, X, y, x_norm, clip, do_clip, codes, vals, slot, rep, noise, lr
             if active[k]:
                 s = slot[k]
                 z = noise[max(s, 0), min(t, noise.shape[1] - 1), min(rep[k], noise.shape[2] - 1)]
+                if count_slot[k] >= 0:
+                    clip[k] = adaptive_release(G[:, k], z, clip[k], U[k], n, counts[count_slot[k], t, rep[k]],
+                                               adapt[k])
                 tail(TH[:, k], G[:, k], codes[k], vals[k], z, s >= 0, lrs[k, t], M1[k], M2[k])
     return TH

@@ -9,7 +9,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from dpsgd_cli.algorithms._tail_numba import tail
+from dpsgd_cli.algorithms._tail_numba import adaptive_release, tail
 from dpsgd_cli.models._logreg_numba import clip_residual, residual_from_exp
 
 # (row, cell) pairs the pair path takes together: their dots 8 at a time (`dots8`, `sparse_dots8`: 8 chains of adds
@@ -353,20 +353,22 @@ def exp_fixed(x):  # pragma: no cover
 
 @numba.njit(cache=True, nogil=True, inline="always", error_model="numpy")
 def residual(yi, z, clip, do_clip, xn):  # pragma: no cover
-    """a = −y σ(−y z), the logistic loss's ∇ = a x; clipped to ‖a x‖ ≤ clip when do_clip (branch-free: lanes)."""
+    """(a, u): a = −y σ(−y z), the logistic loss's ∇ = a x, clipped to ‖a x‖ ≤ clip when do_clip; u = 1 when the
+    unclipped ‖a x‖ = |a| ‖x‖ ≤ clip (the example the clip leaves as it is: an adaptive clip's count), else 0
+    (`LogisticRegression.per_example_grad_norms`' norm; branch-free: lanes)."""
     a = residual_from_exp(yi, exp_fixed(yi * z))
-    return clip_residual(a, xn, clip) if do_clip else a
+    return (clip_residual(a, xn, clip) if do_clip else a), (1.0 if abs(a) * xn <= clip else 0.0)
 
 
 @numba.njit(cache=True, nogil=True, inline="always", error_model="numpy")
 def _lanes(TT, active, X, P, y, x_norm, clip, do_clip, d, i0, i1, two, Z, A, G, bad,
-           poison):  # pragma: no cover
+           poison, unclipped):  # pragma: no cover
     """Rows i0 (and i1 when two) for every cell (lanes; active, clip, do_clip padded to them, padding inactive):
     dots 8 cells a block, a = −y σ(−y θ_c·x_i) clipped, G += a x 8 cells a block. Rows read densely from X or,
     when P has rows, by their nonzeros (`sparse_lane_dots`, `sparse_lane_axpy`: the dot in the nonzeros' column
     order), where a lane whose θ is not finite (`bad`) gets the NaN dot the dense rows give. `poison`: an active
     lane's residual was NaN (its
-    sum is then NaN in every column, as densely a·0 = NaN)."""
+    sum is then NaN in every column, as densely a·0 = NaN). `unclipped`: += the rows the clip leaves as they are."""
     CP = TT.shape[1]
     sparse = P.shape[0] > 0
     for cb in range(0, CP, 8):
@@ -381,7 +383,8 @@ def _lanes(TT, active, X, P, y, x_norm, clip, do_clip, d, i0, i1, two, Z, A, G, 
         yi, xn = y[i], x_norm[i]
         zq, aq = Z[q], A[q]
         for c in range(CP):  # one loop over all lanes, 1-D: LLVM vectorizes it (exp_fixed included)
-            a = residual(yi, np.nan if bad[c] else zq[c], clip[c], do_clip[c], xn)
+            a, u = residual(yi, np.nan if bad[c] else zq[c], clip[c], do_clip[c], xn)
+            unclipped[c] += u if active[c] else 0.0  # a padding lane's c is a pair cell's: leave its count
             aq[c] = a if active[c] else 0.0
             poison[c] |= active[c] and a != a
     for cb in range(0, CP, 8):
@@ -394,10 +397,10 @@ def _lanes(TT, active, X, P, y, x_norm, clip, do_clip, d, i0, i1, two, Z, A, G, 
 
 
 @numba.njit(cache=True, nogil=True, inline="always", error_model="numpy")
-def _pairs(TH, X, P, y, x_norm, clip, do_clip, r, d, rows, cells, n, z, g, bad, poison,
+def _pairs(TH, X, P, y, x_norm, clip, do_clip, r, d, rows, cells, n, z, g, bad, poison, unclipped,
            scratch):  # pragma: no cover
     """The first n of the PAIRS pending (row, cell) pairs in order: a = −y σ(−y θ_c·x_i), clipped; g_c += a x_i.
-    Rows dense or by their nonzeros (`sparse_dots8`; `bad`, `poison` as in `_lanes`)."""
+    Rows dense or by their nonzeros (`sparse_dots8`; `bad`, `poison`, `unclipped` as in `_lanes`)."""
     sparse = P.shape[0] > 0
     m = 8 * ((n + 7) // 8)
     for b in range(0, m, 8):  # the unused slots up to a multiple of 8 repeat pair 0 (computed, not applied)
@@ -408,15 +411,16 @@ def _pairs(TH, X, P, y, x_norm, clip, do_clip, r, d, rows, cells, n, z, g, bad, 
                     z[k] = np.nan
         else:
             dots8(X, rows, TH, cells, r, d, b, z)
-    yk, xk, ck, dk, ak = scratch[0], scratch[1], scratch[2], scratch[3], scratch[4]
+    yk, xk, ck, dk, ak, uk = scratch[0], scratch[1], scratch[2], scratch[3], scratch[4], scratch[5]
     for k in range(m):  # gathered apart, so that the residuals below run in vector lanes (exp_fixed's latency
         i, c = rows[k], cells[k]  # once per PAIRS rows, not per row); the same bits in any lane
         yk[k], xk[k], ck[k], dk[k] = y[i], x_norm[i], clip[c], 1.0 if do_clip[c] else 0.0
     for k in range(m):
-        ak[k] = residual(yk[k], z[k], ck[k], dk[k] != 0.0, xk[k])
+        ak[k], uk[k] = residual(yk[k], z[k], ck[k], dk[k] != 0.0, xk[k])
     for k in range(n):
         i, c, a = rows[k], cells[k], ak[k]
         poison[c] |= a != a
+        unclipped[c] += uk[k]
         if sparse:
             K, count = _slots(P, i)
             for e in range(count):
@@ -444,9 +448,12 @@ def _finite(theta):  # pragma: no cover
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
 def mb_logreg(TH, active, X, P, y, x_norm, idx, noise, slot, clip, do_clip, codes, vals, lrs,
-              lanes, M1, M2):  # pragma: no cover
+              lanes, M1, M2, counts, count_slot, adapt):  # pragma: no cover
     """Steps of every cell (TH: cell × replica × feature) on the batches idx, each cell's step ending in its tail
-    program (codes[c], vals[c]; noise noise[slot[c]], none when slot[c] < 0; clip norm clip[c, r]). The first
+    program (codes[c], vals[c]; noise noise[slot[c]], none when slot[c] < 0; clip norm clip[c, r]). A cell with an
+    adaptive clip (count_slot[c] ≥ 0: its count's noise counts[count_slot[c]], (m, R) a block; its fields adapt[c])
+    gets its sum's noise and moves clip[c, r] in `adaptive_release` before its tail, from the step's count of
+    unclipped examples (clip (C, R) is the norms' state across calls). The first
     `lanes` cells are vector lanes, 8 a block (θ by feature × cell, two rows at a time: `lane_dots2`,
     `lane_axpy2`); the others take the pair path, PAIRS (row, cell) pairs at a time (`dots8`). Both compute each
     cell's numbers in the same order: which cell takes which path changes nothing but the time. P: X's
@@ -457,7 +464,7 @@ def mb_logreg(TH, active, X, P, y, x_norm, idx, noise, slot, clip, do_clip, code
     m = lrs.shape[1]
     M = idx.shape[2]
     sparse = P.shape[0] > 0
-    scratch = np.zeros((5, PAIRS))  # the pairs' gathered y, ‖x‖, clip, do_clip and residuals
+    scratch = np.zeros((6, PAIRS))  # the pairs' gathered y, ‖x‖, clip, do_clip, residuals and unclipped
     rows = np.zeros(PAIRS, dtype=np.int64)
     cells = np.zeros(PAIRS, dtype=np.int64)
     z = np.empty(PAIRS)
@@ -473,6 +480,7 @@ def mb_logreg(TH, active, X, P, y, x_norm, idx, noise, slot, clip, do_clip, code
     do_clip_l[:CL] = do_clip[:CL]
     bad = np.zeros(max(C, CP), dtype=np.bool_)  # sparse: θ not finite (lanes: lane c = cell c < CL)
     poison = np.zeros(max(C, CP), dtype=np.bool_)  # sparse: a NaN residual this step
+    unclipped = np.zeros(max(C, CP))  # the examples of gradient norm ≤ the clip this step (adaptive clips' count)
     for r in range(R):
         for c in range(CL):
             clip_l[c] = clip[c, r]
@@ -486,12 +494,15 @@ def mb_logreg(TH, active, X, P, y, x_norm, idx, noise, slot, clip, do_clip, code
             G[:, :] = 0.0
             g[:, :] = 0.0
             poison[:] = False
+            unclipped[:] = 0.0
             n = 0
+            kept = 0
             pending = -1  # lanes: a row waiting for its partner
             for k in range(M):
                 i = idx[t, r, k]
                 if i < 0:  # kept indices come first: the rest of the row is padding
                     break
+                kept += 1
                 if k + AHEAD < M:  # random rows: ask for a later row now (latency-bound otherwise)
                     ahead = idx[t, r, k + AHEAD]
                     if ahead >= 0:
@@ -506,7 +517,7 @@ def mb_logreg(TH, active, X, P, y, x_norm, idx, noise, slot, clip, do_clip, code
                         pending = i
                     else:
                         _lanes(TT, active_l, X, P, y, x_norm, clip_l, do_clip_l, d, pending, i, True, Z, A, G,
-                               bad, poison)
+                               bad, poison, unclipped)
                         pending = -1
                 for c in range(CL, C):
                     if not active[c]:
@@ -516,17 +527,17 @@ def mb_logreg(TH, active, X, P, y, x_norm, idx, noise, slot, clip, do_clip, code
                     n += 1
                     if n == PAIRS:
                         _pairs(TH, X, P, y, x_norm, clip_r, do_clip, r, d, rows, cells, n, z, g, bad, poison,
-                               scratch)
+                               unclipped, scratch)
                         n = 0
             if pending >= 0:
                 _lanes(TT, active_l, X, P, y, x_norm, clip_l, do_clip_l, d, pending, pending, False, Z, A, G,
-                       bad, poison)
+                       bad, poison, unclipped)
             if n > 0:  # the last pairs of the step; the unused slots repeat a pair (computed, not applied)
                 for k in range(n, PAIRS):
                     rows[k] = rows[0]
                     cells[k] = cells[0]
                 _pairs(TH, X, P, y, x_norm, clip_r, do_clip, r, d, rows, cells, n, z, g, bad, poison,
-                               scratch)
+                               unclipped, scratch)
             for c in range(C):
                 if active[c]:
                     s = slot[c]
@@ -534,11 +545,18 @@ def mb_logreg(TH, active, X, P, y, x_norm, idx, noise, slot, clip, do_clip, code
                     if c < CL:
                         if poison[c]:  # a sparse step's NaN residual, which the dense sum spreads to every coordinate
                             G[:, c] = np.nan
+                        if count_slot[c] >= 0:
+                            clip[c, r] = adaptive_release(G[:, c], zc, clip[c, r], unclipped[c], kept,
+                                                          counts[count_slot[c], t, r], adapt[c])
+                            clip_l[c] = clip[c, r]
                         tail(TT[:, c], G[:, c], codes[c], vals[c], zc, s >= 0, lrs[c, t], M1[c, r], M2[c, r])
                         bad[c] = sparse and not _finite(TT[:, c])
                     else:
                         if poison[c]:
                             g[c] = np.nan
+                        if count_slot[c] >= 0:  # clip_r, the pairs' norms, is this column of clip
+                            clip[c, r] = adaptive_release(g[c], zc, clip[c, r], unclipped[c], kept,
+                                                          counts[count_slot[c], t, r], adapt[c])
                         tail(TH[c, r], g[c], codes[c], vals[c], zc, s >= 0, lrs[c, t], M1[c, r], M2[c, r])
                         bad[c] = sparse and not _finite(TH[c, r])
         for c in range(CL):

@@ -6,12 +6,28 @@ run on one replica's θ and g in the ops' order, each op over the whole vector, 
     NOISE v: g ← g + v z (when the step is noisy)   SCALE v: g ← g v   L2 v: g ← g + v θ (skipped at v = 0)
     UPDATE:  θ ← θ − η g                             BALL v: θ ← θ · min(1, v/‖θ‖)   BOX v: θ ← clip(θ, −v, v)
     ADAM β₁ β₂ ε: m ← β₁m + (1 − β₁)g, u ← β₂u + (1 − β₂)g², θ ← θ − η (m/c₁)/(√(u/c₂) + ε)
+
+and, before it, an adaptive clip's release (`ops.AdaptiveClip.release` after the model's sums): `adaptive_release`.
 """
 
 import numba
 import numpy as np
 
 from dpsgd_cli.algorithms.backends import ADAM, BALL, BOX, L2, NOISE, SCALE, UPDATE
+
+
+@numba.njit(cache=True, nogil=True)
+def adaptive_release(g, z, norm, unclipped, kept, z_count, adapt):  # pragma: no cover
+    """One replica's `ops.AdaptiveClip.release` after the model's sums at the clip norm C_t = `norm`: g (P,) ← g +
+    (σ_Δ C_t) z in place; returns C_{t+1} = C_t exp(−η_C (b̄ − γ)), b̄ = (unclipped − kept/2 + σ_b z_count)/B + 1/2
+    (kept: the step's examples, unclipped: those of gradient norm ≤ C_t), the same operations in the same order.
+    adapt: the op's (σ_Δ, γ, η_C, σ_b, B), `backends.ADAPTIVE_FIELDS`."""
+    noise_multiplier, quantile, lr, count_std, expected_batch = adapt[0], adapt[1], adapt[2], adapt[3], adapt[4]
+    std = noise_multiplier * norm
+    for p in range(g.shape[0]):
+        g[p] = g[p] + std * z[p]
+    fraction = (unclipped - 0.5 * kept + count_std * z_count) / expected_batch + 0.5
+    return norm * np.exp(-lr * (fraction - quantile))
 
 
 @numba.njit(cache=True, nogil=True)

@@ -13,6 +13,9 @@ it, in one shared tail (`_tail_numba.tail`, an int-coded program of the ops, `pr
 * `FULL_BATCH` (`_kernels_fullbatch_numba`): logistic regression on the full batch, X read once a step for every
   (cell, replica) column.
 
+These two also run an adaptive clip (`ops.AdaptiveClip`): the kernel counts each replica's unclipped examples as it
+clips, `_tail_numba.adaptive_release` adds the sum's noise and moves the replica's norm, kept across calls.
+
 Same random numbers on every backend: the batch indices come from the chain's own sampler (`IndexedBatches.take`)
 and the noise from the op's own `draws` iterator, in step order. A seed's run therefore equals the NumPy chain up to
 the summation order and the exp (tests: rtol 1e-12); within one backend, fused = alone, bit for bit.
@@ -33,6 +36,7 @@ import numpy as np
 from dpsgd_cli import compiled
 from dpsgd_cli.algorithms.ops import (
     Adam,
+    AdaptiveClip,
     Clip,
     LaplacianSmoothing,
     MaskedNoise,
@@ -59,6 +63,8 @@ SINGLE_CHUNK_ELEMENTS = 1 << 16  # per single-example call: its noise block stay
 LANES_FROM = 3  # from this many cells on one batch stream, the mini-batch kernel runs them as vector lanes
 MLP_ACTIVATIONS = {"tanh": 0, "sigmoid": 1, "relu": 2}  # the single-example MLP kernel's `act`
 NOISE, SCALE, L2, UPDATE, BALL, BOX, ADAM = 1, 2, 3, 4, 5, 6, 7  # the op codes of the tail's program (`program`)
+# an `AdaptiveClip`'s fields, in the order `_tail_numba.adaptive_release` reads them (`adaptive_parameters`)
+ADAPTIVE_FIELDS = ("noise_multiplier", "quantile", "lr", "count_std", "expected_batch")
 
 
 class Regime(enum.Enum):
@@ -117,10 +123,13 @@ def program(ops: Sequence[Op]) -> tuple[np.ndarray, np.ndarray]:
     return np.array([c for c, _ in coded], dtype=np.int64), values
 
 
-def _compiled_ops(p: Plan, masked: bool) -> bool:
-    noises = [op for op in p.ops if isinstance(op, (Noise, MaskedNoise))]
-    return (all(_in_tail(op) for op in p.ops) and len(noises) <= 1
-            and all(isinstance(op.draws, NoiseStream) for op in noises)  # taken in blocks
+def _compiled_ops(p: Plan, masked: bool, adaptive: bool = False) -> bool:
+    """Whether a kernel runs the plan's ops: those the tail codes, at most one noise (a `MaskedNoise` where `masked`,
+    an `AdaptiveClip`'s where `adaptive`), its draws taken in blocks."""
+    noises = [op for op in p.ops if isinstance(op, (Noise, MaskedNoise, AdaptiveClip))]
+    draws = [d for op in noises for d in ((op.draws, op.count_draws) if isinstance(op, AdaptiveClip) else (op.draws,))]
+    return (all(_in_tail(op) or (adaptive and type(op) is AdaptiveClip) for op in p.ops) and len(noises) <= 1
+            and all(isinstance(d, NoiseStream) for d in draws)
             and (masked or not any(isinstance(op, MaskedNoise) for op in noises)))
 
 
@@ -150,9 +159,11 @@ NUMPY = Backend("numpy", lambda p: True)
 SINGLE_EXAMPLE = Backend("single_example", lambda p: p.regime is Regime.SINGLE and p.family is not None
                          and p.dtype == np.float64 and _compiled_ops(p, masked=True), "_kernels_single_numba")
 MINI_BATCH = Backend("mini_batch", lambda p: p.regime is Regime.INDEXED and p.family is LogisticRegression
-                     and p.dtype == np.float64 and _compiled_ops(p, masked=False), "_kernels_minibatch_numba")
+                     and p.dtype == np.float64 and _compiled_ops(p, masked=False, adaptive=True),
+                     "_kernels_minibatch_numba")
 FULL_BATCH = Backend("full_batch", lambda p: p.regime is Regime.FULL and p.family is LogisticRegression
-                     and p.dtype == np.float64 and _compiled_ops(p, masked=False), "_kernels_fullbatch_numba")
+                     and p.dtype == np.float64 and _compiled_ops(p, masked=False, adaptive=True),
+                     "_kernels_fullbatch_numba")
 COMPILED = (SINGLE_EXAMPLE, MINI_BATCH, FULL_BATCH)
 
 
@@ -272,8 +283,24 @@ def noise_blocks(draws: Sequence[NoiseStream | None], m: int) -> tuple[np.ndarra
 
 
 def _noise_draws(chain: GradientChain, running: bool = True) -> NoiseStream | None:
-    noise = _op(chain, (Noise, MaskedNoise))
+    noise = _op(chain, (Noise, MaskedNoise, AdaptiveClip))
     return noise.draws if noise is not None and running else None
+
+
+def _count_draws(chain: GradientChain, running: bool = True) -> NoiseStream | None:
+    """The count's noise of an adaptive clip (None: the clip norm stays)."""
+    clip = _op(chain, AdaptiveClip)
+    return clip.count_draws if clip is not None and running else None
+
+
+def adaptive_parameters(chains: Sequence[GradientChain]) -> np.ndarray:
+    """(C, 5): each chain's `AdaptiveClip` fields (`ADAPTIVE_FIELDS`), zero without one."""
+    out = np.zeros((len(chains), len(ADAPTIVE_FIELDS)))
+    for c, chain in enumerate(chains):
+        clip = _op(chain, AdaptiveClip)
+        if clip is not None:
+            out[c] = [float(getattr(clip, name)) for name in ADAPTIVE_FIELDS]
+    return out
 
 
 _NO_NOISE = np.zeros((1, 1, 1, 1))
@@ -359,6 +386,7 @@ def mini_batch_steps(model: Model, chains: Sequence[GradientChain], thetas: Sequ
     clip = np.ascontiguousarray(np.stack([n for n, _ in norms]))  # (C, R)
     do_clip = np.array([do for _, do in norms])
     codes, vals = _programs(chains)
+    adapt = adaptive_parameters(chains)
     M1, M2 = _moments(chains, C, R, d)
     records, stops = checkpoint_stops(chains, steps)
     width = max(1, round(float(np.mean([c.examples_per_step for c in chains])) * 2))
@@ -369,11 +397,16 @@ def mini_batch_steps(model: Model, chains: Sequence[GradientChain], thetas: Sequ
         active = np.array([s > done for s in steps])
         idx = batches.take(stop - done)
         noise, slot = noise_blocks([_noise_draws(c, a) for c, a in zip(chains, active)], stop - done)
+        counts, count_slot = noise_blocks([_count_draws(c, a) for c, a in zip(chains, active)], stop - done)
         kernel(TH, active, X, P, y, x_norm, idx, noise if noise is not None else _NO_NOISE, slot, clip, do_clip,
-               codes, vals, _step_values(chains, done, stop, active), lane_cells(C), M1, M2)
+               codes, vals, _step_values(chains, done, stop, active), lane_cells(C), M1, M2,
+               counts if counts is not None else _NO_NOISE[0], count_slot, adapt)
         record_checkpoints(model, chains, active, records, stop, lambda c: TH[c])
         done = stop
         yield done
+    for c, chain in enumerate(chains):  # where the kernel moved the adaptive clips' norms (`clip_norms` reads them)
+        if _op(chain, AdaptiveClip) is not None:
+            chain.set_clip_norms(clip[c], thetas[c])
     out.extend(TH[c].astype(theta.dtype, copy=True) for c, theta in enumerate(thetas))
 
 
@@ -401,21 +434,27 @@ def run_full_batch(model: Model, chains: Sequence[GradientChain], thetas: Sequen
     clip = np.array([norms[c][0][r] for c, r in cols] + [1.0] * (K - len(cols)))
     do_clip = np.array([norms[c][1] for c, _ in cols] + [False] * (K - len(cols)))
     codes, vals = _programs(chains)
+    adapt = adaptive_parameters(chains)
     M1, M2 = _moments(chains, K, d)
     records, stops = checkpoint_stops(chains, steps)
     chunk = max(1, CHUNK_ELEMENTS // max(1, len(chains) * R * d))
-    G, S, A = np.zeros((d, K)), np.zeros(K), np.zeros((nb.ROWS, K))
+    G, S, A, U = np.zeros((d, K)), np.zeros(K), np.zeros((nb.ROWS, K)), np.zeros(K)
     done = 0
     while done < max(steps, default=0):
         stop = min(done + chunk, min(s for s in stops if s > done))
         running = np.array([s > done for s in steps])
         noise, slot = noise_blocks([_noise_draws(c, a) for c, a in zip(chains, running)], stop - done)
+        counts, count_slot = noise_blocks([_count_draws(c, a) for c, a in zip(chains, running)], stop - done)
         lrs = _step_values(chains, done, stop, running)
         nb.gd_logreg(TH, X, y, batches.x_norm, clip, do_clip, codes[col_chain], vals[col_chain], slot[col_chain],
                      rep, noise if noise is not None else _NO_NOISE, np.ascontiguousarray(lrs[col_chain]),
-                     real & running[col_chain], G, S, A, M1, M2)
+                     real & running[col_chain], G, S, A, M1, M2, counts if counts is not None else _NO_NOISE[0],
+                     count_slot[col_chain], adapt[col_chain], U)
         record_checkpoints(model, chains, running, records, stop,
                            lambda c: np.ascontiguousarray(TH[:, c * R:(c + 1) * R].T))
         done = stop
+    for c, chain in enumerate(chains):  # where the kernel moved the adaptive clips' norms (`clip_norms` reads them)
+        if _op(chain, AdaptiveClip) is not None:
+            chain.set_clip_norms(clip[c * R:(c + 1) * R], thetas[c])
     return [np.ascontiguousarray(TH[:, c * R:(c + 1) * R].T).astype(theta.dtype, copy=False)
             for c, theta in enumerate(thetas)]

@@ -92,6 +92,10 @@ class GradientChain:
         gives their shape before any)."""
         return self._states.clip_norms(theta)
 
+    def set_clip_norms(self, norms: np.ndarray, theta: np.ndarray) -> None:
+        """Record the `Clip` op's per-replica norms after a compiled backend's steps (θ (R, P): the ops' states)."""
+        self._states.set_clip_norms(norms, theta)
+
     @property
     def schedule(self) -> Schedule:
         return next(op.schedule for op in self.ops if isinstance(op, Sgd))

@@ -226,6 +226,13 @@ class OpStates:
                 return np.asarray(state)
         return None
 
+    def set_clip_norms(self, norms: np.ndarray, params: np.ndarray) -> None:
+        """Put the `Clip` op's per-replica norms where a compiled backend's steps left them (an `AdaptiveClip`'s
+        moved norms: what `clip_norms` then reads)."""
+        self._ready(params)
+        k = next(k for k, op in enumerate(self.ops) if isinstance(op, Clip))
+        self.states[k] = np.array(norms, dtype=np.float64)
+
     def clipped_sum(self, model: Any, params: np.ndarray, batch: Any) -> np.ndarray:
         """The batch's sum of clipped per-example gradients at the `Clip` op's norms (none: unclipped); an
         `AdaptiveClip` releases it (its noise added) and moves its norms."""
