@@ -9,7 +9,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from dpsgd_cli.algorithms._tail_numba import tail
+from dpsgd_cli.algorithms._tail_numba import fixed_rows, tail
 from dpsgd_cli.models._logreg_numba import clip_residual, residual_from_exp
 
 # (row, cell) pairs the pair path takes together: their dots 8 at a time (`dots8`, `sparse_dots8`: 8 chains of adds
@@ -444,7 +444,7 @@ def _finite(theta):  # pragma: no cover
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
 def mb_logreg(TH, active, X, P, y, x_norm, idx, noise, slot, clip, do_clip, codes, vals, lrs,
-              lanes, M1, M2):  # pragma: no cover
+              lanes, M1, M2, fixed):  # pragma: no cover
     """Steps of every cell (TH: cell × replica × feature) on the batches idx, each cell's step ending in its tail
     program (codes[c], vals[c]; noise noise[slot[c]], none when slot[c] < 0; clip norm clip[c, r]). The first
     `lanes` cells are vector lanes, 8 a block (θ by feature × cell, two rows at a time: `lane_dots2`,
@@ -452,7 +452,9 @@ def mb_logreg(TH, active, X, P, y, x_norm, idx, noise, slot, clip, do_clip, code
     cell's numbers in the same order: which cell takes which path changes nothing but the time. P: X's
     `RowNonzeros.packed` (then the rows are read by their nonzeros and a dot sums them in column order, the same on
     both paths: `_lanes`, `_pairs`; within ~1e-16 relative of the dense rows' order), or an empty (0, 0) uint64
-    array (dense rows). M1, M2: the Adam moments of every (cell, replica), (C, R, d) (empty last axis: no Adam)."""
+    array (dense rows). M1, M2: the Adam moments of every (cell, replica), (C, R, d) (empty last axis: no Adam).
+    fixed: the rows of fixed gradient (`models.base.FixedGradients`) as (row (n,), weight (R, m), idx, val, raw
+    norm, proj (C, steps, R, m) out), row empty when there are none (`_tail_numba.fixed_rows`)."""
     C, R, d = TH.shape
     m = lrs.shape[1]
     M = idx.shape[2]
@@ -473,6 +475,9 @@ def mb_logreg(TH, active, X, P, y, x_norm, idx, noise, slot, clip, do_clip, code
     do_clip_l[:CL] = do_clip[:CL]
     bad = np.zeros(max(C, CP), dtype=np.bool_)  # sparse: θ not finite (lanes: lane c = cell c < CL)
     poison = np.zeros(max(C, CP), dtype=np.bool_)  # sparse: a NaN residual this step
+    frow, fweight, fidx, fval, fraw, fproj = fixed
+    has_fixed = frow.shape[0] > 0
+    counts = np.zeros(fidx.shape[0])  # the step's rows of each fixed gradient
     for r in range(R):
         for c in range(CL):
             clip_l[c] = clip[c, r]
@@ -486,12 +491,15 @@ def mb_logreg(TH, active, X, P, y, x_norm, idx, noise, slot, clip, do_clip, code
             G[:, :] = 0.0
             g[:, :] = 0.0
             poison[:] = False
+            counts[:] = 0.0
             n = 0
             pending = -1  # lanes: a row waiting for its partner
             for k in range(M):
                 i = idx[t, r, k]
                 if i < 0:  # kept indices come first: the rest of the row is padding
                     break
+                if has_fixed and frow[i] >= 0:
+                    counts[frow[i]] += 1.0
                 if k + AHEAD < M:  # random rows: ask for a later row now (latency-bound otherwise)
                     ahead = idx[t, r, k + AHEAD]
                     if ahead >= 0:
@@ -534,11 +542,17 @@ def mb_logreg(TH, active, X, P, y, x_norm, idx, noise, slot, clip, do_clip, code
                     if c < CL:
                         if poison[c]:  # a sparse step's NaN residual, which the dense sum spreads to every coordinate
                             G[:, c] = np.nan
+                        if has_fixed:
+                            fixed_rows(TT[:, c], G[:, c], counts, fweight[r], fidx, fval, fraw, clip[c, r], do_clip[c],
+                                       fproj[c, t, r])
                         tail(TT[:, c], G[:, c], codes[c], vals[c], zc, s >= 0, lrs[c, t], M1[c, r], M2[c, r])
                         bad[c] = sparse and not _finite(TT[:, c])
                     else:
                         if poison[c]:
                             g[c] = np.nan
+                        if has_fixed:
+                            fixed_rows(TH[c, r], g[c], counts, fweight[r], fidx, fval, fraw, clip[c, r], do_clip[c],
+                                       fproj[c, t, r])
                         tail(TH[c, r], g[c], codes[c], vals[c], zc, s >= 0, lrs[c, t], M1[c, r], M2[c, r])
                         bad[c] = sparse and not _finite(TH[c, r])
         for c in range(CL):
