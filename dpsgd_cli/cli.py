@@ -165,10 +165,11 @@ def audit(
         for grid, part in cells.groupby("grid", sort=False):
             console.print(settings_table(part, f"{grid}: {len(part)} cells to audit", numbers={
                 "canaries": list(part["canaries"]), "trials per world": list(part["trials"]),
-                "σ/2 needs": [f"{n:,.0f}" if n == n and n is not None else "—" for n in part["trials_needed"]],
+                "σ/2 needs": [f"{n:,.0f}" if pd.notna(n) else "—" for n in part["trials_needed"]],
                 "est. time": [f"{s:.1f} s" if s < 10 else f"{s:,.0f} s" for s in part["seconds"]]},
-                keep=["trials per world", "est. time"], notes=["σ/2 needs: trials per world refuting the noise × 0.5 control would take (twice an optimal "
-                       "attack's); est. time: the cell's training, estimated"]))
+                keep=["trials per world", "est. time"],
+                notes=["σ/2 needs: the trials per world that refuting the noise × 0.5 control would take (twice an "
+                       "optimal attack's); est. time: the cell's training, estimated"]))
         return
     rows: list[dict] = []
     console.print(f"auditing the configurations select chose in {grid_file}" if selected else
