@@ -448,12 +448,12 @@ MARGIN = 2  # trials per what an optimal attack needs at its expected counts: dr
 MIN_TRIALS = 100
 ONE_RUN_TRIALS = 500  # statistic one_run: trainings pooled, each with m_canaries canaries
 PILOT_REPLICAS = 32  # an algorithm trained by `fit` alone is timed on this many replicas
-# One replica's training, in seconds (measured on 2 shared cores, synthetic d = 5, B = 64): a fixed part (its random
-# streams, the sampler's first block) and per step, by where the chain runs (compiled or NumPy), a part per step
-# and one per example and parameter.
-REPLICA_SECONDS = 1e-3
-STEP_SECONDS = {True: 2e-6, False: 5e-5}
-EXAMPLE_PARAMETER_SECONDS = {True: 5e-9, False: 2e-8}
+# One replica's training, in CPU seconds (measured: Dirac canary, dp_sgd, B = 64, on synthetic d = 5 and adult d =
+# 104): a fixed part (its random streams, the sampler's first block) and per step, by where the chain runs (compiled
+# or NumPy), a part per step and one per example and parameter.
+REPLICA_SECONDS = 3e-4
+STEP_SECONDS = {True: 2.5e-6, False: 1.4e-5}
+EXAMPLE_PARAMETER_SECONDS = {True: 5e-10, False: 3e-9}
 
 
 @dataclasses.dataclass(frozen=True)
