@@ -239,7 +239,7 @@ def _cells_args(C, R, d, steps, rng):
 def _call(kernel, TH, X, P, y, x_norm, idx, noise, args, lanes):
     kernel(TH, args["active"], X, P, y, x_norm, idx, noise, args["slot"], args["clip"], args["do_clip"],
            args["codes"], args["vals"], args["lrs"], lanes, np.zeros(TH.shape), np.zeros(TH.shape),
-           backends.fixed_arguments(None, None, *TH.shape))
+           backends.fixed_arguments(None, None, TH.shape[1], *TH.shape))
 
 
 @needs_numba

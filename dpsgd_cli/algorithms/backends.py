@@ -286,12 +286,15 @@ def _noise_draws(chain: GradientChain, running: bool = True) -> NoiseStream | No
 _NO_NOISE = np.zeros((1, 1, 1, 1))
 
 
-def fixed_arguments(fixed: FixedGradients | None, rows: np.ndarray | None, *proj_shape: int) -> tuple[Any, ...]:
-    """The kernels' `fixed` argument: (rows, weight, idx, val, raw norm, zeroed projections `proj_shape` + (m,)),
-    `rows` empty and the rest dummies without rows of fixed gradient."""
+def fixed_arguments(fixed: FixedGradients | None, rows: np.ndarray | None, replicas: int,
+                    *proj_shape: int) -> tuple[Any, ...]:
+    """The kernels' `fixed` argument: (rows, weight (replicas, m), idx, val, raw norm, zeroed projections `proj_shape`
+    + (m,)), `rows` empty and the rest dummies without rows of fixed gradient."""
     if fixed is None or rows is None:
         return np.zeros(0, dtype=np.int64), np.zeros((1, 1)), np.zeros((1, 1), dtype=np.int64), np.zeros((1, 1)), \
             0.0, np.zeros((*[1] * len(proj_shape), 1))
+    if fixed.weight.shape != (replicas, fixed.idx.shape[0]):  # the kernels index it unchecked
+        raise ValueError(f"fixed-gradient weights {fixed.weight.shape}, not one per replica ({replicas}) and row")
     idx, val = np.ascontiguousarray(fixed.idx, dtype=np.int64), np.ascontiguousarray(fixed.val, dtype=np.float64)
     return (rows, np.ascontiguousarray(fixed.weight, dtype=np.float64), idx, val, float(fixed.raw_norm),
             np.zeros((*proj_shape, idx.shape[0])))
@@ -389,7 +392,7 @@ def mini_batch_steps(model: Model, chains: Sequence[GradientChain], thetas: Sequ
         active = np.array([s > done for s in steps])
         idx = batches.take(stop - done)
         noise, slot = noise_blocks([_noise_draws(c, a) for c, a in zip(chains, active)], stop - done)
-        arrays = fixed_arguments(fixed, rows, C, stop - done, R)
+        arrays = fixed_arguments(fixed, rows, R, C, stop - done, R)
         kernel(TH, active, X, P, y, x_norm, idx, noise if noise is not None else _NO_NOISE, slot, clip, do_clip,
                codes, vals, _step_values(chains, done, stop, active), lane_cells(C), M1, M2, arrays)
         if fixed is not None:
@@ -440,7 +443,7 @@ def run_full_batch(model: Model, chains: Sequence[GradientChain], thetas: Sequen
         running = np.array([s > done for s in steps])
         noise, slot = noise_blocks([_noise_draws(c, a) for c, a in zip(chains, running)], stop - done)
         lrs = _step_values(chains, done, stop, running)
-        arrays = fixed_arguments(fixed, counts, stop - done, K)
+        arrays = fixed_arguments(fixed, counts, R, stop - done, K)
         nb.gd_logreg(TH, X, y, batches.x_norm, clip, do_clip, codes[col_chain], vals[col_chain], slot[col_chain],
                      rep, noise if noise is not None else _NO_NOISE, np.ascontiguousarray(lrs[col_chain]),
                      real & running[col_chain], G, S, A, M1, M2, arrays)
