@@ -52,6 +52,7 @@ plots = LazyModule("dpsgd_cli.plots")
 claims_report = LazyModule("dpsgd_cli.report")
 report_html = LazyModule("dpsgd_cli.report_html")
 audit_run = LazyModule("dpsgd_cli.audit.run")
+audit_engine = LazyModule("dpsgd_cli.audit.engine")
 accounting = LazyModule("dpsgd_cli.privacy.accounting")
 algorithm_plugins = LazyModule("dpsgd_cli.plugins")
 contract = LazyModule("dpsgd_cli.contract")
@@ -371,7 +372,8 @@ def audit(grid: GridSource, *, only: Names = None, out: PathLike = "results",
           plugins: Plugins = ()) -> pd.DataFrame:
     """`dpsgd audit`: train with and without a canary and bound each cell's ε from below; returns the rows of
     every audited grid's audit.csv. `grid`, `set`, `seeds` and `plugins` as for `run`; `on_rows` sees each cell's
-    rows as they come; `dry_run`: a row per cell to audit, nothing trained; `selected`: `grid` is a results folder
+    rows as they come; `dry_run`: a row per cell to audit, its trials per world, the trials refuting the noise × 0.5
+    control would need and the estimated seconds of training, nothing trained; `selected`: `grid` is a results folder
     whose selections' chosen configurations are audited as run, audit.csv beside runs.csv (docs/audit.md)."""
     only = _strings(only) or None
     audits: list[tuple[Any, frozenset[str] | None, Path]]
@@ -386,10 +388,15 @@ def audit(grid: GridSource, *, only: Names = None, out: PathLike = "results",
     for one, cells, _ in audits:  # every grid's trials bounded before the first training
         checks.check_audit(one, trials, cells)
     if dry_run:
-        specs = {one.name: one.audit or config.AuditSpec() for one, _, _ in audits}
-        return pd.concat([tables.cells_frame(checks.audited_cells(one, cells)).assign(
-            grid=one.name, canaries=", ".join(specs[one.name].canaries),
-            trials=trials or specs[one.name].trials) for one, cells, _ in audits], ignore_index=True)
+        parts = []
+        for one, cells, _ in audits:
+            spec = one.audit or config.AuditSpec()
+            audited = checks.audited_cells(one, cells)
+            plans = [audit_engine.plan_trials(cell, spec, trials, confidence) for cell in audited]
+            parts.append(tables.cells_frame(audited).assign(
+                grid=one.name, canaries=", ".join(spec.canaries), trials=[p.trials for p in plans],
+                trials_needed=[p.needed for p in plans], seconds=[p.seconds for p in plans]))
+        return pd.concat(parts, ignore_index=True)
     paths = [audit_run.audit_grid(one, root, trials=trials, confidence=confidence, on_rows=on_rows, cells=cells)
              for one, cells, root in audits]
     frame = pd.concat([audit_run.read_audit_csv(p) for p in paths], ignore_index=True)

@@ -147,7 +147,8 @@ def audit(
     out: Path = typer.Option(Path("results"), "--out", metavar="DIR",
                              help="Results root; grid G writes DIR/G/audit.csv."),
     trials: int | None = typer.Option(None, "--trials", min=2, metavar="N", help="Trainings with the canary (and "
-                                      "as many without); default: the grid's audit.trials."),
+                                      "as many without); default: the grid's audit.trials, or chosen per cell "
+                                      "(--dry-run shows them)."),
     confidence: float | None = typer.Option(None, "--confidence", metavar="P", help="Probability that ε_lo is a "
                                             "lower bound (default: the grid's, 0.95)."),
     overrides: list[str] | None = typer.Option(
@@ -163,7 +164,12 @@ def audit(
                           seeds=seeds, dry_run=True, selected=selected, plugins=plugins or [])
         for grid, part in cells.groupby("grid", sort=False):
             console.print(settings_table(part, f"{grid}: {len(part)} cells to audit", numbers={
-                "canaries": list(part["canaries"]), "trials per world": list(part["trials"])}))
+                "canaries": list(part["canaries"]), "trials per world": list(part["trials"]),
+                "σ/2 needs": [f"{n:,.0f}" if pd.notna(n) else "—" for n in part["trials_needed"]],
+                "est. time": [f"{s:.1f} s" if s < 10 else f"{s:,.0f} s" for s in part["seconds"]]},
+                keep=["trials per world", "est. time"],
+                notes=["σ/2 needs: the trials per world that refuting the noise × 0.5 control would take (twice an "
+                       "optimal attack's); est. time: the cell's training, estimated"]))
         return
     rows: list[dict] = []
     console.print(f"auditing the configurations select chose in {grid_file}" if selected else

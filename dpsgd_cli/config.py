@@ -399,7 +399,11 @@ class AuditSpec(_Strict):
         ["input", "dirac"], min_length=1, description="input: a record, black box (last iterate); gradient: a record "
         "whose gradient is a fixed vector, white box (last iterate and all iterates); dirac: a gradient on an input "
         "coordinate no record uses, white box (last iterate, and all iterates by a per-step likelihood ratio)")
-    trials: int = Field(500, ge=2, description="trainings with the canary (and as many without)")
+    trials: int | None = Field(None, ge=2, description="trainings with the canary (and as many without); default: "
+                               "per cell, twice what an optimal attack needs to refute the noise × 0.5 control, "
+                               "within the time budget")
+    budget: float = Field(15.0, gt=0, description="seconds of training per cell (estimated) that the trials chosen "
+                          "per cell may take")
     confidence: float = Field(0.95, gt=0.5, lt=1, description="probability that ε_lo is a lower bound")
     statistic: Literal["clopper_pearson", "one_run"] = Field(
         "clopper_pearson", description="Clopper–Pearson on FPR/FNR over trials, or Steinke et al.'s one-run bound")

@@ -291,10 +291,11 @@ def test_chunks_do_not_change_a_run(monkeypatch):
 @needs_numba
 @pytest.mark.parametrize("name, params", [("bassily2014", {}), ("song2013", {}),
                                           ("pidp_sgd", {"rule": "coordinate", "radius": 1.0e3})])
-def test_the_audits_canary_models_train_on_the_numpy_chain(name, params):
-    """A canary is the model's input, not the kernel's: a model with the audit's gradient canaries (audit/
-    canaries.py) is not taken by the compiled step, even when asked for; its replica that includes neither canary
-    trains as the plain model does on the kernel, and the canaries move the replicas that include them."""
+def test_the_audits_canary_models_one_example_per_step_train_on_the_numpy_chain(name, params):
+    """The single-example kernel has no rows of fixed gradient: a model with the audit's gradient canaries (audit/
+    canaries.py) is not taken by it, even when asked for; its replica that includes neither canary trains as the
+    plain model does on the kernel, and the canaries move the replicas that include them (the mini-batch and
+    full-batch kernels add them: tests/test_audit_compiled.py)."""
     from dpsgd_cli.audit import canaries
 
     X, y = _data(n=60)  # each canary row drawn ~4 times per replica

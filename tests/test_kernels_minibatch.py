@@ -256,7 +256,7 @@ def _call(kernel, TH, X, P, y, x_norm, idx, noise, counts, args, lanes):
     clip = args["clip"].copy()  # moved in place by the adaptive clips
     kernel(TH, args["active"], X, P, y, x_norm, idx, noise, args["slot"], clip, args["do_clip"],
            args["codes"], args["vals"], args["lrs"], lanes, np.zeros(TH.shape), np.zeros(TH.shape), counts,
-           args["count_slot"], args["adapt"])
+           args["count_slot"], args["adapt"], backends.fixed_arguments(None, None, TH.shape[1], *TH.shape))
     return clip
 
 

@@ -11,7 +11,7 @@ so no contraction of a multiply and an add either). Hence a replica's run does n
 import numba
 import numpy as np
 
-from dpsgd_cli.algorithms._tail_numba import adaptive_release, tail
+from dpsgd_cli.algorithms._tail_numba import adaptive_release, fixed_rows, tail
 from dpsgd_cli.models._logreg_numba import clip_residual, residual_from_exp
 
 LANES = 8  # the columns are padded to a multiple of this (whole vectors)
@@ -54,18 +54,23 @@ def _add_row(G, A, q, X, i):  # pragma: no cover
 
 @numba.njit(cache=True, nogil=True)
 def gd_logreg(TH, X, y, x_norm, clip, do_clip, codes, vals, slot, rep, noise, lrs, active, G, S, A, M1,
-              M2, counts, count_slot, adapt, U):  # pragma: no cover
+              M2, counts, count_slot, adapt, U, fixed):  # pragma: no cover
     """m full-batch steps (m = lrs.shape[1]) of every column of TH (d, K), K a multiple of LANES, in place:
 
         for each row i (in order):  s_k = Σ_j x_ij θ_jk (j in order);  a_k = −y_i σ(−y_i s_k);
                                     u_k += 1[|a_k|‖x_i‖ ≤ C_k];
                                     a_k ← a_k C_k / max(|a_k|‖x_i‖, C_k) (if do_clip_k);  g_jk += a_k x_ij
-        then per column: an adaptive clip's `adaptive_release` (count_slot_k ≥ 0: its count's noise
-        counts[count_slot_k, t, rep_k], its fields adapt[k]; C_k moved in place), the tail program (codes[k], vals[k])
-        with z = noise[slot_k, t, rep_k, :] (none: slot < 0). G (d, K), S (K,), A (ROWS, K) and U (K,) are scratch."""
+        then per column: the rows of fixed gradient (`_tail_numba.fixed_rows`), an adaptive clip's
+        `adaptive_release` (count_slot_k ≥ 0: its count's noise counts[count_slot_k, t, rep_k], its fields adapt[k];
+        C_k moved in place), the tail program (codes[k], vals[k]) with z = noise[slot_k, t, rep_k, :] (none: slot < 0).
+    G (d, K), S (K,), A (ROWS, K) and U (K,) are scratch. fixed: the rows of fixed gradient
+    (`models.base.FixedGradients`) as (fcounts (m,): X's rows of each, weight (R, m), idx, val, raw norm,
+    proj (steps, K, m) out), fcounts empty when there are none."""
     d, K = TH.shape
     n = X.shape[0]
     m = lrs.shape[1]
+    fcounts, fweight, fidx, fval, fraw, fproj = fixed
+    has_fixed = fcounts.shape[0] > 0
     for t in range(m):
         for j in range(d):
             for k in range(K):
@@ -95,6 +100,9 @@ def gd_logreg(TH, X, y, x_norm, clip, do_clip, codes, vals, slot, rep, noise, lr
             if active[k]:
                 s = slot[k]
                 z = noise[max(s, 0), min(t, noise.shape[1] - 1), min(rep[k], noise.shape[2] - 1)]
+                if has_fixed:
+                    fixed_rows(TH[:, k], G[:, k], fcounts, fweight[rep[k]], fidx, fval, fraw, clip[k], do_clip[k],
+                               fproj[t, k])
                 if count_slot[k] >= 0:
                     clip[k] = adaptive_release(G[:, k], z, clip[k], U[k], n, counts[count_slot[k], t, rep[k]],
                                                adapt[k])

@@ -9,7 +9,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from dpsgd_cli.algorithms._tail_numba import adaptive_release, tail
+from dpsgd_cli.algorithms._tail_numba import adaptive_release, fixed_rows, tail
 from dpsgd_cli.models._logreg_numba import clip_residual, residual_from_exp
 
 # (row, cell) pairs the pair path takes together: their dots 8 at a time (`dots8`, `sparse_dots8`: 8 chains of adds
@@ -448,7 +448,7 @@ def _finite(theta):  # pragma: no cover
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
 def mb_logreg(TH, active, X, P, y, x_norm, idx, noise, slot, clip, do_clip, codes, vals, lrs,
-              lanes, M1, M2, counts, count_slot, adapt):  # pragma: no cover
+              lanes, M1, M2, counts, count_slot, adapt, fixed):  # pragma: no cover
     """Steps of every cell (TH: cell × replica × feature) on the batches idx, each cell's step ending in its tail
     program (codes[c], vals[c]; noise noise[slot[c]], none when slot[c] < 0; clip norm clip[c, r]). A cell with an
     adaptive clip (count_slot[c] ≥ 0: its count's noise counts[count_slot[c]], (m, R) a block; its fields adapt[c])
@@ -459,7 +459,9 @@ def mb_logreg(TH, active, X, P, y, x_norm, idx, noise, slot, clip, do_clip, code
     cell's numbers in the same order: which cell takes which path changes nothing but the time. P: X's
     `RowNonzeros.packed` (then the rows are read by their nonzeros and a dot sums them in column order, the same on
     both paths: `_lanes`, `_pairs`; within ~1e-16 relative of the dense rows' order), or an empty (0, 0) uint64
-    array (dense rows). M1, M2: the Adam moments of every (cell, replica), (C, R, d) (empty last axis: no Adam)."""
+    array (dense rows). M1, M2: the Adam moments of every (cell, replica), (C, R, d) (empty last axis: no Adam).
+    fixed: the rows of fixed gradient (`models.base.FixedGradients`) as (row (n,), weight (R, m), idx, val, raw
+    norm, proj (C, steps, R, m) out), row empty when there are none (`_tail_numba.fixed_rows`)."""
     C, R, d = TH.shape
     m = lrs.shape[1]
     M = idx.shape[2]
@@ -481,6 +483,9 @@ def mb_logreg(TH, active, X, P, y, x_norm, idx, noise, slot, clip, do_clip, code
     bad = np.zeros(max(C, CP), dtype=np.bool_)  # sparse: θ not finite (lanes: lane c = cell c < CL)
     poison = np.zeros(max(C, CP), dtype=np.bool_)  # sparse: a NaN residual this step
     unclipped = np.zeros(max(C, CP))  # the examples of gradient norm ≤ the clip this step (adaptive clips' count)
+    frow, fweight, fidx, fval, fraw, fproj = fixed
+    has_fixed = frow.shape[0] > 0
+    fcounts = np.zeros(fidx.shape[0])  # the step's rows of each fixed gradient
     for r in range(R):
         for c in range(CL):
             clip_l[c] = clip[c, r]
@@ -495,6 +500,7 @@ def mb_logreg(TH, active, X, P, y, x_norm, idx, noise, slot, clip, do_clip, code
             g[:, :] = 0.0
             poison[:] = False
             unclipped[:] = 0.0
+            fcounts[:] = 0.0
             n = 0
             kept = 0
             pending = -1  # lanes: a row waiting for its partner
@@ -503,6 +509,8 @@ def mb_logreg(TH, active, X, P, y, x_norm, idx, noise, slot, clip, do_clip, code
                 if i < 0:  # kept indices come first: the rest of the row is padding
                     break
                 kept += 1
+                if has_fixed and frow[i] >= 0:
+                    fcounts[frow[i]] += 1.0
                 if k + AHEAD < M:  # random rows: ask for a later row now (latency-bound otherwise)
                     ahead = idx[t, r, k + AHEAD]
                     if ahead >= 0:
@@ -545,6 +553,9 @@ def mb_logreg(TH, active, X, P, y, x_norm, idx, noise, slot, clip, do_clip, code
                     if c < CL:
                         if poison[c]:  # a sparse step's NaN residual, which the dense sum spreads to every coordinate
                             G[:, c] = np.nan
+                        if has_fixed:
+                            fixed_rows(TT[:, c], G[:, c], fcounts, fweight[r], fidx, fval, fraw, clip[c, r], do_clip[c],
+                                       fproj[c, t, r])
                         if count_slot[c] >= 0:
                             clip[c, r] = adaptive_release(G[:, c], zc, clip[c, r], unclipped[c], kept,
                                                           counts[count_slot[c], t, r], adapt[c])
@@ -554,6 +565,9 @@ def mb_logreg(TH, active, X, P, y, x_norm, idx, noise, slot, clip, do_clip, code
                     else:
                         if poison[c]:
                             g[c] = np.nan
+                        if has_fixed:
+                            fixed_rows(TH[c, r], g[c], fcounts, fweight[r], fidx, fval, fraw, clip[c, r], do_clip[c],
+                                       fproj[c, t, r])
                         if count_slot[c] >= 0:  # clip_r, the pairs' norms, is this column of clip
                             clip[c, r] = adaptive_release(g[c], zc, clip[c, r], unclipped[c], kept,
                                                           counts[count_slot[c], t, r], adapt[c])

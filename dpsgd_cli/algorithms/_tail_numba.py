@@ -73,3 +73,20 @@ def tail(theta, g, codes, vals, z, noisy, step, m, u):  # pragma: no cover
                     theta[p] = -v
                 elif theta[p] > v:
                     theta[p] = v
+
+
+@numba.njit(cache=True, nogil=True)
+def fixed_rows(theta, g, counts, weight, idx, val, raw_norm, clip, do_clip, proj):  # pragma: no cover
+    """One replica's rows of fixed gradient in its step (`models.base.FixedGradients`), before its tail: proj[j] =
+    ⟨θ, u_j⟩ (θ before the step), then g += counts[j] weight[j] c u_j, counts[j] the step's rows of fixed gradient
+    j, c = min(raw_norm, clip) when the chain clips, else raw_norm."""
+    c = min(raw_norm, clip) if do_clip else raw_norm
+    for j in range(idx.shape[0]):
+        s = 0.0
+        for k in range(idx.shape[1]):
+            s += val[j, k] * theta[idx[j, k]]
+        proj[j] = s
+        f = counts[j] * weight[j] * c
+        if f != 0.0:
+            for k in range(idx.shape[1]):
+                g[idx[j, k]] += f * val[j, k]

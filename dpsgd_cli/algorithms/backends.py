@@ -51,12 +51,13 @@ from dpsgd_cli.algorithms.ops import (
 )
 from dpsgd_cli.algorithms.sampling import IndexedBatches
 from dpsgd_cli.algorithms.streams import NoiseStream
+from dpsgd_cli.models import Model
+from dpsgd_cli.models.base import FixedGradients
 from dpsgd_cli.models.logreg import LogisticRegression
 from dpsgd_cli.models.mlp import MLP
 
 if TYPE_CHECKING:
     from dpsgd_cli.algorithms.chain import GradientChain
-    from dpsgd_cli.models import Model
 
 CHUNK_ELEMENTS = 1 << 23  # noise numbers per kernel call (64 MB in float64): a whole pass on adult / kddcup99
 SINGLE_CHUNK_ELEMENTS = 1 << 16  # per single-example call: its noise block stays in cache (measured best)
@@ -77,12 +78,15 @@ class Regime(enum.Enum):
 @dataclass(frozen=True)
 class Plan:
     """What a backend needs to know of a chain: its batch regime, the model family (`LogisticRegression` or `MLP`
-    whose gradient is not overridden, else None), the dtype of θ and the data (None when they differ), its ops."""
+    whose gradient is not overridden, or overridden only by rows of fixed gradient on logistic regression; else
+    None), the dtype of θ and the data (None when they differ), its ops, and whether rows of the data have a fixed
+    gradient (`Model.fixed_gradients`: the audit's gradient and Dirac canaries)."""
 
     regime: Regime
     family: type | None
     dtype: np.dtype | None
     ops: tuple[Op, ...]
+    fixed: bool = False
 
 
 def plan(chain: GradientChain, model: Model, theta: np.ndarray) -> Plan:
@@ -92,9 +96,11 @@ def plan(chain: GradientChain, model: Model, theta: np.ndarray) -> Plan:
         regime = (Regime.FULL if batches.full else Regime.SINGLE if chain.examples_per_step == 1
                   and not batches.padded else Regime.INDEXED)
         dtype = theta.dtype if batches.X.dtype == theta.dtype and theta.ndim == 2 else None
+    fixed = type(model).fixed_gradients is not Model.fixed_gradients  # the only override the kernels know
     family = next((f for f in (LogisticRegression, MLP) if isinstance(model, f)
-                   and type(model).clipped_grad_sum is f.clipped_grad_sum), None)
-    return Plan(regime, family, dtype, tuple(chain.ops))
+                   and (type(model).clipped_grad_sum is f.clipped_grad_sum or fixed and f is LogisticRegression)),
+                  None)
+    return Plan(regime, family, dtype, tuple(chain.ops), fixed)
 
 
 # --- the tail's program ---------------------------------------------------------------------------------------------
@@ -157,12 +163,13 @@ def _load(module: str) -> ModuleType:
 
 NUMPY = Backend("numpy", lambda p: True)
 SINGLE_EXAMPLE = Backend("single_example", lambda p: p.regime is Regime.SINGLE and p.family is not None
-                         and p.dtype == np.float64 and _compiled_ops(p, masked=True), "_kernels_single_numba")
+                         and not p.fixed and p.dtype == np.float64 and _compiled_ops(p, masked=True),
+                         "_kernels_single_numba")
 MINI_BATCH = Backend("mini_batch", lambda p: p.regime is Regime.INDEXED and p.family is LogisticRegression
-                     and p.dtype == np.float64 and _compiled_ops(p, masked=False, adaptive=True),
+                     and p.dtype == np.float64 and _compiled_ops(p, masked=False, adaptive=not p.fixed),
                      "_kernels_minibatch_numba")
 FULL_BATCH = Backend("full_batch", lambda p: p.regime is Regime.FULL and p.family is LogisticRegression
-                     and p.dtype == np.float64 and _compiled_ops(p, masked=False, adaptive=True),
+                     and p.dtype == np.float64 and _compiled_ops(p, masked=False, adaptive=not p.fixed),
                      "_kernels_fullbatch_numba")
 COMPILED = (SINGLE_EXAMPLE, MINI_BATCH, FULL_BATCH)
 
@@ -306,6 +313,20 @@ def adaptive_parameters(chains: Sequence[GradientChain]) -> np.ndarray:
 _NO_NOISE = np.zeros((1, 1, 1, 1))
 
 
+def fixed_arguments(fixed: FixedGradients | None, rows: np.ndarray | None, replicas: int,
+                    *proj_shape: int) -> tuple[Any, ...]:
+    """The kernels' `fixed` argument: (rows, weight (replicas, m), idx, val, raw norm, zeroed projections `proj_shape`
+    + (m,)), `rows` empty and the rest dummies without rows of fixed gradient."""
+    if fixed is None or rows is None:
+        return np.zeros(0, dtype=np.int64), np.zeros((1, 1)), np.zeros((1, 1), dtype=np.int64), np.zeros((1, 1)), \
+            0.0, np.zeros((*[1] * len(proj_shape), 1))
+    if fixed.weight.shape != (replicas, fixed.idx.shape[0]):  # the kernels index it unchecked
+        raise ValueError(f"fixed-gradient weights {fixed.weight.shape}, not one per replica ({replicas}) and row")
+    idx, val = np.ascontiguousarray(fixed.idx, dtype=np.int64), np.ascontiguousarray(fixed.val, dtype=np.float64)
+    return (rows, np.ascontiguousarray(fixed.weight, dtype=np.float64), idx, val, float(fixed.raw_norm),
+            np.zeros((*proj_shape, idx.shape[0])))
+
+
 # --- the single-example backend -------------------------------------------------------------------------------------
 
 
@@ -388,6 +409,8 @@ def mini_batch_steps(model: Model, chains: Sequence[GradientChain], thetas: Sequ
     codes, vals = _programs(chains)
     adapt = adaptive_parameters(chains)
     M1, M2 = _moments(chains, C, R, d)
+    fixed = model.fixed_gradients(batches.y, batches.x_norm)
+    rows = np.ascontiguousarray(fixed.row, dtype=np.int64) if fixed is not None else None
     records, stops = checkpoint_stops(chains, steps)
     width = max(1, round(float(np.mean([c.examples_per_step for c in chains])) * 2))
     chunk = max(64, CHUNK_ELEMENTS // max(1, R * (width + d * C)))
@@ -398,9 +421,14 @@ def mini_batch_steps(model: Model, chains: Sequence[GradientChain], thetas: Sequ
         idx = batches.take(stop - done)
         noise, slot = noise_blocks([_noise_draws(c, a) for c, a in zip(chains, active)], stop - done)
         counts, count_slot = noise_blocks([_count_draws(c, a) for c, a in zip(chains, active)], stop - done)
+        arrays = fixed_arguments(fixed, rows, R, C, stop - done, R)
         kernel(TH, active, X, P, y, x_norm, idx, noise if noise is not None else _NO_NOISE, slot, clip, do_clip,
                codes, vals, _step_values(chains, done, stop, active), lane_cells(C), M1, M2,
-               counts if counts is not None else _NO_NOISE[0], count_slot, adapt)
+               counts if counts is not None else _NO_NOISE[0], count_slot, adapt, arrays)
+        if fixed is not None:
+            for c, on in enumerate(active):
+                if on:
+                    fixed.record(arrays[-1][c])
         record_checkpoints(model, chains, active, records, stop, lambda c: TH[c])
         done = stop
         yield done
@@ -436,6 +464,10 @@ def run_full_batch(model: Model, chains: Sequence[GradientChain], thetas: Sequen
     codes, vals = _programs(chains)
     adapt = adaptive_parameters(chains)
     M1, M2 = _moments(chains, K, d)
+    fixed = model.fixed_gradients(y, batches.x_norm)
+    fixed_counts = None  # every row is in every step's batch: X's rows of each fixed gradient
+    if fixed is not None:
+        fixed_counts = np.bincount(fixed.row[fixed.row >= 0], minlength=fixed.idx.shape[0]).astype(np.float64)
     records, stops = checkpoint_stops(chains, steps)
     chunk = max(1, CHUNK_ELEMENTS // max(1, len(chains) * R * d))
     G, S, A, U = np.zeros((d, K)), np.zeros(K), np.zeros((nb.ROWS, K)), np.zeros(K)
@@ -446,10 +478,15 @@ def run_full_batch(model: Model, chains: Sequence[GradientChain], thetas: Sequen
         noise, slot = noise_blocks([_noise_draws(c, a) for c, a in zip(chains, running)], stop - done)
         counts, count_slot = noise_blocks([_count_draws(c, a) for c, a in zip(chains, running)], stop - done)
         lrs = _step_values(chains, done, stop, running)
+        arrays = fixed_arguments(fixed, fixed_counts, R, stop - done, K)
         nb.gd_logreg(TH, X, y, batches.x_norm, clip, do_clip, codes[col_chain], vals[col_chain], slot[col_chain],
                      rep, noise if noise is not None else _NO_NOISE, np.ascontiguousarray(lrs[col_chain]),
                      real & running[col_chain], G, S, A, M1, M2, counts if counts is not None else _NO_NOISE[0],
-                     count_slot[col_chain], adapt[col_chain], U)
+                     count_slot[col_chain], adapt[col_chain], U, arrays)
+        if fixed is not None:
+            for c, on in enumerate(running):
+                if on:
+                    fixed.record(arrays[-1][:, c * R:(c + 1) * R])
         record_checkpoints(model, chains, running, records, stop,
                            lambda c: np.ascontiguousarray(TH[:, c * R:(c + 1) * R].T))
         done = stop

@@ -13,7 +13,7 @@ import numpy as np
 
 from dpsgd_cli.algorithms.ops import Noise, Scale, Schedule, WeightDecay
 from dpsgd_cli.models import Batch, Model
-from dpsgd_cli.models.base import ClipNorm
+from dpsgd_cli.models.base import ClipNorm, FixedGradients
 
 
 def least_used_direction(X: np.ndarray) -> np.ndarray:
@@ -78,6 +78,17 @@ class _GradientCanary(_CanaryBase):
             return g + self._canary_sum(batch, np.ones((theta.shape[0], self.U.shape[0])), clip)
         self.projections.append(theta @ self.U.T)
         return g + self._canary_sum(batch, self.included, clip)
+
+    def fixed_gradients(self, y: np.ndarray, x_norm: np.ndarray) -> FixedGradients:
+        """The marker rows as rows of fixed gradient, which the compiled steps add as `clipped_grad_sum` does (U's
+        rows by their nonzeros: a Dirac canary's one coordinate) and whose projections they record."""
+        rows = np.where(y == 0, self._canary_index(x_norm), -1)
+        width = max(1, int(np.count_nonzero(self.U, axis=1).max()))
+        idx, val = np.zeros((self.U.shape[0], width), dtype=np.int64), np.zeros((self.U.shape[0], width))
+        for j, u in enumerate(self.U):
+            nonzero = np.flatnonzero(u)
+            idx[j, :nonzero.size], val[j, :nonzero.size] = nonzero, u[nonzero]
+        return FixedGradients(rows, idx, val, self.included, self.raw_norm, self.projections.append)
 
     def _canary_sum(self, batch: Batch, included: np.ndarray, clip: ClipNorm):
         marker = (batch.y == 0) & (batch.weight > 0)

@@ -13,15 +13,17 @@ import numpy as np
 import scipy.stats
 
 from dpsgd_cli import plugins
-from dpsgd_cli.algorithms import Algorithm, Setting
+from dpsgd_cli.algorithms import Algorithm, Setting, backends
 from dpsgd_cli.algorithms.erm import reference_minimum
 from dpsgd_cli.algorithms.ops import Clip, LaplacianSmoothing, MaskedNoise, Noise, Op, Scale, Update, WeightDecay
 from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.audit import canaries, stats
 from dpsgd_cli.config import AuditSpec, Cell
 from dpsgd_cli.data import Dataset
+from dpsgd_cli.engine.checks import MAX_AUDIT_TRIALS
 from dpsgd_cli.engine.runner import dataset, risk_columns, setting_of
 from dpsgd_cli.models import Model, make_model
+from dpsgd_cli.privacy import risk
 from dpsgd_cli.privacy.risk import BOUND_COLUMNS
 
 COLUMNS = ["grid", "cell_id", "dataset", "model", "algorithm", "algorithm_params", "epsilon", "epsilon_claimed",
@@ -64,10 +66,10 @@ def audit_cell(cell: Cell, spec: AuditSpec, trials: int | None = None, confidenc
     """Rows of audit.csv for one cell: one per threat model of each canary kind, each with its verdict (the
     family's `confidence`, the broken twin: docs/audit.md). `algorithm` and `data` replace the cell's; `scores`
     receives every row's raw scores (keys `<canary>.<threat>.<in|out>`, `control.` before them for the twin's)."""
-    trials = trials or spec.trials
     confidence = confidence or spec.confidence
     algorithm = algorithm or cell.make_algorithm()
     data = data or dataset(cell.dataset, cell.validation)  # the rows the run trained on: its n and δ
+    trials = trials or spec.trials or plan_trials(cell, spec, None, confidence, algorithm, data).trials
     base = _base_row(cell, data, algorithm, trials, confidence, spec)
     twin = None
     if spec.control is not None and algorithm.tags.noise_scalable:
@@ -437,3 +439,109 @@ def _directions(spec: AuditSpec, model: Model, X: np.ndarray, y: np.ndarray) -> 
         return canaries.least_used_direction(X)[None, :]
     g = np.random.default_rng([spec.seed, 11]).standard_normal(P)
     return (g / np.linalg.norm(g))[None, :]
+
+
+# --- how many trials ------------------------------------------------------------------------------------------------
+
+HALF_NOISE = 0.5  # the control the default trials are chosen to refute: the cell's noise halved
+MARGIN = 2  # trials per what an optimal attack needs at its expected counts: draws vary, canaries fall short of it
+MIN_TRIALS = 100
+ONE_RUN_TRIALS = 500  # statistic one_run: trainings pooled, each with m_canaries canaries
+PILOT_REPLICAS = 32  # an algorithm trained by `fit` alone is timed on this many replicas
+# One replica's training, in CPU seconds (measured: Dirac canary, dp_sgd, B = 64, on synthetic d = 5 and adult d =
+# 104): a fixed part (its random streams, the sampler's first block) and per step, by where the chain runs (compiled
+# or NumPy), a part per step and one per example and parameter.
+REPLICA_SECONDS = 3e-4
+STEP_SECONDS = {True: 2.5e-6, False: 1.4e-5}
+EXAMPLE_PARAMETER_SECONDS = {True: 5e-10, False: 3e-9}
+
+
+@dataclasses.dataclass(frozen=True)
+class TrialsPlan:
+    """A cell's trials per world, what refuting the noise × 0.5 control needs, and the training time they take."""
+
+    trials: int
+    needed: int | None  # MARGIN × an optimal attack's trials to refute the control (None: none, or beyond the limit)
+    control_epsilon: float | None  # the true ε of the cell with its noise halved (its accountant's)
+    seconds_per_trial: float  # estimated: every canary kind, both worlds, the cell and its twins
+
+    @property
+    def seconds(self) -> float:
+        return self.trials * self.seconds_per_trial
+
+
+def plan_trials(cell: Cell, spec: AuditSpec, trials: int | None = None, confidence: float | None = None,
+                algorithm: Algorithm | None = None, data: Dataset | None = None) -> TrialsPlan:
+    """The cell's trials per world: `trials` or the grid's, else MARGIN × the trials at which the optimal attack
+    on the cell with its noise halved refutes the claimed ε at its expected counts (its TPR at each FPR the
+    accountant's bound from the halved mechanism's privacy profile, the rule "order", the row confidence of a family
+    of every covered row), capped by `spec.budget` seconds of estimated training and MAX_AUDIT_TRIALS, at least
+    MIN_TRIALS (docs/audit.md)."""
+    confidence = confidence or spec.confidence
+    algorithm = algorithm or cell.make_algorithm()
+    data = data or dataset(cell.dataset, cell.validation)
+    model, setting = _setup(cell, data, 1)
+    X = np.vstack([data.X_train, np.zeros((1, data.d), dtype=data.X_train.dtype)])  # the null record
+    y = np.append(data.y_train, 0.0)
+    half = algorithm.with_noise_scale(HALF_NOISE) if algorithm.tags.noise_scalable else algorithm
+    prepared = half.prepare(setting, model, X, y, ReplicaStreams(range(1)))
+    if prepared is None:  # trained by `fit` alone (a vectorised L-BFGS solve): its time measured on a chunk
+        replicas = min(spec.chunk, PILOT_REPLICAS)
+        start = time.perf_counter()
+        derived = _fit(half, setting, model, X, y, range(replicas))[1]
+        seconds = (time.perf_counter() - start) / replicas
+        per_replica = {kind: seconds if kind == "input" else 0.0 for kind in spec.canaries}
+    else:
+        derived = prepared.finish(prepared.theta).derived
+        per_replica = {kind: _replica_seconds(prepared, model if kind == "input" else _canary_model(model))
+                       for kind in spec.canaries}
+    variants = 2 if spec.control is not None and algorithm.tags.noise_scalable else 1  # the cell and its twin
+    one_run = spec.statistic == "one_run"  # a trial is one training holding m canaries, not a pair of worlds
+    seconds_per_trial = (1 if one_run else 2) * variants * sum(per_replica.values())
+    achieved = derived.get("epsilon_achieved")  # as the rows' epsilon_claimed
+    claim = float(achieved) if achieved is not None else float(cell.epsilon or 0.0)
+    delta = derived.get("delta_achieved", setting.delta)
+    control = derived.get("epsilon_noise_scaled") if half is not algorithm else None
+    needed = None
+    if control is not None and control > claim and np.isfinite(claim) and not one_run:
+        rows = sum(_covered(algorithm.tags.covers, t) for kind in spec.canaries for t in THREATS[kind])
+        optimal = stats.trials_to_refute(_power(half, setting, derived, control, delta), claim,
+                                         stats.family_confidence(confidence, rows), delta, limit=MAX_AUDIT_TRIALS)
+        needed = MARGIN * optimal if optimal is not None else None
+    if trials is None:
+        trials = spec.trials
+    if trials is None:
+        affordable = int(spec.budget / max(seconds_per_trial, 1e-12))
+        wanted = ONE_RUN_TRIALS if one_run else needed or MAX_AUDIT_TRIALS
+        trials = max(MIN_TRIALS, min(wanted, affordable, MAX_AUDIT_TRIALS))
+    return TrialsPlan(trials, needed, control, seconds_per_trial)
+
+
+def _power(algorithm: Algorithm, setting: Setting, derived: dict[str, Any], epsilon: float,
+           delta: float) -> Any:
+    """FPR ↦ the largest TPR of any test against the mechanism as it runs: from its dp_event's PLD privacy profile
+    (`privacy.risk`) under add/remove; else the Gaussian trade-off curve through its (ε, δ) (exact for unsampled
+    Gaussian mechanisms; under replace-one the profile would take RDP's δ at every ε, seconds per cell), or the
+    (ε, δ) region of a pure claim."""
+    event = algorithm.dp_event(setting, derived)
+    if event is not None and algorithm.neighbouring() == "add_remove":
+        profile, source = risk.privacy_profile(event, "add_remove", epsilon)
+        if source == "pld":
+            return lambda fpr: risk.tpr_bound(fpr, risk.EPSILON_GRID, profile)
+    if delta > 0:
+        mu = stats.gdp_mu_of_epsilon(epsilon, delta)
+        return lambda fpr: float(scipy.stats.norm.cdf(scipy.stats.norm.ppf(fpr) + mu))
+    return lambda fpr: risk.tpr_bound(fpr, epsilon, delta)
+
+
+def _canary_model(model: Model) -> Model:
+    """`model` with a gradient canary, for the plan its chains take."""
+    return canaries.with_gradient_canaries(model, np.zeros((1, model.n_params)), np.zeros((1, 1)), 1.0)
+
+
+def _replica_seconds(prepared: Any, model: Model) -> float:
+    """Estimated seconds of one replica's training of `prepared`'s chain on `model` (the cost model above)."""
+    chain = prepared.chain
+    compiled = backends.choose(backends.plan(chain, model, prepared.theta), chain.backend) is not backends.NUMPY
+    per_step = STEP_SECONDS[compiled] + chain.examples_per_step * model.n_params * EXAMPLE_PARAMETER_SECONDS[compiled]
+    return REPLICA_SECONDS + prepared.steps * per_step

@@ -5,6 +5,7 @@ Oh, Viswanath 2015; the audit of Jagielski, Ullman, Oprea 2020 and Nasr et al. 2
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Literal
 
 import numpy as np
@@ -280,6 +281,33 @@ def trials_needed(epsilon: float, confidence: float = 0.95, delta: float = 0.0,
     return hi
 
 
+def refutes_expected(trials: int, power: Callable[[float], float], claim: float, confidence: float = 0.95,
+                     delta: float = 0.0) -> bool:
+    """Whether the rule "order" (ranks from `claim`) with `trials` per world refutes `claim` at the expected counts of
+    an attack whose TPR at each FPR is `power(FPR)`: the out-scores' j-th largest at FPR j/(N + 1), ⌊TPR·N⌋
+    in-scores above it, the exact test's p-value at ε = claim ≤ α/#ranks at some rank."""
+    alpha = _alpha(confidence)
+    ranks = order_ranks(trials, trials, claim, delta, alpha)
+    level = alpha / ranks.size
+    return any(order_p_value(int(np.floor(power(j / (trials + 1)) * trials)), trials, int(j), trials, claim, delta,
+                             level)[1] <= level for j in ranks)
+
+
+def trials_to_refute(power: Callable[[float], float], claim: float, confidence: float = 0.95, delta: float = 0.0,
+                     limit: int = 10**6) -> int | None:
+    """The fewest trials N per world (to 1%) at which an attack of that `power` refutes `claim` at its expected
+    counts (`refutes_expected`): what it needs to refute the claim in a typical draw (None beyond `limit`)."""
+    if not refutes_expected(limit, power, claim, confidence, delta):
+        return None
+    lo, hi = 1, 2
+    while not refutes_expected(hi, power, claim, confidence, delta):
+        lo, hi = hi, hi * 2
+    while hi - lo > max(1, lo // 100):  # refuting gets easier with N (up to the counts' rounding): bisect
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if not refutes_expected(mid, power, claim, confidence, delta) else (lo, mid)
+    return hi
+
+
 def family_confidence(confidence: float, rows: int) -> float:
     """The confidence of each of `rows` bounds whose union holds with probability `confidence` (Bonferroni)."""
     return 1.0 - _alpha(confidence) / max(int(rows), 1)
@@ -298,6 +326,7 @@ def gdp_mu(scores_in, scores_out) -> float:
     return float(max(s_in.mean() - s_out.mean(), 0.0) / pooled)
 
 
+@functools.lru_cache(maxsize=1024)  # the claim's ranks ask for the same few (ε, δ) at every N
 def gdp_mu_of_epsilon(epsilon: float, delta: float) -> float:
     """The μ whose μ-GDP curve has ε(μ, δ) = `epsilon` (`gdp_epsilon` inverted; it grows with μ)."""
     if delta <= 0:

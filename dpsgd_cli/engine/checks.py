@@ -75,6 +75,10 @@ def check_audit(grid: Grid, trials: int | None = None, cells: Collection[str] | 
                         f"audit another grid (--only NAME)")
     spec = grid.audit or AuditSpec()
     trials = trials or spec.trials
+    if trials is None:  # chosen per cell, within the audit's time budget and MAX_AUDIT_TRIALS (audit.engine)
+        for cell in audited_cells(grid, cells):
+            check_work(cell, f"grid {grid.name!r}")
+        return
     where = f"grid {grid.name!r}: audit.trials = {trials:,}" + (" (--trials)" if trials != spec.trials else "")
     if trials > MAX_AUDIT_TRIALS:
         raise UserError(f"{where} is beyond the limit of {MAX_AUDIT_TRIALS:,} trials; lower it (a tighter bound "

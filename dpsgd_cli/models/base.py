@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -25,6 +26,22 @@ class Batch:
     y: np.ndarray
     weight: np.ndarray
     x_norm: np.ndarray
+
+
+@dataclass(frozen=True)
+class FixedGradients:
+    """Rows of the training data whose per-example gradient is a fixed vector whatever θ, added per replica with a
+    weight: the audit's gradient and Dirac canaries (audit/canaries.py), as data a compiled step reads. For each
+    such row in a replica's batch the clipped sum gains weight[r, j] · c · u_j, c = min(raw_norm, C_r) under a
+    clip (raw_norm without), u_j = Σ_k val[j, k] e_idx[j, k]; before every step the replica's ⟨θ, u_j⟩ are handed
+    to `record` ((steps, R, m) blocks, in step order)."""
+
+    row: np.ndarray  # (n,) int64: the fixed gradient j of each row of X, −1 for a data row
+    idx: np.ndarray  # (m, K) int64: u_j's nonzero coordinates (padding: value 0)
+    val: np.ndarray  # (m, K) float64
+    weight: np.ndarray  # (R, m): 1 in, 0 the null record, −1 the replace-one mirror
+    raw_norm: float
+    record: Callable[[np.ndarray], None]
 
 
 class Model:
@@ -61,6 +78,11 @@ class Model:
     def reads_rows_compiled(self, batch: Batch, theta: np.ndarray) -> bool:
         """Whether `clipped_grad_sum` reads this batch's rows in compiled kernels (a chain's backend "numba-rows")."""
         return False
+
+    def fixed_gradients(self, y: np.ndarray, x_norm: np.ndarray) -> FixedGradients | None:
+        """The rows (labels y, norms x_norm) whose gradient this model fixes, where it fixes some (the audit's canary
+        models); `clipped_grad_sum` is then the model's own plus theirs. None: every row is a data row."""
+        return None
 
     def clipped_grad_sum(self, theta: np.ndarray, batch: Batch, clip: ClipNorm) -> np.ndarray:
         """Σ_i weight_i · min(1, C/‖∇ℓ_i‖) ∇ℓ_i over the batch, without the regulariser: (R, P). C: a number, one

@@ -1,0 +1,93 @@
+"""The audit's default trials per cell: what refuting the noise × 0.5 control needs (an optimal attack at its
+expected counts, twice over), within the time budget; `dpsgd audit --dry-run` shows them with the estimated time."""
+
+from __future__ import annotations
+
+import re
+import textwrap
+
+import numpy as np
+import pandas as pd
+import pytest
+import scipy.stats
+from typer.testing import CliRunner
+
+from dpsgd_cli.audit import engine, stats
+from dpsgd_cli.cli import app
+from dpsgd_cli.config import AuditSpec, GridFile, expand
+
+
+def _gaussian(mu: float):
+    return lambda fpr: float(scipy.stats.norm.cdf(scipy.stats.norm.ppf(fpr) + mu))
+
+
+def test_trials_to_refute_are_enough_and_not_twice_too_many():
+    """At the trials found the rule refutes the claim at the attack's expected counts, at half of them it does not;
+    a stronger attack needs fewer; a mechanism exactly at the claim (its (ε, δ) region's largest TPR) is never
+    refuted."""
+    claim, delta, confidence = 1.0, 1e-5, 0.99
+    weak, strong = _gaussian(stats.gdp_mu_of_epsilon(3.0, delta)), _gaussian(stats.gdp_mu_of_epsilon(5.0, delta))
+    n = stats.trials_to_refute(weak, claim, confidence, delta)
+    assert n is not None and stats.refutes_expected(n, weak, claim, confidence, delta)
+    assert not stats.refutes_expected(n // 2, weak, claim, confidence, delta)
+    assert stats.trials_to_refute(strong, claim, confidence, delta) < n
+    tight = lambda fpr: min(1.0, np.exp(claim) * fpr + delta)
+    assert stats.trials_to_refute(tight, claim, confidence, delta, limit=20_000) is None
+
+
+def _cell(**grid):
+    base = dict(name="t", datasets=[{"name": "synthetic", "n": 300, "dim": 5}], models=["logreg"], seeds=1,
+                delta=1e-5, clip_norm=1.0, l2=1e-3, lr=0.5, epochs=1, batch_size=32, epsilon=[1.0],
+                algorithms=["dp_sgd"])
+    return expand(GridFile.model_validate({"grids": [{**base, **grid}]}).grids[0])[0]
+
+
+def test_default_trials_refute_the_half_noise_control_within_the_budget():
+    """Without trials in the grid: MARGIN × the trials the optimal attack on the half-noise twin needs (its ε from
+    the accountant, above the claim), as many as the budget affords when fewer, never below MIN_TRIALS; the
+    grid's or the caller's trials win over both."""
+    cell = _cell()
+    roomy = engine.plan_trials(cell, AuditSpec(canaries=["dirac"], budget=1e6))
+    assert roomy.control_epsilon > cell.epsilon and roomy.needed is not None
+    assert roomy.needed % engine.MARGIN == 0 and roomy.trials == roomy.needed
+    assert roomy.seconds == pytest.approx(roomy.trials * roomy.seconds_per_trial)
+    budget = roomy.seconds / 3
+    tight = engine.plan_trials(cell, AuditSpec(canaries=["dirac"], budget=budget))
+    assert tight.trials == max(engine.MIN_TRIALS, int(budget / tight.seconds_per_trial)) < roomy.trials
+    assert engine.plan_trials(cell, AuditSpec(canaries=["dirac"], budget=1e-9)).trials == engine.MIN_TRIALS
+    assert engine.plan_trials(cell, AuditSpec(canaries=["dirac"], trials=77)).trials == 77
+    assert engine.plan_trials(cell, AuditSpec(canaries=["dirac"], trials=77), trials=55).trials == 55
+    # a smaller claim is harder to refute with the same factor on the noise: more trials needed
+    assert engine.plan_trials(_cell(epsilon=[0.5]), AuditSpec(canaries=["dirac"], budget=1e6)).needed > roomy.needed
+
+
+GRID = """
+grids:
+  - name: auto_trials
+    datasets: [{name: synthetic, n: 300, dim: 5}]
+    algorithms: [dp_sgd]
+    epsilon: [1, 4]
+    batch_size: [32]
+    epochs: 1
+    lr: 0.5
+    l2: 1.0e-3
+    seeds: 1
+    delta: 1.0e-5
+    audit: {canaries: [input], budget: 1.0e-6}
+"""
+
+
+def test_dry_run_shows_each_cells_trials_and_time_and_the_audit_uses_them(tmp_path):
+    grid = tmp_path / "grid.yaml"
+    grid.write_text(textwrap.dedent(GRID))
+    result = CliRunner().invoke(app, ["audit", str(grid), "--out", str(tmp_path / "res"), "--dry-run"],
+                                terminal_width=200)
+    assert result.exit_code == 0, result.output
+    assert "σ/2 needs" in result.output and "est. time" in result.output
+    rows = [line.split() for line in result.output.splitlines() if re.match(r"\s*[14]\s+100\s+[\d,]+\s", line)]
+    assert len(rows) == 2 and all(row[-1] == "s" and float(row[-2]) >= 0 for row in rows), result.output
+    assert not (tmp_path / "res").exists()  # nothing trained, nothing written
+    result = CliRunner().invoke(app, ["audit", str(grid), "--out", str(tmp_path / "res")])
+    assert result.exit_code == 0, result.output
+    frame = pd.read_csv(tmp_path / "res" / "auto_trials" / "audit.csv")
+    assert (frame["trials"] == engine.MIN_TRIALS).all() and (frame["status"] == "ok").all()
