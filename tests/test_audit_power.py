@@ -446,11 +446,13 @@ def test_fdp_one_run_recursion_is_the_linear_program():
     """The recursion (the tail's mass at `correct`, each h_{i−1} the least allowed) decides as the linear
     program over every distribution does, for (ε, δ)-DP curves, at every count and ε tried."""
     cases = 0
-    for m, guesses, alpha, delta in ((50, 20, 0.05, 0.0), (50, 20, 0.1, 1e-3), (200, 40, 0.05, 1e-5), (30, 30, 0.05, 0)):
+    for m, guesses, alpha, delta in ((50, 20, 0.05, 0.0), (50, 20, 0.1, 1e-3), (200, 40, 0.05, 1e-5),
+                                     (30, 30, 0.05, 0.0)):
         for correct in range(guesses // 2, guesses + 1, 2):
             for epsilon in np.linspace(0.0, 3.0, 7):
                 least = _least_mass(m, guesses, correct, alpha, epsilon, delta)
-                rejects = stats.one_run_fdp_rejects(m, guesses, correct, alpha, stats.dp_blow_up_inverse(epsilon, delta))
+                inverse = stats.dp_blow_up_inverse(epsilon, delta)
+                rejects = stats.one_run_fdp_rejects(m, guesses, correct, alpha, inverse)
                 assert rejects == (least > 1), (m, guesses, correct, epsilon, delta, least)
                 cases += rejects
     assert cases > 20  # both answers occur

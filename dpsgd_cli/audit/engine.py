@@ -25,8 +25,9 @@ from dpsgd_cli.models import Model, make_model
 from dpsgd_cli.privacy.risk import BOUND_COLUMNS
 
 COLUMNS = ["grid", "cell_id", "dataset", "model", "algorithm", "algorithm_params", "epsilon", "epsilon_claimed",
-           "delta", "epsilon_lo", "epsilon_lo_fdp", "verdict", "reason", "covers", "ceiling", "trials_needed", "control",
-           "control_epsilon", "control_epsilon_lo", "control_epsilon_lo_fdp", "control_row_confidence", "gdp_mu", "gdp_epsilon", "epsilon_rdp",
+           "delta", "epsilon_lo", "epsilon_lo_fdp", "verdict", "reason", "covers", "ceiling", "trials_needed",
+           "control", "control_epsilon", "control_epsilon_lo", "control_epsilon_lo_fdp", "control_row_confidence",
+           "gdp_mu", "gdp_epsilon", "epsilon_rdp",
            "noiseless_fraction", "confidence", "family_size", "row_confidence", "statistic", "threshold", "auc",
            "tpr_at_fpr_1e-2", "tpr_bound_fpr_1e-2", "tpr_at_fpr_1e-3", "tpr_bound_fpr_1e-3", "trials", "canary",
            "threat_model", "neighbours", "batch_size", "lr",
