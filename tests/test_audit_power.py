@@ -503,7 +503,7 @@ def test_fdp_one_run_on_ideal_gaussian_canaries():
     for _ in range(40):
         included = rng.random(m) < 0.5
         s = rng.standard_normal(m) + mu * included
-        right.append(dict(stats.two_sided_guesses(s[included], s[~included]))[2 * k])
+        right.append(dict(stats.one_run_guesses(s[included], s[~included])["both"])[2 * k])
     expected = _expected_two_sided_counts(mu, m, k)
     assert abs(np.mean(right) - expected) < 4 * np.std(right) / np.sqrt(40) + 1, (np.mean(right), expected)
     bounds = []

@@ -292,20 +292,23 @@ def epsilon_one_run_fdp_counts(m: int, guesses: int, correct: int, alpha: float,
     return gdp_epsilon(lo, delta) if curve == "gdp" else lo
 
 
-def two_sided_guesses(scores_in, scores_out, seed: int = 0) -> list[tuple[int, int]]:
-    """(guesses, right guesses) for guessing "in" for the k top-scoring canaries and "out" for the k lowest, for
-    each k ∈ `guess_counts(m)`; ties broken by a seeded permutation, independent of who is in."""
+def one_run_guesses(scores_in, scores_out, seed: int = 0) -> dict[str, list[tuple[int, int]]]:
+    """(guesses, right guesses) for each k ∈ `guess_counts(m)`: `top`, "in" for the k top-scoring canaries;
+    `both`, also "out" for the k lowest (2k guesses). Ties broken by a seeded permutation, independent of who is
+    in. Both kinds: scores that tell only one side (a subsampled chain's out-canaries tie with the in-canaries
+    never drawn) lose nothing on the other."""
     s_in, s_out = _scores(scores_in, scores_out)
     m = s_in.size + s_out.size
     is_in = np.r_[np.ones(s_in.size, dtype=bool), np.zeros(s_out.size, dtype=bool)]
     ranked = is_in[np.lexsort((np.random.default_rng(seed).permutation(m), np.r_[s_in, s_out]))]  # ascending
-    return [(2 * k, int(ranked[m - k:].sum() + (~ranked[:k]).sum())) for k in guess_counts(m)]
+    top = [(k, int(ranked[m - k:].sum())) for k in guess_counts(m)]
+    return {"top": top, "both": [(2 * k, right + int((~ranked[:k]).sum())) for k, right in top]}
 
 
 def epsilon_one_run_fdp(scores_in, scores_out, confidence: float = 0.95, delta: float = 0.0,
                         curve: FdpCurve | None = None) -> float:
     """ε_lo of the f-DP one-run audit (Mahloujifar, Melis, Chaudhuri 2024) on m = #in + #out canaries of one
-    training: guesses on both ends (`two_sided_guesses`), Bonferroni over the guess counts fixed in advance. The
+    training: Bonferroni over the guesses fixed in advance (`one_run_guesses`, both kinds). The
     curve defaults to μ-GDP at δ > 0 (their choice; exact for a Gaussian mechanism, an assumption for others) and
     to ε-DP at δ = 0."""
     alpha = _alpha(confidence)
@@ -313,7 +316,7 @@ def epsilon_one_run_fdp(scores_in, scores_out, confidence: float = 0.95, delta: 
     curve = curve or ("gdp" if delta > 0 else "dp")
     if curve == "gdp" and delta == 0:
         raise ValueError("no μ-GDP curve with μ > 0 is pure DP (δ = 0): use curve='dp'")
-    counts = two_sided_guesses(scores_in, scores_out)
+    counts = [count for kind in one_run_guesses(scores_in, scores_out).values() for count in kind]
     m = np.size(scores_in) + np.size(scores_out)
     return max(epsilon_one_run_fdp_counts(m, k, c, alpha / len(counts), delta, curve) for k, c in counts)
 
