@@ -238,11 +238,12 @@ def one_run_fdp_rejects(m: int, guesses: int, correct: int, alpha: float,
     """Whether `correct` right guesses out of `guesses` on m canaries (each included w.p. 1/2, the rest abstained on)
     reject at level α that the mechanism is f-DP (symmetric f), given the inverse of its blow-up f̄ = 1 − f
     (f̄⁻¹(y) = the least x with f̄(x) ≥ y). Mahloujifar, Melis, Chaudhuri 2024 (arXiv 2410.22235), their one-run
-    test `audit_rh_with_cap` with k = 2 options per canary (membership). Why it holds: with p_t = P[t right guesses], r_i = Σ_{t≥i} t·p_t/m and
-    h_i = Σ_{t≥i} (guesses − t)·p_t/m, each canary's f-DP (given the others, on the event "at least i − 1 of the
-    others right") and the concavity of f̄ give r_i ≤ f̄(h_{i−1}), while r_0 + h_0 = guesses/m. If P[≥ correct
-    right] ≥ α, the least r_0 + h_0 these constraints allow (from r_c = α·c/m, h_c = α·(guesses − c)/m, each h_{i−1}
-    the least allowed, p_i = m·(h_i − h_{i+1})/(guesses − i)) exceeds guesses/m: a contradiction, so reject."""
+    test `audit_rh_with_cap` with k = 2 options per canary (membership). Why it holds: with p_t = P[t right
+    guesses], r_i = Σ_{t≥i} t·p_t/m and h_i = Σ_{t≥i} (guesses − t)·p_t/m, each canary's f-DP (given the others,
+    on the event "at least i − 1 of the others right") and the concavity of f̄ give r_i ≤ f̄(h_{i−1}), while
+    r_0 + h_0 = guesses/m. If P[≥ correct right] ≥ α, the least r_0 + h_0 these constraints allow (from
+    r_c = α·c/m, h_c = α·(guesses − c)/m, each h_{i−1} the least allowed, p_i = m·(h_i − h_{i+1})/(guesses − i))
+    exceeds guesses/m: a contradiction, so reject."""
     if correct <= 0:
         return False
     total = guesses / m
