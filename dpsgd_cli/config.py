@@ -399,14 +399,15 @@ class AuditSpec(_Strict):
         ["input", "dirac"], min_length=1, description="input: a record, black box (last iterate); gradient: a record "
         "whose gradient is a fixed vector, white box (last iterate and all iterates); dirac: a gradient on an input "
         "coordinate no record uses, white box (last iterate, and all iterates by a per-step likelihood ratio)")
-    trials: int | None = Field(None, ge=2, description="trainings with the canary (and as many without); default: "
-                               "per cell, twice what an optimal attack needs to refute the noise × 0.5 control, "
-                               "within the time budget")
+    trials: int | None = Field(None, ge=1, description="trainings with the canary (and as many without); one_run: "
+                               "the trainings pooled (1: one training); default: per cell, twice what an optimal "
+                               "attack needs to refute the noise × 0.5 control, within the time budget")
     budget: float = Field(15.0, gt=0, description="seconds of training per cell (estimated) that the trials chosen "
                           "per cell may take")
     confidence: float = Field(0.95, gt=0.5, lt=1, description="probability that ε_lo is a lower bound")
     statistic: Literal["clopper_pearson", "one_run"] = Field(
-        "clopper_pearson", description="Clopper–Pearson on FPR/FNR over trials, or Steinke et al.'s one-run bound")
+        "clopper_pearson", description="Clopper–Pearson on FPR/FNR over trials, or one run (Steinke et al.'s bound "
+        "for ε_lo, Mahloujifar et al.'s f-DP bound beside it)")
     threshold: Literal["bonferroni", "split", "order"] = Field(
         "order", description="how the attack's threshold is chosen: at out-score ranks fixed from the claimed ε "
         "before any score is seen, each by an exact test (order), the best of all (bonferroni), or on half the "
@@ -423,6 +424,13 @@ class AuditSpec(_Strict):
     control: float | None = Field(0.1, ge=0, lt=1, description="positive control: the same audit of each cell's "
                                   "broken twin, its noise multiplied by this factor (null: none; then no verdict "
                                   "is better than uninformative)")
+
+    @model_validator(mode="after")
+    def _enough_trials(self) -> AuditSpec:
+        if self.trials is not None and self.trials < 2 and self.statistic != "one_run":
+            raise ValueError(f"audit.trials = {self.trials}: a two-world audit needs at least 2 trials per world "
+                             "(only statistic: one_run can audit a single training)")
+        return self
 
 
 class Grid(Axes):

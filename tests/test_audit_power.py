@@ -5,7 +5,10 @@ against a closed form or an independent computation."""
 from __future__ import annotations
 
 import numpy as np
+import pydantic
 import pytest
+import scipy.optimize
+import scipy.special
 import scipy.stats
 
 from dpsgd_cli.audit import canaries, stats
@@ -393,12 +396,130 @@ def test_one_run_dirac_audit_refutes_the_twin_and_not_the_mechanism():
     for r in rows:
         assert r["status"] == "ok" and r["epsilon_lo"] <= 1.0, r
         assert r["control_epsilon_lo"] > 1.0 and r["verdict"] == "consistent", r
+    for r in rows:  # the f-DP bound beside Steinke et al.'s: below the claim, and the twin's above it
+        assert 0 <= r["epsilon_lo_fdp"] <= 1.0 and r["control_epsilon_lo_fdp"] > 1.0, r
     noiseless = audit_cell(cell, spec.model_copy(update={"control": None}),
                            algorithm=cell.make_algorithm().with_noise_scale(0.0))
     assert max(r["epsilon_lo"] for r in noiseless) > 1.0 and noiseless[1]["verdict"] == "refuted", noiseless
     # the other canaries are refused, not run: their canaries interfere
     [row] = audit_cell(cell, spec.model_copy(update={"canaries": ["input"]}))
     assert row["status"] == "not applicable" and "dirac" in row["message"]
+
+
+def test_one_training_of_a_gaussian_step_bounds_by_both_one_run_statistics():
+    """One full-batch DP-SGD step (exactly μ-GDP on each Dirac canary) with 4,000 canaries in a single training
+    (trials = 1): the f-DP bound (a Gaussian curve) is above Steinke et al.'s on the same scores and below the
+    claim; the twin (noise × 0.1) is refuted by both from its own single training."""
+    cell = _cells(algorithms=[{"name": "dp_sgd", "accountant": "pld", "batch_size": [320], "epochs": [1],
+                               "lr": [1.0]}], epsilon=[4.0])[0]
+    spec = AuditSpec(canaries=["dirac"], statistic="one_run", m_canaries=4000, trials=1, chunk=1)
+    for r in audit_cell(cell, spec):
+        assert r["status"] == "ok" and r["steps"] == 1, r
+        assert 0 < r["epsilon_lo"] < r["epsilon_lo_fdp"] <= r["epsilon_claimed"], r
+        assert r["control_epsilon_lo"] > 4 and r["control_epsilon_lo_fdp"] > 4 and r["verdict"] == "consistent", r
+
+
+def test_a_single_training_is_a_one_run_audit_only():
+    assert AuditSpec(statistic="one_run", canaries=["dirac"], trials=1).trials == 1
+    with pytest.raises(pydantic.ValidationError, match="one_run"):
+        AuditSpec(trials=1)
+
+
+# --- one run, f-DP (Mahloujifar, Melis, Chaudhuri 2024) ------------------------------------------------------------
+
+def _least_mass(m: int, guesses: int, correct: int, alpha: float, epsilon: float, delta: float) -> float:
+    """An independent computation of the f-DP one-run test for (ε, δ)-DP, whose blow-up is piecewise linear: the
+    least total probability of any distribution p_0..p_k of the number of right guesses with P[≥ correct] ≥ α
+    and r_i ≤ f̄(h_{i−1}) for every i (r_i = Σ_{t≥i} t p_t/m, h_i = Σ_{t≥i} (k − t) p_t/m), a linear program;
+    above 1 means no mechanism (ε, δ)-DP gives P[≥ correct] ≥ α."""
+    t = np.arange(guesses + 1)
+    tail = t[None, :] >= t[:, None]  # [i, t]: t ≥ i
+    r, h = tail * t / m, tail * (guesses - t) / m
+    e = np.exp(epsilon)
+    A = np.vstack([r[1:] - e * h[:-1], r[1:] - h[:-1] / e, -(t >= correct)[None, :].astype(float)])
+    b = np.r_[np.full(guesses, delta), np.full(guesses, 1 - (1 - delta) / e), -alpha]
+    result = scipy.optimize.linprog(np.ones(guesses + 1), A_ub=A, b_ub=b, bounds=(0, None), method="highs")
+    return result.fun if result.status == 0 else np.inf
+
+
+def test_fdp_one_run_recursion_is_the_linear_program():
+    """The recursion (the tail's mass at `correct`, each h_{i−1} the least allowed) decides as the linear
+    program over every distribution does, for (ε, δ)-DP curves, at every count and ε tried."""
+    cases = 0
+    for m, guesses, alpha, delta in ((50, 20, 0.05, 0.0), (50, 20, 0.1, 1e-3), (200, 40, 0.05, 1e-5),
+                                     (30, 30, 0.05, 0.0)):
+        for correct in range(guesses // 2, guesses + 1, 2):
+            for epsilon in np.linspace(0.0, 3.0, 7):
+                least = _least_mass(m, guesses, correct, alpha, epsilon, delta)
+                inverse = stats.dp_blow_up_inverse(epsilon, delta)
+                rejects = stats.one_run_fdp_rejects(m, guesses, correct, alpha, inverse)
+                assert rejects == (least > 1), (m, guesses, correct, epsilon, delta, least)
+                cases += rejects
+    assert cases > 20  # both answers occur
+
+
+def test_fdp_one_run_false_refutations_of_exactly_tight_mechanisms_stay_below_alpha():
+    """Randomized response canaries (each exactly ε-DP): the (ε, 0) curve is refuted at close to α (exact, not
+    vacuous), as Steinke et al.'s binomial test; μ-GDP canaries scored by their shift (each exactly μ-GDP): μ-GDP
+    is never refuted in 1,000 draws, while half of μ is refuted in nearly all of them."""
+    rng = np.random.default_rng(5)
+    m, alpha = 1000, 0.05
+    for epsilon, guesses in ((1.0, 200), (2.0, 100)):
+        right = rng.binomial(guesses, scipy.special.expit(epsilon), 4000)
+        inverse = stats.dp_blow_up_inverse(epsilon, 0.0)
+        decided = {c: stats.one_run_fdp_rejects(m, guesses, int(c), alpha, inverse) for c in np.unique(right)}
+        rate = np.mean([decided[c] for c in right])
+        assert 0.02 < rate <= alpha, (epsilon, rate)
+    mu, k = 1.0, 100
+    refuted = {mu: 0, mu / 2: 0}
+    for _ in range(1000):
+        included = rng.random(m) < 0.5
+        ranked = included[np.argsort(rng.standard_normal(m) + mu * included)]
+        right = int(ranked[m - k:].sum() + (~ranked[:k]).sum())
+        for hypothesis in refuted:
+            refuted[hypothesis] += stats.one_run_fdp_rejects(m, 2 * k, right, alpha,
+                                                             stats.gdp_blow_up_inverse(hypothesis))
+    assert refuted[mu] <= alpha * 1000 and refuted[mu / 2] > 900, refuted
+
+
+def _expected_two_sided_counts(mu: float, m: int, k: int) -> int:
+    """Right guesses expected from guessing "in" for the k top and "out" for the k lowest of m canaries scored
+    N(μ·in, 1): the mixture's quantiles t± at k/m from either end, m/2·(Φ(μ − t₊)^c + Φ(t₋))."""
+    mixture = lambda t: (scipy.stats.norm.cdf(t) + scipy.stats.norm.cdf(t - mu)) / 2  # noqa: E731
+    top = scipy.optimize.brentq(lambda t: 1 - mixture(t) - k / m, -20, 20)
+    bottom = scipy.optimize.brentq(lambda t: mixture(t) - k / m, -20, 20)
+    return int(m / 2 * (scipy.stats.norm.sf(top - mu) + scipy.stats.norm.cdf(bottom)))
+
+
+def test_fdp_one_run_on_ideal_gaussian_canaries():
+    """μ-GDP canaries at ε = 4, δ = 1e-5: the guesses' right count is the closed form's on average; at the
+    expected counts the f-DP bound rises with m towards ε and stays below it, grows with the count, and is above
+    Steinke et al.'s on the same counts (their (ε, δ) test; the paper's claim), more so with m·δ large."""
+    delta = 1e-5
+    mu = stats.gdp_mu_of_epsilon(4.0, delta)
+    rng = np.random.default_rng(3)
+    m, k = 10_000, 1000
+    right = []
+    for _ in range(40):
+        included = rng.random(m) < 0.5
+        s = rng.standard_normal(m) + mu * included
+        right.append(dict(stats.one_run_guesses(s[included], s[~included])["both"])[2 * k])
+    expected = _expected_two_sided_counts(mu, m, k)
+    assert abs(np.mean(right) - expected) < 4 * np.std(right) / np.sqrt(40) + 1, (np.mean(right), expected)
+    bounds = []
+    for m in (10**3, 10**4, 10**5):
+        k = m // 10
+        c = _expected_two_sided_counts(mu, m, k)
+        fdp = stats.epsilon_one_run_fdp_counts(m, 2 * k, c, 0.05, delta)
+        assert fdp >= stats.epsilon_one_run_fdp_counts(m, 2 * k, c - 5, 0.05, delta)
+        assert fdp >= stats.epsilon_one_run_fdp_counts(m, 2 * k, c, 0.05, delta, "dp")  # μ-GDP ⊂ (ε, δ)-DP
+        assert fdp > stats.epsilon_one_run_counts(m, 2 * k, c, 0.05, delta)
+        bounds.append(fdp)
+    assert bounds == sorted(bounds) and 0.45 * 4 < bounds[-1] < 4, bounds
+    # the (ε, δ) curve itself beats Steinke et al.'s δ term where m·δ is large
+    m, guesses = 10_000, 1000
+    assert (stats.epsilon_one_run_fdp_counts(m, guesses, 900, 0.05, 1e-3, "dp")
+            > stats.epsilon_one_run_counts(m, guesses, 900, 0.05, 1e-3) + 1)
 
 
 def test_cli_refuses_one_run_without_dirac_canaries_in_one_line(tmp_path):

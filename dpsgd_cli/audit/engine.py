@@ -27,8 +27,9 @@ from dpsgd_cli.privacy import risk
 from dpsgd_cli.privacy.risk import BOUND_COLUMNS
 
 COLUMNS = ["grid", "cell_id", "dataset", "model", "algorithm", "algorithm_params", "epsilon", "epsilon_claimed",
-           "delta", "epsilon_lo", "verdict", "reason", "covers", "ceiling", "trials_needed", "control",
-           "control_epsilon", "control_epsilon_lo", "control_row_confidence", "gdp_mu", "gdp_epsilon", "epsilon_rdp",
+           "delta", "epsilon_lo", "epsilon_lo_fdp", "verdict", "reason", "covers", "ceiling", "trials_needed",
+           "control", "control_epsilon", "control_epsilon_lo", "control_epsilon_lo_fdp", "control_row_confidence",
+           "gdp_mu", "gdp_epsilon", "epsilon_rdp",
            "noiseless_fraction", "confidence", "family_size", "row_confidence", "statistic", "threshold", "auc",
            "tpr_at_fpr_1e-2", "tpr_bound_fpr_1e-2", "tpr_at_fpr_1e-3", "tpr_bound_fpr_1e-3", "trials", "canary",
            "threat_model", "neighbours", "batch_size", "lr",
@@ -153,7 +154,8 @@ def _control_columns(control, threat: str, spec: AuditSpec, confidence: float, s
         scores["control." + _key(kind, threat, "in")], scores["control." + _key(kind, threat, "out")] = s_in, s_out
     stat = _statistics(s_in, s_out, spec, confidence, control, claim)
     return {"control": spec.control, "control_epsilon": control.derived.get("epsilon_noise_scaled"),
-            "control_epsilon_lo": stat.get("epsilon_lo"), "control_row_confidence": confidence}
+            "control_epsilon_lo": stat.get("epsilon_lo"), "control_epsilon_lo_fdp": stat.get("epsilon_lo_fdp"),
+            "control_row_confidence": confidence}
 
 
 def _verdict(row: dict, covers: str, threat: str) -> dict[str, Any]:
@@ -232,8 +234,10 @@ def _statistics(s_in: np.ndarray, s_out: np.ndarray, spec: AuditSpec, confidence
         keep_in, keep_out = s_in[np.isfinite(s_in)], s_out[np.isfinite(s_out)]
         return {"status": "diverged", "message": f"{s_in.size - keep_in.size + s_out.size - keep_out.size} "
                 "replicas diverged (non-finite scores); no bound", "epsilon_lo": None}
-    if spec.statistic == "one_run":
+    fdp = None
+    if spec.statistic == "one_run":  # Steinke et al.'s bound decides; the f-DP bound (a Gaussian curve) beside it
         eps = stats.epsilon_one_run(s_in, s_out, confidence, delta)
+        fdp = stats.epsilon_one_run_fdp(s_in, s_out, confidence, delta)
         top, need = None, None
     else:
         eps = stats.epsilon_clopper_pearson(s_in, s_out, confidence, delta, spec.threshold, claim=claim)
@@ -241,7 +245,7 @@ def _statistics(s_in: np.ndarray, s_out: np.ndarray, spec: AuditSpec, confidence
         need = (stats.trials_needed(claim, confidence, delta, spec.threshold)
                 if claim is not None and np.isfinite(claim) and top <= claim else None)
     mu = stats.gdp_mu(s_in, s_out)
-    return {"epsilon_lo": eps, "ceiling": top, "trials_needed": need, "gdp_mu": mu,
+    return {"epsilon_lo": eps, "epsilon_lo_fdp": fdp, "ceiling": top, "trials_needed": need, "gdp_mu": mu,
             "gdp_epsilon": stats.gdp_epsilon(mu, delta), "auc": stats.auc(s_in, s_out),
             "tpr_at_fpr_1e-2": stats.tpr_at_fpr(s_in, s_out, 1e-2),
             "tpr_at_fpr_1e-3": stats.tpr_at_fpr(s_in, s_out, 1e-3)}

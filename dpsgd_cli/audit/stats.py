@@ -231,6 +231,97 @@ def epsilon_one_run(scores_in, scores_out, confidence: float = 0.95, delta: floa
     return max(epsilon_one_run_counts(m, k, int(is_in[:k].sum()), alpha / len(ks), delta) for k in ks)
 
 
+# --- Mahloujifar, Melis, Chaudhuri 2024: one training run, f-DP --------------------------------------------------
+
+def one_run_fdp_rejects(m: int, guesses: int, correct: int, alpha: float,
+                        blow_up_inverse: Callable[[float], float]) -> bool:
+    """Whether `correct` right guesses out of `guesses` on m canaries (each included w.p. 1/2, the rest abstained on)
+    reject at level α that the mechanism is f-DP (symmetric f), given the inverse of its blow-up f̄ = 1 − f
+    (f̄⁻¹(y) = the least x with f̄(x) ≥ y). Mahloujifar, Melis, Chaudhuri 2024 (arXiv 2410.22235), their one-run
+    test `audit_rh_with_cap` with k = 2 options per canary (membership). Why it holds: with p_t = P[t right
+    guesses], r_i = Σ_{t≥i} t·p_t/m and h_i = Σ_{t≥i} (guesses − t)·p_t/m, each canary's f-DP (given the others,
+    on the event "at least i − 1 of the others right") and the concavity of f̄ give r_i ≤ f̄(h_{i−1}), while
+    r_0 + h_0 = guesses/m. If P[≥ correct right] ≥ α, the least r_0 + h_0 these constraints allow (from
+    r_c = α·c/m, h_c = α·(guesses − c)/m, each h_{i−1} the least allowed, p_i = m·(h_i − h_{i+1})/(guesses − i))
+    exceeds guesses/m: a contradiction, so reject."""
+    if correct <= 0:
+        return False
+    total = guesses / m
+    r, h = alpha * correct / m, alpha * (guesses - correct) / m
+    for i in range(correct - 1, -1, -1):
+        h_next = max(h, blow_up_inverse(r))
+        if h_next == h:  # no mass at i: nothing below i changes either
+            break
+        r, h = r + i / (guesses - i) * (h_next - h), h_next
+        if r + h > total:  # r and h only grow as i falls
+            return True
+    return r + h > total
+
+
+def gdp_blow_up_inverse(mu: float) -> Callable[[float], float]:
+    """f̄⁻¹ of μ-GDP (Dong, Roth, Su 2022): f̄(x) = Φ(Φ⁻¹(x) + μ), so f̄⁻¹(y) = Φ(Φ⁻¹(y) − μ)."""
+    return lambda y: float(scipy.special.ndtr(scipy.special.ndtri(min(y, 1.0)) - mu))
+
+
+def dp_blow_up_inverse(epsilon: float, delta: float) -> Callable[[float], float]:
+    """f̄⁻¹ of (ε, δ)-DP: f̄(x) = min(1, e^ε x + δ, 1 − e^{−ε}(1 − δ − x)) (Kairouz, Oh, Viswanath 2015)."""
+    c = float(np.exp(epsilon))
+    return lambda y: max(0.0, (y - delta) / c, 1.0 - delta - c * (1.0 - y))
+
+
+FdpCurve = Literal["gdp", "dp"]
+
+
+def epsilon_one_run_fdp_counts(m: int, guesses: int, correct: int, alpha: float, delta: float,
+                               curve: FdpCurve = "gdp", tol: float = 1e-4) -> float:
+    """ε_lo of the f-DP one-run test on counts: `gdp`, ε at δ (`gdp_epsilon`) of the largest μ whose μ-GDP the
+    counts reject; `dp`, the largest ε whose (ε, δ)-DP they reject (0 if none; to `tol`, rounded down)."""
+    def rejects(x: float) -> bool:
+        inverse = gdp_blow_up_inverse(x) if curve == "gdp" else dp_blow_up_inverse(x, delta)
+        return one_run_fdp_rejects(m, guesses, correct, alpha, inverse)
+
+    if not rejects(0.0):
+        return 0.0
+    lo, hi = 0.0, 1.0
+    while rejects(hi):  # f̄⁻¹ → 0 as μ or ε → ∞: nothing grows, no rejection; the loop ends
+        lo, hi = hi, 2 * hi
+        if hi > 1e3:
+            return float("inf")
+    while hi - lo > tol:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if rejects(mid) else (lo, mid)
+    return gdp_epsilon(lo, delta) if curve == "gdp" else lo
+
+
+def one_run_guesses(scores_in, scores_out, seed: int = 0) -> dict[str, list[tuple[int, int]]]:
+    """(guesses, right guesses) for each k ∈ `guess_counts(m)`: `top`, "in" for the k top-scoring canaries;
+    `both`, also "out" for the k lowest (2k guesses). Ties broken by a seeded permutation, independent of who is
+    in. Both kinds: scores that tell only one side (a subsampled chain's out-canaries tie with the in-canaries
+    never drawn) lose nothing on the other."""
+    s_in, s_out = _scores(scores_in, scores_out)
+    m = s_in.size + s_out.size
+    is_in = np.r_[np.ones(s_in.size, dtype=bool), np.zeros(s_out.size, dtype=bool)]
+    ranked = is_in[np.lexsort((np.random.default_rng(seed).permutation(m), np.r_[s_in, s_out]))]  # ascending
+    top = [(k, int(ranked[m - k:].sum())) for k in guess_counts(m)]
+    return {"top": top, "both": [(2 * k, right + int((~ranked[:k]).sum())) for k, right in top]}
+
+
+def epsilon_one_run_fdp(scores_in, scores_out, confidence: float = 0.95, delta: float = 0.0,
+                        curve: FdpCurve | None = None) -> float:
+    """ε_lo of the f-DP one-run audit (Mahloujifar, Melis, Chaudhuri 2024) on m = #in + #out canaries of one
+    training: Bonferroni over the guesses fixed in advance (`one_run_guesses`, both kinds). The
+    curve defaults to μ-GDP at δ > 0 (their choice; exact for a Gaussian mechanism, an assumption for others) and
+    to ε-DP at δ = 0."""
+    alpha = _alpha(confidence)
+    _check_delta(delta)
+    curve = curve or ("gdp" if delta > 0 else "dp")
+    if curve == "gdp" and delta == 0:
+        raise ValueError("no μ-GDP curve with μ > 0 is pure DP (δ = 0): use curve='dp'")
+    counts = [count for kind in one_run_guesses(scores_in, scores_out).values() for count in kind]
+    m = np.size(scores_in) + np.size(scores_out)
+    return max(epsilon_one_run_fdp_counts(m, k, c, alpha / len(counts), delta, curve) for k, c in counts)
+
+
 # --- descriptive numbers of the attack ---------------------------------------------------------------------------
 
 def auc(scores_in, scores_out) -> float:
