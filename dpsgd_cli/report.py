@@ -11,6 +11,7 @@ from urllib.parse import quote
 import numpy as np
 import pandas as pd
 
+from dpsgd_cli.audit import controls
 from dpsgd_cli.audit.engine import VERDICTS
 from dpsgd_cli.audit.run import read_audit_csv
 from dpsgd_cli.config import NAME_PATTERN, ClaimSpec, FigureSpec
@@ -578,7 +579,9 @@ def audit_verdicts(frame: pd.DataFrame) -> list[dict]:
                   if "family_size" in best and pd.notna(best.get("family_size")) else
                   f"confidence {_fmt(best['confidence'])} per audit")
         reason = best.get("reason") if isinstance(best.get("reason"), str) else ""
-        out.append({**dict(zip(keys, key)), "verdict": verdict,
+        if verdict == "consistent":  # what the audit of this claim would have caught, over its covered rows
+            reason = controls.caught_and_missed(group[group["verdict"] != "not covered"].to_dict("records"))
+        out.append({**dict(zip(keys, key)), "verdict": verdict, "reason": reason, "delta": best["delta"],
                     "numbers": f"ε_lo = {_fmt(best['epsilon_lo'])} {sign} {_fmt(best['epsilon_claimed'])} = ε "
                                f"(δ = {_fmt(best['delta'])}; {best['canary']} canary, {best['threat_model']}; "
                                f"{int(best['trials'])} + {int(best['trials'])} trials, {family}; "
@@ -601,7 +604,8 @@ def audit_lines(path: Path) -> list[str]:
         return []
     lines = ["## Privacy audit (`dpsgd audit`)", "",
              "Empirical lower bounds ε_lo beside each claimed ε: refuted when ε_lo > ε on a threat model the claim "
-             "covers; consistent only when the same audit refuted the cell's broken twin (its noise scaled down), "
+             "covers; consistent only when the same audit refuted the cell's broken twin (its noise scaled down), with what "
+             "else it would have caught of the realistic controls (σ for T/10 steps, noise × 0.5, no clipping), "
              "else uninformative; not covered when the attack sees more than the claim is about. A consistent "
              "verdict is no proof of privacy.", "",
              "| grid | dataset | model | algorithm | ε claimed | verdict | numbers |",

@@ -194,7 +194,8 @@ def outcomes(rows: list[dict[str, Any]]) -> list[Outcome]:
             continue
         los = [lo for r in broken if (lo := _value(r, f"{key}_epsilon_lo")) is not None]
         best = max(los) if los else None
-        label = f"noise × {broken[0]['control']:g}" if key == "control" else LABELS[key]
+        factor = _value(broken[0], "control")
+        label = LABELS[key] if key != "control" else "the broken twin" if factor is None else f"noise × {factor:g}"
         found.append(Outcome(label, float(broken[0][f"{key}_epsilon"]), best,
                              best is not None and best > broken[0]["epsilon_claimed"]))
     return sorted(found, key=lambda o: o.epsilon)
