@@ -604,8 +604,9 @@ def audit_lines(path: Path) -> list[str]:
         return []
     lines = ["## Privacy audit (`dpsgd audit`)", "",
              "Empirical lower bounds ε_lo beside each claimed ε: refuted when ε_lo > ε on a threat model the claim "
-             "covers; consistent only when the same audit refuted the cell's broken twin (its noise scaled down), with what "
-             "else it would have caught of the realistic controls (σ for T/10 steps, noise × 0.5, no clipping), "
+             "covers; consistent only when the same audit refuted the cell's broken twin (its noise scaled down), "
+             "with what else it would have caught of the realistic controls (σ for T/10 steps, noise × 0.5, no "
+             "clipping), "
              "else uninformative; not covered when the attack sees more than the claim is about. A consistent "
              "verdict is no proof of privacy.", "",
              "| grid | dataset | model | algorithm | ε claimed | verdict | numbers |",

@@ -16,7 +16,7 @@ from dpsgd_cli.algorithms.streams import ReplicaStreams
 from dpsgd_cli.audit import controls
 from dpsgd_cli.audit.engine import _verdict, audit_cell, dirac_setup
 from dpsgd_cli.config import AuditSpec, GridFile, expand
-from dpsgd_cli.engine.runner import dataset, setting_of
+from dpsgd_cli.engine.runner import dataset
 from dpsgd_cli.privacy.accounting import calibrate_sigma, dpsgd_epsilon
 
 
@@ -34,7 +34,6 @@ def _ladder(cell):
 def test_each_control_is_the_cells_mechanism_with_one_thing_changed():
     cell = _cells(algorithms=["dp_sgd"])[0]
     data = dataset(cell.dataset)
-    setting = setting_of(cell, data)
     ladder = _ladder(cell)
     assert list(ladder) == ["control", *controls.LADDER] and all(c.algorithm is not None for c in ladder.values())
     model, dirac, _, X, y = dirac_setup(cell, data)
@@ -79,7 +78,8 @@ def test_controls_apply_only_where_the_cell_has_what_they_mutate():
     by = {cell.algorithm.name: _ladder(cell) for cell in cells}
     # bolt_on: output noise (no Noise op per step), a claim that assumes ‖x‖ ≤ 1 (its clip at L is not the argument)
     assert by["bolt_on"]["noise_half"].algorithm is not None
-    assert by["bolt_on"]["sigma_t10"].algorithm is None and "no noise at each step" in by["bolt_on"]["sigma_t10"].why_not
+    bolt = by["bolt_on"]
+    assert bolt["sigma_t10"].algorithm is None and "no noise at each step" in bolt["sigma_t10"].why_not
     assert by["bolt_on"]["no_clip"].algorithm is None and "unit ball" in by["bolt_on"]["no_clip"].why_not
     assert by["output_perturbation"]["no_clip"].algorithm is None
     # song2013 calibrates per pass: one pass, the same noise for a tenth of its steps; its clip bounds the claim

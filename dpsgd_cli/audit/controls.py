@@ -14,6 +14,7 @@ the reason it does not apply."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,7 +56,7 @@ class Control:
 
 
 def ladder(cell: Cell, data: Dataset, algorithm: Algorithm, twin: float | None,
-           keys: tuple[str, ...] | list[str] = LADDER) -> list[Control]:
+           keys: Sequence[str] = LADDER) -> list[Control]:
     """The cell's controls: the twin (noise × `twin`; none when `twin` is None, and then no ladder either: a grid's
     `audit.control: null` turns the controls off), then the ladder's `keys`."""
     if twin is None:
@@ -74,8 +75,8 @@ def ladder(cell: Cell, data: Dataset, algorithm: Algorithm, twin: float | None,
             controls.append(Control(key, label, None if factor is None else algorithm.with_noise_scale(factor),
                                     why_not))
         else:
-            why_not = clipping_bounds_the_claim(cell, data, algorithm)
-            controls.append(Control(key, label, None if why_not else unclipped(algorithm), why_not or ""))
+            refused = clipping_bounds_the_claim(cell, data, algorithm)
+            controls.append(Control(key, label, None if refused else unclipped(algorithm), refused or ""))
     return controls
 
 
@@ -142,7 +143,7 @@ class _Unclipped(Algorithm):
 def unclipped(algorithm: Algorithm) -> Algorithm:
     """A copy of `algorithm` whose chain has no per-example clipping (every other op, its calibration and its
     claimed ε unchanged)."""
-    cls = type(f"Unclipped{type(algorithm).__name__}", (_Unclipped, type(algorithm)), {})
+    cls: type[_Unclipped] = type(f"Unclipped{type(algorithm).__name__}", (_Unclipped, type(algorithm)), {})
     mutant = cls.__new__(cls)
     mutant.__dict__.update(algorithm.__dict__)
     return mutant

@@ -78,7 +78,8 @@ def audit_cell(cell: Cell, spec: AuditSpec, trials: int | None = None, confidenc
     for kind in spec.canaries:
         start = time.perf_counter()
         worlds = _worlds(kind, cell, spec, algorithm, trials, data, x_norm)
-        mutated = {c.key: _worlds(kind, cell, spec, c.algorithm, trials, data, x_norm) for c in ran}
+        mutated = {c.key: _worlds(kind, cell, spec, c.algorithm, trials, data, x_norm)
+                   for c in ran if c.algorithm is not None}
         runs.append((kind, worlds, mutated, time.perf_counter() - start))
     covers = next((algorithm.covered(w.derived) for _, w, _, _ in runs if isinstance(w, Worlds)), algorithm.tags.covers)
     family = _distinct_tests([w for _, w, _, _ in runs if isinstance(w, Worlds)], covers)
