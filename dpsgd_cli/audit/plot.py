@@ -67,9 +67,9 @@ def audit_figure(frame: pd.DataFrame):
             axes[0][-1].annotate(names.literal(text[1]), (1.03, y), xycoords=("axes fraction", "data"), va="top",
                                  fontsize=7, color=_VERDICT_COLOURS.get(text[0], "0.2"), annotation_clip=False)
     _legend(axes[0][0], ok)
-    fig.subplots_adjust(right=1 - 3.2 / fig.get_size_inches()[0])
     finish(fig, title="Privacy audit: the claimed ε, the audit's lower bound ε_lo, and what it would have caught",
            legend_size=8)
+    fig.subplots_adjust(right=1 - 3.1 / fig.get_size_inches()[0])  # the verdicts' column beside the panels
     return fig
 
 
