@@ -221,14 +221,15 @@ def audit_table(rows: list[dict], title: str) -> Any:
              "parameters; all iterates: every step's); controls: ε_lo of the same audit of the cell's mechanism with "
              "σ calibrated for T/10 steps, noise × 0.5, noise × 0.1 (the twin), without clipping (✓: refuted — the "
              "audit would have caught it)", *([f"options: {'; '.join(fixed)}"] if fixed else [])]
-    ok = frame[(frame["status"] == "ok") & frame["epsilon_lo"].notna() & frame["verdict"].notna()]
-    verdicts = claims_report.audit_verdicts(ok) if len(ok) else []
-    claim_labels = results.varying_label(pd.Series([v["algorithm"] for v in verdicts], dtype=object),
-                                         pd.Series([v["algorithm_params"] for v in verdicts], dtype=object))
-    lines = [Text.assemble(f"{label}, ε = {_fmt(v['epsilon_claimed'], 3)}, δ = {_fmt(v['delta'], 2)}: ",
-                           (v["verdict"], VERDICT_STYLES.get(v["verdict"], "")), f" — {v['reason']}")
-             for label, v in zip(claim_labels, verdicts)]
-    lines += [Text(f"{label}, {r['canary']} canary, {r['threat_model']}: {r['status']} — {r['message']}")
+    ok = frame.assign(label=labels)
+    ok = ok[(ok["status"] == "ok") & ok["epsilon_lo"].notna() & ok["verdict"].notna()]
+    lines = []
+    for (label, claim), group in ok.groupby(["label", "epsilon_claimed"], sort=False):
+        verdict, best, reason = claims_report.claim_verdict(group)
+        lines.append(Text.assemble(f"{label}, ε = {_fmt(claim, 3)}, δ = {_fmt(best['delta'], 2)}: ",
+                                   (verdict, VERDICT_STYLES.get(verdict, "")), f" — {reason}"))
+    lines += [Text(f"{label}, {r['canary']}, {THREATS.get(r['threat_model'], r['threat_model'])}: {r['status']}: "
+                   f"{r['message']}")
               for label, r in zip(labels, frame.to_dict("records")) if r["status"] != "ok"]
     return Group(compact_table(shown, title, keep=["ε_lo", "verdict"], notes=notes, lines=True),
                  *([Text("each claim's verdict:", style="bold"), *lines] if lines else []))

@@ -571,22 +571,30 @@ def audit_verdicts(frame: pd.DataFrame) -> list[dict]:
         ok = ok.assign(verdict=np.where(ok["epsilon_lo"] > ok["epsilon_claimed"], "refuted", "consistent"),
                        reason="")
     for key, group in ok.groupby(keys, sort=True):
-        verdict = next(v for v in VERDICTS if (group["verdict"] == v).any() or v == "not covered")
-        chosen = group[group["verdict"] == verdict]
-        best = chosen.loc[chosen["epsilon_lo"].idxmax()] if len(chosen) else group.iloc[0]
+        verdict, best, reason = claim_verdict(group)
         sign = ">" if best["epsilon_lo"] > best["epsilon_claimed"] else "≤"
         family = (f"confidence {_fmt(best['confidence'])} for the family of {int(best['family_size'])} row(s)"
                   if "family_size" in best and pd.notna(best.get("family_size")) else
                   f"confidence {_fmt(best['confidence'])} per audit")
-        reason = best.get("reason") if isinstance(best.get("reason"), str) else ""
-        if verdict == "consistent":  # what the audit of this claim would have caught, over its covered rows
-            reason = controls.caught_and_missed(group[group["verdict"] != "not covered"].to_dict("records"))
-        out.append({**dict(zip(keys, key)), "verdict": verdict, "reason": reason, "delta": best["delta"],
+        out.append({**dict(zip(keys, key)), "verdict": verdict, "reason": reason,
                     "numbers": f"ε_lo = {_fmt(best['epsilon_lo'])} {sign} {_fmt(best['epsilon_claimed'])} = ε "
                                f"(δ = {_fmt(best['delta'])}; {best['canary']} canary, {best['threat_model']}; "
                                f"{int(best['trials'])} + {int(best['trials'])} trials, {family}; "
                                f"{len(group)} audit(s))" + (f"; {reason}" if reason else "") + _tpr_beside(best)})
     return out
+
+
+def claim_verdict(group: pd.DataFrame) -> tuple[str, pd.Series, str]:
+    """One claim's audit rows (ok, with a bound and a verdict) → (its verdict: the first of refuted, consistent,
+    uninformative, not covered; the row it rests on, the largest ε_lo of that verdict; the reason: that row's, or
+    for consistent what the audit would have caught over the claim's covered rows)."""
+    verdict = next(v for v in VERDICTS if (group["verdict"] == v).any() or v == "not covered")
+    chosen = group[group["verdict"] == verdict]
+    best = chosen.loc[chosen["epsilon_lo"].idxmax()] if len(chosen) else group.iloc[0]
+    reason = best.get("reason") if isinstance(best.get("reason"), str) else ""
+    if verdict == "consistent":  # (an audit.csv without the controls' columns: the row's own reason)
+        reason = controls.caught_and_missed(group[group["verdict"] != "not covered"].to_dict("records")) or reason
+    return verdict, best, reason
 
 
 def _tpr_beside(row: pd.Series) -> str:

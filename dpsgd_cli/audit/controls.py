@@ -203,8 +203,10 @@ def outcomes(rows: list[dict[str, Any]]) -> list[Outcome]:
 
 
 def caught_and_missed(rows: list[dict[str, Any]]) -> str:
-    """`would have caught: …; missed: …` (the controls refuted on `rows`, and those not)."""
+    """`would have caught: …; missed: …` (the controls refuted on `rows`, and those not); "" without controls."""
     found = outcomes(rows)
+    if not found:
+        return ""
     caught, missed = [o for o in found if o.caught], [o for o in found if not o.caught]
     return ("would have caught: " + (", ".join(map(str, caught)) or "none")
             + (f"; missed: {', '.join(map(str, missed))}" if missed else ""))
