@@ -85,6 +85,9 @@ def test_controls_apply_only_where_the_cell_has_what_they_mutate():
     # song2013 calibrates per pass: one pass, the same noise for a tenth of its steps; its clip bounds the claim
     assert by["song2013"]["sigma_t10"].algorithm is None and by["song2013"]["no_clip"].algorithm is not None
     assert all(c.algorithm is not None for c in by["noisy_gd"].values())
+    # a tenth of 5 epochs is no noisy_gd run (K = round(epochs) ≥ 1): the control does not apply, the audit goes on
+    [short] = _cells(algorithms=[{"name": "noisy_gd", "accountant": "composition", "lr": [1.0], "epochs": [5]}])
+    assert _ladder(short)["sigma_t10"].algorithm is None and "tenth" in _ladder(short)["sigma_t10"].why_not
 
 
 def test_a_canary_above_the_clip_changes_nothing_sound_and_shows_a_missing_clip():

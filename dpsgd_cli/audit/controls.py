@@ -90,8 +90,11 @@ def short_calibration(cell: Cell, data: Dataset, algorithm: Algorithm) -> tuple[
     std = _noise_std(full)
     if full is None or std is None:
         return None, f"{algorithm.name} adds no noise at each step (no Noise op in a gradient chain)"
-    short = _prepare(algorithm, dataclasses.replace(setting, epochs=setting.required.epochs / 10), model,
-                     data.X_train, data.y_train)
+    try:  # a tenth of the epochs may be no setting the algorithm runs (noisy_gd: K = round(epochs) ≥ 1)
+        short = _prepare(algorithm, dataclasses.replace(setting, epochs=setting.required.epochs / 10), model,
+                         data.X_train, data.y_train)
+    except Exception as exc:
+        return None, f"{algorithm.name} does not run for a tenth of its epochs ({exc})"
     short_std = _noise_std(short)
     if short is None or short_std is None or short.steps >= full.steps:
         return None, f"T = {full.steps}: a tenth of the steps is not fewer"
@@ -120,7 +123,10 @@ def clipping_bounds_the_claim(cell: Cell, data: Dataset, algorithm: Algorithm) -
         return f"{algorithm.name} clips adaptively (one op clips and adds noise)"
     far = np.zeros((1, X.shape[1]), dtype=X.dtype)
     far[0, 0] = CLIP_PROBE * max(op.norm for op in clips)
-    outside = _prepare(algorithm, setting, model, np.vstack([X, far]), np.append(y, 1.0))
+    try:
+        outside = _prepare(algorithm, setting, model, np.vstack([X, far]), np.append(y, 1.0))
+    except Exception as exc:  # refused: the claim holds for records in its domain only
+        return f"{algorithm.name} refuses a record outside the unit ball ({exc})"
     inside_guarantee, outside_guarantee = (p.finish(p.theta).guarantee for p in (prepared, outside) if p is not None)
     if outside_guarantee != inside_guarantee:
         return (f"{algorithm.name}'s claim assumes records in the unit ball (with one outside: "
