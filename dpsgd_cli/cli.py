@@ -37,6 +37,7 @@ summary = LazyModule("dpsgd_cli.engine.summary")
 curve_plot = LazyModule("dpsgd_cli.plots.privacy_curve")
 dynamics = LazyModule("dpsgd_cli.privacy.dynamics")
 claims_report = LazyModule("dpsgd_cli.report")
+controls = LazyModule("dpsgd_cli.audit.controls")
 
 def _hide_flag_types() -> None:
     """Show flags as `--dry-run`, not `--dry-run <bool>` (which suggests they take a value), and an argument as
@@ -203,7 +204,8 @@ def audit_table(rows: list[dict], title: str) -> Any:
     frame = pd.DataFrame(rows).reindex(columns=["grid", "dataset", "model", "algorithm", "algorithm_params", "canary",
                                                 "threat_model", "epsilon_claimed", "delta", "epsilon_lo", "ceiling",
                                                 "verdict", "reason", "status", "message", "trials", "confidence",
-                                                "family_size", "control", *(f"{key}_{c}" for key in CONTROL_KEYS
+                                                "family_size", "control", "controls_not_applicable",
+                                                *(f"{key}_{c}" for key in CONTROL_KEYS
                                                                             for c in ("epsilon", "epsilon_lo"))]
                                        ).fillna({"algorithm_params": "{}", "reason": ""})
     labels = results.varying_label(frame["algorithm"], frame["algorithm_params"])
@@ -240,12 +242,15 @@ CONTROL_NAMES = {"sigma_t10": "T/10", "noise_half": "×0.5", "no_clip": "no clip
 
 
 def _controls_cell(row: dict) -> str:
-    """`T/10 0`, `×0.5 0.07`, `×0.1 2.83✓`, `no clip 2.83✓` a line each (✓: refuted; a control that does not
-    apply is left out)."""
+    """`T/10 0`, `×0.5 0.07`, `×0.1 2.83✓`, `no clip 2.83✓` a line each (✓: refuted; `n/a`: the control does not
+    apply to the cell, `controls_not_applicable` says why)."""
     parts = []
+    absent = row.get("controls_not_applicable")
     for key in CONTROL_KEYS:
         lo = row.get(f"{key}_epsilon_lo")
         if lo is None or lo != lo:
+            if isinstance(absent, str) and key in controls.LABELS and controls.LABELS[key] + ":" in absent:
+                parts.append(f"{CONTROL_NAMES[key]} n/a")
             continue
         name = f"×{row['control']:g}" if key == "control" else CONTROL_NAMES[key]
         parts.append(f"{name} {lo:.3g}" + ("✓" if lo > row["epsilon_claimed"] else ""))

@@ -140,7 +140,11 @@ def _verdicts(ok: pd.DataFrame) -> dict[tuple, tuple[str, str]]:
         else:
             reason = chosen.iloc[0].get("reason")
             text = f"{verdict}: {reason}" if isinstance(reason, str) and reason else verdict
-        out[key] = (verdict, "\n".join(textwrap.wrap(text, VERDICT_TEXT)[:3]))
+        absent = [label for label in controls.LABELS.values()
+                  if any(isinstance(n, str) and f"{label}:" in n for n in group.get("controls_not_applicable", []))]
+        lines = textwrap.wrap(text, VERDICT_TEXT)[:3] + textwrap.wrap(f"n/a: {', '.join(absent)}", VERDICT_TEXT)[
+            :1 if absent else 0]
+        out[key] = (verdict, "\n".join(lines))
     return out
 
 
