@@ -212,15 +212,16 @@ def audit_table(rows: list[dict], title: str) -> Any:
     shown = []
     for label, r in zip(labels, frame.to_dict("records")):
         verdict = r["verdict"] if isinstance(r["verdict"], str) else "—"
-        shown.append({"algorithm": label, "ε": _fmt(r["epsilon_claimed"], 3),
+        shown.append({"claim": Text(f"{label}\nε = {_fmt(r['epsilon_claimed'], 3)}"),
                       "attack": Text(f"{r['canary']},\n{THREATS.get(r['threat_model'], r['threat_model'])}"),
-                      "ε_lo": _fmt(r["epsilon_lo"], 3), "ceiling": _fmt(r["ceiling"], 3),
+                      "ε_lo": _fmt(r["epsilon_lo"], 3), "ceil.": _fmt(r["ceiling"], 3),
                       "controls": Text(_controls_cell(r)),
                       "verdict": Text(verdict, style=VERDICT_STYLES.get(verdict, "")) if r["status"] == "ok"
                       else "n/a" if r["status"] == "not applicable" else r["status"]})
     fixed = summary.fixed_options(frame)
     notes = ["attack: canary, and what the adversary sees (black box: the last model's outputs; white box: its "
-             "parameters; all iterates: every step's); controls: ε_lo of the same audit of the cell's mechanism with "
+             "parameters; all iterates: every step's); ceil.: the ceiling of the trials (no bound above it); "
+             "controls: ε_lo of the same audit of the cell's mechanism with "
              "σ calibrated for T/10 steps, noise × 0.5, noise × 0.1 (the twin), without clipping (✓: refuted — the "
              "audit would have caught it)", *([f"options: {'; '.join(fixed)}"] if fixed else [])]
     ok = frame.assign(label=labels)
