@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 import typer
 from pydantic import ValidationError
-from rich.console import Console
+from rich.console import Console, Group
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
@@ -37,6 +37,7 @@ summary = LazyModule("dpsgd_cli.engine.summary")
 curve_plot = LazyModule("dpsgd_cli.plots.privacy_curve")
 dynamics = LazyModule("dpsgd_cli.privacy.dynamics")
 claims_report = LazyModule("dpsgd_cli.report")
+controls = LazyModule("dpsgd_cli.audit.controls")
 
 def _hide_flag_types() -> None:
     """Show flags as `--dry-run`, not `--dry-run <bool>` (which suggests they take a value), and an argument as
@@ -203,26 +204,64 @@ VERDICT_STYLES = {"refuted": "red", "consistent": "green"}
 
 
 def audit_table(rows: list[dict], title: str) -> Any:
-    """audit.csv's rows, a row per cell and attack: ε_lo beside the claimed ε, and the verdict."""
-    frame = pd.DataFrame(rows).reindex(columns=["dataset", "model", "algorithm", "algorithm_params", "canary",
-                                                "threat_model", "epsilon_claimed", "delta", "epsilon_lo", "verdict",
-                                                "reason", "status", "message"]).fillna({"algorithm_params": "{}",
-                                                                                          "reason": ""})
+    """audit.csv's rows, a row per cell and attack: ε_lo beside the claimed ε and the ceiling, each control's ε_lo
+    (✓: refuted), the verdict; under the table each claim's verdict with what it rests on (what a consistent audit
+    would have caught, why an uninformative one says nothing)."""
+    frame = pd.DataFrame(rows).reindex(columns=["grid", "dataset", "model", "algorithm", "algorithm_params", "canary",
+                                                "threat_model", "epsilon_claimed", "delta", "epsilon_lo", "ceiling",
+                                                "verdict", "reason", "status", "message", "trials", "confidence",
+                                                "family_size", "control", "controls_not_applicable",
+                                                *(f"{key}_{c}" for key in CONTROL_KEYS
+                                                                            for c in ("epsilon", "epsilon_lo"))]
+                                       ).fillna({"algorithm_params": "{}", "reason": ""})
     labels = results.varying_label(frame["algorithm"], frame["algorithm_params"])
     shown = []
     for label, r in zip(labels, frame.to_dict("records")):
         verdict = r["verdict"] if isinstance(r["verdict"], str) else "—"
-        shown.append({"dataset": r["dataset"], "model": r["model"], "algorithm": label,
-                      "attack": f"{r['canary']}, {THREATS.get(r['threat_model'], r['threat_model'])}",
-                      "ε": _fmt(r["epsilon_claimed"], 3), "δ": _fmt(r["delta"], 2), "ε_lo": _fmt(r["epsilon_lo"], 3),
+        shown.append({"claim": Text(f"{label}\nε = {_fmt(r['epsilon_claimed'], 3)}"),
+                      "attack": Text(f"{r['canary']},\n{THREATS.get(r['threat_model'], r['threat_model'])}"),
+                      "ε_lo": _fmt(r["epsilon_lo"], 3), "ceil.": _fmt(r["ceiling"], 3),
+                      "controls": Text(_controls_cell(r)),
                       "verdict": Text(verdict, style=VERDICT_STYLES.get(verdict, "")) if r["status"] == "ok"
-                      else f"{r['status']}: {r['message']}",
-                      "why": Text(str(r["reason"]))})  # the ceiling, the twin's ε_lo: what the verdict rests on
+                      else "n/a" if r["status"] == "not applicable" else r["status"]})
     fixed = summary.fixed_options(frame)
     notes = ["attack: canary, and what the adversary sees (black box: the last model's outputs; white box: its "
-             "parameters; all iterates: every step's)",
-             *([f"options: {'; '.join(fixed)}"] if fixed else [])]
-    return compact_table(shown, title, keep=["ε_lo", "verdict", "why"], notes=notes, lines=True)
+             "parameters; all iterates: every step's); ceil.: the ceiling of the trials (no bound above it); "
+             "controls: ε_lo of the same audit of the cell's mechanism with "
+             "σ calibrated for T/10 steps, noise × 0.5, noise × 0.1 (the twin), without clipping (✓: refuted — the "
+             "audit would have caught it)", *([f"options: {'; '.join(fixed)}"] if fixed else [])]
+    ok = frame.assign(label=labels)
+    ok = ok[(ok["status"] == "ok") & ok["epsilon_lo"].notna() & ok["verdict"].notna()]
+    lines = []
+    for (label, claim), group in ok.groupby(["label", "epsilon_claimed"], sort=False):
+        verdict, best, reason = claims_report.claim_verdict(group)
+        lines.append(Text.assemble(f"{label}, ε = {_fmt(claim, 3)}, δ = {_fmt(best['delta'], 2)}: ",
+                                   (verdict, VERDICT_STYLES.get(verdict, "")), f" — {reason}"))
+    lines += [Text(f"{label}, {r['canary']}, {THREATS.get(r['threat_model'], r['threat_model'])}: {r['status']}: "
+                   f"{r['message']}")
+              for label, r in zip(labels, frame.to_dict("records")) if r["status"] != "ok"]
+    return Group(compact_table(shown, title, keep=["ε_lo", "verdict"], notes=notes, lines=True),
+                 *([Text("each claim's verdict:", style="bold"), *lines] if lines else []))
+
+
+CONTROL_KEYS = ("sigma_t10", "noise_half", "control", "no_clip")  # as the console shows them, mildest first
+CONTROL_NAMES = {"sigma_t10": "T/10", "noise_half": "×0.5", "no_clip": "no clip"}
+
+
+def _controls_cell(row: dict) -> str:
+    """`T/10 0`, `×0.5 0.07`, `×0.1 2.83✓`, `no clip 2.83✓` a line each (✓: refuted; `n/a`: the control does not
+    apply to the cell, `controls_not_applicable` says why)."""
+    parts = []
+    absent = row.get("controls_not_applicable")
+    for key in CONTROL_KEYS:
+        lo = row.get(f"{key}_epsilon_lo")
+        if lo is None or lo != lo:
+            if isinstance(absent, str) and key in controls.LABELS and controls.LABELS[key] + ":" in absent:
+                parts.append(f"{CONTROL_NAMES[key]} n/a")
+            continue
+        name = f"×{row['control']:g}" if key == "control" else CONTROL_NAMES[key]
+        parts.append(f"{name} {lo:.3g}" + ("✓" if lo > row["epsilon_claimed"] else ""))
+    return "\n".join(parts) or "—"
 
 
 # --- plot ------------------------------------------------------------------------------------------

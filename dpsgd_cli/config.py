@@ -424,6 +424,10 @@ class AuditSpec(_Strict):
     control: float | None = Field(0.1, ge=0, lt=1, description="positive control: the same audit of each cell's "
                                   "broken twin, its noise multiplied by this factor (null: none; then no verdict "
                                   "is better than uninformative)")
+    ladder: Annotated[list[Literal["sigma_t10", "noise_half", "no_clip"]], AsList] = Field(
+        ["sigma_t10", "noise_half", "no_clip"], description="realistic controls audited beside the twin (with "
+        "control: null, none): sigma_t10 — σ calibrated for T/10 steps, run for T; noise_half — the noise × 0.5; "
+        "no_clip — the per-example clipping dropped (each where the cell has what it mutates)")
 
     @model_validator(mode="after")
     def _enough_trials(self) -> AuditSpec:

@@ -11,6 +11,7 @@ from urllib.parse import quote
 import numpy as np
 import pandas as pd
 
+from dpsgd_cli.audit import controls
 from dpsgd_cli.audit.engine import VERDICTS
 from dpsgd_cli.audit.run import read_audit_csv
 from dpsgd_cli.config import NAME_PATTERN, ClaimSpec, FigureSpec
@@ -570,20 +571,30 @@ def audit_verdicts(frame: pd.DataFrame) -> list[dict]:
         ok = ok.assign(verdict=np.where(ok["epsilon_lo"] > ok["epsilon_claimed"], "refuted", "consistent"),
                        reason="")
     for key, group in ok.groupby(keys, sort=True):
-        verdict = next(v for v in VERDICTS if (group["verdict"] == v).any() or v == "not covered")
-        chosen = group[group["verdict"] == verdict]
-        best = chosen.loc[chosen["epsilon_lo"].idxmax()] if len(chosen) else group.iloc[0]
+        verdict, best, reason = claim_verdict(group)
         sign = ">" if best["epsilon_lo"] > best["epsilon_claimed"] else "≤"
         family = (f"confidence {_fmt(best['confidence'])} for the family of {int(best['family_size'])} row(s)"
                   if "family_size" in best and pd.notna(best.get("family_size")) else
                   f"confidence {_fmt(best['confidence'])} per audit")
-        reason = best.get("reason") if isinstance(best.get("reason"), str) else ""
-        out.append({**dict(zip(keys, key)), "verdict": verdict,
+        out.append({**dict(zip(keys, key)), "verdict": verdict, "reason": reason,
                     "numbers": f"ε_lo = {_fmt(best['epsilon_lo'])} {sign} {_fmt(best['epsilon_claimed'])} = ε "
                                f"(δ = {_fmt(best['delta'])}; {best['canary']} canary, {best['threat_model']}; "
                                f"{int(best['trials'])} + {int(best['trials'])} trials, {family}; "
                                f"{len(group)} audit(s))" + (f"; {reason}" if reason else "") + _tpr_beside(best)})
     return out
+
+
+def claim_verdict(group: pd.DataFrame) -> tuple[str, pd.Series, str]:
+    """One claim's audit rows (ok, with a bound and a verdict) → (its verdict: the first of refuted, consistent,
+    uninformative, not covered; the row it rests on, the largest ε_lo of that verdict; the reason: that row's, or
+    for consistent what the audit would have caught over the claim's covered rows)."""
+    verdict = next(v for v in VERDICTS if (group["verdict"] == v).any() or v == "not covered")
+    chosen = group[group["verdict"] == verdict]
+    best = chosen.loc[chosen["epsilon_lo"].idxmax()] if len(chosen) else group.iloc[0]
+    reason = best.get("reason") if isinstance(best.get("reason"), str) else ""
+    if verdict == "consistent":  # (an audit.csv without the controls' columns: the row's own reason)
+        reason = controls.caught_and_missed(group[group["verdict"] != "not covered"].to_dict("records")) or reason
+    return verdict, best, reason
 
 
 def _tpr_beside(row: pd.Series) -> str:
@@ -602,6 +613,8 @@ def audit_lines(path: Path) -> list[str]:
     lines = ["## Privacy audit (`dpsgd audit`)", "",
              "Empirical lower bounds ε_lo beside each claimed ε: refuted when ε_lo > ε on a threat model the claim "
              "covers; consistent only when the same audit refuted the cell's broken twin (its noise scaled down), "
+             "with what else it would have caught of the realistic controls (σ for T/10 steps, noise × 0.5, no "
+             "clipping), "
              "else uninformative; not covered when the attack sees more than the claim is about. A consistent "
              "verdict is no proof of privacy.", "",
              "| grid | dataset | model | algorithm | ε claimed | verdict | numbers |",

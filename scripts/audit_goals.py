@@ -19,6 +19,9 @@
    the median over 25 fresh draws of that step's exact scores (N(b, σ²), b the canary's inclusion).
 
     python scripts/audit_goals.py --one-run-and-step      (sections 6 and 7 only; no RESULTS needed)
+8. the ladder of controls (σ for T/10 steps, noise × 0.5, no clipping): refuted or not on the `audit` grid's
+   dp_sgd cells at ε ≤ 1 (read from RESULTS/audit/audit.csv) and on adult (3,000 records, B = 64, 3 epochs,
+   ε = 1, δ = 1e-5, the default audit; audited here: set DPSGD_DATA_MIRROR or have adult cached).
 """
 
 from __future__ import annotations
@@ -173,9 +176,82 @@ def one_run_and_step() -> None:
               f"{'met' if np.median(fresh) >= 0.65 and seconds <= 300 else 'NOT met'})")
 
 
+
+LADDER_GOAL = ("noise_half", "no_clip")  # refuted with the default trials on dp_sgd at ε ≤ 1 and on adult
+
+
+def ladder_goals(results: Path) -> None:
+    """8. Which controls of the ladder the default audit refutes (best covered row per control)."""
+    from dpsgd_cli.audit import controls
+    from dpsgd_cli.audit.engine import audit_cell
+    from dpsgd_cli.config import AuditSpec, GridFile, expand
+
+    frame = pd.read_csv(results / "audit" / "audit.csv")
+    ok = frame[(frame["status"] == "ok") & (frame["verdict"] != "not covered")]
+    dp = ok[(ok["algorithm"] == "dp_sgd") & (ok["epsilon"] <= 1)]
+    adult = expand(GridFile.model_validate({"grids": [{
+        "name": "ladder_adult", "datasets": [{"name": "adult", "subsample": 3000}], "models": ["logreg"],
+        "algorithms": ["dp_sgd"], "epsilon": [1.0], "delta": 1e-5, "batch_size": [64], "epochs": 3, "lr": [0.5],
+        "l2": 1e-3, "clip_norm": 1.0, "seeds": 1}]}).grids[0])[0]
+    start = time.perf_counter()
+    adult_rows = pd.DataFrame(audit_cell(adult, AuditSpec(chunk=500)))
+    seconds = time.perf_counter() - start
+    adult_rows = adult_rows[(adult_rows["status"] == "ok") & (adult_rows["verdict"] != "not covered")]
+    print("8.  the ladder of controls, best covered row per control (ε_lo > ε: refuted; default audit, "
+          f"{int(ok['trials'].iloc[0])} trials a world on `audit`, {int(adult_rows['trials'].iloc[0])} on adult):")
+    met = True
+    for name, group in [*((f"audit, dp_sgd ε = {e:g}", g) for e, g in dp.groupby("epsilon")),
+                        (f"adult 3,000 records, B = 64, 3 epochs, dp_sgd ε = 1 ({seconds:.0f} s)", adult_rows)]:
+        claim = float(group["epsilon_claimed"].iloc[0])
+        found = {o.label: o for o in controls.outcomes(group.to_dict("records"))}
+        parts = []
+        for key in ("sigma_t10", "noise_half", "control", "no_clip"):
+            label = controls.LABELS.get(key) or f"noise × {group['control'].iloc[0]:g}"
+            o = found.get(label)
+            if o is None:
+                parts.append(f"{label}: n/a")
+                continue
+            parts.append(f"{label} (ε = {'∞' if np.isinf(o.epsilon) else f'{o.epsilon:.3g}'}): ε_lo "
+                         f"{o.epsilon_lo:.3f} {'REFUTED' if o.caught else 'not refuted'}")
+            met &= o.caught or key not in LADDER_GOAL
+        verdict = "refuted" if (group["verdict"] == "refuted").any() else ", ".join(sorted(set(group["verdict"])))
+        print(f"    {name}: claimed {claim:.3f}, sound ε_lo {group['epsilon_lo'].max():.3f} ({verdict}); "
+              + "; ".join(parts))
+    print(f"    goal (noise × 0.5 and no clipping refuted in every one): {'met' if met else 'NOT met'}")
+    sound = ok[ok["verdict"] == "refuted"]
+    print(f"    sound algorithms refuted on `audit`: {len(sound)} rows"
+          + (": " + ", ".join(f"{r.algorithm} ε = {r.epsilon:g}" for r in sound.itertuples()) if len(sound) else ""))
+
+
+def half_noise_curve(trials: tuple[int, ...] = (500, 1000, 2000, 4000)) -> None:
+    """8b. ε_lo of the noise × 0.5 control over the trials a world, on the `audit` grid's dp_sgd cells at ε ≤ 1
+    (Dirac canary, the grid's audit otherwise; the sound cell's ε_lo beside it)."""
+    from dpsgd_cli.audit.engine import audit_cell
+    from dpsgd_cli.config import AuditSpec, expand, load_grid_file, select
+
+    grid = select(load_grid_file(Path("experiments.yaml")), ["audit"])[0]
+    spec = (grid.audit or AuditSpec()).model_copy(update={"canaries": ["dirac"], "ladder": ["noise_half"]})
+    print("8b. noise × 0.5 over the trials a world (dp_sgd, `audit` grid, Dirac canary; best row, sound ε_lo "
+          "beside):")
+    for cell in expand(grid):
+        if cell.algorithm.name != "dp_sgd" or cell.epsilon is None or cell.epsilon > 1:
+            continue
+        for n in trials:
+            start = time.perf_counter()
+            rows = audit_cell(cell, spec.model_copy(update={"trials": n, "chunk": min(n, 1000)}))
+            best = max(rows, key=lambda r: r["noise_half_epsilon_lo"])
+            print(f"    ε = {cell.epsilon:g}, {n} trials: noise × 0.5 (ε = {best['noise_half_epsilon']:.3g}) ε_lo = "
+                  f"{best['noise_half_epsilon_lo']:.3f} ({best['threat_model']}; ceiling {best['ceiling']:.2f}); "
+                  f"sound {max(r['epsilon_lo'] for r in rows):.3f}; {time.perf_counter() - start:.0f} s")
+
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["--one-run-and-step"]:
         one_run_and_step()
     else:
-        main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path("results"))
+        folder = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("results")
+        main(folder)
+        ladder_goals(folder)
+        half_noise_curve()
         one_run_and_step()

@@ -242,7 +242,7 @@ def test_audit_figure_draws_the_ceiling():
                            "threat_model": "white-box, all iterates", "algorithm": "dp_sgd", "verdict": "consistent"}])
     fig = audit_figure(frame)
     lines = [line for ax in fig.axes for line in ax.get_lines() if line.get_linestyle() == ":"]
-    assert any(np.allclose(line.get_ydata(), 3.84) for line in lines)
+    assert any(np.allclose(line.get_xdata(), 3.84) for line in lines)
 
 
 # --- the rule "order": an exact test at ranks fixed from the claim -------------------------------------------------

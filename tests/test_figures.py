@@ -225,25 +225,31 @@ def test_audit_figure_shows_points_at_zero_whole_and_its_legend_covers_none(tmp_
     try:
         assert layout_problems(fig) == []
         for ax in fig.axes:
-            assert ax.get_ylim()[0] < 0 and ax.get_xlim()[0] < 0  # markers at ε_lo = 0 are not half clipped
+            # markers at ε_lo = 0 (x) and on the first claim's row (y = 0) are not half clipped
+            assert min(ax.get_ylim()) < 0 and ax.get_xlim()[0] < 0
     finally:
         plt.close(fig)
 
 
 def test_audit_figure_sets_algorithms_at_one_point_side_by_side():
-    """Three algorithms audited at ε = 1 with ε_lo = 0: three markers at three places, none under another."""
+    """Three algorithms audited at ε = 1 with ε_lo = 0, each with its twin and a control at 0 too: every marker at
+    a place of its own (a row per claim, a line per control), none under another."""
+    from matplotlib.collections import PathCollection
+
     from dpsgd_cli.audit.plot import audit_figure
 
     frame = pd.DataFrame({"status": "ok", "threat_model": "black-box, last iterate",
                           "algorithm": ["dp_sgd", "song2013", "bolt_on"], "epsilon_claimed": 1.0, "epsilon_lo": 0.0,
-                          "verdict": "consistent"})
+                          "verdict": "consistent", "control": 0.1, "control_epsilon_lo": 0.0,
+                          "noise_half_epsilon_lo": 0.0})
     fig = audit_figure(frame)
     try:
         (ax,) = fig.axes
-        points = [tuple(p) for c in ax.collections for p in np.asarray(c.get_offsets(), float)
-                  if len(c.get_offsets()) and not np.isclose(p, 0).all()]
-        xs = sorted(x for x, _ in points)
-        assert len(xs) == 3 and min(np.diff(xs)) > 0.01, xs
+        points = [tuple(p) for c in ax.collections if isinstance(c, PathCollection)
+                  for p in np.asarray(c.get_offsets(), float)]  # the markers (not the shaded zones)
+        assert len(points) == 9, points
+        ys = sorted(y for _, y in points)
+        assert min(np.diff(ys)) > 0.1, ys
     finally:
         plt.close(fig)
 
@@ -263,7 +269,7 @@ def test_audit_figure_shows_each_verdict_and_the_twins_bound():
         (ax,) = fig.axes
         faces = [c.get_facecolors() for c in ax.collections if len(c.get_offsets())]
         assert any(len(f) == 0 or (f[:, 3] == 0).all() for f in faces)  # a hollow (uninformative) marker
-        twins = [c for c in ax.collections if np.isclose(np.asarray(c.get_offsets(), float)[:, 1], 3.6).any()]
+        twins = [c for c in ax.collections if np.isclose(np.asarray(c.get_offsets(), float)[:, 0], 3.6).any()]
         assert twins, "the twin's ε_lo is drawn"
         legend = " ".join(legend_names(fig))
         assert "broken twin" in legend and "hollow: uninformative" in legend and "REFUTED" in legend

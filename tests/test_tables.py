@@ -103,7 +103,7 @@ def test_audit_table_fits_80_columns():
     console.print(audit_table(rows, "g: audit"))
     text = fits(console.export_text())
     assert all(value in text for value in ("output_perturbation", "radius=1000", "radius=1e+09", "refuted"))
-    assert "δ=1e-05" in text and "failed: ValueError" in text
+    assert "δ = 1e-05" in text and "failed: ValueError" in text
 
 
 NO_TEST_SPLIT = """

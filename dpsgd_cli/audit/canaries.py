@@ -30,7 +30,7 @@ def data_gradient_direction(model: Model, theta0: np.ndarray, X: np.ndarray, y: 
 
 @dataclass
 class InputCanary:
-    x: np.ndarray  # (d,), unit norm
+    x: np.ndarray  # (d,), unit norm, or larger where the claim rests on a clip (docs/audit.md)
     label: float   # ±1
 
     def score(self, model: Model, theta: np.ndarray) -> np.ndarray:
@@ -38,9 +38,11 @@ class InputCanary:
         return self.label * model.decision(theta, self.x[None, :])[:, 0]
 
 
-def input_canary(model: Model, X: np.ndarray, y: np.ndarray, reference: np.ndarray | None) -> InputCanary:
-    """The input-space canary; `reference` a non-private model θ (1, P) to choose the label (None: +1)."""
-    x = least_used_direction(X)
+def input_canary(model: Model, X: np.ndarray, y: np.ndarray, reference: np.ndarray | None,
+                 norm: float = 1.0) -> InputCanary:
+    """The input-space canary, ‖x_c‖ = `norm`; `reference` a non-private model θ (1, P) to choose the label
+    (None: +1)."""
+    x = norm * least_used_direction(X)
     label = 1.0
     if reference is not None:  # the gradient norm |σ(−y f(x))|·‖∂f/∂θ‖ is largest for the label f(x) disagrees with
         label = -1.0 if model.decision(reference, x[None, :])[0, 0] > 0 else 1.0

@@ -17,7 +17,7 @@ from dpsgd_cli.algorithms import Algorithm, Setting, backends
 from dpsgd_cli.algorithms.erm import reference_minimum
 from dpsgd_cli.algorithms.ops import Clip, LaplacianSmoothing, MaskedNoise, Noise, Op, Scale, Update, WeightDecay
 from dpsgd_cli.algorithms.streams import ReplicaStreams
-from dpsgd_cli.audit import canaries, stats
+from dpsgd_cli.audit import canaries, controls, stats
 from dpsgd_cli.config import AuditSpec, Cell
 from dpsgd_cli.data import Dataset
 from dpsgd_cli.engine.checks import MAX_AUDIT_TRIALS
@@ -27,9 +27,12 @@ from dpsgd_cli.privacy import risk
 from dpsgd_cli.privacy.risk import BOUND_COLUMNS
 
 COLUMNS = ["grid", "cell_id", "dataset", "model", "algorithm", "algorithm_params", "epsilon", "epsilon_claimed",
-           "delta", "epsilon_lo", "epsilon_lo_fdp", "verdict", "reason", "covers", "ceiling", "trials_needed",
-           "control", "control_epsilon", "control_epsilon_lo", "control_epsilon_lo_fdp", "control_row_confidence",
-           "gdp_mu", "gdp_epsilon", "epsilon_rdp",
+           "delta", "epsilon_lo", "epsilon_lo_fdp", "verdict", "reason", "detects", "covers", "ceiling",
+           "trials_needed", "control", "control_epsilon", "control_epsilon_lo", "control_epsilon_lo_fdp",
+           "control_row_confidence",
+           *[f"{key}_{column}" for key in controls.LADDER
+             for column in ("epsilon", "epsilon_lo", "epsilon_lo_fdp", "row_confidence")],
+           "controls_not_applicable", "gdp_mu", "gdp_epsilon", "epsilon_rdp",
            "noiseless_fraction", "confidence", "family_size", "row_confidence", "statistic", "threshold", "auc",
            "tpr_at_fpr_1e-2", "tpr_bound_fpr_1e-2", "tpr_at_fpr_1e-3", "tpr_bound_fpr_1e-3", "trials", "canary",
            "threat_model", "neighbours", "batch_size", "lr",
@@ -72,22 +75,25 @@ def audit_cell(cell: Cell, spec: AuditSpec, trials: int | None = None, confidenc
     data = data or dataset(cell.dataset, cell.validation)  # the rows the run trained on: its n and δ
     trials = trials or spec.trials or plan_trials(cell, spec, None, confidence, algorithm, data).trials
     base = _base_row(cell, data, algorithm, trials, confidence, spec)
-    twin = None
-    if spec.control is not None and algorithm.tags.noise_scalable:
-        twin = algorithm.with_noise_scale(spec.control)
-    runs = []  # (kind, worlds or exception, twin's worlds or exception or None, seconds)
+    ladder = controls.ladder(cell, data, algorithm, spec.control, spec.ladder)
+    ran = [c for c in ladder if c.algorithm is not None]
+    x_norm = 1.0 if controls.clipping_bounds_the_claim(cell, data, algorithm) else controls.CLIP_PROBE * _clip(cell)
+    runs = []  # (kind, worlds or exception, {control key: its worlds or exception}, seconds)
     for kind in spec.canaries:
         start = time.perf_counter()
-        worlds = _worlds(kind, cell, spec, algorithm, trials, data)
-        control = _worlds(kind, cell, spec, twin, trials, data) if twin is not None else None
-        runs.append((kind, worlds, control, time.perf_counter() - start))
+        worlds = _worlds(kind, cell, spec, algorithm, trials, data, x_norm)
+        mutated = {c.key: _worlds(kind, cell, spec, c.algorithm, trials, data, x_norm)
+                   for c in ran if c.algorithm is not None}
+        runs.append((kind, worlds, mutated, time.perf_counter() - start))
     covers = next((algorithm.covered(w.derived) for _, w, _, _ in runs if isinstance(w, Worlds)), algorithm.tags.covers)
     family = _distinct_tests([w for _, w, _, _ in runs if isinstance(w, Worlds)], covers)
-    twin_family = _distinct_tests([c for _, _, c, _ in runs if isinstance(c, Worlds)], covers)
     row_confidence = stats.family_confidence(confidence, family)
-    twin_confidence = stats.family_confidence(confidence, twin_family)
+    # each control's rows bounded at the level of its own family
+    levels = {c.key: stats.family_confidence(confidence, _distinct_tests(
+        [m[c.key] for _, _, m, _ in runs if isinstance(m[c.key], Worlds)], covers)) for c in ran}
+    not_applicable = "; ".join(f"{c.label}: {c.why_not}" for c in ladder if c.algorithm is None)
     rows = []
-    for kind, worlds, control, elapsed in runs:
+    for kind, worlds, mutated, elapsed in runs:
         if not isinstance(worlds, Worlds):
             status = "not applicable" if isinstance(worlds, NotApplicable) else "failed"
             rows += [{**base, "canary": kind, "threat_model": t, "status": status, "covers": covers,
@@ -99,14 +105,22 @@ def audit_cell(cell: Cell, spec: AuditSpec, trials: int | None = None, confidenc
         for threat, (s_in, s_out) in worlds.scores.items():
             row = {**base, **derived, "canary": kind, "threat_model": threat,
                    "wall_time": elapsed, "covers": covers, "family_size": family, "row_confidence": row_confidence,
-                   **_statistics(s_in, s_out, spec, row_confidence, worlds, derived["epsilon_claimed"])}
+                   **_statistics(s_in, s_out, spec, row_confidence, worlds, derived["epsilon_claimed"]),
+                   "controls_not_applicable": not_applicable}
             if scores is not None:
                 scores[_key(kind, threat, "in")], scores[_key(kind, threat, "out")] = s_in, s_out
-            row.update(_control_columns(control, threat, spec, twin_confidence, scores, kind,
-                                        derived["epsilon_claimed"]))
+            if any(c.key == "control" for c in ran):
+                row["control"] = spec.control
+            for control in ran:
+                row.update(_control_columns(control, mutated[control.key], threat, spec, levels[control.key],
+                                            scores, kind, derived["epsilon_claimed"]))
             row.update(_verdict(row, covers, threat))
             rows.append(row)
     return rows
+
+
+def _clip(cell: Cell) -> float:
+    return cell.clip_norm or 1.0
 
 
 def _distinct_tests(worlds: list[Worlds], covers: str) -> int:
@@ -132,62 +146,71 @@ def _covered(covers: str, threat: str) -> bool:
     return covers == "every iterate" or SEES[threat] == "final output"
 
 
-def _worlds(kind: str, cell: Cell, spec: AuditSpec, algorithm: Algorithm, trials: int, data: Dataset):
-    """The canary's worlds, or the exception that stopped them (recorded in the rows; the audit goes on)."""
-    make = {"input": input_worlds, "gradient": gradient_worlds, "dirac": dirac_worlds}[kind]
+def _worlds(kind: str, cell: Cell, spec: AuditSpec, algorithm: Algorithm, trials: int, data: Dataset,
+            x_norm: float = 1.0):
+    """The canary's worlds, or the exception that stopped them (recorded in the rows; the audit goes on);
+    `x_norm`: the input canary's norm."""
     try:
-        return make(cell, spec, algorithm, trials, data)
+        if kind == "input":
+            return input_worlds(cell, spec, algorithm, trials, data, x_norm)
+        return {"gradient": gradient_worlds, "dirac": dirac_worlds}[kind](cell, spec, algorithm, trials, data)
     except Exception as exc:
         return exc
 
 
-def _control_columns(control, threat: str, spec: AuditSpec, confidence: float, scores: dict | None,
-                     kind: str, claim: float) -> dict[str, Any]:
-    """The twin's row: its bound at `confidence`, the level of its own family (the same rule, the same claim)."""
-    if control is None:
-        return {}
-    if not isinstance(control, Worlds) or threat not in control.scores:
-        return {"control": spec.control, "control_epsilon": None, "control_epsilon_lo": None,
-                "_control_failed": f"{type(control).__name__}: {control}".replace("\n", " ")}
-    s_in, s_out = control.scores[threat]
+def _control_columns(control: controls.Control, worlds, threat: str, spec: AuditSpec, confidence: float,
+                     scores: dict | None, kind: str, claim: float) -> dict[str, Any]:
+    """A control's columns for this row: its true ε, its bound at `confidence` (the level of its own family; the
+    same rule, the same claim) and that level."""
+    key = control.key
+    if not isinstance(worlds, Worlds) or threat not in worlds.scores:
+        return {f"{key}_epsilon": None, f"{key}_epsilon_lo": None,
+                f"_{key}_failed": f"{type(worlds).__name__}: {worlds}".replace("\n", " ")}
+    s_in, s_out = worlds.scores[threat]
     if scores is not None:
-        scores["control." + _key(kind, threat, "in")], scores["control." + _key(kind, threat, "out")] = s_in, s_out
-    stat = _statistics(s_in, s_out, spec, confidence, control, claim)
-    return {"control": spec.control, "control_epsilon": control.derived.get("epsilon_noise_scaled"),
-            "control_epsilon_lo": stat.get("epsilon_lo"), "control_epsilon_lo_fdp": stat.get("epsilon_lo_fdp"),
-            "control_row_confidence": confidence}
+        scores[f"{key}." + _key(kind, threat, "in")], scores[f"{key}." + _key(kind, threat, "out")] = s_in, s_out
+    stat = _statistics(s_in, s_out, spec, confidence, worlds, claim)
+    return {f"{key}_epsilon": control.epsilon(worlds.derived), f"{key}_epsilon_lo": stat.get("epsilon_lo"),
+            f"{key}_epsilon_lo_fdp": stat.get("epsilon_lo_fdp"), f"{key}_row_confidence": confidence}
 
 
 def _verdict(row: dict, covers: str, threat: str) -> dict[str, Any]:
-    """The row's verdict (one of VERDICTS, docs/audit.md) with its reason."""
+    """The row's verdict (one of VERDICTS, docs/audit.md) with its reason, and the mildest control it refuted
+    (`detects`)."""
     failed = row.pop("_control_failed", None)
+    broken = [f"{key}: {row.pop(f'_{key}_failed')}" for key in controls.LADDER if f"_{key}_failed" in row]
+    if broken:
+        row["message"] = "; ".join([row.get("message") or "", "control failed: " + "; ".join(broken)]).lstrip("; ")
     if row.get("status") != "ok" or row.get("epsilon_lo") is None:
-        return {"verdict": None, "reason": ""}
+        return {"verdict": None, "reason": "", "detects": None}
     eps, lo = row["epsilon_claimed"], row["epsilon_lo"]
     if not _covered(covers, threat):
-        return {"verdict": "not covered", "reason": f"the claim covers the {covers} only; this adversary sees "
-                                                    f"every iterate (ε_lo = {lo:.3g}, no verdict on the claim)"}
+        return {"verdict": "not covered", "detects": None,
+                "reason": f"the claim covers the {covers} only; this adversary sees every iterate (ε_lo = {lo:.3g}, "
+                          "no verdict on the claim)"}
+    caught = [o for o in controls.outcomes([row]) if o.caught]
+    detects = {"detects": caught[0].label if caught else None}
     if lo > eps:
-        return {"verdict": "refuted", "reason": f"ε_lo = {lo:.3g} > {eps:.3g} = ε"}
+        return {"verdict": "refuted", "reason": f"ε_lo = {lo:.3g} > {eps:.3g} = ε", **detects}
     if row.get("ceiling") is not None and row["ceiling"] <= eps:  # (the one-run statistic has no ceiling here)
         need = row.get("trials_needed")
         return {"verdict": "uninformative", "reason": f"ε = {eps:.3g} is above the ceiling {row['ceiling']:.3g} "
                 f"of {row['trials']} trials: no mechanism could be refuted"
-                + (f"; {need:,} trials per world would be needed" if need else "")}
+                + (f"; {need:,} trials per world would be needed" if need else ""), **detects}
     if "control" not in row:
         return {"verdict": "uninformative", "reason": f"no positive control ({row['algorithm']} has no noise-scale "
-                                                      "hook, or the grid's audit.control is null)"}
+                                                      "hook, or the grid's audit.control is null)", **detects}
     if failed:
-        return {"verdict": "uninformative", "reason": f"positive control failed: {failed}"}
+        return {"verdict": "uninformative", "reason": f"positive control failed: {failed}", **detects}
     c_lo, c_eps = row.get("control_epsilon_lo"), row.get("control_epsilon")
     if c_eps is not None and c_eps <= eps:
         return {"verdict": "uninformative", "reason": f"the twin (noise × {row['control']:g}) is not broken: its "
-                                                      f"ε = {c_eps:.3g} ≤ {eps:.3g}"}
+                                                      f"ε = {c_eps:.3g} ≤ {eps:.3g}", **detects}
     if c_lo is not None and c_lo > eps:
-        return {"verdict": "consistent", "reason": f"ε_lo = {lo:.3g} ≤ {eps:.3g}; the twin (noise × "
-                                                   f"{row['control']:g}, ε = {_num(c_eps)}) refuted at {c_lo:.3g}"}
+        return {"verdict": "consistent", "reason": f"ε_lo = {lo:.3g} ≤ {eps:.3g}; {controls.caught_and_missed([row])}",
+                **detects}
     return {"verdict": "uninformative", "reason": f"the twin (noise × {row['control']:g}, ε = {_num(c_eps)}) was "
-                                                  f"not refuted either (ε_lo = {_num(c_lo)})"}
+                                                  f"not refuted either (ε_lo = {_num(c_lo)})", **detects}
 
 
 def _num(x) -> str:
@@ -272,15 +295,16 @@ def _fit(algorithm: Algorithm, setting: Setting, model: Model, X, y, seeds: rang
     return outcome, derived
 
 
-def input_worlds(cell: Cell, spec: AuditSpec, algorithm: Algorithm, trials: int, data: Dataset) -> Worlds:
-    """Black box: D ∪ {(x_c, y_c)} against D ∪ {(0, 0)} (add/remove) or D ∪ {(x_c, −y_c)} (replace-one); score =
-    the released model's margin on the canary."""
+def input_worlds(cell: Cell, spec: AuditSpec, algorithm: Algorithm, trials: int, data: Dataset,
+                 x_norm: float = 1.0) -> Worlds:
+    """Black box: D ∪ {(x_c, y_c)} against D ∪ {(0, 0)} (add/remove) or D ∪ {(x_c, −y_c)} (replace-one), ‖x_c‖ =
+    `x_norm`; score = the released model's margin on the canary."""
     if spec.statistic == "one_run":
         raise NotApplicable(ONE_RUN_REFUSAL)
     model, setting = _setup(cell, data, 1)
     X, y = data.X_train, data.y_train
     reference = reference_minimum(model, X, y)[0] if model.convex else None
-    canary = canaries.input_canary(model, X, y, None if reference is None else np.atleast_2d(reference))
+    canary = canaries.input_canary(model, X, y, None if reference is None else np.atleast_2d(reference), x_norm)
     scores, derived, guarantee = {}, {}, ""
     mirror = (canary.x, -canary.label) if algorithm.neighbouring() == "replace_one" else (np.zeros(data.d), 0.0)
     for world, (xc, yc), seeds in (("in", (canary.x, canary.label), range(0, trials)),
@@ -357,8 +381,8 @@ def dirac_worlds(cell: Cell, spec: AuditSpec, algorithm: Algorithm, trials: int,
         W = np.linalg.solve(Mt, U[:m].T).T  # Mᵀ w_k = e_k
         scale = np.linalg.norm(W, axis=1)
         U[m:] = W / scale[:, None]
-    clip = cell.clip_norm or 1.0
-    raw_norm = spec.raw_norm if spec.raw_norm is not None else clip  # clipped or not, the sensitivity C
+    # a sound chain clips it to C; one that does not clip lets it through CLIP_PROBE times larger
+    raw_norm = spec.raw_norm if spec.raw_norm is not None else controls.CLIP_PROBE * _clip(cell)
     if one_run:
         included = np.random.default_rng(spec.seed).random((trials, m)) < 0.5
     else:
@@ -499,7 +523,9 @@ def plan_trials(cell: Cell, spec: AuditSpec, trials: int | None = None, confiden
         derived = prepared.finish(prepared.theta).derived
         per_replica = {kind: _replica_seconds(prepared, model if kind == "input" else _canary_model(model))
                        for kind in spec.canaries}
-    variants = 2 if spec.control is not None and algorithm.tags.noise_scalable else 1  # the cell and its twin
+    # the cell, its twin and each control of the ladder that applies
+    variants = 1 + sum(c.algorithm is not None for c in controls.ladder(cell, data, algorithm, spec.control,
+                                                                     spec.ladder))
     one_run = spec.statistic == "one_run"  # a trial is one training holding m canaries, not a pair of worlds
     seconds_per_trial = (1 if one_run else 2) * variants * sum(per_replica.values())
     achieved = derived.get("epsilon_achieved")  # as the rows' epsilon_claimed

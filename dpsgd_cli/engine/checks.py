@@ -85,8 +85,8 @@ def check_audit(grid: Grid, trials: int | None = None, cells: Collection[str] | 
                         f"comes from a larger δ or a stronger canary before more trials)")
     for cell in audited_cells(grid, cells):
         check_work(cell, f"grid {grid.name!r}")
-        # with and without the canary, per canary kind, and again for the broken twin (the positive control)
-        trainings = 2 * trials * len(spec.canaries) * (2 if spec.control is not None else 1)
+        # with and without the canary, per canary kind, and again for each control (the twin and its ladder)
+        trainings = 2 * trials * len(spec.canaries) * (2 + len(spec.ladder) if spec.control is not None else 1)
         examples = trainings * steps_estimate(cell)[1]
         if examples > MAX_EXAMPLES:
             raise UserError(f"{where}: {trainings:,} trainings of {cell.algorithm.name} on {cell.dataset.name} "
