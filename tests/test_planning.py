@@ -1,6 +1,8 @@
 """Before the first run: the reference optima L* computed by `execute` (in its workers with `--jobs`), announced
 line by line, the same numbers wherever they are computed; the tasks then submitted longest first."""
 
+import json
+
 import numpy as np
 import pytest
 import test_caches
@@ -150,3 +152,40 @@ def test_an_mlp_reference_at_one_of_its_starts_is_rejected(cache, capsys):
     again, objective2, _ = erm.reference_minimum(model, X, y)
     assert np.array_equal(again, theta) and objective2 == objective
     assert "not below the L-BFGS starts" in capsys.readouterr().err
+
+
+UNREAD = """
+grids:
+  - name: unread
+    datasets: [{name: synthetic, n: 200, dim: 4}]
+    models: [{name: mlp, hidden: 3}, logreg]
+    algorithms: [sgd, dp_sgd]
+    epsilon: [1]
+    batch_size: [20]
+    lr: [0.5]
+    seeds: 2
+    epochs: 1
+    l2: 1.0e-3
+"""
+
+
+def test_lstar_is_computed_only_where_the_grid_reads_the_gap(cache, write_grid, tmp_path):
+    """No figure or claim reads the optimality gap and no cell needs θ* (erm): no L-BFGS runs, and the rows say
+    so (optimal_objective and optimality_gap empty, derived.optimum_method why); a figure of the gap, or an erm
+    cell of the same (data, model, λ), brings L* back for every cell that shares it."""
+    grid = load_grid_file(write_grid(UNREAD)).grids[0]
+    said = []
+    execute(plan_grid(grid, tmp_path / "out"), jobs=1, on_status=said.append)
+    rows = table(tmp_path / "out" / "unread")
+    assert not any("L*" in line for line in said) and not list(cache.glob("*.json"))
+    assert (rows["status"] == "ok").all() and rows["train_objective"].notna().all()
+    assert rows["optimal_objective"].isna().all() and rows["optimality_gap"].isna().all()
+    assert rows["derived"].map(lambda d: json.loads(d)["optimum_method"] == runner.OPTIMUM_NOT_READ).all()
+
+    figure = UNREAD.replace("    l2: 1.0e-3\n", "    l2: 1.0e-3\n    figures:\n      - {name: gap, metric: "
+                            "optimality_gap, where: {model: mlp}}\n")
+    tasks = plan_grid(load_grid_file(write_grid(figure)).grids[0], tmp_path / "fig").tasks
+    assert {t.optimum_method for t in tasks} == {runner.OPTIMUM_PENDING}
+    with_erm = UNREAD.replace("algorithms: [sgd, dp_sgd]", "algorithms: [erm, sgd, dp_sgd]")
+    tasks = plan_grid(load_grid_file(write_grid(with_erm)).grids[0], tmp_path / "erm").tasks
+    assert {t.optimum_method for t in tasks} == {runner.OPTIMUM_PENDING}

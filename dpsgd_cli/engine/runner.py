@@ -89,6 +89,31 @@ def reference_optimum(spec: DatasetSpec, model_name: str, model_options: str, l2
 
 
 OPTIMUM_PENDING = "to be computed"  # a planned task's optimum_method until `resolve_optima` (or its run) sets L*
+# a task's optimum_method where the grid never reads L* (`optima_read`): its rows' optimal_objective and
+# optimality_gap are empty
+OPTIMUM_NOT_READ = "not computed: no figure or claim of the grid reads the optimality gap"
+GAP_COLUMNS = ("optimality_gap", "optimal_objective")
+
+
+def reads_optimality_gap(grid: Grid) -> bool:
+    """Whether a figure or claim of the grid reads L* (as its metric or a column it selects or groups by); a
+    selection never does (it scores by validation or test accuracy, or the validation objective)."""
+    figures = [f for f in grid.figures if f.kind in ("sweep", "traces")]
+    claims = [condition for claim in grid.claims for condition in claim.conditions()]
+    named = [*(f.metric for f in figures), *(k for f in figures for k in f.where),
+             *(c.metric for c in claims), *(c.over or "" for c in claims),
+             *(k for c in claims for k in (*c.where, *c.a, *c.b, *c.group_by))]
+    return any(name in GAP_COLUMNS for name in named)
+
+
+def optima_read(grid: Grid, cells: Sequence[Cell]) -> set[tuple[Any, ...]]:
+    """The L*s (`optimum_args`) a run of the grid computes: every cell's where a figure or claim reads the
+    optimality gap; else only those of cells whose algorithm is the minimiser itself (no steps: erm, output
+    perturbation), which compute θ* anyway, so that L* costs them one more pass over the data. An MLP's L* takes
+    minutes: a grid that draws no gap does not wait for it."""
+    if reads_optimality_gap(grid):
+        return {optimum_args(cell) for cell in cells}
+    return {optimum_args(cell) for cell in cells if ALGORITHMS[cell.algorithm.name].tags.batch == "none"}
 
 
 def optimum_args(cell: Cell) -> tuple[Any, ...]:
@@ -490,13 +515,15 @@ def plan_grid(grid: Grid, out_root: Path, resume: bool = True, dry_run: bool = F
     else:
         done = store.start(resume, shas)
     run = GridRun(grid, store.folder, cells)
+    read = optima_read(grid, cells)
     for cell in cells:
         seeds = tuple(s for s in cell.seeds if cell.run_id(s) not in done)
         run.done_before += len(cell.seeds) - len(seeds)
         if seeds and dry_run:  # L* is not needed to show what would run (for an MLP it takes minutes)
             run.tasks.append(Task(cell, seeds, float("nan"), "not computed (dry run)"))
         elif seeds:  # L* is computed by `execute`, in its workers (for an MLP it takes minutes)
-            run.tasks.append(Task(cell, seeds, float("nan"), OPTIMUM_PENDING))
+            method = OPTIMUM_PENDING if optimum_args(cell) in read else OPTIMUM_NOT_READ
+            run.tasks.append(Task(cell, seeds, float("nan"), method))
     if fusion_enabled():
         run.tasks = fuse(run.tasks)
     return run
