@@ -2,6 +2,9 @@
 line by line, the same numbers wherever they are computed; the tasks then submitted longest first."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -189,3 +192,43 @@ def test_lstar_is_computed_only_where_the_grid_reads_the_gap(cache, write_grid, 
     with_erm = UNREAD.replace("algorithms: [sgd, dp_sgd]", "algorithms: [erm, sgd, dp_sgd]")
     tasks = plan_grid(load_grid_file(write_grid(with_erm)).grids[0], tmp_path / "erm").tasks
     assert {t.optimum_method for t in tasks} == {runner.OPTIMUM_PENDING}
+
+
+PRIVATE = """
+grids:
+  - name: private
+    datasets: [{name: synthetic, n: 200, dim: 4}, {name: synthetic, n: 100, dim: 3}]
+    models: [logreg]
+    algorithms: [{name: dp_sgd, accountant: pld}]
+    epsilon: [1, 2]
+    batch_size: [20]
+    lr: [0.5]
+    seeds: 1
+    epochs: 1
+"""
+
+IN_A_FRESH_PROCESS = """
+import sys
+from pathlib import Path
+from dpsgd_cli.config import load_grid_file
+from dpsgd_cli.engine import plan_grid, runner
+
+def forked(tasks, jobs):
+    print("accountant library loaded before forking:", "dp_accounting.pld.pld_privacy_accountant" in sys.modules)
+    yield from ()
+
+runner._forked_results = forked
+tasks = runner.resolve_optima(plan_grid(load_grid_file(Path(sys.argv[1])).grids[0], Path(sys.argv[2])).tasks)
+list(runner._results(tasks, 2))
+"""
+
+
+def test_forked_workers_inherit_the_accountant_library(write_grid, tmp_path, monkeypatch):
+    """With --jobs 2 the driver imports the accountant library before forking, once for all its workers (each
+    worker's first private task imported it again: ~0.8 s a worker and grid)."""
+    monkeypatch.setenv("DPSGD_CACHE_DIR", str(tmp_path / "cache"))
+    script = tmp_path / "fork.py"
+    script.write_text(IN_A_FRESH_PROCESS)
+    done = subprocess.run([sys.executable, str(script), str(write_grid(PRIVATE)), str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1])
+    assert "accountant library loaded before forking: True" in done.stdout, done.stderr[-2000:]
