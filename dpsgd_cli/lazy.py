@@ -19,7 +19,7 @@ class LazyModule:
             return self._module
         return getattr(self._module, attr)
 
-    def load(self) -> ModuleType:
+    def import_now(self) -> ModuleType:
         """The module, imported now if it was not yet (before forking workers that will all use it)."""
         return self._module
 

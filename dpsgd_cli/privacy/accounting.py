@@ -58,7 +58,7 @@ def load_accountants() -> None:
     """Import the accountant library now (its modules load on first use): a process about to fork workers that
     will all account does it once for them."""
     for library in (_rdp_lib, _pld_lib, _relations, dp_event):
-        library.load()
+        library.import_now()
 
 __all__ = [
     "ACCOUNTANTS",
