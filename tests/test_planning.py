@@ -15,6 +15,7 @@ from test_fusion import table
 from dpsgd_cli.algorithms import erm
 from dpsgd_cli.config import load_grid_file
 from dpsgd_cli.engine import execute, plan_grid, runner
+from dpsgd_cli.plots import plot_results
 
 GRID = """
 grids:
@@ -232,3 +233,9 @@ def test_forked_workers_inherit_the_accountant_library(write_grid, tmp_path, mon
     done = subprocess.run([sys.executable, str(script), str(write_grid(PRIVATE)), str(tmp_path / "out")],
                           capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1])
     assert "accountant library loaded before forking: True" in done.stdout, done.stderr[-2000:]
+
+
+def test_a_gap_figure_of_a_grid_without_lstar_says_why(cache, write_grid, tmp_path, capsys):
+    execute(plan_grid(load_grid_file(write_grid(UNREAD)).grids[0], tmp_path / "out"), jobs=1)
+    assert plot_results(tmp_path / "out", metric="optimality_gap") == []
+    assert "L* is computed only for a grid with a figure or claim of the optimality gap" in capsys.readouterr().err

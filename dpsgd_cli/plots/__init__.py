@@ -129,6 +129,9 @@ def _why_empty(folder: Path, spec: FigureSpec, rows: pd.DataFrame) -> str:
         where = "checkpoint in traces.csv" if spec.kind == "traces" else "ok run"
         hint = " (validation metrics need a validation split: set `validation: 0.1` in the grid and rerun)" \
             if column.startswith("val_") else ""
+        if column == "optimality_gap" and rows.get("optimal_objective", pd.Series(dtype=float)).isna().all():
+            hint = (" (L* is computed only for a grid with a figure or claim of the optimality gap: add one to the "
+                    "grid and rerun it with --no-resume)")
         return f"no {where} has a value of {column}{hint}"
     if spec.kind == "traces":
         return "no checkpoint in traces.csv matches its runs (set `trace_every` in the grid and rerun)"
