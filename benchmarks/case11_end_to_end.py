@@ -1,7 +1,8 @@
 """Case 11: every grid of experiments.yaml end to end, as a user reproducing the papers runs them.
 
 For each grid (the audit grids excepted: `dpsgd audit` runs them), one `dpsgd run experiments.yaml --only GRID
---jobs 2 --out <folder>` process, then `dpsgd plot <folder>` and `dpsgd report <folder>` once over every grid;
+--jobs 2 --out <folder>` process, then `dpsgd plot <folder> --jobs 2` and `dpsgd report <folder> --jobs 2` once
+over every grid (each grid's folder in a worker);
 each command's wall time and CPU time (user + system of the process and its workers, `getrusage` of the
 children) is recorded, with the grid's runs and their summed training time (runs.csv's `wall_time`). By default
 as from a fresh clone: the σ / L* cache (DPSGD_CACHE_DIR), numba's compiled kernels (NUMBA_CACHE_DIR) and,
@@ -136,7 +137,7 @@ def run_grids(grids: list[str], out: Path, jobs: int = 2, cold: Iterable[str] = 
         steps.append(step)
     if plot_and_report:
         for name in ("plot", "report"):
-            step = timed(Step(name, dpsgd + [name, str(out)]), env, logs / f"{name}.log")
+            step = timed(Step(name, dpsgd + [name, str(out), "--jobs", str(jobs)]), env, logs / f"{name}.log")
             say(f"{name}: {step.wall_s:.1f} s wall, {step.cpu_s:.1f} s CPU" + (f" (exit {step.returncode})"
                                                                                 if step.returncode else ""))
             steps.append(step)

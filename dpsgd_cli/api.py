@@ -305,14 +305,15 @@ def export(results_dir: PathLike = "results", *, format: ExportFormat = "parquet
 
 
 @file_errors()
-@checked()
-def report(results_dir: PathLike = "results", *, plugins: Plugins = ()) -> pd.DataFrame:
+@checked(jobs=at_least(1))
+def report(results_dir: PathLike = "results", *, jobs: int = 1, plugins: Plugins = ()) -> pd.DataFrame:
     """`dpsgd report`: check the claims of every grid under `results_dir` and write report.md and report.html
     (the report with its figures embedded: one file to open in a browser or send); one row per claim: grid,
     claim, kind, text, quote, reading, own, verdict (PASS, FAIL, VACUOUS, NO DATA), numbers; `df.attrs["path"]` is
-    report.md's path. `plugins` as for `read_results`."""
+    report.md's path. `jobs`: worker processes evaluating the grids (capped at the number of cores). `plugins` as
+    for `read_results`."""
     load_plugins(plugins)
-    verdicts, path = claims_report.build_report(Path(results_dir))
+    verdicts, path = claims_report.build_report(Path(results_dir), jobs=_cap_jobs(jobs))
     report_html.write_html(path)
     frame = pd.DataFrame([{"grid": v.grid, "claim": v.claim.id, "kind": v.claim.kind, "text": v.claim.text,
                            "quote": v.claim.quote, "reading": v.claim.reading, "own": v.claim.own,
@@ -353,14 +354,16 @@ def check_metric(metric: str | None) -> str | None:
 
 
 @file_errors()
-@checked()
-def plot(results_dir: PathLike = "results", *, metric: str | None = None,
-         format: ImageFormat = "png", caption: bool = True, plugins: Plugins = ()) -> list[Path]:  # noqa: A002
+@checked(jobs=at_least(1))
+def plot(results_dir: PathLike = "results", *, metric: str | None = None, format: ImageFormat = "png",  # noqa: A002
+         caption: bool = True, jobs: int = 1, plugins: Plugins = ()) -> list[Path]:
     """`dpsgd plot`: the grid's paper figures, or `metric` (any numeric column of runs.csv) over ε; returns
     the files written (under each grid's figures/). `caption=False`: each caption in a .txt beside its figure
-    (for a LaTeX caption), not in the image. `plugins` as for `read_results`."""
+    (for a LaTeX caption), not in the image. `jobs`: worker processes drawing the grids (capped at the number of
+    cores). `plugins` as for `read_results`."""
     load_plugins(plugins)
-    return plots.plot_results(Path(results_dir), metric=check_metric(metric), fmt=format, caption=caption)
+    return plots.plot_results(Path(results_dir), metric=check_metric(metric), fmt=format, caption=caption,
+                              jobs=_cap_jobs(jobs))
 
 
 @file_errors()

@@ -275,10 +275,12 @@ def plot(
                                     help="Image format (png also writes a PDF)."),
     caption: bool = typer.Option(True, "--caption/--no-caption", help="Draw each caption below its figure, or "
                                  "write it to a .txt beside the figure (for a LaTeX caption)."),
+    jobs: int = typer.Option(1, "--jobs", min=1, metavar="N",
+                             help="Worker processes drawing the grids; capped at the number of cores."),
     plugins: list[Path] | None = _PLUGINS_READ,
 ) -> None:
     """Draw the grid's paper figures, or a metric over ε (a panel per dataset and model, a line per algorithm)."""
-    paths = api.plot(results_dir, metric=metric, format=fmt.value, caption=caption, plugins=plugins or [])
+    paths = api.plot(results_dir, metric=metric, format=fmt.value, caption=caption, jobs=jobs, plugins=plugins or [])
     for path in paths:
         console.print(str(path), highlight=False, markup=False)
     if not paths:  # the notes above say why
@@ -308,11 +310,13 @@ def export(
 @app.command()
 def report(
     results_dir: Path = _RESULTS_DIR,
+    jobs: int = typer.Option(1, "--jobs", min=1, metavar="N",
+                             help="Worker processes checking the grids; capped at the number of cores."),
     plugins: list[Path] | None = _PLUGINS_READ,
 ) -> None:
     """Check the papers' claims listed in the grids against the results; print PASS/FAIL and write report.md and
     report.html (the same with its figures embedded: one file to open in a browser or send)."""
-    verdicts = api.report(results_dir, plugins=plugins or [])
+    verdicts = api.report(results_dir, jobs=jobs, plugins=plugins or [])
     path = verdicts.attrs["path"]
     colours = {"PASS": "green", "FAIL": "red", "VACUOUS": "blue", "NO DATA": "yellow"}
     if len(verdicts):  # one line a claim, a block per grid: its quote, reading and numbers are in report.md

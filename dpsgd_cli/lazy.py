@@ -19,6 +19,10 @@ class LazyModule:
             return self._module
         return getattr(self._module, attr)
 
+    def import_now(self) -> ModuleType:
+        """The module, imported now if it was not yet (before forking workers that will all use it)."""
+        return self._module
+
     def __repr__(self) -> str:
         return f"LazyModule({self._name!r})"
 

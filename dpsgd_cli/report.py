@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -17,8 +18,18 @@ from dpsgd_cli.audit.run import read_audit_csv
 from dpsgd_cli.config import NAME_PATTERN, ClaimSpec, FigureSpec
 from dpsgd_cli.engine.analytic import analytic_table
 from dpsgd_cli.engine.folder import write_text
-from dpsgd_cli.engine.results import NoResults, grid_of, json_object, note, read_results, result_folders, select
+from dpsgd_cli.engine.results import (
+    NoResults,
+    grid_of,
+    json_object,
+    note,
+    read_results,
+    result_folders,
+    results_size,
+    select,
+)
 from dpsgd_cli.engine.selection import results_frame, selections
+from dpsgd_cli.engine.workers import map_in_workers
 from dpsgd_cli.errors import printable
 from dpsgd_cli.lazy import LazyModule
 
@@ -444,8 +455,9 @@ def _limit(claim: ClaimSpec, figures: list[FigureSpec]) -> float | None:
     return p["alpha"] * p["sensitivity"] ** 2 / (p["lam"] * p["sigma"] ** 2 * p["n"] ** 2)
 
 
-def build_report(path: Path) -> tuple[list[Verdict], Path]:
-    """Evaluate the claims of every grid under `path` and write `path/report.md`."""
+def build_report(path: Path, jobs: int = 1) -> tuple[list[Verdict], Path]:
+    """Evaluate the claims of every grid under `path` and write `path/report.md`; with `jobs` > 1, the grids'
+    claims are evaluated in that many worker processes (forked), the largest grid first."""
     path = Path(path)
     verdicts: list[Verdict] = []
     intro = ["# dpsgd reproduction report", "",
@@ -464,15 +476,9 @@ def build_report(path: Path) -> tuple[list[Verdict], Path]:
         if not audits:
             raise
         folders = []  # an audit alone is worth a report
-    for folder in folders:
-        for line in read_results(folder).notes():
-            note(line)
-        grid = grid_of(folder)
-        figures = [FigureSpec(**f) for f in grid.get("figures", [])]
-        claims = [ClaimSpec(**c) for c in grid.get("claims", [])]
-        found = [evaluate(folder, claim, figures) for claim in claims]
+    for found, section in map_in_workers(functools.partial(_grid_part, root=path), folders, jobs, cost=results_size):
         verdicts += found
-        sections += _section(folder, path, grid, figures, [v for v in found if v.claim.kind == "finding"])
+        sections += section
     formulas = [v for v in verdicts if v.claim.kind == "formula_check"]
     if formulas:
         sections += ["## Formula checks", "",
@@ -484,6 +490,17 @@ def build_report(path: Path) -> tuple[list[Verdict], Path]:
     out = path / "report.md"
     write_text(out, "\n".join(intro + summary + sections + audits) + "\n")
     return verdicts, out
+
+
+def _grid_part(folder: Path, root: Path) -> tuple[list[Verdict], list[str]]:
+    """A grid's verdicts and its section of the report."""
+    for line in read_results(folder).notes():
+        note(line)
+    grid = grid_of(folder)
+    figures = [FigureSpec(**f) for f in grid.get("figures", [])]
+    claims = [ClaimSpec(**c) for c in grid.get("claims", [])]
+    found = [evaluate(folder, claim, figures) for claim in claims]
+    return found, _section(folder, root, grid, figures, [v for v in found if v.claim.kind == "finding"])
 
 
 def _section(folder: Path, root: Path, grid: dict, figures: list[FigureSpec], verdicts: list[Verdict]) -> list[str]:

@@ -1,6 +1,11 @@
 """Before the first run: the reference optima L* computed by `execute` (in its workers with `--jobs`), announced
 line by line, the same numbers wherever they are computed; the tasks then submitted longest first."""
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import test_caches
@@ -10,6 +15,7 @@ from test_fusion import table
 from dpsgd_cli.algorithms import erm
 from dpsgd_cli.config import load_grid_file
 from dpsgd_cli.engine import execute, plan_grid, runner
+from dpsgd_cli.plots import plot_results
 
 GRID = """
 grids:
@@ -150,3 +156,86 @@ def test_an_mlp_reference_at_one_of_its_starts_is_rejected(cache, capsys):
     again, objective2, _ = erm.reference_minimum(model, X, y)
     assert np.array_equal(again, theta) and objective2 == objective
     assert "not below the L-BFGS starts" in capsys.readouterr().err
+
+
+UNREAD = """
+grids:
+  - name: unread
+    datasets: [{name: synthetic, n: 200, dim: 4}]
+    models: [{name: mlp, hidden: 3}, logreg]
+    algorithms: [sgd, dp_sgd]
+    epsilon: [1]
+    batch_size: [20]
+    lr: [0.5]
+    seeds: 2
+    epochs: 1
+    l2: 1.0e-3
+"""
+
+
+def test_lstar_is_computed_only_where_the_grid_reads_the_gap(cache, write_grid, tmp_path):
+    """No figure or claim reads the optimality gap and no cell needs θ* (erm): no L-BFGS runs, and the rows say
+    so (optimal_objective and optimality_gap empty, derived.optimum_method why); a figure of the gap, or an erm
+    cell of the same (data, model, λ), brings L* back for every cell that shares it."""
+    grid = load_grid_file(write_grid(UNREAD)).grids[0]
+    said = []
+    execute(plan_grid(grid, tmp_path / "out"), jobs=1, on_status=said.append)
+    rows = table(tmp_path / "out" / "unread")
+    assert not any("L*" in line for line in said) and not list(cache.glob("*.json"))
+    assert (rows["status"] == "ok").all() and rows["train_objective"].notna().all()
+    assert rows["optimal_objective"].isna().all() and rows["optimality_gap"].isna().all()
+    assert rows["derived"].map(lambda d: json.loads(d)["optimum_method"] == runner.OPTIMUM_NOT_READ).all()
+
+    figure = UNREAD.replace("    l2: 1.0e-3\n", "    l2: 1.0e-3\n    figures:\n      - {name: gap, metric: "
+                            "optimality_gap, where: {model: mlp}}\n")
+    tasks = plan_grid(load_grid_file(write_grid(figure)).grids[0], tmp_path / "fig").tasks
+    assert {t.optimum_method for t in tasks} == {runner.OPTIMUM_PENDING}
+    with_erm = UNREAD.replace("algorithms: [sgd, dp_sgd]", "algorithms: [erm, sgd, dp_sgd]")
+    tasks = plan_grid(load_grid_file(write_grid(with_erm)).grids[0], tmp_path / "erm").tasks
+    assert {t.optimum_method for t in tasks} == {runner.OPTIMUM_PENDING}
+
+
+PRIVATE = """
+grids:
+  - name: private
+    datasets: [{name: synthetic, n: 200, dim: 4}, {name: synthetic, n: 100, dim: 3}]
+    models: [logreg]
+    algorithms: [{name: dp_sgd, accountant: pld}]
+    epsilon: [1, 2]
+    batch_size: [20]
+    lr: [0.5]
+    seeds: 1
+    epochs: 1
+"""
+
+IN_A_FRESH_PROCESS = """
+import sys
+from pathlib import Path
+from dpsgd_cli.config import load_grid_file
+from dpsgd_cli.engine import plan_grid, runner
+
+def forked(tasks, jobs):
+    print("accountant library loaded before forking:", "dp_accounting.pld.pld_privacy_accountant" in sys.modules)
+    yield from ()
+
+runner._forked_results = forked
+tasks = runner.resolve_optima(plan_grid(load_grid_file(Path(sys.argv[1])).grids[0], Path(sys.argv[2])).tasks)
+list(runner._results(tasks, 2))
+"""
+
+
+def test_forked_workers_inherit_the_accountant_library(write_grid, tmp_path, monkeypatch):
+    """With --jobs 2 the driver imports the accountant library before forking, once for all its workers (each
+    worker's first private task imported it again: ~0.8 s a worker and grid)."""
+    monkeypatch.setenv("DPSGD_CACHE_DIR", str(tmp_path / "cache"))
+    script = tmp_path / "fork.py"
+    script.write_text(IN_A_FRESH_PROCESS)
+    done = subprocess.run([sys.executable, str(script), str(write_grid(PRIVATE)), str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1])
+    assert "accountant library loaded before forking: True" in done.stdout, done.stderr[-2000:]
+
+
+def test_a_gap_figure_of_a_grid_without_lstar_says_why(cache, write_grid, tmp_path, capsys):
+    execute(plan_grid(load_grid_file(write_grid(UNREAD)).grids[0], tmp_path / "out"), jobs=1)
+    assert plot_results(tmp_path / "out", metric="optimality_gap") == []
+    assert "L* is computed only for a grid with a figure or claim of the optimality gap" in capsys.readouterr().err

@@ -142,6 +142,18 @@ def test_figures_and_report_end_to_end(tmp_path, run_grid):
     assert "| song2013 batch_size=1 | 1 | 0.0272 | 0.00272 | — |" in risk and "erm" not in risk
 
 
+def test_plot_and_report_in_workers_write_what_one_process_writes(tmp_path, run_grid):
+    """`--jobs 2`: each grid's folder drawn and checked in a forked worker; the same files, the same report."""
+    run_grid(GRID)
+    run_grid(GRID.replace("name: figs", "name: figs_again"))
+    one = sorted(p.relative_to(tmp_path) for p in plot_results(tmp_path / "out"))
+    report_one = build_report(tmp_path / "out")[1].read_text()
+    two = sorted(p.relative_to(tmp_path) for p in plot_results(tmp_path / "out", jobs=2))
+    verdicts, report = build_report(tmp_path / "out", jobs=2)
+    assert one == two and len(two) == 12 and report.read_text() == report_one
+    assert [v.grid for v in verdicts] == ["figs"] * 5 + ["figs_again"] * 5  # in the folders' order
+
+
 def test_figure_spec_validation():
     with pytest.raises(ValueError):  # pydantic's ValidationError
         FigureSpec(name="x", kind="bar")

@@ -749,6 +749,11 @@ def read_results(folder: Path) -> Reading:
     return reading
 
 
+def results_size(folder: Path) -> int:
+    """Bytes of the folder's runs.csv and traces.csv: what reading and drawing it costs, roughly (to order work)."""
+    return sum(_stamp(Path(folder) / name)[1] or 0 for name in ("runs.csv", "traces.csv"))
+
+
 def _stamp(path: Path) -> tuple[int, int] | tuple[None, None]:
     try:
         stat = path.stat()

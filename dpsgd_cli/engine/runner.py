@@ -3,22 +3,18 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import functools
 import hashlib
 import json
 import math
-import multiprocessing
 import numbers
 import os
-import signal
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,8 +22,8 @@ from typing import Any
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from dpsgd_cli import NUMERICS, __version__, diskcache, plugins
-from dpsgd_cli.algorithms import ALGORITHMS, Setting
+from dpsgd_cli import NUMERICS, __version__, compiled, diskcache, plugins
+from dpsgd_cli.algorithms import ALGORITHMS, Setting, backends
 from dpsgd_cli.algorithms.base import Algorithm, Outcome, Prepared
 from dpsgd_cli.algorithms.chain import train_together
 from dpsgd_cli.algorithms.erm import known_reference, reference_minimum, reference_start, reference_starts
@@ -37,10 +33,11 @@ from dpsgd_cli.data import Dataset, DatasetSpec, load_dataset, with_validation
 from dpsgd_cli.engine.analytic import write_analytic_tables
 from dpsgd_cli.engine.results import COLUMNS, ResultStore, ResultsWriteError, now, release_lock
 from dpsgd_cli.engine.selection import base_epsilon
+from dpsgd_cli.engine.workers import die_with_parent, fork_pool
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import Model, make_model
 from dpsgd_cli.models.rows import cached_astype
-from dpsgd_cli.privacy.accounting import ACCOUNTANTS, calibrate_sigma
+from dpsgd_cli.privacy.accounting import ACCOUNTANTS, calibrate_sigma, load_accountants
 from dpsgd_cli.privacy.risk import BOUND_COLUMNS, attack_risk
 
 
@@ -89,6 +86,31 @@ def reference_optimum(spec: DatasetSpec, model_name: str, model_options: str, l2
 
 
 OPTIMUM_PENDING = "to be computed"  # a planned task's optimum_method until `resolve_optima` (or its run) sets L*
+# a task's optimum_method where the grid never reads L* (`optima_read`): its rows' optimal_objective and
+# optimality_gap are empty
+OPTIMUM_NOT_READ = "not computed: no figure or claim of the grid reads the optimality gap"
+GAP_COLUMNS = ("optimality_gap", "optimal_objective")
+
+
+def reads_optimality_gap(grid: Grid) -> bool:
+    """Whether a figure or claim of the grid reads L* (as its metric or a column it selects or groups by); a
+    selection never does (it scores by validation or test accuracy, or the validation objective)."""
+    figures = [f for f in grid.figures if f.kind in ("sweep", "traces")]
+    claims = [condition for claim in grid.claims for condition in claim.conditions()]
+    named = [*(f.metric for f in figures), *(k for f in figures for k in f.where),
+             *(c.metric for c in claims), *(c.over or "" for c in claims),
+             *(k for c in claims for k in (*c.where, *c.a, *c.b, *c.group_by))]
+    return any(name in GAP_COLUMNS for name in named)
+
+
+def optima_read(grid: Grid, cells: Sequence[Cell]) -> set[tuple[Any, ...]]:
+    """The L*s (`optimum_args`) a run of the grid computes: every cell's where a figure or claim reads the
+    optimality gap; else only those of cells whose algorithm is the minimiser itself (no steps: erm, output
+    perturbation), which compute θ* anyway, so that L* costs them one more pass over the data. An MLP's L* takes
+    minutes: a grid that draws no gap does not wait for it."""
+    if reads_optimality_gap(grid):
+        return {optimum_args(cell) for cell in cells}
+    return {optimum_args(cell) for cell in cells if ALGORITHMS[cell.algorithm.name].tags.batch == "none"}
 
 
 def optimum_args(cell: Cell) -> tuple[Any, ...]:
@@ -162,7 +184,7 @@ def _optima_in_workers(missing: list[tuple[tuple[Any, ...], int, int]], jobs: in
     begin = {args: time.perf_counter() for args, _, _ in missing}
     order = sorted(((args, seed) for args, starts, _ in missing for seed in range(starts)),
                    key=lambda item: -next(size for a, _, size in missing if a == item[0]))
-    with _fork_pool(jobs) as pool:
+    with fork_pool(jobs) as pool:
         futures = {pool.submit(_start_of_reference, args, seed): (args, seed) for args, seed in order}
         for args, _, _ in missing:
             say(f"{_optimum_label(args)}: computing ({count[args]} L-BFGS start{'s' * (count[args] > 1)})")
@@ -490,13 +512,15 @@ def plan_grid(grid: Grid, out_root: Path, resume: bool = True, dry_run: bool = F
     else:
         done = store.start(resume, shas)
     run = GridRun(grid, store.folder, cells)
+    read = optima_read(grid, cells)
     for cell in cells:
         seeds = tuple(s for s in cell.seeds if cell.run_id(s) not in done)
         run.done_before += len(cell.seeds) - len(seeds)
         if seeds and dry_run:  # L* is not needed to show what would run (for an MLP it takes minutes)
             run.tasks.append(Task(cell, seeds, float("nan"), "not computed (dry run)"))
         elif seeds:  # L* is computed by `execute`, in its workers (for an MLP it takes minutes)
-            run.tasks.append(Task(cell, seeds, float("nan"), OPTIMUM_PENDING))
+            method = OPTIMUM_PENDING if optimum_args(cell) in read else OPTIMUM_NOT_READ
+            run.tasks.append(Task(cell, seeds, float("nan"), method))
     if fusion_enabled():
         run.tasks = fuse(run.tasks)
     return run
@@ -575,6 +599,7 @@ def _results(tasks: list[Task], jobs: int) -> Iterator[TaskResult]:
             calibrate_ahead(task.cells, dataset(task.cell.dataset, task.cell.validation), accountants=("rdp",))
     tasks = longest_first(spread(tasks, jobs))
     if sys.platform == "linux":  # forked workers start with the driver's imports, datasets and L* in memory
+        preload(tasks)
         yield from _forked_results(tasks, jobs)
         return
     from joblib import Parallel, delayed
@@ -582,6 +607,16 @@ def _results(tasks: list[Task], jobs: int) -> Iterator[TaskResult]:
     parallel = Parallel(n_jobs=jobs, return_as="generator_unordered", initializer=die_with_parent,
                         initargs=(os.getpid(),))
     yield from parallel(delayed(run_task)(task, single_thread=True) for task in tasks)
+
+
+def preload(tasks: Sequence[Task]) -> None:
+    """Import here, once, what each forked worker would otherwise import on its first task: the accountant library
+    (every private run's calibration check and attack-risk profile: ~0.8 s) and the compiled kernel modules."""
+    if any(ALGORITHMS[cell.algorithm.name].tags.private for task in tasks for cell in task.cells):
+        load_accountants()
+    if compiled.HAVE_NUMBA:
+        with contextlib.suppress(UserError):  # a broken numba: each task takes the NumPy path (or reports it)
+            backends.warm_up()
 
 
 def calibrate_ahead(cells: Sequence[Cell], data: Dataset, accountants: Sequence[str] = ACCOUNTANTS) -> None:
@@ -667,40 +702,7 @@ def _forked_results(tasks: list[Task], jobs: int) -> Iterator[TaskResult]:
     """The tasks in `jobs` processes forked from the driver (copy-on-write): no worker imports the package or
     loads a dataset again (loky's fresh workers did, ~2 s each on kang_lr: `--jobs 2` was 2× slower than
     `--jobs 1`). A worker killed mid-task raises BrokenProcessPool here, as loky's TerminatedWorkerError did."""
-    with _fork_pool(jobs) as pool:
+    with fork_pool(jobs) as pool:
         futures = [pool.submit(run_task, task, True) for task in tasks]
         for future in as_completed(futures):
             yield future.result()
-
-
-@contextlib.contextmanager
-def _fork_pool(jobs: int) -> Iterator[Any]:
-    """`jobs` worker processes forked from this one, ended with it (`die_with_parent`); on leaving, the tasks
-    not started are cancelled and nothing waits for the running ones."""
-    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"), initializer=die_with_parent,
-                               initargs=(os.getpid(),))
-    try:
-        yield pool
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
-
-
-def die_with_parent(parent: int) -> None:
-    """Worker initializer: end this worker when the `dpsgd run` process dies, even by kill -9 (loky workers
-    would otherwise finish their task and idle for minutes). Linux: the kernel sends SIGKILL on the parent's
-    death (prctl PR_SET_PDEATHSIG), whatever the worker is doing; elsewhere a thread watches the parent pid."""
-    # Ctrl-C in a terminal signals the whole process group: the driver alone handles it (it saves what finished
-    # and ends the workers); a worker's own KeyboardInterrupt would only print its traceback
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
-    if os.getppid() != parent:  # it died before the signal was armed
-        os._exit(1)
-
-
-def _watch_parent(parent: int) -> None:
-    while os.getppid() == parent:
-        time.sleep(0.5)
-    os.kill(os.getpid(), signal.SIGKILL)

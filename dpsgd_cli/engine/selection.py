@@ -231,15 +231,19 @@ def _private_search(group: pd.DataFrame, spec: SelectSpec, group_key: str) -> tu
     rng = np.random.default_rng(zlib.crc32(f"{spec.name}|{group_key}".encode()))
     group = group.assign(_noise=_score_noise(group, spec))
     runs = [part for _, part in group.groupby("_cand", sort=True)]
+    # each candidate's scores, noise scales and validation sizes as plain lists: a search reads a few numbers of
+    # each trial, and a pandas row per trial (thousands a grid) was most of a plot's or report's time
+    columns = [{c: part[c].tolist() for c in (spec.score, "_noise", "n_val")} for part in runs]
     outputs = []
     for search, k in enumerate(trials.sample(rng, spec.searches)):
         if k == 0:  # a Poisson search may run no trial: it releases nothing
             continue
         which = rng.integers(len(runs), size=k)
-        tried = [runs[c].iloc[rng.integers(len(runs[c]))] for c in which]
-        scores = [t[spec.score] + _draw(rng, spec, t["_noise"]) / t["n_val"] for t in tried]
-        best = int(np.argmax(scores))  # the first on ties
-        outputs.append(tried[best].to_frame().T.assign(seed=search))
+        tried = [(int(c), int(rng.integers(len(runs[c])))) for c in which]
+        scores = [columns[c][spec.score][i] + _draw(rng, spec, columns[c]["_noise"][i]) / columns[c]["n_val"][i]
+                  for c, i in tried]
+        c, i = tried[int(np.argmax(scores))]  # the first on ties
+        outputs.append(runs[c].iloc[i].to_frame().T.assign(seed=search))
     chosen = pd.concat(outputs, ignore_index=True).infer_objects().drop(columns="_noise")
     total, delta = _total_epsilon(group, spec, trials)
     privacy = (f"{spec.privacy} ({spec.distribution}, E[K] = {spec.mean:g}): ({total:.4g}, {delta:.3g})-DP for "

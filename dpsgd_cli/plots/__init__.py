@@ -3,6 +3,7 @@ is a grid of panels (rows × cols), a line per `lines` value with a ±1 std band
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import matplotlib
@@ -15,8 +16,9 @@ import pandas as pd  # noqa: E402
 from dpsgd_cli.config import FigureSpec  # noqa: E402
 from dpsgd_cli.engine.analytic import analytic_table  # noqa: E402
 from dpsgd_cli.engine.folder import save_figure, write_text  # noqa: E402
-from dpsgd_cli.engine.results import grid_of, note, read_results, result_folders, select  # noqa: E402
+from dpsgd_cli.engine.results import grid_of, note, read_results, result_folders, results_size, select  # noqa: E402
 from dpsgd_cli.engine.selection import caption_of, results_frame  # noqa: E402
+from dpsgd_cli.engine.workers import map_in_workers  # noqa: E402
 from dpsgd_cli.errors import UserError  # noqa: E402
 from dpsgd_cli.plots import names  # noqa: E402
 from dpsgd_cli.plots.layout import Styles, caption_text, finish  # noqa: E402
@@ -27,20 +29,27 @@ DPI = 150
 MAX_BANDS = 3  # std bands a panel shades; beyond, error bars (more blend into one colour)
 
 
-def plot_results(path: Path, metric: str | None = None, fmt: str = "png", caption: bool = True) -> list[Path]:
+def plot_results(path: Path, metric: str | None = None, fmt: str = "png", caption: bool = True,
+                 jobs: int = 1) -> list[Path]:
     """The grid's paper figures (when it lists some and no metric is asked for), else `metric` over ε; without
-    `caption`, each caption goes to a .txt beside its figure (for a LaTeX caption) instead of into the image."""
-    paths: list[Path] = []
-    for folder in result_folders(path):
-        for line in read_results(folder).notes():
-            note(line)
-        figures = [FigureSpec(**f) for f in grid_of(folder).get("figures", [])] if metric is None else []
-        if not figures:
-            column = METRICS.get(metric or "accuracy", metric)
-            figures = [FigureSpec(name=metric or "accuracy", metric=column, rows="model", cols="dataset",
-                                  log_y=column == "optimality_gap")]
-        paths += [p for spec in figures for p in draw_figure(folder, spec, fmt, caption)]
-    return paths
+    `caption`, each caption goes to a .txt beside its figure (for a LaTeX caption) instead of into the image. With
+    `jobs` > 1, the folders under `path` are drawn in that many worker processes (forked: matplotlib and the
+    package already imported), the largest first."""
+    folders = result_folders(path)
+    drawn = map_in_workers(functools.partial(_plot_folder, metric=metric, fmt=fmt, caption=caption), folders, jobs,
+                           cost=results_size)
+    return [p for paths in drawn for p in paths]
+
+
+def _plot_folder(folder: Path, metric: str | None, fmt: str, caption: bool) -> list[Path]:
+    for line in read_results(folder).notes():
+        note(line)
+    figures = [FigureSpec(**f) for f in grid_of(folder).get("figures", [])] if metric is None else []
+    if not figures:
+        column = METRICS.get(metric or "accuracy", metric)
+        figures = [FigureSpec(name=metric or "accuracy", metric=column, rows="model", cols="dataset",
+                              log_y=column == "optimality_gap")]
+    return [p for spec in figures for p in draw_figure(folder, spec, fmt, caption)]
 
 
 def draw_figure(folder: Path, spec: FigureSpec, fmt: str, caption: bool = True) -> list[Path]:
@@ -120,6 +129,9 @@ def _why_empty(folder: Path, spec: FigureSpec, rows: pd.DataFrame) -> str:
         where = "checkpoint in traces.csv" if spec.kind == "traces" else "ok run"
         hint = " (validation metrics need a validation split: set `validation: 0.1` in the grid and rerun)" \
             if column.startswith("val_") else ""
+        if column == "optimality_gap" and rows.get("optimal_objective", pd.Series(dtype=float)).isna().all():
+            hint = (" (L* is computed only for a grid with a figure or claim of the optimality gap: add one to the "
+                    "grid and rerun it with --no-resume)")
         return f"no {where} has a value of {column}{hint}"
     if spec.kind == "traces":
         return "no checkpoint in traces.csv matches its runs (set `trace_every` in the grid and rerun)"

@@ -36,6 +36,13 @@ _rdp_lib = LazyModule("dp_accounting.rdp.rdp_privacy_accountant")
 _pld_lib = LazyModule("dp_accounting.pld.pld_privacy_accountant")
 _relations = LazyModule("dp_accounting.privacy_accountant")
 
+
+def load_accountants() -> None:
+    """Import the accountant library now (its modules load on first use): a process about to fork workers that
+    will all account does it once for them."""
+    for library in (_rdp_lib, _pld_lib, _relations, dp_event):
+        library.import_now()
+
 __all__ = [
     "ACCOUNTANTS",
     "ACCOUNTANT_LABELS",
