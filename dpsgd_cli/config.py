@@ -641,8 +641,10 @@ def tuning_cells(spec: SelectSpec, cells: list[Cell]) -> list[Cell]:
         groups.setdefault(json.dumps([str(cell_value(cell, g)) for g in spec.group_by]), []).append(cell)
     out = []
     for members in groups.values():
-        candidates = sorted({(c.batch_size, c.epochs, c.algorithm.params.get("accountant", "rdp")) for c in members},
-                            key=str)
+        candidates = sorted({(c.batch_size, c.epochs, c.algorithm.params.get("accountant", "rdp"))
+                             # a mechanism other than DP-SGD's is priced by its algorithm (its own event)
+                             + ((c.algorithm.name,) if ALGORITHMS[c.algorithm.name].tags.selection_by_event else ())
+                             for c in members}, key=str)
         tuning = {"tag": spec.tuning_tag(), "privacy": spec.privacy, "distribution": spec.distribution,
                   "mean": spec.mean, "eta": spec.trials().eta, "candidates": [list(c) for c in candidates]}
         out += [c.model_copy(update={"tuning": tuning}) for c in members]

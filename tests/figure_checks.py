@@ -23,6 +23,7 @@ import numpy as np
 from matplotlib.collections import FillBetweenPolyCollection, PathCollection
 from matplotlib.text import Text
 
+from dpsgd_cli.algorithms import ALGORITHMS
 from dpsgd_cli.config import expand
 from dpsgd_cli.engine.results import ResultStore
 
@@ -88,6 +89,8 @@ def synthetic_results(grid, folder: Path, seeds: int = 3, checkpoints: int = 8) 
                 "val_accuracy": 0.70 + 0.12 * quality + noise, "val_objective": 0.3 + gap, "n_val": n // 5,
                 "status": "ok", "message": None, "version": "synthetic", "dtype": cell.dtype,
                 "tuning": cell.tuning["tag"] if cell.tuning else None,
+                "neighbours": ALGORITHMS[cell.algorithm.name](params, cell.neighbours).neighbouring() if private
+                else None,
                 "epsilon_base": eps if cell.tuning else None, "wall_time": 0.1,
             }
             rows.append(row)

@@ -50,8 +50,11 @@ def tag_problems(cls: type[Algorithm]) -> list[str]:
         need(not tags.noise_scalable, "noise scalable but adds no noise")
         need(not tags.selection, "a private selection for a non-private algorithm")
     need(all(m in typing.get_args(SelectionMethod) for m in tags.selection), f"selection {sorted(tags.selection)}")
-    if "papernot_steinke" in tags.selection:  # the selection accounts the DP-SGD σ the cells calibrate
+    if "papernot_steinke" in tags.selection and not tags.selection_by_event:  # it accounts the cells' DP-SGD σ
         need(cls.sigma_calibration is not Algorithm.sigma_calibration, "papernot_steinke without a DP-SGD σ")
+    if tags.selection_by_event:  # it accounts the algorithm's own event at the σ it calibrates
+        need(has_event and cls.calibrated_sigma is not Algorithm.calibrated_sigma,
+             "selection_by_event without a dp_event and a calibrated_sigma")
     if tags.selection_requires is not None:
         param, value = tags.selection_requires
         need(bool(tags.selection), "selection_requires without a selection")
@@ -78,6 +81,7 @@ def test_display_names_tell_the_algorithms_apart():
     {"private": False},
     {"own_analysis": "", "selection": frozenset({"liu_talwar"}), "selection_requires": ("composition", "pure")},
     {"selection_requires": ("schedule", "basic")},
+    {"selection_by_event": True},  # song2013 states neither a dp_event nor a calibrated σ
 ])
 def test_the_check_catches_a_broken_tag(broken):
     cls = ALGORITHMS["song2013"]
@@ -125,7 +129,7 @@ validation: 0.1
 
 
 @pytest.mark.parametrize("algorithms, privacy, refused, supported", [
-    ("[dp_sgd, noisy_gd]", "papernot_steinke", "noisy_gd", "dp_adam, dp_lssgd, dp_sgd"),
+    ("[dp_sgd, noisy_gd]", "papernot_steinke", "noisy_gd", "dp_adam, dp_ftrl, dp_lssgd, dp_sgd"),
     ("[{name: song2013, composition: advanced}]", "liu_talwar", "song2013",
      "song2013 with basic composition"),
     ("[dp_sgd]", "liu_talwar", "dp_sgd", "song2013 with basic composition"),
@@ -140,7 +144,7 @@ def test_a_private_selection_refuses_what_it_cannot_account(algorithms, privacy,
 
 
 @pytest.mark.parametrize("algorithms, privacy", [
-    ("[sgd, dp_sgd, dp_lssgd]", "papernot_steinke"),
+    ("[sgd, dp_sgd, dp_lssgd, dp_ftrl]", "papernot_steinke"),
     ("[song2013_nonprivate, song2013]", "liu_talwar"),
 ])
 def test_a_private_selection_accepts_what_it_can_account(algorithms, privacy):

@@ -11,6 +11,7 @@ from dpsgd_cli.algorithms import ALGORITHMS, Setting
 from dpsgd_cli.algorithms.chain import train_together
 from dpsgd_cli.algorithms.ops import Adam, constant
 from dpsgd_cli.algorithms.streams import ReplicaStreams, SharedStreams
+from dpsgd_cli.engine.results import option_text
 from dpsgd_cli.models import make_model
 from dpsgd_cli.plots import names
 
@@ -80,6 +81,8 @@ def test_dp_adam_has_dp_sgd_privacy_and_stream(data):
     assert adam.sigma_calibration(setting) == sgd.sigma_calibration(setting)
     assert names.algorithm("dp_adam") == "DP-Adam"
     assert names.label("dp_adam clip_quantile=None") == "DP-Adam, clip quantile: fixed clip"
+    unset = option_text(None)  # how a line label writes a parameter one of the algorithm's lines leaves unset
+    assert names.label(f"dp_sgd clip_quantile={unset}") == "DP-SGD, clip quantile: fixed clip"
 
 
 def test_dp_adam_params_are_checked():

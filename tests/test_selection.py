@@ -6,8 +6,10 @@ import numpy as np
 import pandas as pd
 import pytest
 from dp_accounting import dp_event
+from dp_accounting.privacy_accountant import NeighboringRelation
 from dp_accounting.rdp import RdpAccountant
 
+from dpsgd_cli.algorithms.dp_ftrl import tree_event
 from dpsgd_cli.config import Grid, SelectSpec, expand
 from dpsgd_cli.data import DatasetSpec, load_dataset, validation_split, with_validation
 from dpsgd_cli.engine import plan_grid
@@ -226,6 +228,24 @@ def test_calibrated_private_selection_trains_its_own_candidates(run_grid):
     private = table[table["group"].str.contains("dp_sgd")]
     assert private["epsilon_total"].iloc[0] == pytest.approx(1.0, rel=2e-3)
     assert private["epsilon_total"].iloc[0] <= 1.0
+
+
+def test_calibrated_private_selection_accounts_dp_ftrl_by_its_trees(run_grid):
+    """DP-FTRL's candidates are priced by its own mechanism (trees, zero-out), not as DP-SGD's sampled Gaussian:
+    tuning + training meets ε by the tree's RDP curve, which is dp-accounting's for the event the run declares."""
+    runs = run_grid(GRID.replace("[sgd, dp_sgd]", "[dp_ftrl]") + "validation: 0.1\nselect: {name: private, "
+                    "candidates: [lr], privacy: papernot_steinke, mean: 5, searches: 20}\n")
+    tuned = runs[runs["tuning"] == "papernot_steinke poisson mean=5 eta=1"]
+    assert len(tuned) == 4 and (tuned["epsilon"] == 1).all() and tuned["epsilon_base"].lt(0.7).all()
+    assert (tuned["neighbours"] == "zero_out").all()
+    row = tuned.iloc[0]
+    steps, per_tree = int(row["steps"]), int(row["n_train"]) // int(row["batch_size"])
+    library = RdpAccountant(list(TUNING_ORDERS), neighboring_relation=NeighboringRelation.REPLACE_SPECIAL)
+    library.compose(tree_event(float(row["sigma"]), steps, per_tree))
+    total = tuned_epsilon(TUNING_ORDERS, [library._rdp], Trials("poisson", 5.0), float(row["delta"]))
+    assert 0.998 <= total <= 1.0
+    [(_, table)] = write_selection_tables(run_grid.folder)
+    assert table["epsilon_total"].iloc[0] == pytest.approx(total, rel=1e-9)
 
 
 def test_private_selection_refuses_what_it_cannot_account():

@@ -114,6 +114,8 @@ def test_valid_figures_and_claims_pass(tmp_path):
           - {name: pc, kind: privacy_curve, params: {k_max: 100, points: 10}}
         claims:
           - {id: c1, text: t, own: true, check: better, over: epsilon, a: {accountant: rdp}, b: {algorithm: erm}}
+          - {id: c3, text: t, own: true, check: better, over: epsilon, a: {neighbours: zero_out},
+             b: {neighbours: add_remove, tuning: ""}}
           - {id: c2, text: t, own: true, check: saturates, source: pc, metric: rdp_epsilon, over: K,
              a: {bound: dynamics}}
         """)).grids[0]

@@ -160,6 +160,9 @@ class Tags:
     # they need, if any (parameter, value): song2013's pure ε-DP holds with basic composition only.
     selection: frozenset[SelectionMethod] = frozenset()
     selection_requires: tuple[str, str] | None = None
+    # How papernot_steinke prices a run: as DP-SGD's Poisson-sampled Gaussian from its σ, q and T (False), or by the
+    # RDP of its own `dp_event` under its relation, its candidates calibrated by `calibrated_sigma` (True)
+    selection_by_event: bool = False
 
 
 class Algorithm:
@@ -204,6 +207,11 @@ class Algorithm:
         """Whether the private selection `privacy` can account the tuning of this configuration's runs."""
         required = self.tags.selection_requires
         return privacy in self.tags.selection and (required is None or getattr(self.params, required[0]) == required[1])
+
+    def calibrated_sigma(self, setting: Setting) -> float:
+        """The noise multiplier this configuration adds at the setting's ε, without training (a calibrated private
+        selection prices its candidates by it where `tags.selection_by_event`)."""
+        raise NotImplementedError(f"{self.name} does not state its calibrated σ")
 
     def native_neighbours(self) -> Neighbours:
         """The relation this configuration's analysis is stated for when the grid asks for none."""

@@ -23,7 +23,7 @@ from dpsgd_cli.compiled import Backend
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import Model
 from dpsgd_cli.privacy.accounting import LIBRARY, dp_event, epsilon_for
-from dpsgd_cli.privacy.calibration import EpsilonCurve
+from dpsgd_cli.privacy.calibration import CalibrationPoint, EpsilonCurve
 
 if TYPE_CHECKING:
     from dp_accounting.dp_event import DpEvent
@@ -91,7 +91,8 @@ class DPFTRL(Algorithm):
     """
 
     name = "dp_ftrl"
-    tags = Tags(display_name="DP-FTRL", private=True, batch="mini_batch", neighbours="zero_out", noise_scalable=True)
+    tags = Tags(display_name="DP-FTRL", private=True, batch="mini_batch", neighbours="zero_out", noise_scalable=True,
+                selection=frozenset({"papernot_steinke"}), selection_by_event=True)
     uses = frozenset({"epsilon", "batch_size", "lr", "epochs", "l2", "clip_norm"})
     Params: ClassVar[type[BaseModel]] = DPFTRLParams
     source = ("Kairouz, McMahan, Song, Thakkar, Thakurta, Xu, Practical and Private (Deep) Learning without Sampling "
@@ -115,12 +116,14 @@ class DPFTRL(Algorithm):
         steps, per_tree = tree_steps(setting)
         return tree_event(derived.get("sigma_used", derived["sigma"]), steps, per_tree)
 
+    def calibrated_sigma(self, setting: Setting) -> float:
+        return _calibration(setting).sigma
+
     def prepare(self, setting: Setting, model: Model, X: np.ndarray, y: np.ndarray,
                 streams: ReplicaStreams) -> Prepared:
         self.check(setting)
         steps, per_tree = tree_steps(setting)
-        curve = tree_curve(setting.delta, steps, per_tree)
-        point = curve.calibrate(setting.required.epsilon, sigma_guess=_sigma_guess(setting, steps, per_tree))
+        point = _calibration(setting)
         batch, clip = setting.required.batch_size, setting.required.clip_norm
         tree = TreeAggregation(point.sigma * clip * self.noise_scale, streams.normal("noise", (model.n_params,)),
                                per_tree)
@@ -147,6 +150,13 @@ class DPFTRL(Algorithm):
 
         theta0 = model.init(streams.generators("init")).astype(X.dtype, copy=False)
         return Prepared(chain, theta0, steps, finish)
+
+
+def _calibration(setting: Setting) -> CalibrationPoint:
+    """The smallest lattice σ whose trees meet the setting's ε, with that ε."""
+    steps, per_tree = tree_steps(setting)
+    return tree_curve(setting.delta, steps, per_tree).calibrate(setting.required.epsilon,
+                                                                sigma_guess=_sigma_guess(setting, steps, per_tree))
 
 
 def _sigma_guess(setting: Setting, steps: int, per_tree: int) -> float:

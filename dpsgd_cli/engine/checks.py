@@ -15,7 +15,7 @@ from dpsgd_cli.data.files import FileDatasetSpec
 from dpsgd_cli.data.registry import get_entry
 from dpsgd_cli.data.spec import DatasetSpec
 from dpsgd_cli.engine.analytic import ANALYTIC, NOISE_ACCOUNTINGS, NUMERIC_TABLE_COLUMNS, TABLE_COLUMNS
-from dpsgd_cli.engine.results import COLUMNS, comparison
+from dpsgd_cli.engine.results import NUMERIC, comparison
 from dpsgd_cli.engine.runner import dataset
 from dpsgd_cli.engine.selection import frame_columns
 from dpsgd_cli.errors import UserError
@@ -29,10 +29,6 @@ MAX_EXAMPLES = 10**10  # examples processed by one run, epochs × n (hours of wo
 MAX_CHECKPOINTS = 10**5  # trace checkpoints of one run (rows of traces.csv; each evaluates the objective on n)
 MAX_AUDIT_TRIALS = 10**5  # trials of an audit (the paper audits use at most 5000)
 MAX_SIMULATED_TRIALS = 10**5  # a private selection's searches × E[K] trials, each simulated from the runs
-# runs.csv columns holding text (the others are numbers a metric or an x axis may use)
-TEXT_COLUMNS = {"run_id", "cell_id", "grid", "dataset", "dataset_options", "model", "model_options", "algorithm",
-                "algorithm_params", "accountant", "accountant_library", "guarantee", "derived", "status",
-                "message", "version", "dtype", "label", "plugin", "plugin_sha256"}
 # selection values that must name something of the grid
 _NAMED = {"algorithm": lambda g: [a.name for a in g.algorithms],
           "dataset": lambda g: [getattr(d, "id", None) or d.name for d in g.datasets],
@@ -132,8 +128,7 @@ def _columns(grid: Grid, source: str) -> tuple[list[str], set[str]]:
     if source in TABLE_COLUMNS:
         return TABLE_COLUMNS[source], NUMERIC_TABLE_COLUMNS & set(TABLE_COLUMNS[source])
     columns = frame_columns(grid, traces=source == "traces")
-    numeric = {c for c in columns if c not in TEXT_COLUMNS and (c in COLUMNS or c in ("examples",)
-                                                                 or _numeric_param(grid, c))}
+    numeric = {c for c in columns if c in NUMERIC or _numeric_param(grid, c)}
     return columns, numeric
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from dpsgd_cli.algorithms import Setting
+from dpsgd_cli.algorithms import ALGORITHMS, Algorithm, Setting
 from dpsgd_cli.config import Grid, SelectSpec
 from dpsgd_cli.engine.folder import write_csv
 from dpsgd_cli.engine.results import (
@@ -28,12 +28,13 @@ from dpsgd_cli.engine.results import (
     with_params,
 )
 from dpsgd_cli.errors import UserError
-from dpsgd_cli.privacy.accounting import calibrate_sigma
+from dpsgd_cli.privacy.accounting import AccountantName, calibrate_sigma
 from dpsgd_cli.privacy.calibration import calibrate
 from dpsgd_cli.privacy.tuning import (
     TUNING_ORDERS,
     Trials,
     dpsgd_rdp,
+    event_rdp,
     liu_talwar_epsilon,
     score_laplace_scale,
     score_sigma,
@@ -130,15 +131,21 @@ def _base_epsilon(tuning_json: str, target: float, n: int, delta: float) -> floa
 
 def total_epsilon(tuning: dict[str, Any], n: int, delta: float) -> Callable[[float], float]:
     """x = 1/ε_base ↦ ε of a Papernot & Steinke selection (tuning + training) whose candidates are calibrated to
-    ε_base, each by its own accountant: non-increasing in x, the curve `base_epsilon` calibrates x on."""
+    ε_base, each by its own accountant: non-increasing in x, the curve `base_epsilon` calibrates x on. A candidate
+    [B, epochs, accountant] is DP-SGD's mechanism; [B, epochs, accountant, algorithm] its algorithm's own event."""
     trials = Trials(tuning["distribution"], tuning["mean"], tuning["eta"])
-    candidates = [_event_of(n, batch_size, epochs) + (accountant,) for batch_size, epochs, accountant in
-                  tuning["candidates"]]
+
+    def curve(x: float, batch_size: int, epochs: float, accountant: AccountantName, *algorithm: str
+              ) -> tuple[float, ...]:
+        setting = Setting(n=n, d=1, delta=delta, l2=0.0, epsilon=1.0 / x, batch_size=batch_size, epochs=epochs)
+        if algorithm:
+            return _event_rdp(ALGORITHMS[algorithm[0]](), setting, None)
+        q, steps = setting.sample_rate, setting.steps
+        return dpsgd_rdp(calibrate_sigma(1.0 / x, delta, q, steps, accountant).sigma, q, steps)
 
     def total(x: float) -> float:
         try:
-            curves = [dpsgd_rdp(calibrate_sigma(1.0 / x, delta, q, steps, accountant).sigma, q, steps)
-                      for q, steps, accountant in candidates]
+            curves = [curve(x, *candidate) for candidate in tuning["candidates"]]
         except Exception:  # ε_base below what the accountant certifies: never chosen
             return float("inf")
         return tuned_epsilon(TUNING_ORDERS, curves, trials, delta)
@@ -146,9 +153,33 @@ def total_epsilon(tuning: dict[str, Any], n: int, delta: float) -> Callable[[flo
     return total
 
 
-def _event_of(n: int, batch_size: int, epochs: float) -> tuple[float, int]:
-    setting = Setting(n=n, d=1, delta=0.5, l2=0.0, batch_size=batch_size, epochs=epochs)
-    return setting.sample_rate, setting.steps
+def _event_rdp(algorithm: Algorithm, setting: Setting, sigma: float | None) -> tuple[float, ...]:
+    """The RDP curve of one training by `algorithm`'s own event at noise multiplier σ (None: its calibration's for
+    the setting's ε), under the relation its claim holds for."""
+    sigma = algorithm.calibrated_sigma(setting) if sigma is None else sigma
+    return event_rdp(algorithm.dp_event(setting, {"sigma": sigma}), algorithm.neighbouring())
+
+
+_RUN_MECHANISM = ["algorithm", "algorithm_params", "neighbours", "n_train", "delta", "batch_size", "epochs", "sigma",
+                  "sample_rate", "steps"]  # what a run's RDP curve depends on
+
+
+def _run_curves(group: pd.DataFrame) -> pd.Series:
+    """Per run, the RDP curve of its training: its algorithm's own event where `tags.selection_by_event`, else
+    DP-SGD's Poisson-sampled Gaussian from its σ, q and T."""
+    curves: dict[tuple[Any, ...], tuple[float, ...]] = {}
+    columns = group.reindex(columns=_RUN_MECHANISM)  # a frame made by hand may lack some: None
+    keys = list(columns.astype(object).where(columns.notna(), None).itertuples(index=False, name=None))
+    for key in dict.fromkeys(keys):
+        name, params, neighbours, n, delta, batch_size, epochs, sigma, q, steps = key
+        kind = ALGORITHMS.get(name)
+        if kind is not None and kind.tags.selection_by_event:
+            setting = Setting(n=int(n), d=1, delta=float(delta), l2=0.0, batch_size=int(batch_size),
+                              epochs=float(epochs))
+            curves[key] = _event_rdp(kind(json.loads(params), neighbours), setting, float(sigma))
+        else:
+            curves[key] = dpsgd_rdp(float(sigma), float(q), int(steps))
+    return pd.Series([curves[key] for key in keys], index=group.index)
 
 
 def apply_selections(runs: pd.DataFrame, grid: dict[str, Any]) -> pd.DataFrame:
@@ -266,8 +297,7 @@ def _total_epsilon(group: pd.DataFrame, spec: SelectSpec, trials: Trials) -> tup
     delta = float(group["delta"].max())
     if spec.privacy == "liu_talwar":
         return liu_talwar_epsilon(float(group["epsilon_achieved"].max())), 0.0
-    events = group[["sigma", "sample_rate", "steps"]].drop_duplicates()
-    curves = [dpsgd_rdp(float(s), float(q), int(t)) for s, q, t in events.itertuples(index=False)]
+    curves = list(dict.fromkeys(_run_curves(group)))
     return tuned_epsilon(TUNING_ORDERS, curves, trials, delta), delta
 
 
@@ -275,8 +305,7 @@ def _score_noise(group: pd.DataFrame, spec: SelectSpec) -> pd.Series:
     """Per run, the noise scale (in counts) of its released validation score."""
     if spec.privacy == "liu_talwar":
         return group["epsilon_achieved"].map(score_laplace_scale)
-    return pd.Series([score_sigma(dpsgd_rdp(float(s), float(q), int(t))) for s, q, t in
-                      group[["sigma", "sample_rate", "steps"]].itertuples(index=False)], index=group.index)
+    return _run_curves(group).map(score_sigma)
 
 
 def _draw(rng: np.random.Generator, spec: SelectSpec, scale: float) -> float:

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from dpsgd_cli.algorithms import ALGORITHMS
+from dpsgd_cli.engine.results import option_text
 from dpsgd_cli.privacy import ACCOUNTANT_LABELS
 
 # a parameter's name in a legend or title (None: the value alone says it) and the names of its values
@@ -116,6 +117,8 @@ def parameter(name: str, value: Any) -> str:
     if isinstance(value, str):
         with contextlib.suppress(ValueError):
             value = float(value) if value not in ("None", "nan") else value
+    if value == option_text(None):  # a line label's spelling of an unset parameter
+        value = "None"
     shown = values.get(str(value)) if isinstance(value, str) else None
     if shown is not None:
         return shown if label is None else f"{label}: {shown}"

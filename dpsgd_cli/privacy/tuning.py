@@ -7,14 +7,24 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.lazy import LazyModule
 from dpsgd_cli.privacy import validate as check
-from dpsgd_cli.privacy.accounting import RDP_EXTENSION_ORDERS, dpsgd_event, quiet_rdp, rdp_curve_to_epsilon
+from dpsgd_cli.privacy.accounting import (
+    RDP_EXTENSION_ORDERS,
+    Neighbours,
+    _relation,
+    dpsgd_event,
+    quiet_rdp,
+    rdp_curve_to_epsilon,
+)
+
+if TYPE_CHECKING:
+    from dp_accounting.dp_event import DpEvent
 
 # imported on first use (dp-accounting is slow to import): only a tuned (private selection) cell needs them
 _rdp_lib = LazyModule("dp_accounting.rdp.rdp_privacy_accountant")
@@ -140,6 +150,15 @@ def dpsgd_rdp(sigma: float, sample_rate: float, steps: int) -> tuple[float, ...]
     with quiet_rdp():
         accountant.compose(dpsgd_event(sigma, sample_rate, steps))
     return tuple(float(x) for x in accountant._rdp)  # the curve itself (the public API only converts it)
+
+
+def event_rdp(event: DpEvent, neighbours: Neighbours) -> tuple[float, ...]:
+    """RDP curve on :data:`TUNING_ORDERS` of any mechanism dp-accounting's RDP accountant takes, under `neighbours`
+    (DP-FTRL's trees: zero-out only)."""
+    accountant = _rdp_lib.RdpAccountant(list(TUNING_ORDERS), neighboring_relation=_relation(neighbours))
+    with quiet_rdp():
+        accountant.compose(event)
+    return tuple(float(x) for x in accountant._rdp)
 
 
 def liu_talwar_epsilon(epsilon: float) -> float:
