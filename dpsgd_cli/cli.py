@@ -230,8 +230,9 @@ def audit_table(rows: list[dict], title: str) -> Any:
              "controls: ε_lo of the same audit of the cell's mechanism with "
              "σ calibrated for T/10 steps, noise × 0.5, noise × 0.1 (the twin), without clipping (✓: refuted — the "
              "audit would have caught it)",
-             *(["one run: ε_lo is Mahloujifar et al.'s f-DP test with the (ε, δ) curve (valid for any claim); audit.csv "
-                "has Steinke et al.'s bound and the μ-GDP curve's (valid for a Gaussian mechanism only) beside it"]
+             *(["one run: ε_lo is Mahloujifar et al.'s f-DP test with the (ε, δ) curve (valid for any claim); "
+                "audit.csv has Steinke et al.'s bound and the μ-GDP curve's (valid for a Gaussian mechanism only) "
+                "beside it"]
                if (frame["statistic"] == "one_run").any() else []),
              *([f"options: {'; '.join(fixed)}"] if fixed else [])]
     ok = frame.assign(label=labels)
