@@ -210,7 +210,7 @@ def audit_table(rows: list[dict], title: str) -> Any:
     frame = pd.DataFrame(rows).reindex(columns=["grid", "dataset", "model", "algorithm", "algorithm_params", "canary",
                                                 "threat_model", "epsilon_claimed", "delta", "epsilon_lo", "ceiling",
                                                 "verdict", "reason", "status", "message", "trials", "confidence",
-                                                "family_size", "control", "controls_not_applicable",
+                                                "family_size", "statistic", "control", "controls_not_applicable",
                                                 *(f"{key}_{c}" for key in CONTROL_KEYS
                                                                             for c in ("epsilon", "epsilon_lo"))]
                                        ).fillna({"algorithm_params": "{}", "reason": ""})
@@ -229,7 +229,12 @@ def audit_table(rows: list[dict], title: str) -> Any:
              "parameters; all iterates: every step's); ceil.: the ceiling of the trials (no bound above it); "
              "controls: ε_lo of the same audit of the cell's mechanism with "
              "σ calibrated for T/10 steps, noise × 0.5, noise × 0.1 (the twin), without clipping (✓: refuted — the "
-             "audit would have caught it)", *([f"options: {'; '.join(fixed)}"] if fixed else [])]
+             "audit would have caught it)",
+             *(["one run: ε_lo is Mahloujifar et al.'s f-DP test with the (ε, δ) curve (valid for any claim); "
+                "audit.csv has Steinke et al.'s bound and the μ-GDP curve's (valid for a Gaussian mechanism only) "
+                "beside it"]
+               if (frame["statistic"] == "one_run").any() else []),
+             *([f"options: {'; '.join(fixed)}"] if fixed else [])]
     ok = frame.assign(label=labels)
     ok = ok[(ok["status"] == "ok") & ok["epsilon_lo"].notna() & ok["verdict"].notna()]
     lines = []

@@ -406,8 +406,9 @@ class AuditSpec(_Strict):
                           "per cell may take")
     confidence: float = Field(0.95, gt=0.5, lt=1, description="probability that ε_lo is a lower bound")
     statistic: Literal["clopper_pearson", "one_run"] = Field(
-        "clopper_pearson", description="Clopper–Pearson on FPR/FNR over trials, or one run (Steinke et al.'s bound "
-        "for ε_lo, Mahloujifar et al.'s f-DP bound beside it)")
+        "clopper_pearson", description="Clopper–Pearson on FPR/FNR over trials, or one run (ε_lo: Mahloujifar et "
+        "al.'s f-DP test with the (ε, δ) curve, valid for any claim; beside it Steinke et al.'s bound and the μ-GDP "
+        "curve's, valid for a Gaussian mechanism only)")
     threshold: Literal["bonferroni", "split", "order"] = Field(
         "order", description="how the attack's threshold is chosen: at out-score ranks fixed from the claimed ε "
         "before any score is seen, each by an exact test (order), the best of all (bonferroni), or on half the "

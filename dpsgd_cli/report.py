@@ -593,10 +593,12 @@ def audit_verdicts(frame: pd.DataFrame) -> list[dict]:
         family = (f"confidence {_fmt(best['confidence'])} for the family of {int(best['family_size'])} row(s)"
                   if "family_size" in best and pd.notna(best.get("family_size")) else
                   f"confidence {_fmt(best['confidence'])} per audit")
+        trials = (f"one run: {int(best['trials'])} training(s), the f-DP test with the (ε, δ) curve"
+                  if best.get("statistic") == "one_run" else f"{int(best['trials'])} + {int(best['trials'])} trials")
         out.append({**dict(zip(keys, key)), "verdict": verdict, "reason": reason,
                     "numbers": f"ε_lo = {_fmt(best['epsilon_lo'])} {sign} {_fmt(best['epsilon_claimed'])} = ε "
                                f"(δ = {_fmt(best['delta'])}; {best['canary']} canary, {best['threat_model']}; "
-                               f"{int(best['trials'])} + {int(best['trials'])} trials, {family}; "
+                               f"{trials}, {family}; "
                                f"{len(group)} audit(s))" + (f"; {reason}" if reason else "") + _tpr_beside(best)})
     return out
 

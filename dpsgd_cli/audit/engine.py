@@ -26,12 +26,15 @@ from dpsgd_cli.models import Model, make_model
 from dpsgd_cli.privacy import risk
 from dpsgd_cli.privacy.risk import BOUND_COLUMNS
 
+# statistic one_run: beside ε_lo (the f-DP test with the (ε, δ) curve, valid for any claim), Steinke et al.'s bound
+# and the f-DP test with the μ-GDP curve (valid only for a Gaussian mechanism); never a verdict
+ONE_RUN_BESIDE = ("epsilon_lo_steinke", "epsilon_lo_gdp")
 COLUMNS = ["grid", "cell_id", "dataset", "model", "algorithm", "algorithm_params", "epsilon", "epsilon_claimed",
-           "delta", "epsilon_lo", "epsilon_lo_fdp", "verdict", "reason", "detects", "covers", "ceiling",
-           "trials_needed", "control", "control_epsilon", "control_epsilon_lo", "control_epsilon_lo_fdp",
-           "control_row_confidence",
+           "delta", "epsilon_lo", *ONE_RUN_BESIDE, "verdict", "reason", "detects", "covers", "ceiling",
+           "trials_needed", "control", "control_epsilon", "control_epsilon_lo",
+           *[f"control_{column}" for column in ONE_RUN_BESIDE], "control_row_confidence",
            *[f"{key}_{column}" for key in controls.LADDER
-             for column in ("epsilon", "epsilon_lo", "epsilon_lo_fdp", "row_confidence")],
+             for column in ("epsilon", "epsilon_lo", *ONE_RUN_BESIDE, "row_confidence")],
            "controls_not_applicable", "gdp_mu", "gdp_epsilon", "epsilon_rdp",
            "noiseless_fraction", "confidence", "family_size", "row_confidence", "statistic", "threshold", "auc",
            "tpr_at_fpr_1e-2", "tpr_bound_fpr_1e-2", "tpr_at_fpr_1e-3", "tpr_bound_fpr_1e-3", "trials", "canary",
@@ -45,7 +48,7 @@ THREATS = {"input": ["black-box, last iterate"],
 SEES = {"black-box, last iterate": "final output", "white-box, last iterate": "final output",
         "white-box, all iterates": "every iterate"}
 VERDICTS = ("refuted", "consistent", "uninformative", "not covered")
-# Steinke, Nasr, Jagielski 2023 need canaries that do not interfere: each its own coordinate (docs/audit.md)
+# one-run statistics need canaries that do not interfere: each its own coordinate (docs/audit.md)
 ONE_RUN_REFUSAL = ("statistic: one_run needs canaries: [dirac] (one unused input coordinate per canary, pooled "
                    "over the trials); input and gradient canaries share the data's coordinates")
 
@@ -171,7 +174,7 @@ def _control_columns(control: controls.Control, worlds, threat: str, spec: Audit
         scores[f"{key}." + _key(kind, threat, "in")], scores[f"{key}." + _key(kind, threat, "out")] = s_in, s_out
     stat = _statistics(s_in, s_out, spec, confidence, worlds, claim)
     return {f"{key}_epsilon": control.epsilon(worlds.derived), f"{key}_epsilon_lo": stat.get("epsilon_lo"),
-            f"{key}_epsilon_lo_fdp": stat.get("epsilon_lo_fdp"), f"{key}_row_confidence": confidence}
+            **{f"{key}_{column}": stat.get(column) for column in ONE_RUN_BESIDE}, f"{key}_row_confidence": confidence}
 
 
 def _verdict(row: dict, covers: str, threat: str) -> dict[str, Any]:
@@ -257,10 +260,12 @@ def _statistics(s_in: np.ndarray, s_out: np.ndarray, spec: AuditSpec, confidence
         keep_in, keep_out = s_in[np.isfinite(s_in)], s_out[np.isfinite(s_out)]
         return {"status": "diverged", "message": f"{s_in.size - keep_in.size + s_out.size - keep_out.size} "
                 "replicas diverged (non-finite scores); no bound", "epsilon_lo": None}
-    fdp = None
-    if spec.statistic == "one_run":  # Steinke et al.'s bound decides; the f-DP bound (a Gaussian curve) beside it
-        eps = stats.epsilon_one_run(s_in, s_out, confidence, delta)
-        fdp = stats.epsilon_one_run_fdp(s_in, s_out, confidence, delta)
+    beside: dict[str, float | None] = {}
+    if spec.statistic == "one_run":  # one test decides (docs/audit.md: why no correction for the columns beside it)
+        eps = stats.epsilon_one_run_fdp(s_in, s_out, confidence, delta, curve="dp")
+        beside = {"epsilon_lo_steinke": stats.epsilon_one_run(s_in, s_out, confidence, delta),
+                  "epsilon_lo_gdp": stats.epsilon_one_run_fdp(s_in, s_out, confidence, delta, curve="gdp")
+                  if delta > 0 else None}  # no μ-GDP curve is pure DP
         top, need = None, None
     else:
         eps = stats.epsilon_clopper_pearson(s_in, s_out, confidence, delta, spec.threshold, claim=claim)
@@ -268,7 +273,7 @@ def _statistics(s_in: np.ndarray, s_out: np.ndarray, spec: AuditSpec, confidence
         need = (stats.trials_needed(claim, confidence, delta, spec.threshold)
                 if claim is not None and np.isfinite(claim) and top <= claim else None)
     mu = stats.gdp_mu(s_in, s_out)
-    return {"epsilon_lo": eps, "epsilon_lo_fdp": fdp, "ceiling": top, "trials_needed": need, "gdp_mu": mu,
+    return {"epsilon_lo": eps, **beside, "ceiling": top, "trials_needed": need, "gdp_mu": mu,
             "gdp_epsilon": stats.gdp_epsilon(mu, delta), "auc": stats.auc(s_in, s_out),
             "tpr_at_fpr_1e-2": stats.tpr_at_fpr(s_in, s_out, 1e-2),
             "tpr_at_fpr_1e-3": stats.tpr_at_fpr(s_in, s_out, 1e-3)}

@@ -264,7 +264,9 @@ def gdp_blow_up_inverse(mu: float) -> Callable[[float], float]:
 
 
 def dp_blow_up_inverse(epsilon: float, delta: float) -> Callable[[float], float]:
-    """f̄⁻¹ of (ε, δ)-DP: f̄(x) = min(1, e^ε x + δ, 1 − e^{−ε}(1 − δ − x)) (Kairouz, Oh, Viswanath 2015)."""
+    """f̄⁻¹ of (ε, δ)-DP: f̄(x) = min(1, e^ε x + δ, 1 − e^{−ε}(1 − δ − x)) (Kairouz, Oh, Viswanath 2015). A mechanism
+    is (ε, δ)-DP exactly when it is f-DP for f(x) = max(0, 1 − δ − e^ε x, e^{−ε}(1 − δ − x)) (Dong, Roth, Su 2022,
+    Prop. 2.5), so the f-DP test with this curve holds against every mechanism that claims (ε, δ)-DP."""
     c = float(np.exp(epsilon))
     return lambda y: max(0.0, (y - delta) / c, 1.0 - delta - c * (1.0 - y))
 
@@ -272,10 +274,12 @@ def dp_blow_up_inverse(epsilon: float, delta: float) -> Callable[[float], float]
 FdpCurve = Literal["gdp", "dp"]
 
 
+@functools.lru_cache(maxsize=4096)  # counts repeat: the two white-box rows of one step, a simulation's draws
 def epsilon_one_run_fdp_counts(m: int, guesses: int, correct: int, alpha: float, delta: float,
-                               curve: FdpCurve = "gdp", tol: float = 1e-4) -> float:
-    """ε_lo of the f-DP one-run test on counts: `gdp`, ε at δ (`gdp_epsilon`) of the largest μ whose μ-GDP the
-    counts reject; `dp`, the largest ε whose (ε, δ)-DP they reject (0 if none; to `tol`, rounded down)."""
+                               curve: FdpCurve = "dp", tol: float = 1e-4) -> float:
+    """ε_lo of the f-DP one-run test on counts: `dp`, the largest ε whose (ε, δ)-DP they reject (valid against any
+    (ε, δ) claim); `gdp`, ε at δ (`gdp_epsilon`) of the largest μ whose μ-GDP they reject (valid only against a
+    mechanism whose (ε, δ) comes from a μ-GDP curve: a Gaussian one). 0 if none; to `tol`, rounded down."""
     def rejects(x: float) -> bool:
         inverse = gdp_blow_up_inverse(x) if curve == "gdp" else dp_blow_up_inverse(x, delta)
         return one_run_fdp_rejects(m, guesses, correct, alpha, inverse)
@@ -307,14 +311,13 @@ def one_run_guesses(scores_in, scores_out, seed: int = 0) -> dict[str, list[tupl
 
 
 def epsilon_one_run_fdp(scores_in, scores_out, confidence: float = 0.95, delta: float = 0.0,
-                        curve: FdpCurve | None = None) -> float:
+                        curve: FdpCurve = "dp") -> float:
     """ε_lo of the f-DP one-run audit (Mahloujifar, Melis, Chaudhuri 2024) on m = #in + #out canaries of one
-    training: Bonferroni over the guesses fixed in advance (`one_run_guesses`, both kinds). The
-    curve defaults to μ-GDP at δ > 0 (their choice; exact for a Gaussian mechanism, an assumption for others) and
-    to ε-DP at δ = 0."""
+    training: Bonferroni over the guesses fixed in advance (`one_run_guesses`, both kinds). `dp`: the (ε, δ)-DP
+    curve itself, valid against any (ε, δ) claim (the one-run verdict's statistic); `gdp`: the μ-GDP curve (their
+    choice; exact for a Gaussian mechanism, an assumption for any other)."""
     alpha = _alpha(confidence)
     _check_delta(delta)
-    curve = curve or ("gdp" if delta > 0 else "dp")
     if curve == "gdp" and delta == 0:
         raise ValueError("no μ-GDP curve with μ > 0 is pure DP (δ = 0): use curve='dp'")
     counts = [count for kind in one_run_guesses(scores_in, scores_out).values() for count in kind]
