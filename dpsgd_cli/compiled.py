@@ -76,10 +76,12 @@ def note_first_compile(module: str) -> None:
         print("compiling the numba kernels (first run only: tens of seconds, then cached)", file=sys.stderr)
 
 
-def import_compiled(module: str) -> ModuleType:
+def import_compiled(module: str, note: bool = True) -> ModuleType:
     """Import the numba module `dpsgd_cli.<module>` (compiling its kernels or loading them from numba's on-disk
-    cache); a broken numba install is a UserError (one line, how to fix)."""
-    note_first_compile(module)
+    cache); a broken numba install is a UserError (one line, how to fix). `note`: say so when it has no cache yet
+    (off for a module imported ahead of its use, which a run may never call)."""
+    if note:
+        note_first_compile(module)
     try:
         return importlib.import_module(f"dpsgd_cli.{module}")
     except Exception as exc:  # installed but broken (e.g. a NumPy it does not support)

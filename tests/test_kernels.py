@@ -345,7 +345,7 @@ def test_per_replica_clip_norms_are_each_replicas_own(model_name):
 
 
 _FORKED_LOADS = textwrap.dedent("""
-    import sys
+    import numpy as np
 
     from dpsgd_cli.algorithms import backends
     from dpsgd_cli.engine.workers import map_in_workers
@@ -353,11 +353,14 @@ _FORKED_LOADS = textwrap.dedent("""
 
     def loads(_):
         before = kernel_loads()
-        fit_single_example_kernels()
-        return kernel_loads() - before
+        thetas = fit_single_example_kernels()
+        return kernel_loads() - before, thetas
 
     backends.warm_up()  # what the driver does before forking its workers (`runner.preload`)
-    print(sum(map_in_workers(loads, [0, 1], 2)))
+    forked = map_in_workers(loads, [0, 1], 2)
+    here = fit_single_example_kernels()
+    same = all(np.array_equal(a, b) for _, thetas in forked for a, b in zip(thetas, here))
+    print(same, sum(n for n, _ in forked))
 """)
 
 
@@ -373,24 +376,28 @@ def kernel_loads() -> int:
                for k in _single_example_kernels())
 
 
-def fit_single_example_kernels() -> None:
-    """bassily2014 on logistic regression and on the MLP through the single-example kernels."""
+def fit_single_example_kernels() -> list[np.ndarray]:
+    """θ of bassily2014 on logistic regression and on the MLP, and of pidp_sgd, through the single-example kernels."""
     X, y = _data()
-    for model_name in ("logreg", "mlp"):
-        fit = ALGORITHMS["bassily2014"]({"backend": "numba"}).fit(
+    thetas = []
+    for name, model_name in (("bassily2014", "logreg"), ("bassily2014", "mlp"), ("pidp_sgd", "logreg")):
+        fit = ALGORITHMS[name]({"backend": "numba"}).fit(
             _setting(X), make_model(model_name, X.shape[1], 1e-2), X, y, ReplicaStreams(SEEDS))
         assert fit.derived["backend"] == "numba"
+        thetas.append(fit.theta)
+    return thetas
 
 
 @needs_numba
 @pytest.mark.skipif(not workers.can_fork(), reason="workers are forked on Linux only")
-def test_forked_workers_inherit_the_drivers_loaded_kernels(tmp_path):
-    """After `backends.warm_up` in the driver, a forked worker's first fit loads no kernel again: neither from
-    numba's disk cache nor by compiling (each costs a worker ~0.3 s at its first kernel call otherwise)."""
+def test_forked_workers_inherit_the_drivers_loaded_kernels():
+    """After `backends.warm_up` in the driver, a forked worker's first fits load no kernel again: neither from
+    numba's disk cache nor by compiling (each costs a worker ~0.3 s at its first kernel call otherwise); their
+    numbers are the driver's, bit for bit."""
     fit_single_example_kernels()  # here first: the overloads the workers need are in numba's disk cache
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", _FORKED_LOADS], capture_output=True, text=True, cwd=root, env=env,
                           timeout=300)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split()[-1] == "0", done.stdout
+    assert done.stdout.split()[-2:] == ["True", "0"], done.stdout

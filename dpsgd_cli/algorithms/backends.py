@@ -175,8 +175,8 @@ FULL_BATCH = Backend("full_batch", lambda p: p.regime is Regime.FULL and p.famil
 COMPILED = (SINGLE_EXAMPLE, MINI_BATCH, FULL_BATCH)
 
 
-# the compiled helpers the chains call beside the backends' kernels: the noise streams' normals, the models' metrics
-# and row-sparse products
+# the compiled helpers the chains call beside the backends' kernels: the noise streams' normals (first), the models'
+# metrics and row-sparse products
 HELPERS = ("algorithms._normals_numba", "models._logreg_numba", "models._mlp_numba", "models._rows_numba")
 
 
@@ -185,9 +185,10 @@ def warm_up() -> float:
     not yet compiled compiles at its first call, as before), so that forked workers inherit them; the seconds it
     took (the benchmark reports it)."""
     start = time.perf_counter()
-    for module in [backend.load() for backend in COMPILED] + [_load(name) for name in HELPERS]:
+    helpers = [compiled.import_compiled(name, note=False) for name in HELPERS]
+    for module in [backend.load() for backend in COMPILED] + helpers:
         compiled.load_cached_kernels(module)
-    normals = _load("algorithms._normals_numba")
+    normals = helpers[0]
     if normals.fill_normals_pcg64.overloads:  # loaded, not to be compiled here: its check is memoised, inherited too
         normals.pcg64_matches()
     return time.perf_counter() - start
