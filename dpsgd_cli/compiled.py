@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
-from typing import Literal
+from typing import Any, Literal
 
 from dpsgd_cli.errors import UserError
 
@@ -76,10 +76,12 @@ def note_first_compile(module: str) -> None:
         print("compiling the numba kernels (first run only: tens of seconds, then cached)", file=sys.stderr)
 
 
-def import_compiled(module: str) -> ModuleType:
+def import_compiled(module: str, note: bool = True) -> ModuleType:
     """Import the numba module `dpsgd_cli.<module>` (compiling its kernels or loading them from numba's on-disk
-    cache); a broken numba install is a UserError (one line, how to fix)."""
-    note_first_compile(module)
+    cache); a broken numba install is a UserError (one line, how to fix). `note`: say so when it has no cache yet
+    (off for a module imported ahead of its use, which a run may never call)."""
+    if note:
+        note_first_compile(module)
     try:
         return importlib.import_module(f"dpsgd_cli.{module}")
     except Exception as exc:  # installed but broken (e.g. a NumPy it does not support)
@@ -97,6 +99,27 @@ def optional_compiled(module: str) -> ModuleType | None:
         return importlib.import_module(f"dpsgd_cli.{module}")
     except Exception:  # installed but broken (e.g. a NumPy it does not support)
         return None
+
+
+def load_cached_kernels(module: ModuleType) -> int:
+    """Load into this process every overload of `module`'s kernels that numba's on-disk cache holds for this numba
+    and machine, compiling nothing; how many it loaded. numba otherwise loads a kernel's machine code at its first
+    call in each process (~0.3 s the first, a few ms each next one): workers forked after this inherit it."""
+    loaded = 0
+    for kernel in vars(module).values():
+        cache: Any = getattr(kernel, "_cache", None)
+        if getattr(kernel, "__module__", None) != module.__name__ or not hasattr(cache, "_cache_file"):
+            continue  # not a cached kernel of this module (imported, inlined, or not a dispatcher)
+        try:
+            codegen = kernel.targetctx.codegen()
+            for key in cache._cache_file._load_index():  # an index stale for this source is read as empty
+                if key == cache._index_key(key[0], codegen):  # this numba's and machine's: compile() loads it
+                    before = len(kernel.overloads)
+                    kernel.compile(key[0])
+                    loaded += len(kernel.overloads) - before
+        except Exception:  # noqa: BLE001 - numba's cache internals differ: the kernel loads at its first call
+            continue
+    return loaded
 
 
 def loads(load: Callable[[], object], wanted: bool) -> bool:

@@ -4,7 +4,11 @@ decision of a chain's backend; the noise stream drawn the same in any block size
 The equality tests skip when numba is not installed (`pip install 'dpsgd[numba]'`); the selection tests run always.
 """
 
+import os
+import subprocess
+import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,6 +30,7 @@ from dpsgd_cli.algorithms.ops import (
 )
 from dpsgd_cli.algorithms.sampling import poisson_batches, uniform_examples
 from dpsgd_cli.algorithms.streams import ReplicaStreams
+from dpsgd_cli.engine import workers
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import make_model
 
@@ -337,3 +342,62 @@ def test_per_replica_clip_norms_are_each_replicas_own(model_name):
     for r, norm in enumerate(norms):
         np.testing.assert_allclose(together[r], run([r], Clip(norm))[0], rtol=1e-12, atol=1e-15)
     assert not np.allclose(run([0], Clip(norms[1]))[0], together[0])  # the norm mattered
+
+
+_FORKED_LOADS = textwrap.dedent("""
+    import numpy as np
+
+    from dpsgd_cli.algorithms import backends
+    from dpsgd_cli.engine.workers import map_in_workers
+    from tests.test_kernels import fit_single_example_kernels, kernel_loads
+
+    def loads(_):
+        before = kernel_loads()
+        thetas = fit_single_example_kernels()
+        return kernel_loads() - before, thetas
+
+    backends.warm_up()  # what the driver does before forking its workers (`runner.preload`)
+    forked = map_in_workers(loads, [0, 1], 2)
+    here = fit_single_example_kernels()
+    same = all(np.array_equal(a, b) for _, thetas in forked for a, b in zip(thetas, here))
+    print(same, sum(n for n, _ in forked))
+""")
+
+
+def _single_example_kernels():
+    kernels, normals = backends.SINGLE_EXAMPLE.load(), compiled.import_compiled("algorithms._normals_numba")
+    return kernels.sgd1_logreg, kernels.sgd1_mlp, normals.fill_normals_pcg64
+
+
+def kernel_loads() -> int:
+    """The overloads of the single-example kernels and the normals this process has loaded from numba's disk
+    cache or compiled (numba's dispatcher counters)."""
+    return sum(sum(k.stats.cache_hits.values()) + sum(k.stats.cache_misses.values())
+               for k in _single_example_kernels())
+
+
+def fit_single_example_kernels() -> list[np.ndarray]:
+    """θ of bassily2014 on logistic regression and on the MLP, and of pidp_sgd, through the single-example kernels."""
+    X, y = _data()
+    thetas = []
+    for name, model_name in (("bassily2014", "logreg"), ("bassily2014", "mlp"), ("pidp_sgd", "logreg")):
+        fit = ALGORITHMS[name]({"backend": "numba"}).fit(
+            _setting(X), make_model(model_name, X.shape[1], 1e-2), X, y, ReplicaStreams(SEEDS))
+        assert fit.derived["backend"] == "numba"
+        thetas.append(fit.theta)
+    return thetas
+
+
+@needs_numba
+@pytest.mark.skipif(not workers.can_fork(), reason="workers are forked on Linux only")
+def test_forked_workers_inherit_the_drivers_loaded_kernels():
+    """After `backends.warm_up` in the driver, a forked worker's first fits load no kernel again: neither from
+    numba's disk cache nor by compiling (each costs a worker ~0.3 s at its first kernel call otherwise); their
+    numbers are the driver's, bit for bit."""
+    fit_single_example_kernels()  # here first: the overloads the workers need are in numba's disk cache
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", _FORKED_LOADS], capture_output=True, text=True, cwd=root, env=env,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-2:] == ["True", "0"], done.stdout

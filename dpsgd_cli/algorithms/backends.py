@@ -152,13 +152,14 @@ class Backend:
 
     def load(self) -> ModuleType:
         assert self.module is not None
-        return _load(self.module)
+        return _load(f"algorithms.{self.module}")
 
 
 @functools.cache
 def _load(module: str) -> ModuleType:
-    """Import (compile or load from numba's on-disk cache) a kernel module; a broken numba is a UserError."""
-    return compiled.import_compiled(f"algorithms.{module}")
+    """Import the compiled module `dpsgd_cli.<module>` (its kernels compile or load from numba's on-disk cache at
+    their first call); a broken numba is a UserError."""
+    return compiled.import_compiled(module)
 
 
 NUMPY = Backend("numpy", lambda p: True)
@@ -174,11 +175,22 @@ FULL_BATCH = Backend("full_batch", lambda p: p.regime is Regime.FULL and p.famil
 COMPILED = (SINGLE_EXAMPLE, MINI_BATCH, FULL_BATCH)
 
 
+# the compiled helpers the chains call beside the backends' kernels: the noise streams' normals (first), the models'
+# metrics and row-sparse products
+HELPERS = ("algorithms._normals_numba", "models._logreg_numba", "models._mlp_numba", "models._rows_numba")
+
+
 def warm_up() -> float:
-    """Compile or load every compiled backend's kernels now; the seconds it took (the benchmark reports it)."""
+    """Import every compiled module and load the machine code of each kernel numba's disk cache holds (a kernel
+    not yet compiled compiles at its first call, as before), so that forked workers inherit them; the seconds it
+    took (the benchmark reports it)."""
     start = time.perf_counter()
-    for backend in COMPILED:
-        backend.load()
+    helpers = [compiled.import_compiled(name, note=False) for name in HELPERS]
+    for module in [backend.load() for backend in COMPILED] + helpers:
+        compiled.load_cached_kernels(module)
+    normals = helpers[0]
+    if normals.fill_normals_pcg64.overloads:  # loaded, not to be compiled here: its check is memoised, inherited too
+        normals.pcg64_matches()
     return time.perf_counter() - start
 
 
