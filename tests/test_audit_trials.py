@@ -95,7 +95,7 @@ def test_dry_run_shows_each_cells_trials_and_time_and_the_audit_uses_them(tmp_pa
 
 def test_each_control_gets_what_refuting_it_takes_within_the_cells_trials():
     """Per variant: the cell's white-box rows and the noise × 0.5 control's get what refuting that control takes;
-    the twin and no clipping (true ε far above) what refuting each takes (at least MIN_TRIALS), fewer; a control
+    the twin and no clipping (true ε far above) what refuting each takes (at least CONTROL_MIN_TRIALS), fewer; a control
     whose need is beyond the cell's trials MIN_TRIALS; the black-box input canary, beside a white-box one, what the
     twin and no clipping take; every kind's trials in the estimated time, within the budget where it binds."""
     cell = _cell()
@@ -104,7 +104,7 @@ def test_each_control_gets_what_refuting_it_takes_within_the_cells_trials():
     assert plan.of("cell", "dirac") == plan.of("noise_half", "dirac") == plan.needed == plan.trials
     for key in ("control", "no_clip"):
         need = plan.needs[key]
-        assert need is not None and plan.of(key, "dirac") == max(engine.MIN_TRIALS, need) < plan.trials
+        assert need is not None and plan.of(key, "dirac") == max(engine.CONTROL_MIN_TRIALS, need) < plan.trials
     assert plan.needs["sigma_t10"] is None or plan.needs["sigma_t10"] > plan.trials
     assert plan.of("sigma_t10", "dirac") == engine.MIN_TRIALS
     black = max(plan.of("control", "dirac"), plan.of("no_clip", "dirac"))

@@ -476,6 +476,10 @@ def _directions(spec: AuditSpec, model: Model, X: np.ndarray, y: np.ndarray) -> 
 HALF_NOISE = 0.5  # the control the default trials are chosen to refute: the cell's noise halved
 MARGIN = 3  # trials per what an optimal attack needs at its expected counts: draws vary, canaries fall short of it
 MIN_TRIALS = 100
+# the least the twin and no clipping get (the verdict and `would have caught` rest on them): their needs are an
+# optimal attack's, which a canary on a projected chain falls far short of (song2013's twin, ε = 10 against 1, is
+# not refuted at 100 trials); 500 refuted every twin of the `audit` grid that any trial count refuted
+CONTROL_MIN_TRIALS = 500
 ONE_RUN_TRIALS = 500  # statistic one_run: trainings pooled, each with m_canaries canaries
 PILOT_REPLICAS = 32  # an algorithm trained by `fit` alone is timed on this many replicas
 # One replica's training, in CPU seconds (measured: Dirac canary, dp_sgd, B = 64, on synthetic d = 5 and adult d =
@@ -516,11 +520,11 @@ def plan_trials(cell: Cell, spec: AuditSpec, trials: int | None = None, confiden
     per variant what refuting it takes: MARGIN × the trials at which the optimal attack on that mechanism refutes
     the claimed ε at its expected counts (its TPR at each FPR the accountant's bound from its privacy profile, the
     rule "order", the row confidence of a family of every covered row). The cell gets what refuting the noise ×
-    0.5 control takes (so it is audited as strongly as that control), a control what refuting it takes, at most
-    the cell's; a control out of reach at the cell's trials gets MIN_TRIALS (the twin the cell's: the verdict
-    rests on it). Beside a white-box Dirac canary, the black-box input canary's rows of every variant take what
-    the twin and no clipping take. The cell's trials are the most within `spec.budget` seconds of estimated
-    training and MAX_AUDIT_TRIALS, at least MIN_TRIALS (docs/audit.md)."""
+    0.5 control takes (so it is audited as strongly as that control), a control what refuting it takes (the twin
+    and no clipping at least CONTROL_MIN_TRIALS); a control out of reach at the cell's trials gets MIN_TRIALS (the
+    twin the cell's: the verdict rests on it). Beside a white-box Dirac canary, the black-box input canary's rows
+    of every variant take what the twin and no clipping take. The cell's trials are the most within `spec.budget`
+    seconds of estimated training and MAX_AUDIT_TRIALS, at least MIN_TRIALS (docs/audit.md)."""
     confidence = confidence or spec.confidence
     algorithm = algorithm or cell.make_algorithm()
     data = data or dataset(cell.dataset, cell.validation)
@@ -572,7 +576,8 @@ def plan_trials(cell: Cell, spec: AuditSpec, trials: int | None = None, confiden
     white = "input" in per_replica and per_replica.get("dirac", 0.0) > 0
 
     def table(trials: int, within: set[str]) -> dict[str, dict[str, int]]:
-        each = {key: max(MIN_TRIALS, needs[key] or 0) if key in within  # what refuting it takes
+        each = {key: max(CONTROL_MIN_TRIALS if key in ("control", "no_clip") else MIN_TRIALS, needs[key] or 0)
+                if key in within  # what refuting it takes
                 else trials if key in at_cell or key == "control"  # the twin: the verdict rests on it
                 else MIN_TRIALS  # out of reach: it cannot be refuted at its expected counts with the trials affordable
                 for key in ["cell", *needs]}
