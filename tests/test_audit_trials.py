@@ -83,7 +83,7 @@ def test_dry_run_shows_each_cells_trials_and_time_and_the_audit_uses_them(tmp_pa
     result = CliRunner().invoke(app, ["audit", str(grid), "--out", str(tmp_path / "res"), "--dry-run"],
                                 terminal_width=200)
     assert result.exit_code == 0, result.output
-    assert "σ/2 needs" in result.output and "est. time" in result.output
+    assert "σ/2 needs" in result.output and "est. time" in result.output and "controls' trials" in result.output
     rows = [line.split() for line in result.output.splitlines() if re.match(r"\s*[14]\s+100\s+[\d,]+\s", line)]
     assert len(rows) == 2 and all(row[-1] == "s" and float(row[-2]) >= 0 for row in rows), result.output
     assert not (tmp_path / "res").exists()  # nothing trained, nothing written
