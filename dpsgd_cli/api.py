@@ -398,7 +398,8 @@ def audit(grid: GridSource, *, only: Names = None, out: PathLike = "results",
             plans = [audit_engine.plan_trials(cell, spec, trials, confidence) for cell in audited]
             parts.append(tables.cells_frame(audited).assign(
                 grid=one.name, canaries=", ".join(spec.canaries), trials=[p.trials for p in plans],
-                trials_needed=[p.needed for p in plans], seconds=[p.seconds for p in plans]))
+                trials_needed=[p.needed for p in plans], seconds=[p.seconds for p in plans],
+                controls_trials=[audit_engine.controls_trials(p) for p in plans]))
         return pd.concat(parts, ignore_index=True)
     paths = [audit_run.audit_grid(one, root, trials=trials, confidence=confidence, on_rows=on_rows, cells=cells)
              for one, cells, root in audits]

@@ -167,10 +167,12 @@ def audit(
             console.print(settings_table(part, f"{grid}: {len(part)} cells to audit", numbers={
                 "canaries": list(part["canaries"]), "trials per world": list(part["trials"]),
                 "σ/2 needs": [f"{n:,.0f}" if pd.notna(n) else "—" for n in part["trials_needed"]],
+                "controls' trials": list(part["controls_trials"]),
                 "est. time": [f"{s:.1f} s" if s < 10 else f"{s:,.0f} s" for s in part["seconds"]]},
                 keep=["trials per world", "est. time"],
-                notes=["σ/2 needs: the trials per world that refuting the noise × 0.5 control would take (twice an "
-                       "optimal attack's); est. time: the cell's training, estimated"]))
+                notes=["σ/2 needs: the trials per world that refuting the noise × 0.5 control would take (three "
+                       "times an optimal attack's); controls' trials: each control's where not the cell's (the black-"
+                       "box input canary's after a slash); est. time: the cell's training, estimated"]))
         return
     rows: list[dict] = []
     console.print(f"auditing the configurations select chose in {grid_file}" if selected else
@@ -212,7 +214,7 @@ def audit_table(rows: list[dict], title: str) -> Any:
                                                 "verdict", "reason", "status", "message", "trials", "confidence",
                                                 "family_size", "statistic", "control", "controls_not_applicable",
                                                 *(f"{key}_{c}" for key in CONTROL_KEYS
-                                                                            for c in ("epsilon", "epsilon_lo"))]
+                                                  for c in ("epsilon", "epsilon_lo", "trials"))]
                                        ).fillna({"algorithm_params": "{}", "reason": ""})
     labels = results.varying_label(frame["algorithm"], frame["algorithm_params"])
     shown = []
@@ -254,8 +256,8 @@ CONTROL_NAMES = {"sigma_t10": "T/10", "noise_half": "×0.5", "no_clip": "no clip
 
 
 def _controls_cell(row: dict) -> str:
-    """`T/10 0`, `×0.5 0.07`, `×0.1 2.83✓`, `no clip 2.83✓` a line each (✓: refuted; `n/a`: the control does not
-    apply to the cell, `controls_not_applicable` says why)."""
+    """`T/10 0`, `×0.5 0.07`, `×0.1 2.83✓ (100 trials)`, `no clip 2.83✓` a line each (✓: refuted; `n/a`: the
+    control does not apply to the cell, `controls_not_applicable` says why; its trials where not the row's)."""
     parts = []
     absent = row.get("controls_not_applicable")
     for key in CONTROL_KEYS:
@@ -265,7 +267,9 @@ def _controls_cell(row: dict) -> str:
                 parts.append(f"{CONTROL_NAMES[key]} n/a")
             continue
         name = f"×{row['control']:g}" if key == "control" else CONTROL_NAMES[key]
-        parts.append(f"{name} {lo:.3g}" + ("✓" if lo > row["epsilon_claimed"] else ""))
+        n = row.get(f"{key}_trials")
+        own = f" ({n:,.0f} trials)" if n == n and n is not None and n != row.get("trials") else ""
+        parts.append(f"{name} {lo:.3g}" + ("✓" if lo > row["epsilon_claimed"] else "") + own)
     return "\n".join(parts) or "—"
 
 

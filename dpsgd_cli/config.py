@@ -400,8 +400,9 @@ class AuditSpec(_Strict):
         "whose gradient is a fixed vector, white box (last iterate and all iterates); dirac: a gradient on an input "
         "coordinate no record uses, white box (last iterate, and all iterates by a per-step likelihood ratio)")
     trials: int | None = Field(None, ge=1, description="trainings with the canary (and as many without); one_run: "
-                               "the trainings pooled (1: one training); default: per cell, twice what an optimal "
-                               "attack needs to refute the noise × 0.5 control, within the time budget")
+                               "the trainings pooled (1: one training); default: per cell and control, three "
+                               "times what an optimal attack needs to refute it (the cell: the noise × 0.5 "
+                               "control's), within the time budget")
     budget: float = Field(15.0, gt=0, description="seconds of training per cell (estimated) that the trials chosen "
                           "per cell may take")
     confidence: float = Field(0.95, gt=0.5, lt=1, description="probability that ε_lo is a lower bound")

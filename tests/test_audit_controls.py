@@ -146,6 +146,20 @@ def test_detects_names_the_mildest_refuted_control_and_consistent_says_what_it_w
     assert _verdict(bare, "every iterate", every)["detects"] == "noise × 0.1"
 
 
+def test_a_controls_own_trials_are_shown_where_they_are_not_its_rows():
+    """The reason (console, report, figure) and the console's controls cell name a control's trials where they
+    differ from the row's, and say nothing where they are the same."""
+    from dpsgd_cli.cli import _controls_cell
+
+    every = "white-box, all iterates"
+    row = _row(trials=7060, noise_half_trials=7060, control_trials=500, no_clip_trials=500, sigma_t10_trials=100)
+    reason = _verdict(dict(row), "every iterate", every)["reason"]
+    assert "noise × 0.5 (ε = 4.5, ε_lo = 1.2)," in reason and "noise × 0.1 (ε = 200, ε_lo = 4.4, 500 trials)" in reason
+    assert "σ for T/10 steps (ε = 1.6, ε_lo = 0.3, 100 trials)" in reason
+    cell = _controls_cell(row).splitlines()
+    assert "×0.5 1.2✓" in cell and "×0.1 4.4✓ (500 trials)" in cell and "T/10 0.3 (100 trials)" in cell
+
+
 def test_report_says_what_a_consistent_cell_would_have_caught_over_its_rows():
     from dpsgd_cli.report import audit_verdicts
 

@@ -44,16 +44,16 @@ def _cell(**grid):
 
 def test_default_trials_refute_the_half_noise_control_within_the_budget():
     """Without trials in the grid: MARGIN × the trials the optimal attack on the half-noise twin needs (its ε from
-    the accountant, above the claim), as many as the budget affords when fewer, never below MIN_TRIALS; the
-    grid's or the caller's trials win over both."""
+    the accountant, above the claim), as many as the budget affords when fewer (the most it affords), never below
+    MIN_TRIALS; the grid's or the caller's trials win over both."""
     cell = _cell()
     roomy = engine.plan_trials(cell, AuditSpec(canaries=["dirac"], budget=1e6))
     assert roomy.control_epsilon > cell.epsilon and roomy.needed is not None
     assert roomy.needed % engine.MARGIN == 0 and roomy.trials == roomy.needed
-    assert roomy.seconds == pytest.approx(roomy.trials * roomy.seconds_per_trial)
     budget = roomy.seconds / 3
     tight = engine.plan_trials(cell, AuditSpec(canaries=["dirac"], budget=budget))
-    assert tight.trials == max(engine.MIN_TRIALS, int(budget / tight.seconds_per_trial)) < roomy.trials
+    assert engine.MIN_TRIALS < tight.trials < roomy.trials and tight.seconds <= budget
+    assert engine.plan_trials(cell, AuditSpec(canaries=["dirac"], budget=budget * 1.1)).seconds > budget  # the most
     assert engine.plan_trials(cell, AuditSpec(canaries=["dirac"], budget=1e-9)).trials == engine.MIN_TRIALS
     assert engine.plan_trials(cell, AuditSpec(canaries=["dirac"], trials=77)).trials == 77
     assert engine.plan_trials(cell, AuditSpec(canaries=["dirac"], trials=77), trials=55).trials == 55
@@ -83,7 +83,7 @@ def test_dry_run_shows_each_cells_trials_and_time_and_the_audit_uses_them(tmp_pa
     result = CliRunner().invoke(app, ["audit", str(grid), "--out", str(tmp_path / "res"), "--dry-run"],
                                 terminal_width=200)
     assert result.exit_code == 0, result.output
-    assert "σ/2 needs" in result.output and "est. time" in result.output
+    assert "σ/2 needs" in result.output and "est. time" in result.output and "controls' trials" in result.output
     rows = [line.split() for line in result.output.splitlines() if re.match(r"\s*[14]\s+100\s+[\d,]+\s", line)]
     assert len(rows) == 2 and all(row[-1] == "s" and float(row[-2]) >= 0 for row in rows), result.output
     assert not (tmp_path / "res").exists()  # nothing trained, nothing written
@@ -91,3 +91,48 @@ def test_dry_run_shows_each_cells_trials_and_time_and_the_audit_uses_them(tmp_pa
     assert result.exit_code == 0, result.output
     frame = pd.read_csv(tmp_path / "res" / "auto_trials" / "audit.csv")
     assert (frame["trials"] == engine.MIN_TRIALS).all() and (frame["status"] == "ok").all()
+
+
+def test_each_control_gets_what_refuting_it_takes_within_the_cells_trials():
+    """Per variant: the cell's white-box rows and the noise × 0.5 control's get what refuting that control takes;
+    the twin and no clipping (true ε far above) what refuting each takes (at least CONTROL_MIN_TRIALS), fewer; a control
+    whose need is beyond the cell's trials MIN_TRIALS; the black-box input canary, beside a white-box one, what the
+    twin and no clipping take; every kind's trials in the estimated time, within the budget where it binds."""
+    cell = _cell()
+    plan = engine.plan_trials(cell, AuditSpec(budget=1e6))  # input and Dirac canaries, the whole ladder
+    assert set(plan.table) == {"cell", "control", "sigma_t10", "noise_half", "no_clip"}
+    assert plan.of("cell", "dirac") == plan.of("noise_half", "dirac") == plan.needed == plan.trials
+    for key in ("control", "no_clip"):
+        need = plan.needs[key]
+        assert need is not None and plan.of(key, "dirac") == max(engine.CONTROL_MIN_TRIALS, need) < plan.trials
+    assert plan.needs["sigma_t10"] is None or plan.needs["sigma_t10"] > plan.trials
+    assert plan.of("sigma_t10", "dirac") == engine.MIN_TRIALS
+    black = max(plan.of("control", "dirac"), plan.of("no_clip", "dirac"))
+    assert all(plan.of(key, "input") == min(black, plan.of(key, "dirac")) for key in plan.table)
+    assert plan.seconds == pytest.approx(sum(plan.of(key, kind) * plan.kind_seconds[kind]
+                                             for key in plan.table for kind in ("input", "dirac")))
+    tight = engine.plan_trials(cell, AuditSpec(budget=plan.seconds / 4))
+    assert tight.trials < plan.trials and tight.seconds <= plan.seconds / 4
+    assert tight.of("control", "dirac") == plan.of("control", "dirac")  # the cheap controls keep what they need
+    uniform = engine.plan_trials(cell, AuditSpec(trials=300))
+    assert {uniform.of(key, kind) for key in ("cell", *plan.table) for kind in ("input", "dirac")} == {300}
+
+
+def test_each_rows_bounds_are_at_its_own_trials_and_level():
+    """The audit trains each variant with its planned trials (audit.csv's `<key>_trials`, each row's `trials`), and
+    each bound is its own scores' at its own family's level: recomputed from the raw scores."""
+    cell = _cell()
+    spec = AuditSpec(canaries=["dirac"], budget=4.0)
+    plan = engine.plan_trials(cell, spec)
+    scores: dict = {}
+    rows = engine.audit_cell(cell, spec, scores=scores)
+    assert rows and all(r["status"] == "ok" for r in rows)
+    assert len({r[f"{key}_trials"] for r in rows for key in ("control", "noise_half")}) == 2  # they differ
+    for r in rows:
+        assert r["trials"] == plan.trials
+        prefix = engine._key("dirac", r["threat_model"], "")
+        for key in ("control", "sigma_t10", "noise_half", "no_clip"):
+            s_in, s_out = scores[f"{key}.{prefix}in"], scores[f"{key}.{prefix}out"]
+            assert r[f"{key}_trials"] == plan.of(key, "dirac") == s_in.size == s_out.size
+            assert r[f"{key}_epsilon_lo"] == stats.epsilon_clopper_pearson(
+                s_in, s_out, r[f"{key}_row_confidence"], r["delta"], "order", claim=r["epsilon_claimed"])

@@ -183,10 +183,12 @@ class Outcome:
     epsilon: float
     epsilon_lo: float | None
     caught: bool
+    trials: int | None = None  # its trials per world, where they are not its rows'
 
     def __str__(self) -> str:
         lo = "?" if self.epsilon_lo is None else f"{self.epsilon_lo:.3g}"
-        return f"{self.label} (ε = {'∞' if np.isinf(self.epsilon) else f'{self.epsilon:.3g}'}, ε_lo = {lo})"
+        own = "" if self.trials is None else f", {self.trials:,} trials"
+        return f"{self.label} (ε = {'∞' if np.isinf(self.epsilon) else f'{self.epsilon:.3g}'}, ε_lo = {lo}{own})"
 
 
 def outcomes(rows: list[dict[str, Any]]) -> list[Outcome]:
@@ -199,12 +201,14 @@ def outcomes(rows: list[dict[str, Any]]) -> list[Outcome]:
                   and _value(r, f"{key}_epsilon") > r["epsilon_claimed"]]
         if not broken:
             continue
-        los = [lo for r in broken if (lo := _value(r, f"{key}_epsilon_lo")) is not None]
-        best = max(los) if los else None
+        los = [(lo, r) for r in broken if (lo := _value(r, f"{key}_epsilon_lo")) is not None]
+        best, row = max(los, key=lambda pair: pair[0]) if los else (None, broken[0])
         factor = _value(broken[0], "control")
         label = LABELS[key] if key != "control" else "the broken twin" if factor is None else f"noise × {factor:g}"
+        trials = _value(row, f"{key}_trials")
+        own = int(trials) if trials is not None and trials != _value(row, "trials") else None
         found.append(Outcome(label, float(broken[0][f"{key}_epsilon"]), best,
-                             best is not None and best > broken[0]["epsilon_claimed"]))
+                             best is not None and best > broken[0]["epsilon_claimed"], own))
     return sorted(found, key=lambda o: o.epsilon)
 
 

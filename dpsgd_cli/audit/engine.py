@@ -32,9 +32,9 @@ ONE_RUN_BESIDE = ("epsilon_lo_steinke", "epsilon_lo_gdp")
 COLUMNS = ["grid", "cell_id", "dataset", "model", "algorithm", "algorithm_params", "epsilon", "epsilon_claimed",
            "delta", "epsilon_lo", *ONE_RUN_BESIDE, "verdict", "reason", "detects", "covers", "ceiling",
            "trials_needed", "control", "control_epsilon", "control_epsilon_lo",
-           *[f"control_{column}" for column in ONE_RUN_BESIDE], "control_row_confidence",
+           *[f"control_{column}" for column in ONE_RUN_BESIDE], "control_row_confidence", "control_trials",
            *[f"{key}_{column}" for key in controls.LADDER
-             for column in ("epsilon", "epsilon_lo", *ONE_RUN_BESIDE, "row_confidence")],
+             for column in ("epsilon", "epsilon_lo", *ONE_RUN_BESIDE, "row_confidence", "trials")],
            "controls_not_applicable", "gdp_mu", "gdp_epsilon", "epsilon_rdp",
            "noiseless_fraction", "confidence", "family_size", "row_confidence", "statistic", "threshold", "auc",
            "tpr_at_fpr_1e-2", "tpr_bound_fpr_1e-2", "tpr_at_fpr_1e-3", "tpr_bound_fpr_1e-3", "trials", "canary",
@@ -76,16 +76,17 @@ def audit_cell(cell: Cell, spec: AuditSpec, trials: int | None = None, confidenc
     confidence = confidence or spec.confidence
     algorithm = algorithm or cell.make_algorithm()
     data = data or dataset(cell.dataset, cell.validation)  # the rows the run trained on: its n and δ
-    trials = trials or spec.trials or plan_trials(cell, spec, None, confidence, algorithm, data).trials
-    base = _base_row(cell, data, algorithm, trials, confidence, spec)
     ladder = controls.ladder(cell, data, algorithm, spec.control, spec.ladder)
     ran = [c for c in ladder if c.algorithm is not None]
+    trials = trials or spec.trials
+    plan = TrialsPlan(trials, None, None, 0.0) if trials else plan_trials(cell, spec, None, confidence, algorithm, data)
+    base = _base_row(cell, data, algorithm, plan.trials, confidence, spec)
     x_norm = 1.0 if controls.clipping_bounds_the_claim(cell, data, algorithm) else controls.CLIP_PROBE * _clip(cell)
     runs = []  # (kind, worlds or exception, {control key: its worlds or exception}, seconds)
     for kind in spec.canaries:
         start = time.perf_counter()
-        worlds = _worlds(kind, cell, spec, algorithm, trials, data, x_norm)
-        mutated = {c.key: _worlds(kind, cell, spec, c.algorithm, trials, data, x_norm)
+        worlds = _worlds(kind, cell, spec, algorithm, plan.of("cell", kind), data, x_norm)
+        mutated = {c.key: _worlds(kind, cell, spec, c.algorithm, plan.of(c.key, kind), data, x_norm)
                    for c in ran if c.algorithm is not None}
         runs.append((kind, worlds, mutated, time.perf_counter() - start))
     covers = next((algorithm.covered(w.derived) for _, w, _, _ in runs if isinstance(w, Worlds)), algorithm.tags.covers)
@@ -106,7 +107,7 @@ def audit_cell(cell: Cell, spec: AuditSpec, trials: int | None = None, confidenc
             continue
         derived = {**_derived_columns(worlds, cell, data), **_tpr_bounds(algorithm, worlds)}
         for threat, (s_in, s_out) in worlds.scores.items():
-            row = {**base, **derived, "canary": kind, "threat_model": threat,
+            row = {**base, **derived, "canary": kind, "threat_model": threat, "trials": plan.of("cell", kind),
                    "wall_time": elapsed, "covers": covers, "family_size": family, "row_confidence": row_confidence,
                    **_statistics(s_in, s_out, spec, row_confidence, worlds, derived["epsilon_claimed"]),
                    "controls_not_applicable": not_applicable}
@@ -174,7 +175,8 @@ def _control_columns(control: controls.Control, worlds, threat: str, spec: Audit
         scores[f"{key}." + _key(kind, threat, "in")], scores[f"{key}." + _key(kind, threat, "out")] = s_in, s_out
     stat = _statistics(s_in, s_out, spec, confidence, worlds, claim)
     return {f"{key}_epsilon": control.epsilon(worlds.derived), f"{key}_epsilon_lo": stat.get("epsilon_lo"),
-            **{f"{key}_{column}": stat.get(column) for column in ONE_RUN_BESIDE}, f"{key}_row_confidence": confidence}
+            **{f"{key}_{column}": stat.get(column) for column in ONE_RUN_BESIDE}, f"{key}_row_confidence": confidence,
+            f"{key}_trials": s_in.size}
 
 
 def _verdict(row: dict, covers: str, threat: str) -> dict[str, Any]:
@@ -477,8 +479,12 @@ def _directions(spec: AuditSpec, model: Model, X: np.ndarray, y: np.ndarray) -> 
 # --- how many trials ------------------------------------------------------------------------------------------------
 
 HALF_NOISE = 0.5  # the control the default trials are chosen to refute: the cell's noise halved
-MARGIN = 2  # trials per what an optimal attack needs at its expected counts: draws vary, canaries fall short of it
+MARGIN = 3  # trials per what an optimal attack needs at its expected counts: draws vary, canaries fall short of it
 MIN_TRIALS = 100
+# the least the twin and no clipping get (the verdict and `would have caught` rest on them): their needs are an
+# optimal attack's, which a canary on a projected chain falls far short of (song2013's twin, ε = 10 against 1, is
+# not refuted at 100 trials); 500 refuted every twin of the `audit` grid that any trial count refuted
+CONTROL_MIN_TRIALS = 500
 ONE_RUN_TRIALS = 500  # statistic one_run: trainings pooled, each with m_canaries canaries
 PILOT_REPLICAS = 32  # an algorithm trained by `fit` alone is timed on this many replicas
 # One replica's training, in CPU seconds (measured: Dirac canary, dp_sgd, B = 64, on synthetic d = 5 and adult d =
@@ -491,31 +497,46 @@ EXAMPLE_PARAMETER_SECONDS = {True: 5e-10, False: 3e-9}
 
 @dataclasses.dataclass(frozen=True)
 class TrialsPlan:
-    """A cell's trials per world, what refuting the noise × 0.5 control needs, and the training time they take."""
+    """A cell's trials per world, per variant (the cell, its twin, each control of its ladder) and canary kind, what
+    refuting the noise × 0.5 control needs, and the training time they take."""
 
-    trials: int
+    trials: int  # the cell's own (its white-box rows', and the noise × 0.5 control's beside them)
     needed: int | None  # MARGIN × an optimal attack's trials to refute the control (None: none, or beyond the limit)
     control_epsilon: float | None  # the true ε of the cell with its noise halved (its accountant's)
-    seconds_per_trial: float  # estimated: every canary kind, both worlds, the cell and its twins
+    seconds_per_trial: float  # estimated: every canary kind, both worlds, the cell and each control at as many
+    table: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)  # variant → canary kind → trials
+    needs: dict[str, int | None] = dataclasses.field(default_factory=dict)  # control key → what refuting it takes
+    kind_seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # canary kind → seconds per trial
 
     @property
     def seconds(self) -> float:
-        return self.trials * self.seconds_per_trial
+        if not self.table:
+            return self.trials * self.seconds_per_trial
+        return sum(n * self.kind_seconds[kind] for by_kind in self.table.values() for kind, n in by_kind.items())
+
+    def of(self, key: str, kind: str) -> int:
+        """The trials per world of a variant ("cell" or a control's key) with the canary `kind`."""
+        return self.table.get(key, {}).get(kind, self.trials)
 
 
 def plan_trials(cell: Cell, spec: AuditSpec, trials: int | None = None, confidence: float | None = None,
                 algorithm: Algorithm | None = None, data: Dataset | None = None) -> TrialsPlan:
-    """The cell's trials per world: `trials` or the grid's, else MARGIN × the trials at which the optimal attack
-    on the cell with its noise halved refutes the claimed ε at its expected counts (its TPR at each FPR the
-    accountant's bound from the halved mechanism's privacy profile, the rule "order", the row confidence of a family
-    of every covered row), capped by `spec.budget` seconds of estimated training and MAX_AUDIT_TRIALS, at least
-    MIN_TRIALS (docs/audit.md)."""
+    """The trials per world of the cell and of each of its controls: `trials` or the grid's for all of them; else
+    per variant what refuting it takes: MARGIN × the trials at which the optimal attack on that mechanism refutes
+    the claimed ε at its expected counts (its TPR at each FPR the accountant's bound from its privacy profile, the
+    rule "order", the row confidence of a family of every covered row). The cell gets what refuting the noise ×
+    0.5 control takes (so it is audited as strongly as that control), a control what refuting it takes (the twin
+    and no clipping at least CONTROL_MIN_TRIALS); a control out of reach at the cell's trials gets MIN_TRIALS (the
+    twin the cell's: the verdict rests on it). Beside a white-box Dirac canary, the black-box input canary's rows
+    of every variant take what the twin and no clipping take. The cell's trials are the most within `spec.budget`
+    seconds of estimated training and MAX_AUDIT_TRIALS, at least MIN_TRIALS (docs/audit.md)."""
     confidence = confidence or spec.confidence
     algorithm = algorithm or cell.make_algorithm()
     data = data or dataset(cell.dataset, cell.validation)
     model, setting = _setup(cell, data, 1)
     X = np.vstack([data.X_train, np.zeros((1, data.d), dtype=data.X_train.dtype)])  # the null record
     y = np.append(data.y_train, 0.0)
+    ladder = [c for c in controls.ladder(cell, data, algorithm, spec.control, spec.ladder) if c.algorithm is not None]
     half = algorithm.with_noise_scale(HALF_NOISE) if algorithm.tags.noise_scalable else algorithm
     prepared = half.prepare(setting, model, X, y, ReplicaStreams(range(1)))
     if prepared is None:  # trained by `fit` alone (a vectorised L-BFGS solve): its time measured on a chunk
@@ -528,28 +549,98 @@ def plan_trials(cell: Cell, spec: AuditSpec, trials: int | None = None, confiden
         derived = prepared.finish(prepared.theta).derived
         per_replica = {kind: _replica_seconds(prepared, model if kind == "input" else _canary_model(model))
                        for kind in spec.canaries}
-    # the cell, its twin and each control of the ladder that applies
-    variants = 1 + sum(c.algorithm is not None for c in controls.ladder(cell, data, algorithm, spec.control,
-                                                                     spec.ladder))
     one_run = spec.statistic == "one_run"  # a trial is one training holding m canaries, not a pair of worlds
-    seconds_per_trial = (1 if one_run else 2) * variants * sum(per_replica.values())
+    seconds_per_trial = (1 if one_run else 2) * sum(per_replica.values())
     achieved = derived.get("epsilon_achieved")  # as the rows' epsilon_claimed
     claim = float(achieved) if achieved is not None else float(cell.epsilon or 0.0)
     delta = derived.get("delta_achieved", setting.delta)
+    rows = sum(_covered(algorithm.tags.covers, t) for kind in spec.canaries for t in THREATS[kind])
+    level = stats.family_confidence(confidence, rows)
+
+    def need(mechanism: Algorithm, epsilon: float | None, derived: dict[str, Any]) -> int | None:
+        if epsilon is None or not epsilon > claim or not np.isfinite(claim) or one_run:
+            return None
+        optimal = stats.trials_to_refute(_power(mechanism, setting, derived, epsilon, delta), claim, level, delta,
+                                         limit=MAX_AUDIT_TRIALS)
+        return MARGIN * optimal if optimal is not None else None
+
     control = derived.get("epsilon_noise_scaled") if half is not algorithm else None
-    needed = None
-    if control is not None and control > claim and np.isfinite(claim) and not one_run:
-        rows = sum(_covered(algorithm.tags.covers, t) for kind in spec.canaries for t in THREATS[kind])
-        optimal = stats.trials_to_refute(_power(half, setting, derived, control, delta), claim,
-                                         stats.family_confidence(confidence, rows), delta, limit=MAX_AUDIT_TRIALS)
-        needed = MARGIN * optimal if optimal is not None else None
-    if trials is None:
-        trials = spec.trials
-    if trials is None:
-        affordable = int(spec.budget / max(seconds_per_trial, 1e-12))
-        wanted = ONE_RUN_TRIALS if one_run else needed or MAX_AUDIT_TRIALS
-        trials = max(MIN_TRIALS, min(wanted, affordable, MAX_AUDIT_TRIALS))
-    return TrialsPlan(trials, needed, control, seconds_per_trial)
+    needed = need(half, control, derived)
+    trials = trials if trials is not None else spec.trials
+    if trials is not None or one_run:
+        trials = trials if trials is not None else ONE_RUN_TRIALS
+        return TrialsPlan(trials, needed, control, (1 + len(ladder)) * seconds_per_trial)
+    needs = {c.key: needed if c.key == "noise_half" else _control_need(c, algorithm, setting, model, X, y, need)
+             for c in ladder}
+    wanted = min(needed or MAX_AUDIT_TRIALS, MAX_AUDIT_TRIALS)
+    kind_seconds: dict[str, float] = {kind: 2 * t for kind, t in per_replica.items()}
+    # at the cell's trials: the cell, the noise × 0.5 control beside it, and the twin where nothing says it needs fewer
+    at_cell = {"cell", "noise_half"} | ({"control"} if needs.get("control", 0) is None else set())
+    # the black-box input canary adds little against noise × 0.5 where a white-box Dirac canary sees every step:
+    # there the input rows of every variant take what the twin and no clipping need, the Dirac rows the plan's
+    white = "input" in per_replica and per_replica.get("dirac", 0.0) > 0
+
+    def table(trials: int, within: set[str]) -> dict[str, dict[str, int]]:
+        each = {key: max(CONTROL_MIN_TRIALS if key in ("control", "no_clip") else MIN_TRIALS, needs[key] or 0)
+                if key in within  # what refuting it takes
+                else trials if key in at_cell or key == "control"  # the twin: the verdict rests on it
+                else MIN_TRIALS  # out of reach: it cannot be refuted at its expected counts with the trials affordable
+                for key in ["cell", *needs]}
+        black = max([MIN_TRIALS, *(each[key] for key in ("control", "no_clip") if key in each and key not in at_cell)])
+        return {key: {kind: min(n, black) if white and kind == "input" else n for kind in per_replica}
+                for key, n in each.items()}
+
+    def cost(plan: dict[str, dict[str, int]]) -> float:
+        return sum(n * kind_seconds[kind] for by_kind in plan.values() for kind, n in by_kind.items())
+
+    # the controls within reach of the cell's trials take what refuting them takes, the rest MIN_TRIALS: the most
+    # (cheapest first) whose needs are within the trials the budget leaves the cell beside them
+    others = sorted((n, key) for key, n in needs.items() if key not in at_cell and n is not None)
+    for k in range(len(others), -1, -1):
+        within = {key for _, key in others[:k]}
+        lo, hi = MIN_TRIALS, max(MIN_TRIALS, wanted)  # the most trials within the budget: bisect (cost grows with N)
+        if cost(table(hi, within)) <= spec.budget:
+            lo = hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if cost(table(mid, within)) <= spec.budget else (lo, mid)
+        if all(n <= lo for n, _ in others[:k]):
+            break
+    plan = table(lo, within)
+    return TrialsPlan(lo, needed, control, (1 + len(ladder)) * seconds_per_trial, plan, needs, kind_seconds)
+
+
+CONTROL_SHORT = {"control": "twin", "sigma_t10": "T/10", "noise_half": "×0.5", "no_clip": "no clip"}
+
+
+def controls_trials(plan: TrialsPlan) -> str:
+    """Each control's trials per world where they differ from the cell's, for `--dry-run`: `twin 100, T/10 100`
+    (`n/m`: the Dirac canary's n, the input canary's m)."""
+    cell = plan.table.get("cell", {})
+    parts = []
+    for key, by_kind in plan.table.items():
+        if key == "cell" or by_kind == cell:
+            continue
+        white, black = by_kind.get("dirac"), by_kind.get("input")
+        shown = [f"{n:,}" for n in dict.fromkeys(x for x in (white, black) if x is not None)]
+        parts.append(f"{CONTROL_SHORT.get(key, key)} {'/'.join(shown)}")
+    return ", ".join(parts) or "—"
+
+
+def _control_need(control: controls.Control, algorithm: Algorithm, setting: Setting, model: Model, X: np.ndarray,
+                  y: np.ndarray, need) -> int | None:
+    """What refuting a control takes (`need(mechanism, its true ε, its derived)`): without clipping, the Dirac
+    canary's raw gradient CLIP_PROBE × C goes through as if the noise were divided by CLIP_PROBE (its power)."""
+    mechanism = control.algorithm
+    if control.key == "no_clip":
+        if not algorithm.tags.noise_scalable:
+            return None
+        mechanism = algorithm.with_noise_scale(1 / controls.CLIP_PROBE)
+    assert mechanism is not None
+    prepared = mechanism.prepare(setting, model, X, y, ReplicaStreams(range(1)))
+    derived = (prepared.finish(prepared.theta).derived if prepared is not None
+               else _fit(mechanism, setting, model, X, y, range(1))[1])
+    return need(mechanism, derived.get("epsilon_noise_scaled"), derived)
 
 
 def _power(algorithm: Algorithm, setting: Setting, derived: dict[str, Any], epsilon: float,

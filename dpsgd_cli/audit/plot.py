@@ -107,7 +107,9 @@ def _draw_claim(ax, row: pd.Series, y: float, style, top: float) -> None:
         ax.scatter([value], [yk], marker=shape, s=20, zorder=4, linewidths=0.9,
                    facecolors=color if caught else "none", edgecolors=color)
         right = value < 0.8 * top  # the tag beside its mark, inside the panel
-        ax.annotate(tag, (value, yk), xytext=(4 if right else -4, 0), textcoords="offset points", fontsize=5,
+        n = row.get(f"{key}_trials")  # its trials, where they are not the row's
+        own = f" ({n:,.0f})" if n is not None and n == n and n != row.get("trials") else ""
+        ax.annotate(tag + own, (value, yk), xytext=(4 if right else -4, 0), textcoords="offset points", fontsize=5,
                     va="center", ha="left" if right else "right", color="0.35")
 
 
