@@ -265,7 +265,8 @@ def _private_search(group: pd.DataFrame, spec: SelectSpec, group_key: str) -> tu
     # each candidate's scores, noise scales and validation sizes as plain lists: a search reads a few numbers of
     # each trial, and a pandas row per trial (thousands a grid) was most of a plot's or report's time
     columns = [{c: part[c].tolist() for c in (spec.score, "_noise", "n_val")} for part in runs]
-    outputs = []
+    first = np.cumsum([0] + [len(part) for part in runs])  # candidate c's runs at first[c]: in `stacked`
+    picked, searches = [], []
     for search, k in enumerate(trials.sample(rng, spec.searches)):
         if k == 0:  # a Poisson search may run no trial: it releases nothing
             continue
@@ -274,8 +275,10 @@ def _private_search(group: pd.DataFrame, spec: SelectSpec, group_key: str) -> tu
         scores = [columns[c][spec.score][i] + _draw(rng, spec, columns[c]["_noise"][i]) / columns[c]["n_val"][i]
                   for c, i in tried]
         c, i = tried[int(np.argmax(scores))]  # the first on ties
-        outputs.append(runs[c].iloc[i].to_frame().T.assign(seed=search))
-    chosen = pd.concat(outputs, ignore_index=True).infer_objects().drop(columns="_noise")
+        picked.append(first[c] + i)
+        searches.append(search)
+    stacked = pd.concat(runs, ignore_index=True)
+    chosen = stacked.iloc[picked].reset_index(drop=True).assign(seed=searches).infer_objects().drop(columns="_noise")
     total, delta = _total_epsilon(group, spec, trials)
     privacy = (f"{spec.privacy} ({spec.distribution}, E[K] = {spec.mean:g}): ({total:.4g}, {delta:.3g})-DP for "
                f"tuning + training" + ("" if spec.calibrate else " (not calibrated: above the candidates' ε)"))
