@@ -14,14 +14,16 @@ from dpsgd_cli.api import check_plugin, epsilon, export, plot, read_results, run
 from dpsgd_cli.errors import UserError
 
 __version__ = "0.1.0"
-NUMERICS = 3
+NUMERICS = 4
 """The version of the numbers: a run is a pure function of its spec, its seed and this. Bumped on purpose whenever
 a change moves a run's numbers (a generator, a summation order, a search, what a default resolves to), and checked
 statistically against the previous version on every grid; runs.csv and the manifest record it, and `dpsgd run`
 never resumes into runs of another version. 1: every run before the version was recorded; 2: `pidp_sgd`'s
 `accountant: auto` calibrates by PLD; 3: every σ search on the lattice (bassily2014, noisy_gd and a calibrated
 private selection's base ε move to their smallest lattice point), single-example runs on the MLP and rounds of any
-length on the compiled step (typed ops on one plan)."""
+length on the compiled step (typed ops on one plan); 4: adaptive clipping on the compiled kernels (its cells within
+rtol 1e-12 of the NumPy chain's), L* computed only where a figure or claim reads the gap (other rows leave it empty),
+the audit's default trials chosen per variant."""
 __all__ = ["UserError", "audit", "check_plugin", "epsilon", "export", "plot", "read_results", "report", "run", "select",
            "sigma"]
 
