@@ -79,7 +79,8 @@ def audit_cell(cell: Cell, spec: AuditSpec, trials: int | None = None, confidenc
     ladder = controls.ladder(cell, data, algorithm, spec.control, spec.ladder)
     ran = [c for c in ladder if c.algorithm is not None]
     trials = trials or spec.trials
-    plan = TrialsPlan(trials, None, None, 0.0) if trials else plan_trials(cell, spec, None, confidence, algorithm, data)
+    plan = (TrialsPlan(trials, None, None, 0.0) if trials
+            else plan_trials(cell, spec, None, confidence, algorithm, data, ladder))
     base = _base_row(cell, data, algorithm, plan.trials, confidence, spec)
     x_norm = 1.0 if controls.clipping_bounds_the_claim(cell, data, algorithm) else controls.CLIP_PROBE * _clip(cell)
     runs = []  # (kind, worlds or exception, {control key: its worlds or exception}, seconds)
@@ -520,7 +521,8 @@ class TrialsPlan:
 
 
 def plan_trials(cell: Cell, spec: AuditSpec, trials: int | None = None, confidence: float | None = None,
-                algorithm: Algorithm | None = None, data: Dataset | None = None) -> TrialsPlan:
+                algorithm: Algorithm | None = None, data: Dataset | None = None,
+                ladder: list[controls.Control] | None = None) -> TrialsPlan:
     """The trials per world of the cell and of each of its controls: `trials` or the grid's for all of them; else
     per variant what refuting it takes: MARGIN × the trials at which the optimal attack on that mechanism refutes
     the claimed ε at its expected counts (its TPR at each FPR the accountant's bound from its privacy profile, the
@@ -536,7 +538,9 @@ def plan_trials(cell: Cell, spec: AuditSpec, trials: int | None = None, confiden
     model, setting = _setup(cell, data, 1)
     X = np.vstack([data.X_train, np.zeros((1, data.d), dtype=data.X_train.dtype)])  # the null record
     y = np.append(data.y_train, 0.0)
-    ladder = [c for c in controls.ladder(cell, data, algorithm, spec.control, spec.ladder) if c.algorithm is not None]
+    if ladder is None:  # audit_cell passes the ladder it built (its T/10 control is a calibration)
+        ladder = controls.ladder(cell, data, algorithm, spec.control, spec.ladder)
+    ladder = [c for c in ladder if c.algorithm is not None]
     half = algorithm.with_noise_scale(HALF_NOISE) if algorithm.tags.noise_scalable else algorithm
     prepared = half.prepare(setting, model, X, y, ReplicaStreams(range(1)))
     if prepared is None:  # trained by `fit` alone (a vectorised L-BFGS solve): its time measured on a chunk
