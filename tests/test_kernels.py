@@ -29,7 +29,7 @@ from dpsgd_cli.algorithms.ops import (
     min_inverse_time,
 )
 from dpsgd_cli.algorithms.sampling import poisson_batches, uniform_examples
-from dpsgd_cli.algorithms.streams import ReplicaStreams
+from dpsgd_cli.algorithms.streams import ReplicaStreams, SharedStreams
 from dpsgd_cli.engine import workers
 from dpsgd_cli.errors import UserError
 from dpsgd_cli.models import make_model
@@ -140,6 +140,19 @@ def test_the_noise_stream_is_each_generators_normals_in_step_order_in_any_block(
     expected = [g.standard_normal((70, 3)) for g in streams.generators("noise")]
     np.testing.assert_array_equal(taken, np.stack(expected, axis=1))
 
+
+def test_one_streams_noise_block_is_handed_on_as_drawn_not_copied():
+    """A single-example kernel call reads m·R·P numbers (~17 MB a call on adult's MLP): `noise_blocks` hands one
+    stream's block on as the stream drew it (a copy cost ~8 µs a replica-step); two streams are stacked."""
+    shared = SharedStreams([4, 9])
+    one, later = shared.normal("noise", (3,)), shared.normal("noise", (3,))  # `later` keeps the drawn steps
+    block, slot = backends.noise_blocks([one], 10)
+    assert block is not None and block.flags.c_contiguous and slot.tolist() == [0]
+    assert np.shares_memory(block, one.tape.chunks[0])
+    np.testing.assert_array_equal(block[0], later.take(10))
+    stacked, slots = backends.noise_blocks([one, ReplicaStreams([4, 9]).normal("noise", (3,))], 10)
+    assert stacked is not None and stacked.shape == (2, 10, 2, 3) and slots.tolist() == [0, 1]
+    np.testing.assert_array_equal(stacked[0, :, 0], np.random.default_rng([4, 2]).standard_normal((20, 3))[10:])
 
 def test_fixed_batches_plain_and_gathered_are_the_same_rows():
     """A round's unpadded indices give plain batches of the rows (pidp_sgd's single-example steps), equal to the

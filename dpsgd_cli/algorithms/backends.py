@@ -298,6 +298,8 @@ def noise_blocks(draws: Sequence[NoiseStream | None], m: int) -> tuple[np.ndarra
             blocks.append(stream.take(m))
     if not blocks:
         return None, slot
+    if len(blocks) == 1:  # one stream: its block as it is (a (1, m, R, P) view), not a copy of m·R·P numbers
+        return np.ascontiguousarray(blocks[0][None], dtype=np.float64), slot
     return np.ascontiguousarray(np.stack(blocks), dtype=np.float64), slot
 
 
