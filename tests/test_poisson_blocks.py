@@ -75,7 +75,7 @@ def test_blocks_are_the_per_replica_numpy_draws(monkeypatch, numba, n, q, width)
     monkeypatch.setattr(compiled, "HAVE_NUMBA", numba)
     seeds = (0, 3, 11, 12)
     drawn = sampling._compiled_states(compiled.optional_compiled("algorithms._normals_numba"),
-                                      ReplicaStreams(seeds).generators("sampling"), q)
+                                      ReplicaStreams(seeds), q)
     assert (drawn is not None) == (numba and q < 1 / 3)  # the path this case tests is taken
     got = [next(blocks) for blocks in [sampling._poisson_blocks(n, q, ReplicaStreams(seeds), width)] for _ in range(3)]
     gens = ReplicaStreams(seeds).generators("sampling")

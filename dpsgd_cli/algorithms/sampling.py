@@ -77,28 +77,26 @@ def poisson_batches(X: np.ndarray, y: np.ndarray, q: float, streams: ReplicaStre
 
 def _poisson_blocks(n: int, q: float, streams: ReplicaStreams, width: int) -> Iterator[np.ndarray]:
     """(BLOCK_STEPS, R, M) indices, −1 = none (kept indices first in each row)."""
-    gens = streams.generators("sampling")
     compiled = optional_compiled("algorithms._normals_numba")  # None: NumPy draws the same numbers
-    states = _compiled_states(compiled, gens, q)
+    states = _compiled_states(compiled, streams, q)
     if states is None:
+        gens = streams.generators("sampling")
         while True:
             yield _stacked([poisson_indices(g, n, q, BLOCK_STEPS, width)[:, None] for g in gens], axis=1)
     scale = -math.log1p(-q)
     while True:
-        block = np.empty((BLOCK_STEPS, len(gens), width), dtype=np.int64)
+        block = np.empty((BLOCK_STEPS, streams.replicas, width), dtype=np.int64)
         short = compiled.poisson_block_pcg64(states, n, scale, block)
         yield _continued(compiled, states, n, scale, block, short) if short.any() else block
 
 
-def _compiled_states(compiled, gens: list[np.random.Generator], q: float) -> np.ndarray | None:
-    """The generators' PCG64 states (R, 4) for `poisson_block_pcg64`, which draws `poisson_indices`' numbers from
-    them (its gaps by inversion, as `_geometric`'s fast path), or None: NumPy draws them. The sampler owns its
-    generators and never draws from them again."""
+def _compiled_states(compiled, streams: ReplicaStreams, q: float) -> np.ndarray | None:
+    """The sampling generators' PCG64 states (R, 4) for `poisson_block_pcg64`, which draws `poisson_indices`'
+    numbers from them (its gaps by inversion, as `_geometric`'s fast path), or None: NumPy draws them."""
     if compiled is None or not (_INVERSION_MIN_Q <= q < 1 / 3 and _inversion_matches()
                                 and compiled.exponentials_match()):
         return None
-    states = [compiled.pcg64_state(g) for g in gens]
-    return None if any(s is None for s in states) else np.array(states, dtype=np.uint64).reshape(len(gens), 4)
+    return streams.pcg64_states("sampling")
 
 
 def _continued(compiled, states: np.ndarray, n: int, scale: float, block: np.ndarray,

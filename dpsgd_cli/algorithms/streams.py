@@ -51,24 +51,38 @@ class ReplicaStreams:
         installed `_normals_numba` draws them (`fill_normals_pcg64` for PCG64): the same numbers (tested)."""
         return NoiseStream(_Tape(self._normals(purpose, tuple(shape)), None))
 
+    def pcg64_states(self, purpose: str) -> np.ndarray | None:
+        """(R, 4) uint64: the PCG64 states of `generators(purpose)` as `_normals_numba`'s draws take them (advanced
+        in place by them: the caller owns them), from the seeds without building the generators where
+        `seeded_states` can; None without numba, or where its draws would not be NumPy's numbers."""
+        compiled = optional_compiled("algorithms._normals_numba")
+        if compiled is None or not compiled.pcg64_matches():
+            return None
+        if all(0 <= seed < 2**32 for seed in self.seeds) and compiled.seeding_matches():
+            states = np.empty((self.replicas, 4), dtype=np.uint64)
+            compiled.seeded_states(np.array(self.seeds, dtype=np.int64), STREAMS[purpose], states)
+            return states
+        states = [compiled.pcg64_state(g) for g in self.generators(purpose)]
+        return None if any(state is None for state in states) else np.array(states, dtype=np.uint64)
+
     def _normals(self, purpose: str, shape: tuple[int, ...]) -> Callable[[int], np.ndarray]:
-        gens = self.generators(purpose)
         compiled = optional_compiled("algorithms._normals_numba")  # None: NumPy draws the same numbers
         if compiled is None:
+            gens = self.generators(purpose)
             return lambda k: np.stack([g.standard_normal((k, *shape)) for g in gens], axis=1)
-        # PCG64 (default_rng's) inlined in the ziggurat, from each generator's state read once here: the stream
-        # owns its generators and never draws from them again; other bit generators through numba's Generator
-        states = [compiled.pcg64_state(g) for g in gens]
         size = math.prod(shape)
+        # PCG64 (default_rng's) inlined in the ziggurat; other bit generators through numba's Generator
+        states = self.pcg64_states(purpose)
+        gens = self.generators(purpose) if states is None else []
 
         def draw(k: int) -> np.ndarray:
-            block = np.empty((k, len(gens), size))
-            for r, (g, state) in enumerate(zip(gens, states)):
-                if state is None:
-                    compiled.fill_normals(g, block, r)
+            block = np.empty((k, self.replicas, size))
+            for r in range(self.replicas):
+                if states is None:
+                    compiled.fill_normals(gens[r], block, r)
                 else:
-                    compiled.fill_normals_pcg64(state, block, r)
-            return block.reshape(k, len(gens), *shape)
+                    compiled.fill_normals_pcg64(states[r], block, r)
+            return block.reshape(k, self.replicas, *shape)
 
         return draw
 
