@@ -7,6 +7,7 @@ import pytest
 
 from dpsgd_cli import compiled
 from dpsgd_cli.algorithms.streams import ReplicaStreams
+from dpsgd_cli.models import make_model
 
 needs_numba = pytest.mark.skipif(not compiled.HAVE_NUMBA, reason="numba not installed")
 
@@ -112,3 +113,15 @@ def test_states_from_seeds_are_default_rngs():
             got = ReplicaStreams(seeds).pcg64_states(purpose)
             want = [compiled._state_array(g) for g in ReplicaStreams(seeds).generators(purpose)]
             np.testing.assert_array_equal(got, np.array(want))
+
+
+def test_generators_are_default_rngs_built_when_used():
+    seeds = [4, 0, 2**33 + 1]
+    gens = ReplicaStreams(seeds).generators("noise")
+    assert len(gens) == 3 and not gens._built  # nothing built until used
+    assert np.zeros((len(gens), 2)).shape == make_model("logreg", 2, 0.0).init(gens).shape and not gens._built
+    want = [np.random.default_rng([seed, 2]).standard_normal(5) for seed in seeds]
+    assert all(np.array_equal(g.standard_normal(5), w) for g, w in zip(gens, want))
+    assert gens[-1] is gens[2] and gens[1:] == [gens[1], gens[2]] and len(list(gens)) == 3
+    with pytest.raises(IndexError):
+        gens[3]

@@ -27,8 +27,17 @@ def fill_normals(g, out, r):
 # random_standard_normal, as numba transcribes it; its tables are numba's). The state is
 # read from the generator once (`pcg64_state`) and then kept by the caller, who never draws from g again.
 try:
-    from numba.np.random._constants import (fe_double, fi_double, ke_double, ki_double, we_double, wi_double,
-                                            ziggurat_exp_r, ziggurat_nor_inv_r, ziggurat_nor_r)
+    from numba.np.random._constants import (
+        fe_double,
+        fi_double,
+        ke_double,
+        ki_double,
+        we_double,
+        wi_double,
+        ziggurat_exp_r,
+        ziggurat_nor_inv_r,
+        ziggurat_nor_r,
+    )
     ZIGGURAT_TABLES = True
 except Exception:  # another numba layout: the Generator path (`fill_normals`) only
     ZIGGURAT_TABLES = False

@@ -6,6 +6,7 @@ import functools
 import math
 from collections import deque
 from collections.abc import Callable, Iterator
+from types import ModuleType
 from typing import Literal
 
 import numpy as np
@@ -79,7 +80,7 @@ def _poisson_blocks(n: int, q: float, streams: ReplicaStreams, width: int) -> It
     """(BLOCK_STEPS, R, M) indices, −1 = none (kept indices first in each row)."""
     compiled = optional_compiled("algorithms._normals_numba")  # None: NumPy draws the same numbers
     states = _compiled_states(compiled, streams, q)
-    if states is None:
+    if compiled is None or states is None:
         gens = streams.generators("sampling")
         while True:
             yield _stacked([poisson_indices(g, n, q, BLOCK_STEPS, width)[:, None] for g in gens], axis=1)
@@ -90,7 +91,7 @@ def _poisson_blocks(n: int, q: float, streams: ReplicaStreams, width: int) -> It
         yield _continued(compiled, states, n, scale, block, short) if short.any() else block
 
 
-def _compiled_states(compiled, streams: ReplicaStreams, q: float) -> np.ndarray | None:
+def _compiled_states(compiled: ModuleType | None, streams: ReplicaStreams, q: float) -> np.ndarray | None:
     """The sampling generators' PCG64 states (R, 4) for `poisson_block_pcg64`, which draws `poisson_indices`'
     numbers from them (its gaps by inversion, as `_geometric`'s fast path), or None: NumPy draws them."""
     if compiled is None or not (_INVERSION_MIN_Q <= q < 1 / 3 and _inversion_matches()
@@ -99,7 +100,7 @@ def _compiled_states(compiled, streams: ReplicaStreams, q: float) -> np.ndarray 
     return streams.pcg64_states("sampling")
 
 
-def _continued(compiled, states: np.ndarray, n: int, scale: float, block: np.ndarray,
+def _continued(compiled: ModuleType, states: np.ndarray, n: int, scale: float, block: np.ndarray,
                short: np.ndarray) -> np.ndarray:
     """The block with its short rows (`short[k, r]`: still below n after M gaps) continued, as `poisson_indices`
     does: replica by replica, step by step, more gaps from the replica's state until a row passes n; each replica
@@ -114,12 +115,12 @@ def _continued(compiled, states: np.ndarray, n: int, scale: float, block: np.nda
             while row[-1] < n:
                 compiled.fill_exponentials_pcg64(states[r], gap)
                 row.append(row[-1] + int(np.ceil(gap[0] / scale)))
-            rows[k, r] = row[1:-1]  # the indices past the block's, below n
+            rows[int(k), int(r)] = row[1:-1]  # the indices past the block's, below n
             widths[r] = max(widths[r], M + len(row) - 1)
     out = np.full((K, R, max(widths)), -1, dtype=np.int64)
     out[:, :, :M] = block
-    for (k, r), row in rows.items():
-        out[k, r, M:M + len(row)] = row
+    for (step, replica), row in rows.items():
+        out[step, replica, M:M + len(row)] = row
     return out
 
 

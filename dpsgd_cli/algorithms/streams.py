@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
+from typing import overload
 
 import numpy as np
 
@@ -27,8 +28,8 @@ class ReplicaStreams:
     def replicas(self) -> int:
         return len(self.seeds)
 
-    def generators(self, purpose: str) -> list[np.random.Generator]:
-        return [np.random.default_rng([seed, STREAMS[purpose]]) for seed in self.seeds]
+    def generators(self, purpose: str) -> Generators:
+        return Generators(self.seeds, STREAMS[purpose])
 
     def blocks(self, purpose: str, draw: Callable[[np.random.Generator, int], np.ndarray],
                block: int = BLOCK_STEPS) -> Iterator[np.ndarray]:
@@ -62,18 +63,18 @@ class ReplicaStreams:
             states = np.empty((self.replicas, 4), dtype=np.uint64)
             compiled.seeded_states(np.array(self.seeds, dtype=np.int64), STREAMS[purpose], states)
             return states
-        states = [compiled.pcg64_state(g) for g in self.generators(purpose)]
-        return None if any(state is None for state in states) else np.array(states, dtype=np.uint64)
+        read = [compiled.pcg64_state(g) for g in self.generators(purpose)]
+        return None if any(state is None for state in read) else np.array(read, dtype=np.uint64)
 
     def _normals(self, purpose: str, shape: tuple[int, ...]) -> Callable[[int], np.ndarray]:
         compiled = optional_compiled("algorithms._normals_numba")  # None: NumPy draws the same numbers
         if compiled is None:
-            gens = self.generators(purpose)
-            return lambda k: np.stack([g.standard_normal((k, *shape)) for g in gens], axis=1)
+            every = self.generators(purpose)
+            return lambda k: np.stack([g.standard_normal((k, *shape)) for g in every], axis=1)
         size = math.prod(shape)
         # PCG64 (default_rng's) inlined in the ziggurat; other bit generators through numba's Generator
         states = self.pcg64_states(purpose)
-        gens = self.generators(purpose) if states is None else []
+        gens: Sequence[np.random.Generator] = self.generators(purpose) if states is None else []
 
         def draw(k: int) -> np.ndarray:
             block = np.empty((k, self.replicas, size))
@@ -85,6 +86,32 @@ class ReplicaStreams:
             return block.reshape(k, self.replicas, *shape)
 
         return draw
+
+
+class Generators(Sequence[np.random.Generator]):
+    """Each replica's generator `default_rng([seed, purpose])`, built at its first use (tens of µs each; a model
+    whose initial parameters are zeros never uses its own)."""
+
+    def __init__(self, seeds: Sequence[int], purpose: int):
+        self.seeds, self.purpose = seeds, purpose
+        self._built: dict[int, np.random.Generator] = {}
+
+    def __len__(self) -> int:
+        return len(self.seeds)
+
+    @overload
+    def __getitem__(self, r: int) -> np.random.Generator: ...
+
+    @overload
+    def __getitem__(self, r: slice) -> list[np.random.Generator]: ...
+
+    def __getitem__(self, r: int | slice) -> np.random.Generator | list[np.random.Generator]:
+        if isinstance(r, slice):
+            return [self[k] for k in range(len(self))[r]]
+        r = range(len(self))[r]  # negative indices; IndexError past the end (which ends iteration)
+        if r not in self._built:
+            self._built[r] = np.random.default_rng([self.seeds[r], self.purpose])
+        return self._built[r]
 
 
 class _Tape:
