@@ -483,7 +483,7 @@ HALF_NOISE = 0.5  # the control the default trials are chosen to refute: the cel
 MARGIN = 3  # trials per what an optimal attack needs at its expected counts: draws vary, canaries fall short of it
 MIN_TRIALS = 100
 # a cell whose noise × 0.5 control's trials cost at most REACH × the budget gets them; the budget binds the cells
-# far from it (on the `audit` grid 4 to 30 budgets), where more trials would not refute it anyway
+# farther from it (on the `audit` grid 3.1 to 27 budgets), which would cost the grid most of its time
 REACH = 3
 # the least the twin and no clipping get (the verdict and `would have caught` rest on them): their needs are an
 # optimal attack's, which a canary on a projected chain falls far short of (song2013's twin, ε = 10 against 1, is
