@@ -403,8 +403,9 @@ class AuditSpec(_Strict):
                                "the trainings pooled (1: one training); default: per cell and control, three "
                                "times what an optimal attack needs to refute it (the cell: the noise × 0.5 "
                                "control's), within the time budget")
-    budget: float = Field(15.0, gt=0, description="seconds of training per cell (estimated) that the trials chosen "
-                          "per cell may take")
+    budget: float = Field(10.0, gt=0, description="seconds of training per cell (estimated) that the trials chosen "
+                          "per cell may take (three times as many where that affords refuting the noise × 0.5 "
+                          "control)")
     confidence: float = Field(0.95, gt=0.5, lt=1, description="probability that ε_lo is a lower bound")
     statistic: Literal["clopper_pearson", "one_run"] = Field(
         "clopper_pearson", description="Clopper–Pearson on FPR/FNR over trials, or one run (ε_lo: Mahloujifar et "

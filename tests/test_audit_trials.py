@@ -50,7 +50,7 @@ def test_default_trials_refute_the_half_noise_control_within_the_budget():
     roomy = engine.plan_trials(cell, AuditSpec(canaries=["dirac"], budget=1e6))
     assert roomy.control_epsilon > cell.epsilon and roomy.needed is not None
     assert roomy.needed % engine.MARGIN == 0 and roomy.trials == roomy.needed
-    budget = roomy.seconds / 3
+    budget = roomy.seconds / (engine.REACH + 1)  # what refuting the control takes is out of reach
     tight = engine.plan_trials(cell, AuditSpec(canaries=["dirac"], budget=budget))
     assert engine.MIN_TRIALS < tight.trials < roomy.trials and tight.seconds <= budget
     assert engine.plan_trials(cell, AuditSpec(canaries=["dirac"], budget=budget * 1.1)).seconds > budget  # the most
@@ -59,6 +59,19 @@ def test_default_trials_refute_the_half_noise_control_within_the_budget():
     assert engine.plan_trials(cell, AuditSpec(canaries=["dirac"], trials=77), trials=55).trials == 55
     # a smaller claim is harder to refute with the same factor on the noise: more trials needed
     assert engine.plan_trials(_cell(epsilon=[0.5]), AuditSpec(canaries=["dirac"], budget=1e6)).needed > roomy.needed
+
+
+def test_a_cell_within_reach_of_refuting_the_half_noise_control_gets_it():
+    """Where the noise × 0.5 control's trials cost at most REACH budgets, the cell gets them (and takes that
+    time); just beyond, the budget binds as before (the most it affords)."""
+    cell = _cell(epsilon=[0.5])
+    roomy = engine.plan_trials(cell, AuditSpec(canaries=["dirac"], budget=1e6))
+    assert roomy.needed is not None and roomy.trials == roomy.needed
+    reach = roomy.seconds / engine.REACH
+    within = engine.plan_trials(cell, AuditSpec(canaries=["dirac"], budget=reach * 1.001))
+    assert within.trials == roomy.needed and within.table == roomy.table and within.seconds > reach
+    beyond = engine.plan_trials(cell, AuditSpec(canaries=["dirac"], budget=reach * 0.999))
+    assert engine.MIN_TRIALS < beyond.trials < roomy.needed and beyond.seconds <= reach * 0.999
 
 
 GRID = """

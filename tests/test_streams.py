@@ -7,6 +7,7 @@ import pytest
 
 from dpsgd_cli import compiled
 from dpsgd_cli.algorithms.streams import ReplicaStreams
+from dpsgd_cli.models import make_model
 
 needs_numba = pytest.mark.skipif(not compiled.HAVE_NUMBA, reason="numba not installed")
 
@@ -98,3 +99,29 @@ def test_a_noise_stream_is_the_same_in_any_block_size(monkeypatch, numba, sizes)
     steps = ReplicaStreams([4, 9]).per_step(
         "noise", lambda g, k: g.standard_normal((k, 2)) * g.uniform(size=(1, 1)), block=16)
     np.testing.assert_array_equal(blocks, np.stack([next(steps) for _ in range(70)]))
+
+
+@needs_numba
+def test_states_from_seeds_are_default_rngs():
+    """`pcg64_states` computes default_rng([seed, purpose])'s PCG64 state without building it: the same state,
+    for seeds across the 32-bit range and beyond it (there read from the generators)."""
+    from dpsgd_cli.algorithms import _normals_numba as compiled
+
+    assert compiled.seeding_matches()
+    for seeds in ([0, 1, 2, 3, 999, 65536, 2**31 + 1, 2**32 - 1], [5, 2**32, 2**40 + 3]):
+        for purpose in ("init", "sampling", "noise", "clip_count"):
+            got = ReplicaStreams(seeds).pcg64_states(purpose)
+            want = [compiled._state_array(g) for g in ReplicaStreams(seeds).generators(purpose)]
+            np.testing.assert_array_equal(got, np.array(want))
+
+
+def test_generators_are_default_rngs_built_when_used():
+    seeds = [4, 0, 2**33 + 1]
+    gens = ReplicaStreams(seeds).generators("noise")
+    assert len(gens) == 3 and not gens._built  # nothing built until used
+    assert np.zeros((len(gens), 2)).shape == make_model("logreg", 2, 0.0).init(gens).shape and not gens._built
+    want = [np.random.default_rng([seed, 2]).standard_normal(5) for seed in seeds]
+    assert all(np.array_equal(g.standard_normal(5), w) for g, w in zip(gens, want))
+    assert gens[-1] is gens[2] and gens[1:] == [gens[1], gens[2]] and len(list(gens)) == 3
+    with pytest.raises(IndexError):
+        gens[3]

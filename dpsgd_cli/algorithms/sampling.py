@@ -6,11 +6,13 @@ import functools
 import math
 from collections import deque
 from collections.abc import Callable, Iterator
+from types import ModuleType
 from typing import Literal
 
 import numpy as np
 
 from dpsgd_cli.algorithms.streams import BLOCK_STEPS, ReplicaStreams
+from dpsgd_cli.compiled import optional_compiled
 from dpsgd_cli.models import Batch
 from dpsgd_cli.models.rows import RowNonzeros, cached_nonzeros, cached_row_norms, gather
 
@@ -76,9 +78,50 @@ def poisson_batches(X: np.ndarray, y: np.ndarray, q: float, streams: ReplicaStre
 
 def _poisson_blocks(n: int, q: float, streams: ReplicaStreams, width: int) -> Iterator[np.ndarray]:
     """(BLOCK_STEPS, R, M) indices, −1 = none (kept indices first in each row)."""
-    gens = streams.generators("sampling")
+    compiled = optional_compiled("algorithms._normals_numba")  # None: NumPy draws the same numbers
+    states = _compiled_states(compiled, streams, q)
+    if compiled is None or states is None:
+        gens = streams.generators("sampling")
+        while True:
+            yield _stacked([poisson_indices(g, n, q, BLOCK_STEPS, width)[:, None] for g in gens], axis=1)
+    scale = -math.log1p(-q)
     while True:
-        yield _stacked([poisson_indices(g, n, q, BLOCK_STEPS, width)[:, None] for g in gens], axis=1)
+        block = np.empty((BLOCK_STEPS, streams.replicas, width), dtype=np.int64)
+        short = compiled.poisson_block_pcg64(states, n, scale, block)
+        yield _continued(compiled, states, n, scale, block, short) if short.any() else block
+
+
+def _compiled_states(compiled: ModuleType | None, streams: ReplicaStreams, q: float) -> np.ndarray | None:
+    """The sampling generators' PCG64 states (R, 4) for `poisson_block_pcg64`, which draws `poisson_indices`'
+    numbers from them (its gaps by inversion, as `_geometric`'s fast path), or None: NumPy draws them."""
+    if compiled is None or not (_INVERSION_MIN_Q <= q < 1 / 3 and _inversion_matches()
+                                and compiled.exponentials_match()):
+        return None
+    return streams.pcg64_states("sampling")
+
+
+def _continued(compiled: ModuleType, states: np.ndarray, n: int, scale: float, block: np.ndarray,
+               short: np.ndarray) -> np.ndarray:
+    """The block with its short rows (`short[k, r]`: still below n after M gaps) continued, as `poisson_indices`
+    does: replica by replica, step by step, more gaps from the replica's state until a row passes n; each replica
+    as wide as its longest row (the passing index counted), the block as its widest replica."""
+    K, R, M = block.shape
+    rows: dict[tuple[int, int], list[int]] = {}
+    widths = [M] * R
+    gap = np.empty(1)
+    for r in np.flatnonzero(short.any(axis=0)):
+        for k in np.flatnonzero(short[:, r]):
+            row = [int(block[k, r, -1])]
+            while row[-1] < n:
+                compiled.fill_exponentials_pcg64(states[r], gap)
+                row.append(row[-1] + int(np.ceil(gap[0] / scale)))
+            rows[int(k), int(r)] = row[1:-1]  # the indices past the block's, below n
+            widths[r] = max(widths[r], M + len(row) - 1)
+    out = np.full((K, R, max(widths)), -1, dtype=np.int64)
+    out[:, :, :M] = block
+    for (step, replica), row in rows.items():
+        out[step, replica, M:M + len(row)] = row
+    return out
 
 
 def _stacked(parts: list[np.ndarray], axis: int) -> np.ndarray:

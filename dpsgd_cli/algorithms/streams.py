@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
+from typing import overload
 
 import numpy as np
 
@@ -27,8 +28,8 @@ class ReplicaStreams:
     def replicas(self) -> int:
         return len(self.seeds)
 
-    def generators(self, purpose: str) -> list[np.random.Generator]:
-        return [np.random.default_rng([seed, STREAMS[purpose]]) for seed in self.seeds]
+    def generators(self, purpose: str) -> Generators:
+        return Generators(self.seeds, STREAMS[purpose])
 
     def blocks(self, purpose: str, draw: Callable[[np.random.Generator, int], np.ndarray],
                block: int = BLOCK_STEPS) -> Iterator[np.ndarray]:
@@ -51,26 +52,66 @@ class ReplicaStreams:
         installed `_normals_numba` draws them (`fill_normals_pcg64` for PCG64): the same numbers (tested)."""
         return NoiseStream(_Tape(self._normals(purpose, tuple(shape)), None))
 
+    def pcg64_states(self, purpose: str) -> np.ndarray | None:
+        """(R, 4) uint64: the PCG64 states of `generators(purpose)` as `_normals_numba`'s draws take them (advanced
+        in place by them: the caller owns them), from the seeds without building the generators where
+        `seeded_states` can; None without numba, or where its draws would not be NumPy's numbers."""
+        compiled = optional_compiled("algorithms._normals_numba")
+        if compiled is None or not compiled.pcg64_matches():
+            return None
+        if all(0 <= seed < 2**32 for seed in self.seeds) and compiled.seeding_matches():
+            states = np.empty((self.replicas, 4), dtype=np.uint64)
+            compiled.seeded_states(np.array(self.seeds, dtype=np.int64), STREAMS[purpose], states)
+            return states
+        read = [compiled.pcg64_state(g) for g in self.generators(purpose)]
+        return None if any(state is None for state in read) else np.array(read, dtype=np.uint64)
+
     def _normals(self, purpose: str, shape: tuple[int, ...]) -> Callable[[int], np.ndarray]:
-        gens = self.generators(purpose)
         compiled = optional_compiled("algorithms._normals_numba")  # None: NumPy draws the same numbers
         if compiled is None:
-            return lambda k: np.stack([g.standard_normal((k, *shape)) for g in gens], axis=1)
-        # PCG64 (default_rng's) inlined in the ziggurat, from each generator's state read once here: the stream
-        # owns its generators and never draws from them again; other bit generators through numba's Generator
-        states = [compiled.pcg64_state(g) for g in gens]
+            every = self.generators(purpose)
+            return lambda k: np.stack([g.standard_normal((k, *shape)) for g in every], axis=1)
         size = math.prod(shape)
+        # PCG64 (default_rng's) inlined in the ziggurat; other bit generators through numba's Generator
+        states = self.pcg64_states(purpose)
+        gens: Sequence[np.random.Generator] = self.generators(purpose) if states is None else []
 
         def draw(k: int) -> np.ndarray:
-            block = np.empty((k, len(gens), size))
-            for r, (g, state) in enumerate(zip(gens, states)):
-                if state is None:
-                    compiled.fill_normals(g, block, r)
+            block = np.empty((k, self.replicas, size))
+            for r in range(self.replicas):
+                if states is None:
+                    compiled.fill_normals(gens[r], block, r)
                 else:
-                    compiled.fill_normals_pcg64(state, block, r)
-            return block.reshape(k, len(gens), *shape)
+                    compiled.fill_normals_pcg64(states[r], block, r)
+            return block.reshape(k, self.replicas, *shape)
 
         return draw
+
+
+class Generators(Sequence[np.random.Generator]):
+    """Each replica's generator `default_rng([seed, purpose])`, built at its first use (tens of µs each; a model
+    whose initial parameters are zeros never uses its own)."""
+
+    def __init__(self, seeds: Sequence[int], purpose: int):
+        self.seeds, self.purpose = seeds, purpose
+        self._built: dict[int, np.random.Generator] = {}
+
+    def __len__(self) -> int:
+        return len(self.seeds)
+
+    @overload
+    def __getitem__(self, r: int) -> np.random.Generator: ...
+
+    @overload
+    def __getitem__(self, r: slice) -> list[np.random.Generator]: ...
+
+    def __getitem__(self, r: int | slice) -> np.random.Generator | list[np.random.Generator]:
+        if isinstance(r, slice):
+            return [self[k] for k in range(len(self))[r]]
+        r = range(len(self))[r]  # negative indices; IndexError past the end (which ends iteration)
+        if r not in self._built:
+            self._built[r] = np.random.default_rng([self.seeds[r], self.purpose])
+        return self._built[r]
 
 
 class _Tape:

@@ -482,6 +482,9 @@ def _directions(spec: AuditSpec, model: Model, X: np.ndarray, y: np.ndarray) -> 
 HALF_NOISE = 0.5  # the control the default trials are chosen to refute: the cell's noise halved
 MARGIN = 3  # trials per what an optimal attack needs at its expected counts: draws vary, canaries fall short of it
 MIN_TRIALS = 100
+# a cell whose noise × 0.5 control's trials cost at most REACH × the budget gets them; the budget binds the cells
+# farther from it (on the `audit` grid 3.1 to 27 budgets), which would cost the grid most of its time
+REACH = 3
 # the least the twin and no clipping get (the verdict and `would have caught` rest on them): their needs are an
 # optimal attack's, which a canary on a projected chain falls far short of (song2013's twin, ε = 10 against 1, is
 # not refuted at 100 trials); 500 refuted every twin of the `audit` grid that any trial count refuted
@@ -489,9 +492,10 @@ CONTROL_MIN_TRIALS = 500
 ONE_RUN_TRIALS = 500  # statistic one_run: trainings pooled, each with m_canaries canaries
 PILOT_REPLICAS = 32  # an algorithm trained by `fit` alone is timed on this many replicas
 # One replica's training, in CPU seconds (measured: Dirac canary, dp_sgd, B = 64, on synthetic d = 5 and adult d =
-# 104): a fixed part (its random streams, the sampler's first block) and per step, by where the chain runs (compiled
-# or NumPy), a part per step and one per example and parameter.
-REPLICA_SECONDS = 3e-4
+# 104): a fixed part (its random streams, from the seeds, and sampler; compiled, tens of µs) and per step, by where
+# the chain runs (compiled or NumPy), a part per step (the Poisson sampler's gaps included) and one per example and
+# parameter.
+REPLICA_SECONDS = 2e-5
 STEP_SECONDS = {True: 2.5e-6, False: 1.4e-5}
 EXAMPLE_PARAMETER_SECONDS = {True: 5e-10, False: 3e-9}
 
@@ -531,7 +535,8 @@ def plan_trials(cell: Cell, spec: AuditSpec, trials: int | None = None, confiden
     and no clipping at least CONTROL_MIN_TRIALS); a control out of reach at the cell's trials gets MIN_TRIALS (the
     twin the cell's: the verdict rests on it). Beside a white-box Dirac canary, the black-box input canary's rows
     of every variant take what the twin and no clipping take. The cell's trials are the most within `spec.budget`
-    seconds of estimated training and MAX_AUDIT_TRIALS, at least MIN_TRIALS (docs/audit.md)."""
+    seconds of estimated training (REACH × `spec.budget` where that affords what refuting the noise × 0.5 control
+    takes) and MAX_AUDIT_TRIALS, at least MIN_TRIALS (docs/audit.md)."""
     confidence = confidence or spec.confidence
     algorithm = algorithm or cell.make_algorithm()
     data = data or dataset(cell.dataset, cell.validation)
@@ -600,14 +605,17 @@ def plan_trials(cell: Cell, spec: AuditSpec, trials: int | None = None, confiden
     # the controls within reach of the cell's trials take what refuting them takes, the rest MIN_TRIALS: the most
     # (cheapest first) whose needs are within the trials the budget leaves the cell beside them
     others = sorted((n, key) for key, n in needs.items() if key not in at_cell and n is not None)
+    # a cell whose noise × 0.5 control is within REACH budgets gets what refuting it takes (docs/audit.md)
+    reached = table(wanted, {key for n, key in others if n <= wanted})
+    budget = spec.budget * REACH if needed is not None and cost(reached) <= spec.budget * REACH else spec.budget
     for k in range(len(others), -1, -1):
         within = {key for _, key in others[:k]}
         lo, hi = MIN_TRIALS, max(MIN_TRIALS, wanted)  # the most trials within the budget: bisect (cost grows with N)
-        if cost(table(hi, within)) <= spec.budget:
+        if cost(table(hi, within)) <= budget:
             lo = hi
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if cost(table(mid, within)) <= spec.budget else (lo, mid)
+            lo, hi = (mid, hi) if cost(table(mid, within)) <= budget else (lo, mid)
         if all(n <= lo for n, _ in others[:k]):
             break
     plan = table(lo, within)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -63,7 +63,7 @@ class Model:
     def n_params(self) -> int:
         raise NotImplementedError
 
-    def init(self, generators: list[np.random.Generator]) -> np.ndarray:
+    def init(self, generators: Sequence[np.random.Generator]) -> np.ndarray:
         """Initial parameters (R, P), one generator per replica (independent of the data)."""
         raise NotImplementedError
 

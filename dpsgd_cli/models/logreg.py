@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 from scipy.special import expit
@@ -29,7 +30,7 @@ class LogisticRegression(Model):
     def n_params(self) -> int:
         return self.d
 
-    def init(self, generators: list[np.random.Generator]) -> np.ndarray:
+    def init(self, generators: Sequence[np.random.Generator]) -> np.ndarray:
         return np.zeros((len(generators), self.d))
 
     def decision(self, theta: np.ndarray, X: np.ndarray) -> np.ndarray:

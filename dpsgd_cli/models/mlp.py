@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -101,7 +101,7 @@ class MLP(Model):
         R = W1.shape[0]
         return np.concatenate([W1.reshape(R, -1), b1, w2, np.reshape(b2, (R, 1))], axis=1)
 
-    def init(self, generators: list[np.random.Generator]) -> np.ndarray:
+    def init(self, generators: Sequence[np.random.Generator]) -> np.ndarray:
         d, h = self.d, self.hidden
         if self.activation == "relu":  # He et al. 2015
             lim1, lim2 = np.sqrt(6.0 / d), np.sqrt(6.0 / h)
