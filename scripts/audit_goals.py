@@ -25,10 +25,17 @@
 8. the ladder of controls (σ for T/10 steps, noise × 0.5, no clipping): refuted or not on the `audit` grid's
    dp_sgd cells at ε ≤ 1 (read from RESULTS/audit/audit.csv) and on adult (3,000 records, B = 64, 3 epochs,
    ε = 1, δ = 1e-5, the default audit; audited here: set DPSGD_DATA_MIRROR or have adult cached).
+    python scripts/audit_goals.py --full-training  (section 9 only; set DPSGD_DATA_MIRROR or have adult cached)
+9. full training, white box, all iterates, dp_sgd on adult (3,000 records, B = 64, 3 epochs, δ = 1e-5) at
+   ε = 2 and 4: ε_lo over the trials a world (the Dirac canary, the real audit, timed), then the bound — the
+   median over fresh draws of the all-iterates score from its exact law (x_t = b_t + σz_t, b_t ~ Bernoulli(q);
+   no training), and at the expected counts of the most powerful test (the mechanism's PLD trade-off curve): what
+   the tool's rule reaches, what the best single rank fixed in advance reaches, and ln((TPR − δ)/FPR) itself.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -37,9 +44,12 @@ import numpy as np
 import pandas as pd
 import scipy.stats
 
-from dpsgd_cli.audit import stats
-from dpsgd_cli.audit.engine import audit_cell
-from dpsgd_cli.config import AuditSpec, expand, load_grid_file, select
+from dpsgd_cli.algorithms.streams import ReplicaStreams
+from dpsgd_cli.audit import canaries, stats
+from dpsgd_cli.audit.engine import audit_cell, dirac_setup
+from dpsgd_cli.config import AuditSpec, GridFile, expand, load_grid_file, select
+from dpsgd_cli.engine.runner import dataset
+from dpsgd_cli.privacy import risk
 
 
 def main(results: Path) -> None:
@@ -217,15 +227,12 @@ def ladder_goals(results: Path) -> None:
     """8. Which controls of the ladder the default audit refutes (best covered row per control)."""
     from dpsgd_cli.audit import controls
     from dpsgd_cli.audit.engine import audit_cell
-    from dpsgd_cli.config import AuditSpec, GridFile, expand
+    from dpsgd_cli.config import AuditSpec
 
     frame = pd.read_csv(results / "audit" / "audit.csv")
     ok = frame[(frame["status"] == "ok") & (frame["verdict"] != "not covered")]
     dp = ok[(ok["algorithm"] == "dp_sgd") & (ok["epsilon"] <= 1)]
-    adult = expand(GridFile.model_validate({"grids": [{
-        "name": "ladder_adult", "datasets": [{"name": "adult", "subsample": 3000}], "models": ["logreg"],
-        "algorithms": ["dp_sgd"], "epsilon": [1.0], "delta": 1e-5, "batch_size": [64], "epochs": 3, "lr": [0.5],
-        "l2": 1e-3, "clip_norm": 1.0, "seeds": 1}]}).grids[0])[0]
+    adult = adult_cell(1.0)
     start = time.perf_counter()
     adult_rows = pd.DataFrame(audit_cell(adult, AuditSpec(chunk=500)))
     seconds = time.perf_counter() - start
@@ -281,13 +288,123 @@ def half_noise_curve(trials: tuple[int, ...] = (1000, 4000, 8000, 16000, 32000))
                   f"sound {max(r['epsilon_lo'] for r in rows):.3f}; {time.perf_counter() - start:.0f} s")
 
 
+def adult_cell(epsilon: float, accountant: str | None = None):
+    """The adult cell of the ladder goals (3,000 records, B = 64, 3 epochs, δ = 1e-5) at `epsilon`; `accountant`
+    replaces dp_sgd's own (RDP)."""
+    algorithm = {"name": "dp_sgd", **({"accountant": accountant} if accountant else {})}
+    return expand(GridFile.model_validate({"grids": [{
+        "name": "ladder_adult", "datasets": [{"name": "adult", "subsample": 3000}], "models": ["logreg"],
+        "algorithms": [algorithm], "epsilon": [epsilon], "delta": 1e-5, "batch_size": [64], "epochs": 3, "lr": [0.5],
+        "l2": 1e-3, "clip_norm": 1.0, "seeds": 1}]}).grids[0])[0]
+
+
+def all_iterates_scores(rng: np.random.Generator, n: int, steps: int, sigma: float, q: float,
+                        included: bool) -> np.ndarray:
+    """n fresh all-iterates Dirac scores of a Poisson-subsampled Gaussian chain from their exact law: the step
+    statistics x_t = b_t + σz_t (b_t ~ Bernoulli(q) with the canary, 0 without), scored as the audit scores them."""
+    out = np.empty(n)
+    for start in range(0, n, 10_000):  # 10⁴ replicas × T steps at a time: memory stays ~10 MB per 100 steps
+        m = min(10_000, n - start)
+        x = sigma * rng.standard_normal((steps, m))
+        if included:
+            x += rng.random((steps, m)) < q
+        out[start:start + m] = canaries.step_likelihood_ratio(x, sigma, q)
+    return out
+
+
+FULL_TRAINING_FAMILY = 2  # the Dirac canary's two rows on a subsampled chain are two tests (docs/audit.md)
+
+
+def full_training(trials: tuple[int, ...] = (2000, 5000, 10_000, 20_000), draws: int = 25,
+                  fresh_trials: tuple[int, ...] = (20_000, 100_000),
+                  expected_trials: tuple[int, ...] = (2000, 20_000, 100_000, 10**6, 10**7)) -> None:
+    """9. Full training, white box, all iterates: dp_sgd on adult at ε = 2 and 4, ε_lo over the trials a world
+    (goal: ≥ 0.5·ε with ≤ 2 × 2·10⁴ trials in ≤ 10 minutes), and what bounds it; then the bound where the claim is
+    the exact ε (σ calibrated by the PLD accountant)."""
+    row_confidence = stats.family_confidence(0.95, FULL_TRAINING_FAMILY)
+    print("9.  full training, white box, all iterates: dp_sgd on adult (3,000 records, B = 64, 3 epochs), "
+          "δ = 1e-5, Dirac canary, rule order (goal: ε_lo ≥ 0.5·ε with ≤ 2 × 20,000 trials, ≤ 10 minutes):")
+    for epsilon in (2.0, 4.0):
+        cell = adult_cell(epsilon)
+        scores: dict = {}
+        for n in trials:
+            spec = AuditSpec(canaries=["dirac"], control=None, ladder=[], trials=n, chunk=min(n, 1000))
+            wall, cpu = time.perf_counter(), time.process_time()
+            last, every = audit_cell(cell, spec, scores=scores)
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            assert every["family_size"] == FULL_TRAINING_FAMILY
+            claim = every["epsilon_claimed"]
+            print(f"    ε = {claim:.3f}, {n:,} trials: ε_lo = {every['epsilon_lo']:.3f} = "
+                  f"{every['epsilon_lo'] / claim:.2f}·ε all iterates ({last['epsilon_lo']:.3f} last; ceiling "
+                  f"{every['ceiling']:.2f}, AUC {every['auc']:.3f}); {wall:.0f} s wall, {cpu:.0f} s CPU, load "
+                  f"{os.getloadavg()[0]:.1f}")
+        measured = tuple(scores[f"dirac.white-box_all_iterates.{w}"] for w in ("in", "out")) if scores else None
+        full_training_bound(cell, row_confidence, draws, fresh_trials, expected_trials, measured)
+    for epsilon in (2.0, 4.0):
+        full_training_bound(adult_cell(epsilon, "pld"), row_confidence, 0, (), expected_trials)
+
+
+def full_training_bound(cell, row_confidence: float, draws: int, fresh_trials: tuple[int, ...],
+                        expected_trials: tuple[int, ...],
+                        measured: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+    """What the all-iterates Dirac audit of `cell` can reach: the tool's ε_lo over fresh draws of the exact scores,
+    and at the expected counts of the most powerful test (the mechanism's PLD trade-off curve, which this canary's
+    likelihood ratio attains: the worlds are the subsampled Gaussian's dominating pair) the tool's rule, the best
+    single rank fixed in advance at the row's whole α, and ln((TPR − δ)/FPR) itself at FPR ≥ 1/N. `measured`: the
+    real audit's all-iterates scores (in, out), compared with the exact law (two-sample Kolmogorov–Smirnov)."""
+    delta = 1e-5
+    # the mechanism as the audit runs it (the canary row included)
+    algorithm, data = cell.make_algorithm(), dataset(cell.dataset, cell.validation)
+    model, setting, _, X, y = dirac_setup(cell, data)
+    prepared = algorithm.prepare(setting, model, X, y, ReplicaStreams(range(1)))
+    derived = prepared.finish(prepared.theta).derived
+    sigma, q, steps, claim = derived["sigma"], derived["sample_rate"], derived["steps"], derived["epsilon_achieved"]
+    profile, _ = risk.privacy_profile(algorithm.dp_event(setting, derived), "add_remove", claim)
+    exact = float(np.interp(delta, profile[::-1], risk.EPSILON_GRID[::-1]))  # δ(ε) decreases
+    print(f"    bound at ε = {claim:.3f} ({derived['accountant']} accountant; σ = {sigma:.4f}, q = {q:.4f}, T = "
+          f"{steps}): the exact (PLD) ε at δ = 1e-5 is {exact:.3f} = {exact / claim:.2f}·ε, above which no ε_lo "
+          "converges")
+    rng = np.random.default_rng([int(claim), 51])
+    if measured is not None:
+        fit = min(scipy.stats.ks_2samp(real, all_iterates_scores(rng, 100_000, steps, sigma, q, world == "in")).pvalue
+                  for real, world in zip(measured, ("in", "out")))
+        print(f"    the real audit's scores against the exact law: Kolmogorov–Smirnov p ≥ {fit:.2f} (in and out)")
+    for n in fresh_trials:
+        fresh = np.array([stats.epsilon_clopper_pearson(
+            all_iterates_scores(rng, n, steps, sigma, q, True), all_iterates_scores(rng, n, steps, sigma, q, False),
+            row_confidence, delta, "order", claim=claim) for _ in range(draws)]) / claim
+        print(f"    {draws} fresh draws of the exact scores, {n:,} trials: the tool's ε_lo median "
+              f"{np.median(fresh):.2f}·ε, quartiles {np.percentile(fresh, 25):.2f}–{np.percentile(fresh, 75):.2f}, "
+              f"range {fresh.min():.2f}–{fresh.max():.2f}")
+
+    def power(fpr: float) -> float:
+        return risk.tpr_bound(fpr, risk.EPSILON_GRID, profile)
+
+    alpha = 1 - row_confidence
+    for n in expected_trials:
+        j = np.unique(np.round(np.geomspace(1, n // 2, 40)).astype(int))
+        k = np.floor(np.array([power(r / (n + 1)) for r in j]) * n).astype(int)
+        point = float(np.max(np.log(np.maximum(k / n - delta, 1e-300) / (j / (n + 1)))))
+        best = max(stats.epsilon_order(int(a), n, int(b), n, alpha, delta) for a, b in zip(k, j))
+        ranks = stats.order_ranks(n, n, claim, delta, alpha)
+        tool = max(stats.epsilon_order(int(np.floor(power(r / (n + 1)) * n)), n, int(r), n, alpha / ranks.size,
+                                       delta) for r in ranks)
+        print(f"    expected counts of the most powerful test, {n:,} trials: the tool's rule {tool / claim:.2f}·ε, "
+              f"the best single rank {best / claim:.2f}·ε, ln((TPR − δ)/FPR) at FPR ≥ 1/N {point / claim:.2f}·ε")
+    need = stats.trials_to_refute(power, 0.5 * claim, row_confidence, delta, limit=10**7)
+    print("    trials a world the tool's rule needs to refute 0.5·ε at those counts: "
+          + ("more than 10^7" if need is None else f"{need:,}"))
+
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--one-run-and-step"]:
         one_run_and_step()
+    elif sys.argv[1:] == ["--full-training"]:
+        full_training()
     else:
         folder = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("results")
         main(folder)
         ladder_goals(folder)
         half_noise_curve()
         one_run_and_step()
+        full_training()
