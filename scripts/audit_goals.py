@@ -33,7 +33,7 @@
    test (the mechanism's PLD trade-off curve): the tool's rule, the best single rank fixed in advance, and
    ln((TPR − δ)/FPR) itself.
 
-    python scripts/audit_goals.py --full-training  (section 9 only, about 16 minutes under load; set
+    python scripts/audit_goals.py --full-training  (section 9 only, 9 to 16 minutes under load; set
                                                     DPSGD_DATA_MIRROR or have adult cached)
 """
 
