@@ -25,10 +25,21 @@
 8. the ladder of controls (σ for T/10 steps, noise × 0.5, no clipping): refuted or not on the `audit` grid's
    dp_sgd cells at ε ≤ 1 (read from RESULTS/audit/audit.csv) and on adult (3,000 records, B = 64, 3 epochs,
    ε = 1, δ = 1e-5, the default audit; audited here: set DPSGD_DATA_MIRROR or have adult cached).
+9. full training, white box, all iterates, dp_sgd on adult (3,000 records, B = 64, 3 epochs, δ = 1e-5) at
+   ε = 2 and 4: ε_lo over the trials a world (the Dirac canary, the real audit, timed; also with σ calibrated by
+   the PLD accountant, at 20,000), then the bound: the likelihood ratio against Σ_t x_t and max_t x_t, the median
+   over fresh draws of the all-iterates score from its exact law (x_t = b_t + σz_t, b_t ~ Bernoulli(q); no
+   training) for the tool's rule and for an oracle's one rank, and at the expected counts of the most powerful
+   test (the mechanism's PLD trade-off curve): the tool's rule, the best single rank fixed in advance, and
+   ln((TPR − δ)/FPR) itself.
+
+    python scripts/audit_goals.py --full-training  (section 9 only, 9 to 16 minutes under load; set
+                                                    DPSGD_DATA_MIRROR or have adult cached)
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -37,9 +48,12 @@ import numpy as np
 import pandas as pd
 import scipy.stats
 
-from dpsgd_cli.audit import stats
-from dpsgd_cli.audit.engine import audit_cell
-from dpsgd_cli.config import AuditSpec, expand, load_grid_file, select
+from dpsgd_cli.algorithms.streams import ReplicaStreams
+from dpsgd_cli.audit import canaries, stats
+from dpsgd_cli.audit.engine import audit_cell, dirac_setup
+from dpsgd_cli.config import AuditSpec, GridFile, expand, load_grid_file, select
+from dpsgd_cli.engine.runner import dataset
+from dpsgd_cli.privacy import risk
 
 
 def main(results: Path) -> None:
@@ -217,15 +231,12 @@ def ladder_goals(results: Path) -> None:
     """8. Which controls of the ladder the default audit refutes (best covered row per control)."""
     from dpsgd_cli.audit import controls
     from dpsgd_cli.audit.engine import audit_cell
-    from dpsgd_cli.config import AuditSpec, GridFile, expand
+    from dpsgd_cli.config import AuditSpec
 
     frame = pd.read_csv(results / "audit" / "audit.csv")
     ok = frame[(frame["status"] == "ok") & (frame["verdict"] != "not covered")]
     dp = ok[(ok["algorithm"] == "dp_sgd") & (ok["epsilon"] <= 1)]
-    adult = expand(GridFile.model_validate({"grids": [{
-        "name": "ladder_adult", "datasets": [{"name": "adult", "subsample": 3000}], "models": ["logreg"],
-        "algorithms": ["dp_sgd"], "epsilon": [1.0], "delta": 1e-5, "batch_size": [64], "epochs": 3, "lr": [0.5],
-        "l2": 1e-3, "clip_norm": 1.0, "seeds": 1}]}).grids[0])[0]
+    adult = adult_cell(1.0)
     start = time.perf_counter()
     adult_rows = pd.DataFrame(audit_cell(adult, AuditSpec(chunk=500)))
     seconds = time.perf_counter() - start
@@ -281,13 +292,151 @@ def half_noise_curve(trials: tuple[int, ...] = (1000, 4000, 8000, 16000, 32000))
                   f"sound {max(r['epsilon_lo'] for r in rows):.3f}; {time.perf_counter() - start:.0f} s")
 
 
+def adult_cell(epsilon: float, accountant: str | None = None):
+    """The adult cell of the ladder goals (3,000 records, B = 64, 3 epochs, δ = 1e-5) at `epsilon`; `accountant`
+    replaces dp_sgd's own (RDP)."""
+    algorithm = {"name": "dp_sgd", **({"accountant": accountant} if accountant else {})}
+    return expand(GridFile.model_validate({"grids": [{
+        "name": "ladder_adult", "datasets": [{"name": "adult", "subsample": 3000}], "models": ["logreg"],
+        "algorithms": [algorithm], "epsilon": [epsilon], "delta": 1e-5, "batch_size": [64], "epochs": 3, "lr": [0.5],
+        "l2": 1e-3, "clip_norm": 1.0, "seeds": 1}]}).grids[0])[0]
+
+
+def all_iterates_scores(rng: np.random.Generator, n: int, steps: int, sigma: float, q: float,
+                        included: bool) -> np.ndarray:
+    """n fresh all-iterates Dirac scores of a Poisson-subsampled Gaussian chain from their exact law: the step
+    statistics x_t = b_t + σz_t (b_t ~ Bernoulli(q) with the canary, 0 without), scored as the audit scores them."""
+    out = np.empty(n)
+    for start in range(0, n, 10_000):  # 10⁴ replicas × T steps at a time: memory stays ~10 MB per 100 steps
+        m = min(10_000, n - start)
+        x = sigma * rng.standard_normal((steps, m))
+        if included:
+            x += rng.random((steps, m)) < q
+        out[start:start + m] = canaries.step_likelihood_ratio(x, sigma, q)
+    return out
+
+
+FULL_TRAINING_FAMILY = 2  # the Dirac canary's two rows on a subsampled chain are two tests (docs/audit.md)
+
+
+def full_training(trials: tuple[int, ...] = (2000, 5000, 10_000, 20_000), draws: int = 25,
+                  fresh_trials: tuple[int, ...] = (20_000, 100_000),
+                  expected_trials: tuple[int, ...] = (2000, 20_000, 100_000, 10**6, 10**7)) -> None:
+    """9. Full training, white box, all iterates: dp_sgd on adult at ε = 2 and 4, ε_lo over the trials a world
+    (goal: ≥ 0.5·ε with ≤ 2 × 2·10⁴ trials in ≤ 10 minutes), and what bounds it; then the same where the claim is
+    the mechanism's exact ε (σ calibrated by the PLD accountant), at the most trials only."""
+    row_confidence = stats.family_confidence(0.95, FULL_TRAINING_FAMILY)
+    print("9.  full training, white box, all iterates: dp_sgd on adult (3,000 records, B = 64, 3 epochs), "
+          "δ = 1e-5, Dirac canary, rule order (goal: ε_lo ≥ 0.5·ε with ≤ 2 × 20,000 trials, ≤ 10 minutes); then "
+          "with σ calibrated by the PLD accountant (the claim the mechanism's exact ε), at the most trials:")
+    for accountant in (None, "pld"):
+        for epsilon in (2.0, 4.0):
+            cell = adult_cell(epsilon, accountant)
+            scores: dict = {}
+            for n in trials if accountant is None else trials[-1:]:
+                spec = AuditSpec(canaries=["dirac"], control=None, ladder=[], trials=n, chunk=min(n, 1000))
+                wall, cpu = time.perf_counter(), time.process_time()
+                last, every = audit_cell(cell, spec, scores=scores)
+                wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+                assert every["family_size"] == FULL_TRAINING_FAMILY
+                claim = every["epsilon_claimed"]
+                print(f"    ε = {claim:.3f} ({accountant or 'rdp'}), "
+                      f"{n:,} trials: ε_lo = {every['epsilon_lo']:.3f} = {every['epsilon_lo'] / claim:.2f}·ε all "
+                      f"iterates ({last['epsilon_lo']:.3f} last; ceiling {every['ceiling']:.2f}, AUC "
+                      f"{every['auc']:.3f}); {wall:.0f} s wall, {cpu:.0f} s CPU, load {os.getloadavg()[0]:.1f}")
+            measured = (tuple(scores[f"dirac.white-box_all_iterates.{w}"] for w in ("in", "out")) if scores
+                        else None)
+            full_training_bound(cell, row_confidence, draws, fresh_trials if accountant is None else fresh_trials[:1],
+                                expected_trials, measured)
+
+
+def full_training_bound(cell, row_confidence: float, draws: int, fresh_trials: tuple[int, ...],
+                        expected_trials: tuple[int, ...],
+                        measured: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+    """What the all-iterates Dirac audit of `cell` can reach: the tool's ε_lo over fresh draws of the exact scores,
+    and at the expected counts of the most powerful test (the mechanism's PLD trade-off curve, which this canary's
+    likelihood ratio attains: the worlds are the subsampled Gaussian's dominating pair) the tool's rule, the best
+    single rank fixed in advance at the row's whole α, and ln((TPR − δ)/FPR) itself at FPR ≥ 1/N. `measured`: the
+    real audit's all-iterates scores (in, out), compared with the exact law (two-sample Kolmogorov–Smirnov)."""
+    delta = 1e-5
+    # the mechanism as the audit runs it (the canary row included)
+    algorithm, data = cell.make_algorithm(), dataset(cell.dataset, cell.validation)
+    model, setting, _, X, y = dirac_setup(cell, data)
+    prepared = algorithm.prepare(setting, model, X, y, ReplicaStreams(range(1)))
+    derived = prepared.finish(prepared.theta).derived
+    sigma, q, steps, claim = derived["sigma"], derived["sample_rate"], derived["steps"], derived["epsilon_achieved"]
+    profile, _ = risk.privacy_profile(algorithm.dp_event(setting, derived), "add_remove", claim)
+    exact = float(np.interp(delta, profile[::-1], risk.EPSILON_GRID[::-1]))  # δ(ε) decreases
+    print(f"    bound at ε = {claim:.3f} ({derived['accountant']} accountant; σ = {sigma:.4f}, q = {q:.4f}, T = "
+          f"{steps}): the exact (PLD) ε at δ = 1e-5 is {exact:.3f} = {exact / claim:.2f}·ε, above which no ε_lo "
+          "converges")
+    if measured is not None:
+        rng = np.random.default_rng([int(claim), 52])
+        fit = min(scipy.stats.ks_2samp(real, all_iterates_scores(rng, 100_000, steps, sigma, q, world == "in")).pvalue
+                  for real, world in zip(measured, ("in", "out")))
+        print(f"    the real audit's scores against the exact law: Kolmogorov–Smirnov p ≥ {fit:.2f} (in and out)")
+
+    def power(fpr: float) -> float:
+        return risk.tpr_bound(fpr, risk.EPSILON_GRID, profile)
+
+    alpha = 1 - row_confidence
+
+    def expected(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Ranks j, the most powerful test's expected counts there, and the exact test's ε_lo at the row's α."""
+        j = np.unique(np.round(np.geomspace(1, n // 2, 40)).astype(int))
+        k = np.floor(np.array([power(r / (n + 1)) for r in j]) * n).astype(int)
+        return j, k, np.array([stats.epsilon_order(int(a), n, int(b), n, alpha, delta) for a, b in zip(k, j)])
+
+    if draws:  # the ratio against the simpler scores of the same step statistics, on the same draws
+        rng = np.random.default_rng([int(claim), 7])
+        by_score: dict[str, list[float]] = {"the likelihood ratio": [], "Σ_t x_t": [], "max_t x_t": []}
+        for _ in range(7):
+            x_in = sigma * rng.standard_normal((steps, fresh_trials[0])) + (rng.random((steps, fresh_trials[0])) < q)
+            x_out = sigma * rng.standard_normal((steps, fresh_trials[0]))
+            for name, score in zip(by_score, (lambda x: canaries.step_likelihood_ratio(x, sigma, q),
+                                              lambda x: x.sum(axis=0), lambda x: x.max(axis=0))):
+                by_score[name].append(stats.epsilon_clopper_pearson(score(x_in), score(x_out), row_confidence, delta,
+                                                                    "order", claim=claim) / claim)
+        print(f"    7 fresh draws, {fresh_trials[0]:,} trials, the tool's rule's median by score: "
+              + ", ".join(f"{name} {np.median(v):.2f}·ε" for name, v in by_score.items()))
+    rng = np.random.default_rng([int(claim), 51])
+    for n in fresh_trials:
+        j, _, bounds = expected(n)
+        best_rank = int(j[int(np.argmax(bounds))])  # the oracle's one rank, fixed from the exact curve
+        fresh = []
+        for _ in range(draws):
+            s_in, s_out = (all_iterates_scores(rng, n, steps, sigma, q, world) for world in (True, False))
+            above = int((s_in > np.sort(s_out)[::-1][best_rank - 1]).sum())
+            fresh.append((stats.epsilon_clopper_pearson(s_in, s_out, row_confidence, delta, "order", claim=claim),
+                          stats.epsilon_order(above, n, best_rank, n, alpha, delta)))
+        for name, bound in zip(("the tool's rule", f"the oracle's rank {best_rank} at the whole α"),
+                               np.array(fresh).T / claim):
+            print(f"    {draws} fresh draws of the exact scores, {n:,} trials, {name}: ε_lo median "
+                  f"{np.median(bound):.2f}·ε, quartiles {np.percentile(bound, 25):.2f}–{np.percentile(bound, 75):.2f}, "
+                  f"range {bound.min():.2f}–{bound.max():.2f}, ≥ 0.5·ε in {np.mean(bound >= 0.5):.0%}")
+    for n in expected_trials:
+        j, k, bounds = expected(n)
+        point = float(np.max(np.log(np.maximum(k / n - delta, 1e-300) / (j / (n + 1)))))
+        ranks = stats.order_ranks(n, n, claim, delta, alpha)
+        tool = max(stats.epsilon_order(int(np.floor(power(r / (n + 1)) * n)), n, int(r), n, alpha / ranks.size,
+                                       delta) for r in ranks)
+        print(f"    expected counts of the most powerful test, {n:,} trials: the tool's rule {tool / claim:.2f}·ε, "
+              f"the best single rank {bounds.max() / claim:.2f}·ε, ln((TPR − δ)/FPR) at FPR ≥ 1/N "
+              f"{point / claim:.2f}·ε")
+    need = stats.trials_to_refute(power, 0.5 * claim, row_confidence, delta, limit=10**7)
+    print("    trials a world the tool's rule needs to refute 0.5·ε at those counts: "
+          + ("more than 10^7" if need is None else f"{need:,}"))
+
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--one-run-and-step"]:
         one_run_and_step()
+    elif sys.argv[1:] == ["--full-training"]:
+        full_training()
     else:
         folder = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("results")
         main(folder)
         ladder_goals(folder)
         half_noise_curve()
         one_run_and_step()
+        full_training()

@@ -160,6 +160,33 @@ def test_dirac_step_statistics_read_the_inclusions_off_noiseless_iterates():
     assert abs(rate - setting.sample_rate) < 4 * np.sqrt(setting.sample_rate / x.size), (rate, setting.sample_rate)
 
 
+def test_dirac_step_statistics_follow_their_exact_law_on_a_noisy_chain():
+    """x_t = b_t + σz_t with b_t ~ Bernoulli(q) with the canary, 0 without: the law from which the full-training
+    bound draws fresh scores (docs/audit.md); a 10% error in σ would be caught."""
+    from dpsgd_cli.algorithms.streams import ReplicaStreams
+    from dpsgd_cli.audit.engine import dirac_setup
+    from dpsgd_cli.engine.runner import dataset
+
+    cell = _cells(algorithms=["dp_sgd"], epsilon=[1.0], l2=0.05, epochs=4)[0]
+    model, setting, U, Xw, yw = dirac_setup(cell, dataset(cell.dataset))
+    included = np.r_[np.ones(512), np.zeros(512)][:, None]
+    wrapped = canaries.with_gradient_canaries(model, U, included, 1.0)
+    prepared = cell.make_algorithm().prepare(setting, wrapped, Xw, yw, ReplicaStreams(range(1024)))
+    theta = prepared.train(wrapped).theta
+    steps = canaries.step_model(prepared.chain, 1.0, setting.sample_rate)
+    x = canaries.step_statistics(canaries.iterate_projections(wrapped, theta), steps)
+    sigma, q = steps.sigma, steps.q
+    x_in, x_out = x[:, :512].ravel(), x[:, 512:].ravel()
+
+    def mixture(scale: float):
+        return lambda v: (1 - q) * scipy.stats.norm.cdf(v / scale) + q * scipy.stats.norm.cdf((v - 1) / scale)
+
+    assert scipy.stats.kstest(x_out, scipy.stats.norm(scale=sigma).cdf).pvalue > 1e-3
+    assert scipy.stats.kstest(x_in, mixture(sigma)).pvalue > 1e-3
+    assert scipy.stats.kstest(x_out, scipy.stats.norm(scale=1.1 * sigma).cdf).pvalue < 1e-6
+    assert scipy.stats.kstest(x_in, mixture(1.1 * sigma)).pvalue < 1e-6
+
+
 def test_dirac_audit_catches_the_noiseless_twin_and_not_the_sound_mechanism():
     cell = _cells(algorithms=["dp_sgd"], epsilon=[1.0])[0]
     spec = AuditSpec(canaries=["dirac"], trials=200, chunk=400)
