@@ -42,6 +42,11 @@ def _too_loose(target: float, e: float, low_ok: float, s_min: float, s_max: floa
                      f"{low_ok:.4g}; calibration searches sigma in [{s_min:g}, {s_max:g}]{context}")
 
 
+def _log_ratio(epsilon: float, log_target: float) -> float:
+    """log(epsilon / target), -inf for an epsilon of 0 (the search then bisects)."""
+    return math.log(epsilon) - log_target if epsilon > 0.0 else -math.inf
+
+
 LATTICE_STEP: float = 2.0**-12
 """Spacing in log sigma of the lattice every calibrated sigma lies on (ratio 1.00024 between neighbours: epsilon
 moves < 0.1 % per step wherever |d log epsilon / d log sigma| < 4, measured <= 3 on DP-SGD)."""
@@ -119,47 +124,45 @@ class EpsilonCurve:
         """Adjacent lattice indices (k - 1, k) with epsilon(k - 1) > target >= epsilon(k); (None, k_min) where
         sigma_min already meets the target.
 
-        Which points are read does not change the answer where epsilon is non-increasing (it is the smallest k
-        meeting the target), only its cost: from `first`, steps to where the line through the last two points in
-        (log sigma, log epsilon) meets the target (slope -1 from the first point alone: epsilon(sigma) is smooth
-        there, away from a discretised accountant's steps), overshooting a little to enclose it; inside a bracket
-        the same interpolation (regula falsi, Illinois-weighted, towards the enclosing points), with a bisection
-        step whenever two steps have not halved the bracket."""
+        Which points are read changes only the cost, not the answer, wherever epsilon is non-increasing (it is the
+        smallest k meeting the target): from `first`, a step a little past where the line through the last two
+        points in (log sigma, log epsilon) meets the target (from the first point alone: the line of slope -1,
+        epsilon ~ 1/sigma), until the target is enclosed; inside, the same secant, or regula falsi between the
+        enclosing points (Illinois-weighted), and a bisection step wherever those do not at least halve the step
+        before last (Brent's rule) or the last two points lie on one step of a staircase."""
         above: int | None = None  # too little noise
         below: int | None = None  # enough
         log_target = math.log(target)
         last: list[tuple[int, float]] = []  # the last two points read, (k, log epsilon - log target)
-        k, step = first, 64  # step: the fallback when no slope can be read, doubling as the old outward search
-        widths: list[int] = []  # bracket widths after each step inside it
-        stale = 0  # Illinois: how many steps in a row moved the same end of the bracket
-        side = 0
+        moves: list[int] = []  # distance between consecutive points read
+        k, step = first, 64  # step: where no slope can be read, doubling steps outwards
+        stale = side = 0  # Illinois: how many points in a row moved the same end of the bracket, and which
         while True:
             e = self._at(k)
-            u = math.log(e) - log_target if 0.0 < e < math.inf else (math.inf if e > 0 else -math.inf)
             if e <= target:
                 if k == self._k_min:
                     return None, k
                 below = k if below is None else min(below, k)
-                moved = -1
             else:
                 if k == self._k_max:
                     raise _unreachable(target, self.sigma_range[1], e, self.context)
                 above = k if above is None else max(above, k)
-                moved = 1
+            moved = -1 if e <= target else 1
             stale, side = (stale + 1 if moved == side else 1), moved
+            if last:
+                moves.append(abs(k - last[-1][0]))
+            u = _log_ratio(e, log_target)
             last = [*last[-1:], (k, u)]
-            if above is not None and below is not None:
-                width = below - above
-                if width == 1:
-                    return above, below
-                widths.append(width)
-                k = self._inside(above, below, log_target, last, widths, stale, side)
-                continue
-            k = self._outside(k, u, last, step)
-            step *= 2
+            if above is None or below is None:
+                k = self._outside(k, u, last, step)
+                step *= 2
+            elif below - above == 1:
+                return above, below
+            else:
+                k = self._inside(above, below, log_target, last, moves, stale, side)
 
     def _slope(self, last: list[tuple[int, float]]) -> float | None:
-        """d(log epsilon)/dk through the last two points read, if they show epsilon falling."""
+        """d(log epsilon)/dk through the last two points read, where they show epsilon falling."""
         if len(last) < 2:
             return None
         (k0, u0), (k1, u1) = last
@@ -169,37 +172,30 @@ class EpsilonCurve:
         return slope if slope < 0.0 else None
 
     def _outside(self, k: int, u: float, last: list[tuple[int, float]], step: int) -> int:
-        """Next point while every point read lies on one side of the target: past the line's crossing."""
+        """The next point while every point read lies on one side of the target: a little past the crossing of
+        the line (10 % and one lattice point), `step` where there is no line."""
         slope = self._slope(last)
-        if slope is None and len(last) == 1 and math.isfinite(u):
-            slope = -LATTICE_STEP  # epsilon ~ 1/sigma: the far side of the target for any steeper curve
+        if slope is None and len(last) == 1:
+            slope = -LATTICE_STEP
         if slope is None or not math.isfinite(u):
             distance = step
         else:
-            distance = max(1, math.ceil(1.1 * abs(u / slope)) + 1)  # a little past the crossing
-            distance = min(distance, 1 << 20)
+            distance = min(self._k_max - self._k_min, math.ceil(1.1 * abs(u / slope)) + 1)
         return min(self._k_max, max(self._k_min, k + distance if u > 0 else k - distance))
 
     def _inside(self, above: int, below: int, log_target: float, last: list[tuple[int, float]],
-                widths: list[int], stale: int, side: int) -> int:
-        """Next point strictly inside the bracket (above, below)."""
-        mid = (above + below) // 2
-        if len(widths) >= 3 and 2 * widths[-1] > widths[-3]:
-            widths.clear()  # two steps did not halve the bracket: bisect
-            return mid
-        ua, ub = (math.log(self.points[k * LATTICE_STEP]) - log_target for k in (above, below)) \
-            if all(0.0 < self.points[k * LATTICE_STEP] < math.inf for k in (above, below)) else (math.nan, math.nan)
+                moves: list[int], stale: int, side: int) -> int:
+        """The next point strictly inside the bracket (above, below)."""
         slope = self._slope(last)
-        if slope is None:  # the last two points on one step of a staircase: nothing to interpolate
-            return mid
         k1, u1 = last[-1]
-        guess = k1 - u1 / slope  # secant through the last two points, if it lands inside
-        if not above < guess < below and math.isfinite(ua) and math.isfinite(ub) and ua > ub:
-            if stale >= 2:  # the same end moved twice: weigh the other down (Illinois)
-                ua, ub = (ua / 2 ** (stale - 1), ub) if side < 0 else (ua, ub / 2 ** (stale - 1))
+        guess = math.nan if slope is None else k1 - u1 / slope  # the secant
+        ua, ub = (_log_ratio(self.points[k * LATTICE_STEP], log_target) for k in (above, below))
+        if slope is not None and not above < guess < below and ua > ub:
+            if stale >= 2:  # the same end moved twice in a row: weigh the other one down
+                ua, ub = (ua / 2.0 ** (stale - 1), ub) if side < 0 else (ua, ub / 2.0 ** (stale - 1))
             guess = above + (below - above) * ua / (ua - ub)
-        if not math.isfinite(guess):
-            return mid
+        if not math.isfinite(guess) or (len(moves) >= 2 and abs(guess - k1) > moves[-2] / 2):
+            return (above + below) // 2
         return min(below - 1, max(above + 1, math.ceil(guess)))
 
     def _refine(self, target: float, x_above: float, x_below: float) -> tuple[float, float, bool]:
