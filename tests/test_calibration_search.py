@@ -124,7 +124,8 @@ KANG_N = 36178  # adult, split random, the training set of a kang cell's final r
 KANG_Q, KANG_T = 256 / KANG_N, round(2 * KANG_N / 256)
 
 
-@pytest.mark.parametrize(("accountant", "targets"), [("rdp", (0.01, 0.1, 0.3, 1.0, 3.0)), ("pld", (0.01, 1.0))])
+@pytest.mark.parametrize(("accountant", "targets"), [("rdp", (0.01, 0.1, 0.3, 1.0, 3.0)),
+                                                     pytest.param("pld", (0.01, 1.0), marks=pytest.mark.slow)])
 def test_dpsgd_calibrations_take_a_handful_of_evaluations(accountant, targets):
     """A kang baseline (B = 256, 2 epochs, δ = 1/n²): the bisection takes 15-18 evaluations a target, the search
     at most 10 (RDP: ε(σ) has kinks where the best order changes), for the same σ."""
@@ -139,6 +140,7 @@ def test_dpsgd_calibrations_take_a_handful_of_evaluations(accountant, targets):
         assert point.evaluations <= 10 < want[3], (target, point.evaluations, want[3])
 
 
+@pytest.mark.slow
 def test_single_example_pld_calibration_takes_few_evaluations():
     """pidp_sgd's noisy steps at a kang-like setting (ε₁ = 3/4, δ₁ = 1/(2n²), T = 2n, replace-one PLD; n smaller
     to keep the test quick): the bisection takes 16 evaluations, the search at most 8, for the same σ."""

@@ -66,8 +66,8 @@ class EpsilonCurve:
     up to `_LATTICE_LEVELS` times, and those halvings are part of the definition. ε must be non-increasing in σ;
     where it is not (the single-example PLD wobbles by ~0.5 % between neighbouring lattice points), σ is still
     such a pair's k, but which one depends on the points read. How k is found (:meth:`_bracket`: secant steps in
-    (log σ, log ε) from the start it is given, safeguarded by bisection) changes only the cost: 4–8 evaluations
-    on smooth curves where a bisection from the same start takes 15–18.
+    (log σ, log ε) from the start it is given, safeguarded by bisection) changes only the cost: 4–9 evaluations
+    on DP-SGD's curves where doubling steps and bisection from the same start take 15–18.
     """
 
     def __init__(self, epsilon_and_info: Callable[[float], tuple[float, object]], *, rel_tol: float = 1e-3,
