@@ -1,7 +1,9 @@
 """Non-private reference: the minimiser of the regularised objective F (gives L* for the optimality gap).
 
-Convex models: one full-batch L-BFGS run from model.init (seed 0); non-convex models (`mlp`): the best of
-`REFERENCE_STARTS` runs from seeds 0..starts−1. Kept in the verified disk cache (docs/datasets.md)."""
+Convex models: one full-batch L-BFGS run from model.init (seed 0); non-convex models (`mlp`): the lowest objective
+of `REFERENCE_STARTS` runs from seeds 0..starts−1, each stopped once F has stopped falling (`LBFGS_NONCONVEX`) — a
+local optimum's objective to within that rule, not a global minimum. Kept in the verified disk cache
+(docs/datasets.md)."""
 
 from __future__ import annotations
 
@@ -166,8 +168,8 @@ def reference_start(model: Model, X: np.ndarray, y: np.ndarray, seed: int) -> tu
     """One L-BFGS run of `reference_minimum`, from model.init of `seed` (each seed's generator is its own, so a
     start does not depend on the others and may run in another process)."""
     theta0 = model.init(ReplicaStreams([seed]).generators("init"))[0]
-    # one BLAS thread: a capped non-convex L-BFGS path changes with the summation order, and L* must be the
-    # same in the main process and in every worker
+    # one BLAS thread: a non-convex L-BFGS path, and where its plateau rule stops it, change with the summation
+    # order, and L* must be the same in the main process and in every worker
     with threadpool_limits(1):
         return minimize_objective(model, X, y, theta0, **(LBFGS_CONVEX if model.convex else LBFGS_NONCONVEX))
 
