@@ -37,8 +37,8 @@ REFERENCE_VERSION = "2"  # part of the disk cache key: bump it when a change cou
 # L-BFGS settings. Convex: tight, the global minimum to ~machine precision. Non-convex: each start runs until its
 # objective has stopped falling — by at most `plateau_decrease` over the last `plateau_iterations` iterations — or
 # reaches a local minimum (max |∂F/∂θ_j| ≤ gtol), or `maxiter`. A gradient-norm tolerance does not suit the MLP:
-# at λ = 1e-4 its ‖∇F‖ oscillates around 1e-3 long after F has settled to far below the 0.001 that the smallest
-# optimality-gap threshold of a claim reads (docs/performance.md "L*").
+# at λ = 1e-4 its ‖∇F‖ is still 1e-4 to 1e-3 where F falls by less than 1e-5 in 100 iterations (docs/performance.md
+# "L* of the MLP").
 class LBFGSOptions(TypedDict):
     maxiter: int
     gtol: float
@@ -49,9 +49,12 @@ class LBFGSOptions(TypedDict):
 
 LBFGS_CONVEX: LBFGSOptions = {"maxiter": 20000, "gtol": 1e-9, "ftol": 1e-15, "plateau_iterations": 0,
                               "plateau_decrease": 0.0}
-# Non-convex L*: 1e-5 is 1% of the smallest gap a claim compares with (0.001); recorded per start as
-# `stop` (`LBFGS_STOPS`), its ‖∇F‖ and the decrease over its last `plateau_iterations`.
-LBFGS_NONCONVEX: LBFGSOptions = {"maxiter": 1000, "gtol": 1e-6, "ftol": 1e-13, "plateau_iterations": 50,
+# Non-convex L*: 1e-5 is 1% of the smallest gap a claim compares with (0.001). Over 100 iterations, not 50: a
+# 50-iteration window stopped starts on kddcup99 and bank at iteration 106 and 361, on ledges F later fell from
+# by 5.7e-4 and 3.2e-4. The cap bounds the cost (~3× the former 300 iterations); one of adult's starts reaches it
+# still falling. Recorded per start as `stop` (`LBFGS_STOPS`), its ‖∇F‖ and the decrease over its last 100 iterations
+# (docs/performance.md "L* of the MLP").
+LBFGS_NONCONVEX: LBFGSOptions = {"maxiter": 1000, "gtol": 1e-6, "ftol": 1e-13, "plateau_iterations": 100,
                                  "plateau_decrease": 1e-5}
 
 
