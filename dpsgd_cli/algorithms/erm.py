@@ -51,7 +51,7 @@ LBFGS_CONVEX: LBFGSOptions = {"maxiter": 20000, "gtol": 1e-9, "ftol": 1e-15, "pl
                               "plateau_decrease": 0.0}
 # Non-convex L*: 1e-5 is 1% of the smallest gap a claim compares with (0.001). Over 100 iterations, not 50: a
 # 50-iteration window stopped starts on kddcup99 and bank at iteration 106 and 361, on ledges F later fell from
-# by 5.7e-4 and 3.2e-4. The cap bounds the cost (~3× the former 300 iterations); one of adult's starts reaches it
+# by 5.7e-4 and 3.2e-4. The cap bounds the cost (~3× the former 300 iterations); some of adult's starts reach it
 # still falling. Recorded per start as `stop` (`LBFGS_STOPS`), its ‖∇F‖ and the decrease over its last 100 iterations
 # (docs/performance.md "L* of the MLP").
 LBFGS_NONCONVEX: LBFGSOptions = {"maxiter": 1000, "gtol": 1e-6, "ftol": 1e-13, "plateau_iterations": 100,
