@@ -287,7 +287,10 @@ def test_a_changed_or_corrupt_reference_optimum_is_discarded_and_recomputed(mode
 
     tampered = [lambda ref: {**ref, "theta": [0.0] * model.n_params},  # θ* set to zeros
                 lambda ref: {**ref, "theta": [t * 1.01 for t in ref["theta"]]},  # recorded F no longer matches
-                lambda ref: {**ref, "objective": ref["objective"] - 0.1}]  # a better L* than θ* gives
+                lambda ref: {**ref, "objective": ref["objective"] - 0.1},  # a better L* than θ* gives
+                lambda ref: {**ref, "info": {**ref["info"], "start_results": {  # a plateau the rule would not stop at
+                    **ref["info"]["start_results"], "0": {**ref["info"]["start_results"]["0"], "stop": "plateau",
+                                                          "converged": False, "plateau_decrease": 1.0}}}}]
     for edit in tampered:
         rewrite(path, edit)
         forget_in_process()

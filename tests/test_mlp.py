@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from dpsgd_cli.algorithms import ALGORITHMS
 from dpsgd_cli.algorithms.base import Setting
-from dpsgd_cli.algorithms.erm import REFERENCE_STARTS, reference_minimum
+from dpsgd_cli.algorithms.erm import LBFGS_NONCONVEX, REFERENCE_STARTS, minimize_objective, reference_minimum
 from dpsgd_cli.algorithms.streams import ReplicaStreams
-from dpsgd_cli.models import Batch, Model, make_model
+from dpsgd_cli.models import Batch, Model, make_model, mlp
 from dpsgd_cli.models.rows import gather
 
 ACTIVATIONS = ["tanh", "sigmoid", "relu"]
@@ -103,6 +103,31 @@ def test_gradient_matches_finite_differences(activation):
     f = np.array([[naive_f(model, theta[r], x) for x in X] for r in range(2)])
     expected = np.mean(np.log1p(np.exp(-y * f)), axis=1) + 0.05 * np.sum(theta**2, axis=1)
     np.testing.assert_allclose(model.objective(theta, X, y), expected, rtol=1e-12)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_full_batch_rows_of_one_hot_data_give_the_dense_objective_and_gradient(activation, monkeypatch):
+    """L-BFGS reads one-hot rows as a sparse matrix: the same F and ∇F up to summation order, in every block."""
+    model, _, y, theta = problem(activation, d=16, h=3, n=40)
+    rng = np.random.default_rng(1)
+    X = np.zeros((40, 16))
+    X[np.arange(40), rng.integers(0, 8, 40)] = 0.6  # two one-hot blocks and a sparse numeric column
+    X[np.arange(40), rng.integers(8, 15, 40)] = 0.5
+    X[::3, 15] = rng.normal(size=14) / 3
+    rows = model.full_batch_rows(X)
+    assert not isinstance(rows, np.ndarray)
+    monkeypatch.setattr(mlp, "BLOCK_ELEMENTS", 2 * 3 * 7)  # blocks of 7 examples
+    value, grad = model.objective_and_gradient(theta, X, y)
+    value_rows, grad_rows = model.objective_and_gradient(theta, rows, y)
+    np.testing.assert_allclose(value_rows, value, rtol=1e-12)
+    np.testing.assert_allclose(grad_rows, grad, rtol=1e-12, atol=1e-15)
+    h = 1e-6
+    numeric = np.stack([(model.objective_and_gradient(theta + h * e, rows, y)[0]
+                         - model.objective_and_gradient(theta - h * e, rows, y)[0]) / (2 * h)
+                        for e in np.eye(model.n_params)], axis=1)
+    np.testing.assert_allclose(grad_rows, numeric, rtol=1e-6, atol=1e-8)
+    dense = np.random.default_rng(2).normal(size=(40, 16))
+    assert model.full_batch_rows(dense) is dense
 
 
 def naive_f(model, theta_r, x):
@@ -224,6 +249,28 @@ def test_reference_minimum_best_of_starts():
     logreg = make_model("logreg", 3, 1e-3)
     _, _, info = reference_minimum(logreg, X, y, starts=4)
     assert info["optimum_method"] == "lbfgs" and info["starts"] == 1
+
+
+def test_a_start_stops_when_its_objective_has_stopped_falling():
+    """The plateau rule ends a start once F fell by ≤ τ over its last K iterations, without changing the path:
+    L-BFGS capped at the same iteration ends at the same θ. Each start records how it stopped."""
+    model, X, y, _ = problem("tanh", d=3, h=4, n=60, l2=1e-3, seed=5)
+    theta0 = model.init(ReplicaStreams([0]).generators("init"))[0]
+    rule = {"maxiter": 500, "gtol": 1e-12, "ftol": 0.0, "plateau_iterations": 5, "plateau_decrease": 1e-4}
+    theta, info = minimize_objective(model, X, y, theta0, **rule)
+    assert info["lbfgs_stop"] == "plateau" and not info["lbfgs_converged"]
+    assert 5 <= info["lbfgs_iterations"] < 500 and 0.0 <= info["plateau_decrease"] <= 1e-4
+    capped, capped_info = minimize_objective(model, X, y, theta0, **{**rule, "maxiter": info["lbfgs_iterations"],
+                                                                      "plateau_iterations": 0})
+    assert capped_info["lbfgs_stop"] == "cap" and capped_info["plateau_decrease"] > 0
+    np.testing.assert_array_equal(capped, theta)
+    longer = minimize_objective(model, X, y, theta0, **{**rule, "plateau_decrease": 1e-9})[1]
+    assert longer["lbfgs_iterations"] > info["lbfgs_iterations"]
+    _, _, reference = reference_minimum(model, X, y, starts=2)
+    assert reference["lbfgs_stop"] in ("plateau", "converged")
+    for result in reference["start_results"].values():
+        assert result["stop"] in ("plateau", "converged") and result["grad_norm"] >= 0
+        assert result["stop"] != "plateau" or result["plateau_decrease"] <= LBFGS_NONCONVEX["plateau_decrease"]
 
 
 def test_erm_returns_best_of_starts_for_every_replica():

@@ -75,8 +75,9 @@ def reference_optimum(spec: DatasetSpec, model_name: str, model_options: str, l2
                       validation: float | None = None) -> tuple[float, str]:
     """(L*, how it was obtained): min F on the training set (the rows used for fitting) by `reference_minimum` —
     the exact minimiser for a convex model ("lbfgs"), the best of several L-BFGS starts for a non-convex one
-    ("lbfgs_best_of_3", capped). F(θ*) is evaluated as the rows' objectives are (`_metrics`), so an optimality
-    gap measures θ, not two summation orders (erm's rows: exactly 0, not ±1 ulp of F)."""
+    ("lbfgs_best_of_3": the lowest F of 3 starts, each stopped once F stops falling, `erm.LBFGS_NONCONVEX`).
+    F(θ*) is evaluated as the rows' objectives are (`_metrics`), so an optimality gap measures θ, not two
+    summation orders (erm's rows: exactly 0, not ±1 ulp of F)."""
     data = dataset(spec, validation)
     model = make_model(model_name, data.d, l2, json.loads(model_options))
     theta, _, info = reference_minimum(model, data.X_train, data.y_train)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
@@ -146,6 +146,11 @@ class Model:
     def data_loss_and_gradient(self, theta: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(data_loss (R,), data_gradient (R, P)); a model may share one forward pass between them."""
         return self.data_loss(theta, X, y), self.data_gradient(theta, X, y)
+
+    def full_batch_rows(self, X: np.ndarray) -> Any:
+        """X in the form `objective_and_gradient` reads fastest when it is called many times on the same rows
+        (full-batch L-BFGS), built once: X itself unless a model knows better."""
+        return X
 
     def objective_and_gradient(self, theta: np.ndarray, X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(F(θ) (R,), ∇F(θ) (R, P)) in one call (what L-BFGS asks for)."""

@@ -13,12 +13,18 @@ from pydantic import BaseModel, ConfigDict, Field
 from scipy.special import expit
 
 from dpsgd_cli.compiled import optional_compiled
+from dpsgd_cli.lazy import LazyModule
 from dpsgd_cli.models.base import Batch, ClipNorm, Model, logistic_loss
 from dpsgd_cli.models.rows import IndexedBatch, RowNonzeros
+
+sparse = LazyModule("scipy.sparse")  # only for full-batch optimisation (`full_batch_rows`)
 
 Activation = Literal["tanh", "relu", "sigmoid"]
 # Full-data passes are cut into blocks of examples so that an (R, block, h) temporary holds at most this many numbers.
 BLOCK_ELEMENTS = 1 << 22
+# Full-batch optimisation reads X as a CSR matrix when at most this fraction of it is nonzero: the one-hot grids
+# (adult: 13% nonzero) then cost ~nnz·h per product instead of n·d·h
+SPARSE_DENSITY = 0.2
 
 
 class MLPOptions(BaseModel):
@@ -114,6 +120,14 @@ class MLP(Model):
             rows.append(self.pack(W1, np.zeros((1, h)), w2, np.zeros(1))[0])
         return np.stack(rows) if rows else np.zeros((0, self.n_params))
 
+    def full_batch_rows(self, X: np.ndarray) -> Any:
+        """X (n, d) as a scipy CSR matrix when at most `SPARSE_DENSITY` of it is nonzero, else X: what
+        `objective_and_gradient` reads fastest over many full-batch passes. The same math; the products sum in
+        another order (results within ~1e-15 relative of the dense ones)."""
+        if X.ndim != 2 or np.count_nonzero(X) > SPARSE_DENSITY * X.size:
+            return X
+        return sparse.csr_matrix(X)
+
     # Forward / backward ----------------------------------------------------------------------------------
     def _blocks(self, X: np.ndarray, replicas: int) -> Iterator[slice]:
         m = X.shape[-2]
@@ -124,7 +138,10 @@ class MLP(Model):
     def _forward(self, theta: np.ndarray, X: np.ndarray):
         """(a, φ'(z), f) for X (n, d) or (R, M, d): a, φ' (R, M, h); f (R, M)."""
         W1, b1, w2, b2 = self.unpack(theta)
-        z = np.matmul(X, W1.transpose(0, 2, 1))
+        if isinstance(X, np.ndarray):
+            z = np.matmul(X, W1.transpose(0, 2, 1))
+        else:  # CSR (m, d) (`full_batch_rows`): X·W₁ᵀ replica by replica
+            z = np.stack([X @ W.T for W in W1])
         z += b1[:, None, :]
         return self._head(theta, z)
 
@@ -149,12 +166,15 @@ class MLP(Model):
         gW1 = self.unpack(out)[0]
         loss = np.zeros(theta.shape[0])
         for k, s in enumerate(self._blocks(X, theta.shape[0])):
-            Xs = X[..., s, :]
+            Xs = X[..., s, :] if isinstance(X, np.ndarray) else X[s]
             w = weight[..., s] if np.ndim(weight) else weight
             delta, coef, a = self._accumulate(theta, self._forward(theta, Xs), y[..., s], w, clip,
                                               None if x_norm is None else x_norm[..., s], loss)
             self._add_sums(delta, coef, a, out)
-            if k == 0:  # straight into the output's W₁ block (a strided view; NumPy handles it)
+            if not isinstance(Xs, np.ndarray):  # CSR: (Xsᵀ δ_r)ᵀ, Xsᵀ a CSC view
+                for r in range(theta.shape[0]):
+                    gW1[r] += (Xs.T @ delta[r]).T
+            elif k == 0:  # straight into the output's W₁ block (a strided view; NumPy handles it)
                 np.matmul(delta.transpose(0, 2, 1), Xs, out=gW1)
             else:
                 gW1 += np.matmul(delta.transpose(0, 2, 1), Xs)
