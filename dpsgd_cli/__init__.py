@@ -14,7 +14,7 @@ from dpsgd_cli.api import check_plugin, epsilon, export, plot, read_results, run
 from dpsgd_cli.errors import UserError
 
 __version__ = "0.1.0"
-NUMERICS = 4
+NUMERICS = 5
 """The version of the numbers: a run is a pure function of its spec, its seed and this. Bumped on purpose whenever
 a change moves a run's numbers (a generator, a summation order, a search, what a default resolves to), and checked
 statistically against the previous version on every grid; runs.csv and the manifest record it, and `dpsgd run`
