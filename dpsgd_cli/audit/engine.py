@@ -500,9 +500,10 @@ STEP_SECONDS = {True: 2.5e-6, False: 1.4e-5}
 EXAMPLE_PARAMETER_SECONDS = {True: 5e-10, False: 3e-9}
 # One replica of an algorithm trained by `fit` alone, estimated from the work its fit reports (never timed: the plan,
 # and so ε_lo and the verdict, would follow the machine's load): a fixed part (measured: output_perturbation, logreg
-# d = 5, chunks of 1,000, 3.4 to 4.3e-5 s: its streams, noise and score), a chain run inside the fit as a NumPy
-# chain's steps above, and an L-BFGS solve per call to `fit` (one per chunk at most), per iteration a fixed part and
-# one per example and parameter (measured, one start, from cold: n × P = 300 × 5 to 20,000 × 20, 4 to 16 ms).
+# d = 5, chunks of 1,000, 3.4 to 4.3e-5 s: its streams, noise and score), a chain run inside the fit as the steps
+# above (compiled where it ran compiled; bassily2014's single-example kernel takes ~5× less), and an L-BFGS solve
+# per call to `fit` (one per chunk at most), per iteration a fixed part and one per example and parameter
+# (measured, one start, from cold: n × P = 300 × 5 to 20,000 × 20, 4 to 16 ms).
 FIT_REPLICA_SECONDS = 4e-5
 LBFGS_ITERATION_SECONDS = 8e-4
 LBFGS_EXAMPLE_PARAMETER_SECONDS = 5e-9
@@ -685,12 +686,13 @@ def _canary_model(model: Model) -> Model:
 
 def _fit_seconds(derived: dict[str, Any], setting: Setting, model: Model, chunk: int) -> float:
     """Estimated seconds of one replica's training by `fit` alone, from what its derived values say it did: the
-    steps of a chain (`steps`, `sample_rate`) and the iterations of every L-BFGS start (`start_results`, shared by
-    the replicas of a chunk); the cost model above."""
+    steps of a chain (`steps`, `sample_rate`, `backend`) and the iterations of every L-BFGS start (`start_results`,
+    shared by the replicas of a chunk); the cost model above."""
     rate = derived.get("sample_rate")
     examples = max(1.0, float(rate) * setting.n if rate is not None else float(setting.batch_size or 1))
-    chain = int(derived.get("steps", 0)) * (STEP_SECONDS[False]
-                                             + examples * model.n_params * EXAMPLE_PARAMETER_SECONDS[False])
+    compiled = derived.get("backend") == "numba"  # where the chain ran (`Chain.ran_on`), not how long it took
+    chain = int(derived.get("steps", 0)) * (STEP_SECONDS[compiled]
+                                             + examples * model.n_params * EXAMPLE_PARAMETER_SECONDS[compiled])
     iterations = sum(int(start["iterations"]) for start in derived.get("start_results", {}).values())
     solve = iterations * (LBFGS_ITERATION_SECONDS + setting.n * model.n_params * LBFGS_EXAMPLE_PARAMETER_SECONDS)
     return FIT_REPLICA_SECONDS + chain + solve / chunk
