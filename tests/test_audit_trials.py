@@ -149,3 +149,36 @@ def test_each_rows_bounds_are_at_its_own_trials_and_level():
             assert r[f"{key}_trials"] == plan.of(key, "dirac") == s_in.size == s_out.size
             assert r[f"{key}_epsilon_lo"] == stats.epsilon_clopper_pearson(
                 s_in, s_out, r[f"{key}_row_confidence"], r["delta"], "order", claim=r["epsilon_claimed"])
+
+
+@pytest.mark.parametrize("algorithm", ["output_perturbation", "bassily2014"])
+def test_a_fit_alone_cells_trials_do_not_depend_on_the_clock(monkeypatch, algorithm):
+    """An algorithm trained by `fit` alone (no chain to estimate) is planned from the work its pilot fit reports,
+    not from how long it took: the plan is the same with a clock that reads a minute on at every look (a loaded
+    machine)."""
+    cell = _cell(algorithms=[algorithm], epochs=1)
+    spec = AuditSpec(canaries=["input"], budget=1.0)
+    real = engine.plan_trials(cell, spec)
+    ticks = iter(np.arange(0.0, 1e9, 60.0))  # every reading a minute after the last
+    monkeypatch.setattr(engine.time, "perf_counter", lambda: float(next(ticks)))
+    slow = engine.plan_trials(cell, spec)
+    assert slow == real
+    assert real.trials > engine.MIN_TRIALS  # the budget affords more than the least (the clock could move it)
+
+
+def test_dry_run_shows_the_trials_a_fit_alone_cell_is_audited_with(tmp_path):
+    """The plan of a cell trained by `fit` alone is a function of the cell: the dry run's trials are the run's."""
+    grid = tmp_path / "grid.yaml"
+    grid.write_text(textwrap.dedent(GRID).replace("[dp_sgd]", "[output_perturbation]")
+                    .replace("epsilon: [1, 4]", "epsilon: [1]").replace("budget: 1.0e-6", "budget: 1.0"))
+    result = CliRunner().invoke(app, ["audit", str(grid), "--out", str(tmp_path / "res"), "--dry-run"],
+                                terminal_width=200)
+    assert result.exit_code == 0, result.output
+    rows = [row for line in result.output.splitlines() if (row := re.fullmatch(r"\s*([\d,]+)\s+[\d.]+ s\s*", line))]
+    assert len(rows) == 1, result.output
+    shown = int(rows[0][1].replace(",", ""))
+    assert shown > engine.MIN_TRIALS, result.output  # the budget binds above the least: the clock could move it
+    result = CliRunner().invoke(app, ["audit", str(grid), "--out", str(tmp_path / "res")])
+    assert result.exit_code == 0, result.output
+    frame = pd.read_csv(tmp_path / "res" / "auto_trials" / "audit.csv")
+    assert (frame["trials"] == shown).all() and (frame["status"] == "ok").all()

@@ -490,7 +490,7 @@ REACH = 3
 # not refuted at 100 trials); 500 refuted every twin of the `audit` grid that any trial count refuted
 CONTROL_MIN_TRIALS = 500
 ONE_RUN_TRIALS = 500  # statistic one_run: trainings pooled, each with m_canaries canaries
-PILOT_REPLICAS = 32  # an algorithm trained by `fit` alone is timed on this many replicas
+PILOT_REPLICAS = 32  # an algorithm trained by `fit` alone derives its values (ε, the controls' ε) on this many
 # One replica's training, in CPU seconds (measured: Dirac canary, dp_sgd, B = 64, on synthetic d = 5 and adult d =
 # 104): a fixed part (its random streams, from the seeds, and sampler; compiled, tens of µs) and per step, by where
 # the chain runs (compiled or NumPy), a part per step (the Poisson sampler's gaps included) and one per example and
@@ -498,6 +498,15 @@ PILOT_REPLICAS = 32  # an algorithm trained by `fit` alone is timed on this many
 REPLICA_SECONDS = 2e-5
 STEP_SECONDS = {True: 2.5e-6, False: 1.4e-5}
 EXAMPLE_PARAMETER_SECONDS = {True: 5e-10, False: 3e-9}
+# One replica of an algorithm trained by `fit` alone, estimated from the work its fit reports (never timed: the plan,
+# and so ε_lo and the verdict, would follow the machine's load): a fixed part (measured: output_perturbation, logreg
+# d = 5, chunks of 1,000, 3.4 to 4.3e-5 s: its streams, noise and score), a chain run inside the fit as the steps
+# above (compiled where it ran compiled; bassily2014's single-example kernel takes ~5× less), and an L-BFGS solve
+# per call to `fit` (one per chunk at most), per iteration a fixed part and one per example and parameter
+# (measured, one start, from cold: n × P = 300 × 5 to 20,000 × 20, 4 to 16 ms).
+FIT_REPLICA_SECONDS = 4e-5
+LBFGS_ITERATION_SECONDS = 8e-4
+LBFGS_EXAMPLE_PARAMETER_SECONDS = 5e-9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -548,11 +557,9 @@ def plan_trials(cell: Cell, spec: AuditSpec, trials: int | None = None, confiden
     ladder = [c for c in ladder if c.algorithm is not None]
     half = algorithm.with_noise_scale(HALF_NOISE) if algorithm.tags.noise_scalable else algorithm
     prepared = half.prepare(setting, model, X, y, ReplicaStreams(range(1)))
-    if prepared is None:  # trained by `fit` alone (a vectorised L-BFGS solve): its time measured on a chunk
-        replicas = min(spec.chunk, PILOT_REPLICAS)
-        start = time.perf_counter()
-        derived = _fit(half, setting, model, X, y, range(replicas))[1]
-        seconds = (time.perf_counter() - start) / replicas
+    if prepared is None:  # trained by `fit` alone: its cost from the work its pilot fit reports, not its time
+        derived = _fit(half, setting, model, X, y, range(min(spec.chunk, PILOT_REPLICAS)))[1]
+        seconds = _fit_seconds(derived, setting, model, spec.chunk)
         per_replica = {kind: seconds if kind == "input" else 0.0 for kind in spec.canaries}
     else:
         derived = prepared.finish(prepared.theta).derived
@@ -675,6 +682,20 @@ def _power(algorithm: Algorithm, setting: Setting, derived: dict[str, Any], epsi
 def _canary_model(model: Model) -> Model:
     """`model` with a gradient canary, for the plan its chains take."""
     return canaries.with_gradient_canaries(model, np.zeros((1, model.n_params)), np.zeros((1, 1)), 1.0)
+
+
+def _fit_seconds(derived: dict[str, Any], setting: Setting, model: Model, chunk: int) -> float:
+    """Estimated seconds of one replica's training by `fit` alone, from what its derived values say it did: the
+    steps of a chain (`steps`, `sample_rate`, `backend`) and the iterations of every L-BFGS start (`start_results`,
+    shared by the replicas of a chunk); the cost model above."""
+    rate = derived.get("sample_rate")
+    examples = max(1.0, float(rate) * setting.n if rate is not None else float(setting.batch_size or 1))
+    compiled = derived.get("backend") == "numba"  # where the chain ran (`Chain.ran_on`), not how long it took
+    chain = int(derived.get("steps", 0)) * (STEP_SECONDS[compiled]
+                                             + examples * model.n_params * EXAMPLE_PARAMETER_SECONDS[compiled])
+    iterations = sum(int(start["iterations"]) for start in derived.get("start_results", {}).values())
+    solve = iterations * (LBFGS_ITERATION_SECONDS + setting.n * model.n_params * LBFGS_EXAMPLE_PARAMETER_SECONDS)
+    return FIT_REPLICA_SECONDS + chain + solve / chunk
 
 
 def _replica_seconds(prepared: Any, model: Model) -> float:
